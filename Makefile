@@ -1,0 +1,17 @@
+# The two commands of the README. Each runs the idempotent set-up first.
+VENV ?= $(CURDIR)/.venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test lint
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	$(VENV)/bin/slurm-dlrm demo
+
+lint: setup
+	$(VENV)/bin/ruff check slurm_dlrm tests benchmarks
+	$(VENV)/bin/mypy
+
+test: lint
+	CI=$${CI:-} $(PY) -m pytest -q

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One set-up path for a fresh Debian 12 machine (run as root). Idempotent: every
+# step checks before it acts, so `make demo` / `make test` may call it each time.
+#
+# GPU clusters: the same pins, with `fbgemm-gpu==1.8.0` instead of `fbgemm-gpu-cpu`
+# and torch 2.13.0 from the CUDA index; see docs/install.md.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+venv=${SLURM_DLRM_VENV:-$here/.venv}
+stamp=$venv/.slurm-dlrm-setup-v1
+
+apt_pkgs=(slurm-wlm munge mariadb-server slurmdbd python3-venv)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "setup: apt-get install ${missing[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  # policy-rc.d keeps Debian from auto-starting system daemons we start ourselves.
+  printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  rm -f /usr/sbin/policy-rc.d
+fi
+
+if [[ ! -x $venv/bin/python ]]; then
+  python3 -m venv "$venv"
+fi
+py=$venv/bin/python
+if [[ ! -f $stamp || $here/pyproject.toml -nt $stamp ]]; then
+  "$py" -m pip install -q --upgrade pip
+  # torch first, pinned, so nothing below pulls a CUDA build; fbgemm 1.N pairs with
+  # torch 2.(N+5) (crossed pairs fail with "undefined symbol").
+  "$py" -m pip install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0
+  # torchrec declares fbgemm-gpu (the CUDA build): install it without deps, then its
+  # other needs by hand.
+  "$py" -m pip install -q --no-deps torchrec==1.8.0
+  "$py" -m pip install -q tensordict 'torchmetrics==1.0.3' tqdm pyre-extensions iopath
+  "$py" -m pip install -q -e "$here[dev]"
+  touch "$stamp"
+fi
+echo "setup: ok ($venv)" >&2

@@ -1,0 +1,3 @@
+from slurm_dlrm.cli import main
+
+main()

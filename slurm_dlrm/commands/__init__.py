@@ -1,0 +1,1 @@
+"""Click commands, one module per area (glue only; logic lives in the library)."""

@@ -1,0 +1,366 @@
+"""Site configuration: load and validate `site-config/*.toml`.
+
+Pure parsing: the only I/O is reading the one file given. Every error names the key
+(dotted path) and the reason, e.g. ``packing.memory_margin_pct: must be >= 0``.
+
+Lookup order when no file is given: $SLURM_DLRM_SITE, /etc/slurm-dlrm/site.toml,
+then the repository's site-config/site.toml.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.errors import ConfigError
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+REPO_SITE_FILE = Path(__file__).resolve().parent.parent / "site-config" / "site.toml"
+POLICIES = ("exclusive", "first-fit", "mem-best-fit", "complementary")
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    name: str
+    memory_gib: float
+    sm_count: int
+    mem_bandwidth_gbps: float
+    fp32_tflops: float
+    tf32_tflops: float
+    cuda_context_mib: float
+    cublas_workspace_mib: float
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * GIB)
+
+    @property
+    def cuda_context_bytes(self) -> int:
+        return int(self.cuda_context_mib * MIB)
+
+    @property
+    def cublas_workspace_bytes(self) -> int:
+        return int(self.cublas_workspace_mib * MIB)
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    names: str  # Slurm hostlist, e.g. "node[1-2]"
+    gpu_model: str
+    gpus: int
+    cpus: int
+    memory_mib: int
+    gpu_device_files: str
+
+    @property
+    def hostnames(self) -> list[str]:
+        return expand_hostlist(self.names)
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    nodes: str
+    default: bool
+    max_time_minutes: int
+    max_gpus_per_job: int
+    min_mps_share: int
+
+
+@dataclass(frozen=True)
+class MpsConfig:
+    enabled: bool
+    mps_per_gpu: int
+    shards_per_gpu: int
+    client_limit: int
+
+
+@dataclass(frozen=True)
+class PackingConfig:
+    policy: str
+    max_members_per_gpu: int
+    memory_margin_pct: float
+    max_gpus_per_pack: int
+    round_seconds: float
+    round_batch_size: int
+    max_wait_rounds: int
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    sample_interval_s: float
+    host_mem_tolerance_pct: float
+    term_grace_s: float
+    heartbeat_timeout_s: float
+
+
+@dataclass(frozen=True)
+class SiteConfig:
+    name: str
+    store_dir: str
+    spool_dir: str
+    gpu_models: dict[str, GpuModel]
+    nodes: tuple[NodeGroup, ...]
+    partitions: tuple[Partition, ...]
+    mps: MpsConfig
+    packing: PackingConfig
+    agent: AgentConfig
+    path: str | None = field(default=None, compare=False)
+
+    def store_dir_for(self, user: str) -> Path:
+        return Path(os.path.expanduser(self.store_dir.replace("{user}", user)))
+
+    def spool_dir_for(self, user: str) -> Path:
+        return Path(os.path.expanduser(self.spool_dir.replace("{user}", user)))
+
+    def gpu_model(self, name: str) -> GpuModel:
+        try:
+            return self.gpu_models[name]
+        except KeyError:
+            raise ConfigError("gpu", f"unknown GPU model {name!r} (site has: {', '.join(sorted(self.gpu_models))})") from None
+
+    @property
+    def default_partition(self) -> Partition:
+        for p in self.partitions:
+            if p.default:
+                return p
+        return self.partitions[0]
+
+
+# ---------------------------------------------------------------- validation helpers
+
+class _Section:
+    """Reads typed keys from one TOML table and refuses the ones it never read."""
+
+    def __init__(self, data: Any, where: str, path: str | None) -> None:
+        if not isinstance(data, dict):
+            raise ConfigError(where, f"must be a table, got {type(data).__name__}", path)
+        self.data = data
+        self.where = where
+        self.path = path
+        self.seen: set[str] = set()
+
+    def _key(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def get(self, key: str, kind: type | tuple[type, ...], default: Any = ..., *, min_value: float | None = None,
+            max_value: float | None = None, choices: tuple[str, ...] | None = None) -> Any:
+        self.seen.add(key)
+        if key not in self.data:
+            if default is ...:
+                raise ConfigError(self._key(key), "missing", self.path)
+            return default
+        value = self.data[key]
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        # bool is an int subclass in Python; a TOML `true` is never a count.
+        if isinstance(value, bool) and bool not in kinds:
+            raise ConfigError(self._key(key), f"must be {_kind_name(kinds)}, got a boolean", self.path)
+        if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kinds):
+            raise ConfigError(self._key(key), f"must be {_kind_name(kinds)}, got {type(value).__name__} {value!r}", self.path)
+        if min_value is not None and value < min_value:  # type: ignore[operator]
+            raise ConfigError(self._key(key), f"must be >= {min_value:g}, got {value!r}", self.path)
+        if max_value is not None and value > max_value:  # type: ignore[operator]
+            raise ConfigError(self._key(key), f"must be <= {max_value:g}, got {value!r}", self.path)
+        if choices is not None and value not in choices:
+            raise ConfigError(self._key(key), f"must be one of {', '.join(choices)}; got {value!r}", self.path)
+        return value
+
+    def table(self, key: str) -> _Section:
+        self.seen.add(key)
+        return _Section(self.data.get(key, {}), self._key(key), self.path)
+
+    def done(self) -> None:
+        unknown = sorted(set(self.data) - self.seen)
+        if unknown:
+            raise ConfigError(self._key(unknown[0]), "unknown key", self.path)
+
+
+def _kind_name(kinds: tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}
+    return " or ".join(names.get(k, k.__name__) for k in kinds)
+
+
+_HOSTLIST = re.compile(r"^([A-Za-z0-9_.-]*)(?:\[([0-9,\-]+)\])?([A-Za-z0-9_.-]*)$")
+
+
+def expand_hostlist(expr: str) -> list[str]:
+    """Expand a Slurm hostlist such as ``node[1-3,7],gpu01`` (one bracket per name)."""
+    out: list[str] = []
+    for part in _split_top_level(expr):
+        m = _HOSTLIST.match(part)
+        if not m or not part:
+            raise ValueError(f"bad hostlist {expr!r}")
+        prefix, ranges, suffix = m.groups()
+        if ranges is None:
+            out.append(prefix + suffix)
+            continue
+        for r in ranges.split(","):
+            lo, _, hi = r.partition("-")
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                out.append(f"{prefix}{i:0{width}d}{suffix}")
+    return out
+
+
+def _split_top_level(expr: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in expr:
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+            continue
+        depth += ch == "["
+        depth -= ch == "]"
+        cur += ch
+    parts.append(cur)
+    return [p.strip() for p in parts]
+
+
+# ---------------------------------------------------------------- loading
+
+def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
+    top = _Section(data, "", path)
+    s = top.table("site")
+    name = s.get("name", str)
+    if not re.fullmatch(r"[A-Za-z0-9_-]{1,40}", name):
+        raise ConfigError("site.name", "letters, digits, '_' and '-' only (it becomes ClusterName)", path)
+    store_dir = s.get("store_dir", str, "~/.local/share/slurm-dlrm")
+    spool_dir = s.get("spool_dir", str, "~/.local/share/slurm-dlrm/spool")
+    s.done()
+
+    models_t = top.table("gpu_models")
+    gpu_models: dict[str, GpuModel] = {}
+    for model_name in list(models_t.data):
+        g = models_t.table(model_name)
+        gpu_models[model_name] = GpuModel(
+            name=model_name,
+            memory_gib=g.get("memory_gib", float, min_value=1),
+            sm_count=g.get("sm_count", int, min_value=1),
+            mem_bandwidth_gbps=g.get("mem_bandwidth_gbps", float, min_value=1),
+            fp32_tflops=g.get("fp32_tflops", float, min_value=0.1),
+            tf32_tflops=g.get("tf32_tflops", float, min_value=0.1),
+            cuda_context_mib=g.get("cuda_context_mib", float, min_value=0),
+            cublas_workspace_mib=g.get("cublas_workspace_mib", float, min_value=0),
+        )
+        g.done()
+    models_t.done()
+    if not gpu_models:
+        raise ConfigError("gpu_models", "at least one GPU model is required", path)
+
+    top.seen.add("nodes")
+    raw_nodes = data.get("nodes", [])
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise ConfigError("nodes", "at least one [[nodes]] entry is required", path)
+    nodes = []
+    all_hosts: set[str] = set()
+    for i, raw in enumerate(raw_nodes):
+        n = _Section(raw, f"nodes[{i}]", path)
+        group = NodeGroup(
+            names=n.get("names", str),
+            gpu_model=n.get("gpu_model", str, choices=tuple(gpu_models)),
+            gpus=n.get("gpus", int, min_value=0, max_value=64),
+            cpus=n.get("cpus", int, min_value=1),
+            memory_mib=n.get("memory_mib", int, min_value=1),
+            gpu_device_files=n.get("gpu_device_files", str, "/dev/nvidia{i}"),
+        )
+        n.done()
+        try:
+            hosts = group.hostnames
+        except ValueError as exc:
+            raise ConfigError(f"nodes[{i}].names", str(exc), path) from None
+        dup = all_hosts.intersection(hosts)
+        if dup:
+            raise ConfigError(f"nodes[{i}].names", f"node {sorted(dup)[0]} is listed twice", path)
+        all_hosts.update(hosts)
+        nodes.append(group)
+
+    top.seen.add("partitions")
+    raw_parts = data.get("partitions", [])
+    if not isinstance(raw_parts, list) or not raw_parts:
+        raise ConfigError("partitions", "at least one [[partitions]] entry is required", path)
+    partitions = []
+    for i, raw in enumerate(raw_parts):
+        p = _Section(raw, f"partitions[{i}]", path)
+        part = Partition(
+            name=p.get("name", str),
+            nodes=p.get("nodes", str),
+            default=p.get("default", bool, False),
+            max_time_minutes=p.get("max_time_minutes", int, 1440, min_value=1),
+            max_gpus_per_job=p.get("max_gpus_per_job", int, 8, min_value=1),
+            min_mps_share=p.get("min_mps_share", int, 1, min_value=1),
+        )
+        p.done()
+        try:
+            missing = set(expand_hostlist(part.nodes)) - all_hosts
+        except ValueError as exc:
+            raise ConfigError(f"partitions[{i}].nodes", str(exc), path) from None
+        if missing:
+            raise ConfigError(f"partitions[{i}].nodes", f"node {sorted(missing)[0]} is not in [[nodes]]", path)
+        partitions.append(part)
+    if sum(p.default for p in partitions) > 1:
+        raise ConfigError("partitions", "more than one partition has default = true", path)
+
+    m = top.table("mps")
+    mps = MpsConfig(
+        enabled=m.get("enabled", bool, True),
+        mps_per_gpu=m.get("mps_per_gpu", int, 100, min_value=1),
+        shards_per_gpu=m.get("shards_per_gpu", int, 0, min_value=0),
+        client_limit=m.get("client_limit", int, 48, min_value=1, max_value=48),
+    )
+    m.done()
+
+    k = top.table("packing")
+    packing = PackingConfig(
+        policy=k.get("policy", str, "complementary", choices=POLICIES),
+        max_members_per_gpu=k.get("max_members_per_gpu", int, 8, min_value=1),
+        memory_margin_pct=k.get("memory_margin_pct", float, 5.0, min_value=0, max_value=100),
+        max_gpus_per_pack=k.get("max_gpus_per_pack", int, 4, min_value=1),
+        round_seconds=k.get("round_seconds", float, 10.0, min_value=0.1),
+        round_batch_size=k.get("round_batch_size", int, 16, min_value=1),
+        max_wait_rounds=k.get("max_wait_rounds", int, 30, min_value=1),
+    )
+    k.done()
+    if packing.max_members_per_gpu > mps.client_limit:
+        raise ConfigError("packing.max_members_per_gpu", f"exceeds mps.client_limit ({mps.client_limit})", path)
+
+    a = top.table("agent")
+    agent = AgentConfig(
+        sample_interval_s=a.get("sample_interval_s", float, 2.0, min_value=0.05),
+        host_mem_tolerance_pct=a.get("host_mem_tolerance_pct", float, 10.0, min_value=0),
+        term_grace_s=a.get("term_grace_s", float, 60.0, min_value=0),
+        heartbeat_timeout_s=a.get("heartbeat_timeout_s", float, 120.0, min_value=1),
+    )
+    a.done()
+    top.done()
+    return SiteConfig(name, store_dir, spool_dir, gpu_models, tuple(nodes), tuple(partitions), mps, packing, agent, path)
+
+
+def default_site_path() -> Path:
+    env = os.environ.get("SLURM_DLRM_SITE")
+    if env:
+        return Path(env)
+    etc = Path("/etc/slurm-dlrm/site.toml")
+    if etc.is_file():
+        return etc
+    return REPO_SITE_FILE
+
+
+def load_site(path: str | os.PathLike[str] | None = None) -> SiteConfig:
+    p = Path(path) if path is not None else default_site_path()
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError("site", f"cannot read {p}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError("site", f"not valid TOML: {exc}", str(p)) from None
+    return parse_site(data, str(p))
