@@ -49,3 +49,18 @@ class SpecError(BadInput):
         self.path = path
         where = f"{path}: " if path else ""
         super().__init__(f"{where}{field}: {reason}")
+
+
+# Exit codes of `slurm-dlrm train`, read by the agent to classify how a member ended.
+# Distinct from the 128+N codes a shell gives to a process killed by signal N.
+TRAIN_EXIT_OK = 0
+TRAIN_EXIT_FAILED = 1  # any other failure
+TRAIN_EXIT_BAD_SPEC = 2  # the spec did not validate
+TRAIN_EXIT_OOM_GPU = 3  # CUDA out of memory (torch.OutOfMemoryError)
+TRAIN_EXIT_OOM_HOST = 4  # host MemoryError
+TRAIN_EXIT_PREEMPTED = 5  # stopped by SIGTERM/SIGUSR1 after writing a checkpoint
+
+# Environment the agent passes to each member it launches.
+ENV_METRICS_FILE = "SLURM_DLRM_METRICS_FILE"  # JSON lines of progress, appended
+ENV_CHECKPOINT_DIR = "SLURM_DLRM_CHECKPOINT_DIR"  # where checkpoints go / resume from
+ENV_JOB_ID = "SLURM_DLRM_JOB_ID"  # the member's id in the store
