@@ -2,11 +2,15 @@
 
 The service asks the policy once per *round* with every pending job of the user. A
 round runs as soon as `round_batch_size` jobs arrived since the last one, or when
-`round_seconds` passed and something is pending. A job deferred by a round ages: each
-round it waited adds `age_weight` to its priority, and once it has waited
-`max_wait_rounds` rounds it becomes urgent (priority >= URGENT_PRIORITY): the policy
-then admits nothing of lower priority ahead of it, so it gets the next room that fits
-it. That bounds its wait by the rounds needed for that much room to free up.
+`round_seconds` passed and something is pending.
+
+Aging counts the rounds in which a job was *passed over*: the round placed other jobs
+but not this one (a round that placed nothing, because nothing was free, does not
+count, so a busy cluster does not make everyone old at once). Every
+`max_wait_rounds // 3` such rounds raise the job's priority by `age_weight` (priority
+bands: within a band the policy may prefer short jobs), and after `max_wait_rounds` it
+is urgent (priority >= URGENT_PRIORITY): the policy then lets nothing of lower
+priority take room ahead of it, so it gets the next room that fits it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ class DispatchConfig:
     round_seconds: float = 10.0
     round_batch_size: int = 16
     max_wait_rounds: int = 30
-    age_weight: float = 1.0  # priority added per round waited
+    age_weight: float = 1.0  # priority added per age band
+
+    @property
+    def age_band_rounds(self) -> int:
+        return max(1, self.max_wait_rounds // 3)
 
     @classmethod
     def from_site(cls, site: SiteConfig) -> DispatchConfig:
@@ -52,7 +60,7 @@ def effective_priority(base_priority: float, waited_rounds: int, cfg: DispatchCo
     if waited_rounds >= cfg.max_wait_rounds:
         # Among urgent jobs, the one that waited longest still goes first.
         return URGENT_PRIORITY + waited_rounds + base_priority * 1e-6
-    return base_priority + cfg.age_weight * waited_rounds
+    return base_priority + cfg.age_weight * (waited_rounds // cfg.age_band_rounds)
 
 
 def aged(jobs: Sequence[JobDemand], waited_rounds: Mapping[int, int], cfg: DispatchConfig) -> tuple[JobDemand, ...]:
@@ -62,7 +70,8 @@ def aged(jobs: Sequence[JobDemand], waited_rounds: Mapping[int, int], cfg: Dispa
 
 
 def after_round(waited_rounds: Mapping[int, int], plan: PackingPlan) -> dict[int, int]:
-    """Waited-round counters after a round: placed jobs drop out, deferred ones age by 1."""
-    out = {d.job_id: waited_rounds.get(d.job_id, 0) + 1 for d in plan.deferred}
-    return out
+    """Waited-round counters after a round: placed jobs drop out; deferred ones age by 1
+    if the round placed anything (they were passed over), else keep their count."""
+    step = 1 if plan.packs else 0
+    return {d.job_id: waited_rounds.get(d.job_id, 0) + step for d in plan.deferred}
 

@@ -134,6 +134,7 @@ class Pack:
 class Deferred:
     job_id: int
     reason: str
+    permanent: bool = False  # True: too big for every GPU the request offers, waiting will not help
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ class PackingPlan:
                        "members": [dict(m.to_placement(), predicted_speed=round(m.predicted_speed, 4))
                                    for m in p.members]}
                       for p in self.packs],
-            "deferred": [{"job_id": d.job_id, "reason": d.reason} for d in self.deferred],
+            "deferred": [{"job_id": d.job_id, "reason": d.reason, "permanent": d.permanent} for d in self.deferred],
         }
 
 

@@ -118,6 +118,12 @@ def _node_maxima(nodes: list[_Node]) -> tuple[int, int, list[GpuModel]]:
             [models[k] for k in sorted(models)])
 
 
+def _is_permanent(reason: str) -> bool:
+    """A "too big" reason about GPU memory: no GPU of the request's nodes can ever hold it
+    (CPU and host memory reasons depend on what is free this round)."""
+    return "largest free GPU" in reason
+
+
 def _gpu_budget(request: PackingRequest, nodes: list[_Node]) -> int:
     total = sum(n.free_gpus for n in nodes)
     return total if request.max_gpus is None else max(0, min(total, request.max_gpus))
@@ -203,7 +209,7 @@ def _exclusive(request: PackingRequest, params: InterferenceParams) -> PackingPl
     for job in sorted(request.jobs, key=_order_key):
         reason = _too_big_reason(job, maxima, limits, memory_aware=True) or _held(blocked)
         if reason:
-            deferred.append(Deferred(job.job_id, reason))
+            deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
             continue
         node = next((n for n in nodes if n.free_gpus > 0 and _host_fits(n, job, limits)
                      and member_fence_bytes(job, n.gpu, limits) <= usable_gpu_bytes(n.gpu)), None)
@@ -229,7 +235,7 @@ def _first_fit(request: PackingRequest, params: InterferenceParams) -> PackingPl
     for job in sorted(request.jobs, key=_order_key):
         reason = _too_big_reason(job, maxima, limits, memory_aware=False) or _held(blocked)
         if reason:
-            deferred.append(Deferred(job.job_id, reason))
+            deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
             continue
         target = next((g for g in open_gpus if len(g.members) < g.slots and _host_fits(g.node, job, limits)), None)
         if target is None and len(open_gpus) < budget:
@@ -257,7 +263,7 @@ def _mem_best_fit(request: PackingRequest, params: InterferenceParams) -> Packin
     for job in sorted(request.jobs, key=_order_key):
         reason = _too_big_reason(job, maxima, limits, memory_aware=True) or _held(blocked)
         if reason:
-            deferred.append(Deferred(job.job_id, reason))
+            deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
             continue
         best: _Gpu | None = None
         best_left = 0
@@ -299,88 +305,108 @@ def _complementary(request: PackingRequest, params: InterferenceParams) -> Packi
     limits = request.limits
     nodes = _expand_nodes(request)
     budget = _gpu_budget(request, nodes)
-    maxima = _node_maxima([n for n in nodes if n.free_gpus > 0])
-    target = limits.target_load
-    mpg = limits.members_per_gpu
-    deferred: list[Deferred] = []
-
-    # 1. Admission, in priority order, against the round's aggregate capacity.
     free_nodes = [n for n in nodes if n.free_gpus > 0]
-    gpus_total = budget
-    cap_mem = 0
-    remaining = gpus_total
-    for n in free_nodes:
-        take = min(n.free_gpus, remaining)
-        cap_mem += take * usable_gpu_bytes(n.gpu)
-        remaining -= take
-    cap_cpus = sum(n.free_cpus for n in free_nodes)
-    cap_host = sum(n.free_mem_bytes for n in free_nodes)
+    maxima = _node_maxima(free_nodes)
+    deferred: list[Deferred] = []
     models = {n.gpu.name: n.gpu for n in free_nodes}
-    ref_gpu = max(models.values(), key=lambda g: (g.memory_bytes, g.name), default=None)
-    sum_sm = sum_bw = 0.0
-    sum_mem = sum_cpus = sum_host = 0
-    count = 0
-    admitted: list[JobDemand] = []
-    blocked: list[JobDemand] = []
-    for job in sorted(request.jobs, key=_order_key):
-        reason = _too_big_reason(job, maxima, limits, memory_aware=True) or _held(blocked)
+
+    # Seeds go in priority order, shortest expected run first within a priority: the
+    # dispatcher's aging lifts long waiters into a higher priority band and, past the
+    # wait bound, makes them urgent, so shortest-first cannot starve anyone.
+    eligible: list[JobDemand] = []
+    for job in sorted(request.jobs, key=_seed_key):
+        reason = _too_big_reason(job, maxima, limits, memory_aware=True)
         if reason:
-            deferred.append(Deferred(job.job_id, reason))
-            continue
-        assert ref_gpu is not None
-        s, b = _frac(job.sm_util_pct), _frac(job.membw_util_pct)
-        fence = member_fence_bytes(job, ref_gpu, limits)
-        host = host_limit_bytes(job, limits)
-        # Summed SM/bandwidth may pass the target a little: the top-up pass below decides
-        # on predicted gain whether an extra member is worth it.
-        if not (count < gpus_total * mpg and sum_mem + fence <= cap_mem and sum_cpus + job.cpus <= cap_cpus
-                and sum_host + host <= cap_host and sum_sm + s <= gpus_total * target * 1.25
-                and sum_bw + b <= gpus_total * target * 1.25):
-            deferred.append(Deferred(job.job_id, NO_FREE_GPU if gpus_total == 0 else NO_ROOM))
-            _block_if_urgent(blocked, job)
-            continue
-        admitted.append(job)
-        count += 1
-        sum_sm += s
-        sum_bw += b
-        sum_mem += fence
-        sum_cpus += job.cpus
-        sum_host += host
-    vecs = {name: _vectors(admitted, gpu, limits) for name, gpu in sorted(models.items())}
+            deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
+        else:
+            eligible.append(job)
+    vecs = {name: _vectors(eligible, gpu, limits) for name, gpu in sorted(models.items())}
 
-    # 2. Group by expected duration: a pack holds its GPUs until its last member ends,
-    #    so members of one pack should end together. Unknown durations keep queue order.
-    rank = {j.job_id: i for i, j in enumerate(admitted)}
-    pool = sorted(admitted, key=lambda j: (j.est_duration_s if j.est_duration_s is not None else 0.0, rank[j.job_id]))
+    # A pack holds its GPUs until its last member ends, so a pack is built around a
+    # seed from the jobs whose expected duration is nearest to the seed's.
+    by_dur = sorted(range(len(eligible)), key=lambda k: (_log_duration(eligible[k]), eligible[k].job_id))
+    where = [0] * len(eligible)
+    for pos, k in enumerate(by_dur):
+        where[k] = pos
+    prev = list(range(-1, len(by_dur) - 1))
+    nxt = list(range(1, len(by_dur) + 1))
+    removed = [False] * len(eligible)
+    index_of = {j.job_id: k for k, j in enumerate(eligible)}
 
-    # 3. Packs, node by node: members from a sliding window of the pool, chosen so that the
-    #    pack's summed demand stays balanced over SM, bandwidth, memory, CPUs and host memory.
+    def take(k: int) -> None:
+        removed[k] = True
+        pos = where[k]
+        p, q = prev[pos], nxt[pos]
+        if p >= 0:
+            nxt[p] = q
+        if q < len(by_dur):
+            prev[q] = p
+
+    def neighbours(k: int, limit: int) -> list[JobDemand]:
+        """Up to `limit` jobs nearest in expected duration to job k (k itself first)."""
+        out = [eligible[k]]
+        centre = _log_duration(eligible[k])
+        pos = where[k]
+        left, right = prev[pos], nxt[pos]
+        while len(out) < limit and (left >= 0 or right < len(by_dur)):
+            dl = centre - _log_duration(eligible[by_dur[left]]) if left >= 0 else math.inf
+            dr = _log_duration(eligible[by_dur[right]]) - centre if right < len(by_dur) else math.inf
+            if dl <= dr:
+                out.append(eligible[by_dur[left]])
+                left = prev[left]
+            else:
+                out.append(eligible[by_dur[right]])
+                right = nxt[right]
+        return out
+
     packs: list[list[_Gpu]] = []
     left_budget = budget
-    leftover: list[JobDemand] = []
+    cursor = 0
     for node in sorted(free_nodes, key=lambda n: (-n.free_gpus, n.name)):
         vec = vecs[node.gpu.name]
-        while pool and node.free_gpus > 0 and left_budget > 0:
+        misses = 0
+        probe = cursor
+        while node.free_gpus > 0 and left_budget > 0:
+            while cursor < len(eligible) and removed[cursor]:
+                cursor += 1
+            probe = max(probe, cursor)
+            while probe < len(eligible) and removed[probe]:
+                probe += 1
+            if probe >= len(eligible):
+                break
+            seed = eligible[probe]
             g_max = min(node.free_gpus, limits.max_gpus_per_pack, left_budget)
-            chunk, pool = _pick_chunk(pool, vec, node, g_max, limits)
-            if not chunk:
-                break
-            gpus, rejected = _balance(chunk, vec, node, g_max, limits)
-            pool = rejected + pool
-            if not gpus:
-                break
+            candidates = neighbours(probe, g_max * limits.members_per_gpu * 3)
+            chunk = _pick_chunk(candidates, vec, node, g_max, limits)
+            gpus, rejected = _balance(chunk, vec, node, g_max, limits) if chunk else ([], chunk)
+            if not gpus or seed in rejected:
+                # The seed does not fit what is left of this node: try a few later seeds
+                # here, then the next node.
+                for g in gpus:  # undo
+                    for job in g.members:
+                        node.free_cpus += vec[job.job_id][3]
+                        node.free_mem_bytes += vec[job.job_id][4]
+                misses += 1
+                if misses >= 8:
+                    break
+                probe += 1
+                continue
+            for g in gpus:
+                for job in g.members:
+                    take(index_of[job.job_id])
             node.free_gpus -= len(gpus)
             left_budget -= len(gpus)
             packs.append(gpus)
-    leftover.extend(pool)
+    # An urgent job that found no room on any node: nothing else may join the packs
+    # (top-up), so the room that frees up next goes to it.
+    held = next((eligible[k] for k in range(len(eligible)) if not removed[k]
+                 and eligible[k].priority >= URGENT_PRIORITY), None)
 
-    # 4. Top-up: a leftover job joins a GPU past the load target only if that GPU's
-    #    predicted aggregate speed grows by at least `min_gain` solo jobs. Lightest first.
-    if leftover and packs:
+    # Top-up: a leftover job joins a GPU past the load target only if that GPU's
+    # predicted aggregate speed grows by at least `min_gain` solo jobs. Lightest first.
+    leftover = [eligible[k] for k in range(len(eligible)) if not removed[k]]
+    if leftover and packs and held is None:
         taken: set[int] = set()
-        for name in vecs:
-            missing = [j for j in leftover if j.job_id not in vecs[name]]
-            vecs[name].update(_vectors(missing, models[name], limits))
         light = sorted(leftover, key=lambda j: (max(_frac(j.sm_util_pct), _frac(j.membw_util_pct)), _order_key(j)))
         for gpus in packs:
             for g in gpus:
@@ -401,63 +427,72 @@ def _complementary(request: PackingRequest, params: InterferenceParams) -> Packi
                     taken.add(job.job_id)
         leftover = [j for j in leftover if j.job_id not in taken]
     for job in leftover:
-        deferred.append(Deferred(job.job_id, NO_FREE_GPU if not packs else NO_ROOM))
+        if held is not None and job is not held and job.priority < held.priority:
+            deferred.append(Deferred(job.job_id, f"holding room for job {held.job_id}, which waited longest"))
+        else:
+            deferred.append(Deferred(job.job_id, NO_FREE_GPU if not packs and left_budget == 0 else NO_ROOM))
     return _finish("complementary", packs, deferred, limits, params, fenced=True, thread_caps=True)
 
 
-def _pick_chunk(pool: list[JobDemand], vec: dict[int, _Vec], node: _Node, g_max: int,
-                limits: PackingLimits) -> tuple[list[JobDemand], list[JobDemand]]:
-    """Members for one pack of up to `g_max` GPUs on `node`, taken from the front of
-    `pool` (duration order); returns (chunk, rest of the pool).
+def _seed_key(job: JobDemand) -> tuple[float, float, float, int]:
+    return (-job.priority, job.est_duration_s if job.est_duration_s is not None else 0.0, job.submit_time_s, job.job_id)
 
-    Among the next `_WINDOW` candidates it takes the one that leaves the pack's fullest
-    resource (SM, bandwidth, GPU memory, CPUs, host memory, member slots; each relative
-    to the pack's capacity) lowest: a compute-bound pack fills with memory-bound or
-    host-bound jobs next, which is the complementary pairing.
+
+def _log_duration(job: JobDemand) -> float:
+    d = job.est_duration_s
+    return math.log(d) if d is not None and d > 0 else 0.0
+
+
+def _pick_chunk(candidates: list[JobDemand], vec: dict[int, _Vec], node: _Node, g_max: int,
+                limits: PackingLimits) -> list[JobDemand]:
+    """Members for one pack of up to `g_max` GPUs on `node`: the seed (`candidates[0]`)
+    and then, among the next `_WINDOW` candidates (nearest in duration first), always the
+    one that leaves the pack's fullest resource (SM, bandwidth, GPU memory, CPUs, host
+    memory, member slots; each relative to the pack's capacity) lowest. A pack heavy on
+    SMs thus fills with bandwidth- or host-bound jobs next: the complementary pairing.
     """
     cap_sm = cap_bw = g_max * limits.target_load
     cap_mem = float(g_max * usable_gpu_bytes(node.gpu))
     cap_cpu = float(node.free_cpus)
     cap_host = float(node.free_mem_bytes)
     cap_n = float(g_max * limits.members_per_gpu)
-    if cap_cpu <= 0 or cap_host <= 0:
-        return [], pool
+    if cap_cpu <= 0 or cap_host <= 0 or not candidates:
+        return []
     u_sm = u_bw = u_mem = u_cpu = u_host = u_n = 0.0
     chunk: list[JobDemand] = []
-    rest: list[JobDemand] = []
     i = 0
-    n = len(pool)
+    n = len(candidates)
     skipped = 0
     window: list[JobDemand] = []
+    first = True
     while True:
-        while len(window) < _WINDOW and i < n:
-            window.append(pool[i])
+        while len(window) < (1 if first else _WINDOW) and i < n:
+            window.append(candidates[i])
             i += 1
         if not window:
             break
         best_k = -1
         best_fill = math.inf
         n_fill = (u_n + 1.0) / cap_n
-        if n_fill <= 1.0 + 1e-9:
-            for k, job in enumerate(window):
-                s, b, fence, cpus, host = vec[job.job_id]
-                f_sm = (u_sm + s) / cap_sm
-                f_bw = (u_bw + b) / cap_bw
-                f_mem = (u_mem + fence) / cap_mem
-                f_cpu = (u_cpu + cpus) / cap_cpu
-                f_host = (u_host + host) / cap_host
-                worst = max(f_sm, f_bw, f_mem, f_cpu, f_host, n_fill)
-                if worst <= 1.0 + 1e-9 and worst < best_fill - 1e-12:
-                    best_k, best_fill = k, worst
+        if n_fill > 1.0 + 1e-9:
+            break
+        for k, job in enumerate(window):
+            s, b, fence, cpus, host = vec[job.job_id]
+            worst = max((u_sm + s) / cap_sm, (u_bw + b) / cap_bw, (u_mem + fence) / cap_mem,
+                        (u_cpu + cpus) / cap_cpu, (u_host + host) / cap_host, n_fill)
+            # The seed may overrun the SM/bandwidth target alone (a heavy job still runs).
+            if (worst <= 1.0 + 1e-9 or (first and (u_mem + fence) <= cap_mem and cpus <= cap_cpu and host <= cap_host)) \
+                    and worst < best_fill - 1e-12:
+                best_k, best_fill = k, worst
         if best_k < 0:
-            if n_fill > 1.0 + 1e-9:
-                break
-            # Nothing in the window fits: skip its head and look further, within a bound.
-            rest.append(window.pop(0))
+            if first:
+                return []
+            window.pop(0)  # nothing in the window fits: look further, within a bound
             skipped += 1
             if skipped >= _SKIP_LIMIT:
                 break
             continue
+        first = False
         job = window.pop(best_k)
         chunk.append(job)
         s, b, fence, cpus, host = vec[job.job_id]
@@ -467,9 +502,7 @@ def _pick_chunk(pool: list[JobDemand], vec: dict[int, _Vec], node: _Node, g_max:
         u_cpu += cpus
         u_host += host
         u_n += 1.0
-    rest.extend(window)
-    rest.extend(pool[i:])
-    return chunk, rest
+    return chunk
 
 
 def _balance(chunk: list[JobDemand], vec: dict[int, _Vec], node: _Node, g_max: int,
