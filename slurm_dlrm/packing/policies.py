@@ -29,6 +29,7 @@ from slurm_dlrm.packing.interference import (
 from slurm_dlrm.packing.model import (
     Deferred,
     JobDemand,
+    Join,
     MemberPlacement,
     Pack,
     PackingLimits,
@@ -86,8 +87,7 @@ def _expand_nodes(request: PackingRequest) -> list[_Node]:
         base = shape.name or f"{shape.gpu_model}-{shape.gpus}gpu-{i}"
         for k in range(shape.count):
             name = base if shape.count == 1 else f"{base}#{k}"
-            if shape.gpus > 0:
-                nodes.append(_Node(name, gpu, shape.gpus, shape.cpus, shape.memory_bytes))
+            nodes.append(_Node(name, gpu, shape.gpus, shape.cpus, shape.memory_bytes))
     return nodes
 
 
@@ -227,8 +227,18 @@ def _first_fit(request: PackingRequest, params: InterferenceParams) -> PackingPl
     limits = request.limits
     nodes = _expand_nodes(request)
     budget = _gpu_budget(request, nodes)
-    maxima = _node_maxima([n for n in nodes if n.free_gpus > 0])
     slots = max(1, min(limits.shards_per_gpu, limits.members_per_gpu))
+    by_name = {n.name: n for n in nodes}
+    # Busy GPUs with free shards come first, as Slurm would fill them.
+    shared: list[tuple[str, _Gpu]] = []
+    for og in request.open_gpus:
+        node = by_name.get(og.node_name)
+        if node is None:
+            raise BadInput(f"open_gpus: node {og.node_name!r} is not among the request's nodes")
+        g = _Gpu(node=node, usable_bytes=usable_gpu_bytes(node.gpu), slots=max(0, slots - og.members))
+        shared.append((og.key, g))
+    reachable = [n for n in nodes if n.free_gpus > 0 or any(g.node is n and g.slots > 0 for _, g in shared)]
+    maxima = _node_maxima(reachable)
     open_gpus: list[_Gpu] = []
     deferred: list[Deferred] = []
     blocked: list[JobDemand] = []
@@ -237,7 +247,9 @@ def _first_fit(request: PackingRequest, params: InterferenceParams) -> PackingPl
         if reason:
             deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
             continue
-        target = next((g for g in open_gpus if len(g.members) < g.slots and _host_fits(g.node, job, limits)), None)
+        target = next((g for _, g in shared if len(g.members) < g.slots and _host_fits(g.node, job, limits)), None)
+        if target is None:
+            target = next((g for g in open_gpus if len(g.members) < g.slots and _host_fits(g.node, job, limits)), None)
         if target is None and len(open_gpus) < budget:
             node = next((n for n in nodes if n.free_gpus > 0 and _host_fits(n, job, limits)), None)
             if node is not None:
@@ -248,7 +260,15 @@ def _first_fit(request: PackingRequest, params: InterferenceParams) -> PackingPl
             _block_if_urgent(blocked, job)
             continue
         _add(target, job, member_fence_bytes(job, target.node.gpu, limits), limits)
-    return _finish("first-fit", [[g] for g in open_gpus], deferred, limits, params, fenced=False, thread_caps=False)
+    result = _finish("first-fit", [[g] for g in open_gpus], deferred, limits, params, fenced=False, thread_caps=False)
+    joins = []
+    for key, g in shared:
+        whole_gpu_mib = usable_gpu_bytes(g.node.gpu) // MIB
+        for j in g.members:
+            joins.append(Join(key, MemberPlacement(
+                job_id=j.job_id, node_index=0, gpu_index=0, mps_thread_pct=100, gpu_mem_limit_mib=whole_gpu_mib,
+                host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus, predicted_speed=1.0)))
+    return PackingPlan(result.policy, result.packs, result.deferred, tuple(joins))
 
 
 def _mem_best_fit(request: PackingRequest, params: InterferenceParams) -> PackingPlan:
