@@ -310,7 +310,8 @@ def _mem_best_fit(request: PackingRequest, params: InterferenceParams) -> Packin
 
 _WINDOW = 8  # candidates looked at per pick, in duration order (keeps plan() O(n))
 _SKIP_LIMIT = 64  # candidates that did not fit before a pack is closed
-_TOPUP_SCAN = 16  # leftover candidates looked at per GPU in the top-up pass
+_TOPUP_SCAN = 16
+_DURATION_WEIGHT = 3.0  # weight of |ln(duration / seed duration)| against resource fill  # leftover candidates looked at per GPU in the top-up pass
 
 # Per job, for one GPU model: (SM fraction, bandwidth fraction, fence bytes, CPUs, host bytes).
 _Vec = tuple[float, float, int, int, int]
@@ -480,6 +481,7 @@ def _pick_chunk(candidates: list[JobDemand], vec: dict[int, _Vec], node: _Node, 
         return []
     u_sm = u_bw = u_mem = u_cpu = u_host = u_n = 0.0
     chunk: list[JobDemand] = []
+    seed_log = _log_duration(candidates[0])
     i = 0
     n = len(candidates)
     skipped = 0
@@ -501,9 +503,12 @@ def _pick_chunk(candidates: list[JobDemand], vec: dict[int, _Vec], node: _Node, 
             worst = max((u_sm + s) / cap_sm, (u_bw + b) / cap_bw, (u_mem + fence) / cap_mem,
                         (u_cpu + cpus) / cap_cpu, (u_host + host) / cap_host, n_fill)
             # The seed may overrun the SM/bandwidth target alone (a heavy job still runs).
+            # Score: the fullest resource after adding, plus how far the candidate's
+            # expected duration is from the seed's (a long member keeps the GPUs for its tail).
+            score = worst + _DURATION_WEIGHT * abs(_log_duration(job) - seed_log)
             if (worst <= 1.0 + 1e-9 or (first and (u_mem + fence) <= cap_mem and cpus <= cap_cpu and host <= cap_host)) \
-                    and worst < best_fill - 1e-12:
-                best_k, best_fill = k, worst
+                    and score < best_fill - 1e-12:
+                best_k, best_fill = k, score
         if best_k < 0:
             if first:
                 return []

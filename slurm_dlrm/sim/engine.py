@@ -109,6 +109,15 @@ class SimResult:
     rounds: int
     packs: int
     member_s: float = 0.0  # integral of running (started, not ended) members over time
+    backlog_s: float = 0.0  # time during which jobs were waiting
+    backlog_work_s: float = 0.0  # solo-seconds of training done during that time
+
+    @property
+    def backlog_throughput_jobs_per_h(self) -> float:
+        """Solo-equivalent jobs per hour while jobs were waiting: the packing's capacity,
+        free of the start (queue filling) and the drain (too few jobs left to pack)."""
+        mean_solo = sum(j.solo_duration_s for j in self.jobs) / max(1, len(self.jobs))
+        return (self.backlog_work_s / mean_solo) / (self.backlog_s / 3600.0) if self.backlog_s > 0 and mean_solo > 0 else 0.0
 
     @property
     def mean_members_per_gpu(self) -> float:
@@ -160,6 +169,7 @@ class SimResult:
         return {"policy": self.policy, "workload": self.workload, "cluster": self.cluster, "gpus": self.gpus,
                 "jobs": len(self.jobs), "completed": len(self.completed),
                 "throughput_jobs_per_h": round(self.throughput_jobs_per_h, 4),
+                "backlog_throughput_jobs_per_h": round(self.backlog_throughput_jobs_per_h, 4),
                 "avg_jct_s": round(self.avg_jct_s, 1), "p95_jct_s": round(self.p95_jct_s, 1),
                 "makespan_s": round(self.makespan_s, 1), "gpu_hours": round(self.gpu_hours, 3),
                 "mean_gpu_util_pct": round(self.mean_gpu_util_pct, 2), "ooms": self.ooms,
@@ -213,6 +223,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     dirty = False
     rounds = ooms = packs_made = 0
     alloc_gpu_s = busy_gpu_s = member_s = 0.0
+    backlog_s = backlog_work_s = 0.0  # time with jobs waiting, and solo work done then
     fenced = policy in ("mem-best-fit", "complementary")
     # first-fit models gres/shard: each job is its own Slurm job on a shard of a GPU, so
     # a busy GPU with a free shard takes new jobs (the other policies own whole GPUs).
@@ -344,6 +355,13 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         if t_next == math.inf or t_next - first_arrival > max_sim_s:
             break
         dt = t_next - now
+        if dt > 0 and pending:
+            backlog_s += dt
+            for pack in running_packs:
+                for gpu in pack.gpus:
+                    for m in gpu.members:
+                        if m.ready and not m.ended:
+                            backlog_work_s += m.speed * dt
         if dt > 0:
             for pack in running_packs:
                 if pack.start_s <= now:
@@ -434,7 +452,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                                    oom_of.get(j.job_id, 0)))
     return SimResult(policy=policy, workload=workload.name, cluster=cluster.name, gpus=cluster.gpu_count,
                      jobs=tuple(outcomes), first_arrival_s=first_arrival, end_s=now, alloc_gpu_s=alloc_gpu_s,
-                     busy_gpu_s=busy_gpu_s, ooms=ooms, rounds=rounds, packs=packs_made, member_s=member_s)
+                     busy_gpu_s=busy_gpu_s, ooms=ooms, rounds=rounds, packs=packs_made, member_s=member_s,
+                     backlog_s=backlog_s, backlog_work_s=backlog_work_s)
 
 
 def _could_ever_fit(job: SimJob, gpu_mem_bytes: int, node: object, cluster: SimCluster) -> bool:
