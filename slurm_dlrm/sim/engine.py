@@ -59,6 +59,8 @@ class _Member:
     progress_start: float
     progress: float
     ready_at: float = math.inf
+    cpus: int = 0
+    host_mem: int = 0
     ready: bool = False
     peaked: bool = False
     peak_progress: float = 0.0
@@ -253,6 +255,12 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         m.ended = True
         m.speed = 0.0
         pack.live -= 1
+        if shard_mode:
+            # Each first-fit member is its own Slurm job: its CPUs and memory come back now.
+            pack.cpus -= m.cpus
+            pack.host_mem -= m.host_mem
+            pack.node.free_cpus += m.cpus
+            pack.node.free_mem += m.host_mem
         set_speeds(gpu)
         schedule_tick()  # a freed shard (first-fit) or, below, freed GPUs
         if pack.live == 0:
@@ -301,7 +309,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             pack = shard_packs[jn.gpu_key]
             job = jobs[jn.member.job_id]
             start = progress_saved.get(job.job_id, 0.0)
-            member = _Member(job, None, start, start, ready_at=now + slurm.submit_to_start_s + slurm.member_startup_s)
+            member = _Member(job, None, start, start, ready_at=now + slurm.submit_to_start_s + slurm.member_startup_s,
+                             cpus=jn.member.cpus, host_mem=jn.member.host_mem_limit_bytes)
             pack.gpus[0].members.append(member)
             pack.live += 1
             pack.cpus += jn.member.cpus
@@ -327,7 +336,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                     fence = None
                 start = progress_saved.get(job.job_id, 0.0)
                 ready_at = now + slurm.submit_to_start_s + slurm.member_startup_s
-                gpus[mp.gpu_index].members.append(_Member(job, fence, start, start, ready_at=ready_at))
+                gpus[mp.gpu_index].members.append(_Member(job, fence, start, start, ready_at=ready_at, cpus=mp.cpus,
+                                                          host_mem=mp.host_mem_limit_bytes))
                 pack.live += 1
                 del pending[job.job_id]
             if shard_mode:
