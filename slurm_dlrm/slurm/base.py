@@ -31,9 +31,9 @@ class SlurmNotFound(SlurmError):
     """A Slurm binary is not installed or not on PATH."""
 
     def __init__(self, command: Sequence[str]) -> None:
+        super().__init__(command, None, "")
         name = command[0] if command else "?"
-        super().__init__(command, None, "", f"{name} not found: install Slurm (apt-get install "
-                         "slurm-wlm, or run scripts/setup.sh) or put its bin folder on PATH")
+        # Replace SlurmError's "X failed (exit None)": nothing ran.
         self.args = (f"{name} not found: install Slurm (apt-get install slurm-wlm, or run "
                      "scripts/setup.sh) or put its bin folder on PATH",)
 
