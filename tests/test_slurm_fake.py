@@ -107,3 +107,32 @@ def test_drain_and_sinfo():
     assert not nodes["node2"].usable and nodes["node1"].usable
     assert nodes["node2"].reason == "bad gpu"
     assert sum(r.num_nodes for r in fake.sinfo()) == 2
+
+
+def test_wait_for_jobs_polls_until_terminal_with_backoff():
+    from slurm_dlrm.slurm.wait import JobWaitTimeout, wait_for_jobs
+
+    fake = FakeSlurm()
+    a, b = fake.sbatch(SCRIPT), fake.sbatch(SCRIPT)
+    now = [0.0]
+    sleeps = []
+
+    def sleep(s):
+        sleeps.append(s)
+        now[0] += s
+        if len(sleeps) == 1:
+            fake.start(a)
+            fake.start(b)
+        elif len(sleeps) == 3:
+            fake.finish(a)
+            fake.set_state(b, "TIMEOUT")
+            fake.purge(b)  # Slurm forgot it before we saw it end: UNKNOWN, not a hang
+
+    done = wait_for_jobs(fake, [a, b, a], timeout_s=30, poll_s=0.5, sleep=sleep, clock=lambda: now[0])
+    assert done[a].state is JobState.COMPLETED
+    assert done[b].state is JobState.UNKNOWN
+    assert sleeps == [0.5, 1.0, 2.0]
+
+    c = fake.sbatch(SCRIPT)
+    with pytest.raises(JobWaitTimeout, match="PENDING"):
+        wait_for_jobs(fake, [c], timeout_s=3, sleep=sleep, clock=lambda: now[0])
