@@ -20,6 +20,7 @@ from slurm_dlrm.errors import EXIT_RUNTIME, DlrmError
 # name -> "module:attribute"; each command module owns its own options and help.
 COMMANDS: dict[str, str] = {
     "cluster": "slurm_dlrm.commands.cluster:cluster",
+    "demo": "slurm_dlrm.commands.demo:demo",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
