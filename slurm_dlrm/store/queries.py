@@ -48,7 +48,7 @@ charge AS (
     SELECT r.job_id,
            sum(CASE WHEN g.member_s > 0 THEN g.alloc_s * r.run_s / g.member_s
                     ELSE g.alloc_s / g.n_members END) AS charged_gpu_s,
-           sum(r.run_s) AS gpu_run_s
+           sum(r.run_s) AS gpu_run_s, max(g.n_members) AS max_members
     FROM run r JOIN gpu g ON g.pack_id = r.pack_id AND g.node_index = r.node_index AND g.gpu_index = r.gpu_index
     GROUP BY r.job_id
 ),
@@ -71,7 +71,7 @@ SELECT j.id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j.gpu_model
        u.sm_util_max,
        CASE WHEN u.host_cpu_n > 0 THEN u.host_cpu_sum / u.host_cpu_n END AS host_cpu_mean,
        CASE WHEN u.sps_n > 0 THEN u.sps_sum / u.sps_n END AS samples_per_s_mean,
-       c.charged_gpu_s, c.gpu_run_s, sp.run_s
+       c.charged_gpu_s, c.gpu_run_s, c.max_members, sp.run_s
 FROM jobs j
 LEFT JOIN packs k ON k.id = j.pack_id
 LEFT JOIN job_usage u ON u.job_id = j.id
