@@ -225,6 +225,9 @@ class Store:
                 self._check_version()
             else:
                 self._migrate()
+        except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
+            self.conn.close()
+            raise StoreError(f"cannot open store {self.path}: {exc}") from exc
         except BaseException:
             self.conn.close()
             raise
