@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "acct": "slurm_dlrm.commands.store:acct",
     "cluster": "slurm_dlrm.commands.cluster:cluster",
     "report": "slurm_dlrm.commands.store:report",
+    "train": "slurm_dlrm.commands.train:train",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
