@@ -70,13 +70,26 @@ NVML_ERROR_MEMORY = 20
 NVML_ERROR_NO_DATA = 21
 NVML_ERROR_UNKNOWN = 999
 
-_MESSAGES = {
+_MESSAGES = {  # pynvml's NVMLError._errcode_to_string
     NVML_ERROR_UNINITIALIZED: "Uninitialized",
     NVML_ERROR_INVALID_ARGUMENT: "Invalid Argument",
     NVML_ERROR_NOT_SUPPORTED: "Not Supported",
+    NVML_ERROR_NO_PERMISSION: "Insufficient Permissions",
+    NVML_ERROR_ALREADY_INITIALIZED: "Already Initialized",
     NVML_ERROR_NOT_FOUND: "Not Found",
+    NVML_ERROR_INSUFFICIENT_SIZE: "Insufficient Size",
+    NVML_ERROR_INSUFFICIENT_POWER: "Insufficient External Power",
+    NVML_ERROR_DRIVER_NOT_LOADED: "Driver Not Loaded",
+    NVML_ERROR_TIMEOUT: "Timeout",
+    NVML_ERROR_IRQ_ISSUE: "Interrupt Request Issue",
     NVML_ERROR_LIBRARY_NOT_FOUND: "NVML Shared Library Not Found",
+    NVML_ERROR_FUNCTION_NOT_FOUND: "Function Not Found",
+    NVML_ERROR_CORRUPTED_INFOROM: "Corrupted infoROM",
     NVML_ERROR_GPU_IS_LOST: "GPU is lost",
+    NVML_ERROR_RESET_REQUIRED: "GPU requires restart",
+    NVML_ERROR_OPERATING_SYSTEM: "The operating system has blocked the request.",
+    NVML_ERROR_LIB_RM_VERSION_MISMATCH: "RM has detected an NVML/RM version mismatch.",
+    NVML_ERROR_MEMORY: "Insufficient Memory",
     NVML_ERROR_UNKNOWN: "Unknown Error",
 }
 

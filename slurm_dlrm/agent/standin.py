@@ -91,3 +91,25 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def member_entry(pack_dir: str | os.PathLike[str], job_id: int, gpu_index: int, *, node_index: int = 0,
+                 host_mem_limit_mib: int = 512, gpu_mem_limit_mib: int = 3000, mps_thread_pct: int = 50,
+                 args: list[str] | None = None, python: str | None = None) -> dict[str, Any]:
+    """A placement member (docs/interfaces.md section 3) that runs this stand-in."""
+    job_dir = Path(pack_dir) / f"job-{job_id}"
+    return {
+        "job_id": job_id, "name": f"standin-{job_id}", "node_index": node_index, "gpu_index": gpu_index,
+        "mps_thread_pct": mps_thread_pct, "gpu_mem_limit_mib": gpu_mem_limit_mib,
+        "host_mem_limit_bytes": host_mem_limit_mib << 20, "cpus": 1,
+        "command": [python or sys.executable, "-m", "slurm_dlrm.agent.standin", *(args or [])],
+        "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
+    }
+
+
+def placement_dict(pack_dir: str | os.PathLike[str], members: list[dict[str, Any]], *, pack_id: int = 7,
+                   sample_interval_s: float = 0.2, term_grace_s: float = 5.0, mps: bool = True,
+                   host_mem_tolerance_pct: float = 10.0) -> dict[str, Any]:
+    return {"pack_id": pack_id, "user": os.environ.get("USER", "root"), "mps": mps,
+            "sample_interval_s": sample_interval_s, "host_mem_tolerance_pct": host_mem_tolerance_pct,
+            "term_grace_s": term_grace_s, "pack_dir": str(pack_dir), "members": members}
