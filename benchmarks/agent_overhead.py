@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -123,7 +124,8 @@ def main() -> int:
     print(f"{'watcher':<14}{'cpu % of one core':>20}{'peak RSS MB':>14}")
     for name, (cpu, rss) in result.items():
         print(f"{name:<14}{cpu:>20.3f}{rss:>14.1f}")
-    print(f"agent exit: {out.strip()}")
+    print(f"agent exit: {out.strip()[:200]}")
+    shutil.rmtree(work, ignore_errors=True)
     cpu, rss = result["agent"]
     print(f"agent: members={args.members} cpu_pct={cpu:.3f} rss_mb={rss:.1f}")
     return 0
