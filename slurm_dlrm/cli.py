@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "cluster": "slurm_dlrm.commands.cluster:cluster",
     "report": "slurm_dlrm.commands.store:report",
     "train": "slurm_dlrm.commands.train:train",
+    "agent": "slurm_dlrm.commands.agent:agent",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
