@@ -19,6 +19,7 @@ from slurm_dlrm.errors import EXIT_RUNTIME, DlrmError
 
 # name -> "module:attribute"; each command module owns its own options and help.
 COMMANDS: dict[str, str] = {
+    "admin": "slurm_dlrm.commands.admin:admin",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
