@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "report": "slurm_dlrm.commands.store:report",
     "train": "slurm_dlrm.commands.train:train",
     "agent": "slurm_dlrm.commands.agent:agent",
+    "admin": "slurm_dlrm.commands.admin:admin",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
