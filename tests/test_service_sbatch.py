@@ -21,6 +21,7 @@ from slurm_dlrm.service.sbatch_options import (
     format_time_minutes,
     options_from_mapping,
     pack_sbatch_flags,
+    pack_time_minutes,
     parse_sbatch_args,
     parse_sbatch_script,
     parse_time_minutes,
@@ -141,8 +142,15 @@ def test_relative_output_paths_become_absolute():
 def test_pack_key_ignores_job_name_only():
     a = SbatchOptions(partition="p", job_name="x")
     assert a.pack_key() == SbatchOptions(partition="p", job_name="y").pack_key()
-    assert a.pack_key() != SbatchOptions(partition="p", time_minutes=5).pack_key()
+    assert a.pack_key() == SbatchOptions(partition="p", time_minutes=5).pack_key()
+    assert a.pack_key() != SbatchOptions(partition="p", qos="high").pack_key()
     assert SbatchOptions.from_dict(a.to_dict()) == a
+
+
+def test_pack_time_is_the_longest():
+    assert pack_time_minutes([10, 30]) == 30
+    assert pack_time_minutes([10, None]) is None
+    assert pack_time_minutes([10, TIME_UNLIMITED]) == TIME_UNLIMITED
 
 
 def _pack(pack_dir: str = "/spool/alice/pack-7", **kw) -> PackScript:

@@ -134,8 +134,12 @@ class SbatchOptions:
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def pack_key(self) -> tuple[tuple[str, str], ...]:
-        """What jobs must share to ride in one pack: everything but the job name."""
-        return tuple(sorted((k, str(v)) for k, v in self.to_dict().items() if k != "job_name"))
+        """What jobs must share to ride in one pack: all but the job name and time.
+
+        Time limits differ freely: the pack asks for the longest (`pack_time_minutes`).
+        """
+        return tuple(sorted((k, str(v)) for k, v in self.to_dict().items()
+                            if k not in ("job_name", "time_minutes")))
 
     def sbatch_flags(self, *, include_job_name: bool = True) -> list[str]:
         """`--flag=value` argv items (unquoted: for an argv list or `sbatch_line`)."""
@@ -147,6 +151,17 @@ class SbatchOptions:
             text = format_time_minutes(value) if spec.attr == "time_minutes" else str(value)
             flags.append(f"{spec.long}={text}")
         return sorted(flags)
+
+
+def pack_time_minutes(limits: Iterable[int | None]) -> int | None:
+    """The pack's time limit: the longest of its members' (None = partition default,
+    which may be longer than any given one, so it wins; UNLIMITED wins over all)."""
+    values = list(limits)
+    if not values or any(v is None for v in values):
+        return None
+    if TIME_UNLIMITED in values:
+        return TIME_UNLIMITED
+    return max(v for v in values if v is not None)
 
 
 @dataclass(frozen=True)
