@@ -12,6 +12,7 @@ instance's marker in its environment before signalling it; nothing is killed by 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -311,6 +312,39 @@ def _ours_by_environ(state_dir: Path) -> Iterator[int]:
             yield int(entry.name)
 
 
+# ---------------------------------------------------------------- locking
+
+_held_locks: dict[str, tuple[int, int]] = {}  # path -> (fd, depth): re-entrant within a process
+
+
+@contextlib.contextmanager
+def instance_lock(state_dir: Path) -> Iterator[None]:
+    """Serialise `up`/`down` on one state folder across processes (two pytest runs in
+    one checkout, or `cluster up` typed twice). Re-entrant within a process."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    key = str(state_dir / ".lock")
+    if key in _held_locks:
+        fd, depth = _held_locks[key]
+        _held_locks[key] = (fd, depth + 1)
+        try:
+            yield
+        finally:
+            fd, depth = _held_locks[key]
+            _held_locks[key] = (fd, depth - 1)
+        return
+    fd = os.open(key, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _held_locks[key] = (fd, 1)
+        try:
+            yield
+        finally:
+            del _held_locks[key]
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 # ---------------------------------------------------------------- the cluster
 
 class LocalCluster:
@@ -513,6 +547,10 @@ class LocalCluster:
 
     def up(self, wait_s: float = 90.0) -> ClusterStatus:
         """Start what is not running yet; safe to call when the cluster is up."""
+        with instance_lock(self.config.state_dir):
+            return self._up(wait_s)
+
+    def _up(self, wait_s: float) -> ClusterStatus:
         c = self.config
         c.validate()
         running = LocalCluster.at(c.state_dir)
@@ -527,6 +565,8 @@ class LocalCluster:
                 self.wait_idle(wait_s)
                 return self.status()
         c.state_dir.mkdir(parents=True, exist_ok=True)
+        # Started anew: whoever starts it owns it (tests/conftest.py's marker is stale).
+        (c.state_dir / "fixture-started").unlink(missing_ok=True)
         t0 = time.monotonic()
         self.render()
         by_name = {d.name: d for d in self.daemons()}
@@ -572,6 +612,10 @@ class LocalCluster:
 
     def down(self, timeout_s: float = 20.0) -> list[str]:
         """Cancel all jobs, stop our daemons (pid files + marker check), sweep strays."""
+        with instance_lock(self.config.state_dir):
+            return self._down(timeout_s)
+
+    def _down(self, timeout_s: float) -> list[str]:
         c = self.config
         daemons = self.daemons()
         stopped: list[str] = []
