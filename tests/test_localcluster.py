@@ -257,3 +257,14 @@ def test_demo_runs_a_gpu_step_on_every_node(slurm_cluster):
     assert all(t["cuda_visible_devices"].isdigit() for t in result["tasks"])
     if slurm_cluster.accounting:
         assert {r["JobName"] for r in result["sacct"]} >= {"slurm-dlrm-demo", "demo-step"}
+
+
+def test_missing_cluster_fails_in_ci_and_skips_elsewhere(monkeypatch):
+    from conftest import _unavailable
+
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="unavailable in CI: no slurmd"):
+        _unavailable("no slurmd")
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="no slurmd"):
+        _unavailable("no slurmd")
