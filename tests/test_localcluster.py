@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -268,3 +269,40 @@ def test_missing_cluster_fails_in_ci_and_skips_elsewhere(monkeypatch):
     monkeypatch.setenv("CI", "")
     with pytest.raises(pytest.skip.Exception, match="no slurmd"):
         _unavailable("no slurmd")
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(120)
+def test_hooks_job_submit_lua_and_extra_lines_reach_slurmctld(slurm_cluster, tmp_path):
+    """A second small cluster with the admin hooks: the Lua filter runs in slurmctld."""
+    lua = tmp_path / "job_submit.lua"
+    lua.write_text(
+        'function slurm_job_submit(job_desc, part_list, submit_uid)\n'
+        '  if job_desc.name == "forbidden" then\n'
+        '    slurm.log_user("forbidden: pick another name")\n'
+        '    return slurm.ESLURM_INVALID_LICENSES\n'
+        '  end\n'
+        '  return slurm.SUCCESS\n'
+        'end\n'
+        'function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)\n'
+        '  return slurm.SUCCESS\n'
+        'end\n')
+    extra = tmp_path / "extra.conf"
+    extra.write_text("MaxJobCount=4242\n")
+    state_dir = Path("/tmp") / f"sdlrm-h-{os.getpid()}"
+    cfg = lc.config_from_site(state_dir=state_dir, nodes=1, gpus_per_node=1, job_submit_lua=lua,
+                              slurm_conf_extra=extra, base_port=lc.pick_base_port(state_dir, nodes=1))
+    cluster = lc.LocalCluster(cfg)
+    try:
+        cluster.up(wait_s=60)
+        client = cluster.client()
+        with pytest.raises(lc.SlurmError, match="forbidden: pick another name"):
+            client.sbatch(_script("true"), ["--job-name=forbidden", "--output=/dev/null"])
+        ok = client.sbatch(_script("true"), ["--job-name=allowed", "--output=/dev/null"])
+        assert ok > 0
+        config = client.run(["scontrol", "show", "config"]).stdout
+        assert re.search(r"^MaxJobCount\s*=\s*4242$", config, re.M), config
+        assert re.search(r"^JobSubmitPlugins\s*=\s*(job_submit/)?lua$", config, re.M), config
+    finally:
+        cluster.down()
+        shutil.rmtree(state_dir, ignore_errors=True)
