@@ -197,8 +197,10 @@ def test_pack_runs_members_enforces_and_reports(world):
     assert all(SAMPLE_KEYS <= set(r) for r in samples)
     gpu_rows = [r for r in samples if r["job_id"] is None]
     assert {r["gpu_index"] for r in gpu_rows} == {0, 1} and all(r["gpu_mem_bytes"] for r in gpu_rows)
-    busy = [r for r in samples if r["job_id"] == 4 and r["host_cpu_pct"] is not None]
-    assert busy and max(r["host_cpu_pct"] for r in busy) > 50  # a spinning member shows up as CPU
+    busy = [r["host_cpu_pct"] for r in samples if r["job_id"] == 4 and r["host_cpu_pct"] is not None]
+    idle = [r["host_cpu_pct"] for r in samples if r["job_id"] == 1 and r["host_cpu_pct"] is not None]
+    # A spinning member shows up as CPU, a sleeping one hardly (loose bounds: the CI box is shared).
+    assert busy and idle and max(busy) > 15 and sum(busy) / len(busy) > 3 * sum(idle) / len(idle)
     m1 = [r for r in samples if r["job_id"] == 1]
     assert any(r["samples_per_s"] for r in m1) and all(r["rss_bytes"] > 1 << 20 for r in m1)
     # The fake NVML saw member 1 as a GPU client (its RSS as GPU memory).

@@ -151,7 +151,10 @@ STEP_OVERRIDES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MPS_ACTIVE_
 
 def step_argv(m: MemberPlacement, env: dict[str, str], node_name: str, pid_file: Path, python: str) -> list[str]:
     """`srun --overlap` argv that runs one member as its own job step on this node."""
-    argv = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node_name}",
+    # --mem=0: the step shares the job's memory (the agent enforces each member's budget);
+    # without it srun takes $SLURM_MEM_PER_CPU from the batch job and, in Slurm 22.05,
+    # refuses the step because the agent's step holds that memory, --overlap or not.
+    argv = ["srun", "--overlap", "--mem=0", "--nodes=1", "--ntasks=1", f"--nodelist={node_name}",
             f"--job-name={m.name}", "--export=ALL", "--input=none",
             python, "-m", "slurm_dlrm.agent.member_exec", "--pid-file", str(pid_file)]
     for var in STEP_OVERRIDES:

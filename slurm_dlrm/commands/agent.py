@@ -31,7 +31,7 @@ def allocation_gpus(env: dict[str, str]) -> list[str] | None:
 @click.option("--node-name", help="Name used in reports [default: $SLURMD_NODENAME or the host name].")
 @click.option("--gpus", help="Allocated GPUs, comma-separated [default: $CUDA_VISIBLE_DEVICES, $SLURM_JOB_GPUS, or all NVML GPUs].")
 @click.option("--launch", type=click.Choice(["auto", "step", "process"]), default="auto", show_default=True,
-              help="step: each member as `srun --overlap` job step; process: child process group; auto: step inside an allocation.")
+              help="step: each member as its own `srun --overlap` job step (listed by sacct; stop it gracefully with SIGUSR1); process: child process group; auto: process.")
 @click.option("--mps", "mps_mode", type=click.Choice(["auto", "own", "site", "off"]), default="auto", show_default=True,
               help="own: start a daemon; site: use the one at $CUDA_MPS_PIPE_DIRECTORY (gres/mps); auto: site if it answers, else own.")
 @click.option("--sample-interval", type=float, help="Seconds between samples [default: the placement's].")
@@ -77,7 +77,11 @@ def agent(pack_file: str | None, pack_id: int | None, site_path: str | None, nod
         gpu_list = [str(i) for i in range(nvml.device_count())]
     in_allocation = bool(env.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
     if launch == "auto":
-        launch = "step" if in_allocation else "process"
+        # Child processes: a SIGTERM to the allocation then reaches each member as SIGTERM.
+        # Member steps are opt-in because Slurm 22.05's srun answers SIGTERM with SIGKILL
+        # to its step (src/srun signals: SIGTERM -> launch_fwd_signal(SIGKILL)), and every
+        # srun the agent starts is signalled with the agent's own step (docs/agent.md).
+        launch = "process"
     elif launch == "step" and not in_allocation:
         raise BadInput("--launch step: not inside a Slurm allocation (no SLURM_JOB_ID or no srun)")
     opts = AgentOptions(
@@ -92,7 +96,7 @@ def agent(pack_file: str | None, pack_id: int | None, site_path: str | None, nod
     runner.run()
     states = {m.placement.job_id: m.state for m in runner.members}
     if as_json:
-        click.echo(json.dumps({"pack_id": placement.pack_id, "node": node, "mps": runner.mps.mode,
+        click.echo(json.dumps({"pack_id": placement.pack_id, "node": node, "mps": runner.mps.mode, "launch": launch,
                                "report": str(runner.reports.path), "members": states}))
     else:
         summary = ", ".join(f"{job}={state}" for job, state in states.items()) or "none"
