@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -231,6 +232,47 @@ def test_a_lost_gpu_is_reported_and_members_go_on(world):
     gpu1 = [r for r in read_reports(agent.reports.path) if r["type"] == "sample" and r["job_id"] is None
             and r["gpu_index"] == 1]
     assert gpu1[-1]["gpu_lost"] is True and gpu1[-1]["gpu_mem_bytes"] is None and not gpu1[0]["gpu_lost"]
+
+
+def test_cancel_files_stop_one_member(world):
+    pack = world / "pack"
+    members = [member_entry(pack, 1, 0, args=["--steps", "10000", "--step-s", "0.05"]),
+               member_entry(pack, 2, 0, args=["--steps", "10000", "--step-s", "0.05", "--ignore-term"]),
+               member_entry(pack, 3, 1, args=["--steps", "30", "--step-s", "0.05"]),
+               member_entry(pack, 4, 1, args=["--steps", "30", "--step-s", "0.05"])]
+    (pack / "cancel").mkdir(parents=True)
+    (pack / "cancel" / "4").touch()  # cancelled before it started: never launched
+    (pack / "cancel" / ".9.tmp").touch()  # a half-made request is not a request
+    placement = parse_placement(placement_dict(pack, members, sample_interval_s=0.1, term_grace_s=0.5))
+    agent = Agent(placement, _opts(world))
+
+    def cancel_soon():
+        deadline = time.monotonic() + 10
+        while not Path(members[1]["metrics_path"]).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for job in ("1", "2"):
+            (pack / "cancel" / f".{job}.tmp").touch()
+            os.replace(pack / "cancel" / f".{job}.tmp", pack / "cancel" / job)
+
+    t = threading.Thread(target=cancel_soon)
+    t.start()
+    agent.run()
+    t.join()
+    assert [m.state for m in agent.members] == ["CANCELLED", "CANCELLED", "COMPLETED", "CANCELLED"]
+    assert agent.members[1].exit_code == 137  # ignored SIGTERM: killed after term_grace_s
+    assert agent.members[0].exit_code == 5  # checkpointed on SIGTERM, still reported CANCELLED
+    assert not Path(members[3]["metrics_path"]).exists()
+
+
+def test_pack_id_finds_the_placement(tmp_path):
+    from slurm_dlrm.commands.agent import find_pack_file
+
+    for name, pid in (("dlrm-aa-1", 1), ("dlrm-aa-2", 2)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "placement.json").write_text(json.dumps({"pack_id": pid}))
+    assert find_pack_file(tmp_path, 2, "placement.json") == tmp_path / "dlrm-aa-2" / "placement.json"
+    with pytest.raises(BadInput, match="--pack 3"):
+        find_pack_file(tmp_path, 3, "placement.json")
 
 
 def _agent_cli(world, placement, *extra):

@@ -71,8 +71,10 @@ class Member:
     state: str = "PENDING"
     exit_code: int | None = None
     reason: str = ""
-    stop_reason: str | None = None  # why we stopped it: OOM_HOST | OOM_GPU | TERM | KILLED
+    stop_reason: str | None = None  # why we stopped it: OOM_HOST | OOM_GPU | CANCEL | TERM | KILLED
     stop_detail: str = ""
+    cancel_since: float | None = None  # monotonic time of the SIGTERM for a cancel request
+    cancel_killed: bool = False
     tree: TreeSampler = field(default_factory=TreeSampler)
     metrics: MetricsTail | None = None
     last_tree: TreeSample | None = None
@@ -91,6 +93,8 @@ def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool) -> t
     sig_name = _signal_name(signum) if signum else ""
     if stop_reason in ("OOM_HOST", "OOM_GPU"):
         return stop_reason, code, ""
+    if stop_reason == "CANCEL":
+        return "CANCELLED", code, "cancelled by the service"
     if returncode == TRAIN_EXIT_OK:
         return "COMPLETED", code, ""
     if returncode == TRAIN_EXIT_OOM_GPU:
@@ -180,6 +184,7 @@ class Agent:
         self._last_heartbeat = 0.0
         self._nvml_indices: list[int] = []
         self.stale_after_s = max(60.0, 10 * self.interval_s)
+        self.cancel_dir = Path(placement.pack_dir) / "cancel"
 
     # ------------------------------------------------------------ main
 
@@ -266,8 +271,20 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 - a refused default must not stop the pack
             log.warning("MPS defaults: %s", exc)
 
+    def _cancel_requested(self) -> set[int]:
+        """Job ids named in <pack_dir>/cancel/ (docs/interfaces.md section 3a)."""
+        try:
+            names = os.listdir(self.cancel_dir)
+        except OSError:
+            return set()
+        return {int(n) for n in names if n.isdigit()}
+
     def _launch(self, m: Member) -> None:
         p = m.placement
+        if p.job_id in self._cancel_requested():
+            m.state, m.reason = "CANCELLED", "cancelled by the service before it started"
+            self.reports.member(p.job_id, "CANCELLED", None, m.reason)
+            return
         try:
             m.env = member_env(self.base_env, p, self.opts.gpus, self.mps)
             for d in (Path(p.checkpoint_dir), Path(p.metrics_path).parent):
@@ -364,14 +381,30 @@ class Agent:
                 m.stop_reason = m.stop_reason or "TERM"
                 self._signal(m, self._term_signal)
 
+    def _check_cancels(self) -> None:
+        wanted = self._cancel_requested()
+        if not wanted:
+            return
+        for m in self.members:
+            if m.placement.job_id in wanted and not m.done and m.cancel_since is None:
+                log.warning("cancel requested for %s (job %d)", m.placement.name, m.placement.job_id)
+                m.stop_reason, m.cancel_since = "CANCEL", time.monotonic()
+                self._signal(m, signal.SIGTERM)
+
     def _kill_after_grace(self) -> None:
+        now = time.monotonic()
+        for m in self.members:
+            if (not m.done and m.cancel_since is not None and not m.cancel_killed
+                    and now - m.cancel_since >= self.placement.term_grace_s):
+                m.cancel_killed = True
+                self._signal(m, signal.SIGKILL)
         if self._terminating_since is None:
             return
         if time.monotonic() - self._terminating_since < self.placement.term_grace_s:
             return
         for m in self.members:
             if not m.done and m.stop_reason != "KILLED":
-                m.stop_reason = "KILLED" if m.stop_reason == "TERM" else m.stop_reason
+                m.stop_reason = "KILLED" if m.stop_reason in ("TERM", None) else m.stop_reason
                 self._signal(m, signal.SIGKILL)
 
     def _reap(self) -> None:
@@ -396,6 +429,7 @@ class Agent:
     # ------------------------------------------------------------ sampling and enforcement
 
     def _tick(self) -> None:
+        self._check_cancels()
         snap = self.nvml.sample([i for i in self._nvml_indices if i >= 0]) if self._nvml_indices else None
         gpu_by_nvml = {g.index: g for g in snap.gpus} if snap else {}
         for pos, nvml_index in enumerate(self._nvml_indices):

@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import sys
+from pathlib import Path
 
 import click
 
@@ -23,9 +24,20 @@ def allocation_gpus(env: dict[str, str]) -> list[str] | None:
     return None
 
 
+def find_pack_file(spool: Path, pack_id: int | None, name: str) -> Path:
+    """<spool>/<pack name>/placement.json of the pack with this id (docs/interfaces.md 3a)."""
+    for candidate in sorted(spool.glob(f"*/{name}")):
+        try:
+            if json.loads(candidate.read_text()).get("pack_id") == pack_id:
+                return candidate
+        except (OSError, ValueError, AttributeError):
+            continue
+    raise BadInput(f"--pack {pack_id}: no {name} with that pack_id under {spool}")
+
+
 @click.command("agent", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--pack-file", type=click.Path(dir_okay=False), help="The pack's placement.json.")
-@click.option("--pack", "pack_id", type=int, help="Pack id: reads <spool_dir>/pack-ID/placement.json.")
+@click.option("--pack", "pack_id", type=int, help="Pack id: finds <spool_dir>/<pack name>/placement.json with this pack_id.")
 @click.option("--site", "site_path", type=click.Path(dir_okay=False), help="Site config (default: lookup order).")
 @click.option("--node-index", type=int, help="This node's position in the allocation [default: $SLURM_NODEID or 0].")
 @click.option("--node-name", help="Name used in reports [default: $SLURMD_NODENAME or the host name].")
@@ -62,7 +74,7 @@ def agent(pack_file: str | None, pack_id: int | None, site_path: str | None, nod
         raise BadInput(f"--sample-interval: must be >= 0.05, got {sample_interval:g}")
     site = load_site(site_path)
     if pack_file is None:
-        pack_file = str(site.spool_dir_for(getpass.getuser()) / f"pack-{pack_id}" / PLACEMENT_FILE)
+        pack_file = str(find_pack_file(site.spool_dir_for(getpass.getuser()), pack_id, PLACEMENT_FILE))
     placement = load_placement(pack_file)
     env = dict(os.environ)
     if node_index is None:
