@@ -40,7 +40,12 @@ from slurm_dlrm.errors import (
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-PID_FILE_TIMEOUT_S = 120.0  # a step that has not started its member by then is stopped
+PID_FILE_TIMEOUT_S = 120.0
+# A signal to the allocation reaches members directly too (same step, or their own step);
+# forwarding it at once doubles it, and a duplicate that lands while a member's
+# interpreter shuts down (handlers reset) kills it. So the agent forwards a little later,
+# to members still running: it still matters when only the agent was signalled.
+FORWARD_DELAY_S = 1.0  # a step that has not started its member by then is stopped
 # Variables Slurm or a site may have set for the whole job that must not leak into a member.
 _MPS_CLIENT_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
 
@@ -181,6 +186,7 @@ class Agent:
         self.run_dir = Path(opts.tmp_root) / f"slurm-dlrm-agent-{opts.slurm_job_id or os.getpid()}-{opts.node_index}"
         self._term_signal: int | None = None
         self._terminating_since: float | None = None
+        self._forwarded = False
         self._last_heartbeat = 0.0
         self._nvml_indices: list[int] = []
         self.stale_after_s = max(60.0, 10 * self.interval_s)
@@ -327,6 +333,7 @@ class Agent:
             if self._term_signal is not None and self._terminating_since is None:
                 self._begin_termination()
             self._reap()
+            self._forward()
             self._kill_after_grace()
             now = time.monotonic()
             if now >= next_tick:
@@ -373,12 +380,20 @@ class Agent:
     def _begin_termination(self) -> None:
         assert self._term_signal is not None
         self._terminating_since = time.monotonic()
-        name = _signal_name(self._term_signal)
-        log.warning("%s received: forwarding to %d members, grace %.0fs", name,
-                    sum(not m.done for m in self.members), self.placement.term_grace_s)
+        log.warning("%s received: forwarding to %d members in %.1fs, grace %.0fs", _signal_name(self._term_signal),
+                    sum(not m.done for m in self.members), FORWARD_DELAY_S, self.placement.term_grace_s)
         for m in self.members:
             if not m.done:
                 m.stop_reason = m.stop_reason or "TERM"
+
+    def _forward(self) -> None:
+        if self._forwarded or self._terminating_since is None or self._term_signal is None:
+            return
+        if time.monotonic() - self._terminating_since < min(FORWARD_DELAY_S, self.placement.term_grace_s / 2):
+            return
+        self._forwarded = True
+        for m in self.members:
+            if not m.done:
                 self._signal(m, self._term_signal)
 
     def _check_cancels(self) -> None:
