@@ -79,17 +79,20 @@ def _slurm_out(tmp_path: Path) -> str:
 
 def test_pack_of_four_on_two_gpus(slurm_cluster, tmp_path):
     pack_members = _members(tmp_path / "pack", tmp_path, steps=30, step_s=0.1, grow_job=3)
+    # Member 4 is the real runner: `slurm-dlrm train` on a tiny spec (CPU torch here).
+    pack_members[3].update(name="tiny-a", host_mem_limit_bytes=3 << 30, command=[
+        sys.executable, "-m", "slurm_dlrm", "train", str(ROOT / "examples" / "sweep" / "tiny-a.yaml"), "--steps", "20"])
     pack, script = _pack(tmp_path, pack_members, ("--launch", "step"), sample_interval_s=0.5)
     client = slurm_cluster.client()
     job_id = client.sbatch(script)
-    info = slurm_cluster.wait([job_id], timeout_s=150)[job_id]
+    info = slurm_cluster.wait([job_id], timeout_s=240)[job_id]
     out = _slurm_out(tmp_path)
     assert info.slurm_state == "COMPLETED", out
     summary = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert summary["members"] == {"1": "COMPLETED", "2": "COMPLETED", "3": "OOM_HOST", "4": "COMPLETED"}, out
     assert summary["mps"] == "own"
 
-    envs = {job: json.loads((tmp_path / f"env-{job}.json").read_text())["env"] for job in (1, 2, 3, 4)}
+    envs = {job: json.loads((tmp_path / f"env-{job}.json").read_text())["env"] for job in (1, 2, 3)}
     for job, env in envs.items():
         assert env["CUDA_VISIBLE_DEVICES"] == str((job - 1) // 2)  # position in the daemon's GPU list
         assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == str(20 * job)
@@ -98,7 +101,8 @@ def test_pack_of_four_on_two_gpus(slurm_cluster, tmp_path):
         assert env["SLURM_DLRM_CHECKPOINT_DIR"] == pack_members[job - 1]["checkpoint_dir"]
         assert env["SLURM_JOB_ID"] == str(job_id)
     steps = {env["SLURM_STEP_ID"] for env in envs.values()}
-    assert len(steps) == 4 and "0" not in steps  # each member is its own step; step 0 is the agent
+    assert len(steps) == 3 and "0" not in steps  # each member is its own step; step 0 is the agent
+    assert list((pack / "job-4" / "ckpt").iterdir())  # the runner checkpointed where the agent said
 
     (report,) = (pack / "reports").glob("*.jsonl")
     recs = read_reports(report)
@@ -120,12 +124,12 @@ def test_pack_of_four_on_two_gpus(slurm_cluster, tmp_path):
     if slurm_cluster.accounting:
         names = set()
         deadline = time.monotonic() + 20
-        while not {"standin-1", "standin-4"} <= names and time.monotonic() < deadline:
+        while not {"standin-1", "tiny-a"} <= names and time.monotonic() < deadline:
             rows = subprocess.run(["sacct", "-j", str(job_id), "-n", "-P", "-o", "JobID,JobName,State"],  # noqa: S603
                                   capture_output=True, text=True, timeout=30, check=False).stdout
             names = {line.split("|")[1] for line in rows.splitlines() if "|" in line}
             time.sleep(1)
-        assert {"standin-1", "standin-2", "standin-3", "standin-4"} <= names
+        assert {"standin-1", "standin-2", "standin-3", "tiny-a"} <= names
 
 
 @pytest.mark.parametrize("launch,signal,final", [
