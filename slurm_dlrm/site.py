@@ -110,6 +110,7 @@ class SlurmAdminConfig:
     mps_start_timeout_s: float = 10.0
     mps_stop_timeout_s: float = 10.0
     shm_dir: str = "/dev/shm"
+    accounting_tres: bool = True
 
 
 @dataclass(frozen=True)
@@ -378,6 +379,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         mps_start_timeout_s=sl.get("mps_start_timeout_s", float, 10.0, min_value=0.5, max_value=600),
         mps_stop_timeout_s=sl.get("mps_stop_timeout_s", float, 10.0, min_value=0.5, max_value=600),
         shm_dir=_abs_path(sl, "shm_dir", "/dev/shm"),
+        accounting_tres=sl.get("accounting_tres", bool, True),
     )
     sl.done()
     if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", slurm.slurm_user):

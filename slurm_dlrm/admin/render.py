@@ -153,7 +153,7 @@ def build_context(site: SiteConfig) -> dict[str, Any]:
         "slurm_conf": {
             "gres_types": ",".join(gres_types),
             "select_type_parameters": s.select_type_parameters,
-            "accounting_storage_tres": ",".join(tres),
+            "accounting_storage_tres": ",".join(tres) if s.accounting_tres else "",
             "scripts": scripts,
             "nodes": _node_lines(site),
             "partitions": [{
