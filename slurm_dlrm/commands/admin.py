@@ -98,5 +98,5 @@ def _live_records() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     from slurm_dlrm.slurm import SlurmClient  # type: ignore[import-not-found,unused-ignore]
 
     client = SlurmClient()
-    return (parse_scontrol_output(client.run(["scontrol", "show", "node", "-o"])),
-            parse_scontrol_output(client.run(["scontrol", "show", "partition", "-o"])))
+    return (parse_scontrol_output(client.run(["scontrol", "show", "node", "-o"]).stdout),
+            parse_scontrol_output(client.run(["scontrol", "show", "partition", "-o"]).stdout))
