@@ -9,11 +9,16 @@ import pytest
 
 from slurm_dlrm.admin.check import (
     compare,
+    nodes_from_scontrol,
+    nodes_from_seam,
     parse_gres,
     parse_scontrol_output,
     parse_time_limit_minutes,
+    partitions_from_scontrol,
+    partitions_from_sinfo,
 )
 from slurm_dlrm.site import parse_site
+from slurm_dlrm.slurm.parse import parse_nodes_json, parse_sinfo
 
 SITE = """
 [site]
@@ -84,7 +89,8 @@ def site(**changes):
 
 
 def diffs(s=None, nodes=NODES, partitions=PARTITIONS):
-    return [str(d) for d in compare(s or site(), parse_scontrol_output(nodes), parse_scontrol_output(partitions))]
+    return [str(d) for d in compare(s or site(), nodes_from_scontrol(parse_scontrol_output(nodes)),
+                                    partitions_from_scontrol(parse_scontrol_output(partitions)))]
 
 
 def test_the_config_that_made_the_cluster_matches():
@@ -121,3 +127,147 @@ def test_parsers():
     assert parse_gres("(null)") == {}
     assert [parse_time_limit_minutes(v) for v in ("UNLIMITED", "1-00:00:00", "01:00:00", "30", "00:00:30")] == [
         None, 1440, 60, 30, 1]
+
+
+# `sinfo --json` and `sinfo --format ...` of the same cluster (what SlurmClient parses).
+SINFO_JSON = r"""{
+  "meta": {
+    "plugin": {
+      "type": "openapi\/v0.0.38",
+      "name": "Slurm OpenAPI v0.0.38"
+    },
+    "Slurm": {
+      "version": {
+        "major": 22,
+        "micro": 8,
+        "minor": 5
+      },
+      "release": "22.05.8"
+    }
+  },
+  "errors": [
+  ],
+  "nodes": [
+    {
+      "architecture": "x86_64",
+      "burstbuffer_network_address": "",
+      "boards": 1,
+      "boot_time": 1795306406,
+      "comment": "",
+      "cores": 1,
+      "cpu_binding": 0,
+      "cpu_load": 462,
+      "extra": "",
+      "free_memory": 20751,
+      "cpus": 4,
+      "last_busy": 1795307601,
+      "features": "",
+      "active_features": "",
+      "gres": "gpu:h100:2,mps:h100:200,shard:h100:16",
+      "gres_drained": "N\/A",
+      "gres_used": "gpu:h100:0(IDX:N\/A),mps:h100:0(IDX:N\/A),shard:h100:0(IDX:N\/A)",
+      "mcs_label": "",
+      "name": "node1",
+      "next_state_after_reboot": "invalid",
+      "address": "127.0.0.1",
+      "hostname": "node1",
+      "state": "idle",
+      "state_flags": [
+      ],
+      "next_state_after_reboot_flags": [
+      ],
+      "operating_system": "Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0",
+      "owner": null,
+      "partitions": [
+        "dlrm"
+      ],
+      "port": 27821,
+      "real_memory": 4000,
+      "reason": "",
+      "reason_changed_at": 0,
+      "reason_set_by_user": null,
+      "slurmd_start_time": 1795307578,
+      "sockets": 4,
+      "threads": 1,
+      "temporary_disk": 0,
+      "weight": 1,
+      "tres": "cpu=4,mem=4000M,billing=4",
+      "slurmd_version": "22.05.8",
+      "alloc_memory": 0,
+      "alloc_cpus": 0,
+      "idle_cpus": 4,
+      "tres_used": null,
+      "tres_weighted": 0.0
+    },
+    {
+      "architecture": "x86_64",
+      "burstbuffer_network_address": "",
+      "boards": 1,
+      "boot_time": 1795306406,
+      "comment": "",
+      "cores": 1,
+      "cpu_binding": 0,
+      "cpu_load": 611,
+      "extra": "",
+      "free_memory": 20801,
+      "cpus": 4,
+      "last_busy": 1795307578,
+      "features": "",
+      "active_features": "",
+      "gres": "gpu:h100:2,mps:h100:200,shard:h100:16",
+      "gres_drained": "N\/A",
+      "gres_used": "gpu:h100:0(IDX:N\/A),mps:h100:0(IDX:N\/A),shard:h100:0(IDX:N\/A)",
+      "mcs_label": "",
+      "name": "node2",
+      "next_state_after_reboot": "invalid",
+      "address": "127.0.0.1",
+      "hostname": "node2",
+      "state": "idle",
+      "state_flags": [
+      ],
+      "next_state_after_reboot_flags": [
+      ],
+      "operating_system": "Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0",
+      "owner": null,
+      "partitions": [
+        "dlrm"
+      ],
+      "port": 27822,
+      "real_memory": 4000,
+      "reason": "",
+      "reason_changed_at": 0,
+      "reason_set_by_user": null,
+      "slurmd_start_time": 1795307578,
+      "sockets": 4,
+      "threads": 1,
+      "temporary_disk": 0,
+      "weight": 1,
+      "tres": "cpu=4,mem=4000M,billing=4",
+      "slurmd_version": "22.05.8",
+      "alloc_memory": 0,
+      "alloc_cpus": 0,
+      "idle_cpus": 4,
+      "tres_used": null,
+      "tres_weighted": 0.0
+    }
+  ]
+}"""
+
+SINFO = """\
+dlrm*|up|idle|node[1-2]|2|4|4000|gpu:h100:2,mps:h100:200,shard:h100:16|1:00:00
+"""
+
+
+def test_seam_records_compare_like_scontrol_records():
+    nodes = nodes_from_seam(parse_nodes_json(SINFO_JSON))
+    partitions = partitions_from_sinfo(parse_sinfo(SINFO))
+    assert compare(site(), nodes, partitions) == []
+    changed = [str(d) for d in compare(site(**{"mps.mps_per_gpu": 50}), nodes, partitions)]
+    assert changed == ["node node1: gres/mps: site 100, cluster 200", "node node2: gres/mps: site 100, cluster 200"]
+
+
+def test_sinfo_rows_of_one_partition_merge():
+    rows = parse_sinfo("dlrm*|up|idle|node1|1|4|4000|gpu:h100:2|1:00:00\n"
+                       "dlrm*|up|allocated|node2|1|4|4000|gpu:h100:2|1:00:00\n")
+    (p,) = partitions_from_sinfo(rows)
+    assert p.nodes == ("node1", "node2") and p.default and p.max_time_minutes == 60
