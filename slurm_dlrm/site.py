@@ -73,8 +73,13 @@ class NodeGroup:
     def uses_nvml(self) -> bool:
         return self.gpu_device_files == "nvml"
 
-    def gpu_device_file(self, index: int) -> str:
-        return self.gpu_device_files.replace("{i}", str(index))
+    @property
+    def per_node_devices(self) -> bool:
+        """The pattern names the node ({node}): each node has its own device files."""
+        return "{node}" in self.gpu_device_files
+
+    def gpu_device_file(self, index: int, node: str = "") -> str:
+        return self.gpu_device_files.replace("{i}", str(index)).replace("{node}", node)
 
 
 @dataclass(frozen=True)
@@ -434,6 +439,8 @@ def _check_device_files(group: NodeGroup, key: str, path: str | None) -> None:
         return
     if not pattern.startswith("/") or any(c.isspace() or c in ",[]\"'$`" for c in pattern):
         raise ConfigError(key, f"must be \"nvml\" or an absolute path pattern with {{i}}, got {pattern!r}", path)
+    if "{" in pattern.replace("{i}", "").replace("{node}", "") or "}" in pattern.replace("{i}", "").replace("{node}", ""):
+        raise ConfigError(key, f"only {{i}} and {{node}} may be filled in, got {pattern!r}", path)
     if "{i}" not in pattern and group.gpus > 1:
         raise ConfigError(key, f"needs {{i}} (the GPU index) for {group.gpus} GPUs per node", path)
 

@@ -105,6 +105,12 @@ def _gres_lines(site: SiteConfig) -> list[dict[str, Any]]:
             entry["devices"] = [group.gpu_device_file(i) for i in range(group.gpus)]
             entry["mps_count"] = site.mps.mps_per_gpu if site.mps.enabled else 0
             entry["shard_count"] = site.mps.shards_per_gpu
+        if group.per_node_devices:
+            # {node} in the pattern: the same lines once per node, with its own files.
+            for host in group.hostnames:
+                groups.append(dict(entry, names=host,
+                                   devices=[group.gpu_device_file(i, host) for i in range(group.gpus)]))
+            continue
         groups.append(entry)
     return groups
 
