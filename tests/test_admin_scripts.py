@@ -141,10 +141,15 @@ exit 0
 '''
 
 
-def write_fake_mps(bin_dir: Path) -> Path:
+def write_fake_mps(bin_dir: Path, shm_dir: Path | None = None) -> Path:
+    """Install the fake; `shm_dir` replaces /dev/shm as its default (slurmd passes no FAKE_* env)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     path = bin_dir / "nvidia-cuda-mps-control"
-    path.write_text(FAKE_MPS_CONTROL)
+    text = FAKE_MPS_CONTROL
+    if shm_dir is not None:
+        text = text.replace('os.environ.get("FAKE_MPS_SHM_DIR", "/dev/shm")', f"os.environ.get(\"FAKE_MPS_SHM_DIR\", {str(shm_dir)!r})")
+        assert str(shm_dir) in text
+    path.write_text(text)
     path.chmod(0o755)
     return path
 
