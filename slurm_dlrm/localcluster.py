@@ -293,7 +293,9 @@ def _read_pid(pid_file: Path) -> int | None:
 
 
 def _is_ours(pid: int, state_dir: Path) -> bool:
-    """The process exists, is not a zombie, and carries our marker."""
+    """The process exists, is not a zombie, and is ours: a daemon carrying our marker,
+    or a task of a job of this cluster (slurmstepd gives every task SLURM_CONF and
+    SLURM_JOB_ID, even with --export=NONE)."""
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes()
         st = Path(f"/proc/{pid}/stat").read_text()
@@ -301,7 +303,11 @@ def _is_ours(pid: int, state_dir: Path) -> bool:
         return False
     if st.rsplit(")", 1)[-1].split()[0] == "Z":
         return False
-    return f"{MARKER}={state_dir}".encode() in env.split(b"\0")
+    entries = env.split(b"\0")
+    if f"{MARKER}={state_dir}".encode() in entries:
+        return True
+    conf = f"SLURM_CONF={state_dir / 'etc' / 'slurm.conf'}".encode()
+    return conf in entries and any(e.startswith(b"SLURM_JOB_ID=") for e in entries)
 
 
 def _ours_by_environ(state_dir: Path) -> Iterator[int]:
@@ -635,7 +641,8 @@ class LocalCluster:
                 stopped.append(d.name)
             with contextlib.suppress(FileNotFoundError):
                 d.pid_file.unlink()
-        # slurmstepd of jobs that outlived the cancel inherit the marker from slurmd.
+        # slurmstepd of jobs that outlived the cancel inherit the marker from slurmd;
+        # their tasks are recognised by SLURM_CONF + SLURM_JOB_ID (see _is_ours).
         strays = list(_ours_by_environ(c.state_dir))
         for pid in strays:
             _terminate(pid, c.state_dir, 5.0)

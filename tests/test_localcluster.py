@@ -232,8 +232,11 @@ def test_down_stops_only_what_it_started(slurm_cluster, tmp_path):
         deadline = time.monotonic() + 20
         while client.show_job(job_id).state is not JobState.RUNNING and time.monotonic() < deadline:
             time.sleep(0.2)
+        tasks = [pid for pid in lc._ours_by_environ(state_dir) if pid not in pids]
+        assert tasks, "the job's processes (slurmstepd, bash, sleep) should be visible as ours"
         stopped = cluster.down()
         assert "slurmctld" in stopped and "munged" in stopped
+        assert not [pid for pid in tasks if Path(f"/proc/{pid}").exists() and lc._is_ours(pid, state_dir)]
         assert list(lc._ours_by_environ(state_dir)) == []
         for pid in pids:
             assert pid is not None and not lc._is_ours(pid, state_dir)
