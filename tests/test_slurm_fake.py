@@ -26,7 +26,7 @@ def test_lifecycle_pending_running_completed_then_purged():
     assert fake.show_job(jid).state is JobState.PENDING
     fake.start(jid)
     info = fake.show_job(jid)
-    assert info.state is JobState.RUNNING and info.nodes == "node1,node2"
+    assert info.state is JobState.RUNNING and info.nodes == "node[1-2]"
     assert {n.state for n in fake.show_nodes()} == {"mixed"}
     fake.add_step(jid, "member-a")
     fake.finish(jid, exit_code=0)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from slurm_dlrm.site import expand_hostlist
 from slurm_dlrm.slurm.base import (
     AccountingDisabled,
     AcctRow,
@@ -26,6 +27,7 @@ from slurm_dlrm.slurm.base import (
     SlurmTimeout,
 )
 from slurm_dlrm.slurm.client import DEFAULT_SACCT_FIELDS
+from slurm_dlrm.slurm.parse import compress_hostlist
 from slurm_dlrm.slurm.states import JobState, to_job_state
 
 
@@ -158,11 +160,9 @@ class FakeSlurm:
         if j.num_nodes > len(self.node_names):
             raise ValueError(f"job {job_id} wants {j.num_nodes} nodes; the fake has {len(self.node_names)}")
         j.slurm_state, j.reason, j.start_time = "RUNNING", "None", self._now()
-        if nodes is None:
-            names = self.node_names[:j.num_nodes]
-            nodes = names[0] if len(names) == 1 else ",".join(names)
-        j.nodes = nodes
-        j.steps.append(FakeStep("batch", "batch", "RUNNING", nodes=nodes.split(",")[0]))
+        names = self.node_names[:j.num_nodes] if nodes is None else expand_hostlist(nodes)
+        j.nodes = compress_hostlist(names)  # "node[1-2]", as Slurm prints it
+        j.steps.append(FakeStep("batch", "batch", "RUNNING", nodes=names[0]))
 
     def finish(self, job_id: int, exit_code: int = 0) -> None:
         """The batch script exits: COMPLETED on 0, else FAILED."""
@@ -314,7 +314,7 @@ class FakeSlurm:
         busy: dict[str, int] = {}
         for j in self.jobs.values():
             if j.state is JobState.RUNNING:
-                for n in j.nodes.split(","):
+                for n in expand_hostlist(j.nodes):
                     busy[n] = busy.get(n, 0) + 1
         gres = f"gpu:{self.gpu_type}:{self.gpus_per_node}" if self.gpus_per_node else ""
         return [NodeInfo(name=n, state="mixed" if busy.get(n) else "idle",
@@ -330,7 +330,7 @@ class FakeSlurm:
         for state in sorted({n.state for n in nodes}):
             names = [n.name for n in nodes if n.state == state]
             rows.append(PartitionRow(partition=self.partition, available="up", state=state,
-                                     nodes=",".join(names), num_nodes=len(names), cpus=32, memory_mib=256000,
+                                     nodes=compress_hostlist(names), num_nodes=len(names), cpus=32, memory_mib=256000,
                                      gres=nodes[0].gres, time_limit="1-00:00:00", default=True))
         return rows
 
