@@ -25,7 +25,8 @@ FAKE_MPS_CONTROL = r'''#!/usr/bin/env python3
 """Fake nvidia-cuda-mps-control for tests (slurm-dlrm). `-d`: fork a daemon that serves the
 control FIFO in $CUDA_MPS_PIPE_DIRECTORY and writes nvidia-cuda-mps-control.pid there;
 no argument: a client sending stdin's commands through that FIFO.
-FAKE_MPS_FAIL_START / FAKE_MPS_START_DELAY_S / FAKE_MPS_IGNORE_QUIT make it misbehave."""
+FAKE_MPS_FAIL_START / FAKE_MPS_START_DELAY_S / FAKE_MPS_IGNORE_QUIT make it misbehave;
+FAKE_MPS_NO_PID_FILE acts like a driver that writes no PID file."""
 import os, signal, sys, time
 
 PIPE = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
@@ -42,7 +43,7 @@ def log(msg):
 
 
 def cleanup():
-    for p in (PID_FILE, FIFO, os.path.join(SHM, "cuda.shm.0.%d.1" % os.getpid())):
+    for p in (PID_FILE, PID_FILE + ".fake", FIFO, os.path.join(SHM, "cuda.shm.0.%d.1" % os.getpid())):
         try:
             os.unlink(p)
         except OSError:
@@ -58,9 +59,11 @@ def serve():
     os.makedirs(PIPE, exist_ok=True)
     if not os.path.exists(FIFO):
         os.mkfifo(FIFO, 0o622)
-    with open(PID_FILE + ".tmp", "w") as f:
+    # Drivers without the PID file: keep it where only this fake looks.
+    pid_file = PID_FILE + ".fake" if os.environ.get("FAKE_MPS_NO_PID_FILE") else PID_FILE
+    with open(pid_file + ".tmp", "w") as f:
         f.write(str(os.getpid()))
-    os.replace(PID_FILE + ".tmp", PID_FILE)
+    os.replace(pid_file + ".tmp", pid_file)
     if os.path.isdir(SHM):
         open(os.path.join(SHM, "cuda.shm.0.%d.1" % os.getpid()), "w").close()
     log("start CUDA_VISIBLE_DEVICES=%s" % os.environ.get("CUDA_VISIBLE_DEVICES", ""))
@@ -85,12 +88,14 @@ def serve():
 
 
 def alive():
-    try:
-        pid = int(open(PID_FILE).read())
-        os.kill(pid, 0)
-        return True
-    except (OSError, ValueError):
-        return False
+    for pid_file in (PID_FILE, PID_FILE + ".fake"):
+        try:
+            pid = int(open(pid_file).read())
+            os.kill(pid, 0)
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 def client():
@@ -210,9 +215,12 @@ class Node:
                                               f"TresPerNode=gres:mps:40\n")
 
     def kill_daemons(self) -> None:
-        for d in self.pipe_root.glob("gpu*"):
-            pid = self.daemon_pid(int(d.name[3:]))
-            if pid:
+        for f in self.pipe_root.glob("gpu*/pipe/nvidia-cuda-mps-control.pid*"):
+            try:
+                pid = int(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -322,6 +330,24 @@ def test_prolog_waits_for_a_slow_daemon(node):
     node.job_running(45)
     assert node.run("prolog.sh", 45, FAKE_MPS_START_DELAY_S="0.6").returncode == 0
     assert node.daemon_pid(1)
+
+
+def test_daemon_without_a_pid_file(node):
+    """Older drivers write no PID file: readiness and stop go by get_server_list alone."""
+    node.job_running(55)
+    node.job_running(56)
+    assert node.run("prolog.sh", 55, FAKE_MPS_NO_PID_FILE="1").returncode == 0
+    fake_pid_file = node.pipe_root / "gpu1" / "pipe" / "nvidia-cuda-mps-control.pid.fake"
+    pid = int(fake_pid_file.read_text())
+    assert node.daemon_pid(1) is None and alive(pid)
+    assert node.run("prolog.sh", 56).returncode == 0  # finds the running daemon by its pipe
+    assert node.control_log(1).count("start ") == 1
+    assert node.run("epilog.sh", 55).returncode == 0
+    assert alive(pid)
+    assert node.run("epilog.sh", 56).returncode == 0
+    assert wait_gone(pid)
+    assert "command quit" in node.control_log(1)
+    assert not (node.pipe_root / "gpu1" / "pipe").exists()
 
 
 def test_prolog_replaces_a_dead_daemon(node):

@@ -64,11 +64,18 @@ control() {
     timeout 5 "$MPS_CONTROL"
 }
 
+# True if GPU $1's daemon runs: its PID file names a live daemon, or (drivers that write no
+# PID file) it answers get_server_list on its pipe.
+daemon_up() {
+  [[ -n $(daemon_pid "$1") ]] && return 0
+  [[ -d $(pipe_dir "$1") ]] && control "$1" get_server_list >/dev/null 2>&1
+}
+
 any_daemon_running() {
   local d
   for d in "$PIPE_ROOT"/gpu*; do
     [[ -d $d ]] || continue
-    [[ -n $(daemon_pid "${d##*/gpu}") ]] && return 0
+    daemon_up "${d##*/gpu}" && return 0
   done
   return 1
 }
@@ -117,12 +124,15 @@ start_daemon() {
     return 1
   fi
   for ((i = 0; i < START_POLLS; i++)); do
-    if [[ -n $(daemon_pid "$gpu") ]] && control "$gpu" get_server_list >/dev/null 2>&1; then
+    if control "$gpu" get_server_list >/dev/null 2>&1; then
+      local pid_text
+      pid_text=$(daemon_pid "$gpu")
+      pid_text=${pid_text:+$pid_text }
       # Clients carry the job's own percentage (Slurm sets it in the job's environment);
       # the default caps a client that lost it.
       control "$gpu" set_default_active_thread_percentage "$pct" >/dev/null 2>&1 ||
         log "GPU $gpu: set_default_active_thread_percentage $pct refused"
-      log "GPU $gpu: MPS control daemon $(daemon_pid "$gpu") started, default thread percentage $pct"
+      log "GPU $gpu: MPS control daemon ${pid_text}started, default thread percentage $pct"
       return 0
     fi
     sleep 0.1
@@ -146,7 +156,7 @@ main() {
   flock -w 60 9 || { log "lock $PIPE_ROOT/lock busy for 60 s"; return 1; }
   for gpu in "${gpus[@]}"; do
     mkdir -p "$(gpu_dir "$gpu")/jobs" && : >"$(gpu_dir "$gpu")/jobs/$job" || return 1
-    if [[ -z $(daemon_pid "$gpu") ]] && ! start_daemon "$gpu" "$pct"; then
+    if ! daemon_up "$gpu" && ! start_daemon "$gpu" "$pct"; then
       rm -f -- "$(gpu_dir "$gpu")/jobs/$job"
       return 1
     fi
