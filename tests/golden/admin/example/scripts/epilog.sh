@@ -18,7 +18,8 @@ PIPE_ROOT=/run/slurm-dlrm/mps
 LOG_ROOT=/var/log/slurm-dlrm/mps
 # [slurm] shm_dir: MPS leaves cuda.shm.* segments here.
 SHM_DIR=/dev/shm
-# One record per job that holds MPS on this node: "<GPU indices, comma-separated> <thread pct>".
+# One record per job that holds MPS on this node:
+# "<GPU indices, comma-separated> <thread pct> <gpu_mem_mib, 0 = no fence>".
 JOBS_DIR=$PIPE_ROOT/jobs
 
 log() {
