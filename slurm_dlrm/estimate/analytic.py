@@ -20,6 +20,8 @@ from slurm_dlrm.estimate.timeline import (
     Tape,
     batch_bytes,
     embedding_optimizer_state_bytes,
+    is_fixed_length,
+    prefetch_depth,
     simulate_step,
 )
 from slurm_dlrm.site import GpuModel
@@ -41,9 +43,14 @@ SEGMENT_BYTES = 2 * MIB
 # the host process (typical for CUDA 12 builds; calibrate from history on the site).
 HOST_RUNTIME_CPU_BYTES = 376 * MIB
 HOST_RUNTIME_CUDA_BYTES = 1536 * MIB
-# A DataLoader worker is a forked Python with torch imported: its own RSS.
-LOADER_WORKER_BYTES = 220 * MIB
-LOADER_PREFETCH_FACTOR = 2  # torch DataLoader default prefetch_factor
+# The runner's loader workers are threads (slurm_dlrm/train/data.py Prefetcher): a
+# touched stack and numpy scratch each, no process of their own.
+LOADER_THREAD_BYTES = 2 * MIB
+# The runner's synthetic source (slurm_dlrm/train/data.py SyntheticBatches) draws pools
+# once: 8 batches of dense rows, labels and lengths, and per table 8 batches of ids
+# capped at one batch + 4 M. Mirrored here (that module imports torch).
+SYNTHETIC_POOL_BATCHES = 8
+SYNTHETIC_POOL_EXTRA_IDS = 4_000_000
 # glibc malloc keeps freed blocks below the mmap threshold; peak RSS runs above live
 # tensor bytes by this fraction (measured by benchmarks/estimator_accuracy.py).
 HOST_MALLOC_OVERHEAD = 0.0
@@ -150,6 +157,7 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
     host_table_opt = embedding_optimizer_state_bytes(spec, host_tables) if host_tables else 0
     workers = spec.loader_workers
     one_batch = batch_bytes(spec)
+    pools = synthetic_pool_bytes(spec)
 
     if gpu is not None:
         gpu_breakdown = dict(parts)
@@ -161,9 +169,9 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
             "runtime": HOST_RUNTIME_CUDA_BYTES,
             "host_embedding_weights": host_table_bytes,
             "host_embedding_optimizer_state": host_table_opt,
-            "pinned_staging": (spec.prefetch_batches + 1) * one_batch,
-            "loader_workers": workers * LOADER_WORKER_BYTES,
-            "loader_prefetch": workers * LOADER_PREFETCH_FACTOR * one_batch,
+            "pinned_staging": (prefetch_depth(spec) + 1) * one_batch,
+            "loader_threads": workers * LOADER_THREAD_BYTES,
+            "synthetic_data_pools": pools,
         }
     else:
         gpu_breakdown = {}
@@ -172,8 +180,8 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
             "runtime": HOST_RUNTIME_CPU_BYTES,
             "tensors": tape.peak,
             "malloc_overhead": int(tape.peak * HOST_MALLOC_OVERHEAD),
-            "loader_workers": workers * LOADER_WORKER_BYTES,
-            "loader_prefetch": workers * LOADER_PREFETCH_FACTOR * one_batch,
+            "loader_threads": workers * LOADER_THREAD_BYTES,
+            "synthetic_data_pools": pools,
         }
     host_peak = sum(host_breakdown.values())
     return Estimate(
@@ -181,6 +189,25 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
         host_breakdown=host_breakdown, profile=compute_profile(spec, gpu), tensor_peak_bytes=tape.peak,
         peak_phase=tape.peak_where, gpu_model=gpu.name if gpu is not None else None, notes=tuple(notes),
     )
+
+
+def synthetic_pool_bytes(spec: JobSpec) -> int:
+    """Host bytes of the runner's synthetic data pools (numpy, outside torch)."""
+    if spec.data.type != "synthetic":
+        return 0
+    B = spec.batch_size
+    pool_rows = B * SYNTHETIC_POOL_BATCHES
+    total = pool_rows * spec.dense_features * F32 + pool_rows * F32
+    for t in spec.tables:
+        if is_fixed_length(t):
+            per_batch = B * (t.multi_hot or 1)
+        else:
+            p = float(t.pooling_factor or 1.0)
+            per_batch = int(B * p + 8 * (B * p) ** 0.5 + 16)
+            total += pool_rows * 4  # int32 lengths pool
+        n_ids = per_batch + min(per_batch * (SYNTHETIC_POOL_BATCHES - 1), SYNTHETIC_POOL_EXTRA_IDS)
+        total += n_ids * 8
+    return total
 
 
 def embedding_and_optimizer_bytes(est: Estimate) -> tuple[int, int]:

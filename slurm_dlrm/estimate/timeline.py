@@ -18,9 +18,9 @@ tensor and is added by the device rules in `analytic.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import comb
+from math import comb, sqrt
 
-from slurm_dlrm.spec import JobSpec
+from slurm_dlrm.spec import JobSpec, TableSpec
 
 F32 = 4
 I32 = 4
@@ -121,7 +121,7 @@ class Shapes:
         # autocast keeps activations in half precision (approximation: all of them).
         act = 2 if spec.mixed_precision in ("fp16", "bf16") else F32
         return cls(B=spec.batch_size, F=F, D=D, dense_in=spec.dense_features, bottom=spec.bottom_mlp,
-                   top=spec.top_mlp, top_in=top_in, ids=sum(int(spec.batch_size * t.ids_per_sample) for t in spec.tables),
+                   top=spec.top_mlp, top_in=top_in, ids=sum(ids_per_batch(spec.batch_size, t) for t in spec.tables),
                    act_bytes=act, out_bytes=F32, dcn_layers=layers, dcn_rank=rank)
 
 
@@ -152,6 +152,30 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def dense_param_bytes(spec: JobSpec) -> int:
     return sum(_numel(s) for s in dense_param_shapes(spec)) * F32
+
+
+def is_fixed_length(t: TableSpec) -> bool:
+    """The runner's loader gives every sample the same number of ids (multi-hot, or
+    one-hot when pooling_factor is 1); otherwise lengths are Poisson(pooling_factor)."""
+    return t.multi_hot is not None or (t.pooling_factor or 1.0) == 1.0
+
+
+def ids_per_batch(batch_size: int, t: TableSpec) -> int:
+    """Ids one batch holds for one table: exact for fixed lengths; for Poisson
+    lengths the mean plus two standard deviations (a window of B lengths)."""
+    mean = batch_size * t.ids_per_sample
+    if is_fixed_length(t):
+        return int(mean)
+    return int(mean + 2 * sqrt(mean))
+
+
+def prefetch_depth(spec: JobSpec) -> int:
+    """Batches the runner's Prefetcher keeps ready besides the one in use
+    (slurm_dlrm/train/data.py): none when it has no loader threads or the source is
+    made inline (synthetic data costs microseconds a batch)."""
+    if spec.loader_workers == 0 or spec.data.type == "synthetic":
+        return 0
+    return spec.prefetch_batches
 
 
 def batch_bytes(spec: JobSpec) -> int:
@@ -261,9 +285,13 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     tape.alloc(dense_opt, DENSE_OPT)
     tape.alloc(st.small, OTHER)
 
-    # Input batches: the loader keeps `prefetch_batches` ready besides the one in use.
+    # Input batches: the loader keeps `prefetch_depth` ready besides the one in use.
     one_batch = batch_bytes(spec)
-    tape.alloc(one_batch * spec.prefetch_batches, INPUTS)
+    tape.alloc(one_batch * prefetch_depth(spec), INPUTS)
+    if spec.data.type == "synthetic":
+        # the synthetic source's shared per-sample lengths tensors, one per fixed count
+        fixed = {t.multi_hot or 1 for t in spec.tables if is_fixed_length(t)}
+        tape.alloc(len(fixed) * B * I32, INPUTS)
     tape.where = "input"
     batch = tape.alloc(one_batch, INPUTS)
 
