@@ -14,6 +14,7 @@ Adam: fbgemm's CPU kernels have no fused Adam, so Adam configs run (and are
 estimated) on the non-fused path; see benchmarks/_measure.py.
 
 Run:  /work/main/.venv/bin/python benchmarks/estimator_accuracy.py [--only NAME] [--steps N]
+      [--spec FILE ...] [--specs-only]
 Last line:  estimator: configs=N median_err_pct=X p95_err_pct=X max_under_pct=X
             rss_median_err_pct=X planner_median_err_pct=X
 """
@@ -34,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from slurm_dlrm.estimate import estimate  # noqa: E402
-from slurm_dlrm.spec import parse_spec  # noqa: E402
+from slurm_dlrm.spec import load_spec, parse_spec  # noqa: E402
 
 MIB = 1 << 20
 
@@ -133,8 +134,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", action="append", help="run only the config(s) with this name")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--spec", action="append", default=[], metavar="FILE",
+                    help="also run this spec file (YAML/JSON); repeatable")
+    ap.add_argument("--specs-only", action="store_true", help="run only the --spec files")
     args = ap.parse_args()
-    configs = [c for c in CONFIGS if not args.only or c["name"] in args.only]
+    configs = [] if args.specs_only else [c for c in CONFIGS if not args.only or c["name"] in args.only]
+    for path in args.spec:
+        configs.append(load_spec(path).to_dict())
     print(f"{'config':<24} {'measured':>9} {'estimate':>9} {'err%':>6} | {'planner':>9} {'err%':>7} | "
           f"{'RSS':>8} {'est RSS':>8} {'err%':>6} | {'ms':>5} phase")
     errs: list[float] = []

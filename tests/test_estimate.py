@@ -129,6 +129,10 @@ def test_host_placement_moves_tables_to_host():
     assert est.gpu_breakdown["embedding_weights"] == 2000 * 16 * 4
     assert est.host_breakdown["host_embedding_weights"] == 100000 * 16 * 4
     assert est.host_breakdown["host_embedding_optimizer_state"] == 100000 * 16 * 4
+    # fbgemm's UVM-caching kernel keeps 20% of the rows in HBM, plus its cache state
+    assert est.gpu_breakdown["uvm_cache"] == 20000 * 16 * 4 + 20000 * 8 + 100000 * 4
+    host = estimate(small(tables=[dict(t, placement="host") for t in tables], optimizer={"type": "adagrad"}), H100)
+    assert host.gpu_breakdown["uvm_cache"] == 0
 
 
 def test_world_size_spreads_tables():

@@ -49,6 +49,9 @@ LOADER_THREAD_BYTES = 2 * MIB
 # The runner's synthetic source (slurm_dlrm/train/data.py SyntheticBatches) draws pools
 # once: 8 batches of dense rows, labels and lengths, and per table 8 batches of ids
 # capped at one batch + 4 M. Mirrored here (that module imports torch).
+# placement uvm runs fbgemm's UVM-caching kernel on a GPU (slurm_dlrm/train/model.py):
+# an HBM cache of this share of the rows (torchrec batched_embedding_kernel default).
+UVM_CACHE_LOAD_FACTOR = 0.2
 SYNTHETIC_POOL_BATCHES = 8
 SYNTHETIC_POOL_EXTRA_IDS = 4_000_000
 # glibc malloc keeps freed blocks below the mmap threshold; peak RSS runs above live
@@ -161,6 +164,7 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
 
     if gpu is not None:
         gpu_breakdown = dict(parts)
+        gpu_breakdown["uvm_cache"] = uvm_cache_bytes(spec)
         gpu_breakdown["cuda_context"] = gpu.cuda_context_bytes
         gpu_breakdown["cublas_workspace"] = gpu.cublas_workspace_bytes
         gpu_breakdown["allocator_rounding"] = allocator_rounding_bytes(tape.at_peak_sizes)
@@ -189,6 +193,19 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
         host_breakdown=host_breakdown, profile=compute_profile(spec, gpu), tensor_peak_bytes=tape.peak,
         peak_phase=tape.peak_where, gpu_model=gpu.name if gpu is not None else None, notes=tuple(notes),
     )
+
+
+def uvm_cache_bytes(spec: JobSpec) -> int:
+    """HBM cache of UVM-cached tables: cached rows in the table's dtype, plus fbgemm's
+    cache state (int64 per slot, int32 per row; torchrec planner
+    `_calculate_cache_aux_state_sizes`)."""
+    total = 0
+    for t in spec.tables:
+        if t.placement != "uvm":
+            continue
+        slots = int(t.rows * UVM_CACHE_LOAD_FACTOR + 0.999999)
+        total += slots * t.dim * t.dtype_bytes + slots * 8 + t.rows * 4
+    return total
 
 
 def synthetic_pool_bytes(spec: JobSpec) -> int:

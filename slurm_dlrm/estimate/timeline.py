@@ -234,8 +234,16 @@ def is_fused(spec: JobSpec, device: str = "cuda") -> bool:
     return spec.optimizer.fused
 
 
+def table_weight_bytes(t: TableSpec, device: str = "cuda") -> int:
+    """fbgemm-gpu-cpu 1.8.0 has no bf16 lookup, so the runner keeps bf16 tables in fp32
+    on the CPU (slurm_dlrm/train/model.py)."""
+    if device == "cpu" and t.dtype == "bf16":
+        return t.rows * t.dim * F32
+    return t.weight_bytes
+
+
 def static_parts(spec: JobSpec, device_tables: list[int], device: str = "cuda") -> StaticParts:
-    emb_w = sum(spec.tables[i].weight_bytes for i in device_tables)
+    emb_w = sum(table_weight_bytes(spec.tables[i], device) for i in device_tables)
     emb_opt = embedding_optimizer_state_bytes(spec, device_tables)
     grad_bucket = 0 if is_fused(spec, device) else emb_w
     dense = dense_param_bytes(spec)
@@ -471,7 +479,7 @@ def _optimizer_temps(spec: JobSpec, tape: Tape, tables: list[int], foreach: bool
         return
     sizes = [_numel(sh) * F32 for sh in dense_param_shapes(spec)]
     if not fused:
-        emb_sizes = [spec.tables[i].rows * spec.tables[i].dim * F32 for i in tables]
+        emb_sizes = [spec.tables[i].rows * spec.tables[i].dim * F32 for i in tables]  # fp32 grads/state
         if kind == "rowwise_adagrad":  # torchrec RowWiseAdagrad: per-row temps
             emb_sizes = [spec.tables[i].rows * F32 for i in tables]
         sizes = emb_sizes + sizes
