@@ -18,6 +18,7 @@ MEASURE_DEBUG=1 prints every allocation and free and what is live at the peak.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -169,9 +170,12 @@ def run(spec: JobSpec, steps: int) -> dict[str, Any]:
             print(f"STATIC {static_bytes}", file=sys.stderr)
         prefetch = Prefetcher(source, 0, steps, spec.loader_workers, spec.prefetch_batches, cpu)
         loss_sum = torch.zeros(())
+        # the runner's Trainer._autocast: forward under autocast when mixed precision is on
+        amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.mixed_precision)
         for _step, batch in prefetch:
             optimizer.zero_grad()
-            loss, _ = model(batch)
+            with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
+                loss, _ = model(batch)
             loss.backward()
             optimizer.step()
             loss_sum += loss.detach()
