@@ -156,7 +156,7 @@ def test_profile_labels():
     tsv = small(data={"type": "criteo-tsv", "path": "/x"}, loader_workers=1, batch_size=8192)
     p = estimate(tsv, H100).profile
     assert p.label == "host-bound" and p.host_cpu_cores >= 1.9
-    lookups = small(tables=[{"rows": 10**7, "dim": 128, "multi_hot": 200}] * 1, bottom_mlp=[128], top_mlp=[1],
+    lookups = small(tables=[{"rows": 10**7, "dim": 128, "multi_hot": 200}] * 1, bottom_mlp=[128], top_mlp=[16, 1],
                     batch_size=8192, loader_workers=8)
     assert estimate(lookups, H100).profile.label == "memory-bound"
     for est in (estimate(big_mlp, H100), estimate(lookups, H100)):
