@@ -156,8 +156,8 @@ def test_profile_labels():
     tsv = small(data={"type": "criteo-tsv", "path": "/x"}, loader_workers=1, batch_size=8192)
     p = estimate(tsv, H100).profile
     assert p.label == "host-bound" and p.host_cpu_cores >= 1.9
-    lookups = small(tables=[{"rows": 10**7, "dim": 128, "multi_hot": 200}] * 1, bottom_mlp=[128], top_mlp=[16, 1],
-                    batch_size=8192, loader_workers=8)
+    lookups = small(tables=[{"rows": 10**7, "dim": 128, "multi_hot": 400}], bottom_mlp=[128], top_mlp=[16, 1],
+                    batch_size=8192, loader_workers=8, data={"type": "criteo-npy", "path": "/d"})
     assert estimate(lookups, H100).profile.label == "memory-bound"
     for est in (estimate(big_mlp, H100), estimate(lookups, H100)):
         assert 0 < est.profile.sm_util_pct <= 100 and 0 <= est.profile.membw_util_pct <= 100

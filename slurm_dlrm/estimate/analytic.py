@@ -63,6 +63,7 @@ GEMM_EFFICIENCY = 0.5  # small-MLP GEMMs reach about half of peak FLOP/s
 EMB_BW_EFFICIENCY = 0.4  # random row gathers reach about 40% of peak HBM bandwidth
 KERNEL_LAUNCH_S = 8e-6  # per kernel, launch + tail
 HOST_SECONDS_PER_SAMPLE = {"synthetic": 0.3e-6, "criteo-npy": 1.5e-6, "criteo-tsv": 25e-6}
+HOST_SECONDS_PER_ID = 1e-9  # gathering and concatenating int64 ids into the batch
 
 
 @dataclass(frozen=True)
@@ -293,8 +294,10 @@ def compute_profile(spec: JobSpec, gpu: GpuModel | None) -> ComputeProfile:
     t_memory = B * (emb_bytes / (bw * EMB_BW_EFFICIENCY) + act_bytes / bw)
     t_launch = _kernels_per_step(spec) * KERNEL_LAUNCH_S
     t_gpu = t_compute + t_memory + t_launch
-    per_sample_host = HOST_SECONDS_PER_SAMPLE.get(spec.data.type, 1e-6)
-    workers = max(spec.loader_workers, 1)
+    ids_per_sample = sum(t.ids_per_sample for t in spec.tables)
+    per_sample_host = HOST_SECONDS_PER_SAMPLE.get(spec.data.type, 1e-6) + ids_per_sample * HOST_SECONDS_PER_ID
+    inline = spec.data.type == "synthetic"  # the runner makes synthetic batches in the training thread
+    workers = 1 if inline else max(spec.loader_workers, 1)
     t_host = B * per_sample_host / workers
     t_step = max(t_gpu, t_host)
     if t_host > t_gpu:
@@ -304,7 +307,7 @@ def compute_profile(spec: JobSpec, gpu: GpuModel | None) -> ComputeProfile:
     else:
         label = "memory-bound"
     busy = min(1.0, t_host / t_step)
-    host_cores = 1.0 + (spec.loader_workers * busy if spec.loader_workers else 0.0)
+    host_cores = 1.0 + (spec.loader_workers * busy if spec.loader_workers and not inline else 0.0)
     return ComputeProfile(
         flops_per_sample=flops,
         emb_bytes_per_sample=emb_bytes,

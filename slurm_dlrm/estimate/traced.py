@@ -208,7 +208,8 @@ def estimate_traced(spec: JobSpec, gpu: GpuModel | None,
         "input_batches": r.batch_bytes,
         "activations_and_grads": dynamic,
     }
-    notes = ["traced on meta tensors: one forward/backward; optimizer step from the parameters"]
+    notes = ["traced on meta tensors: one forward/backward; optimizer step from the parameters",
+             "compute profile from the spec's DLRM shape (approximate for a custom module)"]
     host = {"runtime": HOST_RUNTIME_CUDA_BYTES if gpu is not None else HOST_RUNTIME_CPU_BYTES,
             "synthetic_data_pools": synthetic_pool_bytes(spec)}
     if gpu is not None:
