@@ -49,3 +49,15 @@ def test_bad_custom_module():
         estimate_traced(spec(custom_module="no_such_pkg.mod:build"), H100)
     with pytest.raises(SpecError, match="no callable"):
         estimate_traced(spec(custom_module="slurm_dlrm.estimate.example_custom:nope"), H100)
+
+
+def _broken(spec):
+    class Broken(torch.nn.Module):
+        def forward(self, batch):
+            return batch.dense_features.sum().item()  # no data on meta tensors
+    return Broken()
+
+
+def test_module_that_fails_on_meta_is_a_spec_error():
+    with pytest.raises(SpecError, match="tracing .* failed"):
+        estimate_traced(spec(), H100, factory=_broken)

@@ -199,7 +199,13 @@ def estimate_traced(spec: JobSpec, gpu: GpuModel | None,
     """Estimate a spec with a custom module (or any `factory`) by tracing it on meta."""
     if factory is None:
         factory = load_factory(spec)
-    r = trace_step(spec, factory, "meta", foreach=gpu is not None)
+    try:
+        r = trace_step(spec, factory, "meta", foreach=gpu is not None)
+    except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError, IndexError) as exc:
+        # user code failing on meta tensors is bad input about this spec, not a crash of ours
+        first = " ".join(str(exc).split())[:200]
+        raise SpecError("custom_module", f"tracing {spec.custom_module} on meta tensors failed: "
+                        f"{type(exc).__name__}: {first}", spec.source) from None
     dynamic = r.peak_bytes - r.param_bytes - r.buffer_bytes - r.opt_state_bytes - r.batch_bytes
     parts = {
         "model_params": r.param_bytes,
