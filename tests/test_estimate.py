@@ -8,7 +8,7 @@ import pytest
 from slurm_dlrm.errors import SpecError
 from slurm_dlrm.estimate import HistoryRecord, calibrate, check_tables_fit, copies_per_gpu, estimate
 from slurm_dlrm.estimate.analytic import device_tables
-from slurm_dlrm.estimate.timeline import PARTS
+from slurm_dlrm.estimate.timeline import PARTS, batch_bytes
 from slurm_dlrm.presets import PRESET_NAMES
 from slurm_dlrm.site import REPO_SITE_FILE, load_site
 from slurm_dlrm.spec import parse_spec, spec_fingerprint
@@ -117,8 +117,15 @@ def test_gpu_rules_added_on_top_of_tensors():
 def test_monotone_in_batch_and_prefetch():
     assert estimate(small(batch_size=1024), H100).gpu_peak_bytes > estimate(small(), H100).gpu_peak_bytes
     npy = {"data": {"type": "criteo-npy", "path": "/d"}, "loader_workers": 2}
-    one_batch = estimate(small(**npy, prefetch_batches=0), H100)
-    assert estimate(small(**npy, prefetch_batches=3), H100).gpu_peak_bytes > one_batch.gpu_peak_bytes
+    one = estimate(small(**npy, prefetch_batches=0), H100)
+    three = estimate(small(**npy, prefetch_batches=3), H100)
+    # batches made ahead wait in pinned host memory; only the one in use is on the GPU
+    assert three.gpu_peak_bytes == one.gpu_peak_bytes
+    assert three.host_breakdown["pinned_staging"] == 4 * one.host_breakdown["pinned_staging"]
+    cpu_one, cpu_three = estimate(small(**npy, prefetch_batches=0), None), estimate(small(**npy, prefetch_batches=3), None)
+    assert cpu_one.host_breakdown["loader_prefetch"] == 0
+    assert cpu_three.host_breakdown["loader_prefetch"] == 3 * batch_bytes(small(**npy))
+    assert cpu_three.host_peak_bytes - cpu_one.host_peak_bytes == cpu_three.host_breakdown["loader_prefetch"]
     # synthetic batches are made inline by the runner: prefetching does not apply
     assert estimate(small(prefetch_batches=3), H100) == estimate(small(), H100)
 

@@ -185,6 +185,7 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
             "runtime": HOST_RUNTIME_CPU_BYTES,
             "tensors": tape.peak,
             "malloc_overhead": int(tape.peak * HOST_MALLOC_OVERHEAD),
+            "loader_prefetch": prefetch_depth(spec) * one_batch,
             "loader_threads": workers * LOADER_THREAD_BYTES,
             "synthetic_data_pools": pools,
         }

@@ -33,7 +33,7 @@ EMB_GRAD = "embedding_gradients"  # non-fused only: DDP bucket + the full-table 
 DENSE_PARAMS = "dense_params"
 DENSE_GRADS = "dense_grads"
 DENSE_OPT = "dense_optimizer_state"
-INPUTS = "input_batches"  # dense features, lengths, int64 ids, labels; x (1 + prefetch)
+INPUTS = "input_batches"  # dense features, lengths, int64 ids, labels of the batch in use
 INDEX_OFFSETS = "index_offsets"
 EMB_OUT = "embedding_outputs"
 EMB_OUT_GRAD = "embedding_output_grads"
@@ -292,9 +292,9 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     tape.alloc(dense_opt, DENSE_OPT)
     tape.alloc(st.small, OTHER)
 
-    # Input batches: the loader keeps `prefetch_depth` ready besides the one in use.
+    # The batch in use. Batches the loader threads prepare ahead (`prefetch_depth`) stay
+    # in host memory (pinned, on a GPU) until their step: see the host breakdown.
     one_batch = batch_bytes(spec)
-    tape.alloc(one_batch * prefetch_depth(spec), INPUTS)
     if spec.data.type == "synthetic":
         # the synthetic source's shared per-sample lengths tensors, one per fixed count
         fixed = {t.multi_hot or 1 for t in spec.tables if is_fixed_length(t)}
