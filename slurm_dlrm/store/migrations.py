@@ -59,12 +59,14 @@ _V1 = (
         name TEXT NOT NULL,
         state TEXT NOT NULL CHECK (state IN ({_in(JobState)})),
         attempt INTEGER NOT NULL DEFAULT 0, -- times it was requeued after running
+        spec_json TEXT NOT NULL,
         spec_fingerprint TEXT NOT NULL,
         gpu_model TEXT,
         est_gpu_peak_bytes INTEGER,
         est_host_peak_bytes INTEGER,
         est_profile_label TEXT,
         est_solo_samples_per_s REAL,
+        estimate_json TEXT,                 -- Estimate.to_dict(): breakdowns and profile
         gpu_mem_request_bytes INTEGER,      -- what packing reserves; raised after an OOM
         host_mem_request_bytes INTEGER,
         submit_time REAL NOT NULL,
@@ -76,15 +78,6 @@ _V1 = (
         exit_code INTEGER,
         exit_reason TEXT,
         updated_time REAL NOT NULL
-    )
-    """,
-    # The documents, apart: a job row stays small, so scanning 10,000 jobs for acct
-    # does not read kilobytes of spec per job.
-    """
-    CREATE TABLE job_specs (
-        job_id INTEGER PRIMARY KEY REFERENCES jobs(id),
-        spec_json TEXT NOT NULL,
-        estimate_json TEXT                  -- Estimate.to_dict(): breakdowns and profile
     )
     """,
     "CREATE INDEX jobs_state ON jobs(state)",
@@ -109,8 +102,7 @@ _V1 = (
         UNIQUE (pack_id, job_id, node_index, gpu_index)
     )
     """,
-    "CREATE INDEX placements_job ON placements(job_id, pack_id, start_time, end_time, node)",
-    "CREATE INDEX placements_gpu ON placements(pack_id, node_index, gpu_index, start_time, end_time)",
+    "CREATE INDEX placements_job ON placements(job_id)",
     """
     CREATE TABLE samples (
         t REAL NOT NULL,
@@ -127,8 +119,7 @@ _V1 = (
     )
     """,
     "CREATE INDEX samples_job_t ON samples(job_id, t)",
-    # Time windows (report --since, pruning old samples).
-    "CREATE INDEX samples_t ON samples(t)",
+    "CREATE INDEX samples_pack_t ON samples(pack_id, t)",
     # Per-job aggregates kept up to date by every sample write, so `acct` never scans
     # the samples table.
     """
@@ -178,11 +169,40 @@ _V1 = (
     """,
 )
 
+_V2 = (
+    # The documents, apart: a job row stays small, so scanning 10,000 jobs for acct
+    # does not read kilobytes of spec per job. sbatch_json: the user's sbatch options
+    # for this job (the service merges them into its pack's script).
+    """
+    CREATE TABLE job_specs (
+        job_id INTEGER PRIMARY KEY REFERENCES jobs(id),
+        spec_json TEXT NOT NULL,
+        estimate_json TEXT,                 -- Estimate.to_dict(): breakdowns and profile
+        sbatch_json TEXT                    -- sbatch options given at submit, or NULL
+    )
+    """,
+    "INSERT INTO job_specs (job_id, spec_json, estimate_json) SELECT id, spec_json, estimate_json FROM jobs",
+    "ALTER TABLE jobs DROP COLUMN spec_json",  # SQLite >= 3.35
+    "ALTER TABLE jobs DROP COLUMN estimate_json",
+    # Covering indexes for acct's per-GPU and per-job groupings (no temp B-trees).
+    "DROP INDEX placements_job",
+    "CREATE INDEX placements_job ON placements(job_id, pack_id, start_time, end_time, node)",
+    "CREATE INDEX placements_gpu ON placements(pack_id, node_index, gpu_index, start_time, end_time)",
+    # Nothing looks samples up by pack; time windows (report --since, pruning) do.
+    "DROP INDEX samples_pack_t",
+    "CREATE INDEX samples_t ON samples(t)",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
-        "jobs, job_specs, packs, placements, samples, job_usage, events, ingest_offsets",
+        "jobs, packs, placements, samples, job_usage, events, ingest_offsets",
         tuple(s.strip() for s in _V1),
+    ),
+    Migration(
+        2,
+        "job_specs (spec, estimate, sbatch options) apart from jobs; acct and time-window indexes",
+        tuple(s.strip() for s in _V2),
     ),
 )
 

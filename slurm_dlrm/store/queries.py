@@ -141,11 +141,11 @@ ORDER BY k.start_time, k.id, min(p.start_time)
 
 QUERIES: dict[str, str] = {
     "job_by_id": (
-        "SELECT j.*, s.spec_json, s.estimate_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
+        "SELECT j.*, s.spec_json, s.estimate_json, s.sbatch_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
         "WHERE j.id = :id"
     ),
     "jobs_by_state": (
-        "SELECT j.*, s.spec_json, s.estimate_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
+        "SELECT j.*, s.spec_json, s.estimate_json, s.sbatch_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
         "WHERE (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states))) "
         "AND (:user IS NULL OR j.user = :user) ORDER BY j.id"
     ),

@@ -84,6 +84,7 @@ class Job:
     spec_fingerprint: str
     spec_json: str
     estimate_json: str | None
+    sbatch_json: str | None
     gpu_model: str | None
     est_gpu_peak_bytes: int | None
     est_host_peak_bytes: int | None
@@ -114,6 +115,10 @@ class Job:
     @property
     def estimate(self) -> dict[str, Any] | None:
         return None if self.estimate_json is None else dict(json.loads(self.estimate_json))
+
+    @property
+    def sbatch(self) -> dict[str, Any] | None:
+        return None if self.sbatch_json is None else dict(json.loads(self.sbatch_json))
 
 
 @dataclass(frozen=True)
@@ -384,8 +389,13 @@ class Store:
         estimate: Mapping[str, Any] | None = None, gpu_model: str | None = None,
         gpu_mem_request_bytes: int | None = None, host_mem_request_bytes: int | None = None,
         submit_time: float | None = None, reason: str = "submitted",
+        sbatch: Mapping[str, Any] | None = None,
     ) -> int:
-        """A new PENDING job. `estimate` is `Estimate.to_dict()` (docs/interfaces.md section 2)."""
+        """A new PENDING job. `estimate` is `Estimate.to_dict()` (docs/interfaces.md section 2).
+
+        `sbatch`: the sbatch options the user gave for this job (JSON-able), kept for the
+        service; read back as `Job.sbatch`.
+        """
         now = self.clock() if submit_time is None else submit_time
         est = dict(estimate or {})
         profile = est.get("profile") or {}
@@ -406,9 +416,10 @@ class Store:
             cur = self.conn.execute(f"INSERT INTO jobs ({cols}) VALUES ({', '.join('?' * len(row))})", tuple(row.values()))
             job_id = int(cur.lastrowid or 0)
             self.conn.execute(
-                "INSERT INTO job_specs (job_id, spec_json, estimate_json) VALUES (?, ?, ?)",
+                "INSERT INTO job_specs (job_id, spec_json, estimate_json, sbatch_json) VALUES (?, ?, ?, ?)",
                 (job_id, json.dumps(dict(spec), sort_keys=True, default=str),
-                 json.dumps(est, sort_keys=True, default=str) if estimate is not None else None),
+                 json.dumps(est, sort_keys=True, default=str) if estimate is not None else None,
+                 json.dumps(dict(sbatch), sort_keys=True, default=str) if sbatch is not None else None),
             )
             self.event_in_tx("job_state", reason, job_id=job_id, dst=JobState.PENDING.value, t=now)
         self._known_jobs.add(job_id)
