@@ -11,6 +11,8 @@ test in tests/test_store_migrations.py that opens a store at the previous versio
 
 from __future__ import annotations
 
+import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from slurm_dlrm.store.states import JobState, PackState
@@ -21,6 +23,8 @@ class Migration:
     version: int
     description: str
     statements: tuple[str, ...]
+    # Python for what plain SQL cannot say (conditional steps); runs after `statements`.
+    apply: Callable[[sqlite3.Connection], None] | None = None
 
 
 def _in(values: type[JobState] | type[PackState]) -> str:
@@ -174,24 +178,36 @@ _V2 = (
     # does not read kilobytes of spec per job. sbatch_json: the user's sbatch options
     # for this job (the service merges them into its pack's script).
     """
-    CREATE TABLE job_specs (
+    CREATE TABLE IF NOT EXISTS job_specs (
         job_id INTEGER PRIMARY KEY REFERENCES jobs(id),
         spec_json TEXT NOT NULL,
         estimate_json TEXT,                 -- Estimate.to_dict(): breakdowns and profile
         sbatch_json TEXT                    -- sbatch options given at submit, or NULL
     )
     """,
-    "INSERT INTO job_specs (job_id, spec_json, estimate_json) SELECT id, spec_json, estimate_json FROM jobs",
-    "ALTER TABLE jobs DROP COLUMN spec_json",  # SQLite >= 3.35
-    "ALTER TABLE jobs DROP COLUMN estimate_json",
     # Covering indexes for acct's per-GPU and per-job groupings (no temp B-trees).
-    "DROP INDEX placements_job",
+    "DROP INDEX IF EXISTS placements_job",
     "CREATE INDEX placements_job ON placements(job_id, pack_id, start_time, end_time, node)",
-    "CREATE INDEX placements_gpu ON placements(pack_id, node_index, gpu_index, start_time, end_time)",
+    "CREATE INDEX IF NOT EXISTS placements_gpu ON placements(pack_id, node_index, gpu_index, start_time, end_time)",
     # Nothing looks samples up by pack; time windows (report --since, pruning) do.
-    "DROP INDEX samples_pack_t",
-    "CREATE INDEX samples_t ON samples(t)",
+    "DROP INDEX IF EXISTS samples_pack_t",
+    "CREATE INDEX IF NOT EXISTS samples_t ON samples(t)",
 )
+
+
+def _v2_move_documents(conn: sqlite3.Connection) -> None:
+    # Two layouts carry version 1: the first one (documents in `jobs`) and one that
+    # briefly had `job_specs` without `sbatch_json` (main at bbf9cb2). Bring both here.
+    jobs_cols = {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}
+    if "spec_json" in jobs_cols:
+        conn.execute("INSERT INTO job_specs (job_id, spec_json, estimate_json) "
+                     "SELECT id, spec_json, estimate_json FROM jobs")
+        conn.execute("ALTER TABLE jobs DROP COLUMN spec_json")  # SQLite >= 3.35
+        conn.execute("ALTER TABLE jobs DROP COLUMN estimate_json")
+    spec_cols = {r[1] for r in conn.execute("PRAGMA table_info(job_specs)")}
+    if "sbatch_json" not in spec_cols:
+        conn.execute("ALTER TABLE job_specs ADD COLUMN sbatch_json TEXT")
+
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
@@ -203,6 +219,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         2,
         "job_specs (spec, estimate, sbatch options) apart from jobs; acct and time-window indexes",
         tuple(s.strip() for s in _V2),
+        _v2_move_documents,
     ),
 )
 

@@ -290,6 +290,8 @@ class Store:
                 self.conn.execute(MIGRATIONS_TABLE)
                 for stmt in m.statements:
                     self.conn.execute(stmt)
+                if m.apply is not None:
+                    m.apply(self.conn)
                 self.conn.execute(
                     "INSERT INTO migrations (version, description, applied_time) VALUES (?, ?, ?)",
                     (m.version, m.description, self.clock()),
