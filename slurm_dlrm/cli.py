@@ -21,6 +21,7 @@ from slurm_dlrm.errors import EXIT_RUNTIME, DlrmError
 COMMANDS: dict[str, str] = {
     "acct": "slurm_dlrm.commands.store:acct",
     "cluster": "slurm_dlrm.commands.cluster:cluster",
+    "demo": "slurm_dlrm.commands.demo:demo",
     "report": "slurm_dlrm.commands.store:report",
     "train": "slurm_dlrm.commands.train:train",
     "agent": "slurm_dlrm.commands.agent:agent",

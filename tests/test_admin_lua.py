@@ -228,6 +228,13 @@ def test_format_marker_round_trip():
     assert m is not None and (m.mode, m.gpu_mem_mib, m.job_id) == ("no-pack", 3000, 5)
     with pytest.raises(BadInput):
         format_marker("no-pack")
+    packed = format_marker("pack", pack_id=7, extra={"pack": "alice-pack-7"})
+    assert packed == "slurm-dlrm:mode=pack,pack_id=7,pack=alice-pack-7"
+    m = parse_marker(packed)
+    assert m is not None and m.pack_id == 7 and m.extra == (("pack", "alice-pack-7"),)
+    for bad in ({"pack": "a b"}, {"mode": "x"}, {"Pack": "x"}):
+        with pytest.raises(BadInput):
+            format_marker("pack", pack_id=1, extra=bad)
     assert parse_marker("not ours") is None
 
 

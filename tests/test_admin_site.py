@@ -36,6 +36,7 @@ def test_defaults():
         (lambda d: d["nodes"][0].update(gpu_device_files="/dev/nvidia0"), "nodes[0].gpu_device_files"),
         (lambda d: d["nodes"][0].update(gpu_device_files="dev/nvidia{i}"), "nodes[0].gpu_device_files"),
         (lambda d: d["nodes"][0].update(slurmd_port=70000), "nodes[0].slurmd_port"),
+        (lambda d: d["nodes"][0].update(gpu_device_files="/dev/{host}/nvidia{i}"), "nodes[0].gpu_device_files"),
         (lambda d: d["nodes"][0].update(node_addr="a b"), "nodes[0].node_addr"),
         (lambda d: d["partitions"][0].update(min_mps_share=101), "partitions[0].min_mps_share"),
         (lambda d: d["partitions"][0].update(name="dl rm"), "partitions[0].name"),

@@ -92,11 +92,10 @@ def check(ctx: click.Context, site_path: str | None, as_json: bool) -> None:
         ctx.exit(EXIT_RUNTIME)
 
 
-def _live_records() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Node and partition records of the live cluster, through the Slurm seam."""
-    from slurm_dlrm.admin.check import parse_scontrol_output
-    from slurm_dlrm.slurm import SlurmClient  # type: ignore[import-not-found,unused-ignore]
+def _live_records() -> tuple[list[Any], list[Any]]:
+    """Nodes and partitions of the live cluster, through the Slurm seam ($SLURM_CONF)."""
+    from slurm_dlrm.admin.check import nodes_from_seam, partitions_from_sinfo
+    from slurm_dlrm.slurm import SlurmClient
 
     client = SlurmClient()
-    return (parse_scontrol_output(client.run(["scontrol", "show", "node", "-o"]).stdout),
-            parse_scontrol_output(client.run(["scontrol", "show", "partition", "-o"]).stdout))
+    return nodes_from_seam(client.show_nodes()), partitions_from_sinfo(client.sinfo())

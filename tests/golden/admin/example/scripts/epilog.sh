@@ -7,8 +7,8 @@
 set -u
 # MPS clients (the jobs' users) must be able to reach the pipe directories.
 umask 022
-# slurmd runs this with a bare environment; Slurm's and MPS's commands live here.
-export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+# slurmd may run this with a bare environment; Slurm's and MPS's commands live here.
+export PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 # [slurm] mps_control_command: the MPS control program (daemon with -d, client without).
 MPS_CONTROL=nvidia-cuda-mps-control
@@ -28,6 +28,15 @@ log() {
   logger -t slurm-dlrm-mps -- "job ${SLURM_JOB_ID:-?}: $*" 2>/dev/null || true
 }
 
+# True while process $1 exists and is not a zombie (an exited daemon nobody reaped yet).
+is_alive() {
+  local stat
+  kill -0 "$1" 2>/dev/null || return 1
+  stat=$(<"/proc/$1/stat") 2>/dev/null || return 1
+  stat=${stat##*) }
+  [[ ${stat%% *} != Z ]]
+}
+
 gpu_dir() { printf '%s/gpu%s' "$PIPE_ROOT" "$1"; }
 pipe_dir() { printf '%s/gpu%s/pipe' "$PIPE_ROOT" "$1"; }
 log_dir() { printf '%s/gpu%s' "$LOG_ROOT" "$1"; }
@@ -38,9 +47,10 @@ daemon_pid() {
   local pidfile pid cmdline
   pidfile="$(pipe_dir "$1")/nvidia-cuda-mps-control.pid"
   [[ -r $pidfile ]] || return 0
-  read -r pid <"$pidfile" || return 0
+  pid=$(<"$pidfile") || return 0
+  pid=${pid//[[:space:]]/}
   [[ $pid =~ ^[0-9]+$ ]] || return 0
-  kill -0 "$pid" 2>/dev/null || return 0
+  is_alive "$pid" || return 0
   cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 0
   [[ $cmdline == *"${MPS_CONTROL##*/}"* ]] || return 0
   printf '%s' "$pid"
@@ -96,11 +106,11 @@ stop_daemon() {
         kill "-$sig" "$pid" 2>/dev/null
       fi
       for ((i = 0; i < STOP_POLLS; i++)); do
-        kill -0 "$pid" 2>/dev/null || break 2
+        is_alive "$pid" || break 2
         sleep 0.1
       done
     done
-    if kill -0 "$pid" 2>/dev/null; then
+    if is_alive "$pid"; then
       log "GPU $gpu: daemon $pid survived SIGKILL"
       return 1
     fi

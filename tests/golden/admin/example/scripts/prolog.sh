@@ -7,8 +7,8 @@
 set -u
 # MPS clients (the jobs' users) must be able to reach the pipe directories.
 umask 022
-# slurmd runs this with a bare environment; Slurm's and MPS's commands live here.
-export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+# slurmd may run this with a bare environment; Slurm's and MPS's commands live here.
+export PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 # [slurm] mps_control_command: the MPS control program (daemon with -d, client without).
 MPS_CONTROL=nvidia-cuda-mps-control
@@ -28,6 +28,15 @@ log() {
   logger -t slurm-dlrm-mps -- "job ${SLURM_JOB_ID:-?}: $*" 2>/dev/null || true
 }
 
+# True while process $1 exists and is not a zombie (an exited daemon nobody reaped yet).
+is_alive() {
+  local stat
+  kill -0 "$1" 2>/dev/null || return 1
+  stat=$(<"/proc/$1/stat") 2>/dev/null || return 1
+  stat=${stat##*) }
+  [[ ${stat%% *} != Z ]]
+}
+
 gpu_dir() { printf '%s/gpu%s' "$PIPE_ROOT" "$1"; }
 pipe_dir() { printf '%s/gpu%s/pipe' "$PIPE_ROOT" "$1"; }
 log_dir() { printf '%s/gpu%s' "$LOG_ROOT" "$1"; }
@@ -38,9 +47,10 @@ daemon_pid() {
   local pidfile pid cmdline
   pidfile="$(pipe_dir "$1")/nvidia-cuda-mps-control.pid"
   [[ -r $pidfile ]] || return 0
-  read -r pid <"$pidfile" || return 0
+  pid=$(<"$pidfile") || return 0
+  pid=${pid//[[:space:]]/}
   [[ $pid =~ ^[0-9]+$ ]] || return 0
-  kill -0 "$pid" 2>/dev/null || return 0
+  is_alive "$pid" || return 0
   cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 0
   [[ $cmdline == *"${MPS_CONTROL##*/}"* ]] || return 0
   printf '%s' "$pid"
@@ -100,8 +110,10 @@ start_daemon() {
   logs=$(log_dir "$gpu")
   clean_stale "$gpu"
   mkdir -p "$pipe" "$logs" || return 1
-  if ! CUDA_VISIBLE_DEVICES=$gpu CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=$logs "$MPS_CONTROL" -d; then
-    log "GPU $gpu: $MPS_CONTROL -d failed"
+  # The daemon must not inherit our lock (fd 9) or slurmd's pipes: it outlives this script.
+  if ! CUDA_VISIBLE_DEVICES=$gpu CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=$logs \
+    "$MPS_CONTROL" -d </dev/null >>"$logs/start.log" 2>&1 9>&-; then
+    log "GPU $gpu: $MPS_CONTROL -d failed (see $logs/start.log)"
     return 1
   fi
   for ((i = 0; i < START_POLLS; i++)); do

@@ -6,7 +6,7 @@
 # it sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT from the gpu_mem_mib its --comment recorded
 # (Slurm itself sets only the thread percentage, never a memory limit).
 set -u
-export PATH=/usr/local/bin:/usr/bin:/bin:${PATH:-}
+export PATH=${PATH:+$PATH:}/usr/local/bin:/usr/bin:/bin
 
 # [slurm] mps_pipe_root and mps_log_root, as in the prolog.
 PIPE_ROOT=/run/slurm-dlrm/mps
