@@ -188,7 +188,9 @@ def _gpu_timelines(plt: Any, store: Store, since: float, until: float, max_gpus:
         ax.set_title(f"pack {gpu[0]}  {gpu[1]} GPU {gpu[2]}", fontsize=9, loc="left")
         ax.legend(fontsize=7, loc="upper right", ncol=4)
         ax.grid(alpha=0.3)
-        ax.xaxis.set_major_formatter(mdates.DateFormatter("%m-%d %H:%M"))
+        locator = mdates.AutoDateLocator()
+        ax.xaxis.set_major_locator(locator)
+        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
     fig.tight_layout()
     note = f"{len(gpus)} of {len(series)} GPUs; averages over {bucket_s:.0f} s buckets; black = whole GPU."
     return fig, note
