@@ -239,3 +239,16 @@ def test_sigkill_during_ingestion_then_resume_is_exactly_once(setup):
         assert count(s) == total
         assert s.conn.execute("SELECT count(DISTINCT t) FROM samples").fetchone()[0] == total
         assert s.check() == []
+
+
+def test_prune_samples_keeps_the_aggregates(setup):
+    store, p, j, _ = setup
+    store.add_samples(sample_line_dicts(p, j, 1000, t0=1e9, seed=5))  # t = 1e9 + 0.5 i
+    before = store.conn.execute("SELECT n_samples, gpu_mem_peak_bytes, sm_util_sum FROM job_usage").fetchone()
+    assert store.prune_samples(1e9 + 250, batch=128) == 500
+    assert count(store) == 500
+    assert store.conn.execute("SELECT min(t) FROM samples").fetchone()[0] == 1e9 + 250
+    after = store.conn.execute("SELECT n_samples, gpu_mem_peak_bytes, sm_util_sum FROM job_usage").fetchone()
+    assert after == before
+    assert store.check() == []
+    assert store.prune_samples(0) == 0

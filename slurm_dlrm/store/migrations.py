@@ -209,6 +209,11 @@ def _v2_move_documents(conn: sqlite3.Connection) -> None:
         conn.execute("ALTER TABLE job_specs ADD COLUMN sbatch_json TEXT")
 
 
+_V3 = (
+    # Samples deleted by `Store.prune_samples`; the aggregates keep counting them.
+    "ALTER TABLE job_usage ADD COLUMN n_pruned INTEGER NOT NULL DEFAULT 0",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -221,6 +226,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         tuple(s.strip() for s in _V2),
         _v2_move_documents,
     ),
+    Migration(3, "job_usage.n_pruned (sample retention)", _V3),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

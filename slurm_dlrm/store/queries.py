@@ -105,7 +105,7 @@ LIMIT :limit
 USAGE_MISMATCH = """
 SELECT job_id, n_usage, n_samples FROM (
     SELECT u.job_id, u.n_samples AS n_usage,
-           (SELECT count(*) FROM samples s WHERE s.job_id = u.job_id) AS n_samples
+           (SELECT count(*) FROM samples s WHERE s.job_id = u.job_id) + u.n_pruned AS n_samples
     FROM job_usage u
 ) WHERE n_usage != n_samples
 UNION ALL

@@ -712,6 +712,35 @@ class Store:
         self.conn.executemany(queries.UPSERT_JOB_USAGE, _usage_rows(good))
         return len(good)
 
+    def prune_samples(self, before: float, *, batch: int = 50_000) -> int:
+        """Delete samples older than `before` (epoch s), in short transactions.
+
+        The per-job aggregates (`job_usage`, so `acct` and the calibration query) keep
+        what they learnt; only timelines before `before` are lost. Returns how many
+        samples were deleted.
+        """
+        deleted = 0
+        while True:
+            with self.write():
+                rows = self.conn.execute(
+                    "SELECT rowid, job_id FROM samples WHERE t < ? LIMIT ?", (before, batch)
+                ).fetchall()
+                if not rows:
+                    break
+                per_job: dict[int, int] = {}
+                for _, job in rows:
+                    if job is not None:
+                        per_job[job] = per_job.get(job, 0) + 1
+                self.conn.executemany("UPDATE job_usage SET n_pruned = n_pruned + ? WHERE job_id = ?",
+                                      [(n, job) for job, n in per_job.items()])
+                self.conn.execute("DELETE FROM samples WHERE rowid IN (SELECT value FROM json_each(?))",
+                                  (json.dumps([r[0] for r in rows]),))
+                deleted += len(rows)
+        if deleted:
+            self.add_event("store", f"pruned {deleted} samples older than {before:.0f}",
+                           data={"before": before, "deleted": deleted})
+        return deleted
+
     # ------------------------------------------------------------ ingestion
 
     def ingest_spool_file(self, path: str | os.PathLike[str], on_record: OnRecord | None = None,
