@@ -270,11 +270,10 @@ def _human_bytes(v: float) -> str:
 
 
 def _human_dur(v: float) -> str:
-    s = int(round(v))
-    days, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    m, s = divmod(s, 60)
-    return f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"
+    s = max(0, int(v + 0.5))  # clock skew between hosts must not print "-1:59:59"
+    if s < 86400:
+        return f"{s // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+    return f"{s // 86400}-{s % 86400 // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def _human_time(v: float) -> str:
