@@ -250,5 +250,7 @@ def test_prune_samples_keeps_the_aggregates(setup):
     assert store.conn.execute("SELECT min(t) FROM samples").fetchone()[0] == 1e9 + 250
     after = store.conn.execute("SELECT n_samples, gpu_mem_peak_bytes, sm_util_sum FROM job_usage").fetchone()
     assert after == before
+    u = store.usage(j)
+    assert u is not None and u.n_samples == 1000 and u.gpu_mem_peak_bytes == before[1]
     assert store.check() == []
     assert store.prune_samples(0) == 0

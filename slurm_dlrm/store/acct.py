@@ -74,7 +74,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("MaxSM", "sm_util_max", "pct", "max SM utilisation, %"),
     Column("MeanCPU", "host_cpu_mean", "pct", "mean host CPU, % of one core"),
     Column("SamplesPerSec", "samples_per_s_mean", "rate", "mean training throughput, samples/s"),
-    Column("NSamples", "n_samples", "int", "monitoring samples stored"),
+    Column("NSamples", "n_samples", "int", "monitoring samples recorded (pruned ones included)"),
     Column("GPUHours", "gpu_hours", "hours", "GPU-hours charged (shared GPUs split)"),
     Column("ExclGPUHours", "excl_gpu_hours", "hours", "GPU-hours it would take on its own GPUs"),
     Column("GPUHoursSaved", "gpu_hours_saved", "hours", "ExclGPUHours - GPUHours"),

@@ -164,6 +164,13 @@ QUERIES: dict[str, str] = {
         "AND (:pack_id IS NULL OR pack_id = :pack_id) AND (:kind IS NULL OR kind = :kind) "
         "AND (:since IS NULL OR t >= :since) ORDER BY id"
     ),
+    "job_usage": (
+        "SELECT job_id, n_samples, gpu_mem_peak_bytes, rss_peak_bytes, "
+        "CASE WHEN sm_util_n > 0 THEN sm_util_sum / sm_util_n END AS sm_util_mean, sm_util_max, "
+        "CASE WHEN host_cpu_n > 0 THEN host_cpu_sum / host_cpu_n END AS host_cpu_mean, "
+        "CASE WHEN sps_n > 0 THEN sps_sum / sps_n END AS samples_per_s_mean, first_t, last_t "
+        "FROM job_usage WHERE job_id = :job_id"
+    ),
     "acct": ACCT,
     "calibration": CALIBRATION,
     "usage_mismatch": USAGE_MISMATCH,

@@ -199,6 +199,22 @@ class CalibrationRow:
     n_samples: int
 
 
+@dataclass(frozen=True)
+class JobUsage:
+    """What the samples of one job measured so far (all attempts), from `job_usage`."""
+
+    job_id: int
+    n_samples: int
+    gpu_mem_peak_bytes: int | None
+    rss_peak_bytes: int | None
+    sm_util_mean: float | None
+    sm_util_max: float | None
+    host_cpu_mean: float | None
+    samples_per_s_mean: float | None
+    first_t: float | None
+    last_t: float | None
+
+
 # ---------------------------------------------------------------- the store
 
 class Store:
@@ -756,6 +772,11 @@ class Store:
                                           "terminal": json.dumps(sorted(s.value for s in JOB_TERMINAL))})
         return [CalibrationRow(**{**r, "state": JobState(r["state"])}) for r in rows]
 
+    def usage(self, job_id: int) -> JobUsage | None:
+        """Measured peaks and means of a job (None before its first sample)."""
+        rows = self.query("job_usage", {"job_id": job_id})
+        return JobUsage(**rows[0]) if rows else None
+
     def check(self) -> list[str]:
         """Consistency problems (empty if none): integrity, foreign keys, job_usage vs samples."""
         problems: list[str] = []
@@ -816,6 +837,6 @@ def _usage_rows(rows: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 
 __all__ = [
-    "CalibrationRow", "Job", "NewPlacement", "Pack", "Placement", "Store", "StoreBusy",
+    "CalibrationRow", "Job", "JobUsage", "NewPlacement", "Pack", "Placement", "Store", "StoreBusy",
     "current_user", "is_busy", "store_path_for",
 ]
