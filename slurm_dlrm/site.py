@@ -427,8 +427,9 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
 
 def _abs_path(section: _Section, key: str, default: str) -> str:
     value: str = section.get(key, str, default)
-    if not value.startswith("/") or any(c.isspace() or c in "\"'$`" for c in value):
-        raise ConfigError(section._key(key), f"must be an absolute path without spaces or quotes, got {value!r}",
+    # The paths land unquoted in slurm.conf, where '#' starts a comment.
+    if not value.startswith("/") or any(c.isspace() or c in "\"'$`#" for c in value):
+        raise ConfigError(section._key(key), f"must be an absolute path without spaces, quotes or '#', got {value!r}",
                           section.path)
     return value.rstrip("/") or "/"
 
@@ -437,7 +438,7 @@ def _check_device_files(group: NodeGroup, key: str, path: str | None) -> None:
     pattern = group.gpu_device_files
     if group.uses_nvml or group.gpus == 0:
         return
-    if not pattern.startswith("/") or any(c.isspace() or c in ",[]\"'$`" for c in pattern):
+    if not pattern.startswith("/") or any(c.isspace() or c in ",[]\"'$`#" for c in pattern):
         raise ConfigError(key, f"must be \"nvml\" or an absolute path pattern with {{i}}, got {pattern!r}", path)
     if "{" in pattern.replace("{i}", "").replace("{node}", "") or "}" in pattern.replace("{i}", "").replace("{node}", ""):
         raise ConfigError(key, f"only {{i}} and {{node}} may be filled in, got {pattern!r}", path)

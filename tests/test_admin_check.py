@@ -9,9 +9,11 @@ import pytest
 
 from slurm_dlrm.admin.check import (
     compare,
+    compare_config,
     nodes_from_scontrol,
     nodes_from_seam,
     parse_gres,
+    parse_scontrol_config,
     parse_scontrol_output,
     parse_time_limit_minutes,
     partitions_from_scontrol,
@@ -271,3 +273,49 @@ def test_sinfo_rows_of_one_partition_merge():
                        "dlrm*|up|allocated|node2|1|4|4000|gpu:h100:2|1:00:00\n")
     (p,) = partitions_from_sinfo(rows)
     assert p.nodes == ("node1", "node2") and p.default and p.max_time_minutes == 60
+
+
+# `scontrol show config` of the same cluster (only the keys admin check reads, plus neighbours).
+CONFIG = """\
+Configuration data as of 2026-11-22T00:46:16
+AccountingStorageTRES   = cpu,mem,energy,node,billing,fs/disk,vmem,pages
+ClusterName             = exp
+Epilog                  = /tmp/admin-exp/scripts/epilog.sh
+EpilogMsgTime           = 2000 usec
+GresTypes               = gpu,mps,shard
+JobSubmitPlugins        = lua
+Prolog                  = /tmp/admin-exp/scripts/prolog.sh
+PrologEpilogTimeout     = 65534
+PrologFlags             = Alloc
+SelectType              = select/cons_tres
+SelectTypeParameters    = CR_CORE_MEMORY
+SlurmctldPort           = 27817
+TaskProlog              = /tmp/admin-exp/scripts/task_prolog.sh
+"""
+
+
+def test_config_that_made_the_cluster_matches():
+    assert compare_config(site(), parse_scontrol_config(CONFIG)) == []
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"mps.shards_per_gpu": 0}, ["config: GresTypes: site gpu,mps, cluster gpu,mps,shard"]),
+    ({"slurm.script_dir": "/etc/slurm/dlrm"}, [
+        "config: Prolog: site /etc/slurm/dlrm/prolog.sh, cluster /tmp/admin-exp/scripts/prolog.sh",
+        "config: Epilog: site /etc/slurm/dlrm/epilog.sh, cluster /tmp/admin-exp/scripts/epilog.sh",
+        "config: TaskProlog: site /etc/slurm/dlrm/task_prolog.sh, cluster /tmp/admin-exp/scripts/task_prolog.sh"]),
+    ({"slurm.select_type_parameters": "CR_CPU_Memory"},
+     ["config: SelectTypeParameters: site CR_CPU_Memory, cluster CR_CORE_MEMORY"]),
+    ({"slurm.accounting_tres": True}, [
+        "config: AccountingStorageTRES: site gres/gpu,gres/gpu:h100,gres/mps,gres/shard, "
+        "cluster cpu,mem,energy,node,billing,fs/disk,vmem,pages"]),
+])
+def test_config_differences_are_named(change, expected):
+    assert [str(d) for d in compare_config(site(**change), parse_scontrol_config(CONFIG))] == expected
+
+
+def test_missing_plugin_and_prolog_flags():
+    config = parse_scontrol_config(CONFIG)
+    config.update(JobSubmitPlugins="(null)", PrologFlags="Contain")
+    assert [str(d) for d in compare_config(site(), config)] == [
+        "config: JobSubmitPlugins: site lua, cluster -", "config: PrologFlags: site Alloc, cluster Contain"]

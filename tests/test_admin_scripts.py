@@ -1,6 +1,6 @@
 """The rendered MPS prolog, epilog and task prolog, run by bash against a fake
 `nvidia-cuda-mps-control` (daemon with -d, client otherwise, commands through the control
-FIFO in CUDA_MPS_PIPE_DIRECTORY, PID file there, like the real one) and stub scontrol/squeue.
+FIFO in CUDA_MPS_PIPE_DIRECTORY, PID file there, like the real one) and a stub scontrol.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ FAKE_MPS_CONTROL = r'''#!/usr/bin/env python3
 """Fake nvidia-cuda-mps-control for tests (slurm-dlrm). `-d`: fork a daemon that serves the
 control FIFO in $CUDA_MPS_PIPE_DIRECTORY and writes nvidia-cuda-mps-control.pid there;
 no argument: a client sending stdin's commands through that FIFO.
-FAKE_MPS_FAIL_START / FAKE_MPS_START_DELAY_S / FAKE_MPS_IGNORE_QUIT make it misbehave."""
+FAKE_MPS_FAIL_START / FAKE_MPS_START_DELAY_S / FAKE_MPS_IGNORE_QUIT make it misbehave;
+FAKE_MPS_NO_PID_FILE acts like a driver that writes no PID file."""
 import os, signal, sys, time
 
 PIPE = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
@@ -42,7 +43,7 @@ def log(msg):
 
 
 def cleanup():
-    for p in (PID_FILE, FIFO, os.path.join(SHM, "cuda.shm.0.%d.1" % os.getpid())):
+    for p in (PID_FILE, PID_FILE + ".fake", FIFO, os.path.join(SHM, "cuda.shm.0.%d.1" % os.getpid())):
         try:
             os.unlink(p)
         except OSError:
@@ -58,9 +59,11 @@ def serve():
     os.makedirs(PIPE, exist_ok=True)
     if not os.path.exists(FIFO):
         os.mkfifo(FIFO, 0o622)
-    with open(PID_FILE + ".tmp", "w") as f:
+    # Drivers without the PID file: keep it where only this fake looks.
+    pid_file = PID_FILE + ".fake" if os.environ.get("FAKE_MPS_NO_PID_FILE") else PID_FILE
+    with open(pid_file + ".tmp", "w") as f:
         f.write(str(os.getpid()))
-    os.replace(PID_FILE + ".tmp", PID_FILE)
+    os.replace(pid_file + ".tmp", pid_file)
     if os.path.isdir(SHM):
         open(os.path.join(SHM, "cuda.shm.0.%d.1" % os.getpid()), "w").close()
     log("start CUDA_VISIBLE_DEVICES=%s" % os.environ.get("CUDA_VISIBLE_DEVICES", ""))
@@ -85,12 +88,14 @@ def serve():
 
 
 def alive():
-    try:
-        pid = int(open(PID_FILE).read())
-        os.kill(pid, 0)
-        return True
-    except (OSError, ValueError):
-        return False
+    for pid_file in (PID_FILE, PID_FILE + ".fake"):
+        try:
+            pid = int(open(pid_file).read())
+            os.kill(pid, 0)
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 def client():
@@ -125,19 +130,13 @@ if sys.argv[1:] == ["-d"]:
 sys.exit(client())
 '''
 
-# scontrol/squeue stubs: answers come from files in $STUB_DIR.
+# scontrol stub: answers come from files in $STUB_DIR.
 STUB_SCONTROL = r'''#!/bin/bash
 # scontrol show job -o ID -> $STUB_DIR/job_ID, else "Invalid job id"
 id=${!#}
 if [[ -f $STUB_DIR/job_$id ]]; then cat "$STUB_DIR/job_$id"; exit 0; fi
 echo "slurm_load_jobs error: Invalid job id specified" >&2
 exit 1
-'''
-STUB_SQUEUE = r'''#!/bin/bash
-# squeue --noheader --jobs=ID --format=%k -> $STUB_DIR/comment_ID
-for a in "$@"; do [[ $a == --jobs=* ]] && id=${a#--jobs=}; done
-[[ -f $STUB_DIR/comment_$id ]] && cat "$STUB_DIR/comment_$id"
-exit 0
 '''
 
 
@@ -165,7 +164,7 @@ class Node:
         for d in (self.stub, self.shm):
             d.mkdir(parents=True)
         write_fake_mps(self.bin)
-        for name, text in (("scontrol", STUB_SCONTROL), ("squeue", STUB_SQUEUE)):
+        for name, text in (("scontrol", STUB_SCONTROL),):
             (self.bin / name).write_text(text)
             (self.bin / name).chmod(0o755)
         raw = tomllib.loads(REPO_SITE_FILE.read_text())
@@ -205,14 +204,17 @@ class Node:
         p = self.log_root / "events.log"
         return p.read_text() if p.exists() else ""
 
-    def job_running(self, job: int) -> None:
+    def job_running(self, job: int, comment: str = "(null)", mps: int = 40) -> None:
         (self.stub / f"job_{job}").write_text(f"JobId={job} JobName=x JobState=RUNNING Reason=None "
-                                              f"TresPerNode=gres:mps:40\n")
+                                              f"Comment={comment} TresPerNode=gres:mps:{mps}\n")
 
     def kill_daemons(self) -> None:
-        for d in self.pipe_root.glob("gpu*"):
-            pid = self.daemon_pid(int(d.name[3:]))
-            if pid:
+        for f in self.pipe_root.glob("gpu*/pipe/nvidia-cuda-mps-control.pid*"):
+            try:
+                pid = int(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -261,7 +263,7 @@ def test_daemon_lives_from_first_prolog_to_last_epilog(node):
     assert "start CUDA_VISIBLE_DEVICES=1" in node.control_log(1)
     # The prolog recomputed the percentage from gres:mps:40 (mps_per_gpu = 100).
     assert "set_default_active_thread_percentage 40" in node.control_log(1)
-    assert (node.pipe_root / "jobs" / "11").read_text() == "1 40\n"
+    assert (node.pipe_root / "jobs" / "11").read_text() == "1 40 0\n"  # no marker: no fence
     assert not (node.shm / "cuda.shm.0.999.1").exists()  # no daemon ran: stale segments went
 
     (node.stub / "job_12").write_text("JobId=12 JobState=RUNNING TresPerNode=gres:mps:30\n")
@@ -324,6 +326,24 @@ def test_prolog_waits_for_a_slow_daemon(node):
     assert node.daemon_pid(1)
 
 
+def test_daemon_without_a_pid_file(node):
+    """Older drivers write no PID file: readiness and stop go by get_server_list alone."""
+    node.job_running(55)
+    node.job_running(56)
+    assert node.run("prolog.sh", 55, FAKE_MPS_NO_PID_FILE="1").returncode == 0
+    fake_pid_file = node.pipe_root / "gpu1" / "pipe" / "nvidia-cuda-mps-control.pid.fake"
+    pid = int(fake_pid_file.read_text())
+    assert node.daemon_pid(1) is None and alive(pid)
+    assert node.run("prolog.sh", 56).returncode == 0  # finds the running daemon by its pipe
+    assert node.control_log(1).count("start ") == 1
+    assert node.run("epilog.sh", 55).returncode == 0
+    assert alive(pid)
+    assert node.run("epilog.sh", 56).returncode == 0
+    assert wait_gone(pid)
+    assert "command quit" in node.control_log(1)
+    assert not (node.pipe_root / "gpu1" / "pipe").exists()
+
+
 def test_prolog_replaces_a_dead_daemon(node):
     node.job_running(51)
     assert node.run("prolog.sh", 51).returncode == 0
@@ -376,9 +396,9 @@ def task_env(output: str) -> dict[str, Any]:
 
 
 def test_task_prolog_points_a_no_pack_job_at_its_daemon_and_fences_memory(node):
-    node.job_running(91)
+    node.job_running(91, comment=format_marker("no-pack", gpu_mem_mib=3000, job_id=4))
     assert node.run("prolog.sh", 91, gpus="2").returncode == 0
-    (node.stub / "comment_91").write_text(format_marker("no-pack", gpu_mem_mib=3000, job_id=4) + "\n")
+    (node.bin / "scontrol").write_text("#!/bin/bash\nexit 1\n")  # tasks must not ask Slurm
     result = node.run("task_prolog.sh", 91, gpus="0", pct="500")
     assert result.returncode == 0
     env = task_env(result.stdout)
@@ -392,11 +412,12 @@ def test_task_prolog_points_a_no_pack_job_at_its_daemon_and_fences_memory(node):
 
 
 def test_task_prolog_sets_no_fence_for_packs_or_foreign_comments(node):
-    node.job_running(92)
-    assert node.run("prolog.sh", 92).returncode == 0
-    for comment in (format_marker("pack", pack_id=3), "slurm-dlrm:mode=no-pack,gpu_mem_mib=$(id)", "hello"):
-        (node.stub / "comment_92").write_text(comment + "\n")
-        env = task_env(node.run("task_prolog.sh", 92).stdout)
+    comments = [format_marker("pack", pack_id=3), "slurm-dlrm:mode=no-pack,gpu_mem_mib=$(id)", "hello",
+                "slurm-dlrm:mode=no-pack,gpu_mem_mib=0"]
+    for job, comment in enumerate(comments, start=200):
+        node.job_running(job, comment=comment)
+        assert node.run("prolog.sh", job).returncode == 0
+        env = task_env(node.run("task_prolog.sh", job).stdout)
         assert "CUDA_MPS_PIPE_DIRECTORY" in env
         assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env, comment
 
@@ -410,9 +431,15 @@ def test_without_shards_the_slurm_percentage_is_used(tmp_path):
     root = Path(tempfile.mkdtemp(prefix="sdm", dir="/tmp"))
     n = Node(root, shards=False)
     try:
-        (n.bin / "scontrol").write_text("#!/bin/bash\nexit 1\n")  # never asked
+        n.job_running(101, comment=format_marker("no-pack", gpu_mem_mib=1234), mps=30)
         assert n.run("prolog.sh", 101, pct="25").returncode == 0
-        assert (n.pipe_root / "jobs" / "101").read_text() == "1 25\n"
+        # Slurm's own 25 stands (no shards: its percentage is right); the fence is read.
+        assert (n.pipe_root / "jobs" / "101").read_text() == "1 25 1234\n"
+        # The controller unreachable: the job still runs, with Slurm's percentage, unfenced.
+        (n.bin / "scontrol").write_text("#!/bin/bash\nexit 1\n")
+        assert n.run("prolog.sh", 102, pct="25").returncode == 0
+        assert (n.pipe_root / "jobs" / "102").read_text() == "1 25 0\n"
+        assert "scontrol show job failed" in n.events()
     finally:
         n.kill_daemons()
         shutil.rmtree(root, ignore_errors=True)

@@ -28,6 +28,7 @@ def test_defaults():
         (lambda d: d["slurm"].update(mps_pipe_root="/tmp/with space"), "slurm.mps_pipe_root"),
         (lambda d: d["slurm"].update(mps_pipe_root="/" + "x" * 80), "slurm.mps_pipe_root"),
         (lambda d: d["slurm"].update(shm_dir="/dev/shm'"), "slurm.shm_dir"),
+        (lambda d: d["slurm"].update(script_dir="/etc/slurm#x"), "slurm.script_dir"),
         (lambda d: d["slurm"].update(slurm_user="Root User"), "slurm.slurm_user"),
         (lambda d: d["slurm"].update(select_type_parameters="CR_Core"), "slurm.select_type_parameters"),
         (lambda d: d["slurm"].update(mps_control_command="nvidia-cuda-mps-control -d"), "slurm.mps_control_command"),

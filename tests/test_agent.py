@@ -155,6 +155,26 @@ def test_report_batches_are_complete_lines(tmp_path):
     assert len(read_reports(w.path)) == 3
 
 
+def test_a_failed_batch_is_kept_and_written_later(tmp_path, monkeypatch):
+    w = ReportWriter(tmp_path / "pack", "n1", 7)
+    w.heartbeat()
+    real_write = os.write
+    calls = []
+
+    def full_disk(fd, data):
+        calls.append(len(data))
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", full_disk)
+    assert w.flush() is False and w.pending == 1
+    w.member(3, "COMPLETED", 0)
+    assert w.flush() is True and w.pending == 0
+    w.close()
+    assert [r["type"] for r in read_reports(w.path)] == ["heartbeat", "member"]
+
+
 # ------------------------------------------------------------------ the loop
 
 def test_pack_runs_members_enforces_and_reports(world):

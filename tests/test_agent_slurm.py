@@ -24,7 +24,8 @@ pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _pack(tmp_path: Path, members: list[dict], agent_args: tuple[str, ...] = (), **kw) -> tuple[Path, str]:
+def _pack(tmp_path: Path, members: list[dict], agent_args: tuple[str, ...] = (), nodes: int = 1,
+          **kw) -> tuple[Path, str]:
     """Write placement + scenario; return (pack_dir, batch script)."""
     pack = tmp_path / "pack"
     pack.mkdir()
@@ -37,7 +38,7 @@ def _pack(tmp_path: Path, members: list[dict], agent_args: tuple[str, ...] = (),
     script = "\n".join([
         "#!/bin/bash",
         f"#SBATCH --output={q(str(tmp_path / 'slurm-%j.out'))}",
-        "#SBATCH --nodes=1",
+        f"#SBATCH --nodes={nodes}",
         "#SBATCH --gres=gpu:2",
         "#SBATCH --time=5",
         f"export PATH={q(str(tmp_path / 'bin'))}:\"$PATH\"",
@@ -159,3 +160,25 @@ def test_scancel_signal_leaves_checkpoints(slurm_cluster, tmp_path, launch, sign
     assert recs[-1]["type"] == "agent" and recs[-1]["event"] == "exit"
     summary = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     assert summary["launch"] == ("process" if launch == "auto" else launch)
+
+
+def test_two_nodes_one_agent_each(slurm_cluster, tmp_path):
+    pack = tmp_path / "pack"
+    members = [member_entry(pack, job, 0, node_index=job % 2, args=[
+        "--steps", "15", "--step-s", "0.1", "--env-out", str(tmp_path / f"env-{job}.json")]) for job in (1, 2, 3, 4)]
+    pack, script = _pack(tmp_path, members, ("--launch", "step"), nodes=2, sample_interval_s=0.5)
+    job_id = slurm_cluster.client().sbatch(script.replace("#SBATCH --gres=gpu:2", "#SBATCH --gres=gpu:1"))
+    info = slurm_cluster.wait([job_id], timeout_s=120)[job_id]
+    out = _slurm_out(tmp_path)
+    assert info.slurm_state == "COMPLETED", out
+    reports = {p.stem: read_reports(p) for p in (pack / "reports").glob("*.jsonl")}
+    assert len(reports) == 2, out  # one report file per node
+    by_node = {}
+    for node, recs in reports.items():
+        finals = {r["job_id"]: r["state"] for r in recs if r["type"] == "member" and r["state"] != "RUNNING"}
+        by_node[node] = finals
+        assert set(finals.values()) == {"COMPLETED"} and recs[-1]["event"] == "exit"
+    assert sorted(sorted(f) for f in by_node.values()) == [[1, 3], [2, 4]]  # node index 1 ran 1 and 3
+    for job in (1, 2, 3, 4):
+        env = json.loads((tmp_path / f"env-{job}.json").read_text())["env"]
+        assert env["SLURM_DLRM_JOB_ID"] == str(job) and env["CUDA_VISIBLE_DEVICES"] == "0"

@@ -1,5 +1,7 @@
 """Compare the site config with a live cluster: nodes (CPUs, memory, GPUs and their type,
-MPS and shard counts) and partitions (nodes, default, time limit).
+MPS and shard counts), partitions (nodes, default, time limit), and the slurm.conf keys
+the rendered fragment sets (`scontrol show config`: GresTypes, SelectType, the lua plugin,
+Prolog/Epilog/TaskProlog, AccountingStorageTRES).
 
 Pure: the live side comes in as `LiveNode`/`LivePartition`, made from the Slurm seam's
 `NodeInfo` (`sinfo --json`) and `PartitionRow` (`sinfo`), or from `scontrol show
@@ -13,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from slurm_dlrm.admin.render import build_context
 from slurm_dlrm.site import SiteConfig, expand_hostlist
 from slurm_dlrm.slurm.base import NodeInfo, PartitionRow
 
@@ -205,4 +208,50 @@ def compare(site: SiteConfig, nodes: list[LiveNode], partitions: list[LivePartit
         if lp.max_time_minutes != part.max_time_minutes:
             diffs.append(Difference(subject, "MaxTime", f"{part.max_time_minutes} min",
                                     "UNLIMITED" if lp.max_time_minutes is None else f"{lp.max_time_minutes} min"))
+    return diffs
+
+
+def parse_scontrol_config(text: str) -> dict[str, str]:
+    """`scontrol show config`: ``Key = value`` lines (others, e.g. headers, are skipped)."""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() and " " not in key.strip():
+            out[key.strip()] = value.strip()
+    return out
+
+
+def _items(value: str | None) -> set[str]:
+    if not value or value == "(null)":
+        return set()
+    return {v.strip() for v in value.split(",") if v.strip()}
+
+
+def compare_config(site: SiteConfig, config: dict[str, str]) -> list[Difference]:
+    """The slurm.conf keys `admin render` sets, against the running configuration."""
+    ctx = build_context(site)["slurm_conf"]
+    diffs: list[Difference] = []
+
+    def differ(key: str, want: str, have: str | None) -> None:
+        diffs.append(Difference("config", key, want, have if have not in (None, "", "(null)") else "-"))
+
+    want_gres = _items(ctx["gres_types"])
+    if _items(config.get("GresTypes")) != want_gres:
+        differ("GresTypes", ctx["gres_types"], config.get("GresTypes"))
+    if config.get("SelectType") != "select/cons_tres":
+        differ("SelectType", "select/cons_tres", config.get("SelectType"))
+    if (config.get("SelectTypeParameters") or "").upper() != ctx["select_type_parameters"].upper():
+        differ("SelectTypeParameters", ctx["select_type_parameters"], config.get("SelectTypeParameters"))
+    if not {"lua", "job_submit/lua"} & _items(config.get("JobSubmitPlugins")):
+        differ("JobSubmitPlugins", "lua", config.get("JobSubmitPlugins"))
+    if site.mps.enabled:
+        for key, script in (("Prolog", "prolog"), ("Epilog", "epilog"), ("TaskProlog", "task_prolog")):
+            if ctx["scripts"][script] not in _items(config.get(key)):
+                differ(key, ctx["scripts"][script], config.get(key))
+        if "Alloc" not in _items(config.get("PrologFlags")):
+            differ("PrologFlags", "Alloc", config.get("PrologFlags"))
+    if ctx["accounting_storage_tres"]:
+        missing = _items(ctx["accounting_storage_tres"]) - _items(config.get("AccountingStorageTRES"))
+        if missing:
+            differ("AccountingStorageTRES", ctx["accounting_storage_tres"], config.get("AccountingStorageTRES"))
     return diffs

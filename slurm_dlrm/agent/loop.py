@@ -237,6 +237,8 @@ class Agent:
         self._last_heartbeat = time.monotonic()
         self._setup_nvml()
         wanted = self.placement.mps and o.site_mps_enabled and o.mps_mode != "off"
+        if not self.members:
+            wanted = False  # nothing to run here: no daemon either
         self.mps = open_mps(wanted, o.gpus, o.tmp_root, f"{o.slurm_job_id or os.getpid()}-{o.node_index}",
                             env=self.base_env, site_mode=o.mps_mode if o.mps_mode != "off" else "auto")
         if self.mps.daemon is None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from slurm_dlrm.errors import BadInput
+from slurm_dlrm.errors import BadInput, DlrmError
 
 
 def allocation_gpus(env: dict[str, str]) -> list[str] | None:
@@ -102,7 +102,10 @@ def agent(pack_file: str | None, pack_id: int | None, site_path: str | None, nod
         sample_interval_s=sample_interval, slurm_job_id=env.get("SLURM_JOB_ID"),
         heartbeat_every_s=max(10.0, min(30.0, site.agent.heartbeat_timeout_s / 4)),
     )
-    runner = Agent(placement, opts, nvml=nvml, env=env)
+    try:
+        runner = Agent(placement, opts, nvml=nvml, env=env)
+    except OSError as exc:
+        raise DlrmError(f"cannot write reports under {placement.pack_dir}: {exc}") from None
     if not runner.members:
         click.echo(f"agent: no members on node index {node_index}", err=True)
     runner.run()

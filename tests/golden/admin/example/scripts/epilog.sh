@@ -18,7 +18,8 @@ PIPE_ROOT=/run/slurm-dlrm/mps
 LOG_ROOT=/var/log/slurm-dlrm/mps
 # [slurm] shm_dir: MPS leaves cuda.shm.* segments here.
 SHM_DIR=/dev/shm
-# One record per job that holds MPS on this node: "<GPU indices, comma-separated> <thread pct>".
+# One record per job that holds MPS on this node:
+# "<GPU indices, comma-separated> <thread pct> <gpu_mem_mib, 0 = no fence>".
 JOBS_DIR=$PIPE_ROOT/jobs
 
 log() {
@@ -64,11 +65,18 @@ control() {
     timeout 5 "$MPS_CONTROL"
 }
 
+# True if GPU $1's daemon runs: its PID file names a live daemon, or (drivers that write no
+# PID file) it answers get_server_list on its pipe.
+daemon_up() {
+  [[ -n $(daemon_pid "$1") ]] && return 0
+  [[ -d $(pipe_dir "$1") ]] && control "$1" get_server_list >/dev/null 2>&1
+}
+
 any_daemon_running() {
   local d
   for d in "$PIPE_ROOT"/gpu*; do
     [[ -d $d ]] || continue
-    [[ -n $(daemon_pid "${d##*/gpu}") ]] && return 0
+    daemon_up "${d##*/gpu}" && return 0
   done
   return 1
 }
@@ -115,6 +123,18 @@ stop_daemon() {
       return 1
     fi
     log "GPU $gpu: MPS control daemon $pid stopped"
+  elif control "$gpu" get_server_list >/dev/null 2>&1; then
+    # A driver that writes no PID file: quit, then poll until the pipe stops answering.
+    control "$gpu" quit >/dev/null 2>&1 || log "GPU $gpu: quit was not accepted"
+    for ((i = 0; i < STOP_POLLS; i++)); do
+      control "$gpu" get_server_list >/dev/null 2>&1 || break
+      sleep 0.1
+    done
+    if control "$gpu" get_server_list >/dev/null 2>&1; then
+      log "GPU $gpu: daemon ignored quit and has no PID file to signal"
+      return 1
+    fi
+    log "GPU $gpu: MPS control daemon stopped"
   fi
   clean_stale "$gpu"
 }
