@@ -70,6 +70,15 @@ def test_partial_lines_wait_and_nothing_is_read_twice(setup):
     assert ts == sorted({json.loads(x)["t"] for x in ls})
 
 
+def test_a_symlinked_path_is_the_same_file(setup, tmp_path):
+    store, p, j, f = setup
+    append(f, b"".join(lines(p, j, 7)))
+    (tmp_path / "alias").symlink_to(f.parent)
+    assert store.ingest_spool_file(f).samples == 7
+    assert store.ingest_spool_file(tmp_path / "alias" / f.name).samples == 0
+    assert count(store) == 7
+
+
 def test_small_chunks_give_the_same_result(setup):
     store, p, j, f = setup
     append(f, b"".join(lines(p, j, 500)))
