@@ -454,7 +454,6 @@ class Store:
                  json.dumps(dict(sbatch), sort_keys=True, default=str) if sbatch is not None else None),
             )
             self.event_in_tx("job_state", reason, job_id=job_id, dst=JobState.PENDING.value, t=now)
-        self._known_jobs.add(job_id)
         return job_id
 
     def get_job(self, job_id: int) -> Job:
@@ -576,7 +575,6 @@ class Store:
                     (pack_id, p.job_id, attempt, p.node_index, p.node, p.gpu_index, p.mps_thread_pct,
                      p.gpu_mem_limit_bytes, p.host_mem_limit_bytes, p.cpus),
                 )
-        self._known_packs.add(pack_id)
         return pack_id
 
     def get_pack(self, pack_id: int) -> Pack:
