@@ -335,6 +335,9 @@ class Store:
             self._depth = 0
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
+            # Ids learnt inside the rolled-back transaction may not exist any more.
+            self._known_jobs.clear()
+            self._known_packs.clear()
             raise
         try:
             retry_busy(lambda: self.conn.execute("COMMIT"), self.retry_s)
