@@ -182,6 +182,13 @@ def acct_rows(store: Store, f: AcctFilter, now: float | None = None) -> list[dic
         return [] if params is None else store.query("acct", params)
 
 
+def _sql_dur(s: str) -> str:
+    # the whole-second expression is repeated rather than put in a subquery: a scalar
+    # subquery per cell costs more than the arithmetic
+    return (f"CASE WHEN {s} < 86400 THEN printf('%02d:%02d:%02d', {s} / 3600, {s} % 3600 / 60, {s} % 60) "
+            f"ELSE printf('%d-%02d:%02d:%02d', {s} / 86400, {s} % 86400 / 3600, {s} % 3600 / 60, {s} % 60) END")
+
+
 # Table cells are formatted by SQLite (printf/strftime in C): for 10,000 jobs this
 # halves the CPU time of `acct` compared with formatting 160,000 cells in Python.
 _SQL_HUMAN: dict[str, Callable[[str], str]] = {
@@ -197,11 +204,7 @@ _SQL_HUMAN: dict[str, Callable[[str], str]] = {
     "rate": lambda x: f"printf('%.0f', {x})",
     "hours": lambda x: f"printf('%.3f', {x})",
     # [D-]HH:MM:SS like sacct; never negative (clock skew between hosts)
-    "dur": lambda x: (
-        f"(SELECT CASE WHEN s < 86400 THEN printf('%02d:%02d:%02d', s / 3600, s % 3600 / 60, s % 60) "
-        f"ELSE printf('%d-%02d:%02d:%02d', s / 86400, s % 86400 / 3600, s % 3600 / 60, s % 60) END "
-        f"FROM (SELECT max(0, CAST({x} + 0.5 AS INTEGER)) AS s))"
-    ),
+    "dur": lambda x: _sql_dur(f"max(0, CAST({x} + 0.5 AS INTEGER))"),
     "time": lambda x: f"strftime('%Y-%m-%dT%H:%M:%S', {x}, 'unixepoch', 'localtime')",
 }
 
