@@ -19,7 +19,13 @@ from slurm_dlrm.errors import EXIT_RUNTIME, DlrmError
 
 # name -> "module:attribute"; each command module owns its own options and help.
 COMMANDS: dict[str, str] = {
+    "acct": "slurm_dlrm.commands.store:acct",
+    "cluster": "slurm_dlrm.commands.cluster:cluster",
+    "demo": "slurm_dlrm.commands.demo:demo",
+    "report": "slurm_dlrm.commands.store:report",
     "train": "slurm_dlrm.commands.train:train",
+    "agent": "slurm_dlrm.commands.agent:agent",
+    "admin": "slurm_dlrm.commands.admin:admin",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
