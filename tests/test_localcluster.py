@@ -309,3 +309,32 @@ def test_hooks_job_submit_lua_and_extra_lines_reach_slurmctld(slurm_cluster, tmp
     finally:
         cluster.down()
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+GOLDEN = Path(__file__).parent / "data" / "localcluster"
+
+
+@pytest.mark.parametrize("accounting", [False, True])
+def test_rendered_files_match_golden(accounting, monkeypatch):
+    """Regenerate: UPDATE_GOLDEN=1 pytest tests/test_localcluster.py -k golden"""
+    if os.geteuid() != 0:
+        pytest.skip("mknod needs root")
+    monkeypatch.setattr(lc.socket, "gethostname", lambda: "host.example.org")
+    state_dir = Path("/tmp") / f"sdlrm-golden-{os.getpid()}"
+    try:
+        # Explicit values (the dataclass defaults), so edits of site.toml do not move the goldens.
+        cfg = lc.ClusterConfig(state_dir=state_dir, base_port=23000, cluster_name="golden23000",
+                               accounting=accounting)
+        lc.LocalCluster(cfg).render()
+        suffix = "acct" if accounting else "plain"
+        for name in ("slurm.conf", "gres.conf") + (("slurmdbd.conf",) if accounting else ()):
+            text = (cfg.etc_dir / name).read_text().replace(str(state_dir), "STATE")
+            if name == "slurmdbd.conf":
+                text = re.sub(r"(?m)^StoragePass=.*$", "StoragePass=SECRET", text)
+            golden = GOLDEN / f"{name}.{suffix}"
+            if os.environ.get("UPDATE_GOLDEN"):
+                golden.parent.mkdir(parents=True, exist_ok=True)
+                golden.write_text(text)
+            assert text == golden.read_text(), f"{name} differs from {golden}"
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)
