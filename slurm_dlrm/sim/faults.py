@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 from slurm_dlrm.adapt import (
     MemberOutcome,
     SpeedSample,
+    choose_moves,
     decide_after_oom,
     find_stragglers,
     members_to_requeue,
@@ -289,10 +290,12 @@ class FaultRuntime:
         window = self.recovery.straggler_sustained_s + 2 * self.recovery.observe_s
         predicted: dict[int, float] = {}
         progress: dict[int, tuple[SimJob, float]] = {}
+        groups = []
         for gpu in gpus:
             plans = [self.planned.get(j.job_id) for j, _, _ in gpu]
             if any(p is None for p in plans):
                 continue
+            groups.append(gpu)
             sp = predict_speeds_from_fractions([min(1.0, p.sm_util_pct / 100.0) for p in plans if p],
                                                [min(1.0, p.membw_util_pct / 100.0) for p in plans if p],
                                                self.plan_params)
@@ -306,27 +309,30 @@ class FaultRuntime:
         samples = [s for jid in predicted for s in self.speeds[jid]]
         found = find_stragglers(samples, predicted, now, self.recovery.straggler_ratio,
                                 self.recovery.straggler_sustained_s)
+        change: dict[int, float] = {}
+        gpu_of: dict[int, int] = {}
+        for gi, gpu in enumerate(groups):
+            for job, _, _ in gpu:
+                planned = self.planned[job.job_id]
+                gpu_of[job.job_id] = gi
+                # The agent measures each member's own SM and bandwidth use.
+                change[job.job_id] = max(job.true_sm_util_pct / max(planned.sm_util_pct, 1e-9),
+                                         job.true_membw_util_pct / max(planned.membw_util_pct, 1e-9))
         out = []
-        for st in found:
-            job, prog = progress[st.job_id]
-            planned = self.planned[st.job_id]
-            # The agent measures the member's own SM and bandwidth use: move the member
-            # whose use departs from its plan (the cause), not the neighbours it slows.
-            change = max(job.true_sm_util_pct / max(planned.sm_util_pct, 1e-9),
-                         job.true_membw_util_pct / max(planned.membw_util_pct, 1e-9))
-            if change < 1.0 + self.recovery.profile_change_pct / 100.0:
-                continue
+        for jid, why in choose_moves(found, change, gpu_of, 1.0 + self.recovery.profile_change_pct / 100.0):
+            job, prog = progress[jid]
+            planned = self.planned[jid]
             self.stats.straggler_moves += 1
-            reason = (f"straggler: {st.reason}; measured sm {job.true_sm_util_pct:.0f}% bw "
+            reason = (f"straggler: {why}; measured sm {job.true_sm_util_pct:.0f}% bw "
                       f"{job.true_membw_util_pct:.0f}% (planned {planned.sm_util_pct:.0f}%/"
                       f"{planned.membw_util_pct:.0f}%): checkpoint and move")
-            self._log(now, st.job_id, reason)
-            fam = self.fam_of.get(st.job_id)
+            self._log(now, jid, reason)
+            fam = self.fam_of.get(jid)
             if self.recovery.learn and fam is not None and job.sm_util_pct > 0 and job.membw_util_pct > 0:
                 self.profile_seen[fam] = (job.true_sm_util_pct / job.sm_util_pct,
                                           job.true_membw_util_pct / job.membw_util_pct)
             # Checkpointed on the signal: nothing is lost.
-            out.append((st.job_id, KillAction(True, prog, self.demand(
+            out.append((jid, KillAction(True, prog, self.demand(
                 job, planned.gpu_mem_bytes, prog, job.true_sm_util_pct, job.true_membw_util_pct), reason)))
         return out
 
