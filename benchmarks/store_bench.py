@@ -1,7 +1,7 @@
 """Store benchmark: sample ingestion, `acct` latency, database size.
 
 1. Ingest: agent-report lines through `ingest_spool_file` (batched, exactly-once
-   offsets) and dicts through `add_samples`, side by side with the naive way: one
+   offsets; best of --runs files) and dicts through `add_samples`, side by side with the naive way: one
    transaction per sample.
 2. acct: a store with 10,000 jobs and >= 1,000,000 samples; `acct` over all jobs, best
    of --runs (as timeit: on a shared machine the slower runs measure the neighbours)
@@ -55,19 +55,21 @@ def _samples(pack: int, jobs: list[int], n: int, t0: float) -> list[dict]:
     return out
 
 
-def bench_ingest(tmp: Path, n: int, naive_n: int) -> dict[str, float]:
-    res: dict[str, float] = {}
-    # Spool file -> ingest_spool_file (the agent path).
+def bench_ingest(tmp: Path, n: int, naive_n: int, runs: int) -> dict[str, float]:
+    res: dict[str, float] = {"spool_per_s": 0.0, "spool_per_cpu_s": 0.0}
+    # Spool files -> ingest_spool_file (the agent path), best of `runs` files.
     store, pack, jobs = _small_store(tmp / "ingest" / "store.sqlite")
-    spool = tmp / "ingest" / "node1.jsonl"
-    spool.write_text("".join(json.dumps(r) + "\n" for r in _samples(pack, jobs, n, 1e9)))
-    # Wall-clock rates, and per CPU-second of this process (what the code costs, apart
-    # from how busy the machine is).
-    t, c = time.perf_counter(), time.process_time()
-    r = store.ingest_spool_file(spool)
-    res["spool_per_s"] = n / (time.perf_counter() - t)
-    res["spool_per_cpu_s"] = n / (time.process_time() - c)
-    assert r.samples == n, r
+    for i in range(runs):
+        spool = tmp / "ingest" / f"node{i}.jsonl"
+        spool.write_text("".join(json.dumps(r) + "\n" for r in _samples(pack, jobs, n, 1e9 + i * 1e8)))
+        # Wall-clock rates, and per CPU-second of this process (what the code costs,
+        # apart from how busy the machine is).
+        t, c = time.perf_counter(), time.process_time()
+        r = store.ingest_spool_file(spool)
+        res["spool_per_s"] = max(res["spool_per_s"], n / (time.perf_counter() - t))
+        res["spool_per_cpu_s"] = max(res["spool_per_cpu_s"], n / (time.process_time() - c))
+        assert r.samples == n, r
+        spool.unlink()
     # add_samples (a direct writer), batches of 10,000.
     rows = _samples(pack, jobs, n, 3e9)
     t, c = time.perf_counter(), time.process_time()
@@ -143,13 +145,13 @@ def main() -> int:
     ap.add_argument("--naive-samples", type=int, default=5_000)
     ap.add_argument("--jobs", type=int, default=10_000)
     ap.add_argument("--samples", type=int, default=1_000_000)
-    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--keep-db", type=Path, help="build the acct store in this folder once and reuse it")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        ing = bench_ingest(tmp, args.ingest_samples, args.naive_samples)
-        print(f"ingest ({args.ingest_samples:,} samples)        samples/s   per CPU-second")
+        ing = bench_ingest(tmp, args.ingest_samples, args.naive_samples, args.runs)
+        print(f"ingest ({args.ingest_samples:,} samples, spool: best of {args.runs})   samples/s   per CPU-second")
         print(f"  spool file, batched (exactly-once)  {ing['spool_per_s']:>10,.0f}   {ing['spool_per_cpu_s']:>10,.0f}")
         print(f"  add_samples, batches of 10,000      {ing['direct_per_s']:>10,.0f}   {ing['direct_per_cpu_s']:>10,.0f}")
         print(f"  naive: one transaction per sample   {ing['naive_per_s']:>10,.0f}   {ing['naive_per_cpu_s']:>10,.0f}"
