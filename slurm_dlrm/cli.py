@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "agent": "slurm_dlrm.commands.agent:agent",
     "admin": "slurm_dlrm.commands.admin:admin",
     "estimate": "slurm_dlrm.commands.estimate:estimate",
+    "simulate": "slurm_dlrm.commands.simulate:simulate_cmd",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
