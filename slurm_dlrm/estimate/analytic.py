@@ -164,7 +164,8 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
     if device == "cpu" and spec.optimizer.type == "adam" and spec.optimizer.fused:
         notes.append("fused Adam is GPU-only (fbgemm CPU kernels); estimated as non-fused on the CPU")
     if spec.world_size > 1:
-        notes.append(f"world_size {spec.world_size}: tables spread table-wise; all-to-all buffers approximated")
+        notes.append(f"world_size {spec.world_size}: tables placed as torchrec's greedy partitioner would (the "
+                     "fullest rank is estimated); NCCL's own buffers are not counted (calibrate from history)")
 
     host_tables = [i for i, t in enumerate(spec.tables) if t.placement != "hbm"]
     host_table_bytes = sum(spec.tables[i].weight_bytes for i in host_tables)
