@@ -19,6 +19,11 @@ from slurm_dlrm.errors import EXIT_RUNTIME, DlrmError
 
 # name -> "module:attribute"; each command module owns its own options and help.
 COMMANDS: dict[str, str] = {
+    "cancel": "slurm_dlrm.commands.queue:cancel",
+    "queue": "slurm_dlrm.commands.queue:queue",
+    "serve": "slurm_dlrm.commands.serve:serve",
+    "show": "slurm_dlrm.commands.queue:show",
+    "submit": "slurm_dlrm.commands.submit:submit",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}

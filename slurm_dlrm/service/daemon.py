@@ -141,6 +141,11 @@ def spawn_service(paths: ServicePaths, serve_args: list[str], env: dict[str, str
     """
     ensure_private_dir(paths.store_dir)
     argv = [sys.executable, "-m", "slurm_dlrm", "serve", *serve_args]
+    env = dict(os.environ if env is None else env)
+    # The child (and the packs it submits, which inherit its environment) must run this
+    # very slurm_dlrm, also from a source checkout that is not the installed one.
+    package_root = str(Path(__file__).resolve().parent.parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
     with open(paths.log, "ab", buffering=0) as out:
         os.chmod(paths.log, 0o600)
         proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
