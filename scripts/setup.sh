@@ -9,7 +9,8 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 venv=${SLURM_DLRM_VENV:-$here/.venv}
 stamp=$venv/.slurm-dlrm-setup-v1
 
-apt_pkgs=(slurm-wlm munge mariadb-server slurmdbd python3-venv)
+# lua5.1: the Lua that job_submit_lua.so links (tests run job_submit.lua in it); shellcheck: lints the rendered prolog scripts.
+apt_pkgs=(slurm-wlm munge mariadb-server slurmdbd python3-venv lua5.1 shellcheck)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,0 +1,231 @@
+"""The packing policy's input and output: frozen dataclasses, no I/O.
+
+`PackingRequest` (pending jobs, the GPU models and node shapes on offer, limits) goes
+into `plan()`, a `PackingPlan` (packs to create, jobs deferred with a reason) comes
+out. A pack's members map one-to-one onto the placement file's members
+(docs/interfaces.md section 3): `node_index`, `gpu_index`, `mps_thread_pct`,
+`gpu_mem_limit_mib`, `host_mem_limit_bytes`, `cpus`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from slurm_dlrm.site import MIB, GpuModel, SiteConfig
+
+LABELS = ("compute-bound", "memory-bound", "host-bound")
+
+
+@dataclass(frozen=True)
+class JobDemand:
+    """One pending job as the policy sees it (from its estimate and the store row)."""
+
+    job_id: int
+    user: str
+    submit_time_s: float
+    priority: float  # higher goes first; the dispatcher adds the age bonus
+    gpu_mem_bytes: int  # estimated peak GPU bytes *without* the CUDA context
+    host_mem_bytes: int  # estimated peak host RSS
+    sm_util_pct: float  # solo SM utilisation on the GPU model it was estimated for
+    membw_util_pct: float  # solo memory-bandwidth utilisation
+    host_cpu_cores: float  # solo host CPU demand (loader workers + main process)
+    label: str = "compute-bound"
+    solo_samples_per_s: float = 0.0
+    est_duration_s: float | None = None  # solo run time if known (steps / rate)
+    name: str = ""
+
+    @property
+    def cpus(self) -> int:
+        return max(1, math.ceil(self.host_cpu_cores - 1e-9))
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    """Nodes of one shape the user may get; `count` of them (free capacity in the
+    simulator, the whole group for the service)."""
+
+    gpu_model: str
+    gpus: int
+    cpus: int
+    memory_bytes: int
+    count: int = 1
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class PackingLimits:
+    max_members_per_gpu: int = 8
+    mps_client_limit: int = 48
+    memory_margin_pct: float = 5.0  # added to each member's GPU estimate for its fence
+    max_gpus_per_pack: int = 4
+    shards_per_gpu: int = 8  # the count-based slots of `first-fit` (gres/shard)
+    target_load: float = 1.0  # `complementary` keeps summed SM and bandwidth use below this
+    min_gain: float = 0.05  # a member beyond the load target must add this much throughput
+
+    @property
+    def members_per_gpu(self) -> int:
+        return max(1, min(self.max_members_per_gpu, self.mps_client_limit))
+
+
+@dataclass(frozen=True)
+class PackingRequest:
+    jobs: tuple[JobDemand, ...]
+    gpu_models: tuple[GpuModel, ...]
+    nodes: tuple[NodeShape, ...]
+    limits: PackingLimits = field(default_factory=PackingLimits)
+    max_gpus: int | None = None  # GPUs this round may use in total (None: what nodes offer)
+
+    def gpu_model(self, name: str) -> GpuModel:
+        for g in self.gpu_models:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class MemberPlacement:
+    job_id: int
+    node_index: int  # position in the pack's node list (SLURM_NODEID)
+    gpu_index: int  # index within that node's allocated GPUs
+    mps_thread_pct: int
+    gpu_mem_limit_mib: int  # CUDA_MPS_PINNED_DEVICE_MEM_LIMIT for this member
+    host_mem_limit_bytes: int
+    cpus: int
+    predicted_speed: float  # relative to solo, from the interference model
+
+    def to_placement(self) -> dict[str, Any]:
+        """The policy's part of one placement-file member (docs/interfaces.md section 3)."""
+        return {"job_id": self.job_id, "node_index": self.node_index, "gpu_index": self.gpu_index,
+                "mps_thread_pct": self.mps_thread_pct, "gpu_mem_limit_mib": self.gpu_mem_limit_mib,
+                "host_mem_limit_bytes": self.host_mem_limit_bytes, "cpus": self.cpus}
+
+
+@dataclass(frozen=True)
+class Pack:
+    """One Slurm job to submit: `gpu_count` GPUs of `gpu_model` on `node_count` nodes."""
+
+    gpu_model: str
+    gpu_count: int
+    node_count: int
+    members: tuple[MemberPlacement, ...]
+    node_name: str = ""  # the NodeShape it was sized for (the simulator places it there)
+    mps: bool = True
+
+    @property
+    def cpus(self) -> int:
+        return sum(m.cpus for m in self.members)
+
+    @property
+    def host_mem_bytes(self) -> int:
+        return sum(m.host_mem_limit_bytes for m in self.members)
+
+    def members_on(self, gpu_index: int, node_index: int = 0) -> tuple[MemberPlacement, ...]:
+        return tuple(m for m in self.members if m.gpu_index == gpu_index and m.node_index == node_index)
+
+    @property
+    def predicted_throughput(self) -> float:
+        """Solo-equivalent jobs running at once (sum of predicted relative speeds)."""
+        return sum(m.predicted_speed for m in self.members)
+
+
+@dataclass(frozen=True)
+class Deferred:
+    job_id: int
+    reason: str
+    permanent: bool = False  # True: too big for every GPU the request offers, waiting will not help
+
+
+@dataclass(frozen=True)
+class PackingPlan:
+    policy: str
+    packs: tuple[Pack, ...]
+    deferred: tuple[Deferred, ...]
+
+    @property
+    def placed_job_ids(self) -> tuple[int, ...]:
+        return tuple(m.job_id for p in self.packs for m in p.members)
+
+    @property
+    def predicted_throughput(self) -> float:
+        return sum(p.predicted_throughput for p in self.packs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "packs": [{"gpu_model": p.gpu_model, "gpu_count": p.gpu_count, "node_count": p.node_count,
+                       "node_name": p.node_name, "mps": p.mps, "cpus": p.cpus, "host_mem_bytes": p.host_mem_bytes,
+                       "members": [dict(m.to_placement(), predicted_speed=round(m.predicted_speed, 4))
+                                   for m in p.members]}
+                      for p in self.packs],
+            "deferred": [{"job_id": d.job_id, "reason": d.reason, "permanent": d.permanent} for d in self.deferred],
+        }
+
+
+def member_fence_bytes(job: JobDemand, gpu: GpuModel, limits: PackingLimits) -> int:
+    """GPU bytes reserved for one member: estimate + margin + CUDA context + cuBLAS workspace."""
+    return (math.ceil(job.gpu_mem_bytes * (1.0 + limits.memory_margin_pct / 100.0))
+            + gpu.cuda_context_bytes + gpu.cublas_workspace_bytes)
+
+
+def fence_mib(job: JobDemand, gpu: GpuModel, limits: PackingLimits) -> int:
+    return math.ceil(member_fence_bytes(job, gpu, limits) / MIB)
+
+
+def usable_gpu_bytes(gpu: GpuModel) -> int:
+    """GPU memory left for members once the MPS server's own context is taken."""
+    return gpu.memory_bytes - gpu.cuda_context_bytes
+
+
+def host_limit_bytes(job: JobDemand, limits: PackingLimits) -> int:
+    return math.ceil(job.host_mem_bytes * (1.0 + limits.memory_margin_pct / 100.0))
+
+
+def limits_from_site(site: SiteConfig) -> PackingLimits:
+    p = site.packing
+    return PackingLimits(max_members_per_gpu=p.max_members_per_gpu, mps_client_limit=site.mps.client_limit,
+                         memory_margin_pct=p.memory_margin_pct, max_gpus_per_pack=p.max_gpus_per_pack,
+                         shards_per_gpu=site.mps.shards_per_gpu or p.max_members_per_gpu)
+
+
+def nodes_from_site(site: SiteConfig) -> tuple[NodeShape, ...]:
+    return tuple(NodeShape(gpu_model=g.gpu_model, gpus=g.gpus, cpus=g.cpus, memory_bytes=g.memory_mib * MIB,
+                           count=len(g.hostnames), name=g.names)
+                 for g in site.nodes if g.gpus > 0)
+
+
+def _get(obj: Any, key: str, default: Any = None) -> Any:
+    if isinstance(obj, dict):
+        return obj.get(key, default)
+    return getattr(obj, key, default)
+
+
+def _context_bytes(breakdown: Any) -> int:
+    """The CUDA context (and other per-process runtime) part of a GPU breakdown."""
+    if not isinstance(breakdown, dict):
+        return 0
+    return sum(int(v) for k, v in breakdown.items()
+               if any(word in k.lower() for word in ("context", "cublas", "workspace")))
+
+
+def demand_from_estimate(estimate: Any, *, job_id: int, user: str, submit_time_s: float, priority: float = 0.0,
+                         name: str = "", samples_to_train: float | None = None) -> JobDemand:
+    """A `JobDemand` from an estimator `Estimate` (docs/interfaces.md section 2).
+
+    The estimate's GPU peak includes the CUDA context; the policy adds the context of
+    the GPU it places the job on, so the context part of the breakdown is taken out.
+    `samples_to_train` (steps * batch) gives the solo duration from the solo rate.
+    Works on the `Estimate` object or its `to_dict()` form.
+    """
+    profile = _get(estimate, "profile")
+    gpu_peak = int(_get(estimate, "gpu_peak_bytes"))
+    own = max(0, gpu_peak - _context_bytes(_get(estimate, "gpu_breakdown")))
+    rate = float(_get(profile, "solo_samples_per_s", 0.0) or 0.0)
+    duration = samples_to_train / rate if samples_to_train and rate > 0 else None
+    label = str(_get(profile, "label", "compute-bound"))
+    return JobDemand(job_id=job_id, user=user, submit_time_s=submit_time_s, priority=priority,
+                     gpu_mem_bytes=own, host_mem_bytes=int(_get(estimate, "host_peak_bytes")),
+                     sm_util_pct=float(_get(profile, "sm_util_pct")), membw_util_pct=float(_get(profile, "membw_util_pct")),
+                     host_cpu_cores=float(_get(profile, "host_cpu_cores")), label=label,
+                     solo_samples_per_s=rate, est_duration_s=duration, name=name)

@@ -1,0 +1,578 @@
+"""The named packing policies behind one entry point, `plan(request, policy)`.
+
+Every policy sees the same `PackingRequest` and returns a `PackingPlan`, so the
+baselines are measured by the same code as ours:
+
+- `exclusive`: one job per GPU (Slurm today).
+- `first-fit`: count-based slots like gres/shard: up to `shards_per_gpu` members per GPU
+  in queue order, no memory awareness (no fence either: gres/shard fences nothing).
+- `mem-best-fit`: memory only: each job onto the open GPU whose memory it fills best.
+- `complementary` (ours): memory-safe fences, members chosen so that their bottlenecks
+  differ (SM with bandwidth, GPU with host CPU), members balanced over the GPUs of a
+  multi-GPU pack, packs sized from the queue and grouped by expected duration.
+
+Deterministic: the same request gives the same plan (ties break on job id).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from slurm_dlrm.errors import BadInput
+from slurm_dlrm.packing.interference import (
+    DEFAULT_PARAMS,
+    InterferenceParams,
+    predict_speeds_from_fractions,
+)
+from slurm_dlrm.packing.model import (
+    Deferred,
+    JobDemand,
+    MemberPlacement,
+    Pack,
+    PackingLimits,
+    PackingPlan,
+    PackingRequest,
+    host_limit_bytes,
+    member_fence_bytes,
+    usable_gpu_bytes,
+)
+from slurm_dlrm.site import MIB, GpuModel
+
+POLICY_NAMES = ("exclusive", "first-fit", "mem-best-fit", "complementary")
+# A priority at or above this marks a job that waited past the age bound: nothing of
+# lower priority is admitted ahead of it (see slurm_dlrm.packing.dispatch).
+URGENT_PRIORITY = 1e9
+
+NO_FREE_GPU = "no free GPU this round"
+NO_ROOM = "no room left this round"
+
+
+# ---------------------------------------------------------------- shared plumbing
+
+@dataclass
+class _Node:
+    name: str
+    gpu: GpuModel
+    free_gpus: int
+    free_cpus: int
+    free_mem_bytes: int
+
+
+@dataclass
+class _Gpu:
+    node: _Node
+    usable_bytes: int
+    slots: int
+    members: list[JobDemand] = field(default_factory=list)
+    fences: list[int] = field(default_factory=list)
+    used_bytes: int = 0
+    sm: float = 0.0
+    bw: float = 0.0
+
+
+def _order_key(job: JobDemand) -> tuple[float, float, int]:
+    return (-job.priority, job.submit_time_s, job.job_id)
+
+
+def _expand_nodes(request: PackingRequest) -> list[_Node]:
+    nodes: list[_Node] = []
+    for i, shape in enumerate(request.nodes):
+        try:
+            gpu = request.gpu_model(shape.gpu_model)
+        except KeyError:
+            raise BadInput(f"nodes[{i}].gpu_model: unknown GPU model {shape.gpu_model!r}") from None
+        base = shape.name or f"{shape.gpu_model}-{shape.gpus}gpu-{i}"
+        for k in range(shape.count):
+            name = base if shape.count == 1 else f"{base}#{k}"
+            if shape.gpus > 0:
+                nodes.append(_Node(name, gpu, shape.gpus, shape.cpus, shape.memory_bytes))
+    return nodes
+
+
+def _too_big_reason(job: JobDemand, maxima: tuple[int, int, list[GpuModel]], limits: PackingLimits,
+                    memory_aware: bool) -> str | None:
+    """Why no free node could take this job even alone, or None."""
+    max_cpus, max_mem, gpus = maxima
+    if not gpus:
+        return NO_FREE_GPU
+    if job.cpus > max_cpus:
+        return f"needs {job.cpus} CPUs; no free node has that many this round"
+    if host_limit_bytes(job, limits) > max_mem:
+        return f"needs {host_limit_bytes(job, limits) // MIB} MiB of host memory; no free node has that much this round"
+    if memory_aware and all(member_fence_bytes(job, g, limits) > usable_gpu_bytes(g) for g in gpus):
+        fence = min(member_fence_bytes(job, g, limits) for g in gpus)
+        biggest = max(usable_gpu_bytes(g) for g in gpus)
+        return (f"needs {math.ceil(fence / MIB)} MiB of GPU memory (estimate + margin + context); "
+                f"the largest free GPU offers {biggest // MIB} MiB")
+    return None
+
+
+def _node_maxima(nodes: list[_Node]) -> tuple[int, int, list[GpuModel]]:
+    """Largest free CPUs and host memory, and the GPU models, over `nodes` at round start."""
+    models = {n.gpu.name: n.gpu for n in nodes}
+    if not nodes:
+        return 0, 0, []
+    return (max(n.free_cpus for n in nodes), max(n.free_mem_bytes for n in nodes),
+            [models[k] for k in sorted(models)])
+
+
+def _is_permanent(reason: str) -> bool:
+    """A "too big" reason about GPU memory: no GPU of the request's nodes can ever hold it
+    (CPU and host memory reasons depend on what is free this round)."""
+    return "largest free GPU" in reason
+
+
+def _gpu_budget(request: PackingRequest, nodes: list[_Node]) -> int:
+    total = sum(n.free_gpus for n in nodes)
+    return total if request.max_gpus is None else max(0, min(total, request.max_gpus))
+
+
+def _thread_pcts(sm: list[float]) -> list[int]:
+    """MPS active-thread percentage per member.
+
+    While the members' summed solo SM use fits the GPU, nobody is capped (a cap below a
+    member's burst need would slow it). When it does not, each gets 1.5x its share of the
+    demand, so one compute-heavy member cannot take every SM from the rest.
+    """
+    total = sum(sm)
+    if total <= 1.0:
+        return [100] * len(sm)
+    return [min(100, max(10, math.ceil(150.0 * s / total))) for s in sm]
+
+
+def _finish(policy: str, packs: list[list[_Gpu]], deferred: list[Deferred], limits: PackingLimits,
+            params: InterferenceParams, fenced: bool, thread_caps: bool) -> PackingPlan:
+    out: list[Pack] = []
+    for gpus in packs:
+        members: list[MemberPlacement] = []
+        for gpu_index, g in enumerate(gpus):
+            sm = [_frac(j.sm_util_pct) for j in g.members]
+            bw = [_frac(j.membw_util_pct) for j in g.members]
+            speeds = [1.0] if len(g.members) == 1 else predict_speeds_from_fractions(sm, bw, params)
+            pcts = _thread_pcts(sm) if thread_caps else [100] * len(sm)
+            whole_gpu_mib = usable_gpu_bytes(g.node.gpu) // MIB
+            for j, fence, speed, pct in zip(g.members, g.fences, speeds, pcts, strict=True):
+                members.append(MemberPlacement(
+                    job_id=j.job_id, node_index=0, gpu_index=gpu_index, mps_thread_pct=pct,
+                    gpu_mem_limit_mib=math.ceil(fence / MIB) if fenced else whole_gpu_mib,
+                    host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus, predicted_speed=speed))
+        node = gpus[0].node
+        out.append(Pack(gpu_model=node.gpu.name, gpu_count=len(gpus), node_count=1, members=tuple(members),
+                        node_name=node.name, mps=policy != "exclusive"))
+    return PackingPlan(policy=policy, packs=tuple(out), deferred=tuple(sorted(deferred, key=lambda d: d.job_id)))
+
+
+def _frac(pct: float) -> float:
+    return min(max(pct / 100.0, 0.0), 1.0) if math.isfinite(pct) else 0.0
+
+
+def _add(g: _Gpu, job: JobDemand, fence: int, limits: PackingLimits) -> None:
+    g.members.append(job)
+    g.fences.append(fence)
+    g.used_bytes += fence
+    g.sm += _frac(job.sm_util_pct)
+    g.bw += _frac(job.membw_util_pct)
+    g.node.free_cpus -= job.cpus
+    g.node.free_mem_bytes -= host_limit_bytes(job, limits)
+
+
+def _host_fits(node: _Node, job: JobDemand, limits: PackingLimits) -> bool:
+    return job.cpus <= node.free_cpus and host_limit_bytes(job, limits) <= node.free_mem_bytes
+
+
+def _open_gpu(node: _Node, slots: int) -> _Gpu:
+    node.free_gpus -= 1
+    return _Gpu(node=node, usable_bytes=usable_gpu_bytes(node.gpu), slots=slots)
+
+
+def _held(blocked: list[JobDemand]) -> str | None:
+    return f"holding room for job {blocked[0].job_id}, which waited longest" if blocked else None
+
+
+def _block_if_urgent(blocked: list[JobDemand], job: JobDemand) -> None:
+    if not blocked and job.priority >= URGENT_PRIORITY:
+        blocked.append(job)
+
+
+# ---------------------------------------------------------------- baselines
+
+def _exclusive(request: PackingRequest, params: InterferenceParams) -> PackingPlan:
+    limits = request.limits
+    nodes = _expand_nodes(request)
+    budget = _gpu_budget(request, nodes)
+    maxima = _node_maxima([n for n in nodes if n.free_gpus > 0])
+    packs: list[list[_Gpu]] = []
+    deferred: list[Deferred] = []
+    blocked: list[JobDemand] = []
+    for job in sorted(request.jobs, key=_order_key):
+        reason = _too_big_reason(job, maxima, limits, memory_aware=True) or _held(blocked)
+        if reason:
+            deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
+            continue
+        node = next((n for n in nodes if n.free_gpus > 0 and _host_fits(n, job, limits)
+                     and member_fence_bytes(job, n.gpu, limits) <= usable_gpu_bytes(n.gpu)), None)
+        if node is None or len(packs) >= budget:
+            deferred.append(Deferred(job.job_id, NO_FREE_GPU))
+            _block_if_urgent(blocked, job)
+            continue
+        g = _open_gpu(node, 1)
+        _add(g, job, member_fence_bytes(job, node.gpu, limits), limits)
+        packs.append([g])
+    return _finish("exclusive", packs, deferred, limits, params, fenced=False, thread_caps=False)
+
+
+def _first_fit(request: PackingRequest, params: InterferenceParams) -> PackingPlan:
+    limits = request.limits
+    nodes = _expand_nodes(request)
+    budget = _gpu_budget(request, nodes)
+    maxima = _node_maxima([n for n in nodes if n.free_gpus > 0])
+    slots = max(1, min(limits.shards_per_gpu, limits.members_per_gpu))
+    open_gpus: list[_Gpu] = []
+    deferred: list[Deferred] = []
+    blocked: list[JobDemand] = []
+    for job in sorted(request.jobs, key=_order_key):
+        reason = _too_big_reason(job, maxima, limits, memory_aware=False) or _held(blocked)
+        if reason:
+            deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
+            continue
+        target = next((g for g in open_gpus if len(g.members) < g.slots and _host_fits(g.node, job, limits)), None)
+        if target is None and len(open_gpus) < budget:
+            node = next((n for n in nodes if n.free_gpus > 0 and _host_fits(n, job, limits)), None)
+            if node is not None:
+                target = _open_gpu(node, slots)
+                open_gpus.append(target)
+        if target is None:
+            deferred.append(Deferred(job.job_id, NO_FREE_GPU if len(open_gpus) < budget else NO_ROOM))
+            _block_if_urgent(blocked, job)
+            continue
+        _add(target, job, member_fence_bytes(job, target.node.gpu, limits), limits)
+    return _finish("first-fit", [[g] for g in open_gpus], deferred, limits, params, fenced=False, thread_caps=False)
+
+
+def _mem_best_fit(request: PackingRequest, params: InterferenceParams) -> PackingPlan:
+    limits = request.limits
+    nodes = _expand_nodes(request)
+    budget = _gpu_budget(request, nodes)
+    maxima = _node_maxima([n for n in nodes if n.free_gpus > 0])
+    slots = limits.members_per_gpu
+    open_gpus: list[_Gpu] = []
+    deferred: list[Deferred] = []
+    blocked: list[JobDemand] = []
+    for job in sorted(request.jobs, key=_order_key):
+        reason = _too_big_reason(job, maxima, limits, memory_aware=True) or _held(blocked)
+        if reason:
+            deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
+            continue
+        best: _Gpu | None = None
+        best_left = 0
+        for g in open_gpus:
+            fence = member_fence_bytes(job, g.node.gpu, limits)
+            left = g.usable_bytes - g.used_bytes - fence
+            if left >= 0 and len(g.members) < g.slots and _host_fits(g.node, job, limits) and (best is None or left < best_left):
+                best, best_left = g, left
+        if best is None and len(open_gpus) < budget:
+            node = next((n for n in nodes if n.free_gpus > 0 and _host_fits(n, job, limits)
+                         and member_fence_bytes(job, n.gpu, limits) <= usable_gpu_bytes(n.gpu)), None)
+            if node is not None:
+                best = _open_gpu(node, slots)
+                open_gpus.append(best)
+        if best is None:
+            deferred.append(Deferred(job.job_id, NO_FREE_GPU if len(open_gpus) < budget else NO_ROOM))
+            _block_if_urgent(blocked, job)
+            continue
+        _add(best, job, member_fence_bytes(job, best.node.gpu, limits), limits)
+    return _finish("mem-best-fit", [[g] for g in open_gpus], deferred, limits, params, fenced=True, thread_caps=False)
+
+
+# ---------------------------------------------------------------- complementary (ours)
+
+_WINDOW = 8  # candidates looked at per pick, in duration order (keeps plan() O(n))
+_SKIP_LIMIT = 64  # candidates that did not fit before a pack is closed
+_TOPUP_SCAN = 16  # leftover candidates looked at per GPU in the top-up pass
+
+# Per job, for one GPU model: (SM fraction, bandwidth fraction, fence bytes, CPUs, host bytes).
+_Vec = tuple[float, float, int, int, int]
+
+
+def _vectors(jobs: list[JobDemand], gpu: GpuModel, limits: PackingLimits) -> dict[int, _Vec]:
+    return {j.job_id: (_frac(j.sm_util_pct), _frac(j.membw_util_pct), member_fence_bytes(j, gpu, limits),
+                       j.cpus, host_limit_bytes(j, limits)) for j in jobs}
+
+
+def _complementary(request: PackingRequest, params: InterferenceParams) -> PackingPlan:
+    limits = request.limits
+    nodes = _expand_nodes(request)
+    budget = _gpu_budget(request, nodes)
+    free_nodes = [n for n in nodes if n.free_gpus > 0]
+    maxima = _node_maxima(free_nodes)
+    deferred: list[Deferred] = []
+    models = {n.gpu.name: n.gpu for n in free_nodes}
+
+    # Seeds go in priority order, shortest expected run first within a priority: the
+    # dispatcher's aging lifts long waiters into a higher priority band and, past the
+    # wait bound, makes them urgent, so shortest-first cannot starve anyone.
+    eligible: list[JobDemand] = []
+    for job in sorted(request.jobs, key=_seed_key):
+        reason = _too_big_reason(job, maxima, limits, memory_aware=True)
+        if reason:
+            deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
+        else:
+            eligible.append(job)
+    vecs = {name: _vectors(eligible, gpu, limits) for name, gpu in sorted(models.items())}
+
+    # A pack holds its GPUs until its last member ends, so a pack is built around a
+    # seed from the jobs whose expected duration is nearest to the seed's.
+    by_dur = sorted(range(len(eligible)), key=lambda k: (_log_duration(eligible[k]), eligible[k].job_id))
+    where = [0] * len(eligible)
+    for pos, k in enumerate(by_dur):
+        where[k] = pos
+    prev = list(range(-1, len(by_dur) - 1))
+    nxt = list(range(1, len(by_dur) + 1))
+    removed = [False] * len(eligible)
+    index_of = {j.job_id: k for k, j in enumerate(eligible)}
+
+    def take(k: int) -> None:
+        removed[k] = True
+        pos = where[k]
+        p, q = prev[pos], nxt[pos]
+        if p >= 0:
+            nxt[p] = q
+        if q < len(by_dur):
+            prev[q] = p
+
+    def neighbours(k: int, limit: int) -> list[JobDemand]:
+        """Up to `limit` jobs nearest in expected duration to job k (k itself first)."""
+        out = [eligible[k]]
+        centre = _log_duration(eligible[k])
+        pos = where[k]
+        left, right = prev[pos], nxt[pos]
+        while len(out) < limit and (left >= 0 or right < len(by_dur)):
+            dl = centre - _log_duration(eligible[by_dur[left]]) if left >= 0 else math.inf
+            dr = _log_duration(eligible[by_dur[right]]) - centre if right < len(by_dur) else math.inf
+            if dl <= dr:
+                out.append(eligible[by_dur[left]])
+                left = prev[left]
+            else:
+                out.append(eligible[by_dur[right]])
+                right = nxt[right]
+        return out
+
+    packs: list[list[_Gpu]] = []
+    left_budget = budget
+    cursor = 0
+    for node in sorted(free_nodes, key=lambda n: (-n.free_gpus, n.name)):
+        vec = vecs[node.gpu.name]
+        misses = 0
+        probe = cursor
+        while node.free_gpus > 0 and left_budget > 0:
+            while cursor < len(eligible) and removed[cursor]:
+                cursor += 1
+            probe = max(probe, cursor)
+            while probe < len(eligible) and removed[probe]:
+                probe += 1
+            if probe >= len(eligible):
+                break
+            seed = eligible[probe]
+            g_max = min(node.free_gpus, limits.max_gpus_per_pack, left_budget)
+            candidates = neighbours(probe, g_max * limits.members_per_gpu * 3)
+            chunk = _pick_chunk(candidates, vec, node, g_max, limits)
+            gpus, rejected = _balance(chunk, vec, node, g_max, limits) if chunk else ([], chunk)
+            if not gpus or seed in rejected:
+                # The seed does not fit what is left of this node: try a few later seeds
+                # here, then the next node.
+                for g in gpus:  # undo
+                    for job in g.members:
+                        node.free_cpus += vec[job.job_id][3]
+                        node.free_mem_bytes += vec[job.job_id][4]
+                misses += 1
+                if misses >= 8:
+                    break
+                probe += 1
+                continue
+            for g in gpus:
+                for job in g.members:
+                    take(index_of[job.job_id])
+            node.free_gpus -= len(gpus)
+            left_budget -= len(gpus)
+            packs.append(gpus)
+    # An urgent job that found no room on any node: nothing else may join the packs
+    # (top-up), so the room that frees up next goes to it.
+    held = next((eligible[k] for k in range(len(eligible)) if not removed[k]
+                 and eligible[k].priority >= URGENT_PRIORITY), None)
+
+    # Top-up: a leftover job joins a GPU past the load target only if that GPU's
+    # predicted aggregate speed grows by at least `min_gain` solo jobs. Lightest first.
+    leftover = [eligible[k] for k in range(len(eligible)) if not removed[k]]
+    if leftover and packs and held is None:
+        taken: set[int] = set()
+        light = sorted(leftover, key=lambda j: (max(_frac(j.sm_util_pct), _frac(j.membw_util_pct)), _order_key(j)))
+        for gpus in packs:
+            for g in gpus:
+                vec = vecs[g.node.gpu.name]
+                scanned = 0
+                for job in light:
+                    if scanned >= _TOPUP_SCAN or len(g.members) >= g.slots:
+                        break
+                    if job.job_id in taken:
+                        continue
+                    scanned += 1
+                    s, b, fence, cpus, host = vec[job.job_id]
+                    if g.used_bytes + fence > g.usable_bytes or cpus > g.node.free_cpus or host > g.node.free_mem_bytes:
+                        continue
+                    if _gain_if_added(g, s, b, params) < limits.min_gain:
+                        break  # the lightest fitting job does not pay: heavier ones will not
+                    _add(g, job, fence, limits)
+                    taken.add(job.job_id)
+        leftover = [j for j in leftover if j.job_id not in taken]
+    for job in leftover:
+        if held is not None and job is not held and job.priority < held.priority:
+            deferred.append(Deferred(job.job_id, f"holding room for job {held.job_id}, which waited longest"))
+        else:
+            deferred.append(Deferred(job.job_id, NO_FREE_GPU if not packs and left_budget == 0 else NO_ROOM))
+    return _finish("complementary", packs, deferred, limits, params, fenced=True, thread_caps=True)
+
+
+def _seed_key(job: JobDemand) -> tuple[float, float, float, int]:
+    return (-job.priority, job.est_duration_s if job.est_duration_s is not None else 0.0, job.submit_time_s, job.job_id)
+
+
+def _log_duration(job: JobDemand) -> float:
+    d = job.est_duration_s
+    return math.log(d) if d is not None and d > 0 else 0.0
+
+
+def _pick_chunk(candidates: list[JobDemand], vec: dict[int, _Vec], node: _Node, g_max: int,
+                limits: PackingLimits) -> list[JobDemand]:
+    """Members for one pack of up to `g_max` GPUs on `node`: the seed (`candidates[0]`)
+    and then, among the next `_WINDOW` candidates (nearest in duration first), always the
+    one that leaves the pack's fullest resource (SM, bandwidth, GPU memory, CPUs, host
+    memory, member slots; each relative to the pack's capacity) lowest. A pack heavy on
+    SMs thus fills with bandwidth- or host-bound jobs next: the complementary pairing.
+    """
+    cap_sm = cap_bw = g_max * limits.target_load
+    cap_mem = float(g_max * usable_gpu_bytes(node.gpu))
+    cap_cpu = float(node.free_cpus)
+    cap_host = float(node.free_mem_bytes)
+    cap_n = float(g_max * limits.members_per_gpu)
+    if cap_cpu <= 0 or cap_host <= 0 or not candidates:
+        return []
+    u_sm = u_bw = u_mem = u_cpu = u_host = u_n = 0.0
+    chunk: list[JobDemand] = []
+    i = 0
+    n = len(candidates)
+    skipped = 0
+    window: list[JobDemand] = []
+    first = True
+    while True:
+        while len(window) < (1 if first else _WINDOW) and i < n:
+            window.append(candidates[i])
+            i += 1
+        if not window:
+            break
+        best_k = -1
+        best_fill = math.inf
+        n_fill = (u_n + 1.0) / cap_n
+        if n_fill > 1.0 + 1e-9:
+            break
+        for k, job in enumerate(window):
+            s, b, fence, cpus, host = vec[job.job_id]
+            worst = max((u_sm + s) / cap_sm, (u_bw + b) / cap_bw, (u_mem + fence) / cap_mem,
+                        (u_cpu + cpus) / cap_cpu, (u_host + host) / cap_host, n_fill)
+            # The seed may overrun the SM/bandwidth target alone (a heavy job still runs).
+            if (worst <= 1.0 + 1e-9 or (first and (u_mem + fence) <= cap_mem and cpus <= cap_cpu and host <= cap_host)) \
+                    and worst < best_fill - 1e-12:
+                best_k, best_fill = k, worst
+        if best_k < 0:
+            if first:
+                return []
+            window.pop(0)  # nothing in the window fits: look further, within a bound
+            skipped += 1
+            if skipped >= _SKIP_LIMIT:
+                break
+            continue
+        first = False
+        job = window.pop(best_k)
+        chunk.append(job)
+        s, b, fence, cpus, host = vec[job.job_id]
+        u_sm += s
+        u_bw += b
+        u_mem += fence
+        u_cpu += cpus
+        u_host += host
+        u_n += 1.0
+    return chunk
+
+
+def _balance(chunk: list[JobDemand], vec: dict[int, _Vec], node: _Node, g_max: int,
+             limits: PackingLimits) -> tuple[list[_Gpu], list[JobDemand]]:
+    """Spread `chunk` over as few GPUs as it needs (<= g_max), balancing predicted load
+    (inter-GPU): heaviest first, each onto the GPU whose busier resource stays lowest."""
+    usable = usable_gpu_bytes(node.gpu)
+    need_sm = sum(vec[j.job_id][0] for j in chunk)
+    need_bw = sum(vec[j.job_id][1] for j in chunk)
+    need_mem = sum(vec[j.job_id][2] for j in chunk)
+    g = max(1, math.ceil(max(need_sm / limits.target_load, need_bw / limits.target_load, need_mem / usable,
+                             len(chunk) / limits.members_per_gpu) - 1e-9))
+    g = min(g, g_max)
+    order = sorted(chunk, key=lambda j: (-max(vec[j.job_id][0], vec[j.job_id][1]), -vec[j.job_id][2], j.job_id))
+    while True:
+        gpus = [_Gpu(node=node, usable_bytes=usable, slots=limits.members_per_gpu) for _ in range(g)]
+        rejected: list[JobDemand] = []
+        for job in order:
+            s, b, fence, _cpus, _host = vec[job.job_id]
+            best: _Gpu | None = None
+            best_key = (math.inf, math.inf)
+            for cand in gpus:
+                if len(cand.members) >= cand.slots or cand.used_bytes + fence > cand.usable_bytes:
+                    continue
+                key = (max(cand.sm + s, cand.bw + b), cand.sm + s + cand.bw + b)
+                if key < best_key:
+                    best, best_key = cand, key
+            if best is None:
+                rejected.append(job)
+                continue
+            best.members.append(job)
+            best.fences.append(fence)
+            best.used_bytes += fence
+            best.sm += s
+            best.bw += b
+        if not rejected or g >= g_max:
+            break
+        g += 1  # fragmentation: one more GPU and try again
+    gpus = [x for x in gpus if x.members]
+    for x in gpus:
+        for job in x.members:
+            node.free_cpus -= vec[job.job_id][3]
+            node.free_mem_bytes -= vec[job.job_id][4]
+    return gpus, rejected
+
+
+def _gain_if_added(g: _Gpu, s: float, b: float, params: InterferenceParams) -> float:
+    """Predicted change of the GPU's summed relative speed if a member (s, b) joins."""
+    sm = [_frac(j.sm_util_pct) for j in g.members]
+    bw = [_frac(j.membw_util_pct) for j in g.members]
+    before = sum(predict_speeds_from_fractions(sm, bw, params)) if len(sm) > 1 else float(len(sm))
+    return sum(predict_speeds_from_fractions(sm + [s], bw + [b], params)) - before
+
+
+# ---------------------------------------------------------------- entry point
+
+_POLICIES: dict[str, Callable[[PackingRequest, InterferenceParams], PackingPlan]] = {
+    "exclusive": _exclusive,
+    "first-fit": _first_fit,
+    "mem-best-fit": _mem_best_fit,
+    "complementary": _complementary,
+}
+
+
+def plan(request: PackingRequest, policy: str = "complementary", params: InterferenceParams | None = None) -> PackingPlan:
+    """Decide which pending jobs share which GPUs this round (pure, deterministic)."""
+    fn = _POLICIES.get(policy)
+    if fn is None:
+        raise BadInput(f"policy: unknown policy {policy!r} (one of {', '.join(POLICY_NAMES)})")
+    ids = [j.job_id for j in request.jobs]
+    if len(set(ids)) != len(ids):
+        raise BadInput("jobs: job ids must be unique")
+    return fn(request, params or DEFAULT_PARAMS)

@@ -1,0 +1,19 @@
+"""Discrete-event simulator: replay a workload on a cluster through the packing
+policies (pure; the CLI `slurm-dlrm simulate` reads the files and draws the plots)."""
+
+from slurm_dlrm.sim.engine import JobOutcome, SimResult, simulate
+from slurm_dlrm.sim.files import (
+    SimCluster,
+    SimJob,
+    SimNode,
+    Workload,
+    generate_jobs,
+    parse_cluster,
+    parse_workload,
+    workload_summary,
+)
+from slurm_dlrm.sim.report import comparison_table, ideal_makespan_s, ideal_throughput_jobs_per_h
+
+__all__ = ["JobOutcome", "SimCluster", "SimJob", "SimNode", "SimResult", "Workload", "comparison_table",
+           "generate_jobs", "ideal_makespan_s", "ideal_throughput_jobs_per_h", "parse_cluster", "parse_workload",
+           "simulate", "workload_summary"]

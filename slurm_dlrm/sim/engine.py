@@ -1,0 +1,416 @@
+"""Discrete-event replay of a workload on a cluster through one packing policy (pure).
+
+The mechanism is the same for every policy, only `plan()` differs:
+
+- Jobs arrive; a dispatch round runs when `round_batch_size` jobs arrived since the
+  last one or every `round_seconds` while jobs are pending and a GPU is free (a round
+  with no free GPU could only defer). Each round asks the policy with the pending jobs
+  (aged priorities) and the free capacity of every node.
+- Each planned pack is one Slurm job: its GPUs, CPUs and host memory are taken at once;
+  it starts `submit_to_start_s` later (scheduler pass + prolog); every member then
+  spends `member_startup_s` (imports, CUDA context) before it trains. A pack gives its
+  GPUs back only when its last member has ended (a Slurm allocation does not shrink).
+- Members of one GPU progress at the speeds the interference model gives for their
+  *true* profiles (`true_params`, by default the documented model itself).
+- At `peak_at_frac` of its run a member reaches its true peak memory. With a fence
+  (mem-best-fit, complementary: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) it dies if its own
+  peak passes its fence; without one (exclusive, first-fit) it dies if the GPU's
+  members together pass the GPU's memory. A killed job resumes from its last checkpoint
+  in a later round, its estimate raised by `mem_bump_pct`, at most `max_retries` times.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field, replace
+
+from slurm_dlrm.packing.dispatch import after_round, aged, should_run_round
+from slurm_dlrm.packing.interference import (
+    DEFAULT_PARAMS,
+    InterferenceParams,
+    predict_speeds_from_fractions,
+)
+from slurm_dlrm.packing.model import JobDemand, NodeShape, PackingRequest
+from slurm_dlrm.packing.policies import plan as make_plan
+from slurm_dlrm.sim.files import SimCluster, SimJob, Workload
+from slurm_dlrm.site import MIB
+
+_ARRIVAL, _TICK, _PACK_START, _MEMBER_READY = 0, 1, 2, 3
+_EPS = 1e-9
+
+
+@dataclass
+class _NodeState:
+    name: str
+    gpu_model: str
+    gpus: int
+    cpus: int
+    memory_bytes: int
+    free_gpus: int
+    free_cpus: int
+    free_mem: int
+
+
+@dataclass
+class _Member:
+    job: SimJob
+    fence_bytes: int | None  # None: no fence (the whole GPU is reachable)
+    progress_start: float
+    progress: float
+    ready: bool = False
+    peaked: bool = False
+    peak_progress: float = 0.0
+    speed: float = 0.0
+    ended: bool = False
+
+
+@dataclass
+class _Gpu:
+    members: list[_Member] = field(default_factory=list)
+
+
+@dataclass
+class _Pack:
+    pack_id: int
+    node: _NodeState
+    gpu_count: int
+    cpus: int
+    host_mem: int
+    mps: bool
+    gpus: list[_Gpu]
+    start_s: float = math.nan
+    live: int = 0
+
+
+@dataclass(frozen=True)
+class JobOutcome:
+    job_id: int
+    arrival_s: float
+    solo_duration_s: float
+    end_s: float | None  # None: never completed
+    state: str  # COMPLETED | FAILED | UNPLACEABLE | PENDING
+    ooms: int
+
+
+@dataclass(frozen=True)
+class SimResult:
+    policy: str
+    workload: str
+    cluster: str
+    gpus: int
+    jobs: tuple[JobOutcome, ...]
+    first_arrival_s: float
+    end_s: float
+    alloc_gpu_s: float
+    busy_gpu_s: float  # integral of min(1, sum of members' SM use x speed) over allocated GPUs
+    ooms: int
+    rounds: int
+    packs: int
+
+    @property
+    def completed(self) -> list[JobOutcome]:
+        return [j for j in self.jobs if j.state == "COMPLETED"]
+
+    @property
+    def makespan_s(self) -> float:
+        ends = [j.end_s for j in self.completed if j.end_s is not None]
+        return (max(ends) - self.first_arrival_s) if ends else 0.0
+
+    @property
+    def throughput_jobs_per_h(self) -> float:
+        """Solo-equivalent jobs per hour: completed solo work, counted in mean-sized jobs."""
+        mean_solo = sum(j.solo_duration_s for j in self.jobs) / max(1, len(self.jobs))
+        done = sum(j.solo_duration_s for j in self.completed)
+        return (done / mean_solo) / (self.makespan_s / 3600.0) if self.makespan_s > 0 and mean_solo > 0 else 0.0
+
+    @property
+    def jct_s(self) -> list[float]:
+        return sorted(j.end_s - j.arrival_s for j in self.completed if j.end_s is not None)
+
+    @property
+    def avg_jct_s(self) -> float:
+        v = self.jct_s
+        return sum(v) / len(v) if v else 0.0
+
+    @property
+    def p95_jct_s(self) -> float:
+        v = self.jct_s
+        return v[min(len(v) - 1, math.ceil(0.95 * len(v)) - 1)] if v else 0.0
+
+    @property
+    def gpu_hours(self) -> float:
+        return self.alloc_gpu_s / 3600.0
+
+    @property
+    def mean_gpu_util_pct(self) -> float:
+        return 100.0 * self.busy_gpu_s / self.alloc_gpu_s if self.alloc_gpu_s > 0 else 0.0
+
+    @property
+    def completion_rate(self) -> float:
+        return len(self.completed) / len(self.jobs) if self.jobs else 0.0
+
+    def metrics(self) -> dict[str, float | int | str]:
+        return {"policy": self.policy, "workload": self.workload, "cluster": self.cluster, "gpus": self.gpus,
+                "jobs": len(self.jobs), "completed": len(self.completed),
+                "throughput_jobs_per_h": round(self.throughput_jobs_per_h, 4),
+                "avg_jct_s": round(self.avg_jct_s, 1), "p95_jct_s": round(self.p95_jct_s, 1),
+                "makespan_s": round(self.makespan_s, 1), "gpu_hours": round(self.gpu_hours, 3),
+                "mean_gpu_util_pct": round(self.mean_gpu_util_pct, 2), "ooms": self.ooms,
+                "completion_rate": round(self.completion_rate, 4), "rounds": self.rounds, "packs": self.packs}
+
+
+def _demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -> JobDemand:
+    return JobDemand(job_id=job.job_id, user=job.user, submit_time_s=job.arrival_s, priority=job.priority,
+                     gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=job.host_mem_bytes, sm_util_pct=job.sm_util_pct,
+                     membw_util_pct=job.membw_util_pct, host_cpu_cores=job.host_cpu_cores, label=job.label,
+                     est_duration_s=est_remaining_s, name=job.name)
+
+
+def simulate(workload: Workload, cluster: SimCluster, policy: str,
+             true_params: InterferenceParams | None = None, plan_params: InterferenceParams | None = None,
+             max_sim_s: float = 365 * 86400.0) -> SimResult:
+    """Replay `workload` on `cluster` through `policy`; see the module docstring."""
+    truth = true_params or DEFAULT_PARAMS
+    limits, dispatch, slurm, retry = cluster.limits, cluster.dispatch, cluster.slurm, cluster.retry
+    nodes = [_NodeState(n.name, n.gpu_model, n.gpus, n.cpus, n.memory_bytes, n.gpus, n.cpus, n.memory_bytes)
+             for n in cluster.nodes]
+    by_name = {n.name: n for n in nodes}
+    jobs = {j.job_id: j for j in workload.jobs}
+    events: list[tuple[float, int, int, object]] = []
+    seq = 0
+
+    def push(t: float, kind: int, payload: object) -> None:
+        nonlocal seq
+        heapq.heappush(events, (t, seq, kind, payload))
+        seq += 1
+
+    for j in workload.jobs:
+        push(j.arrival_s, _ARRIVAL, j.job_id)
+
+    pending: dict[int, JobDemand] = {}
+    waited: dict[int, int] = {}
+    progress_saved: dict[int, float] = {}
+    attempts: dict[int, int] = {}
+    est_mem: dict[int, int] = {j.job_id: j.gpu_mem_bytes for j in workload.jobs}
+    outcome_end: dict[int, float] = {}
+    outcome_state: dict[int, str] = {}
+    oom_of: dict[int, int] = {}
+    running_packs: list[_Pack] = []
+    next_pack_id = 0
+    now = workload.jobs[0].arrival_s if workload.jobs else 0.0
+    first_arrival = now
+    last_round: float | None = None
+    arrived_since = 0
+    tick_at: float | None = None
+    rounds = ooms = packs_made = 0
+    alloc_gpu_s = busy_gpu_s = 0.0
+    fenced = policy in ("mem-best-fit", "complementary")
+
+    def gpu_bytes(node: _NodeState) -> int:
+        return cluster.gpu_model(node.gpu_model).memory_bytes
+
+    def ctx_bytes(node: _NodeState) -> int:
+        g = cluster.gpu_model(node.gpu_model)
+        return g.cuda_context_bytes + g.cublas_workspace_bytes
+
+    def set_speeds(gpu: _Gpu) -> None:
+        live = [m for m in gpu.members if m.ready and not m.ended]
+        if not live:
+            return
+        if len(live) == 1:
+            live[0].speed = 1.0
+            return
+        sp = predict_speeds_from_fractions([min(1.0, m.job.true_sm_util_pct / 100.0) for m in live],
+                                           [min(1.0, m.job.true_membw_util_pct / 100.0) for m in live], truth)
+        for m, s in zip(live, sp, strict=True):
+            m.speed = s
+
+    def end_member(pack: _Pack, gpu: _Gpu, m: _Member) -> None:
+        m.ended = True
+        m.speed = 0.0
+        pack.live -= 1
+        set_speeds(gpu)
+        if pack.live == 0:
+            nonlocal alloc_gpu_s
+            alloc_gpu_s += pack.gpu_count * (now - pack.start_s)
+            pack.node.free_gpus += pack.gpu_count
+            pack.node.free_cpus += pack.cpus
+            pack.node.free_mem += pack.host_mem
+            running_packs.remove(pack)
+            schedule_tick()
+
+    def schedule_tick() -> None:
+        nonlocal tick_at
+        if pending and tick_at is None:
+            base = now if last_round is None else max(now, last_round + dispatch.round_seconds)
+            tick_at = base
+            push(base, _TICK, None)
+
+    def oom_check(pack: _Pack, gpu: _Gpu, m: _Member) -> bool:
+        node = pack.node
+        own = m.job.true_gpu_mem_bytes
+        if m.fence_bytes is not None:
+            return own + ctx_bytes(node) > m.fence_bytes
+        total = (ctx_bytes(node) if pack.mps else 0) + sum(
+            x.job.true_gpu_mem_bytes + ctx_bytes(node) for x in gpu.members if not x.ended and (x.peaked or x is m))
+        total += sum(ctx_bytes(node) for x in gpu.members if not x.ended and not x.peaked and x is not m)
+        return total > gpu_bytes(node)
+
+    def run_round() -> None:
+        nonlocal rounds, last_round, arrived_since, waited, next_pack_id, packs_made
+        rounds += 1
+        last_round = now
+        arrived_since = 0
+        free = tuple(NodeShape(gpu_model=n.gpu_model, gpus=n.free_gpus, cpus=n.free_cpus, memory_bytes=n.free_mem,
+                               count=1, name=n.name) for n in nodes if n.free_gpus > 0)
+        request = PackingRequest(jobs=aged(sorted(pending.values(), key=lambda d: d.job_id), waited, dispatch),
+                                 gpu_models=cluster.gpu_models, nodes=free, limits=limits)
+        result = make_plan(request, policy, plan_params)
+        waited = after_round(waited, result)
+        for pk in result.packs:
+            node = by_name[pk.node_name]
+            node.free_gpus -= pk.gpu_count
+            node.free_cpus -= pk.cpus
+            node.free_mem -= pk.host_mem_bytes
+            gpus = [_Gpu() for _ in range(pk.gpu_count)]
+            pack = _Pack(next_pack_id, node, pk.gpu_count, pk.cpus, pk.host_mem_bytes, pk.mps, gpus)
+            next_pack_id += 1
+            packs_made += 1
+            whole = gpu_bytes(node)
+            for mp in pk.members:
+                job = jobs[mp.job_id]
+                fence = mp.gpu_mem_limit_mib * MIB if fenced else None
+                if fence is not None and fence >= whole:
+                    fence = None
+                start = progress_saved.get(job.job_id, 0.0)
+                gpus[mp.gpu_index].members.append(_Member(job, fence, start, start))
+                pack.live += 1
+                del pending[job.job_id]
+            push(now + slurm.submit_to_start_s, _PACK_START, pack)
+        for d in result.deferred:
+            reason = d.reason
+            if reason.startswith("needs "):
+                # Too big for any free node: if the cluster's empty nodes cannot take it
+                # either, it never will.
+                job = jobs[d.job_id]
+                if not any(_could_ever_fit(job, est_mem[d.job_id], n, cluster) for n in cluster.nodes):
+                    del pending[d.job_id]
+                    outcome_state[d.job_id] = "UNPLACEABLE"
+
+    while True:
+        # Next thing to happen: a heap event or a member reaching a milestone.
+        t_next = events[0][0] if events else math.inf
+        for pack in running_packs:
+            for gpu in pack.gpus:
+                for m in gpu.members:
+                    if m.ready and not m.ended and m.speed > 0:
+                        goal = m.peak_progress if not m.peaked else m.job.solo_duration_s
+                        t_next = min(t_next, now + max(0.0, goal - m.progress) / m.speed)
+        if t_next == math.inf or t_next - first_arrival > max_sim_s:
+            break
+        dt = t_next - now
+        if dt > 0:
+            for pack in running_packs:
+                if pack.start_s <= now:
+                    for gpu in pack.gpus:
+                        use = 0.0
+                        for m in gpu.members:
+                            if m.ready and not m.ended:
+                                m.progress += m.speed * dt
+                                use += min(1.0, m.job.true_sm_util_pct / 100.0) * m.speed
+                        busy_gpu_s += min(1.0, use) * dt
+        now = t_next
+        # Milestones.
+        for pack in list(running_packs):
+            for gpu in pack.gpus:
+                for m in list(gpu.members):
+                    if not m.ready or m.ended:
+                        continue
+                    if not m.peaked and m.progress >= m.peak_progress - 1e-6:
+                        m.peaked = True
+                        if oom_check(pack, gpu, m):
+                            ooms += 1
+                            jid = m.job.job_id
+                            oom_of[jid] = oom_of.get(jid, 0) + 1
+                            attempts[jid] = attempts.get(jid, 0) + 1
+                            every = retry.checkpoint_every_frac * m.job.solo_duration_s
+                            progress_saved[jid] = math.floor(m.progress / every) * every if every > 0 else 0.0
+                            est_mem[jid] = math.ceil(est_mem[jid] * (1.0 + retry.mem_bump_pct / 100.0))
+                            end_member(pack, gpu, m)
+                            if attempts[jid] > retry.max_retries:
+                                outcome_state[jid] = "FAILED"
+                            else:
+                                job = m.job
+                                left = job.solo_duration_s - progress_saved[jid]
+                                est_left = (job.est_duration_s or job.solo_duration_s) * left / job.solo_duration_s
+                                pending[jid] = _demand(job, est_mem[jid], est_left)
+                                schedule_tick()
+                            continue
+                    if m.peaked and m.progress >= m.job.solo_duration_s - 1e-6:
+                        outcome_end[m.job.job_id] = now
+                        outcome_state[m.job.job_id] = "COMPLETED"
+                        end_member(pack, gpu, m)
+        # Heap events at this instant.
+        while events and events[0][0] <= now + _EPS:
+            _, _, kind, payload = heapq.heappop(events)
+            if kind == _ARRIVAL:
+                assert isinstance(payload, int)
+                job = jobs[payload]
+                pending[payload] = _demand(job, job.gpu_mem_bytes, job.est_duration_s)
+                arrived_since += 1
+                schedule_tick()
+            elif kind == _TICK:
+                tick_at = None
+            elif kind == _PACK_START:
+                assert isinstance(payload, _Pack)
+                payload.start_s = now
+                running_packs.append(payload)
+                push(now + slurm.member_startup_s, _MEMBER_READY, payload)
+            elif kind == _MEMBER_READY:
+                assert isinstance(payload, _Pack)
+                for gpu in payload.gpus:
+                    for m in gpu.members:
+                        if not m.ended:
+                            m.ready = True
+                            m.peak_progress = min(m.progress_start + m.job.peak_at_frac * m.job.solo_duration_s,
+                                                  m.job.solo_duration_s)
+                    set_speeds(gpu)
+        # Dispatch.
+        any_free = any(n.free_gpus > 0 for n in nodes)
+        if any_free and should_run_round(now, last_round, len(pending), arrived_since, dispatch):
+            run_round()
+        if pending and tick_at is None and any_free:
+            schedule_tick()
+        if not events and not running_packs and not pending:
+            break
+        if not events and not running_packs and pending and not any_free:
+            break  # nothing can ever free up (cannot happen with a consistent cluster)
+
+    # Packs still holding GPUs at the time limit count up to now.
+    for pack in running_packs:
+        if pack.start_s <= now:
+            alloc_gpu_s += pack.gpu_count * (now - pack.start_s)
+    outcomes = []
+    for j in workload.jobs:
+        state = outcome_state.get(j.job_id, "PENDING")
+        outcomes.append(JobOutcome(j.job_id, j.arrival_s, j.solo_duration_s, outcome_end.get(j.job_id), state,
+                                   oom_of.get(j.job_id, 0)))
+    return SimResult(policy=policy, workload=workload.name, cluster=cluster.name, gpus=cluster.gpu_count,
+                     jobs=tuple(outcomes), first_arrival_s=first_arrival, end_s=now, alloc_gpu_s=alloc_gpu_s,
+                     busy_gpu_s=busy_gpu_s, ooms=ooms, rounds=rounds, packs=packs_made)
+
+
+def _could_ever_fit(job: SimJob, gpu_mem_bytes: int, node: object, cluster: SimCluster) -> bool:
+    from slurm_dlrm.packing.model import host_limit_bytes, member_fence_bytes, usable_gpu_bytes
+
+    gpu = cluster.gpu_model(node.gpu_model)  # type: ignore[attr-defined]
+    d = _demand(job, gpu_mem_bytes, None)
+    return (d.cpus <= node.cpus and host_limit_bytes(d, cluster.limits) <= node.memory_bytes  # type: ignore[attr-defined]
+            and member_fence_bytes(d, gpu, cluster.limits) <= usable_gpu_bytes(gpu))
+
+
+def with_noise_free_truth(workload: Workload) -> Workload:
+    """The same workload with the estimates exactly right (for sanity checks)."""
+    return replace(workload, jobs=tuple(replace(j, true_gpu_mem_bytes=j.gpu_mem_bytes, true_sm_util_pct=j.sm_util_pct,
+                                                true_membw_util_pct=j.membw_util_pct) for j in workload.jobs))

@@ -1,0 +1,165 @@
+"""Named SQL queries of the store, in one place so they can be read, reviewed and tested.
+
+Run with `Store.query(name, params)`. Optional filters are written as
+``(:x IS NULL OR ...)``; lists are passed as a JSON array and unpacked with
+`json_each`, so each query is one static statement.
+"""
+
+from __future__ import annotations
+
+UPSERT_JOB_USAGE = """
+INSERT INTO job_usage (job_id, n_samples, gpu_mem_peak_bytes, rss_peak_bytes, sm_util_sum, sm_util_n,
+                       sm_util_max, host_cpu_sum, host_cpu_n, sps_sum, sps_n, first_t, last_t)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT(job_id) DO UPDATE SET
+    n_samples = n_samples + excluded.n_samples,
+    -- SQLite's max(NULL, x) is NULL, hence the coalesce pairs
+    gpu_mem_peak_bytes = max(coalesce(gpu_mem_peak_bytes, excluded.gpu_mem_peak_bytes),
+                             coalesce(excluded.gpu_mem_peak_bytes, gpu_mem_peak_bytes)),
+    rss_peak_bytes = max(coalesce(rss_peak_bytes, excluded.rss_peak_bytes),
+                         coalesce(excluded.rss_peak_bytes, rss_peak_bytes)),
+    sm_util_sum = sm_util_sum + excluded.sm_util_sum,
+    sm_util_n = sm_util_n + excluded.sm_util_n,
+    sm_util_max = max(coalesce(sm_util_max, excluded.sm_util_max), coalesce(excluded.sm_util_max, sm_util_max)),
+    host_cpu_sum = host_cpu_sum + excluded.host_cpu_sum,
+    host_cpu_n = host_cpu_n + excluded.host_cpu_n,
+    sps_sum = sps_sum + excluded.sps_sum,
+    sps_n = sps_n + excluded.sps_n,
+    first_t = min(coalesce(first_t, excluded.first_t), coalesce(excluded.first_t, first_t)),
+    last_t = max(coalesce(last_t, excluded.last_t), coalesce(excluded.last_t, last_t))
+"""
+
+# GPU-hours (docs/store.md, "GPU-hours"): every GPU a pack's member ran on is charged
+# for the pack's allocated time on it; that time is split among the GPU's members in
+# proportion to how long each ran there.
+ACCT = """
+WITH run AS (
+    SELECT job_id, pack_id, node_index, gpu_index, start_time,
+           max(0.0, coalesce(end_time, :now) - start_time) AS run_s
+    FROM placements WHERE start_time IS NOT NULL
+),
+gpu AS (
+    SELECT r.pack_id, r.node_index, r.gpu_index, sum(r.run_s) AS member_s, count(*) AS n_members,
+           max(0.0, coalesce(k.end_time, :now) - coalesce(k.start_time, min(r.start_time))) AS alloc_s
+    FROM run r JOIN packs k ON k.id = r.pack_id
+    GROUP BY r.pack_id, r.node_index, r.gpu_index
+),
+charge AS (
+    SELECT r.job_id,
+           sum(CASE WHEN g.member_s > 0 THEN g.alloc_s * r.run_s / g.member_s
+                    ELSE g.alloc_s / g.n_members END) AS charged_gpu_s,
+           sum(r.run_s) AS gpu_run_s, max(g.n_members) AS max_members
+    FROM run r JOIN gpu g ON g.pack_id = r.pack_id AND g.node_index = r.node_index AND g.gpu_index = r.gpu_index
+    GROUP BY r.job_id
+),
+span AS (
+    SELECT job_id, sum(s) AS run_s FROM (
+        SELECT job_id, max(coalesce(end_time, :now)) - min(start_time) AS s
+        FROM placements WHERE start_time IS NOT NULL GROUP BY job_id, pack_id
+    ) GROUP BY job_id
+)
+SELECT j.id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j.gpu_model,
+       j.est_gpu_peak_bytes, j.est_host_peak_bytes, j.est_profile_label, j.est_solo_samples_per_s,
+       j.submit_time, j.start_time, j.end_time, j.pack_id, j.slurm_job_id, j.slurm_step,
+       j.exit_code, j.exit_reason,
+       k.name AS pack_name, k.slurm_job_id AS pack_slurm_job_id,
+       (SELECT count(*) FROM placements p WHERE p.job_id = j.id AND p.pack_id = j.pack_id) AS n_gpus,
+       (SELECT group_concat(DISTINCT p.node) FROM placements p
+         WHERE p.job_id = j.id AND p.pack_id = j.pack_id) AS nodes,
+       coalesce(u.n_samples, 0) AS n_samples, u.gpu_mem_peak_bytes, u.rss_peak_bytes,
+       CASE WHEN u.sm_util_n > 0 THEN u.sm_util_sum / u.sm_util_n END AS sm_util_mean,
+       u.sm_util_max,
+       CASE WHEN u.host_cpu_n > 0 THEN u.host_cpu_sum / u.host_cpu_n END AS host_cpu_mean,
+       CASE WHEN u.sps_n > 0 THEN u.sps_sum / u.sps_n END AS samples_per_s_mean,
+       c.charged_gpu_s, c.gpu_run_s, c.max_members, sp.run_s
+FROM jobs j
+LEFT JOIN packs k ON k.id = j.pack_id
+LEFT JOIN job_usage u ON u.job_id = j.id
+LEFT JOIN charge c ON c.job_id = j.id
+LEFT JOIN span sp ON sp.job_id = j.id
+WHERE (:job_ids IS NULL OR j.id IN (SELECT value FROM json_each(:job_ids)))
+  AND (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states)))
+  AND (:users IS NULL OR j.user IN (SELECT value FROM json_each(:users)))
+  AND (:pack_id IS NULL OR j.id IN (SELECT job_id FROM placements WHERE pack_id = :pack_id))
+  AND (:since IS NULL OR coalesce(j.end_time, 1e300) >= :since)
+  AND (:until IS NULL OR j.submit_time <= :until)
+ORDER BY j.id
+"""
+
+CALIBRATION = """
+SELECT j.id AS job_id, j.state, j.end_time,
+       j.est_gpu_peak_bytes, u.gpu_mem_peak_bytes AS meas_gpu_peak_bytes,
+       j.est_host_peak_bytes, u.rss_peak_bytes AS meas_host_peak_bytes,
+       coalesce(u.n_samples, 0) AS n_samples
+FROM jobs j LEFT JOIN job_usage u ON u.job_id = j.id
+WHERE j.spec_fingerprint = :fingerprint
+  AND j.state IN (SELECT value FROM json_each(:terminal))
+ORDER BY j.end_time DESC, j.id DESC
+LIMIT :limit
+"""
+
+USAGE_MISMATCH = """
+SELECT job_id, n_usage, n_samples FROM (
+    SELECT u.job_id, u.n_samples AS n_usage,
+           (SELECT count(*) FROM samples s WHERE s.job_id = u.job_id) AS n_samples
+    FROM job_usage u
+) WHERE n_usage != n_samples
+UNION ALL
+SELECT s.job_id, 0 AS n_usage, count(*) AS n_samples
+FROM samples s LEFT JOIN job_usage u ON u.job_id = s.job_id
+WHERE s.job_id IS NOT NULL AND u.job_id IS NULL GROUP BY s.job_id
+"""
+
+# Report: per-GPU utilisation, averaged into time buckets so a plot stays readable.
+GPU_TIMELINE = """
+SELECT pack_id, node, gpu_index, job_id,
+       CAST(t / :bucket_s AS INTEGER) * :bucket_s AS t,
+       avg(sm_util_pct) AS sm_util_pct, max(gpu_mem_bytes) AS gpu_mem_bytes
+FROM samples
+WHERE t >= :since AND t <= :until AND gpu_index IS NOT NULL
+GROUP BY pack_id, node, gpu_index, job_id, CAST(t / :bucket_s AS INTEGER)
+ORDER BY pack_id, node, gpu_index, job_id, t
+"""
+
+SAMPLE_SPAN = "SELECT min(t) AS t0, max(t) AS t1, count(*) AS n FROM samples WHERE t >= :since AND t <= :until"
+
+GANTT = """
+SELECT k.id AS pack_id, k.name AS pack_name, k.state AS pack_state, k.start_time AS pack_start,
+       k.end_time AS pack_end, p.job_id, j.name AS job_name, j.state AS job_state,
+       min(p.start_time) AS start_time, max(coalesce(p.end_time, :now)) AS end_time,
+       count(*) AS n_gpus
+FROM packs k JOIN placements p ON p.pack_id = k.id JOIN jobs j ON j.id = p.job_id
+WHERE k.start_time IS NOT NULL AND coalesce(k.end_time, :now) >= :since AND k.start_time <= :until
+  AND p.start_time IS NOT NULL
+GROUP BY k.id, p.job_id
+ORDER BY k.start_time, k.id, min(p.start_time)
+"""
+
+QUERIES: dict[str, str] = {
+    "job_by_id": "SELECT * FROM jobs WHERE id = :id",
+    "jobs_by_state": (
+        "SELECT * FROM jobs WHERE (:states IS NULL OR state IN (SELECT value FROM json_each(:states))) "
+        "AND (:user IS NULL OR user = :user) ORDER BY id"
+    ),
+    "pack_by_id": "SELECT * FROM packs WHERE id = :id",
+    "pack_by_name": "SELECT * FROM packs WHERE name = :name",
+    "packs_by_state": (
+        "SELECT * FROM packs WHERE (:states IS NULL OR state IN (SELECT value FROM json_each(:states))) "
+        "AND (:user IS NULL OR user = :user) ORDER BY id"
+    ),
+    "placements": (
+        "SELECT * FROM placements WHERE (:pack_id IS NULL OR pack_id = :pack_id) "
+        "AND (:job_id IS NULL OR job_id = :job_id) ORDER BY id"
+    ),
+    "events": (
+        "SELECT * FROM events WHERE (:job_id IS NULL OR job_id = :job_id) "
+        "AND (:pack_id IS NULL OR pack_id = :pack_id) AND (:kind IS NULL OR kind = :kind) "
+        "AND (:since IS NULL OR t >= :since) ORDER BY id"
+    ),
+    "acct": ACCT,
+    "calibration": CALIBRATION,
+    "usage_mismatch": USAGE_MISMATCH,
+    "gpu_timeline": GPU_TIMELINE,
+    "sample_span": SAMPLE_SPAN,
+    "gantt": GANTT,
+}

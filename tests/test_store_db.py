@@ -1,0 +1,114 @@
+"""Opening a store: migrations, pragmas, file modes, read-only access."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+
+import pytest
+
+from slurm_dlrm.site import REPO_SITE_FILE, load_site
+from slurm_dlrm.store import SchemaTooNew, Store, StoreError, store_path_for
+from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS
+
+
+def mode(p) -> int:
+    return stat.S_IMODE(os.stat(p).st_mode)
+
+
+def test_fresh_store_is_migrated_wal_and_private(tmp_path):
+    path = tmp_path / "a b'c;\n" / "store.sqlite"  # quotes, ; and a newline in the folder name
+    with Store(path) as s:
+        assert s.schema_version == LATEST_VERSION
+        assert s.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert s.conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+        assert s.conn.execute("PRAGMA busy_timeout").fetchone()[0] > 0
+        tables = set(s.db.table_names())
+        assert {"jobs", "packs", "placements", "samples", "events", "job_usage", "ingest_offsets",
+                "migrations"} <= tables
+        assert [r[0] for r in s.conn.execute("SELECT version FROM migrations")] == [m.version for m in MIGRATIONS]
+        s.add_job(user="u", name="n", spec={}, spec_fingerprint="f")  # creates -wal/-shm
+        assert mode(path.parent) == 0o700
+        for suffix in ("", "-wal", "-shm"):
+            assert mode(str(path) + suffix) == 0o600, suffix
+
+
+def test_open_tightens_loose_folder_and_file(tmp_path):
+    d = tmp_path / "loose"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    (d / "store.sqlite").touch()
+    os.chmod(d / "store.sqlite", 0o644)
+    Store(d / "store.sqlite").close()
+    assert mode(d) == 0o700 and mode(d / "store.sqlite") == 0o600
+
+
+def test_reopen_does_not_reapply_and_data_survives(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    with Store(p) as s:
+        j = s.add_job(user="u", name="n", spec={"x": 1}, spec_fingerprint="f")
+    with Store(p) as s:
+        assert s.get_job(j).spec == {"x": 1}
+        assert s.conn.execute("SELECT count(*) FROM migrations").fetchone()[0] == len(MIGRATIONS)
+
+
+def test_migrates_an_old_empty_database(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    p.parent.mkdir(mode=0o700)
+    conn = sqlite3.connect(p)
+    conn.execute("CREATE TABLE unrelated (x)")  # version 0, with a table of its own
+    conn.commit()
+    conn.close()
+    with Store(p) as s:
+        assert s.schema_version == LATEST_VERSION
+        assert "unrelated" in s.db.table_names()
+
+
+def test_newer_schema_is_refused(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    Store(p).close()
+    conn = sqlite3.connect(p)
+    conn.execute(f"PRAGMA user_version = {LATEST_VERSION + 1}")
+    conn.close()
+    with pytest.raises(SchemaTooNew):
+        Store(p)
+    with pytest.raises(SchemaTooNew):
+        Store(p, readonly=True)
+
+
+def test_readonly_reads_but_never_writes(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    with Store(p) as s:
+        j = s.add_job(user="u", name="n", spec={}, spec_fingerprint="f")
+    with Store(p, readonly=True) as ro:
+        assert ro.get_job(j).name == "n"
+        with pytest.raises(StoreError):
+            ro.add_job(user="u", name="m", spec={}, spec_fingerprint="f")
+    with pytest.raises(StoreError):
+        Store(tmp_path / "missing" / "store.sqlite", readonly=True)
+
+
+def test_two_processes_opening_a_fresh_store_migrate_once(tmp_path):
+    import multiprocessing as mp
+
+    p = str(tmp_path / "s" / "store.sqlite")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_open_close, args=(p,)) for _ in range(3)]
+    for pr in procs:
+        pr.start()
+    for pr in procs:
+        pr.join(60)
+    assert [pr.exitcode for pr in procs] == [0, 0, 0]
+    with Store(p) as s:
+        assert s.conn.execute("SELECT count(*) FROM migrations").fetchone()[0] == len(MIGRATIONS)
+
+
+def _open_close(p: str) -> None:
+    Store(p).close()
+
+
+def test_store_path_follows_the_site(tmp_path):
+    site = load_site(REPO_SITE_FILE)
+    assert store_path_for(site, "bob").name == "store.sqlite"
+    assert store_path_for(site, "bob").parent == site.store_dir_for("bob")
