@@ -175,6 +175,9 @@ MIGRATIONS: tuple[Migration, ...] = (
         "jobs, packs, placements, samples, job_usage, events, ingest_offsets",
         tuple(s.strip() for s in _V1),
     ),
+    # The sbatch options a job was submitted with (partition, account, time, ...), as
+    # JSON: the service packs only jobs with equal options together.
+    Migration(2, "jobs.sbatch_json", ("ALTER TABLE jobs ADD COLUMN sbatch_json TEXT",)),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -100,6 +100,7 @@ class Job:
     exit_code: int | None
     exit_reason: str | None
     updated_time: float
+    sbatch_json: str | None = None  # sbatch options of the submission (migration 2)
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Job:
@@ -384,6 +385,7 @@ class Store:
         estimate: Mapping[str, Any] | None = None, gpu_model: str | None = None,
         gpu_mem_request_bytes: int | None = None, host_mem_request_bytes: int | None = None,
         submit_time: float | None = None, reason: str = "submitted",
+        sbatch: Mapping[str, Any] | None = None,
     ) -> int:
         """A new PENDING job. `estimate` is `Estimate.to_dict()` (docs/interfaces.md section 2)."""
         now = self.clock() if submit_time is None else submit_time
@@ -402,6 +404,7 @@ class Store:
             "gpu_mem_request_bytes": est_gpu if gpu_mem_request_bytes is None else gpu_mem_request_bytes,
             "host_mem_request_bytes": est_host if host_mem_request_bytes is None else host_mem_request_bytes,
             "submit_time": now, "updated_time": now,
+            "sbatch_json": json.dumps(dict(sbatch), sort_keys=True) if sbatch else None,
         }
         with self.write():
             cols = ", ".join(row)
