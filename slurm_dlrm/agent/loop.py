@@ -71,7 +71,8 @@ class Member:
     state: str = "PENDING"
     exit_code: int | None = None
     reason: str = ""
-    stop_reason: str | None = None  # why we stopped it: OOM_HOST | OOM_GPU | TERM | KILLED
+    stop_reason: str | None = None  # why we stopped it: OOM_HOST | OOM_GPU | TERM | KILLED | CANCEL
+    cancel_since: float | None = None  # the service asked to cancel it (cancel/<job_id>)
     stop_detail: str = ""
     tree: TreeSampler = field(default_factory=TreeSampler)
     metrics: MetricsTail | None = None
@@ -93,6 +94,8 @@ def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool) -> t
         return stop_reason, code, ""
     if returncode == TRAIN_EXIT_OK:
         return "COMPLETED", code, ""
+    if stop_reason == "CANCEL":
+        return "CANCELLED", code, "cancelled by the user"
     if returncode == TRAIN_EXIT_OOM_GPU:
         return "OOM_GPU", code, "CUDA out of memory (runner exit code 3)"
     if returncode == TRAIN_EXIT_OOM_HOST:
@@ -231,8 +234,10 @@ class Agent:
             self._configure_mps()
             self.reports.agent("mps_started", self.mps.detail, mode=self.mps.mode, daemon_pid=self.mps.daemon.pid())
         self.reports.flush()
+        self._check_cancels()  # members cancelled before the pack started are not launched
         for m in self.members:
-            self._launch(m)
+            if not m.done:
+                self._launch(m)
         self.reports.flush()
 
     def _setup_nvml(self) -> None:
@@ -306,6 +311,7 @@ class Agent:
                         rsock.recv(4096)
             if self._term_signal is not None and self._terminating_since is None:
                 self._begin_termination()
+            self._check_cancels()
             self._reap()
             self._kill_after_grace()
             now = time.monotonic()
@@ -349,6 +355,34 @@ class Agent:
         m.stop_reason, m.stop_detail = reason, detail
         log.warning("stopping %s (job %d): %s", m.placement.name, m.placement.job_id, detail)
         self._signal(m, signal.SIGKILL)
+
+    def _check_cancels(self) -> None:
+        """Stop members named in `<pack_dir>/cancel/` (docs/interfaces.md 3a); others go on.
+
+        SIGTERM first (the runner checkpoints), SIGKILL after `term_grace_s`.
+        """
+        cancel_dir = Path(self.placement.pack_dir) / "cancel"
+        try:
+            names = {int(n) for n in os.listdir(cancel_dir) if n.isdigit()}
+        except OSError:
+            return
+        now = time.monotonic()
+        for m in self.members:
+            if m.done or m.placement.job_id not in names:
+                continue
+            if m.cancel_since is None:
+                m.cancel_since = now
+                if m.popen is None:  # not launched yet
+                    m.state, m.reason = "CANCELLED", "cancelled by the user before it started"
+                    self.reports.member(m.placement.job_id, "CANCELLED", None, m.reason)
+                    continue
+                log.warning("cancel of %s (job %d) requested", m.placement.name, m.placement.job_id)
+                m.stop_reason = "CANCEL"
+                self._signal(m, signal.SIGTERM)
+            elif now - m.cancel_since >= self.placement.term_grace_s and m.stop_reason == "CANCEL":
+                m.stop_reason, m.stop_detail = "CANCEL", "cancelled by the user; killed after term_grace_s"
+                m.cancel_since = float("inf")  # SIGKILL once
+                self._signal(m, signal.SIGKILL)
 
     def _begin_termination(self) -> None:
         assert self._term_signal is not None
