@@ -456,6 +456,7 @@ def render_pack_script(p: PackScript) -> str:
         "srun",
         "--ntasks-per-node=1",
         f"--cpus-per-task={p.cpus_per_node}",
+        "--job-name=slurm-dlrm-agent",  # the step's name in sacct (members are named steps)
         "--kill-on-bad-exit=0",  # one node's agent failing must not kill the others
         p.python, "-m", "slurm_dlrm", "agent", "--pack-file", p.placement_path,
     ]
