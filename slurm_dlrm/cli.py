@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "agent": "slurm_dlrm.commands.agent:agent",
     "admin": "slurm_dlrm.commands.admin:admin",
     "cancel": "slurm_dlrm.commands.queue:cancel",
+    "demo": "slurm_dlrm.commands.demo:demo",
     "queue": "slurm_dlrm.commands.queue:queue",
     "serve": "slurm_dlrm.commands.serve:serve",
     "show": "slurm_dlrm.commands.queue:show",

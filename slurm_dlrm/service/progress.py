@@ -58,7 +58,7 @@ def render_table(rows: list[dict[str, Any]], elapsed_s: float) -> Any:
 
 
 def follow_jobs(site: SiteConfig, user: str, ids: Sequence[int], *, poll_s: float = 1.0,
-                live: bool | None = None) -> list[Any]:
+                live: bool | None = None, timeout_s: float | None = None) -> list[Any]:
     """Block until all jobs end; returns the final job rows."""
     start = time.monotonic()
     live = sys.stderr.isatty() if live is None else live
@@ -71,7 +71,7 @@ def follow_jobs(site: SiteConfig, user: str, ids: Sequence[int], *, poll_s: floa
             def update(jobs: list[Any]) -> None:
                 view.update(render_table(progress_rows(site, user, jobs), time.monotonic() - start))
 
-            return wait_for_jobs(site, user, ids, poll_s=poll_s, on_update=update)
+            return wait_for_jobs(site, user, ids, poll_s=poll_s, on_update=update, timeout_s=timeout_s)
     last: dict[int, str] = {}
 
     def lines(jobs: list[Any]) -> None:
@@ -82,4 +82,4 @@ def follow_jobs(site: SiteConfig, user: str, ids: Sequence[int], *, poll_s: floa
                 print(f"[{time.monotonic() - start:6.1f} s] job {j.id} ({j.name}) {j.state}{why}",
                       file=sys.stderr, flush=True)
 
-    return wait_for_jobs(site, user, ids, poll_s=poll_s, on_update=lines)
+    return wait_for_jobs(site, user, ids, poll_s=poll_s, on_update=lines, timeout_s=timeout_s)
