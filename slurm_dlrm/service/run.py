@@ -27,6 +27,11 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
     from slurm_dlrm.store.store import Store
 
     paths = service_paths(site, user)
+    if control is None:
+        # Before the lock (and so the pid file) exists: a `submit` that sees the pid may
+        # send SIGUSR1 at once, and its default action would kill us.
+        control = LoopControl()
+        control.install_signal_handlers()
     lock = ServiceLock.acquire(paths)
     if lock is None:
         log.info("a packing service already runs for %s (pid %s)", user, read_pid(paths))
@@ -38,9 +43,6 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
             slurm = SlurmClient()
         store = Store.for_user(site, user)
         svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy))
-        if control is None:
-            control = LoopControl()
-            control.install_signal_handlers()
         idle_since = time.monotonic()
         period = round_seconds if round_seconds is not None else site.packing.round_seconds
         log.info("packing service for %s: pid file %s, round every %.1f s, policy %s",
