@@ -21,12 +21,12 @@ from slurm_dlrm.errors import EXIT_RUNTIME, DlrmError
 COMMANDS: dict[str, str] = {
     "acct": "slurm_dlrm.commands.store:acct",
     "cluster": "slurm_dlrm.commands.cluster:cluster",
+    "demo": "slurm_dlrm.commands.demo:demo",
     "report": "slurm_dlrm.commands.store:report",
     "train": "slurm_dlrm.commands.train:train",
     "agent": "slurm_dlrm.commands.agent:agent",
     "admin": "slurm_dlrm.commands.admin:admin",
     "cancel": "slurm_dlrm.commands.queue:cancel",
-    "demo": "slurm_dlrm.commands.demo:demo",
     "queue": "slurm_dlrm.commands.queue:queue",
     "serve": "slurm_dlrm.commands.serve:serve",
     "show": "slurm_dlrm.commands.queue:show",

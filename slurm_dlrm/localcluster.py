@@ -474,11 +474,15 @@ class LocalCluster:
                           "memory_mib": c.memory_mib, "gres": ",".join(gres) or "(null)",
                           "devices": devices})
         extra = c.slurm_conf_extra.read_text().rstrip() if c.slurm_conf_extra else ""
+        # Slurm refuses a node defined twice: a fragment with its own NodeName/PartitionName
+        # lines (e.g. `slurm-dlrm admin render`'s) replaces ours.
+        extra_keys = {line.split("=", 1)[0].strip() for line in extra.splitlines() if "=" in line}
         values = dict(
             cluster_name=c.cluster_name, hostname=socket.gethostname().split(".")[0],
             slurmctld_port=c.port(PORT_SLURMCTLD), slurmdbd_port=c.port(PORT_SLURMDBD),
             mysql_port=c.port(PORT_MYSQL), munge_socket=str(c.munge_socket), state_dir=str(c.state_dir),
             accounting=c.accounting, job_submit_lua=c.job_submit_lua is not None, nodes=nodes,
+            own_nodes="NodeName" not in extra_keys, own_partition="PartitionName" not in extra_keys,
             node_list=c.node_hostlist, partition=c.partition,
             max_time=c.max_time_minutes, min_job_age_s=c.min_job_age_s,
             def_mem_per_cpu_mib=c.def_mem_per_cpu_mib, gpu_type=c.gpu_type,

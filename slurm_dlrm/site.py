@@ -73,8 +73,13 @@ class NodeGroup:
     def uses_nvml(self) -> bool:
         return self.gpu_device_files == "nvml"
 
-    def gpu_device_file(self, index: int) -> str:
-        return self.gpu_device_files.replace("{i}", str(index))
+    @property
+    def per_node_devices(self) -> bool:
+        """The pattern names the node ({node}): each node has its own device files."""
+        return "{node}" in self.gpu_device_files
+
+    def gpu_device_file(self, index: int, node: str = "") -> str:
+        return self.gpu_device_files.replace("{i}", str(index)).replace("{node}", node)
 
 
 @dataclass(frozen=True)
@@ -110,6 +115,7 @@ class SlurmAdminConfig:
     mps_start_timeout_s: float = 10.0
     mps_stop_timeout_s: float = 10.0
     shm_dir: str = "/dev/shm"
+    accounting_tres: bool = True
 
 
 @dataclass(frozen=True)
@@ -378,6 +384,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         mps_start_timeout_s=sl.get("mps_start_timeout_s", float, 10.0, min_value=0.5, max_value=600),
         mps_stop_timeout_s=sl.get("mps_stop_timeout_s", float, 10.0, min_value=0.5, max_value=600),
         shm_dir=_abs_path(sl, "shm_dir", "/dev/shm"),
+        accounting_tres=sl.get("accounting_tres", bool, True),
     )
     sl.done()
     if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", slurm.slurm_user):
@@ -420,8 +427,9 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
 
 def _abs_path(section: _Section, key: str, default: str) -> str:
     value: str = section.get(key, str, default)
-    if not value.startswith("/") or any(c.isspace() or c in "\"'$`" for c in value):
-        raise ConfigError(section._key(key), f"must be an absolute path without spaces or quotes, got {value!r}",
+    # The paths land unquoted in slurm.conf, where '#' starts a comment.
+    if not value.startswith("/") or any(c.isspace() or c in "\"'$`#" for c in value):
+        raise ConfigError(section._key(key), f"must be an absolute path without spaces, quotes or '#', got {value!r}",
                           section.path)
     return value.rstrip("/") or "/"
 
@@ -430,8 +438,10 @@ def _check_device_files(group: NodeGroup, key: str, path: str | None) -> None:
     pattern = group.gpu_device_files
     if group.uses_nvml or group.gpus == 0:
         return
-    if not pattern.startswith("/") or any(c.isspace() or c in ",[]\"'$`" for c in pattern):
+    if not pattern.startswith("/") or any(c.isspace() or c in ",[]\"'$`#" for c in pattern):
         raise ConfigError(key, f"must be \"nvml\" or an absolute path pattern with {{i}}, got {pattern!r}", path)
+    if "{" in pattern.replace("{i}", "").replace("{node}", "") or "}" in pattern.replace("{i}", "").replace("{node}", ""):
+        raise ConfigError(key, f"only {{i}} and {{node}} may be filled in, got {pattern!r}", path)
     if "{i}" not in pattern and group.gpus > 1:
         raise ConfigError(key, f"needs {{i}} (the GPU index) for {group.gpus} GPUs per node", path)
 

@@ -166,3 +166,17 @@ def test_scenario_file_is_reread_and_members_are_discovered(tmp_path, monkeypatc
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_the_real_binding_without_a_driver_is_unavailable(monkeypatch):
+    monkeypatch.delenv(fake_nvml.ENV_FAKE_NVML, raising=False)
+    nv = Nvml()  # pynvml itself; this machine has no libnvidia-ml.so.1
+    try:
+        import ctypes
+
+        ctypes.CDLL("libnvidia-ml.so.1")
+        pytest.skip("an NVIDIA driver is installed here")
+    except OSError:
+        pass
+    assert nv.init() is False and "NVML Shared Library Not Found" in (nv.reason or "")
+    assert nv.sample([0]).gpus == () and nv.device_count() == 0

@@ -244,3 +244,16 @@ def test_down_stops_only_what_it_started(slurm_cluster, tmp_path):
         decoy.send_signal(signal.SIGTERM)
         decoy.wait(timeout=10)
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(120)
+def test_demo_runs_a_gpu_step_on_every_node(slurm_cluster):
+    from slurm_dlrm.commands.demo import run_demo
+
+    result = run_demo(slurm_cluster.config.state_dir)
+    assert result["state"] == "COMPLETED", result
+    assert [t["node"] for t in result["tasks"]] == slurm_cluster.config.node_names
+    assert all(t["cuda_visible_devices"].isdigit() for t in result["tasks"])
+    if slurm_cluster.accounting:
+        assert {r["JobName"] for r in result["sacct"]} >= {"slurm-dlrm-demo", "demo-step"}

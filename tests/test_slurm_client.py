@@ -124,3 +124,17 @@ def test_child_env_sets_slurm_conf_only_when_given(monkeypatch):
     monkeypatch.delenv("SLURM_CONF", raising=False)
     assert "SLURM_CONF" not in SlurmClient().child_env()
     assert SlurmClient(os.path.join("a", "b.conf")).child_env()["SLURM_CONF"] == "a/b.conf"
+
+
+def test_make_backend_defaults_to_the_commands(monkeypatch):
+    from slurm_dlrm.errors import BadInput
+    from slurm_dlrm.slurm import ENV_BACKEND, make_backend
+
+    monkeypatch.delenv(ENV_BACKEND, raising=False)
+    backend = make_backend("/x/slurm.conf")
+    assert isinstance(backend, SlurmClient) and backend.slurm_conf == "/x/slurm.conf"
+    monkeypatch.setenv(ENV_BACKEND, "pyslurm")
+    with pytest.raises(BadInput, match="not implemented"):
+        make_backend()
+    with pytest.raises(BadInput, match="unknown backend"):
+        make_backend(kind="rest")

@@ -29,8 +29,9 @@ def test_v1_store_gains_sbatch_json_and_keeps_its_jobs(tmp_path):
     p = tmp_path / "s" / "store.sqlite"
     _store_at_version(p, 1)
     conn = sqlite3.connect(p)
-    conn.execute("INSERT INTO jobs (user, name, state, spec_json, spec_fingerprint, submit_time, updated_time) "
-                 "VALUES ('u', 'old', 'PENDING', '{}', 'f', 1, 1)")
+    conn.execute("INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, updated_time) "
+                 "VALUES ('u', 'old', 'PENDING', 'f', 1, 1)")
+    conn.execute("INSERT INTO job_specs (job_id, spec_json) VALUES (1, '{}')")
     conn.commit()
     conn.close()
     with Store(p) as s:

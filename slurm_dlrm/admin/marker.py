@@ -34,15 +34,24 @@ class Marker:
 
 
 def format_marker(mode: str, *, gpu_mem_mib: int | None = None, pack_id: int | None = None,
-                  job_id: int | None = None) -> str:
-    """The ``--comment`` value for a job: ``slurm-dlrm:mode=no-pack,gpu_mem_mib=3000,job_id=12``."""
-    marker = Marker(mode, gpu_mem_mib, pack_id, job_id)
+                  job_id: int | None = None, extra: dict[str, str] | None = None) -> str:
+    """The ``--comment`` value for a job: ``slurm-dlrm:mode=no-pack,gpu_mem_mib=3000,job_id=12``.
+
+    ``extra`` adds keys of the writer's own (e.g. ``{"pack": "alice-7"}``); job_submit.lua
+    ignores them. BadInput if a key or value falls outside the grammar.
+    """
+    marker = Marker(mode, gpu_mem_mib, pack_id, job_id, tuple(sorted((extra or {}).items())))
     _check(marker)
     pairs = [("mode", mode)]
     for key in ("gpu_mem_mib", "pack_id", "job_id"):
         value = getattr(marker, key)
         if value is not None:
             pairs.append((key, str(value)))
+    for key, value in marker.extra:
+        if key in ("mode", "gpu_mem_mib", "pack_id", "job_id") or not _KEY.fullmatch(key) \
+                or not _VALUE.fullmatch(value):
+            raise BadInput(f"comment: bad marker field {key}={value!r}")
+        pairs.append((key, value))
     return MARKER_PREFIX + ",".join(f"{k}={v}" for k, v in pairs)
 
 

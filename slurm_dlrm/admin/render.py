@@ -105,6 +105,12 @@ def _gres_lines(site: SiteConfig) -> list[dict[str, Any]]:
             entry["devices"] = [group.gpu_device_file(i) for i in range(group.gpus)]
             entry["mps_count"] = site.mps.mps_per_gpu if site.mps.enabled else 0
             entry["shard_count"] = site.mps.shards_per_gpu
+        if group.per_node_devices:
+            # {node} in the pattern: the same lines once per node, with its own files.
+            for host in group.hostnames:
+                groups.append(dict(entry, names=host,
+                                   devices=[group.gpu_device_file(i, host) for i in range(group.gpus)]))
+            continue
         groups.append(entry)
     return groups
 
@@ -153,7 +159,7 @@ def build_context(site: SiteConfig) -> dict[str, Any]:
         "slurm_conf": {
             "gres_types": ",".join(gres_types),
             "select_type_parameters": s.select_type_parameters,
-            "accounting_storage_tres": ",".join(tres),
+            "accounting_storage_tres": ",".join(tres) if s.accounting_tres else "",
             "scripts": scripts,
             "nodes": _node_lines(site),
             "partitions": [{

@@ -40,7 +40,12 @@ from slurm_dlrm.errors import (
 log = logging.getLogger(__name__)
 
 MIB = 1 << 20
-PID_FILE_TIMEOUT_S = 120.0  # a step that has not started its member by then is stopped
+PID_FILE_TIMEOUT_S = 120.0
+# A signal to the allocation reaches members directly too (same step, or their own step);
+# forwarding it at once doubles it, and a duplicate that lands while a member's
+# interpreter shuts down (handlers reset) kills it. So the agent forwards a little later,
+# to members still running: it still matters when only the agent was signalled.
+FORWARD_DELAY_S = 1.0  # a step that has not started its member by then is stopped
 # Variables Slurm or a site may have set for the whole job that must not leak into a member.
 _MPS_CLIENT_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
 
@@ -71,9 +76,10 @@ class Member:
     state: str = "PENDING"
     exit_code: int | None = None
     reason: str = ""
-    stop_reason: str | None = None  # why we stopped it: OOM_HOST | OOM_GPU | TERM | KILLED | CANCEL
-    cancel_since: float | None = None  # the service asked to cancel it (cancel/<job_id>)
+    stop_reason: str | None = None  # why we stopped it: OOM_HOST | OOM_GPU | CANCEL | TERM | KILLED
     stop_detail: str = ""
+    cancel_since: float | None = None  # monotonic time of the SIGTERM for a cancel request
+    cancel_killed: bool = False
     tree: TreeSampler = field(default_factory=TreeSampler)
     metrics: MetricsTail | None = None
     last_tree: TreeSample | None = None
@@ -92,10 +98,10 @@ def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool) -> t
     sig_name = _signal_name(signum) if signum else ""
     if stop_reason in ("OOM_HOST", "OOM_GPU"):
         return stop_reason, code, ""
+    if stop_reason == "CANCEL":
+        return "CANCELLED", code, "cancelled by the service"
     if returncode == TRAIN_EXIT_OK:
         return "COMPLETED", code, ""
-    if stop_reason == "CANCEL":
-        return "CANCELLED", code, "cancelled by the user"
     if returncode == TRAIN_EXIT_OOM_GPU:
         return "OOM_GPU", code, "CUDA out of memory (runner exit code 3)"
     if returncode == TRAIN_EXIT_OOM_HOST:
@@ -154,7 +160,10 @@ STEP_OVERRIDES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MPS_ACTIVE_
 
 def step_argv(m: MemberPlacement, env: dict[str, str], node_name: str, pid_file: Path, python: str) -> list[str]:
     """`srun --overlap` argv that runs one member as its own job step on this node."""
-    argv = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node_name}",
+    # --mem=0: the step shares the job's memory (the agent enforces each member's budget);
+    # without it srun takes $SLURM_MEM_PER_CPU from the batch job and, in Slurm 22.05,
+    # refuses the step because the agent's step holds that memory, --overlap or not.
+    argv = ["srun", "--overlap", "--mem=0", "--nodes=1", "--ntasks=1", f"--nodelist={node_name}",
             f"--job-name={m.name}", "--export=ALL", "--input=none",
             python, "-m", "slurm_dlrm.agent.member_exec", "--pid-file", str(pid_file)]
     for var in STEP_OVERRIDES:
@@ -177,9 +186,11 @@ class Agent:
         self.run_dir = Path(opts.tmp_root) / f"slurm-dlrm-agent-{opts.slurm_job_id or os.getpid()}-{opts.node_index}"
         self._term_signal: int | None = None
         self._terminating_since: float | None = None
+        self._forwarded = False
         self._last_heartbeat = 0.0
         self._nvml_indices: list[int] = []
         self.stale_after_s = max(60.0, 10 * self.interval_s)
+        self.cancel_dir = Path(placement.pack_dir) / "cancel"
 
     # ------------------------------------------------------------ main
 
@@ -226,6 +237,8 @@ class Agent:
         self._last_heartbeat = time.monotonic()
         self._setup_nvml()
         wanted = self.placement.mps and o.site_mps_enabled and o.mps_mode != "off"
+        if not self.members:
+            wanted = False  # nothing to run here: no daemon either
         self.mps = open_mps(wanted, o.gpus, o.tmp_root, f"{o.slurm_job_id or os.getpid()}-{o.node_index}",
                             env=self.base_env, site_mode=o.mps_mode if o.mps_mode != "off" else "auto")
         if self.mps.daemon is None:
@@ -234,10 +247,8 @@ class Agent:
             self._configure_mps()
             self.reports.agent("mps_started", self.mps.detail, mode=self.mps.mode, daemon_pid=self.mps.daemon.pid())
         self.reports.flush()
-        self._check_cancels()  # members cancelled before the pack started are not launched
         for m in self.members:
-            if not m.done:
-                self._launch(m)
+            self._launch(m)
         self.reports.flush()
 
     def _setup_nvml(self) -> None:
@@ -268,8 +279,20 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 - a refused default must not stop the pack
             log.warning("MPS defaults: %s", exc)
 
+    def _cancel_requested(self) -> set[int]:
+        """Job ids named in <pack_dir>/cancel/ (docs/interfaces.md section 3a)."""
+        try:
+            names = os.listdir(self.cancel_dir)
+        except OSError:
+            return set()
+        return {int(n) for n in names if n.isdigit()}
+
     def _launch(self, m: Member) -> None:
         p = m.placement
+        if p.job_id in self._cancel_requested():
+            m.state, m.reason = "CANCELLED", "cancelled by the service before it started"
+            self.reports.member(p.job_id, "CANCELLED", None, m.reason)
+            return
         try:
             m.env = member_env(self.base_env, p, self.opts.gpus, self.mps)
             for d in (Path(p.checkpoint_dir), Path(p.metrics_path).parent):
@@ -311,8 +334,8 @@ class Agent:
                         rsock.recv(4096)
             if self._term_signal is not None and self._terminating_since is None:
                 self._begin_termination()
-            self._check_cancels()
             self._reap()
+            self._forward()
             self._kill_after_grace()
             now = time.monotonic()
             if now >= next_tick:
@@ -356,53 +379,49 @@ class Agent:
         log.warning("stopping %s (job %d): %s", m.placement.name, m.placement.job_id, detail)
         self._signal(m, signal.SIGKILL)
 
-    def _check_cancels(self) -> None:
-        """Stop members named in `<pack_dir>/cancel/` (docs/interfaces.md 3a); others go on.
-
-        SIGTERM first (the runner checkpoints), SIGKILL after `term_grace_s`.
-        """
-        cancel_dir = Path(self.placement.pack_dir) / "cancel"
-        try:
-            names = {int(n) for n in os.listdir(cancel_dir) if n.isdigit()}
-        except OSError:
-            return
-        now = time.monotonic()
-        for m in self.members:
-            if m.done or m.placement.job_id not in names:
-                continue
-            if m.cancel_since is None:
-                m.cancel_since = now
-                if m.popen is None:  # not launched yet
-                    m.state, m.reason = "CANCELLED", "cancelled by the user before it started"
-                    self.reports.member(m.placement.job_id, "CANCELLED", None, m.reason)
-                    continue
-                log.warning("cancel of %s (job %d) requested", m.placement.name, m.placement.job_id)
-                m.stop_reason = "CANCEL"
-                self._signal(m, signal.SIGTERM)
-            elif now - m.cancel_since >= self.placement.term_grace_s and m.stop_reason == "CANCEL":
-                m.stop_reason, m.stop_detail = "CANCEL", "cancelled by the user; killed after term_grace_s"
-                m.cancel_since = float("inf")  # SIGKILL once
-                self._signal(m, signal.SIGKILL)
-
     def _begin_termination(self) -> None:
         assert self._term_signal is not None
         self._terminating_since = time.monotonic()
-        name = _signal_name(self._term_signal)
-        log.warning("%s received: forwarding to %d members, grace %.0fs", name,
-                    sum(not m.done for m in self.members), self.placement.term_grace_s)
+        log.warning("%s received: forwarding to %d members in %.1fs, grace %.0fs", _signal_name(self._term_signal),
+                    sum(not m.done for m in self.members), FORWARD_DELAY_S, self.placement.term_grace_s)
         for m in self.members:
             if not m.done:
                 m.stop_reason = m.stop_reason or "TERM"
+
+    def _forward(self) -> None:
+        if self._forwarded or self._terminating_since is None or self._term_signal is None:
+            return
+        if time.monotonic() - self._terminating_since < min(FORWARD_DELAY_S, self.placement.term_grace_s / 2):
+            return
+        self._forwarded = True
+        for m in self.members:
+            if not m.done:
                 self._signal(m, self._term_signal)
 
+    def _check_cancels(self) -> None:
+        wanted = self._cancel_requested()
+        if not wanted:
+            return
+        for m in self.members:
+            if m.placement.job_id in wanted and not m.done and m.cancel_since is None:
+                log.warning("cancel requested for %s (job %d)", m.placement.name, m.placement.job_id)
+                m.stop_reason, m.cancel_since = "CANCEL", time.monotonic()
+                self._signal(m, signal.SIGTERM)
+
     def _kill_after_grace(self) -> None:
+        now = time.monotonic()
+        for m in self.members:
+            if (not m.done and m.cancel_since is not None and not m.cancel_killed
+                    and now - m.cancel_since >= self.placement.term_grace_s):
+                m.cancel_killed = True
+                self._signal(m, signal.SIGKILL)
         if self._terminating_since is None:
             return
         if time.monotonic() - self._terminating_since < self.placement.term_grace_s:
             return
         for m in self.members:
             if not m.done and m.stop_reason != "KILLED":
-                m.stop_reason = "KILLED" if m.stop_reason == "TERM" else m.stop_reason
+                m.stop_reason = "KILLED" if m.stop_reason in ("TERM", None) else m.stop_reason
                 self._signal(m, signal.SIGKILL)
 
     def _reap(self) -> None:
@@ -427,6 +446,7 @@ class Agent:
     # ------------------------------------------------------------ sampling and enforcement
 
     def _tick(self) -> None:
+        self._check_cancels()
         snap = self.nvml.sample([i for i in self._nvml_indices if i >= 0]) if self._nvml_indices else None
         gpu_by_nvml = {g.index: g for g in snap.gpus} if snap else {}
         for pos, nvml_index in enumerate(self._nvml_indices):

@@ -190,7 +190,7 @@ def open_mps(wanted: bool, visible_devices: list[str], tmp_root: str | os.PathLi
                        visible_devices=list(visible_devices), root_dir=root)
     try:
         daemon.start()
-    except MpsError as exc:
+    except (MpsError, OSError) as exc:
         shutil.rmtree(root, ignore_errors=True)
         return MpsSetup("off", None, f"MPS control daemon did not start: {exc}")
     return MpsSetup("own", daemon, f"started {exe} -d, pipe {daemon.pipe_dir}, GPUs {','.join(visible_devices)}")

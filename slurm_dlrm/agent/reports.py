@@ -6,13 +6,17 @@ consumes complete lines never sees half a record and nothing flushed is lost on 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 MEMBER_STATES = ("RUNNING", "COMPLETED", "FAILED", "OOM_GPU", "OOM_HOST", "PREEMPTED", "CANCELLED")
 AGENT_EVENTS = ("start", "mps_started", "mps_unavailable", "mps_stopped", "exit")
@@ -33,8 +37,7 @@ class ReportWriter:
         self.pack_id = pack_id
         self.clock = clock
         self._buffer: list[dict[str, Any]] = []
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self._file = os.fdopen(fd, "ab")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self.batches = 0
 
     def _add(self, record: dict[str, Any]) -> None:
@@ -65,24 +68,43 @@ class ReportWriter:
     def pending(self) -> int:
         return len(self._buffer)
 
-    def flush(self) -> None:
-        """Write the batch as one append, then flush and fsync."""
+    def flush(self) -> bool:
+        """Write the batch as one append, then flush and fsync; False (batch kept) on an I/O error."""
         if not self._buffer:
-            return
+            return True
         data = b"".join(json.dumps(r, separators=(",", ":")).encode() + b"\n" for r in self._buffer)
-        self._file.write(data)
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        try:
+            # One os.write of whole lines: a reader never sees part of this batch's last line
+            # unless the disk fills mid-write, and then the next batch starts on a new line.
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+            os.fsync(self._fd)
+        except OSError as exc:
+            log.error("cannot write reports to %s (kept %d records for the next batch): %s",
+                      self.path, len(self._buffer), exc)
+            with contextlib.suppress(OSError):
+                os.write(self._fd, b"\n")  # end a torn line, so the next batch starts clean
+            return False
         self._buffer.clear()
         self.batches += 1
+        return True
 
     def close(self) -> None:
-        self.flush()
-        self._file.close()
+        for attempt in range(3):
+            if self.flush():
+                break
+            time.sleep(1.0 + attempt)
+        os.close(self._fd)
 
 
 def read_reports(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Complete lines only (a line without its newline is still being written)."""
     data = Path(path).read_bytes()
-    lines = data.split(b"\n")[:-1]
-    return [json.loads(line) for line in lines if line.strip()]
+    out = []
+    for line in data.split(b"\n")[:-1]:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a line torn by a failed write (disk full) and then ended
+    return out

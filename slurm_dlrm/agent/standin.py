@@ -27,6 +27,10 @@ _stop: list[int] = []
 
 
 def _on_signal(signum: int, frame: Any) -> None:
+    # Ignore repeats: Slurm and the agent both deliver it, and a repeat during interpreter
+    # shutdown (Python handlers already removed) would kill the process with the signal.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     _stop.append(signum)
 
 

@@ -67,7 +67,9 @@ def render(site_path: str | None, out_dir: str, as_json: bool) -> None:
 @click.pass_context
 def check(ctx: click.Context, site_path: str | None, as_json: bool) -> None:
     """Compare the site file with the live cluster: per node CPUs, memory, GPUs and their type,
-    MPS and shard counts; per partition its nodes, default flag and time limit.
+    MPS and shard counts; per partition its nodes, default flag and time limit; and the
+    slurm.conf keys the rendered fragment sets (GresTypes, SelectType, JobSubmitPlugins,
+    Prolog/Epilog/TaskProlog, PrologFlags, AccountingStorageTRES).
 
     Prints one line per difference; exit code 1 when there is any, 0 when none.
 
@@ -76,11 +78,11 @@ def check(ctx: click.Context, site_path: str | None, as_json: bool) -> None:
       slurm-dlrm admin check --site /etc/slurm-dlrm/site.toml
       slurm-dlrm admin check --json
     """
-    from slurm_dlrm.admin.check import compare
+    from slurm_dlrm.admin.check import compare, compare_config
 
     site = load_site(site_path)
-    nodes, partitions = _live_records()
-    diffs = compare(site, nodes, partitions)
+    nodes, partitions, config = _live_records()
+    diffs = compare_config(site, config) + compare(site, nodes, partitions)
     if as_json:
         click.echo(json.dumps({"site": site.path, "differences": [d.to_dict() for d in diffs]}, indent=2))
     else:
@@ -92,11 +94,11 @@ def check(ctx: click.Context, site_path: str | None, as_json: bool) -> None:
         ctx.exit(EXIT_RUNTIME)
 
 
-def _live_records() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Node and partition records of the live cluster, through the Slurm seam."""
-    from slurm_dlrm.admin.check import parse_scontrol_output
-    from slurm_dlrm.slurm import SlurmClient  # type: ignore[import-not-found,unused-ignore]
+def _live_records() -> tuple[list[Any], list[Any], dict[str, str]]:
+    """Nodes, partitions and configuration of the live cluster, through the Slurm seam ($SLURM_CONF)."""
+    from slurm_dlrm.admin.check import nodes_from_seam, parse_scontrol_config, partitions_from_sinfo
+    from slurm_dlrm.slurm import SlurmClient
 
     client = SlurmClient()
-    return (parse_scontrol_output(client.run(["scontrol", "show", "node", "-o"]).stdout),
-            parse_scontrol_output(client.run(["scontrol", "show", "partition", "-o"]).stdout))
+    config = parse_scontrol_config(client.run(["scontrol", "show", "config"]).stdout)
+    return nodes_from_seam(client.show_nodes()), partitions_from_sinfo(client.sinfo()), config

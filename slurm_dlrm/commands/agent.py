@@ -8,10 +8,11 @@ import os
 import shutil
 import socket
 import sys
+from pathlib import Path
 
 import click
 
-from slurm_dlrm.errors import BadInput
+from slurm_dlrm.errors import BadInput, DlrmError
 
 
 def allocation_gpus(env: dict[str, str]) -> list[str] | None:
@@ -23,15 +24,26 @@ def allocation_gpus(env: dict[str, str]) -> list[str] | None:
     return None
 
 
+def find_pack_file(spool: Path, pack_id: int | None, name: str) -> Path:
+    """<spool>/<pack name>/placement.json of the pack with this id (docs/interfaces.md 3a)."""
+    for candidate in sorted(spool.glob(f"*/{name}")):
+        try:
+            if json.loads(candidate.read_text()).get("pack_id") == pack_id:
+                return candidate
+        except (OSError, ValueError, AttributeError):
+            continue
+    raise BadInput(f"--pack {pack_id}: no {name} with that pack_id under {spool}")
+
+
 @click.command("agent", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--pack-file", type=click.Path(dir_okay=False), help="The pack's placement.json.")
-@click.option("--pack", "pack_id", type=int, help="Pack id: reads <spool_dir>/pack-ID/placement.json.")
+@click.option("--pack", "pack_id", type=int, help="Pack id: finds <spool_dir>/<pack name>/placement.json with this pack_id.")
 @click.option("--site", "site_path", type=click.Path(dir_okay=False), help="Site config (default: lookup order).")
 @click.option("--node-index", type=int, help="This node's position in the allocation [default: $SLURM_NODEID or 0].")
 @click.option("--node-name", help="Name used in reports [default: $SLURMD_NODENAME or the host name].")
 @click.option("--gpus", help="Allocated GPUs, comma-separated [default: $CUDA_VISIBLE_DEVICES, $SLURM_JOB_GPUS, or all NVML GPUs].")
 @click.option("--launch", type=click.Choice(["auto", "step", "process"]), default="auto", show_default=True,
-              help="step: each member as `srun --overlap` job step; process: child process group; auto: step inside an allocation.")
+              help="step: each member as its own `srun --overlap` job step (listed by sacct; stop it gracefully with SIGUSR1); process: child process group; auto: process.")
 @click.option("--mps", "mps_mode", type=click.Choice(["auto", "own", "site", "off"]), default="auto", show_default=True,
               help="own: start a daemon; site: use the one at $CUDA_MPS_PIPE_DIRECTORY (gres/mps); auto: site if it answers, else own.")
 @click.option("--sample-interval", type=float, help="Seconds between samples [default: the placement's].")
@@ -62,7 +74,7 @@ def agent(pack_file: str | None, pack_id: int | None, site_path: str | None, nod
         raise BadInput(f"--sample-interval: must be >= 0.05, got {sample_interval:g}")
     site = load_site(site_path)
     if pack_file is None:
-        pack_file = str(site.spool_dir_for(getpass.getuser()) / f"pack-{pack_id}" / PLACEMENT_FILE)
+        pack_file = str(find_pack_file(site.spool_dir_for(getpass.getuser()), pack_id, PLACEMENT_FILE))
     placement = load_placement(pack_file)
     env = dict(os.environ)
     if node_index is None:
@@ -77,7 +89,11 @@ def agent(pack_file: str | None, pack_id: int | None, site_path: str | None, nod
         gpu_list = [str(i) for i in range(nvml.device_count())]
     in_allocation = bool(env.get("SLURM_JOB_ID")) and shutil.which("srun") is not None
     if launch == "auto":
-        launch = "step" if in_allocation else "process"
+        # Child processes: a SIGTERM to the allocation then reaches each member as SIGTERM.
+        # Member steps are opt-in because Slurm 22.05's srun answers SIGTERM with SIGKILL
+        # to its step (src/srun signals: SIGTERM -> launch_fwd_signal(SIGKILL)), and every
+        # srun the agent starts is signalled with the agent's own step (docs/agent.md).
+        launch = "process"
     elif launch == "step" and not in_allocation:
         raise BadInput("--launch step: not inside a Slurm allocation (no SLURM_JOB_ID or no srun)")
     opts = AgentOptions(
@@ -86,13 +102,16 @@ def agent(pack_file: str | None, pack_id: int | None, site_path: str | None, nod
         sample_interval_s=sample_interval, slurm_job_id=env.get("SLURM_JOB_ID"),
         heartbeat_every_s=max(10.0, min(30.0, site.agent.heartbeat_timeout_s / 4)),
     )
-    runner = Agent(placement, opts, nvml=nvml, env=env)
+    try:
+        runner = Agent(placement, opts, nvml=nvml, env=env)
+    except OSError as exc:
+        raise DlrmError(f"cannot write reports under {placement.pack_dir}: {exc}") from None
     if not runner.members:
         click.echo(f"agent: no members on node index {node_index}", err=True)
     runner.run()
     states = {m.placement.job_id: m.state for m in runner.members}
     if as_json:
-        click.echo(json.dumps({"pack_id": placement.pack_id, "node": node, "mps": runner.mps.mode,
+        click.echo(json.dumps({"pack_id": placement.pack_id, "node": node, "mps": runner.mps.mode, "launch": launch,
                                "report": str(runner.reports.path), "members": states}))
     else:
         summary = ", ".join(f"{job}={state}" for job, state in states.items()) or "none"

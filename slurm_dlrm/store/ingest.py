@@ -133,17 +133,38 @@ def _read_complete(path: str, offset: int, chunk_bytes: int) -> tuple[bytes, int
             size *= 4
 
 
+def _parse(lines: list[bytes]) -> list[Any]:
+    """Decode JSON lines; `_BAD` for a line that is not JSON.
+
+    One `json.loads` over the whole chunk as an array is ~3x faster than one call per
+    line; only a chunk with a bad line pays for the per-line fallback.
+    """
+    text = b",".join(lines).decode("utf-8", errors="replace")
+    try:
+        recs = json.loads("[" + text + "]")
+        if len(recs) == len(lines):
+            return list(recs)
+    except ValueError:
+        pass
+    out: list[Any] = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            out.append(_BAD)
+    return out
+
+
+_BAD = object()
+
+
 def _apply_lines(store: Store, blob: bytes, on_record: OnRecord | None, result: IngestResult) -> None:
     samples: list[dict[str, Any]] = []
-    for n, line in enumerate(blob.split(b"\n")[:-1]):
-        result.lines += 1
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            kind = rec["type"] if isinstance(rec, dict) else None
-        except (ValueError, KeyError):
-            kind = None
+    raw = blob.split(b"\n")[:-1]
+    result.lines += len(raw)
+    lines = [line for line in raw if line.strip()]
+    for n, (line, rec) in enumerate(zip(lines, _parse(lines), strict=True)):
+        kind = rec.get("type") if isinstance(rec, dict) else None
         if not isinstance(kind, str) or len(line) > MAX_LINE_BYTES:
             result.bad_lines += 1
             if result.bad_lines <= 3:

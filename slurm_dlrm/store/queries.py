@@ -33,39 +33,42 @@ ON CONFLICT(job_id) DO UPDATE SET
 # for the pack's allocated time on it; that time is split among the GPU's members in
 # proportion to how long each ran there.
 ACCT = """
-WITH run AS (
-    SELECT job_id, pack_id, node_index, gpu_index, start_time,
-           max(0.0, coalesce(end_time, :now) - start_time) AS run_s
-    FROM placements WHERE start_time IS NOT NULL
-),
-gpu AS (
-    SELECT r.pack_id, r.node_index, r.gpu_index, sum(r.run_s) AS member_s, count(*) AS n_members,
-           max(0.0, coalesce(k.end_time, :now) - coalesce(k.start_time, min(r.start_time))) AS alloc_s
-    FROM run r JOIN packs k ON k.id = r.pack_id
-    GROUP BY r.pack_id, r.node_index, r.gpu_index
+WITH gpu AS (
+    -- every GPU of a pack that had a running member: members' seconds and allocated seconds
+    SELECT p.pack_id, p.node_index, p.gpu_index, count(*) AS n_members,
+           sum(max(0.0, coalesce(p.end_time, :now) - p.start_time)) AS member_s,
+           max(0.0, coalesce(k.end_time, :now) - coalesce(k.start_time, min(p.start_time))) AS alloc_s
+    FROM placements p JOIN packs k ON k.id = p.pack_id
+    WHERE p.start_time IS NOT NULL
+    GROUP BY p.pack_id, p.node_index, p.gpu_index
 ),
 charge AS (
-    SELECT r.job_id,
-           sum(CASE WHEN g.member_s > 0 THEN g.alloc_s * r.run_s / g.member_s
+    SELECT p.job_id,
+           sum(CASE WHEN g.member_s > 0
+                    THEN g.alloc_s * max(0.0, coalesce(p.end_time, :now) - p.start_time) / g.member_s
                     ELSE g.alloc_s / g.n_members END) AS charged_gpu_s,
-           sum(r.run_s) AS gpu_run_s, max(g.n_members) AS max_members
-    FROM run r JOIN gpu g ON g.pack_id = r.pack_id AND g.node_index = r.node_index AND g.gpu_index = r.gpu_index
-    GROUP BY r.job_id
+           sum(max(0.0, coalesce(p.end_time, :now) - p.start_time)) AS gpu_run_s,
+           max(g.n_members) AS max_members
+    FROM placements p
+    JOIN gpu g ON g.pack_id = p.pack_id AND g.node_index = p.node_index AND g.gpu_index = p.gpu_index
+    WHERE p.start_time IS NOT NULL
+    GROUP BY p.job_id
+),
+-- per job and pack: GPUs, and how long the member ran there
+jp AS (
+    SELECT job_id, pack_id, count(*) AS n_gpus,
+           max(coalesce(end_time, :now)) - min(start_time) AS run_s
+    FROM placements GROUP BY job_id, pack_id
 ),
 span AS (
-    SELECT job_id, sum(s) AS run_s FROM (
-        SELECT job_id, max(coalesce(end_time, :now)) - min(start_time) AS s
-        FROM placements WHERE start_time IS NOT NULL GROUP BY job_id, pack_id
-    ) GROUP BY job_id
+    SELECT job_id, sum(run_s) AS run_s FROM jp GROUP BY job_id
 )
 SELECT j.id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j.gpu_model,
        j.est_gpu_peak_bytes, j.est_host_peak_bytes, j.est_profile_label, j.est_solo_samples_per_s,
        j.submit_time, j.start_time, j.end_time, j.pack_id, j.slurm_job_id, j.slurm_step,
        j.exit_code, j.exit_reason,
        k.name AS pack_name, k.slurm_job_id AS pack_slurm_job_id,
-       (SELECT count(*) FROM placements p WHERE p.job_id = j.id AND p.pack_id = j.pack_id) AS n_gpus,
-       (SELECT group_concat(DISTINCT p.node) FROM placements p
-         WHERE p.job_id = j.id AND p.pack_id = j.pack_id) AS nodes,
+       coalesce(last.n_gpus, 0) AS n_gpus, k.nodes,
        coalesce(u.n_samples, 0) AS n_samples, u.gpu_mem_peak_bytes, u.rss_peak_bytes,
        CASE WHEN u.sm_util_n > 0 THEN u.sm_util_sum / u.sm_util_n END AS sm_util_mean,
        u.sm_util_max,
@@ -76,6 +79,7 @@ FROM jobs j
 LEFT JOIN packs k ON k.id = j.pack_id
 LEFT JOIN job_usage u ON u.job_id = j.id
 LEFT JOIN charge c ON c.job_id = j.id
+LEFT JOIN jp last ON last.job_id = j.id AND last.pack_id = j.pack_id
 LEFT JOIN span sp ON sp.job_id = j.id
 WHERE (:job_ids IS NULL OR j.id IN (SELECT value FROM json_each(:job_ids)))
   AND (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states)))
@@ -136,10 +140,14 @@ ORDER BY k.start_time, k.id, min(p.start_time)
 """
 
 QUERIES: dict[str, str] = {
-    "job_by_id": "SELECT * FROM jobs WHERE id = :id",
+    "job_by_id": (
+        "SELECT j.*, s.spec_json, s.estimate_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
+        "WHERE j.id = :id"
+    ),
     "jobs_by_state": (
-        "SELECT * FROM jobs WHERE (:states IS NULL OR state IN (SELECT value FROM json_each(:states))) "
-        "AND (:user IS NULL OR user = :user) ORDER BY id"
+        "SELECT j.*, s.spec_json, s.estimate_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
+        "WHERE (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states))) "
+        "AND (:user IS NULL OR j.user = :user) ORDER BY j.id"
     ),
     "pack_by_id": "SELECT * FROM packs WHERE id = :id",
     "pack_by_name": "SELECT * FROM packs WHERE name = :name",

@@ -395,12 +395,10 @@ class Store:
         est_host = _int_or_none(est.get("host_peak_bytes"))
         row = {
             "user": user, "name": name, "state": JobState.PENDING.value, "attempt": 0,
-            "spec_json": json.dumps(dict(spec), sort_keys=True, default=str),
             "spec_fingerprint": spec_fingerprint, "gpu_model": gpu_model,
             "est_gpu_peak_bytes": est_gpu, "est_host_peak_bytes": est_host,
             "est_profile_label": profile.get("label"),
             "est_solo_samples_per_s": _float_or_none(profile.get("solo_samples_per_s")),
-            "estimate_json": json.dumps(est, sort_keys=True, default=str) if estimate is not None else None,
             "gpu_mem_request_bytes": est_gpu if gpu_mem_request_bytes is None else gpu_mem_request_bytes,
             "host_mem_request_bytes": est_host if host_mem_request_bytes is None else host_mem_request_bytes,
             "submit_time": now, "updated_time": now,
@@ -410,6 +408,11 @@ class Store:
             cols = ", ".join(row)
             cur = self.conn.execute(f"INSERT INTO jobs ({cols}) VALUES ({', '.join('?' * len(row))})", tuple(row.values()))
             job_id = int(cur.lastrowid or 0)
+            self.conn.execute(
+                "INSERT INTO job_specs (job_id, spec_json, estimate_json) VALUES (?, ?, ?)",
+                (job_id, json.dumps(dict(spec), sort_keys=True, default=str),
+                 json.dumps(est, sort_keys=True, default=str) if estimate is not None else None),
+            )
             self.event_in_tx("job_state", reason, job_id=job_id, dst=JobState.PENDING.value, t=now)
         self._known_jobs.add(job_id)
         return job_id
@@ -653,13 +656,20 @@ class Store:
         assert self._depth, "insert_samples_in_tx() needs an open write()"
         rows: list[tuple[Any, ...]] = []
         for s in samples:
+            # Coerce here: SQLite would store a stray string in a REAL column as TEXT.
+            # Inlined (no helper calls): this loop is most of the ingest cost.
+            g = s.get
             try:
                 rows.append((
-                    float(s["t"]), int(s["pack_id"]), _int_or_none(s.get("job_id")), str(s["node"]),
-                    _int_or_none(s.get("gpu_index")), _float_or_none(s.get("sm_util_pct")),
-                    _float_or_none(s.get("mem_util_pct")), _int_or_none(s.get("gpu_mem_bytes")),
-                    _float_or_none(s.get("host_cpu_pct")), _int_or_none(s.get("rss_bytes")),
-                    _float_or_none(s.get("samples_per_s")),
+                    float(s["t"]), int(s["pack_id"]),
+                    None if (v := g("job_id")) is None else int(v), str(s["node"]),
+                    None if (v := g("gpu_index")) is None else int(v),
+                    None if (v := g("sm_util_pct")) is None else float(v),
+                    None if (v := g("mem_util_pct")) is None else float(v),
+                    None if (v := g("gpu_mem_bytes")) is None else int(v),
+                    None if (v := g("host_cpu_pct")) is None else float(v),
+                    None if (v := g("rss_bytes")) is None else int(v),
+                    None if (v := g("samples_per_s")) is None else float(v),
                 ))
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("dropping malformed sample %r: %s", s, exc)

@@ -81,7 +81,7 @@ def populate(store: Store, *, n_jobs: int, samples_per_job: int, t0: float, seed
             if gpu_samples:
                 for g in range(n_gpus):
                     rows = [{"t": t + 6 + i * interval_s, "pack_id": pid, "job_id": None, "node": "node1",
-                             "gpu_index": g, "sm_util_pct": rng.uniform(40, 95), "gpu_mem_bytes": 0}
+                             "gpu_index": g, "sm_util_pct": float(rng.randint(40, 95)), "gpu_mem_bytes": 0}
                             for i in range(0, samples_per_job, 4)]
                     n_samples += store.insert_samples_in_tx(rows)
             if not running_tail:
@@ -98,10 +98,11 @@ def _samples(rng: random.Random, pack_id: int, p: NewPlacement, start: float, n:
     sm = rng.uniform(10, 60)
     for i in range(n):
         yield {"t": start + i * interval_s, "pack_id": pack_id, "job_id": p.job_id, "node": "node1",
-               "gpu_index": p.gpu_index, "sm_util_pct": min(100.0, max(0.0, rng.gauss(sm, 5))),
-               "mem_util_pct": rng.uniform(5, 50), "gpu_mem_bytes": int(peak * min(1.0, (i + 1) / 5)),
-               "host_cpu_pct": rng.uniform(50, 200), "rss_bytes": rng.randint(1, 8) * GIB,
-               "samples_per_s": rng.uniform(5_000, 30_000)}
+               # NVML reports whole percents; psutil one decimal.
+               "gpu_index": p.gpu_index, "sm_util_pct": float(round(min(100.0, max(0.0, rng.gauss(sm, 5))))),
+               "mem_util_pct": float(rng.randint(5, 50)), "gpu_mem_bytes": int(peak * min(1.0, (i + 1) / 5)),
+               "host_cpu_pct": round(rng.uniform(50, 200), 1), "rss_bytes": rng.randint(1, 8) * GIB,
+               "samples_per_s": round(rng.uniform(5_000, 30_000), 1)}
 
 
 def sample_line_dicts(pack_id: int, job_id: int, n: int, t0: float, seed: int = 0) -> Iterator[dict[str, Any]]:
@@ -109,6 +110,6 @@ def sample_line_dicts(pack_id: int, job_id: int, n: int, t0: float, seed: int = 
     rng = random.Random(seed)
     for i in range(n):
         yield {"type": "sample", "t": t0 + i * 0.5, "pack_id": pack_id, "job_id": job_id, "node": "node1",
-               "gpu_index": 0, "sm_util_pct": round(rng.uniform(0, 100), 1), "mem_util_pct": 20.0,
+               "gpu_index": 0, "sm_util_pct": float(rng.randint(0, 100)), "mem_util_pct": 20.0,
                "gpu_mem_bytes": rng.randint(1, 1 << 34), "host_cpu_pct": 150.0,
                "rss_bytes": rng.randint(1, 1 << 33), "samples_per_s": round(rng.uniform(1000, 9000), 1)}

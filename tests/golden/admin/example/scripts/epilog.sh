@@ -7,8 +7,8 @@
 set -u
 # MPS clients (the jobs' users) must be able to reach the pipe directories.
 umask 022
-# slurmd runs this with a bare environment; Slurm's and MPS's commands live here.
-export PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+# slurmd may run this with a bare environment; Slurm's and MPS's commands live here.
+export PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 
 # [slurm] mps_control_command: the MPS control program (daemon with -d, client without).
 MPS_CONTROL=nvidia-cuda-mps-control
@@ -18,7 +18,8 @@ PIPE_ROOT=/run/slurm-dlrm/mps
 LOG_ROOT=/var/log/slurm-dlrm/mps
 # [slurm] shm_dir: MPS leaves cuda.shm.* segments here.
 SHM_DIR=/dev/shm
-# One record per job that holds MPS on this node: "<GPU indices, comma-separated> <thread pct>".
+# One record per job that holds MPS on this node:
+# "<GPU indices, comma-separated> <thread pct> <gpu_mem_mib, 0 = no fence>".
 JOBS_DIR=$PIPE_ROOT/jobs
 
 log() {
@@ -26,6 +27,15 @@ log() {
   printf '%s %s job %s: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${0##*/}" "${SLURM_JOB_ID:-?}" "$*" \
     >>"$LOG_ROOT/events.log" 2>/dev/null
   logger -t slurm-dlrm-mps -- "job ${SLURM_JOB_ID:-?}: $*" 2>/dev/null || true
+}
+
+# True while process $1 exists and is not a zombie (an exited daemon nobody reaped yet).
+is_alive() {
+  local stat
+  kill -0 "$1" 2>/dev/null || return 1
+  stat=$(<"/proc/$1/stat") 2>/dev/null || return 1
+  stat=${stat##*) }
+  [[ ${stat%% *} != Z ]]
 }
 
 gpu_dir() { printf '%s/gpu%s' "$PIPE_ROOT" "$1"; }
@@ -38,9 +48,10 @@ daemon_pid() {
   local pidfile pid cmdline
   pidfile="$(pipe_dir "$1")/nvidia-cuda-mps-control.pid"
   [[ -r $pidfile ]] || return 0
-  read -r pid <"$pidfile" || return 0
+  pid=$(<"$pidfile") || return 0
+  pid=${pid//[[:space:]]/}
   [[ $pid =~ ^[0-9]+$ ]] || return 0
-  kill -0 "$pid" 2>/dev/null || return 0
+  is_alive "$pid" || return 0
   cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 0
   [[ $cmdline == *"${MPS_CONTROL##*/}"* ]] || return 0
   printf '%s' "$pid"
@@ -54,11 +65,18 @@ control() {
     timeout 5 "$MPS_CONTROL"
 }
 
+# True if GPU $1's daemon runs: its PID file names a live daemon, or (drivers that write no
+# PID file) it answers get_server_list on its pipe.
+daemon_up() {
+  [[ -n $(daemon_pid "$1") ]] && return 0
+  [[ -d $(pipe_dir "$1") ]] && control "$1" get_server_list >/dev/null 2>&1
+}
+
 any_daemon_running() {
   local d
   for d in "$PIPE_ROOT"/gpu*; do
     [[ -d $d ]] || continue
-    [[ -n $(daemon_pid "${d##*/gpu}") ]] && return 0
+    daemon_up "${d##*/gpu}" && return 0
   done
   return 1
 }
@@ -96,15 +114,27 @@ stop_daemon() {
         kill "-$sig" "$pid" 2>/dev/null
       fi
       for ((i = 0; i < STOP_POLLS; i++)); do
-        kill -0 "$pid" 2>/dev/null || break 2
+        is_alive "$pid" || break 2
         sleep 0.1
       done
     done
-    if kill -0 "$pid" 2>/dev/null; then
+    if is_alive "$pid"; then
       log "GPU $gpu: daemon $pid survived SIGKILL"
       return 1
     fi
     log "GPU $gpu: MPS control daemon $pid stopped"
+  elif control "$gpu" get_server_list >/dev/null 2>&1; then
+    # A driver that writes no PID file: quit, then poll until the pipe stops answering.
+    control "$gpu" quit >/dev/null 2>&1 || log "GPU $gpu: quit was not accepted"
+    for ((i = 0; i < STOP_POLLS; i++)); do
+      control "$gpu" get_server_list >/dev/null 2>&1 || break
+      sleep 0.1
+    done
+    if control "$gpu" get_server_list >/dev/null 2>&1; then
+      log "GPU $gpu: daemon ignored quit and has no PID file to signal"
+      return 1
+    fi
+    log "GPU $gpu: MPS control daemon stopped"
   fi
   clean_stale "$gpu"
 }

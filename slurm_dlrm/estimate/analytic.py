@@ -1,0 +1,273 @@
+"""The analytic estimate: GPU peak, host peak and compute profile of one DLRM job.
+
+Pure (no torch, no I/O). The device-independent part, the peak of live tensor bytes
+over one training step, comes from `timeline.simulate_step`; this module adds the
+device rules (CUDA context, cuBLAS workspace, caching-allocator rounding), the host
+side (runtime, host/UVM tables, loader workers, pinned staging) and the compute
+profile used by the packing policy. See docs/estimator.md for every term's source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from slurm_dlrm.estimate.timeline import (
+    EMB_OPT,
+    EMB_WEIGHTS,
+    F32,
+    Shapes,
+    Tape,
+    batch_bytes,
+    embedding_optimizer_state_bytes,
+    simulate_step,
+)
+from slurm_dlrm.site import GpuModel
+from slurm_dlrm.spec import JobSpec
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+# PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): every block is
+# rounded up to 512 B; small blocks (<= 1 MiB) come from 2 MiB segments, large ones
+# from segments rounded up to 2 MiB.
+ALLOC_BLOCK_BYTES = 512
+SMALL_SIZE_BYTES = 1 * MIB
+SEGMENT_BYTES = 2 * MIB
+
+# Host side. Measured here (torch 2.13 CPU, torchrec 1.8, one gloo process): RSS of
+# the training process with the model set up but before any tensor is counted. The
+# CUDA figure adds the CUDA runtime, cuBLAS/cuDNN and fbgemm's GPU kernels mapped into
+# the host process (typical for CUDA 12 builds; calibrate from history on the site).
+HOST_RUNTIME_CPU_BYTES = 376 * MIB
+HOST_RUNTIME_CUDA_BYTES = 1536 * MIB
+# A DataLoader worker is a forked Python with torch imported: its own RSS.
+LOADER_WORKER_BYTES = 220 * MIB
+LOADER_PREFETCH_FACTOR = 2  # torch DataLoader default prefetch_factor
+# glibc malloc keeps freed blocks below the mmap threshold; peak RSS runs above live
+# tensor bytes by this fraction (measured by benchmarks/estimator_accuracy.py).
+HOST_MALLOC_OVERHEAD = 0.0
+
+# Compute profile assumptions (documented in docs/estimator.md).
+GEMM_EFFICIENCY = 0.5  # small-MLP GEMMs reach about half of peak FLOP/s
+EMB_BW_EFFICIENCY = 0.4  # random row gathers reach about 40% of peak HBM bandwidth
+KERNEL_LAUNCH_S = 8e-6  # per kernel, launch + tail
+HOST_SECONDS_PER_SAMPLE = {"synthetic": 0.3e-6, "criteo-npy": 1.5e-6, "criteo-tsv": 25e-6}
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    flops_per_sample: float
+    emb_bytes_per_sample: float
+    solo_samples_per_s: float
+    sm_util_pct: float
+    membw_util_pct: float
+    host_cpu_cores: float
+    label: str  # "compute-bound" | "memory-bound" | "host-bound"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    gpu_peak_bytes: int
+    host_peak_bytes: int
+    gpu_breakdown: dict[str, int]
+    host_breakdown: dict[str, int]
+    profile: ComputeProfile
+    tensor_peak_bytes: int  # device-independent: the peak of live tensor bytes
+    peak_phase: str
+    gpu_model: str | None
+    method: str = "analytic"  # "analytic" | "traced"; "+calibrated" when history corrected it
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d
+
+
+def device_tables(spec: JobSpec) -> list[int]:
+    """Tables whose weights sit in device memory (placement hbm), for one rank.
+
+    With world_size > 1 the tables are spread table-wise, largest first onto the
+    least-loaded rank (what torchrec's greedy planner does for table-wise sharding);
+    the estimate is for the most loaded rank.
+    """
+    hbm = [i for i, t in enumerate(spec.tables) if t.placement == "hbm"]
+    if spec.world_size <= 1:
+        return hbm
+    loads = [0] * spec.world_size
+    owned: list[list[int]] = [[] for _ in range(spec.world_size)]
+    for i in sorted(hbm, key=lambda i: -_table_total_bytes(spec, i)):
+        r = loads.index(min(loads))
+        loads[r] += _table_total_bytes(spec, i)
+        owned[r].append(i)
+    return sorted(owned[loads.index(max(loads))])
+
+
+def _table_total_bytes(spec: JobSpec, i: int) -> int:
+    return spec.tables[i].weight_bytes + embedding_optimizer_state_bytes(spec, [i])
+
+
+def table_bytes_with_state(spec: JobSpec, i: int) -> int:
+    """One table's weights plus its optimizer state: the least memory it needs."""
+    return _table_total_bytes(spec, i)
+
+
+def _peak_tape(spec: JobSpec, device: str, tables: list[int]) -> Tape:
+    steady = simulate_step(spec, device, tables)
+    first = simulate_step(spec, device, tables, first_step=True)
+    return first if first.peak > steady.peak else steady
+
+
+def allocator_rounding_bytes(live_sizes: list[int]) -> int:
+    extra = 0
+    for n in live_sizes:
+        if n <= 0:
+            continue
+        if n <= SMALL_SIZE_BYTES:
+            extra += -n % ALLOC_BLOCK_BYTES
+        else:
+            extra += -n % SEGMENT_BYTES
+    return extra + SEGMENT_BYTES  # one partly used small-block segment
+
+
+def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
+    """Estimate one job. `gpu=None` means a CPU run (the benchmark's mode): all tensors
+    then live in host memory and the GPU parts are zero."""
+    device = "cuda" if gpu is not None else "cpu"
+    # On a CPU run every table is in the one (host) memory.
+    tables = device_tables(spec) if gpu is not None else list(range(len(spec.tables)))
+    tape = _peak_tape(spec, device, tables)
+    parts = {k: v for k, v in tape.at_peak.items()}
+    notes: list[str] = []
+    if device == "cpu" and spec.optimizer.type == "adam" and spec.optimizer.fused:
+        notes.append("fused Adam is GPU-only (fbgemm CPU kernels); estimated as non-fused on the CPU")
+    if spec.world_size > 1:
+        notes.append(f"world_size {spec.world_size}: tables spread table-wise; all-to-all buffers approximated")
+
+    host_tables = [i for i, t in enumerate(spec.tables) if t.placement != "hbm"]
+    host_table_bytes = sum(spec.tables[i].weight_bytes for i in host_tables)
+    host_table_opt = embedding_optimizer_state_bytes(spec, host_tables) if host_tables else 0
+    workers = spec.loader_workers
+    one_batch = batch_bytes(spec)
+
+    if gpu is not None:
+        gpu_breakdown = dict(parts)
+        gpu_breakdown["cuda_context"] = gpu.cuda_context_bytes
+        gpu_breakdown["cublas_workspace"] = gpu.cublas_workspace_bytes
+        gpu_breakdown["allocator_rounding"] = allocator_rounding_bytes(tape.at_peak_sizes)
+        gpu_peak = sum(gpu_breakdown.values())
+        host_breakdown = {
+            "runtime": HOST_RUNTIME_CUDA_BYTES,
+            "host_embedding_weights": host_table_bytes,
+            "host_embedding_optimizer_state": host_table_opt,
+            "pinned_staging": (spec.prefetch_batches + 1) * one_batch,
+            "loader_workers": workers * LOADER_WORKER_BYTES,
+            "loader_prefetch": workers * LOADER_PREFETCH_FACTOR * one_batch,
+        }
+    else:
+        gpu_breakdown = {}
+        gpu_peak = 0
+        host_breakdown = {
+            "runtime": HOST_RUNTIME_CPU_BYTES,
+            "tensors": tape.peak,
+            "malloc_overhead": int(tape.peak * HOST_MALLOC_OVERHEAD),
+            "loader_workers": workers * LOADER_WORKER_BYTES,
+            "loader_prefetch": workers * LOADER_PREFETCH_FACTOR * one_batch,
+        }
+    host_peak = sum(host_breakdown.values())
+    return Estimate(
+        gpu_peak_bytes=gpu_peak, host_peak_bytes=host_peak, gpu_breakdown=gpu_breakdown,
+        host_breakdown=host_breakdown, profile=compute_profile(spec, gpu), tensor_peak_bytes=tape.peak,
+        peak_phase=tape.peak_where, gpu_model=gpu.name if gpu is not None else None, notes=tuple(notes),
+    )
+
+
+def embedding_and_optimizer_bytes(est: Estimate) -> tuple[int, int]:
+    """(embedding weights, embedding optimizer state) in device memory (or host on CPU)."""
+    parts = est.gpu_breakdown
+    return parts.get(EMB_WEIGHTS, 0), parts.get(EMB_OPT, 0)
+
+
+# ---------------------------------------------------------------- compute profile
+
+def dense_flops_per_sample(spec: JobSpec) -> float:
+    """Training FLOPs per sample of the dense part: forward x 3 (backward is about 2x)."""
+    s = Shapes.of(spec)
+    fwd = 0.0
+    prev = s.dense_in
+    for w in s.bottom:
+        fwd += 2 * prev * w
+        prev = w
+    if s.dcn_layers:
+        n = (s.F + 1) * s.D
+        fwd += s.dcn_layers * (2 * n * s.dcn_rank * 2 + 3 * n)
+    else:
+        fwd += 2 * (s.F + 1) ** 2 * s.D
+    prev = s.top_in
+    for w in s.top:
+        fwd += 2 * prev * w
+        prev = w
+    return 3 * fwd
+
+
+def emb_bytes_per_sample(spec: JobSpec) -> float:
+    """Bytes of embedding memory touched per sample: forward gathers, backward
+    read-modify-write of the rows (fused optimizer), optimizer state traffic, and the
+    pooled outputs and their gradients."""
+    total = 0.0
+    state_rw = {"sgd": 0, "adagrad": 2 * F32, "rowwise_adagrad": 0, "adam": 4 * F32}[spec.optimizer.type]
+    for t in spec.tables:
+        ids = t.ids_per_sample
+        row = t.dim * t.dtype_bytes
+        total += ids * (3 * row + t.dim * state_rw)
+        if spec.optimizer.type == "rowwise_adagrad":
+            total += ids * 2 * F32
+        total += 2 * t.dim * F32  # pooled output written, its gradient read
+    return total
+
+
+def _kernels_per_step(spec: JobSpec) -> int:
+    s = Shapes.of(spec)
+    layers = len(s.bottom) + len(s.top) + 2 * s.dcn_layers
+    return 3 * 3 * layers + 30  # fwd + 2 bwd GEMMs and elementwise per layer, plus fixed ops
+
+
+def compute_profile(spec: JobSpec, gpu: GpuModel | None) -> ComputeProfile:
+    flops = dense_flops_per_sample(spec)
+    emb_bytes = emb_bytes_per_sample(spec)
+    B = spec.batch_size
+    if gpu is not None:
+        peak_flops = (gpu.tf32_tflops * 2 if spec.mixed_precision != "none" else gpu.fp32_tflops) * 1e12
+        bw = gpu.mem_bandwidth_gbps * 1e9
+    else:  # a CPU run: a few cores' worth of vector FLOP/s and DRAM bandwidth
+        peak_flops = 0.2e12
+        bw = 20e9
+    # dense activations also stream through memory once forward and twice backward
+    act_bytes = 3 * 2 * sum(Shapes.of(spec).bottom + Shapes.of(spec).top) * F32
+    t_compute = B * flops / (peak_flops * GEMM_EFFICIENCY)
+    t_memory = B * (emb_bytes / (bw * EMB_BW_EFFICIENCY) + act_bytes / bw)
+    t_launch = _kernels_per_step(spec) * KERNEL_LAUNCH_S
+    t_gpu = t_compute + t_memory + t_launch
+    per_sample_host = HOST_SECONDS_PER_SAMPLE.get(spec.data.type, 1e-6)
+    workers = max(spec.loader_workers, 1)
+    t_host = B * per_sample_host / workers
+    t_step = max(t_gpu, t_host)
+    if t_host > t_gpu:
+        label = "host-bound"
+    elif t_compute >= t_memory:
+        label = "compute-bound"
+    else:
+        label = "memory-bound"
+    busy = min(1.0, t_host / t_step)
+    host_cores = 1.0 + (spec.loader_workers * busy if spec.loader_workers else 0.0)
+    return ComputeProfile(
+        flops_per_sample=flops,
+        emb_bytes_per_sample=emb_bytes,
+        solo_samples_per_s=B / t_step,
+        # NVML's utilisation: the share of time some kernel runs.
+        sm_util_pct=round(100 * (t_compute + t_memory) / t_step, 1),
+        membw_util_pct=round(100 * B * (emb_bytes + act_bytes) / (t_step * bw), 1),
+        host_cpu_cores=round(host_cores, 2),
+        label=label,
+    )

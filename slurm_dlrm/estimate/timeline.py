@@ -1,0 +1,465 @@
+"""One training step of a torchrec DLRM, replayed symbolically: every tensor the step
+allocates and frees, in order, with its size. Pure Python, no torch.
+
+The sequence mirrors what torch 2.13 / torchrec 1.8 / fbgemm 1.8 do for
+`DistributedModelParallel(DLRMTrain(DLRM or DLRM_DCN))` with the embedding optimizer
+fused into the backward (`apply_optimizer_in_backward`), DDP over the dense part
+(`gradient_as_bucket_view=True`, so dense gradients live in DDP buckets allocated once),
+and a torch optimizer on the dense parameters. It was written against the allocation
+log of benchmarks/_measure.py (`MEASURE_DEBUG=1`), op by op: which outputs autograd
+saves, which the Python code keeps in variables, and when each is released.
+
+The result is the peak of live tensor bytes and, at that moment, how the live bytes
+split into named parts (the breakdown). It models what torch allocates through its
+operators; kernel-internal scratch (cuBLAS workspace, fbgemm sort buffers) is not a
+tensor and is added by the device rules in `analytic.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import comb
+
+from slurm_dlrm.spec import JobSpec
+
+F32 = 4
+I32 = 4
+I64 = 8
+
+# Parts of the breakdown (keys of the snapshot at the peak).
+EMB_WEIGHTS = "embedding_weights"
+EMB_OPT = "embedding_optimizer_state"
+EMB_GRAD = "embedding_gradients"  # non-fused only: DDP bucket + the full-table grad
+DENSE_PARAMS = "dense_params"
+DENSE_GRADS = "dense_grads"
+DENSE_OPT = "dense_optimizer_state"
+INPUTS = "input_batches"  # dense features, lengths, int64 ids, labels; x (1 + prefetch)
+INDEX_OFFSETS = "index_offsets"
+EMB_OUT = "embedding_outputs"
+EMB_OUT_GRAD = "embedding_output_grads"
+ACT_BOTTOM = "activations_bottom_mlp"
+ACT_INTER = "activations_interaction"
+ACT_TOP = "activations_top_mlp"
+BWD = "backward_grads"  # activation gradients and weight-gradient transients
+OPT_TEMPS = "optimizer_step_temps"
+OTHER = "small_buffers"
+
+PARTS = (EMB_WEIGHTS, EMB_OPT, EMB_GRAD, DENSE_PARAMS, DENSE_GRADS, DENSE_OPT, INPUTS, INDEX_OFFSETS, EMB_OUT,
+         EMB_OUT_GRAD, ACT_BOTTOM, ACT_INTER, ACT_TOP, BWD, OPT_TEMPS, OTHER)
+
+
+@dataclass
+class _T:
+    nbytes: int
+    part: str
+    live: bool = True
+
+
+@dataclass
+class Tape:
+    """Live bytes over time; remembers the split by part at the peak."""
+
+    live: int = 0
+    peak: int = 0
+    peak_where: str = ""
+    by_part: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PARTS, 0))
+    at_peak: dict[str, int] = field(default_factory=dict)
+    where: str = ""
+    allocs: list[_T] = field(default_factory=list)
+    at_peak_sizes: list[int] = field(default_factory=list)
+
+    def alloc(self, nbytes: int | float, part: str) -> _T:
+        t = _T(int(nbytes), part)
+        self.live += t.nbytes
+        self.by_part[part] += t.nbytes
+        self.allocs.append(t)
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_where = self.where
+            self.at_peak = dict(self.by_part)
+            self.at_peak_sizes = [a.nbytes for a in self.allocs if a.live]
+        return t
+
+    def free(self, *ts: _T | None) -> None:
+        for t in ts:
+            if t is None or not t.live:
+                continue
+            t.live = False
+            self.live -= t.nbytes
+            self.by_part[t.part] -= t.nbytes
+        if len(self.allocs) > 256:
+            self.allocs = [a for a in self.allocs if a.live]
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Sizes the step needs, derived from the spec once."""
+
+    B: int
+    F: int
+    D: int
+    dense_in: int
+    bottom: tuple[int, ...]
+    top: tuple[int, ...]
+    top_in: int
+    ids: int
+    act_bytes: int
+    out_bytes: int
+    dcn_layers: int
+    dcn_rank: int
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> Shapes:
+        F = len(spec.tables)
+        D = spec.emb_dim
+        if spec.interaction.type == "dcn":
+            top_in = (F + 1) * D
+            layers, rank = spec.interaction.layers or 0, spec.interaction.low_rank or 0
+        else:
+            top_in = D + comb(F, 2) + F  # torchrec DLRM: D + F choose 2 + F
+            layers, rank = 0, 0
+        # autocast keeps activations in half precision (approximation: all of them).
+        act = 2 if spec.mixed_precision in ("fp16", "bf16") else F32
+        return cls(B=spec.batch_size, F=F, D=D, dense_in=spec.dense_features, bottom=spec.bottom_mlp,
+                   top=spec.top_mlp, top_in=top_in, ids=sum(int(spec.batch_size * t.ids_per_sample) for t in spec.tables),
+                   act_bytes=act, out_bytes=F32, dcn_layers=layers, dcn_rank=rank)
+
+
+def dense_param_shapes(spec: JobSpec) -> list[tuple[int, ...]]:
+    """Dense parameters in the order DMP lists them (bottom MLP, DCN, top MLP)."""
+    s = Shapes.of(spec)
+    shapes: list[tuple[int, ...]] = []
+    prev = s.dense_in
+    for w in s.bottom:
+        shapes += [(w, prev), (w,)]
+        prev = w
+    if s.dcn_layers:
+        n = (s.F + 1) * s.D
+        shapes += [(n, s.dcn_rank)] * s.dcn_layers + [(s.dcn_rank, n)] * s.dcn_layers + [(n,)] * s.dcn_layers
+    prev = s.top_in
+    for w in s.top:
+        shapes += [(w, prev), (w,)]
+        prev = w
+    return shapes
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def dense_param_bytes(spec: JobSpec) -> int:
+    return sum(_numel(s) for s in dense_param_shapes(spec)) * F32
+
+
+def batch_bytes(spec: JobSpec) -> int:
+    """One input batch as the loader hands it over: dense f32, lengths i32, ids i64, labels f32."""
+    s = Shapes.of(spec)
+    return s.B * s.dense_in * F32 + s.F * s.B * I32 + s.ids * I64 + s.B * F32
+
+
+@dataclass(frozen=True)
+class StaticParts:
+    """Bytes that live for the whole run."""
+
+    emb_weights: int
+    emb_opt_state: int
+    emb_grad_bucket: int  # non-fused: DDP bucket holding full-table gradients
+    dense_params: int
+    dense_grads: int
+    dense_opt_state: int
+    small: int
+
+
+def embedding_optimizer_state_bytes(spec: JobSpec, tables: list[int] | None = None) -> int:
+    """Optimizer state of the tables, as fbgemm (fused) or torch (non-fused) allocates it.
+
+    fbgemm keeps momentum in fp32 whatever the weight dtype (momentum1_dtype default).
+    """
+    total = 0
+    for i, t in enumerate(spec.tables):
+        if tables is not None and i not in tables:
+            continue
+        elems = t.rows * t.dim
+        kind = spec.optimizer.type
+        if kind == "sgd":
+            continue
+        if kind == "adagrad":
+            total += elems * F32
+        elif kind == "rowwise_adagrad":
+            total += t.rows * F32
+        elif kind == "adam":
+            total += 2 * elems * F32
+    return total
+
+
+def _dense_opt_multiplier(spec: JobSpec) -> int:
+    return {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}[spec.optimizer.type]
+
+
+def is_fused(spec: JobSpec, device: str = "cuda") -> bool:
+    """Whether the embedding optimizer runs fused in fbgemm's backward kernel.
+
+    fbgemm-gpu-cpu 1.8.0: "Optimizer adam is not supported in CPU mode", so Adam on
+    the CPU takes the non-fused path (torchrec's dense kernel and torch.optim.Adam).
+    """
+    if device == "cpu" and spec.optimizer.type == "adam":
+        return False
+    return spec.optimizer.fused
+
+
+def static_parts(spec: JobSpec, device_tables: list[int], device: str = "cuda") -> StaticParts:
+    emb_w = sum(spec.tables[i].weight_bytes for i in device_tables)
+    emb_opt = embedding_optimizer_state_bytes(spec, device_tables)
+    grad_bucket = 0 if is_fused(spec, device) else emb_w
+    dense = dense_param_bytes(spec)
+    s = Shapes.of(spec)
+    # triu_indices buffer of the dot interaction (2 x P int64) and torchrec/DDP scalars.
+    small = (2 * comb(s.F + 1, 2) * I64 if spec.interaction.type == "dot" else 0) + 512 + 24 * s.F
+    return StaticParts(emb_w, emb_opt, grad_bucket, dense, dense, dense * _dense_opt_multiplier(spec), small)
+
+
+def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] | None = None, *,
+                  first_step: bool = False) -> Tape:
+    """Replay one training step (after model set-up) and return the tape.
+
+    `device` "cuda" or "cpu": fused Adam exists only on CUDA (fbgemm's CPU kernels
+    refuse it), and CUDA's torch optimizers use the multi-tensor (foreach) kernels.
+    `first_step`: DDP's first iteration keeps the weight gradients (and, non-fused,
+    the full-table gradient) as separate tensors until the end of backward, and Adam's
+    lazily created state does not exist yet. Take the max of both.
+    """
+    tables = list(range(len(spec.tables))) if device_tables is None else device_tables
+    s = Shapes.of(spec)
+    B, act = s.B, s.act_bytes
+    fused = is_fused(spec, device)
+    lazy_state_absent = full_grad_held = first_step
+    foreach_optimizer = device == "cuda"
+    tape = Tape()
+    held: list[_T] = []  # first step: weight gradients kept until the end of backward
+
+    def release_wgrad(t: _T) -> None:
+        if first_step:
+            held.append(t)
+        else:
+            tape.free(t)
+
+    st = static_parts(spec, tables, device)
+    tape.alloc(st.emb_weights, EMB_WEIGHTS)
+    emb_opt = st.emb_opt_state
+    dense_opt = st.dense_opt_state
+    if lazy_state_absent and spec.optimizer.type == "adam":
+        dense_opt = 0
+        if not fused:
+            emb_opt = 0
+    tape.alloc(emb_opt, EMB_OPT)
+    tape.alloc(st.emb_grad_bucket, EMB_GRAD)
+    tape.alloc(st.dense_params, DENSE_PARAMS)
+    tape.alloc(st.dense_grads, DENSE_GRADS)
+    tape.alloc(dense_opt, DENSE_OPT)
+    tape.alloc(st.small, OTHER)
+
+    # Input batches: the loader keeps `prefetch_batches` ready besides the one in use.
+    one_batch = batch_bytes(spec)
+    tape.alloc(one_batch * spec.prefetch_batches, INPUTS)
+    tape.where = "input"
+    batch = tape.alloc(one_batch, INPUTS)
+
+    # ---------------------------------------------------------------- forward
+    tape.where = "forward: bottom MLP"
+    relu_bottom: list[_T] = []
+    for w in s.bottom:
+        pre = tape.alloc(B * w * act, ACT_BOTTOM)
+        relu_bottom.append(tape.alloc(B * w * act, ACT_BOTTOM))
+        tape.free(pre)
+
+    tape.where = "forward: embeddings"
+    # KJT offsets (cached with the batch) and the per-key (F x (B+1)) offsets of the input dist
+    off32 = tape.alloc((s.F * B + 1) * I32 + s.F * (B + 1) * I32, INDEX_OFFSETS)
+    off64 = tape.alloc((s.F * B + 1) * I64, INDEX_OFFSETS)  # int64 copy TBE saves for backward
+    pooled_raw = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)
+    pooled = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)  # KeyedTensor's cat of the groups
+    tape.free(pooled_raw)
+
+    tape.where = "forward: interaction"
+    n_comb = (s.F + 1) * s.D
+    combined = tape.alloc(B * n_comb * act, ACT_INTER)  # cat(dense, sparse): B x (F+1) x D
+    dcn_saved: list[tuple[_T, _T, _T]] = []  # per layer: v (B x r), s = W v + b, x_out
+    if s.dcn_layers:
+        x_prev: _T = combined
+        w_prev: _T | None = None
+        for _ in range(s.dcn_layers):
+            v = tape.alloc(B * s.dcn_rank * act, ACT_INTER)
+            w_out = tape.alloc(B * n_comb * act, ACT_INTER)
+            tape.free(w_prev)  # the Python variable of the previous layer is rebound only now
+            w_prev = w_out
+            sb = tape.alloc(B * n_comb * act, ACT_INTER)
+            m = tape.alloc(B * n_comb * act, ACT_INTER)
+            x_out = tape.alloc(B * n_comb * act, ACT_INTER)
+            tape.free(m)
+            dcn_saved.append((v, sb, x_out))
+            x_prev = x_out
+        tape.free(w_prev)
+        top_input = x_prev
+    else:
+        npairs = comb(s.F + 1, 2)
+        z = tape.alloc(B * (s.F + 1) ** 2 * act, ACT_INTER)  # bmm
+        zf = tape.alloc(B * npairs * act, ACT_INTER)  # upper triangle
+        top_input = tape.alloc(B * s.top_in * act, ACT_INTER)  # cat(dense, pairs)
+        tape.free(z, zf)
+
+    tape.where = "forward: top MLP"
+    relu_top: list[_T] = []
+    for w in s.top[:-1]:
+        pre = tape.alloc(B * w * act, ACT_TOP)
+        relu_top.append(tape.alloc(B * w * act, ACT_TOP))
+        tape.free(pre)
+    logits = tape.alloc(B * s.top[-1] * F32, ACT_TOP)
+    tape.free(pooled)  # the pooled embeddings are not saved by the cat that consumed them
+
+    # ---------------------------------------------------------------- backward
+    tape.where = "backward: loss"
+    t1 = tape.alloc(B * F32, BWD)
+    t2 = tape.alloc(B * F32, BWD)
+    tape.free(t2, t1)
+    g = tape.alloc(B * F32, BWD)
+
+    tape.where = "backward: top MLP"
+    widths_in = [s.top_in, *s.top[:-1]]
+    for j in range(len(s.top) - 1, -1, -1):
+        n_out, n_in = s.top[j], widths_in[j]
+        if j < len(s.top) - 1:  # hidden layer: ReLU backward first
+            gp = tape.alloc(B * n_out * act, BWD)
+            tape.free(g, relu_top[j])
+            g = gp
+        gin = tape.alloc(B * n_in * act, BWD)
+        wg = tape.alloc((n_out * n_in + n_out) * F32, BWD)  # weight+bias grad, copied into the bucket
+        tape.free(g)
+        if j == 0:
+            tape.free(top_input)
+        release_wgrad(wg)
+        g = gin
+
+    tape.where = "backward: interaction"
+    if s.dcn_layers:
+        acc: _T | None = None  # gradient of x0 (= combined), accumulated over layers
+        G = g
+        for layer in range(s.dcn_layers - 1, -1, -1):
+            v, sb, _x_out = dcn_saved[layer]
+            x_in = combined if layer == 0 else dcn_saved[layer - 1][2]
+            gs = tape.alloc(B * n_comb * act, BWD)
+            gx0 = tape.alloc(B * n_comb * act, BWD)
+            tape.free(sb)
+            if acc is None:
+                acc = gx0
+            else:
+                new = tape.alloc(B * n_comb * act, BWD)
+                tape.free(acc, gx0)
+                acc = new
+            wg = tape.alloc((n_comb * s.dcn_rank + n_comb) * F32, BWD)
+            gv = tape.alloc(B * s.dcn_rank * act, BWD)
+            tape.free(gs, v)
+            wg2 = tape.alloc(n_comb * s.dcn_rank * F32, BWD)
+            gxv = tape.alloc(B * n_comb * act, BWD)
+            tape.free(gv)
+            release_wgrad(wg)
+            release_wgrad(wg2)
+            if layer > 0:
+                tape.free(x_in)
+                G_next = tape.alloc(B * n_comb * act, BWD)
+                tape.free(G, gxv)
+                G = G_next
+            else:
+                tape.free(combined)
+                for extra in (G, gxv):  # identity path and V path into x0
+                    new = tape.alloc(B * n_comb * act, BWD)
+                    tape.free(acc, extra)
+                    acc = new
+        g_dense: _T | None = None  # a view of acc
+        g_comb = acc
+    else:
+        npairs = comb(s.F + 1, 2)
+        nz = tape.alloc(B * (s.F + 1) ** 2 * act, BWD)
+        ip = tape.alloc(B * (s.F + 1) ** 2 * act, BWD)
+        tape.free(nz)
+        gb1 = tape.alloc(B * n_comb * act, BWD)
+        gb2 = tape.alloc(B * n_comb * act, BWD)
+        tape.free(ip, combined)
+        g_comb = tape.alloc(B * n_comb * act, BWD)
+        tape.free(gb1, gb2)
+        g_dense = tape.alloc(B * s.D * act, BWD)  # dense path: both cats' slices added
+        tape.free(g)
+
+    tape.where = "backward: embeddings"
+    g_emb = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT_GRAD)  # contiguous grad for TBE
+    full_grad: _T | None = None
+    if s.dcn_layers:
+        tape.free(off64)
+        if not fused:
+            full_grad = tape.alloc(st.emb_weights, EMB_GRAD)
+        tape.free(g_emb)
+    else:
+        tape.free(g_comb)
+        if not fused:
+            full_grad = tape.alloc(st.emb_weights, EMB_GRAD)
+        tape.free(g_emb, off64)
+    if not full_grad_held:
+        tape.free(full_grad)
+
+    tape.where = "backward: bottom MLP"
+    g_in = g_dense
+    widths_in = [s.dense_in, *s.bottom[:-1]]
+    for i in range(len(s.bottom) - 1, -1, -1):
+        gp = tape.alloc(B * s.bottom[i] * act, BWD)
+        tape.free(g_in, relu_bottom[i])
+        if g_in is None:  # DCN: the dense grad was a view of the interaction grad
+            tape.free(g_comb)
+        wg = tape.alloc((s.bottom[i] * widths_in[i] + s.bottom[i]) * F32, BWD)
+        if i > 0:
+            g_in = tape.alloc(B * widths_in[i] * act, BWD)
+        tape.free(gp)
+        release_wgrad(wg)
+    tape.free(g_in, full_grad, *held)
+
+    # ---------------------------------------------------------------- optimizer step
+    tape.where = "optimizer step"
+    _optimizer_temps(spec, tape, tables, foreach_optimizer, fused)
+    tape.free(batch, off32, logits)
+    return tape
+
+
+def _optimizer_temps(spec: JobSpec, tape: Tape, tables: list[int], foreach: bool, fused: bool) -> None:
+    """Temporaries of the torch optimizers' step (the fused embedding update runs in backward).
+
+    torch's single-tensor Adagrad makes `std = state.sqrt()` per parameter (two alive at
+    the hand-over); Adam makes sqrt and a division per parameter. On CUDA the default
+    foreach kernels make them for every parameter at once.
+    """
+    kind = spec.optimizer.type
+    per_param = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}[kind]
+    if not per_param:
+        return
+    sizes = [_numel(sh) * F32 for sh in dense_param_shapes(spec)]
+    if not fused:
+        emb_sizes = [spec.tables[i].rows * spec.tables[i].dim * F32 for i in tables]
+        if kind == "rowwise_adagrad":  # torchrec RowWiseAdagrad: per-row temps
+            emb_sizes = [spec.tables[i].rows * F32 for i in tables]
+        sizes = emb_sizes + sizes
+    if foreach:
+        tape.alloc(sum(sizes), OPT_TEMPS)
+        return
+    prev: _T | None = None
+    prev2: _T | None = None
+    for n in sizes:
+        if per_param == 1:
+            cur = tape.alloc(n, OPT_TEMPS)
+            tape.free(prev)
+            prev = cur
+        else:
+            sq = tape.alloc(n, OPT_TEMPS)
+            div = tape.alloc(n, OPT_TEMPS)
+            tape.free(sq, prev2)
+            prev2 = div
+    tape.free(prev, prev2)
