@@ -132,6 +132,7 @@ class PackingService:
         self.heartbeats: dict[int, float] = {}
         self.waited_rounds: dict[int, int] = {}
         self.rounds = 0
+        self._spool_ready = False
 
     # ------------------------------------------------------------ the round
 
@@ -373,10 +374,7 @@ class PackingService:
         self._pack_ended(pack, ending, "no longer in squeue", stats)
 
     def _all_members_done(self, pack_id: int) -> bool:
-        from slurm_dlrm.store.states import JobState
-
-        live = self.store.jobs([JobState.PLANNED, JobState.RUNNING], user=self.settings.user)
-        return not any(j.pack_id == pack_id for j in live)
+        return not pack_member_ids(self.store, pack_id, ("PLANNED", "RUNNING"))
 
     def _pack_ended(self, pack: Any, slurm_state: str, reason: str, stats: RoundStats, *,
                     exit_code: int | None = None, nodes: str | None = None) -> None:
@@ -391,8 +389,7 @@ class PackingService:
         self.store.transition_pack(pack.id, to, why, nodes=nodes)
         stats.transitions += 1
         self.heartbeats.pop(pack.id, None)
-        live = [j for j in self.store.jobs([JobState.PLANNED, JobState.RUNNING], user=self.settings.user)
-                if j.pack_id == pack.id]
+        live = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED", "RUNNING"))]
         recoverable = slurm_state in RECOVERABLE_PACK_ENDINGS
         tail = self._output_tail(pack) if to == PackState.FAILED and not recoverable else ""
         for job in live:
@@ -540,7 +537,7 @@ class PackingService:
         from slurm_dlrm.store.states import JobState, PackState
 
         pack_dir = Path(pack.pack_dir)
-        members = [j for j in self.store.jobs([JobState.PLANNED], user=self.settings.user) if j.pack_id == pack.id]
+        members = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED",))]
         if not members:
             # every member was cancelled before sbatch: nothing to run
             self.store.transition_pack(pack.id, PackState.CANCELLED, "all members cancelled before submission")
@@ -568,31 +565,39 @@ class PackingService:
     # ------------------------------------------------------------ the pack folder
 
     def write_pack_dir(self, pack: Any, members: Sequence[Any]) -> str:
-        """placement.json, per-job files and the batch script; returns the script text."""
+        """placement.json, the members' specs and the batch script; returns the script text.
+
+        Rewritten in full before every sbatch attempt, so plain writes suffice (no fsync):
+        a service killed mid-write rewrites the folder before it submits. Only a power
+        loss after sbatch could leave a pack with a torn file; its agent then fails on the
+        placement and the members fail with that reason.
+        """
         pack_dir = Path(pack.pack_dir)
-        ensure_private_dir(self.spool_dir)
-        ensure_private_dir(pack_dir)
-        ensure_private_dir(pack_dir / "reports")
-        ensure_private_dir(pack_dir / "cancel")
-        placements = [p for p in self.store.placements(pack_id=pack.id)]
+        if not self._spool_ready:
+            ensure_private_dir(self.spool_dir)
+            self._spool_ready = True
+        for d in (pack_dir, pack_dir / "reports", pack_dir / "cancel"):
+            d.mkdir(mode=0o700, exist_ok=True)
+        placements = self.store.placements(pack_id=pack.id)
         by_job = {j.id: j for j in members}
         out_members = []
         for p in sorted(placements, key=lambda p: (p.node_index, p.gpu_index, p.job_id)):
             job = by_job.get(p.job_id)
             if job is None:
                 continue  # cancelled before submission
-            job_dir = ensure_private_dir(self.spool_dir / "jobs" / str(job.id))
-            spec_path = job_dir / "spec.json"
-            _write_atomic(spec_path, json.dumps(job.spec, sort_keys=True, indent=1) + "\n")
-            command = list(job.spec.get("command") or
+            spec_path = pack_dir / f"spec-{job.id}.json"
+            spec = job.spec
+            _write_private(spec_path, json.dumps(spec, sort_keys=True) + "\n")
+            command = list(spec.get("command") or
                            [self.settings.python, "-m", "slurm_dlrm", "train", str(spec_path)])
+            # per job, not per pack: a requeued job resumes from it in its next pack
+            job_dir = self.spool_dir / "jobs" / str(job.id)
             out_members.append({
                 "job_id": job.id, "name": job.name, "node_index": p.node_index, "gpu_index": p.gpu_index,
                 "mps_thread_pct": p.mps_thread_pct or 100,
                 "gpu_mem_limit_mib": max(1, (p.gpu_mem_limit_bytes or 0) // MIB),
                 "host_mem_limit_bytes": max(1, p.host_mem_limit_bytes or 0), "cpus": p.cpus or 1,
                 "command": command,
-                # per job, not per pack: a requeued job resumes from it in its next pack
                 "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
             })
         agent = self.site.agent
@@ -601,9 +606,9 @@ class PackingService:
             "sample_interval_s": agent.sample_interval_s, "host_mem_tolerance_pct": agent.host_mem_tolerance_pct,
             "term_grace_s": agent.term_grace_s, "pack_dir": str(pack_dir), "members": out_members,
         }
-        _write_atomic(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
+        _write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
         script = render_pack_script(self.pack_script(pack, out_members, [job_options(j) for j in members]))
-        _write_atomic(pack_dir / SCRIPT_FILE, script)
+        _write_private(pack_dir / SCRIPT_FILE, script)
         return script
 
     def pack_script(self, pack: Any, members: list[dict[str, Any]], options: list[SbatchOptions]) -> PackScript:
@@ -686,8 +691,7 @@ def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
                              expect=JobState.PLANNED)
     else:
         store.add_event("note", "cancel requested; waiting for the agent", job_id=job_id, pack_id=pack.id)
-    live = [j for j in store.jobs([JobState.PLANNED, JobState.RUNNING], user=user)
-            if j.pack_id == pack.id and j.id != job_id]
+    live = [i for i in pack_member_ids(store, pack.id, ("PLANNED", "RUNNING")) if i != job_id]
     if not live and pack.slurm_job_id:
         try:
             slurm.scancel([int(pack.slurm_job_id)])
@@ -695,6 +699,20 @@ def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
             log.warning("scancel of pack %s: %s", pack.name, exc)
         return f"job {job_id} cancelled; its pack {pack.name} (Slurm job {pack.slurm_job_id}) had no other member"
     return f"job {job_id} cancel sent to its pack {pack.name}; {len(live)} other member(s) keep running"
+
+
+def pack_member_ids(store: Any, pack_id: int, states: Sequence[str]) -> list[int]:
+    """Ids of the jobs whose current pack is `pack_id`, in `states` (indexed by pack)."""
+    marks = ", ".join("?" * len(states))
+    rows = store.conn.execute(f"SELECT id FROM jobs WHERE pack_id = ? AND state IN ({marks}) ORDER BY id",
+                              (pack_id, *states)).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _write_atomic(path: Path, text: str) -> None:

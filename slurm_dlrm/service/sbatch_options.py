@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -113,7 +113,7 @@ class SbatchOptions:
 
     def merged_over(self, base: SbatchOptions) -> SbatchOptions:
         """These options with `base` filling the gaps (self wins, as the command line)."""
-        return replace(base, **{k: v for k, v in asdict(self).items() if v is not None})
+        return replace(base, **self.to_dict())
 
     def with_paths_from(self, cwd: str) -> SbatchOptions:
         """Relative -o/-e made absolute against `cwd`: the pack runs in its own folder."""
@@ -126,7 +126,8 @@ class SbatchOptions:
         return replace(self, output=absolute(self.output), error=absolute(self.error))
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        # not dataclasses.asdict: it deep-copies, and a round calls this per pending job
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SbatchOptions:
