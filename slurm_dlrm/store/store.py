@@ -18,9 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Any
 
 from slurm_dlrm.site import SiteConfig, expand_hostlist
 from slurm_dlrm.store import queries
@@ -44,6 +42,9 @@ from slurm_dlrm.store.states import (
     job_transition_allowed,
     pack_transition_allowed,
 )
+
+if TYPE_CHECKING:
+    import sqlite_utils
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +217,7 @@ class Store:
             self.conn: sqlite3.Connection = connect(self.path, readonly=readonly, busy_timeout_s=busy_timeout_s)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open store {self.path}: {exc}") from exc
-        self.db = sqlite_utils.Database(self.conn, recursive_triggers=False, execute_plugins=False)
+        self._db: sqlite_utils.Database | None = None
         self._depth = 0
         self._known_jobs: set[int] = set()
         self._known_packs: set[int] = set()
@@ -236,6 +237,16 @@ class Store:
     @classmethod
     def for_user(cls, site: SiteConfig, user: str | None = None, **kw: Any) -> Store:
         return cls(store_path_for(site, user), **kw)
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        """sqlite-utils' view of the connection, made on first use: importing sqlite-utils
+        costs 0.3-0.7 s (it tries numpy and pandas), too much for `slurm-dlrm submit`."""
+        if self._db is None:
+            import sqlite_utils
+
+            self._db = sqlite_utils.Database(self.conn, recursive_triggers=False, execute_plugins=False)
+        return self._db
 
     def close(self) -> None:
         self.conn.close()
