@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from service_harness import FakeClock, FakeCluster, add_job, make_site
 
+from slurm_dlrm.admin.marker import parse_marker
 from slurm_dlrm.service.core import PackingService, ServiceSettings, cancel_job, is_unreachable
 
 # Modules of other areas, skipped until they are on main.
@@ -50,6 +51,8 @@ def test_round_packs_jobs_into_fewer_gpus_and_writes_the_contract(world):
     for p in packs:
         fake = slurm.job(int(p.slurm_job_id))
         assert fake.name == p.name  # the name a restarted service finds it by
+        marker = parse_marker(fake.comment)  # what job_submit.lua checks (interfaces section 6)
+        assert marker is not None and marker.mode == "pack" and marker.pack_id == p.id
         placement = json.loads((Path(p.pack_dir) / "placement.json").read_text())
         assert placement["pack_id"] == p.id and placement["pack_dir"] == p.pack_dir
         for m in placement["members"]:

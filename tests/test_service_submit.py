@@ -159,7 +159,11 @@ def test_no_pack_script_is_sized_from_the_estimate(env):
                                           site=site, user="root", cwd=str(tmp), slurm=slurm, python="/py")
     job = slurm.job(sid)
     assert job.partition == "dlrm" and job.name == "tiny-a"
-    assert f"--mem={req.mem_mib}" in job.script and f"--cpus-per-task={req.cpus}" in job.script
+    assert f"--mem={req.mem_mib}M" in job.script and f"--cpus-per-task={req.cpus}" in job.script
+    from slurm_dlrm.admin.marker import parse_marker
+
+    marker = parse_marker(job.comment)
+    assert marker is not None and marker.mode == "no-pack" and marker.gpu_mem_mib >= 1
     assert req.gres == "gpu:1" or req.gres.startswith("mps:")
     assert req.mem_mib * (1 << 20) >= sub.estimate.host_peak_bytes
     assert "exec /py -m slurm_dlrm train" in job.script

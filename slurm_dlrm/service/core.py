@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slurm_dlrm.admin.marker import MODE_PACK, format_marker
 from slurm_dlrm.service.daemon import ensure_private_dir
 from slurm_dlrm.service.sbatch_options import (
     PackScript,
@@ -629,7 +630,7 @@ class PackingService:
             mail_type=base.mail_type, mail_user=base.mail_user, output=base.output, error=base.error,
             time_minutes=pack_time_minutes(o.time_minutes for o in options))
         return PackScript(
-            pack_name=pack.name, comment=f"slurm-dlrm pack={pack.name} pack_id={pack.id}",
+            pack_name=pack.name, comment=format_marker(MODE_PACK, pack_id=pack.id, extra={"pack": pack.name}),
             nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_node=max(1, max(cpus)) + 1,
             mem_per_node_mib=max(1, mem_mib), python=self.settings.python,
             placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,

@@ -397,7 +397,7 @@ class PackScript:
     """Everything the pack's batch script says; computed by the service from the plan."""
 
     pack_name: str  # unique; the Slurm job name the service reconciles by
-    comment: str  # --comment, also unique (carries the pack name)
+    comment: str  # --comment: the marker job_submit.lua looks for (docs/interfaces.md section 6)
     nodes: int
     gpus_per_node: int
     cpus_per_node: int
@@ -418,7 +418,7 @@ def pack_sbatch_flags(p: PackScript) -> list[str]:
         f"--comment={p.comment}",
         f"--cpus-per-task={p.cpus_per_node}",
         f"--job-name={p.pack_name}",
-        f"--mem={p.mem_per_node_mib}",
+        f"--mem={p.mem_per_node_mib}M",
         f"--nodes={p.nodes}",
         "--no-requeue",  # a requeue would restart every member; the service decides
         "--ntasks-per-node=1",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from slurm_dlrm.admin.marker import MODE_NO_PACK, format_marker
 from slurm_dlrm.errors import BadInput, DlrmError
 from slurm_dlrm.service.daemon import (
     ServicePaths,
@@ -169,15 +170,23 @@ def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
         share_pct = max(float(est.profile.sm_util_pct), 100.0 * gpu_fence_mib * MIB / sub.gpu.memory_bytes)
         share_pct = min(100.0, math.ceil(share_pct / 10.0) * 10.0)
         if share_pct < 100.0:
-            gres = f"mps:{max(1, math.ceil(share_pct * site.mps.mps_per_gpu / 100.0))}"
-    comment = f"slurm-dlrm gpu_mem_mib={gpu_fence_mib} host_mem_mib={mem_mib} fingerprint={sub.fingerprint}"
+            n = math.ceil(share_pct * site.mps.mps_per_gpu / 100.0)
+            gres = f"mps:{min(site.mps.mps_per_gpu, max(min_mps_share(site, sub.options), n))}"
+    comment = format_marker(MODE_NO_PACK, gpu_mem_mib=gpu_fence_mib)
     return NativeRequest(mem_mib=mem_mib, cpus=cpus, gres=gres, comment=comment)
+
+
+def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
+    """The partition's smallest accepted --gres=mps:N (job_submit.lua refuses less)."""
+    wanted = (options.partition or site.default_partition.name).split(",")[0]
+    part = next((p for p in site.partitions if p.name == wanted), site.default_partition)
+    return max(1, part.min_mps_share)
 
 
 def native_script(sub: Submission, req: NativeRequest, spec_path: str, python: str) -> str:
     """A plain batch script: #SBATCH lines (quoted, sorted) and the training command."""
     flags = sorted([f"--comment={req.comment}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
-                    f"--job-name={sub.name}", f"--mem={req.mem_mib}", "--ntasks=1",
+                    f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
                     *sub.options.sbatch_flags(include_job_name=False)])
     command = list(sub.spec.command or [python, "-m", "slurm_dlrm", "train", spec_path])
     lines = ["#!/bin/bash", f"# slurm-dlrm --no-pack job {sub.name}: one job, sized from its estimate."]
