@@ -31,6 +31,8 @@ COMMANDS: dict[str, str] = {
     "serve": "slurm_dlrm.commands.serve:serve",
     "show": "slurm_dlrm.commands.queue:show",
     "submit": "slurm_dlrm.commands.submit:submit",
+    "estimate": "slurm_dlrm.commands.estimate:estimate",
+    "simulate": "slurm_dlrm.commands.simulate:simulate_cmd",
 }
 
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}

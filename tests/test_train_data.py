@@ -75,6 +75,12 @@ def test_synthetic_batches_follow_the_spec_and_are_a_function_of_the_step():
     assert np.array_equal(again.dense_features.numpy(), b.dense_features.numpy())
     other = src.batch(6)
     assert not np.array_equal(other.dense_features.numpy(), b.dense_features.numpy())
+    # The ring of made-up-front batches holds exactly what per-step making gives.
+    unringed = SyntheticBatches(spec, ring_batches=0)
+    assert not unringed.ring and len(src.ring) == 32
+    assert np.array_equal(unringed.batch(5).sparse_features.values().numpy(), kjt.values().numpy())
+    assert np.array_equal(src.batch(37).dense_features.numpy(), unringed.batch(5).dense_features.numpy())
+    assert not np.array_equal(unringed.batch(37).dense_features.numpy(), b.dense_features.numpy())
     # Another rank sees other data.
     assert not np.array_equal(SyntheticBatches(spec, rank=1).batch(5).dense_features.numpy(),
                               b.dense_features.numpy())

@@ -68,7 +68,8 @@ def ingest_spool_file(
 
     `max_chunks` bounds the work of one call (None: until the end of the file).
     """
-    key = os.path.abspath(path)
+    # One key per file however it is named (symlinked spool folders): no double reads.
+    key = os.path.realpath(path)
     result = IngestResult()
     chunks = 0
     while max_chunks is None or chunks < max_chunks:

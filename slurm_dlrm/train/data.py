@@ -32,6 +32,12 @@ _SCATTER_PRIME = 2654435761
 _POOL_BATCHES = 8
 # Upper bound on the ids a pool holds beyond one batch, so huge multi-hot specs stay small.
 _POOL_EXTRA_IDS = 4_000_000
+# Complete batches made up front and cycled (like torchrec's RandomRecDataset with
+# num_generated_batches): making a batch per step costs 0.1-0.5 ms of the training
+# thread, measured as 4-8% of a small CPU model's samples/s. The ring is capped in
+# bytes; bigger batches are made per step, where that cost is relatively small.
+_RING_BATCHES = 32
+_RING_MAX_BYTES = 256 * 2**20
 
 
 class BatchSource(Protocol):
@@ -39,9 +45,9 @@ class BatchSource(Protocol):
     sequential: bool
     # Steps per epoch for a data file; None for endless synthetic data.
     steps_per_epoch: int | None
-    # True: a batch costs microseconds and no I/O; made in the training thread, since
-    # handing it over from a loader thread costs more than making it (measured: 46k
-    # synthetic batches/s, but prefetch threads cut a tiny CPU model's 410 steps/s to 240).
+    # True: a batch costs microseconds and no I/O; taken in the training thread, since
+    # handing it over from a loader thread costs more than making it (measured: prefetch
+    # threads cut a tiny CPU model from 410 to 240 steps/s, GIL hand-offs).
     inline: bool
 
     def batch(self, step: int) -> Batch: ...
@@ -79,15 +85,17 @@ class SyntheticBatches:
     """Random batches shaped like the spec: pooling factors or fixed multi-hot sizes, and
     power-law ids (`data.zipf_alpha`).
 
-    Pools of ids, lengths and dense rows are drawn once from (seed, rank); each step
-    takes random windows of them with a generator seeded by (seed, rank, step), so one
-    batch costs a few slices and one concatenation."""
+    Pools of ids, lengths and dense rows are drawn once from (seed, rank); batch k takes
+    random windows of them with a generator seeded by (seed, rank, k), so one batch
+    costs a few slices and one concatenation. Up to 32 batches (256 MiB) are made at
+    start and step s trains on batch s mod 32; larger batches are made per step."""
 
     sequential = False
     steps_per_epoch: int | None = None
     inline = True
 
-    def __init__(self, spec: Any, rank: int = 0, pool_batches: int = _POOL_BATCHES) -> None:
+    def __init__(self, spec: Any, rank: int = 0, pool_batches: int = _POOL_BATCHES,
+                 ring_batches: int = _RING_BATCHES, pin_memory: bool = False) -> None:
         self.batch_size = int(spec.batch_size)
         self.seed = int(spec.seed)
         self.rank = rank
@@ -119,8 +127,22 @@ class SyntheticBatches:
         self._fixed_lengths = {
             k: torch.full((b,), k, dtype=torch.int32) for k in {f for f, _, _ in self._tables if f is not None}
         }
+        ids_per_batch = sum(b * t.ids_per_sample for t in spec.tables)
+        batch_bytes = int(ids_per_batch * 8 + b * (int(spec.dense_features) + 1) * 4 + b * len(spec.tables) * 4)
+        n_ring = min(ring_batches, _RING_MAX_BYTES // max(batch_bytes, 1))
+        self.ring: list[Batch] = []
+        if n_ring >= 2:
+            self.ring = [self.make(k) for k in range(n_ring)]
+            if pin_memory:
+                self.ring = [batch.pin_memory() for batch in self.ring]
 
     def batch(self, step: int) -> Batch:
+        if self.ring:
+            return self.ring[step % len(self.ring)]
+        return self.make(step)
+
+    def make(self, step: int) -> Batch:
+        """Batch number `step`, made now."""
         b = self.batch_size
         rng = np.random.default_rng([self.seed, self.rank, step])
         offsets = rng.random(2 * len(self._tables) + 1)
@@ -344,10 +366,10 @@ class CriteoTsvBatches:
         )
 
 
-def make_source(spec: Any, rank: int = 0, world_size: int = 1) -> BatchSource:
+def make_source(spec: Any, rank: int = 0, world_size: int = 1, pin_memory: bool = False) -> BatchSource:
     kind = spec.data.type
     if kind == "synthetic":
-        return SyntheticBatches(spec, rank)
+        return SyntheticBatches(spec, rank, pin_memory=pin_memory)
     if kind == "criteo-npy":
         return CriteoNpyBatches(spec, rank, world_size)
     if kind == "criteo-tsv":
@@ -372,7 +394,8 @@ class Prefetcher:
 
     def _make(self, step: int) -> Batch:
         batch = self.source.batch(step)
-        return batch.pin_memory() if self.device is not None else batch
+        # Inline sources come pinned already (see make_source); pinning per step costs.
+        return batch.pin_memory() if self.device is not None and not self.source.inline else batch
 
     def __iter__(self) -> Iterator[tuple[int, Batch]]:
         pending: collections.deque[tuple[int, Future[Batch]]] = collections.deque()

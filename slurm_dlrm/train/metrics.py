@@ -18,9 +18,11 @@ from typing import IO, Any
 
 import psutil
 
+_SELF = psutil.Process()
+
 
 def rss_bytes() -> int:
-    return int(psutil.Process().memory_info().rss)
+    return int(_SELF.memory_info().rss)
 
 
 def peak_rss_bytes() -> int:

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import signal
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 DEFAULT_KEEP_CHECKPOINTS = 2
+# A background checkpoint holds a copy of the state in host memory while it writes.
+DEFAULT_ASYNC_CHECKPOINT_MAX_BYTES = 1 << 30
 
 
 @dataclass
@@ -56,6 +59,10 @@ class RunOptions:
     device: str = "auto"  # auto | cpu | cuda
     resume: bool = True
     tty: bool | None = None  # progress bar: None = when stdout is a terminal
+    # Larger states are written synchronously instead of copied for a background write.
+    async_checkpoint_max_bytes: int = DEFAULT_ASYNC_CHECKPOINT_MAX_BYTES
+    # Checkpoint the final step too (a requeue after the end then has nothing to redo).
+    final_checkpoint: bool = True
     # Test hook: request a stop once this many steps are done (as if signalled).
     stop_after_step: int | None = None
 
@@ -205,6 +212,8 @@ class Trainer:
     start_step: int = 0
     last_saved_step: int = -1
     expect: dict[str, Any] = field(default_factory=dict)
+    _writer: threading.Thread | None = None
+    _writer_error: BaseException | None = None
     _static_tensor_bytes: int = 0
     _activation_bytes: int = 0
     _peak_tensor_bytes: int = 0
@@ -215,12 +224,31 @@ class Trainer:
 
     # ---------------------------------------------------------------- checkpoints
 
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, wait: bool = False) -> None:
+        """Checkpoint the state after `step` steps.
+
+        One process and a state of at most `async_checkpoint_max_bytes`: the loop only
+        copies the state (milliseconds) and a background thread writes, fsyncs and
+        renames it, so a slow disk does not stall training. Otherwise (several ranks,
+        whose commit needs collectives, or a state too big to copy) it is written
+        in place, tensor by tensor."""
         t0 = time.perf_counter()
+        self.wait_for_writer()
         tensors = state_tensors(self.built)
         tensors["rng/torch"] = torch.get_rng_state()
         meta = dict(self.expect, samples_per_step=int(self.spec.batch_size) * self.dist_info.world_size)
         d = self.opts.checkpoint_dir
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.dist_info.world_size == 1 and nbytes <= self.opts.async_checkpoint_max_bytes:
+            snapshot = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
+            copy_s = time.perf_counter() - t0
+            self._writer = threading.Thread(target=self._write_snapshot, args=(step, snapshot, meta, copy_s),
+                                            name="checkpoint-writer", daemon=True)
+            self._writer.start()
+            self.last_saved_step = step
+            if wait:
+                self.wait_for_writer()
+            return
         if self.dist_info.world_size == 1:
             path = ckpt.save(d, step, tensors, meta)
         else:
@@ -240,6 +268,27 @@ class Trainer:
             ckpt.prune(d, self.opts.keep_checkpoints)
         self.last_saved_step = step
         log.info("checkpoint at step %d: %s (%.2f s)", step, path, time.perf_counter() - t0)
+
+    def _write_snapshot(self, step: int, snapshot: dict[str, torch.Tensor], meta: dict[str, Any],
+                        copy_s: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            path = ckpt.save(self.opts.checkpoint_dir, step, snapshot, meta)
+            ckpt.prune(self.opts.checkpoint_dir, self.opts.keep_checkpoints)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._writer_error = exc
+            return
+        log.info("checkpoint at step %d: %s (copy %.3f s, write %.2f s in the background)",
+                 step, path, copy_s, time.perf_counter() - t0)
+
+    def wait_for_writer(self) -> None:
+        """Block until the background checkpoint write is done; re-raise its failure."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._writer_error is not None:
+            exc, self._writer_error = self._writer_error, None
+            raise exc
 
     def resume(self) -> None:
         """Load the newest valid checkpoint, if any (skipping broken ones)."""
@@ -382,19 +431,24 @@ class Trainer:
                 if every_ckpt and done % every_ckpt == 0 and done != self.total_steps:
                     self.save_checkpoint(done)
                 if done == self.total_steps:
-                    if every_ckpt:  # the final state, so a late requeue has nothing to redo
+                    if every_ckpt and opts.final_checkpoint and done != self.last_saved_step:
                         self.save_checkpoint(done)
                     break
                 if self._stop_requested(done):
                     if done != self.last_saved_step:
-                        self.save_checkpoint(done)
+                        self.save_checkpoint(done, wait=True)
+                    self.wait_for_writer()
                     log.warning("%s: stopped at step %d with a checkpoint; exit %d",
                                 self.stop.name, done, TRAIN_EXIT_PREEMPTED)
                     if progress is not None:
                         progress.say(f"{self.stop.name}: checkpoint at step {done}, exiting")
                     code = TRAIN_EXIT_PREEMPTED
                     break
+            self.wait_for_writer()  # run() returns with every checkpoint on disk
         finally:
+            if self._writer is not None:
+                self._writer.join()
+                self._writer = None
             prefetch.close()
             if progress is not None:
                 progress.close()
@@ -440,7 +494,7 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     built = build(spec, device, info.world_size, info.local_world_size)
     for note in built.notes:
         log.warning("%s", note)
-    source = make_source(spec, info.rank, info.world_size)
+    source = make_source(spec, info.rank, info.world_size, pin_memory=device.type == "cuda")
     total = total_steps_of(spec, source, opts.steps)
     expect = {
         "world_size": info.world_size,
