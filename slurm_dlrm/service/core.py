@@ -302,8 +302,9 @@ class PackingService:
             self.store.add_event("note", decision.reason, job_id=job_id)
 
     def _usage_peak(self, job_id: int, column: str) -> int | None:
-        row = self.store.conn.execute(f"SELECT {column} FROM job_usage WHERE job_id = ?", (job_id,)).fetchone()
-        return None if row is None or row[0] is None else int(row[0])
+        usage = self.store.usage(job_id)
+        value = None if usage is None else getattr(usage, column)
+        return None if value is None else int(value)
 
     def _requeue(self, job: Any, reason: str, t: float | None = None) -> None:
         """Back to PENDING (resumes from its checkpoint), or FAILED past the attempt bound."""
