@@ -74,6 +74,9 @@ class ServiceSettings:
     backoff_max_s: float = 60.0
     max_attempts: int = MAX_ATTEMPTS
     policy: str | None = None  # None: the site's packing.policy
+    # Batched dispatch (RMixer): plan when this long passed since the last plan, or when
+    # packing.round_batch_size jobs arrived since. None: the site's packing.round_seconds.
+    dispatch_window_s: float | None = None
 
 
 @dataclass
@@ -134,6 +137,7 @@ class PackingService:
         self.waited_rounds: dict[int, int] = {}
         self.rounds = 0
         self._spool_ready = False
+        self.last_dispatch_t: float | None = None
 
     # ------------------------------------------------------------ the round
 
@@ -161,6 +165,8 @@ class PackingService:
             "pid": os.getpid(), "user": self.settings.user, "policy": self.policy, "rounds": self.rounds,
             "last_round_t": now, "slurm_ok": self.slurm_error is None, "slurm_error": self.slurm_error,
             "slurm_retry_in_s": None if self.slurm_error is None else round(max(0.0, self.slurm_retry_at - now), 1),
+            "next_dispatch_in_s": 0.0 if self.last_dispatch_t is None else
+            round(max(0.0, self.last_dispatch_t + self.dispatch_window_s - now), 1),
         }
 
     # ------------------------------------------------------------ Slurm availability
@@ -426,8 +432,9 @@ class PackingService:
         if not self._slurm_available():
             return
         pending = self.store.jobs([JobState.PENDING], user=self.settings.user)
-        if not pending:
+        if not pending or not self._dispatch_due(pending):
             return
+        self.last_dispatch_t = self.clock()
         groups: dict[tuple[tuple[str, str], ...], list[Any]] = {}
         for job in pending:
             groups.setdefault(job_options(job).pack_key(), []).append(job)
@@ -435,6 +442,25 @@ class PackingService:
             if not self._slurm_available():
                 break
             self._dispatch_group(groups[key], stats)
+
+    @property
+    def dispatch_window_s(self) -> float:
+        w = self.settings.dispatch_window_s
+        return self.site.packing.round_seconds if w is None else w
+
+    def _dispatch_due(self, pending: list[Any]) -> bool:
+        """RMixer's batched dispatch: wait for a batch of jobs or the end of the window,
+        so jobs submitted one by one still share packs. The first round after a start
+        plans at once. A requeued job counts as a new arrival."""
+        from dataclasses import replace as dc_replace
+
+        from slurm_dlrm.packing.dispatch import DispatchConfig, should_run_round
+
+        cfg = dc_replace(DispatchConfig.from_site(self.site), round_seconds=self.dispatch_window_s)
+        since = self.last_dispatch_t
+        arrived = len(pending) if since is None else sum(
+            1 for j in pending if j.submit_time >= since or j.updated_time >= since)
+        return should_run_round(self.clock(), since, len(pending), arrived, cfg)
 
     def _dispatch_group(self, jobs: list[Any], stats: RoundStats) -> None:
         from slurm_dlrm.packing.dispatch import DispatchConfig, after_round, aged

@@ -24,7 +24,8 @@ def pending_reason(service: dict[str, Any]) -> str:
     if service.get("slurm_ok") is False:
         return (f"waiting for Slurm: {service.get('slurm_error')} "
                 f"(retry in {service.get('slurm_retry_in_s')} s)")
-    return "waiting for a dispatch round"
+    nxt = service.get("next_dispatch_in_s")
+    return "waiting for a dispatch round" + (f" (in {nxt:.0f} s)" if nxt else "")
 
 
 def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended: bool = False,

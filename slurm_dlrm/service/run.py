@@ -42,9 +42,11 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
 
             slurm = SlurmClient()
         store = Store.for_user(site, user)
-        svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy))
-        idle_since = time.monotonic()
         period = round_seconds if round_seconds is not None else site.packing.round_seconds
+        # A little under the period, so a timer round never just misses its window.
+        svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy,
+                                                                 dispatch_window_s=0.9 * period))
+        idle_since = time.monotonic()
         log.info("packing service for %s: pid file %s, round every %.1f s, policy %s",
                  user, paths.pid, period, svc.policy)
 
