@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from slurm_dlrm.packing.model import PackingRequest, limits_from_site  # noqa: E402
 from slurm_dlrm.packing.policies import plan  # noqa: E402
-from slurm_dlrm.service.core import PackingService, ServiceSettings  # noqa: E402
+from slurm_dlrm.service.core import PackingService, ServiceSettings, write_job_spec  # noqa: E402
 from slurm_dlrm.site import REPO_SITE_FILE, parse_site  # noqa: E402
 from slurm_dlrm.slurm.fake import FakeSlurm  # noqa: E402
 from slurm_dlrm.store.store import Store  # noqa: E402
@@ -54,19 +54,22 @@ def estimate(rng: random.Random) -> dict:
                         "emb_bytes_per_sample": 1e3, "solo_samples_per_s": rng.uniform(1e4, 1e6)}}
 
 
-def fill(store: Store, n: int, seed: int = 0) -> None:
+def fill(store: Store, n: int, spool: Path, seed: int = 0) -> None:
+    """n pending jobs, as `submit` leaves them (store rows and spec files)."""
     rng = random.Random(seed)
     with store.write():
         for i in range(n):
             name = f"job{i}"
-            store.add_job(user="bench", name=name, spec={"name": name, "steps": 1000, "batch_size": 2048},
-                          spec_fingerprint=f"fp{i % 37}", estimate=estimate(rng), gpu_model="h100")
+            spec = {"name": name, "steps": 1000, "batch_size": 2048}
+            job_id = store.add_job(user="bench", name=name, spec=spec, spec_fingerprint=f"fp{i % 37}",
+                                   estimate=estimate(rng), gpu_model="h100")
+            write_job_spec(spool, job_id, spec)
 
 
 def timed_round(tmp: Path, nodes: int, policy: str) -> tuple[float, int, int, float]:
     site = site_for(tmp, nodes)
     with Store(tmp / "store.sqlite") as store:
-        fill(store, JOBS)
+        fill(store, JOBS, site.spool_dir_for("bench"))
         slurm = FakeSlurm(nodes=[f"node{i}" for i in range(1, nodes + 1)], user="bench")
         svc = PackingService(store, slurm, site, ServiceSettings(user="bench", python="/venv/bin/python",
                                                                   policy=policy))
@@ -82,7 +85,7 @@ def timed_round(tmp: Path, nodes: int, policy: str) -> tuple[float, int, int, fl
 def plan_only(tmp: Path, nodes: int, policy: str) -> float:
     site = site_for(tmp, nodes)
     with Store(tmp / "store.sqlite") as store:
-        fill(store, JOBS)
+        fill(store, JOBS, site.spool_dir_for("bench"))
         svc = PackingService(store, FakeSlurm(user="bench"), site, ServiceSettings(user="bench", policy=policy))
         demands = tuple(svc._demand(j) for j in store.jobs(["PENDING"]))
     request = PackingRequest(jobs=demands, gpu_models=tuple(site.gpu_models.values()), nodes=svc._node_shapes(

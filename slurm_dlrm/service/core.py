@@ -61,6 +61,7 @@ UNREACHABLE_MARKERS = (
 SBATCH_MARKER = "sbatch.started"
 PLACEMENT_FILE = "placement.json"
 SCRIPT_FILE = "pack.sbatch"
+SPEC_FILE = "spec.json"  # <spool_dir>/jobs/<job_id>/spec.json: what the member's `train` reads
 MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
 AGENT_MEM_MIB = 512  # host memory the agent itself needs on each node, added to --mem
 
@@ -604,8 +605,8 @@ class PackingService:
         if not self._spool_ready:
             ensure_private_dir(self.spool_dir)
             self._spool_ready = True
-        for d in (pack_dir, pack_dir / "reports", pack_dir / "cancel"):
-            d.mkdir(mode=0o700, exist_ok=True)
+        # reports/ and cancel/ are made by whoever writes there first (agent, `cancel`).
+        pack_dir.mkdir(mode=0o700, exist_ok=True)
         placements = self.store.placements(pack_id=pack.id)
         by_job = {j.id: j for j in members}
         out_members = []
@@ -613,19 +614,20 @@ class PackingService:
             job = by_job.get(p.job_id)
             if job is None:
                 continue  # cancelled before submission
-            spec_path = pack_dir / f"spec-{job.id}.json"
+            job_dir = self.spool_dir / "jobs" / str(job.id)
+            spec_path = job_dir / SPEC_FILE
             spec = job.spec
-            _write_private(spec_path, json.dumps(spec, sort_keys=True) + "\n")
+            if not spec_path.exists():  # `submit` wrote it, unless it died right after recording
+                write_job_spec(self.spool_dir, job.id, spec)
             command = list(spec.get("command") or
                            [self.settings.python, "-m", "slurm_dlrm", "train", str(spec_path)])
-            # per job, not per pack: a requeued job resumes from it in its next pack
-            job_dir = self.spool_dir / "jobs" / str(job.id)
             out_members.append({
                 "job_id": job.id, "name": job.name, "node_index": p.node_index, "gpu_index": p.gpu_index,
                 "mps_thread_pct": p.mps_thread_pct or 100,
                 "gpu_mem_limit_mib": max(1, (p.gpu_mem_limit_bytes or 0) // MIB),
                 "host_mem_limit_bytes": max(1, p.host_mem_limit_bytes or 0), "cpus": p.cpus or 1,
                 "command": command,
+                # per job, not per pack: a requeued job resumes from it in its next pack
                 "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
             })
         agent = self.site.agent
@@ -735,6 +737,16 @@ def pack_member_ids(store: Any, pack_id: int, states: Sequence[str]) -> list[int
     rows = store.conn.execute(f"SELECT id FROM jobs WHERE pack_id = ? AND state IN ({marks}) ORDER BY id",
                               (pack_id, *states)).fetchall()
     return [int(r[0]) for r in rows]
+
+
+def write_job_spec(spool_dir: Path, job_id: int, spec: dict[str, Any]) -> Path:
+    """`<spool_dir>/jobs/<job_id>/spec.json` (folders 0700, file 0600); returns its path."""
+    job_dir = spool_dir / "jobs" / str(job_id)
+    if not job_dir.is_dir():
+        ensure_private_dir(job_dir)
+    path = job_dir / SPEC_FILE
+    _write_private(path, json.dumps(spec, sort_keys=True) + "\n")
+    return path
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -97,8 +97,13 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
     return out
 
 
-def record(store: Any, subs: Sequence[Submission], user: str) -> list[int]:
-    """All jobs in one transaction: either every spec is recorded or none."""
+def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | None = None) -> list[int]:
+    """All jobs in one transaction: either every spec is recorded or none.
+
+    With `spool_dir`, each job's spec file for its runner is written right after (a
+    millisecond here instead of in the service's round; the service writes any that
+    a crash left missing, from the store).
+    """
     ids = []
     with store.write():
         for s in subs:
@@ -106,6 +111,12 @@ def record(store: Any, subs: Sequence[Submission], user: str) -> list[int]:
                 user=user, name=s.name, spec=s.spec_data, spec_fingerprint=s.fingerprint,
                 estimate=s.estimate.to_dict(), gpu_model=s.gpu.name, sbatch=s.options.to_dict(),
                 reason=f"submitted from {s.path}")))
+    if spool_dir is not None:
+        from slurm_dlrm.service.core import write_job_spec
+
+        ensure_private_dir(spool_dir)
+        for job_id, s in zip(ids, subs, strict=True):
+            write_job_spec(spool_dir, job_id, s.spec_data)
     return ids
 
 
@@ -138,7 +149,7 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
     subs = prepare(paths, cli_options, site, cwd)
     ensure_private_dir(site.store_dir_for(user))
     with Store.for_user(site, user) as store:
-        ids = record(store, subs, user)
+        ids = record(store, subs, user, site.spool_dir_for(user))
     if start_service:
         what = ensure_service(site, user)
         log.info("packing service %s", what)
