@@ -250,3 +250,14 @@ def test_perf_model_fitted_from_runs_at_different_shares(world):
     assert model is not None and model.points == 4
     assert model.samples_per_s(75, 3) == pytest.approx(1.0 / (1e-3 * 100 / 75 + 2e-3 / 3), rel=0.02)
     assert svc.recovery.perf_model("fp-unknown") is None
+
+
+def test_node_fail_fences_the_old_run_before_the_rerun(world):
+    svc, store, slurm, clock, cluster = world
+    a = add_job(store, "a")
+    pack, sid, p = start(svc, slurm, cluster)
+    slurm.set_state(sid, "NODE_FAIL")
+    svc.run_round()
+    assert (Path(p["pack_dir"]) / "cancel" / str(a)).exists()  # a surviving agent stops it
+    job = store.get_job(a)
+    assert job.attempt == 1 and job.state in (JobState.PENDING, JobState.PLANNED)

@@ -382,6 +382,8 @@ class PackingService:
         live = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED", "RUNNING"))]
         recoverable = slurm_state in RECOVERABLE_PACK_ENDINGS
         tail = self._output_tail(pack) if to == PackState.FAILED and not recoverable else ""
+        if recoverable:
+            self.recovery.fence_old_run(pack, live)  # an agent cut off from Slurm stops its members
         for job in live:
             if to == PackState.CANCELLED:
                 self.store.transition_job(job.id, JobState.CANCELLED, f"pack {pack.name} cancelled in Slurm")

@@ -238,6 +238,21 @@ class Recovery:
                     log.warning("scancel of lost pack %s: %s", pack.name, exc)
             self.svc._pack_ended(pack, "LOST", reason, stats)
 
+    def fence_old_run(self, pack: Any, jobs: list[Any]) -> None:
+        """Before members of an ended pack are rerun, tell any agent of it that still
+        runs (slurmd dead or cut off: Slurm cannot kill the steps) to stop them, through
+        the cancel hook; they checkpoint on SIGTERM, and their late reports are ignored
+        (the job's pack has changed). Two runs must not write one checkpoint dir."""
+        if not pack.pack_dir or not jobs:
+            return
+        cancel_dir = Path(pack.pack_dir) / "cancel"
+        try:
+            cancel_dir.mkdir(mode=0o700, exist_ok=True)
+            for job in jobs:
+                (cancel_dir / str(job.id)).write_text(f"{self.svc.clock()} fence\n")
+        except OSError as exc:
+            log.warning("pack %s: cannot write cancel requests: %s", pack.name, exc)
+
     # ------------------------------------------------------------ warm-up and stragglers
 
     def _pack_samples(self, pack_id: int, since: float) -> dict[int, list[tuple[float, float, float | None]]]:
