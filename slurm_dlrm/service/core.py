@@ -28,7 +28,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -665,11 +665,6 @@ class PackingService:
             placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,
             signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged)
 
-    # ------------------------------------------------------------ cancel
-
-    def cancel_job(self, job_id: int) -> str:
-        return cancel_job(self.store, self.slurm, job_id, user=self.settings.user)
-
 
 def job_options(job: Any) -> SbatchOptions:
     raw = getattr(job, "sbatch_json", None)
@@ -747,7 +742,3 @@ def _write_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
-
-
-def member_ids(packs: Iterable[Any]) -> list[int]:
-    return sorted(m.job_id for p in packs for m in p.members)

@@ -14,7 +14,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -273,7 +273,3 @@ def describe(sub: Submission) -> str:
     limit = f", time limit {format_time_minutes(t)}" if t is not None else ""
     return (f"{sub.name}: estimated GPU peak {est.gpu_peak_bytes / GIB:.2f} GiB, host peak "
             f"{est.host_peak_bytes / GIB:.2f} GiB, {est.profile.label}{limit}")
-
-
-def with_job_name(options: SbatchOptions, name: str | None) -> SbatchOptions:
-    return options if name is None else replace(options, job_name=name)
