@@ -102,7 +102,7 @@ def current_rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def planner_bytes_for(spec: JobSpec) -> int:
+def planner_bytes_for(spec: JobSpec, world: int = 1) -> int:
     """torchrec's planner estimate for the same model, device and kernels."""
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -123,8 +123,8 @@ def planner_bytes_for(spec: JobSpec) -> int:
     kernel = EmbeddingComputeKernel.FUSED.value if fused else EmbeddingComputeKernel.DENSE.value
     constraints = {t.name: ParameterConstraints(compute_kernels=[kernel], pooling_factors=[t.ids_per_sample])
                    for t in spec.tables}
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints,
-                                       batch_size=spec.batch_size)
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
+                                       constraints=constraints, batch_size=spec.batch_size)
     planner.plan(unsharded, [EmbeddingBagCollectionSharder()])
     return planner_estimate_bytes(planner)
 
@@ -134,10 +134,12 @@ def planner_estimate_bytes(planner: Any) -> int:
     (tables, optimizer state, input and output) plus its dense and KJT reservations
     (HeuristicalStorageReservation: 6x dense parameters, 20x KJT bytes). Its 15%
     margin is a margin, not an estimate, and is left out."""
-    total = 0
+    per_rank: dict[int, int] = {}
     for so in planner._best_plan or []:  # torchrec 1.8 keeps the chosen options here
         for shard in so.shards:
-            total += shard.storage.ddr + shard.storage.hbm
+            r = shard.rank or 0
+            per_rank[r] = per_rank.get(r, 0) + shard.storage.ddr + shard.storage.hbm
+    total = max(per_rank.values(), default=0)  # the fullest rank, as the estimator reports
     res = planner._storage_reservation
     for name in ("_dense_storage", "_kjt_storage"):
         st = getattr(res, name, None)
@@ -146,7 +148,7 @@ def planner_estimate_bytes(planner: Any) -> int:
     return int(total)
 
 
-def run(spec: JobSpec, steps: int) -> dict[str, Any]:
+def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str | None = None) -> dict[str, Any]:
     """Train like `slurm-dlrm train` does (slurm_dlrm/train/runner.py: Trainer.run):
     the runner's model build, data source and prefetcher, and its step loop."""
     from slurm_dlrm.train.data import Prefetcher, make_source
@@ -154,14 +156,18 @@ def run(spec: JobSpec, steps: int) -> dict[str, Any]:
 
     t0 = time.time()
     cpu = torch.device("cpu")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    planner_bytes = planner_bytes_for(spec)
+    if world == 1:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    planner_bytes = planner_bytes_for(spec, world) if rank == 0 else 0
     rss_baseline = current_rss_bytes()
     tracker = LiveTensorBytes()
+    tracker.debug = tracker.debug and rank == 0
     with tracker:
         torch.manual_seed(spec.seed * 1000)
-        built = build(spec, cpu, 1, 1)
-        source = make_source(spec, 0, 1)
+        built = build(spec, cpu, world, world)
+        source = make_source(spec, rank, world)
         static_bytes = tracker.live
         model, optimizer = built.model, built.optimizer
         model.train()
@@ -192,10 +198,33 @@ def run(spec: JobSpec, steps: int) -> dict[str, Any]:
             "seconds": round(time.time() - t0, 2)}
 
 
+def _rank_main(rank: int, spec_json: str, steps: int, world: int, init_file: str, out_dir: str) -> None:
+    result = run(parse_spec(json.loads(spec_json)), steps, rank, world, init_file)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def main() -> None:
     spec = parse_spec(json.loads(sys.argv[1]))
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    print(json.dumps(run(spec, steps)))
+    if spec.world_size == 1:
+        print(json.dumps(run(spec, steps)))
+        return
+    # world_size > 1: one process per rank (gloo, a file rendezvous), as the runner's
+    # local launcher does; report the fullest rank.
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_main, args=(sys.argv[1], steps, spec.world_size, os.path.join(tmp, "rdzv"), tmp),
+                 nprocs=spec.world_size, join=True)
+        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(spec.world_size)]
+    out = max(ranks, key=lambda r: r["peak_tensor_bytes"])
+    out["planner_bytes"] = ranks[0]["planner_bytes"]
+    out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in ranks)
+    out["per_rank_peak_tensor_bytes"] = [r["peak_tensor_bytes"] for r in ranks]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

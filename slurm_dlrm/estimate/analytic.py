@@ -23,6 +23,7 @@ from slurm_dlrm.estimate.timeline import (
     is_fixed_length,
     prefetch_depth,
     simulate_step,
+    static_parts,
 )
 from slurm_dlrm.site import GpuModel
 from slurm_dlrm.spec import JobSpec
@@ -41,7 +42,7 @@ SEGMENT_BYTES = 2 * MIB
 # the training process with the model set up but before any tensor is counted. The
 # CUDA figure adds the CUDA runtime, cuBLAS/cuDNN and fbgemm's GPU kernels mapped into
 # the host process (typical for CUDA 12 builds; calibrate from history on the site).
-HOST_RUNTIME_CPU_BYTES = 368 * MIB
+HOST_RUNTIME_CPU_BYTES = 364 * MIB
 HOST_RUNTIME_CUDA_BYTES = 1536 * MIB
 # The runner's loader workers are threads (slurm_dlrm/train/data.py Prefetcher): a
 # touched stack and numpy scratch each, no process of their own.
@@ -54,9 +55,10 @@ LOADER_THREAD_BYTES = 2 * MIB
 UVM_CACHE_LOAD_FACTOR = 0.2
 SYNTHETIC_POOL_BATCHES = 8
 SYNTHETIC_POOL_EXTRA_IDS = 4_000_000
-# glibc malloc keeps freed blocks below the mmap threshold; peak RSS runs above live
-# tensor bytes by this fraction (measured by benchmarks/estimator_accuracy.py).
-HOST_MALLOC_OVERHEAD = 0.0
+# glibc malloc keeps much of what a step frees (activations, gradients) mapped: peak
+# RSS runs above the live tensor bytes by this share of the step's dynamic part
+# (least-squares fit over the 32 configs of benchmarks/estimator_accuracy.py).
+HOST_MALLOC_OVERHEAD = 0.8
 
 # Compute profile assumptions (documented in docs/estimator.md).
 GEMM_EFFICIENCY = 0.5  # small-MLP GEMMs reach about half of peak FLOP/s
@@ -96,23 +98,31 @@ class Estimate:
         return d
 
 
-def device_tables(spec: JobSpec) -> list[int]:
-    """Tables whose weights sit in device memory (placement hbm), for one rank.
+def device_tables(spec: JobSpec, all_placements: bool = False) -> list[int]:
+    """Tables whose weights sit in device memory (placement hbm), for the fullest rank.
 
-    With world_size > 1 the tables are spread table-wise, largest first onto the
-    least-loaded rank (what torchrec's greedy planner does for table-wise sharding);
-    the estimate is for the most loaded rank.
+    With world_size > 1 the runner lets torchrec's planner shard table-wise. Its
+    GreedyPerfPartitioner (torchrec 1.8, default sort by storage) takes the tables
+    largest first and puts each on the rank with the least lookup cost so far (ties:
+    the lowest rank); a fused lookup's cost is mostly its pooled output, plus a share
+    per id, and does not grow with rows. The same greedy here; the estimate is for the rank holding
+    the most bytes. `all_placements`: every table counts (a CPU run keeps them all in
+    one memory).
     """
-    hbm = [i for i, t in enumerate(spec.tables) if t.placement == "hbm"]
+    chosen = [i for i, t in enumerate(spec.tables) if all_placements or t.placement == "hbm"]
     if spec.world_size <= 1:
-        return hbm
-    loads = [0] * spec.world_size
+        return chosen
+    cost = [0.0] * spec.world_size
     owned: list[list[int]] = [[] for _ in range(spec.world_size)]
-    for i in sorted(hbm, key=lambda i: -_table_total_bytes(spec, i)):
-        r = loads.index(min(loads))
-        loads[r] += _table_total_bytes(spec, i)
+    for i in sorted(range(len(spec.tables)), key=lambda i: -_table_total_bytes(spec, i)):  # stable
+        t = spec.tables[i]
+        r = cost.index(min(cost))
+        # pooled output per table dominates, each id adds about half of it (fitted to
+        # the placements torchrec 1.8 chose on the benchmark's multi-rank configs)
+        cost[r] += t.dim * 4 * (1 + 0.5 * t.ids_per_sample)
         owned[r].append(i)
-    return sorted(owned[loads.index(max(loads))])
+    mem = [sum(_table_total_bytes(spec, i) for i in o if i in chosen) for o in owned]
+    return sorted(i for i in owned[mem.index(max(mem))] if i in chosen)
 
 
 def _table_total_bytes(spec: JobSpec, i: int) -> int:
@@ -147,14 +157,15 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
     then live in host memory and the GPU parts are zero."""
     device = "cuda" if gpu is not None else "cpu"
     # On a CPU run every table is in the one (host) memory.
-    tables = device_tables(spec) if gpu is not None else list(range(len(spec.tables)))
+    tables = device_tables(spec, all_placements=gpu is None)
     tape = _peak_tape(spec, device, tables)
     parts = {k: v for k, v in tape.at_peak.items()}
     notes: list[str] = []
     if device == "cpu" and spec.optimizer.type == "adam" and spec.optimizer.fused:
         notes.append("fused Adam is GPU-only (fbgemm CPU kernels); estimated as non-fused on the CPU")
     if spec.world_size > 1:
-        notes.append(f"world_size {spec.world_size}: tables spread table-wise; all-to-all buffers approximated")
+        notes.append(f"world_size {spec.world_size}: tables placed as torchrec's greedy partitioner would (the "
+                     "fullest rank is estimated); NCCL's own buffers are not counted (calibrate from history)")
 
     host_tables = [i for i, t in enumerate(spec.tables) if t.placement != "hbm"]
     host_table_bytes = sum(spec.tables[i].weight_bytes for i in host_tables)
@@ -184,7 +195,7 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
         host_breakdown = {
             "runtime": HOST_RUNTIME_CPU_BYTES,
             "tensors": tape.peak,
-            "malloc_overhead": int(tape.peak * HOST_MALLOC_OVERHEAD),
+            "malloc_overhead": int(max(0, tape.peak - static_bytes(spec, tables, device)) * HOST_MALLOC_OVERHEAD),
             "loader_prefetch": prefetch_depth(spec) * one_batch,
             "loader_threads": workers * LOADER_THREAD_BYTES,
             "synthetic_data_pools": pools,
@@ -195,6 +206,14 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
         host_breakdown=host_breakdown, profile=compute_profile(spec, gpu), tensor_peak_bytes=tape.peak,
         peak_phase=tape.peak_where, gpu_model=gpu.name if gpu is not None else None, notes=tuple(notes),
     )
+
+
+def static_bytes(spec: JobSpec, tables: list[int], device: str) -> int:
+    """Bytes that live for the whole run: tables, their optimizer state, dense
+    parameters, their gradients and optimizer state."""
+    st = static_parts(spec, tables, device)
+    return (st.emb_weights + st.emb_opt_state + st.emb_grad_bucket + st.dense_params + st.dense_grads
+            + st.dense_opt_state)
 
 
 def uvm_cache_bytes(spec: JobSpec) -> int:

@@ -323,10 +323,32 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     tape.where = "forward: embeddings"
     # KJT offsets (cached with the batch) and the per-key (F x (B+1)) offsets of the input dist
     off32 = tape.alloc((s.F * B + 1) * I32 + s.F * (B + 1) * I32, INDEX_OFFSETS)
-    off64 = tape.alloc((s.F * B + 1) * I64, INDEX_OFFSETS)  # int64 copy TBE saves for backward
-    pooled_raw = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)
-    pooled = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)  # KeyedTensor's cat of the groups
-    tape.free(pooled_raw)
+    ws = max(1, spec.world_size)
+    recv: _T | None = None
+    if ws == 1:
+        off64 = tape.alloc((s.F * B + 1) * I64, INDEX_OFFSETS)  # int64 copy TBE saves for backward
+        pooled_raw = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)
+        pooled = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)  # KeyedTensor's cat of the groups
+        tape.free(pooled_raw)
+    else:
+        # Table-wise sharding: the input all-to-all sends each table's ids to its rank,
+        # which looks up its tables for the global batch (ws x B) and sends the pooled
+        # rows back (output all-to-all). Sizes from the torchrec 1.8 allocation log.
+        f_own = len(tables)
+        ids_own = sum(ids_per_batch(B, spec.tables[i]) for i in tables)
+        local_ids = s.ids
+        perm = tape.alloc(s.F * B * I32 + local_ids * I64, INDEX_OFFSETS)  # permuted for sending
+        recv = tape.alloc(f_own * ws * B * I32 + ws * ids_own * I64, INDEX_OFFSETS)  # received
+        tape.free(perm)
+        off64 = tape.alloc((f_own * ws * B + 1) * I64, INDEX_OFFSETS)
+        out_raw = tape.alloc(ws * B * f_own * s.D * s.out_bytes, EMB_OUT)
+        buf1 = tape.alloc(ws * B * f_own * s.D * s.out_bytes, EMB_OUT)
+        buf2 = tape.alloc(ws * B * f_own * s.D * s.out_bytes, EMB_OUT)
+        tape.free(buf1, out_raw)
+        tmp = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)
+        tape.free(buf2)
+        pooled = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)
+        tape.free(tmp)
 
     tape.where = "forward: interaction"
     n_comb = (s.F + 1) * s.D
@@ -499,6 +521,10 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
 
     tape.where = "backward: embeddings"
     g_emb = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT_GRAD)  # contiguous grad for TBE
+    if ws > 1:  # the output all-to-all backwards: this rank's tables' grads for the global batch
+        g_recv = tape.alloc(ws * B * len(tables) * s.D * s.out_bytes, EMB_OUT_GRAD)
+        tape.free(g_emb)
+        g_emb = g_recv
     full_grad: _T | None = None
     if s.dcn_layers:
         tape.free(off64)
@@ -528,7 +554,7 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
             g_in = tape.alloc(B * widths_in[i] * h, BWD)
         tape.free(gp, wcast_bottom[i])
         release_wgrad(wg)
-    tape.free(g_in, full_grad, x_cast, *held)
+    tape.free(g_in, full_grad, x_cast, recv, *held)
 
     # ---------------------------------------------------------------- optimizer step
     tape.where = "optimizer step"
