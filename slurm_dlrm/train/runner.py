@@ -488,6 +488,8 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     dist_probe_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(opts.device, dist_probe_rank)
     info = init_distributed(device)
+    if info.world_size > 1:
+        _label_log_lines(info.rank)
     if info.world_size != int(spec.world_size):
         log.warning("spec asks for world_size %d; this launch has %d processes", spec.world_size, info.world_size)
     torch.manual_seed(int(spec.seed) * 1000 + info.rank)
@@ -505,6 +507,26 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
                       total_steps=total, stop=stop, expect=expect)
     trainer.resume()
     return trainer
+
+
+class _RankPrefix(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.prefix = f"rank {rank}: "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and not record.msg.startswith(self.prefix):
+            record.msg = self.prefix + record.msg
+        return True
+
+
+def _label_log_lines(rank: int) -> None:
+    """Several ranks share one log: say whose line it is; only rank 0 tells the story."""
+    prefix = _RankPrefix(rank)
+    for name in ("runner", "checkpoint", "data", "model", "launch"):  # filters are not inherited
+        logging.getLogger(f"slurm_dlrm.train.{name}").addFilter(prefix)
+    if rank != 0:
+        logging.getLogger("slurm_dlrm.train").setLevel(logging.WARNING)
 
 
 def teardown(trainer: Trainer | None) -> None:
