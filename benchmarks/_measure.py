@@ -1,36 +1,33 @@
 """Child process of estimator_accuracy.py: train a spec for a few steps, measure memory.
 
-Runs one spec (JSON on argv[1]) the way the training runner does on a GPU, but on the
-CPU: torchrec `DistributedModelParallel` (one process, gloo) over DLRM / DLRM_DCN with
-fused embedding kernels (the optimizer applied in backward via
-`apply_optimizer_in_backward`, as torchrec's dlrm_main does). Fused Adam is not
-supported by fbgemm's CPU kernels ("Optimizer adam is not supported in CPU mode",
-fbgemm-gpu-cpu 1.8.0), so a spec with `optimizer.fused: false` or Adam uses the
-non-fused path: the `dense` embedding kernel (data-parallel in torchrec 1.8), full-table
-gradients and a torch
-optimizer over the tables.
+Runs one spec (JSON on argv[1]) in the training runner's execution mode, on the CPU:
+the runner's own model build (`slurm_dlrm.train.model.build`: torchrec
+DistributedModelParallel over DLRM / DLRM_DCN, one gloo process, fused embedding
+kernels with the optimizer applied in backward), its data source and prefetcher
+(`slurm_dlrm.train.data`) and its step loop. Fused Adam is not supported by fbgemm's
+CPU kernels ("Optimizer adam is not supported in CPU mode", fbgemm-gpu-cpu 1.8.0), so
+the runner (and this) put Adam on the non-fused path: torchrec's DENSE embedding
+kernel (data-parallel in torchrec 1.8), full-table gradients, torch.optim.Adam.
 
 Measures the peak of live tensor bytes with a TorchDispatchMode that records every
-storage an op returns and its free (weakref finalizer on the storage), from model
-construction to the end of the last step, and the peak RSS (ru_maxrss). Prints one
-JSON line. The model is built here because the runner's slurm_dlrm/train/ had not
-landed when this was written; keep the two in the same execution mode.
+storage an op takes or returns and its free (weakref finalizer on the storage), from
+model construction to the end of the last step, and the peak RSS (ru_maxrss); also
+torchrec's planner estimate for the same model. Prints one JSON line.
+MEASURE_DEBUG=1 prints every allocation and free and what is live at the peak.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
 import sys
 import time
 import weakref
-from collections import deque
 from typing import Any
 
-os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-os.environ.setdefault("MASTER_PORT", str(20000 + os.getpid() % 20000))
-os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # torchrec asks for it
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -86,6 +83,10 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self._op = str(func)
+        # Inputs too: a tensor made outside any op (torch.from_numpy of the data
+        # source's pools) counts from its first use, as its device copy would on a GPU.
+        for t in tree_leaves((args, kwargs)):
+            self._track(t)
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             self._track(t)
@@ -101,10 +102,8 @@ def current_rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def build(spec: JobSpec) -> tuple[Any, Any]:
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType  # noqa: F401  (loads the CPU ops)
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-    from torchrec.distributed import DistributedModelParallel
+def planner_bytes_for(spec: JobSpec, world: int = 1) -> int:
+    """torchrec's planner estimate for the same model, device and kernels."""
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.planner import (
@@ -112,64 +111,22 @@ def build(spec: JobSpec) -> tuple[Any, Any]:
         ParameterConstraints,
         Topology,
     )
-    from torchrec.distributed.types import ShardingEnv
-    from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
-    from torchrec.modules.embedding_configs import DataType
-    from torchrec.optim import RowWiseAdagrad
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    dtypes = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16}
-    tables = [EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows,
-                                 feature_names=[f"f{i}"], data_type=dtypes[t.dtype])
-              for i, t in enumerate(spec.tables)]
-    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
-    cpu = torch.device("cpu")
-    if spec.interaction.type == "dcn":
-        assert spec.interaction.layers is not None and spec.interaction.low_rank is not None
-        dlrm: Any = DLRM_DCN(ebc, spec.dense_features, list(spec.bottom_mlp), list(spec.top_mlp),
-                             dcn_num_layers=spec.interaction.layers, dcn_low_rank_dim=spec.interaction.low_rank,
-                             dense_device=cpu)
-    else:
-        dlrm = DLRM(ebc, spec.dense_features, list(spec.bottom_mlp), list(spec.top_mlp), dense_device=cpu)
-    model = DLRMTrain(dlrm)
+    from slurm_dlrm.train import model as runner_model
 
-    opt = spec.optimizer
-    lr = opt.lr
-    fused = opt.fused and opt.type != "adam"  # fused Adam: GPU only (see module doc)
-    dense_cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rowwise_adagrad": torch.optim.Adagrad,
-                 "adam": torch.optim.Adam}[opt.type]
-    emb_cls = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "rowwise_adagrad": RowWiseAdagrad,
-               "adam": torch.optim.Adam}[opt.type]
+    fused = spec.optimizer.fused and spec.optimizer.type in runner_model.CPU_FUSED_OPTIMIZERS
+    unsharded = runner_model.build_dlrm(spec, torch.device("cpu"))
+    if fused:
+        apply_optimizer_in_backward(runner_model._sparse_optimizer_cls(spec.optimizer.type),
+                                    unsharded.model.sparse_arch.parameters(), {"lr": spec.optimizer.lr})
     kernel = EmbeddingComputeKernel.FUSED.value if fused else EmbeddingComputeKernel.DENSE.value
-    if fused:
-        apply_optimizer_in_backward(emb_cls, model.model.sparse_arch.parameters(), {"lr": lr})
-    # torchrec 1.8 offers the dense (non-fused) kernel only with data-parallel sharding.
-    sharding = "table_wise" if fused else "data_parallel"
-    constraints = {t.name: ParameterConstraints(sharding_types=[sharding], compute_kernels=[kernel],
-                                                pooling_factors=[t.ids_per_sample])
+    constraints = {t.name: ParameterConstraints(compute_kernels=[kernel], pooling_factors=[t.ids_per_sample])
                    for t in spec.tables}
-    env = ShardingEnv.from_process_group(dist.GroupMember.WORLD)
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints,
-                                       batch_size=spec.batch_size)
-    sharders: list[Any] = [EmbeddingBagCollectionSharder()]
-    plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
-    global PLANNER_BYTES
-    PLANNER_BYTES = planner_estimate_bytes(planner)
-    dmp = DistributedModelParallel(model, env=env, device=cpu, sharders=sharders, plan=plan)
-    params = dict(in_backward_optimizer_filter(dmp.named_parameters()))
-    dense_params = {k: v for k, v in params.items() if "embedding_bag" not in k}
-    emb_params = {k: v for k, v in params.items() if "embedding_bag" in k}
-    opts: list[Any] = [KeyedOptimizerWrapper(dense_params, lambda p: dense_cls(p, lr=lr))]
-    if fused:
-        opts.insert(0, dmp.fused_optimizer)
-    else:
-        opts.insert(0, KeyedOptimizerWrapper(emb_params, lambda p: emb_cls(p, lr=lr)))
-    return dmp, CombinedOptimizer(opts)
-
-
-PLANNER_BYTES = 0
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
+                                       constraints=constraints, batch_size=spec.batch_size)
+    planner.plan(unsharded, [EmbeddingBagCollectionSharder()])
+    return planner_estimate_bytes(planner)
 
 
 def planner_estimate_bytes(planner: Any) -> int:
@@ -177,10 +134,12 @@ def planner_estimate_bytes(planner: Any) -> int:
     (tables, optimizer state, input and output) plus its dense and KJT reservations
     (HeuristicalStorageReservation: 6x dense parameters, 20x KJT bytes). Its 15%
     margin is a margin, not an estimate, and is left out."""
-    total = 0
+    per_rank: dict[int, int] = {}
     for so in planner._best_plan or []:  # torchrec 1.8 keeps the chosen options here
         for shard in so.shards:
-            total += shard.storage.ddr + shard.storage.hbm
+            r = shard.rank or 0
+            per_rank[r] = per_rank.get(r, 0) + shard.storage.ddr + shard.storage.hbm
+    total = max(per_rank.values(), default=0)  # the fullest rank, as the estimator reports
     res = planner._storage_reservation
     for name in ("_dense_storage", "_kjt_storage"):
         st = getattr(res, name, None)
@@ -189,67 +148,83 @@ def planner_estimate_bytes(planner: Any) -> int:
     return int(total)
 
 
-def ids_per_table(spec: JobSpec) -> list[int]:
-    return [int(spec.batch_size * t.ids_per_sample) for t in spec.tables]
+def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str | None = None) -> dict[str, Any]:
+    """Train like `slurm-dlrm train` does (slurm_dlrm/train/runner.py: Trainer.run):
+    the runner's model build, data source and prefetcher, and its step loop."""
+    from slurm_dlrm.train.data import Prefetcher, make_source
+    from slurm_dlrm.train.model import build
 
-
-def make_batch(spec: JobSpec) -> Any:
-    """One batch as a loader delivers it: dense f32, lengths int32, values int64, labels f32."""
-    from torchrec import KeyedJaggedTensor
-    from torchrec.datasets.utils import Batch
-
-    B = spec.batch_size
-    lengths = torch.empty(len(spec.tables) * B, dtype=torch.int32)
-    for i, t in enumerate(spec.tables):
-        p = t.ids_per_sample
-        # lengths whose sum is int(B * p): floor((j+1)p) - floor(jp)
-        idx = torch.arange(B + 1, dtype=torch.float64).mul_(p).floor_()
-        lengths[i * B:(i + 1) * B] = (idx[1:] - idx[:-1]).to(torch.int32)
-        del idx
-    n_ids = sum(ids_per_table(spec))
-    values = torch.randint(0, min(t.rows for t in spec.tables), (n_ids,), dtype=torch.int64)
-    kjt = KeyedJaggedTensor(keys=[f"f{i}" for i in range(len(spec.tables))], values=values, lengths=lengths)
-    return Batch(dense_features=torch.rand(B, spec.dense_features), sparse_features=kjt,
-                 labels=torch.randint(0, 2, (B,)).float())
-
-
-def run(spec: JobSpec, steps: int) -> dict[str, Any]:
     t0 = time.time()
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    cpu = torch.device("cpu")
+    if world == 1:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    planner_bytes = planner_bytes_for(spec, world) if rank == 0 else 0
     rss_baseline = current_rss_bytes()
     tracker = LiveTensorBytes()
+    tracker.debug = tracker.debug and rank == 0
     with tracker:
-        dmp, optim = build(spec)
+        torch.manual_seed(spec.seed * 1000)
+        built = build(spec, cpu, world, world)
+        source = make_source(spec, rank, world)
         static_bytes = tracker.live
-        dmp.train()
+        model, optimizer = built.model, built.optimizer
+        model.train()
         tracker.phase = "step"
         if tracker.debug:
             print(f"STATIC {static_bytes}", file=sys.stderr)
-        # The loader keeps `prefetch_batches` batches ready besides the one in use.
-        ready = deque(make_batch(spec) for _ in range(spec.prefetch_batches))
-        for _ in range(steps):
-            ready.append(make_batch(spec))
-            batch = ready.popleft()
-            optim.zero_grad()
-            loss, _out = dmp(batch)
+        prefetch = Prefetcher(source, 0, steps, spec.loader_workers, spec.prefetch_batches, cpu)
+        loss_sum = torch.zeros(())
+        # the runner's Trainer._autocast: forward under autocast when mixed precision is on
+        amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.mixed_precision)
+        for _step, batch in prefetch:
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
+                loss, _ = model(batch)
             loss.backward()
-            optim.step()
-            del batch, loss, _out
+            optimizer.step()
+            loss_sum += loss.detach()
             if tracker.debug:
                 print(f"STEP END live={tracker.live} peak={tracker.peak}", file=sys.stderr)
+        prefetch.close()
+        del batch, loss, _
     dist.destroy_process_group()
     if tracker.debug:
         for line in tracker.at_peak:
             print("ATPEAK", line, file=sys.stderr)
-    return {"peak_tensor_bytes": tracker.peak, "planner_bytes": PLANNER_BYTES, "static_tensor_bytes": static_bytes,
+    return {"peak_tensor_bytes": tracker.peak, "planner_bytes": planner_bytes, "static_tensor_bytes": static_bytes,
             "peak_phase": tracker.peak_phase, "peak_rss_bytes": rss_bytes(), "rss_baseline_bytes": rss_baseline,
             "seconds": round(time.time() - t0, 2)}
+
+
+def _rank_main(rank: int, spec_json: str, steps: int, world: int, init_file: str, out_dir: str) -> None:
+    result = run(parse_spec(json.loads(spec_json)), steps, rank, world, init_file)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
 
 
 def main() -> None:
     spec = parse_spec(json.loads(sys.argv[1]))
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    print(json.dumps(run(spec, steps)))
+    if spec.world_size == 1:
+        print(json.dumps(run(spec, steps)))
+        return
+    # world_size > 1: one process per rank (gloo, a file rendezvous), as the runner's
+    # local launcher does; report the fullest rank.
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_main, args=(sys.argv[1], steps, spec.world_size, os.path.join(tmp, "rdzv"), tmp),
+                 nprocs=spec.world_size, join=True)
+        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(spec.world_size)]
+    out = max(ranks, key=lambda r: r["peak_tensor_bytes"])
+    out["planner_bytes"] = ranks[0]["planner_bytes"]
+    out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in ranks)
+    out["per_rank_peak_tensor_bytes"] = [r["peak_tensor_bytes"] for r in ranks]
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

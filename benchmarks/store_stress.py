@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from slurm_dlrm.store import JobState, NewPlacement, PackState, Store  # noqa: E402
-from slurm_dlrm.store.acct import DEFAULT_FORMAT, AcctFilter, acct_rows, parse_format, render  # noqa: E402
+from slurm_dlrm.store.acct import DEFAULT_FORMAT, AcctFilter, acct_table, parse_format  # noqa: E402
 from slurm_dlrm.store.synthetic import sample_line_dicts  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def _acct_reader(db: str, seconds: float, out: Any) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             t = time.perf_counter()
-            render(acct_rows(store, AcctFilter()), cols, "table")
+            acct_table(store, AcctFilter(), cols)
             res["max_ms"] = max(res["max_ms"], (time.perf_counter() - t) * 1000)
             res["runs"] += 1
             time.sleep(0.01)

@@ -12,6 +12,7 @@ instance's marker in its environment before signalling it; nothing is killed by 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -292,7 +293,9 @@ def _read_pid(pid_file: Path) -> int | None:
 
 
 def _is_ours(pid: int, state_dir: Path) -> bool:
-    """The process exists, is not a zombie, and carries our marker."""
+    """The process exists, is not a zombie, and is ours: a daemon carrying our marker,
+    or a task of a job of this cluster (slurmstepd gives every task SLURM_CONF and
+    SLURM_JOB_ID, even with --export=NONE)."""
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes()
         st = Path(f"/proc/{pid}/stat").read_text()
@@ -300,7 +303,11 @@ def _is_ours(pid: int, state_dir: Path) -> bool:
         return False
     if st.rsplit(")", 1)[-1].split()[0] == "Z":
         return False
-    return f"{MARKER}={state_dir}".encode() in env.split(b"\0")
+    entries = env.split(b"\0")
+    if f"{MARKER}={state_dir}".encode() in entries:
+        return True
+    conf = f"SLURM_CONF={state_dir / 'etc' / 'slurm.conf'}".encode()
+    return conf in entries and any(e.startswith(b"SLURM_JOB_ID=") for e in entries)
 
 
 def _ours_by_environ(state_dir: Path) -> Iterator[int]:
@@ -309,6 +316,39 @@ def _ours_by_environ(state_dir: Path) -> Iterator[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != me and _is_ours(int(entry.name), state_dir):
             yield int(entry.name)
+
+
+# ---------------------------------------------------------------- locking
+
+_held_locks: dict[str, tuple[int, int]] = {}  # path -> (fd, depth): re-entrant within a process
+
+
+@contextlib.contextmanager
+def instance_lock(state_dir: Path) -> Iterator[None]:
+    """Serialise `up`/`down` on one state folder across processes (two pytest runs in
+    one checkout, or `cluster up` typed twice). Re-entrant within a process."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    key = str(state_dir / ".lock")
+    if key in _held_locks:
+        fd, depth = _held_locks[key]
+        _held_locks[key] = (fd, depth + 1)
+        try:
+            yield
+        finally:
+            fd, depth = _held_locks[key]
+            _held_locks[key] = (fd, depth - 1)
+        return
+    fd = os.open(key, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _held_locks[key] = (fd, 1)
+        try:
+            yield
+        finally:
+            del _held_locks[key]
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 # ---------------------------------------------------------------- the cluster
@@ -517,6 +557,10 @@ class LocalCluster:
 
     def up(self, wait_s: float = 90.0) -> ClusterStatus:
         """Start what is not running yet; safe to call when the cluster is up."""
+        with instance_lock(self.config.state_dir):
+            return self._up(wait_s)
+
+    def _up(self, wait_s: float) -> ClusterStatus:
         c = self.config
         c.validate()
         running = LocalCluster.at(c.state_dir)
@@ -531,6 +575,8 @@ class LocalCluster:
                 self.wait_idle(wait_s)
                 return self.status()
         c.state_dir.mkdir(parents=True, exist_ok=True)
+        # Started anew: whoever starts it owns it (tests/conftest.py's marker is stale).
+        (c.state_dir / "fixture-started").unlink(missing_ok=True)
         t0 = time.monotonic()
         self.render()
         by_name = {d.name: d for d in self.daemons()}
@@ -576,6 +622,10 @@ class LocalCluster:
 
     def down(self, timeout_s: float = 20.0) -> list[str]:
         """Cancel all jobs, stop our daemons (pid files + marker check), sweep strays."""
+        with instance_lock(self.config.state_dir):
+            return self._down(timeout_s)
+
+    def _down(self, timeout_s: float) -> list[str]:
         c = self.config
         daemons = self.daemons()
         stopped: list[str] = []
@@ -591,7 +641,8 @@ class LocalCluster:
                 stopped.append(d.name)
             with contextlib.suppress(FileNotFoundError):
                 d.pid_file.unlink()
-        # slurmstepd of jobs that outlived the cancel inherit the marker from slurmd.
+        # slurmstepd of jobs that outlived the cancel inherit the marker from slurmd;
+        # their tasks are recognised by SLURM_CONF + SLURM_JOB_ID (see _is_ours).
         strays = list(_ours_by_environ(c.state_dir))
         for pid in strays:
             _terminate(pid, c.state_dir, 5.0)

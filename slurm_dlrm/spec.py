@@ -341,6 +341,8 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
     top_mlp = view.int_list("top_mlp")
     if top_mlp[-1] != 1:
         raise view.error("top_mlp", f"last width must be 1 (one logit), got {top_mlp[-1]}")
+    if len(top_mlp) < 2:
+        raise view.error("top_mlp", "needs at least two layers (torchrec's OverArch refuses one)")
 
     interaction = _parse_interaction(view.raw("interaction", {"type": "dot"}), source)
     batch_size = view.int_("batch_size")

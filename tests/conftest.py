@@ -10,8 +10,8 @@ Tests that need it are marked `@pytest.mark.slurm` and take the fixture:
 
 The cluster's state folder and ports are derived from this checkout's path (so git
 worktrees do not collide); $SLURM_DLRM_CLUSTER_DIR / $SLURM_DLRM_CLUSTER_PORT override
-them. A cluster already running there is reused and left running; one the fixture
-started is stopped at the end. Accounting (MariaDB + slurmdbd, ~4 s more) is on, so
+them. A cluster already running there is reused and left running; one a fixture
+started is stopped at the end by the last pytest session using it. Accounting (MariaDB + slurmdbd, ~4 s more) is on, so
 `sacct` works. With CI=true a cluster that does not come up fails the tests instead
 of skipping them.
 """
@@ -70,6 +70,7 @@ def _unavailable(reason: str) -> None:
 @pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmTestCluster]:
     from slurm_dlrm.errors import DlrmError
+    from slurm_dlrm.localcluster import instance_lock
     from slurm_dlrm.site import REPO_SITE_FILE, load_site
 
     if os.geteuid() != 0:
@@ -78,29 +79,39 @@ def slurm_cluster() -> Iterator[SlurmTestCluster]:
     if missing:
         _unavailable(f"not installed: {', '.join(missing)} (run scripts/setup.sh)")
     state_dir = default_state_dir()
-    existing = LocalCluster.at(state_dir)
-    started_here = False
-    if existing is not None and existing.status(query_nodes=False).up:
-        cluster = existing
-    else:
-        if existing is not None:
-            existing.down()  # a half-running leftover of this checkout: start clean
-        cluster = LocalCluster(config_from_site(load_site(REPO_SITE_FILE), state_dir=state_dir,
-                                                accounting=True))
-        started_here = True
-        try:
-            cluster.up(wait_s=60)
-        except DlrmError as exc:
-            cluster.down()  # whatever did start
-            _unavailable(str(exc))
+    # Several pytest sessions of one checkout may share the cluster: each registers
+    # itself in users/; the last one out stops it if a fixture (not a person) started it.
+    users = state_dir / "fixture-users"
+    started_flag = state_dir / "fixture-started"
+    with instance_lock(state_dir):
+        existing = LocalCluster.at(state_dir)
+        if existing is not None and existing.status(query_nodes=False).up:
+            cluster = existing
+        else:
+            if existing is not None:
+                existing.down()  # a half-running leftover of this checkout: start clean
+            cluster = LocalCluster(config_from_site(load_site(REPO_SITE_FILE), state_dir=state_dir,
+                                                    accounting=True))
+            try:
+                cluster.up(wait_s=60)
+            except DlrmError as exc:
+                cluster.down()  # whatever did start
+                _unavailable(str(exc))
+            started_flag.touch()
+        users.mkdir(exist_ok=True)
+        (users / str(os.getpid())).touch()
     old_conf = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(cluster.config.slurm_conf)
     try:
-        yield SlurmTestCluster(cluster, started_here)
+        yield SlurmTestCluster(cluster, started_flag.exists())
     finally:
         if old_conf is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = old_conf
-        if started_here:
-            cluster.down()
+        with instance_lock(state_dir):
+            (users / str(os.getpid())).unlink(missing_ok=True)
+            others = [p for p in users.iterdir() if p.name.isdigit() and Path(f"/proc/{p.name}").exists()]
+            if started_flag.exists() and not others:
+                cluster.down()
+                started_flag.unlink(missing_ok=True)

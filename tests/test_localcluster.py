@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -231,8 +232,11 @@ def test_down_stops_only_what_it_started(slurm_cluster, tmp_path):
         deadline = time.monotonic() + 20
         while client.show_job(job_id).state is not JobState.RUNNING and time.monotonic() < deadline:
             time.sleep(0.2)
+        tasks = [pid for pid in lc._ours_by_environ(state_dir) if pid not in pids]
+        assert tasks, "the job's processes (slurmstepd, bash, sleep) should be visible as ours"
         stopped = cluster.down()
         assert "slurmctld" in stopped and "munged" in stopped
+        assert not [pid for pid in tasks if Path(f"/proc/{pid}").exists() and lc._is_ours(pid, state_dir)]
         assert list(lc._ours_by_environ(state_dir)) == []
         for pid in pids:
             assert pid is not None and not lc._is_ours(pid, state_dir)
@@ -257,3 +261,80 @@ def test_demo_runs_a_gpu_step_on_every_node(slurm_cluster):
     assert all(t["cuda_visible_devices"].isdigit() for t in result["tasks"])
     if slurm_cluster.accounting:
         assert {r["JobName"] for r in result["sacct"]} >= {"slurm-dlrm-demo", "demo-step"}
+
+
+def test_missing_cluster_fails_in_ci_and_skips_elsewhere(monkeypatch):
+    from conftest import _unavailable
+
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="unavailable in CI: no slurmd"):
+        _unavailable("no slurmd")
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="no slurmd"):
+        _unavailable("no slurmd")
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(120)
+def test_hooks_job_submit_lua_and_extra_lines_reach_slurmctld(slurm_cluster, tmp_path):
+    """A second small cluster with the admin hooks: the Lua filter runs in slurmctld."""
+    lua = tmp_path / "job_submit.lua"
+    lua.write_text(
+        'function slurm_job_submit(job_desc, part_list, submit_uid)\n'
+        '  if job_desc.name == "forbidden" then\n'
+        '    slurm.log_user("forbidden: pick another name")\n'
+        '    return slurm.ESLURM_INVALID_LICENSES\n'
+        '  end\n'
+        '  return slurm.SUCCESS\n'
+        'end\n'
+        'function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)\n'
+        '  return slurm.SUCCESS\n'
+        'end\n')
+    extra = tmp_path / "extra.conf"
+    extra.write_text("MaxJobCount=4242\n")
+    state_dir = Path("/tmp") / f"sdlrm-h-{os.getpid()}"
+    cfg = lc.config_from_site(state_dir=state_dir, nodes=1, gpus_per_node=1, job_submit_lua=lua,
+                              slurm_conf_extra=extra, base_port=lc.pick_base_port(state_dir, nodes=1))
+    cluster = lc.LocalCluster(cfg)
+    try:
+        cluster.up(wait_s=60)
+        client = cluster.client()
+        with pytest.raises(lc.SlurmError, match="forbidden: pick another name"):
+            client.sbatch(_script("true"), ["--job-name=forbidden", "--output=/dev/null"])
+        ok = client.sbatch(_script("true"), ["--job-name=allowed", "--output=/dev/null"])
+        assert ok > 0
+        config = client.run(["scontrol", "show", "config"]).stdout
+        assert re.search(r"^MaxJobCount\s*=\s*4242$", config, re.M), config
+        assert re.search(r"^JobSubmitPlugins\s*=\s*(job_submit/)?lua$", config, re.M), config
+    finally:
+        cluster.down()
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+GOLDEN = Path(__file__).parent / "data" / "localcluster"
+
+
+@pytest.mark.parametrize("accounting", [False, True])
+def test_rendered_files_match_golden(accounting, monkeypatch):
+    """Regenerate: UPDATE_GOLDEN=1 pytest tests/test_localcluster.py -k golden"""
+    if os.geteuid() != 0:
+        pytest.skip("mknod needs root")
+    monkeypatch.setattr(lc.socket, "gethostname", lambda: "host.example.org")
+    state_dir = Path("/tmp") / f"sdlrm-golden-{os.getpid()}"
+    try:
+        # Explicit values (the dataclass defaults), so edits of site.toml do not move the goldens.
+        cfg = lc.ClusterConfig(state_dir=state_dir, base_port=23000, cluster_name="golden23000",
+                               accounting=accounting)
+        lc.LocalCluster(cfg).render()
+        suffix = "acct" if accounting else "plain"
+        for name in ("slurm.conf", "gres.conf") + (("slurmdbd.conf",) if accounting else ()):
+            text = (cfg.etc_dir / name).read_text().replace(str(state_dir), "STATE")
+            if name == "slurmdbd.conf":
+                text = re.sub(r"(?m)^StoragePass=.*$", "StoragePass=SECRET", text)
+            golden = GOLDEN / f"{name}.{suffix}"
+            if os.environ.get("UPDATE_GOLDEN"):
+                golden.parent.mkdir(parents=True, exist_ok=True)
+                golden.write_text(text)
+            assert text == golden.read_text(), f"{name} differs from {golden}"
+    finally:
+        shutil.rmtree(state_dir, ignore_errors=True)

@@ -154,3 +154,15 @@ def test_terminal_and_active_sets_are_disjoint():
     for s in JobState:
         assert not (s.is_terminal and s.is_active), s
     assert JobState.COMPLETED.is_terminal and JobState.PENDING.is_active
+
+
+@pytest.mark.parametrize(("names", "hostlist"), [
+    (["node1"], "node1"), (["node1", "node2"], "node[1-2]"), (["node2", "node1", "node4"], "node[1-2,4]"),
+    (["gpu01", "gpu02", "gpu10"], "gpu[01-02,10]"), (["login", "node3"], "login,node3"),
+    (["a1b", "a2b"], "a[1-2]b"),
+])
+def test_compress_hostlist_is_the_inverse_of_expand(names, hostlist):
+    from slurm_dlrm.site import expand_hostlist
+
+    assert parse.compress_hostlist(names) == hostlist
+    assert sorted(expand_hostlist(hostlist)) == sorted(names)

@@ -132,6 +132,7 @@ BAD = [
     (_set("bottom_mlp", [64, -16]), "bottom_mlp[1]"),
     (_set("top_mlp", [32, 2]), "top_mlp"),
     (_set("top_mlp", "32-1"), "top_mlp"),
+    (_set("top_mlp", [1]), "top_mlp"),
     (_set("interaction", {"type": "cat"}), "interaction.type"),
     (_set("interaction", {"type": "dot", "layers": 3}), "interaction.layers"),
     (_set("interaction", {"type": "dcn", "layers": 0}), "interaction.layers"),

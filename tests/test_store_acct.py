@@ -160,3 +160,31 @@ def test_all_users_reads_every_readable_store(tmp_path, hist, monkeypatch):
     assert [(x["User"], x["Name"]) for x in out] == [("alice", n) for n in "ABCDE"] + [("bob", "bobs")]
     assert "carol" in res.stderr and "skipped" in res.stderr
     assert {p: p.stat().st_mtime_ns for p in tmp_path.glob("*/store.sqlite")} == before  # read-only
+
+
+@pytest.mark.parametrize("kind, value, shown", [
+    ("bytes", 0, "0"), ("bytes", 1023, "1023"), ("bytes", 1536, "1.5K"), ("bytes", 5 << 20, "5.0M"),
+    ("bytes", (3 << 30) + 5, "3.0G"), ("bytes", 2 << 40, "2.0T"),
+    ("dur", 0.4, "00:00:00"), ("dur", 59.6, "00:01:00"), ("dur", 86399.4, "23:59:59"),
+    ("dur", 90061, "1-01:01:01"), ("dur", -3.0, "00:00:00"),
+    ("pct", 12.345, "12.3"), ("rate", 1234.6, "1235"), ("hours", 1 / 54, "0.019"),
+    ("int", 7, "7"), ("str", "x y", "x y"),
+])
+def test_sql_cell_formats(kind, value, shown):
+    import sqlite3
+
+    from slurm_dlrm.store.acct import _SQL_HUMAN
+
+    conn = sqlite3.connect(":memory:")
+    assert conn.execute(f"SELECT {_SQL_HUMAN[kind]('v')} FROM (SELECT ? AS v)", (value,)).fetchone()[0] == shown
+
+
+def test_sql_time_cells_are_local_time():
+    import sqlite3
+    from datetime import datetime
+
+    from slurm_dlrm.store.acct import _SQL_HUMAN
+
+    conn = sqlite3.connect(":memory:")
+    got = conn.execute(f"SELECT {_SQL_HUMAN['time']('v')} FROM (SELECT ? AS v)", (T0 + 0.7,)).fetchone()[0]
+    assert got == datetime.fromtimestamp(T0).strftime("%Y-%m-%dT%H:%M:%S")

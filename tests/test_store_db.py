@@ -112,3 +112,55 @@ def test_store_path_follows_the_site(tmp_path):
     site = load_site(REPO_SITE_FILE)
     assert store_path_for(site, "bob").name == "store.sqlite"
     assert store_path_for(site, "bob").parent == site.store_dir_for("bob")
+
+
+def test_v1_store_is_migrated_keeping_its_jobs(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    p.parent.mkdir(mode=0o700)
+    conn = sqlite3.connect(p)
+    for stmt in MIGRATIONS[0].statements:
+        conn.execute(stmt)
+    conn.execute(
+        "INSERT INTO jobs (user, name, state, spec_json, spec_fingerprint, estimate_json, submit_time, updated_time) "
+        "VALUES ('u', 'old', 'PENDING', '{\"name\": \"old\"}', 'fp', '{\"gpu_peak_bytes\": 5}', 1.0, 1.0)")
+    conn.execute("INSERT INTO packs (name, user, state, policy, n_gpus, create_time, updated_time) "
+                 "VALUES ('pk', 'u', 'SUBMITTING', 'exclusive', 1, 1.0, 1.0)")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    with Store(p) as s:
+        assert s.schema_version == LATEST_VERSION >= 2
+        job = s.get_job(1)
+        assert (job.spec, job.estimate, job.sbatch) == ({"name": "old"}, {"gpu_peak_bytes": 5}, None)
+        assert "spec_json" not in s.db["jobs"].columns_dict
+        assert {"samples_t", "placements_gpu"} <= {i.name for t in ("samples", "placements") for i in s.db[t].indexes}
+        j2 = s.add_job(user="u", name="new", spec={}, spec_fingerprint="f", sbatch={"partition": "dlrm"})
+        assert s.get_job(j2).sbatch == {"partition": "dlrm"}
+        assert s.check() == []
+
+
+def test_the_interim_v1_layout_is_migrated_too(tmp_path):
+    # main at bbf9cb2 had version 1 with job_specs (no sbatch_json) and the new indexes.
+    p = tmp_path / "s" / "store.sqlite"
+    p.parent.mkdir(mode=0o700)
+    conn = sqlite3.connect(p)
+    for stmt in MIGRATIONS[0].statements:
+        conn.execute(stmt)
+    conn.executescript("""
+        CREATE TABLE job_specs (job_id INTEGER PRIMARY KEY REFERENCES jobs(id), spec_json TEXT NOT NULL,
+                                estimate_json TEXT);
+        ALTER TABLE jobs DROP COLUMN spec_json; ALTER TABLE jobs DROP COLUMN estimate_json;
+        DROP INDEX samples_pack_t; CREATE INDEX samples_t ON samples(t);
+        CREATE INDEX placements_gpu ON placements(pack_id, node_index, gpu_index, start_time, end_time);
+        INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, updated_time)
+            VALUES ('u', 'mid', 'PENDING', 'fp', 1.0, 1.0);
+        INSERT INTO job_specs VALUES (1, '{"name": "mid"}', NULL);
+        PRAGMA user_version = 1;
+    """)
+    conn.close()
+    with Store(p) as s:
+        assert s.schema_version == LATEST_VERSION
+        assert s.get_job(1).spec == {"name": "mid"}
+        j2 = s.add_job(user="u", name="new", spec={}, spec_fingerprint="f", sbatch={"time": 10})
+        assert s.get_job(j2).sbatch == {"time": 10}
+        assert s.check() == []

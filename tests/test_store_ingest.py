@@ -70,6 +70,15 @@ def test_partial_lines_wait_and_nothing_is_read_twice(setup):
     assert ts == sorted({json.loads(x)["t"] for x in ls})
 
 
+def test_a_symlinked_path_is_the_same_file(setup, tmp_path):
+    store, p, j, f = setup
+    append(f, b"".join(lines(p, j, 7)))
+    (tmp_path / "alias").symlink_to(f.parent)
+    assert store.ingest_spool_file(f).samples == 7
+    assert store.ingest_spool_file(tmp_path / "alias" / f.name).samples == 0
+    assert count(store) == 7
+
+
 def test_small_chunks_give_the_same_result(setup):
     store, p, j, f = setup
     append(f, b"".join(lines(p, j, 500)))
@@ -239,3 +248,37 @@ def test_sigkill_during_ingestion_then_resume_is_exactly_once(setup):
         assert count(s) == total
         assert s.conn.execute("SELECT count(DISTINCT t) FROM samples").fetchone()[0] == total
         assert s.check() == []
+
+
+def test_prune_samples_keeps_the_aggregates(setup):
+    store, p, j, _ = setup
+    store.add_samples(sample_line_dicts(p, j, 1000, t0=1e9, seed=5))  # t = 1e9 + 0.5 i
+    before = store.conn.execute("SELECT n_samples, gpu_mem_peak_bytes, sm_util_sum FROM job_usage").fetchone()
+    assert store.prune_samples(1e9 + 250, batch=128) == 500
+    assert count(store) == 500
+    assert store.conn.execute("SELECT min(t) FROM samples").fetchone()[0] == 1e9 + 250
+    after = store.conn.execute("SELECT n_samples, gpu_mem_peak_bytes, sm_util_sum FROM job_usage").fetchone()
+    assert after == before
+    u = store.usage(j)
+    assert u is not None and u.n_samples == 1000 and u.gpu_mem_peak_bytes == before[1]
+    assert store.check() == []
+    assert store.prune_samples(0) == 0
+
+
+_ONCE = """
+import sys
+from slurm_dlrm.store import Store
+Store(sys.argv[1]).ingest_spool_file(sys.argv[2], chunk_bytes=8000)
+"""
+
+
+def test_two_ingesters_on_one_file_still_read_each_line_once(setup):
+    store, p, j, f = setup
+    total = 3000
+    append(f, b"".join(lines(p, j, total)))
+    procs = [subprocess.Popen([sys.executable, "-c", _ONCE, str(store.path), str(f)], cwd=REPO)  # noqa: S603
+             for _ in range(2)]
+    assert [pr.wait(120) for pr in procs] == [0, 0]
+    assert count(store) == total
+    assert store.conn.execute("SELECT count(DISTINCT t) FROM samples").fetchone()[0] == total
+    assert store.conn.execute("SELECT lines FROM ingest_offsets").fetchone()[0] == total

@@ -221,3 +221,21 @@ def test_nested_write_rolls_back_together(store):
             raise RuntimeError("crash before commit")
     assert store.get_job(j).state == J.PENDING
     assert [e["to_state"] for e in store.events(job_id=j)] == ["PENDING"]
+
+
+def test_docs_list_exactly_the_edges_of_the_code():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "store.md").read_text()
+
+    def edges(section: str) -> set[tuple[str, str]]:
+        body = doc.split(f"### {section}\n", 1)[1].split("\n#", 1)[0]
+        out = set()
+        for line in body.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) == 3 and cells[0].isupper() and cells[1].isupper():
+                out.add((cells[0], cells[1]))
+        return out
+
+    assert edges("Jobs") == {(a.value, b.value) for a, b in JOB_TRANSITIONS}
+    assert edges("Packs") == {(a.value, b.value) for a, b in PACK_TRANSITIONS}

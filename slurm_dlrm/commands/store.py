@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -72,20 +73,32 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
         since=A.parse_time(since, "--since", now) if since else None,
         until=A.parse_time(until, "--until", now) if until else None,
     )
+    out_fmt = "json" if as_json else "csv" if as_csv else "parsable" if parsable else "table"
+    if out_fmt == "table":
+        def fetch(st: Any) -> list[Any]:
+            return A.acct_table_cells(st, f, cols, now)
+    else:
+        def fetch(st: Any) -> list[Any]:
+            return A.acct_rows(st, f, now)
     if all_users:
         from slurm_dlrm.site import load_site
 
         if db is not None:
             raise BadInput("--all-users reads the site's store folder; do not combine it with --db")
-        rows, warnings = A.acct_all_users(load_site(site_path), f, now)
+        rows, warnings = A.acct_all_users(load_site(site_path), fetch)
         for w in warnings:
             click.echo(f"slurm-dlrm acct: warning: {w}", err=True)
+        # by submit time across stores (cells rows start with submit_time, user, job_id)
+        rows.sort(key=(lambda r: tuple(r[:3])) if out_fmt == "table"
+                  else (lambda r: (r["submit_time"], r["user"], r["job_id"])))
     else:
         from slurm_dlrm.store import Store
 
         with Store(_store_path(db, site_path)) as store:
-            rows = A.acct_rows(store, f, now)
-    out_fmt = "json" if as_json else "csv" if as_csv else "parsable" if parsable else "table"
+            rows = fetch(store)
+    if out_fmt == "table":
+        click.echo(A.render_table([r[3:] for r in rows], cols, header=not noheader), nl=False)
+        return
     click.echo(A.render(rows, cols, out_fmt, header=not noheader), nl=False)
     if out_fmt == "json":
         click.echo()

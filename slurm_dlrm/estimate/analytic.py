@@ -20,7 +20,10 @@ from slurm_dlrm.estimate.timeline import (
     Tape,
     batch_bytes,
     embedding_optimizer_state_bytes,
+    is_fixed_length,
+    prefetch_depth,
     simulate_step,
+    static_parts,
 )
 from slurm_dlrm.site import GpuModel
 from slurm_dlrm.spec import JobSpec
@@ -39,20 +42,30 @@ SEGMENT_BYTES = 2 * MIB
 # the training process with the model set up but before any tensor is counted. The
 # CUDA figure adds the CUDA runtime, cuBLAS/cuDNN and fbgemm's GPU kernels mapped into
 # the host process (typical for CUDA 12 builds; calibrate from history on the site).
-HOST_RUNTIME_CPU_BYTES = 376 * MIB
+HOST_RUNTIME_CPU_BYTES = 364 * MIB
 HOST_RUNTIME_CUDA_BYTES = 1536 * MIB
-# A DataLoader worker is a forked Python with torch imported: its own RSS.
-LOADER_WORKER_BYTES = 220 * MIB
-LOADER_PREFETCH_FACTOR = 2  # torch DataLoader default prefetch_factor
-# glibc malloc keeps freed blocks below the mmap threshold; peak RSS runs above live
-# tensor bytes by this fraction (measured by benchmarks/estimator_accuracy.py).
-HOST_MALLOC_OVERHEAD = 0.0
+# The runner's loader workers are threads (slurm_dlrm/train/data.py Prefetcher): a
+# touched stack and numpy scratch each, no process of their own.
+LOADER_THREAD_BYTES = 2 * MIB
+# The runner's synthetic source (slurm_dlrm/train/data.py SyntheticBatches) draws pools
+# once: 8 batches of dense rows, labels and lengths, and per table 8 batches of ids
+# capped at one batch + 4 M. Mirrored here (that module imports torch).
+# placement uvm runs fbgemm's UVM-caching kernel on a GPU (slurm_dlrm/train/model.py):
+# an HBM cache of this share of the rows (torchrec batched_embedding_kernel default).
+UVM_CACHE_LOAD_FACTOR = 0.2
+SYNTHETIC_POOL_BATCHES = 8
+SYNTHETIC_POOL_EXTRA_IDS = 4_000_000
+# glibc malloc keeps much of what a step frees (activations, gradients) mapped: peak
+# RSS runs above the live tensor bytes by this share of the step's dynamic part
+# (least-squares fit over the 32 configs of benchmarks/estimator_accuracy.py).
+HOST_MALLOC_OVERHEAD = 0.8
 
 # Compute profile assumptions (documented in docs/estimator.md).
 GEMM_EFFICIENCY = 0.5  # small-MLP GEMMs reach about half of peak FLOP/s
 EMB_BW_EFFICIENCY = 0.4  # random row gathers reach about 40% of peak HBM bandwidth
 KERNEL_LAUNCH_S = 8e-6  # per kernel, launch + tail
 HOST_SECONDS_PER_SAMPLE = {"synthetic": 0.3e-6, "criteo-npy": 1.5e-6, "criteo-tsv": 25e-6}
+HOST_SECONDS_PER_ID = 1e-9  # gathering and concatenating int64 ids into the batch
 
 
 @dataclass(frozen=True)
@@ -85,23 +98,31 @@ class Estimate:
         return d
 
 
-def device_tables(spec: JobSpec) -> list[int]:
-    """Tables whose weights sit in device memory (placement hbm), for one rank.
+def device_tables(spec: JobSpec, all_placements: bool = False) -> list[int]:
+    """Tables whose weights sit in device memory (placement hbm), for the fullest rank.
 
-    With world_size > 1 the tables are spread table-wise, largest first onto the
-    least-loaded rank (what torchrec's greedy planner does for table-wise sharding);
-    the estimate is for the most loaded rank.
+    With world_size > 1 the runner lets torchrec's planner shard table-wise. Its
+    GreedyPerfPartitioner (torchrec 1.8, default sort by storage) takes the tables
+    largest first and puts each on the rank with the least lookup cost so far (ties:
+    the lowest rank); a fused lookup's cost is mostly its pooled output, plus a share
+    per id, and does not grow with rows. The same greedy here; the estimate is for the rank holding
+    the most bytes. `all_placements`: every table counts (a CPU run keeps them all in
+    one memory).
     """
-    hbm = [i for i, t in enumerate(spec.tables) if t.placement == "hbm"]
+    chosen = [i for i, t in enumerate(spec.tables) if all_placements or t.placement == "hbm"]
     if spec.world_size <= 1:
-        return hbm
-    loads = [0] * spec.world_size
+        return chosen
+    cost = [0.0] * spec.world_size
     owned: list[list[int]] = [[] for _ in range(spec.world_size)]
-    for i in sorted(hbm, key=lambda i: -_table_total_bytes(spec, i)):
-        r = loads.index(min(loads))
-        loads[r] += _table_total_bytes(spec, i)
+    for i in sorted(range(len(spec.tables)), key=lambda i: -_table_total_bytes(spec, i)):  # stable
+        t = spec.tables[i]
+        r = cost.index(min(cost))
+        # pooled output per table dominates, each id adds about half of it (fitted to
+        # the placements torchrec 1.8 chose on the benchmark's multi-rank configs)
+        cost[r] += t.dim * 4 * (1 + 0.5 * t.ids_per_sample)
         owned[r].append(i)
-    return sorted(owned[loads.index(max(loads))])
+    mem = [sum(_table_total_bytes(spec, i) for i in o if i in chosen) for o in owned]
+    return sorted(i for i in owned[mem.index(max(mem))] if i in chosen)
 
 
 def _table_total_bytes(spec: JobSpec, i: int) -> int:
@@ -136,23 +157,26 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
     then live in host memory and the GPU parts are zero."""
     device = "cuda" if gpu is not None else "cpu"
     # On a CPU run every table is in the one (host) memory.
-    tables = device_tables(spec) if gpu is not None else list(range(len(spec.tables)))
+    tables = device_tables(spec, all_placements=gpu is None)
     tape = _peak_tape(spec, device, tables)
     parts = {k: v for k, v in tape.at_peak.items()}
     notes: list[str] = []
     if device == "cpu" and spec.optimizer.type == "adam" and spec.optimizer.fused:
         notes.append("fused Adam is GPU-only (fbgemm CPU kernels); estimated as non-fused on the CPU")
     if spec.world_size > 1:
-        notes.append(f"world_size {spec.world_size}: tables spread table-wise; all-to-all buffers approximated")
+        notes.append(f"world_size {spec.world_size}: tables placed as torchrec's greedy partitioner would (the "
+                     "fullest rank is estimated); NCCL's own buffers are not counted (calibrate from history)")
 
     host_tables = [i for i, t in enumerate(spec.tables) if t.placement != "hbm"]
     host_table_bytes = sum(spec.tables[i].weight_bytes for i in host_tables)
     host_table_opt = embedding_optimizer_state_bytes(spec, host_tables) if host_tables else 0
     workers = spec.loader_workers
     one_batch = batch_bytes(spec)
+    pools = synthetic_pool_bytes(spec)
 
     if gpu is not None:
         gpu_breakdown = dict(parts)
+        gpu_breakdown["uvm_cache"] = uvm_cache_bytes(spec)
         gpu_breakdown["cuda_context"] = gpu.cuda_context_bytes
         gpu_breakdown["cublas_workspace"] = gpu.cublas_workspace_bytes
         gpu_breakdown["allocator_rounding"] = allocator_rounding_bytes(tape.at_peak_sizes)
@@ -161,9 +185,9 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
             "runtime": HOST_RUNTIME_CUDA_BYTES,
             "host_embedding_weights": host_table_bytes,
             "host_embedding_optimizer_state": host_table_opt,
-            "pinned_staging": (spec.prefetch_batches + 1) * one_batch,
-            "loader_workers": workers * LOADER_WORKER_BYTES,
-            "loader_prefetch": workers * LOADER_PREFETCH_FACTOR * one_batch,
+            "pinned_staging": (prefetch_depth(spec) + 1) * one_batch,
+            "loader_threads": workers * LOADER_THREAD_BYTES,
+            "synthetic_data_pools": pools,
         }
     else:
         gpu_breakdown = {}
@@ -171,9 +195,10 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
         host_breakdown = {
             "runtime": HOST_RUNTIME_CPU_BYTES,
             "tensors": tape.peak,
-            "malloc_overhead": int(tape.peak * HOST_MALLOC_OVERHEAD),
-            "loader_workers": workers * LOADER_WORKER_BYTES,
-            "loader_prefetch": workers * LOADER_PREFETCH_FACTOR * one_batch,
+            "malloc_overhead": int(max(0, tape.peak - static_bytes(spec, tables, device)) * HOST_MALLOC_OVERHEAD),
+            "loader_prefetch": prefetch_depth(spec) * one_batch,
+            "loader_threads": workers * LOADER_THREAD_BYTES,
+            "synthetic_data_pools": pools,
         }
     host_peak = sum(host_breakdown.values())
     return Estimate(
@@ -181,6 +206,46 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
         host_breakdown=host_breakdown, profile=compute_profile(spec, gpu), tensor_peak_bytes=tape.peak,
         peak_phase=tape.peak_where, gpu_model=gpu.name if gpu is not None else None, notes=tuple(notes),
     )
+
+
+def static_bytes(spec: JobSpec, tables: list[int], device: str) -> int:
+    """Bytes that live for the whole run: tables, their optimizer state, dense
+    parameters, their gradients and optimizer state."""
+    st = static_parts(spec, tables, device)
+    return (st.emb_weights + st.emb_opt_state + st.emb_grad_bucket + st.dense_params + st.dense_grads
+            + st.dense_opt_state)
+
+
+def uvm_cache_bytes(spec: JobSpec) -> int:
+    """HBM cache of UVM-cached tables: cached rows in the table's dtype, plus fbgemm's
+    cache state (int64 per slot, int32 per row; torchrec planner
+    `_calculate_cache_aux_state_sizes`)."""
+    total = 0
+    for t in spec.tables:
+        if t.placement != "uvm":
+            continue
+        slots = int(t.rows * UVM_CACHE_LOAD_FACTOR + 0.999999)
+        total += slots * t.dim * t.dtype_bytes + slots * 8 + t.rows * 4
+    return total
+
+
+def synthetic_pool_bytes(spec: JobSpec) -> int:
+    """Host bytes of the runner's synthetic data pools (numpy, outside torch)."""
+    if spec.data.type != "synthetic":
+        return 0
+    B = spec.batch_size
+    pool_rows = B * SYNTHETIC_POOL_BATCHES
+    total = pool_rows * spec.dense_features * F32 + pool_rows * F32
+    for t in spec.tables:
+        if is_fixed_length(t):
+            per_batch = B * (t.multi_hot or 1)
+        else:
+            p = float(t.pooling_factor or 1.0)
+            per_batch = int(B * p + 8 * (B * p) ** 0.5 + 16)
+            total += pool_rows * 4  # int32 lengths pool
+        n_ids = per_batch + min(per_batch * (SYNTHETIC_POOL_BATCHES - 1), SYNTHETIC_POOL_EXTRA_IDS)
+        total += n_ids * 8
+    return total
 
 
 def embedding_and_optimizer_bytes(est: Estimate) -> tuple[int, int]:
@@ -249,8 +314,10 @@ def compute_profile(spec: JobSpec, gpu: GpuModel | None) -> ComputeProfile:
     t_memory = B * (emb_bytes / (bw * EMB_BW_EFFICIENCY) + act_bytes / bw)
     t_launch = _kernels_per_step(spec) * KERNEL_LAUNCH_S
     t_gpu = t_compute + t_memory + t_launch
-    per_sample_host = HOST_SECONDS_PER_SAMPLE.get(spec.data.type, 1e-6)
-    workers = max(spec.loader_workers, 1)
+    ids_per_sample = sum(t.ids_per_sample for t in spec.tables)
+    per_sample_host = HOST_SECONDS_PER_SAMPLE.get(spec.data.type, 1e-6) + ids_per_sample * HOST_SECONDS_PER_ID
+    inline = spec.data.type == "synthetic"  # the runner makes synthetic batches in the training thread
+    workers = 1 if inline else max(spec.loader_workers, 1)
     t_host = B * per_sample_host / workers
     t_step = max(t_gpu, t_host)
     if t_host > t_gpu:
@@ -260,7 +327,7 @@ def compute_profile(spec: JobSpec, gpu: GpuModel | None) -> ComputeProfile:
     else:
         label = "memory-bound"
     busy = min(1.0, t_host / t_step)
-    host_cores = 1.0 + (spec.loader_workers * busy if spec.loader_workers else 0.0)
+    host_cores = 1.0 + (spec.loader_workers * busy if spec.loader_workers and not inline else 0.0)
     return ComputeProfile(
         flops_per_sample=flops,
         emb_bytes_per_sample=emb_bytes,

@@ -18,9 +18,9 @@ tensor and is added by the device rules in `analytic.py`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import comb
+from math import comb, sqrt
 
-from slurm_dlrm.spec import JobSpec
+from slurm_dlrm.spec import JobSpec, TableSpec
 
 F32 = 4
 I32 = 4
@@ -33,7 +33,7 @@ EMB_GRAD = "embedding_gradients"  # non-fused only: DDP bucket + the full-table 
 DENSE_PARAMS = "dense_params"
 DENSE_GRADS = "dense_grads"
 DENSE_OPT = "dense_optimizer_state"
-INPUTS = "input_batches"  # dense features, lengths, int64 ids, labels; x (1 + prefetch)
+INPUTS = "input_batches"  # dense features, lengths, int64 ids, labels of the batch in use
 INDEX_OFFSETS = "index_offsets"
 EMB_OUT = "embedding_outputs"
 EMB_OUT_GRAD = "embedding_output_grads"
@@ -118,10 +118,9 @@ class Shapes:
         else:
             top_in = D + comb(F, 2) + F  # torchrec DLRM: D + F choose 2 + F
             layers, rank = 0, 0
-        # autocast keeps activations in half precision (approximation: all of them).
-        act = 2 if spec.mixed_precision in ("fp16", "bf16") else F32
+        act = F32  # mixed precision is handled op by op in simulate_step
         return cls(B=spec.batch_size, F=F, D=D, dense_in=spec.dense_features, bottom=spec.bottom_mlp,
-                   top=spec.top_mlp, top_in=top_in, ids=sum(int(spec.batch_size * t.ids_per_sample) for t in spec.tables),
+                   top=spec.top_mlp, top_in=top_in, ids=sum(ids_per_batch(spec.batch_size, t) for t in spec.tables),
                    act_bytes=act, out_bytes=F32, dcn_layers=layers, dcn_rank=rank)
 
 
@@ -152,6 +151,30 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def dense_param_bytes(spec: JobSpec) -> int:
     return sum(_numel(s) for s in dense_param_shapes(spec)) * F32
+
+
+def is_fixed_length(t: TableSpec) -> bool:
+    """The runner's loader gives every sample the same number of ids (multi-hot, or
+    one-hot when pooling_factor is 1); otherwise lengths are Poisson(pooling_factor)."""
+    return t.multi_hot is not None or (t.pooling_factor or 1.0) == 1.0
+
+
+def ids_per_batch(batch_size: int, t: TableSpec) -> int:
+    """Ids one batch holds for one table: exact for fixed lengths; for Poisson
+    lengths the mean plus two standard deviations (a window of B lengths)."""
+    mean = batch_size * t.ids_per_sample
+    if is_fixed_length(t):
+        return int(mean)
+    return int(mean + 2 * sqrt(mean))
+
+
+def prefetch_depth(spec: JobSpec) -> int:
+    """Batches the runner's Prefetcher keeps ready besides the one in use
+    (slurm_dlrm/train/data.py): none when it has no loader threads or the source is
+    made inline (synthetic data costs microseconds a batch)."""
+    if spec.loader_workers == 0 or spec.data.type == "synthetic":
+        return 0
+    return spec.prefetch_batches
 
 
 def batch_bytes(spec: JobSpec) -> int:
@@ -210,8 +233,16 @@ def is_fused(spec: JobSpec, device: str = "cuda") -> bool:
     return spec.optimizer.fused
 
 
+def table_weight_bytes(t: TableSpec, device: str = "cuda") -> int:
+    """fbgemm-gpu-cpu 1.8.0 has no bf16 lookup, so the runner keeps bf16 tables in fp32
+    on the CPU (slurm_dlrm/train/model.py)."""
+    if device == "cpu" and t.dtype == "bf16":
+        return t.rows * t.dim * F32
+    return t.weight_bytes
+
+
 def static_parts(spec: JobSpec, device_tables: list[int], device: str = "cuda") -> StaticParts:
-    emb_w = sum(spec.tables[i].weight_bytes for i in device_tables)
+    emb_w = sum(table_weight_bytes(spec.tables[i], device) for i in device_tables)
     emb_opt = embedding_optimizer_state_bytes(spec, device_tables)
     grad_bucket = 0 if is_fused(spec, device) else emb_w
     dense = dense_param_bytes(spec)
@@ -261,63 +292,125 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     tape.alloc(dense_opt, DENSE_OPT)
     tape.alloc(st.small, OTHER)
 
-    # Input batches: the loader keeps `prefetch_batches` ready besides the one in use.
+    # The batch in use. Batches the loader threads prepare ahead (`prefetch_depth`) stay
+    # in host memory (pinned, on a GPU) until their step: see the host breakdown.
     one_batch = batch_bytes(spec)
-    tape.alloc(one_batch * spec.prefetch_batches, INPUTS)
+    if spec.data.type == "synthetic":
+        # the synthetic source's shared per-sample lengths tensors, one per fixed count
+        fixed = {t.multi_hot or 1 for t in spec.tables if is_fixed_length(t)}
+        tape.alloc(len(fixed) * B * I32, INPUTS)
     tape.where = "input"
     batch = tape.alloc(one_batch, INPUTS)
 
     # ---------------------------------------------------------------- forward
+    # Mixed precision (the runner's forward under torch.autocast): MLP and bmm inputs,
+    # weights and outputs in half precision (casts saved for backward), the embedding
+    # outputs, the interaction's cat, DCN's bias adds and the loss in fp32.
+    amp = spec.mixed_precision in ("fp16", "bf16")
+    h = 2 if amp else act
     tape.where = "forward: bottom MLP"
     relu_bottom: list[_T] = []
+    wcast_bottom: list[_T | None] = []
+    x_cast = tape.alloc(B * s.dense_in * h, ACT_BOTTOM) if amp else None  # dense input, saved
+    prev = s.dense_in
     for w in s.bottom:
-        pre = tape.alloc(B * w * act, ACT_BOTTOM)
-        relu_bottom.append(tape.alloc(B * w * act, ACT_BOTTOM))
+        wcast_bottom.append(tape.alloc((w * prev + w) * h, ACT_BOTTOM) if amp else None)
+        pre = tape.alloc(B * w * h, ACT_BOTTOM)
+        relu_bottom.append(tape.alloc(B * w * h, ACT_BOTTOM))
         tape.free(pre)
+        prev = w
 
     tape.where = "forward: embeddings"
     # KJT offsets (cached with the batch) and the per-key (F x (B+1)) offsets of the input dist
     off32 = tape.alloc((s.F * B + 1) * I32 + s.F * (B + 1) * I32, INDEX_OFFSETS)
-    off64 = tape.alloc((s.F * B + 1) * I64, INDEX_OFFSETS)  # int64 copy TBE saves for backward
-    pooled_raw = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)
-    pooled = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)  # KeyedTensor's cat of the groups
-    tape.free(pooled_raw)
+    ws = max(1, spec.world_size)
+    recv: _T | None = None
+    if ws == 1:
+        off64 = tape.alloc((s.F * B + 1) * I64, INDEX_OFFSETS)  # int64 copy TBE saves for backward
+        pooled_raw = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)
+        pooled = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)  # KeyedTensor's cat of the groups
+        tape.free(pooled_raw)
+    else:
+        # Table-wise sharding: the input all-to-all sends each table's ids to its rank,
+        # which looks up its tables for the global batch (ws x B) and sends the pooled
+        # rows back (output all-to-all). Sizes from the torchrec 1.8 allocation log.
+        f_own = len(tables)
+        ids_own = sum(ids_per_batch(B, spec.tables[i]) for i in tables)
+        local_ids = s.ids
+        perm = tape.alloc(s.F * B * I32 + local_ids * I64, INDEX_OFFSETS)  # permuted for sending
+        recv = tape.alloc(f_own * ws * B * I32 + ws * ids_own * I64, INDEX_OFFSETS)  # received
+        tape.free(perm)
+        off64 = tape.alloc((f_own * ws * B + 1) * I64, INDEX_OFFSETS)
+        out_raw = tape.alloc(ws * B * f_own * s.D * s.out_bytes, EMB_OUT)
+        buf1 = tape.alloc(ws * B * f_own * s.D * s.out_bytes, EMB_OUT)
+        buf2 = tape.alloc(ws * B * f_own * s.D * s.out_bytes, EMB_OUT)
+        tape.free(buf1, out_raw)
+        tmp = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)
+        tape.free(buf2)
+        pooled = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)
+        tape.free(tmp)
 
     tape.where = "forward: interaction"
     n_comb = (s.F + 1) * s.D
+    dcast = tape.alloc(B * s.D * act, ACT_INTER) if amp else None  # dense part promoted for the cat
     combined = tape.alloc(B * n_comb * act, ACT_INTER)  # cat(dense, sparse): B x (F+1) x D
-    dcn_saved: list[tuple[_T, _T, _T]] = []  # per layer: v (B x r), s = W v + b, x_out
+    tape.free(dcast)
+    # per DCN layer: v (B x r), s = W v + b, x_out, and (amp) the saved half cast of x_in
+    dcn_saved: list[tuple[_T, _T, _T, _T | None]] = []
+    dcn_wcasts: list[_T | None] = []
+    bmm_casts: tuple[_T | None, _T | None] = (None, None)
+    top_cast: _T | None = None
     if s.dcn_layers:
         x_prev: _T = combined
         w_prev: _T | None = None
         for _ in range(s.dcn_layers):
-            v = tape.alloc(B * s.dcn_rank * act, ACT_INTER)
-            w_out = tape.alloc(B * n_comb * act, ACT_INTER)
+            xc = tape.alloc(B * n_comb * h, ACT_INTER) if amp else None
+            dcn_wcasts.append(tape.alloc(2 * n_comb * s.dcn_rank * h, ACT_INTER) if amp else None)  # V, W
+            v = tape.alloc(B * s.dcn_rank * h, ACT_INTER)
+            w_out = tape.alloc(B * n_comb * h, ACT_INTER)
             tape.free(w_prev)  # the Python variable of the previous layer is rebound only now
             w_prev = w_out
             sb = tape.alloc(B * n_comb * act, ACT_INTER)
             m = tape.alloc(B * n_comb * act, ACT_INTER)
             x_out = tape.alloc(B * n_comb * act, ACT_INTER)
             tape.free(m)
-            dcn_saved.append((v, sb, x_out))
+            if amp and x_prev is not combined:
+                tape.free(x_prev)  # only its half cast is saved
+            dcn_saved.append((v, sb, x_out, xc))
             x_prev = x_out
         tape.free(w_prev)
         top_input = x_prev
+        if amp:
+            top_cast = tape.alloc(B * n_comb * h, ACT_TOP)
     else:
         npairs = comb(s.F + 1, 2)
-        z = tape.alloc(B * (s.F + 1) ** 2 * act, ACT_INTER)  # bmm
-        zf = tape.alloc(B * npairs * act, ACT_INTER)  # upper triangle
-        top_input = tape.alloc(B * s.top_in * act, ACT_INTER)  # cat(dense, pairs)
+        if amp:
+            bmm_casts = (tape.alloc(B * n_comb * h, ACT_INTER), tape.alloc(B * n_comb * h, ACT_INTER))
+        z = tape.alloc(B * (s.F + 1) ** 2 * h, ACT_INTER)  # bmm
+        zf = tape.alloc(B * npairs * h, ACT_INTER)  # upper triangle
+        top_input = tape.alloc(B * s.top_in * h, ACT_INTER)  # cat(dense, pairs)
+        if amp:
+            tape.free(combined)  # bmm saved its half casts instead
         tape.free(z, zf)
 
     tape.where = "forward: top MLP"
     relu_top: list[_T] = []
+    wcast_top: list[_T | None] = []
+    prev = s.top_in
     for w in s.top[:-1]:
-        pre = tape.alloc(B * w * act, ACT_TOP)
-        relu_top.append(tape.alloc(B * w * act, ACT_TOP))
+        wcast_top.append(tape.alloc((w * prev + w) * h, ACT_TOP) if amp else None)
+        pre = tape.alloc(B * w * h, ACT_TOP)
+        relu_top.append(tape.alloc(B * w * h, ACT_TOP))
         tape.free(pre)
-    logits = tape.alloc(B * s.top[-1] * F32, ACT_TOP)
+        prev = w
+    wcast_top.append(tape.alloc((s.top[-1] * prev + s.top[-1]) * h, ACT_TOP) if amp else None)
+    logits = tape.alloc(B * s.top[-1] * (h if amp else F32), ACT_TOP)
     tape.free(pooled)  # the pooled embeddings are not saved by the cat that consumed them
+    if amp:
+        if top_cast is not None:
+            tape.free(top_input)  # DCN's fp32 output; the top MLP saved its half cast
+            top_input = top_cast
+        tape.free(wcast_bottom[0])  # autocast's cache is dropped on exit; the first layer saved no weight
 
     # ---------------------------------------------------------------- backward
     tape.where = "backward: loss"
@@ -325,29 +418,46 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     t2 = tape.alloc(B * F32, BWD)
     tape.free(t2, t1)
     g = tape.alloc(B * F32, BWD)
+    if amp:
+        gh = tape.alloc(B * h, BWD)
+        tape.free(g)
+        g = gh
+
+    def wgrad(n: int) -> _T:
+        """A weight gradient: in half precision under autocast, cast back to fp32."""
+        if not amp:
+            return tape.alloc(n * F32, BWD)
+        half = tape.alloc(n * h, BWD)
+        full = tape.alloc(n * F32, BWD)
+        tape.free(half)
+        return full
 
     tape.where = "backward: top MLP"
     widths_in = [s.top_in, *s.top[:-1]]
     for j in range(len(s.top) - 1, -1, -1):
         n_out, n_in = s.top[j], widths_in[j]
         if j < len(s.top) - 1:  # hidden layer: ReLU backward first
-            gp = tape.alloc(B * n_out * act, BWD)
+            gp = tape.alloc(B * n_out * h, BWD)
             tape.free(g, relu_top[j])
             g = gp
-        gin = tape.alloc(B * n_in * act, BWD)
-        wg = tape.alloc((n_out * n_in + n_out) * F32, BWD)  # weight+bias grad, copied into the bucket
-        tape.free(g)
+        gin = tape.alloc(B * n_in * h, BWD)
+        wg = wgrad(n_out * n_in + n_out)  # weight+bias grad, copied into the bucket
+        tape.free(g, wcast_top[j])
         if j == 0:
             tape.free(top_input)
         release_wgrad(wg)
         g = gin
+    if amp and s.dcn_layers:  # back to fp32 for the cross network
+        gf = tape.alloc(B * n_comb * act, BWD)
+        tape.free(g)
+        g = gf
 
     tape.where = "backward: interaction"
     if s.dcn_layers:
         acc: _T | None = None  # gradient of x0 (= combined), accumulated over layers
         G = g
         for layer in range(s.dcn_layers - 1, -1, -1):
-            v, sb, _x_out = dcn_saved[layer]
+            v, sb, _x_out, xc = dcn_saved[layer]
             x_in = combined if layer == 0 else dcn_saved[layer - 1][2]
             gs = tape.alloc(B * n_comb * act, BWD)
             gx0 = tape.alloc(B * n_comb * act, BWD)
@@ -358,14 +468,24 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
                 new = tape.alloc(B * n_comb * act, BWD)
                 tape.free(acc, gx0)
                 acc = new
-            wg = tape.alloc((n_comb * s.dcn_rank + n_comb) * F32, BWD)
-            gv = tape.alloc(B * s.dcn_rank * act, BWD)
+            if amp:
+                gsh = tape.alloc(B * n_comb * h, BWD)
+                tape.free(gs)
+                gs = gsh
+            wg = wgrad(n_comb * s.dcn_rank + n_comb)
+            gv = tape.alloc(B * s.dcn_rank * h, BWD)
             tape.free(gs, v)
-            wg2 = tape.alloc(n_comb * s.dcn_rank * F32, BWD)
-            gxv = tape.alloc(B * n_comb * act, BWD)
+            wg2 = wgrad(n_comb * s.dcn_rank)
+            gxv = tape.alloc(B * n_comb * h, BWD)
             tape.free(gv)
+            if amp:
+                tape.free(xc)
+                gxf = tape.alloc(B * n_comb * act, BWD)
+                tape.free(gxv)
+                gxv = gxf
             release_wgrad(wg)
             release_wgrad(wg2)
+            tape.free(dcn_wcasts[layer])
             if layer > 0:
                 tape.free(x_in)
                 G_next = tape.alloc(B * n_comb * act, BWD)
@@ -377,26 +497,39 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
                     new = tape.alloc(B * n_comb * act, BWD)
                     tape.free(acc, extra)
                     acc = new
-        g_dense: _T | None = None  # a view of acc
+        g_dense: _T | None = tape.alloc(B * s.D * h, BWD) if amp else None  # else a view of acc
         g_comb = acc
     else:
         npairs = comb(s.F + 1, 2)
-        nz = tape.alloc(B * (s.F + 1) ** 2 * act, BWD)
-        ip = tape.alloc(B * (s.F + 1) ** 2 * act, BWD)
+        nz = tape.alloc(B * (s.F + 1) ** 2 * h, BWD)
+        ip = tape.alloc(B * (s.F + 1) ** 2 * h, BWD)
         tape.free(nz)
-        gb1 = tape.alloc(B * n_comb * act, BWD)
-        gb2 = tape.alloc(B * n_comb * act, BWD)
-        tape.free(ip, combined)
+        gb1 = tape.alloc(B * n_comb * h, BWD)
+        gb2 = tape.alloc(B * n_comb * h, BWD)
+        tape.free(ip, combined, *bmm_casts)
+        if amp:  # the casts' backward: both gradients back to fp32
+            f1 = tape.alloc(B * n_comb * act, BWD)
+            tape.free(gb1)
+            f2 = tape.alloc(B * n_comb * act, BWD)
+            tape.free(gb2)
+            gb1, gb2 = f1, f2
         g_comb = tape.alloc(B * n_comb * act, BWD)
         tape.free(gb1, gb2)
-        g_dense = tape.alloc(B * s.D * act, BWD)  # dense path: both cats' slices added
-        tape.free(g)
+        dc = tape.alloc(B * s.D * h, BWD) if amp else None  # the dense slice cast back to half
+        g_dense = tape.alloc(B * s.D * h, BWD)  # dense path: both cats' slices added
+        tape.free(g, dc)
 
     tape.where = "backward: embeddings"
     g_emb = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT_GRAD)  # contiguous grad for TBE
+    if ws > 1:  # the output all-to-all backwards: this rank's tables' grads for the global batch
+        g_recv = tape.alloc(ws * B * len(tables) * s.D * s.out_bytes, EMB_OUT_GRAD)
+        tape.free(g_emb)
+        g_emb = g_recv
     full_grad: _T | None = None
     if s.dcn_layers:
         tape.free(off64)
+        if amp:
+            tape.free(g_comb)
         if not fused:
             full_grad = tape.alloc(st.emb_weights, EMB_GRAD)
         tape.free(g_emb)
@@ -412,16 +545,16 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     g_in = g_dense
     widths_in = [s.dense_in, *s.bottom[:-1]]
     for i in range(len(s.bottom) - 1, -1, -1):
-        gp = tape.alloc(B * s.bottom[i] * act, BWD)
+        gp = tape.alloc(B * s.bottom[i] * h, BWD)
         tape.free(g_in, relu_bottom[i])
         if g_in is None:  # DCN: the dense grad was a view of the interaction grad
             tape.free(g_comb)
-        wg = tape.alloc((s.bottom[i] * widths_in[i] + s.bottom[i]) * F32, BWD)
+        wg = wgrad(s.bottom[i] * widths_in[i] + s.bottom[i])
         if i > 0:
-            g_in = tape.alloc(B * widths_in[i] * act, BWD)
-        tape.free(gp)
+            g_in = tape.alloc(B * widths_in[i] * h, BWD)
+        tape.free(gp, wcast_bottom[i])
         release_wgrad(wg)
-    tape.free(g_in, full_grad, *held)
+    tape.free(g_in, full_grad, x_cast, recv, *held)
 
     # ---------------------------------------------------------------- optimizer step
     tape.where = "optimizer step"
@@ -443,10 +576,12 @@ def _optimizer_temps(spec: JobSpec, tape: Tape, tables: list[int], foreach: bool
         return
     sizes = [_numel(sh) * F32 for sh in dense_param_shapes(spec)]
     if not fused:
-        emb_sizes = [spec.tables[i].rows * spec.tables[i].dim * F32 for i in tables]
+        emb_sizes = [spec.tables[i].rows * spec.tables[i].dim * F32 for i in tables]  # fp32 grads/state
         if kind == "rowwise_adagrad":  # torchrec RowWiseAdagrad: per-row temps
             emb_sizes = [spec.tables[i].rows * F32 for i in tables]
-        sizes = emb_sizes + sizes
+        # The runner hands the tables to the optimizer from a set (order varies from run
+        # to run); ascending order puts the two largest side by side: the worst case.
+        sizes = sorted(emb_sizes) + sizes
     if foreach:
         tape.alloc(sum(sizes), OPT_TEMPS)
         return

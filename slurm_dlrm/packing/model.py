@@ -70,12 +70,28 @@ class PackingLimits:
 
 
 @dataclass(frozen=True)
+class OpenGpu:
+    """A GPU already running per-job shard allocations (gres/shard) with slots left.
+
+    Only `first-fit` uses these: it models Slurm's own gres/shard, where a new job takes
+    a free shard of a busy GPU. Our packs own whole GPUs, so the service never sends any.
+    The GPU's node must be among the request's `nodes` (with `gpus=0` if it has no
+    idle GPU left) so that its free CPUs and host memory are known.
+    """
+
+    key: str
+    node_name: str
+    members: int
+
+
+@dataclass(frozen=True)
 class PackingRequest:
     jobs: tuple[JobDemand, ...]
     gpu_models: tuple[GpuModel, ...]
     nodes: tuple[NodeShape, ...]
     limits: PackingLimits = field(default_factory=PackingLimits)
     max_gpus: int | None = None  # GPUs this round may use in total (None: what nodes offer)
+    open_gpus: tuple[OpenGpu, ...] = ()
 
     def gpu_model(self, name: str) -> GpuModel:
         for g in self.gpu_models:
@@ -138,14 +154,23 @@ class Deferred:
 
 
 @dataclass(frozen=True)
+class Join:
+    """A job placed on an `OpenGpu` (first-fit's shard semantics)."""
+
+    gpu_key: str
+    member: MemberPlacement
+
+
+@dataclass(frozen=True)
 class PackingPlan:
     policy: str
     packs: tuple[Pack, ...]
     deferred: tuple[Deferred, ...]
+    joins: tuple[Join, ...] = ()
 
     @property
     def placed_job_ids(self) -> tuple[int, ...]:
-        return tuple(m.job_id for p in self.packs for m in p.members)
+        return tuple(m.job_id for p in self.packs for m in p.members) + tuple(j.member.job_id for j in self.joins)
 
     @property
     def predicted_throughput(self) -> float:
@@ -160,6 +185,7 @@ class PackingPlan:
                                    for m in p.members]}
                       for p in self.packs],
             "deferred": [{"job_id": d.job_id, "reason": d.reason, "permanent": d.permanent} for d in self.deferred],
+            "joins": [{"gpu_key": j.gpu_key, **j.member.to_placement()} for j in self.joins],
         }
 
 

@@ -29,6 +29,7 @@ from slurm_dlrm.packing.interference import (
 from slurm_dlrm.packing.model import (
     Deferred,
     JobDemand,
+    Join,
     MemberPlacement,
     Pack,
     PackingLimits,
@@ -86,8 +87,7 @@ def _expand_nodes(request: PackingRequest) -> list[_Node]:
         base = shape.name or f"{shape.gpu_model}-{shape.gpus}gpu-{i}"
         for k in range(shape.count):
             name = base if shape.count == 1 else f"{base}#{k}"
-            if shape.gpus > 0:
-                nodes.append(_Node(name, gpu, shape.gpus, shape.cpus, shape.memory_bytes))
+            nodes.append(_Node(name, gpu, shape.gpus, shape.cpus, shape.memory_bytes))
     return nodes
 
 
@@ -227,8 +227,18 @@ def _first_fit(request: PackingRequest, params: InterferenceParams) -> PackingPl
     limits = request.limits
     nodes = _expand_nodes(request)
     budget = _gpu_budget(request, nodes)
-    maxima = _node_maxima([n for n in nodes if n.free_gpus > 0])
     slots = max(1, min(limits.shards_per_gpu, limits.members_per_gpu))
+    by_name = {n.name: n for n in nodes}
+    # Busy GPUs with free shards come first, as Slurm would fill them.
+    shared: list[tuple[str, _Gpu]] = []
+    for og in request.open_gpus:
+        node = by_name.get(og.node_name)
+        if node is None:
+            raise BadInput(f"open_gpus: node {og.node_name!r} is not among the request's nodes")
+        g = _Gpu(node=node, usable_bytes=usable_gpu_bytes(node.gpu), slots=max(0, slots - og.members))
+        shared.append((og.key, g))
+    reachable = [n for n in nodes if n.free_gpus > 0 or any(g.node is n and g.slots > 0 for _, g in shared)]
+    maxima = _node_maxima(reachable)
     open_gpus: list[_Gpu] = []
     deferred: list[Deferred] = []
     blocked: list[JobDemand] = []
@@ -237,7 +247,9 @@ def _first_fit(request: PackingRequest, params: InterferenceParams) -> PackingPl
         if reason:
             deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
             continue
-        target = next((g for g in open_gpus if len(g.members) < g.slots and _host_fits(g.node, job, limits)), None)
+        target = next((g for _, g in shared if len(g.members) < g.slots and _host_fits(g.node, job, limits)), None)
+        if target is None:
+            target = next((g for g in open_gpus if len(g.members) < g.slots and _host_fits(g.node, job, limits)), None)
         if target is None and len(open_gpus) < budget:
             node = next((n for n in nodes if n.free_gpus > 0 and _host_fits(n, job, limits)), None)
             if node is not None:
@@ -248,7 +260,15 @@ def _first_fit(request: PackingRequest, params: InterferenceParams) -> PackingPl
             _block_if_urgent(blocked, job)
             continue
         _add(target, job, member_fence_bytes(job, target.node.gpu, limits), limits)
-    return _finish("first-fit", [[g] for g in open_gpus], deferred, limits, params, fenced=False, thread_caps=False)
+    result = _finish("first-fit", [[g] for g in open_gpus], deferred, limits, params, fenced=False, thread_caps=False)
+    joins = []
+    for key, g in shared:
+        whole_gpu_mib = usable_gpu_bytes(g.node.gpu) // MIB
+        for j in g.members:
+            joins.append(Join(key, MemberPlacement(
+                job_id=j.job_id, node_index=0, gpu_index=0, mps_thread_pct=100, gpu_mem_limit_mib=whole_gpu_mib,
+                host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus, predicted_speed=1.0)))
+    return PackingPlan(result.policy, result.packs, result.deferred, tuple(joins))
 
 
 def _mem_best_fit(request: PackingRequest, params: InterferenceParams) -> PackingPlan:
@@ -290,7 +310,8 @@ def _mem_best_fit(request: PackingRequest, params: InterferenceParams) -> Packin
 
 _WINDOW = 8  # candidates looked at per pick, in duration order (keeps plan() O(n))
 _SKIP_LIMIT = 64  # candidates that did not fit before a pack is closed
-_TOPUP_SCAN = 16  # leftover candidates looked at per GPU in the top-up pass
+_TOPUP_SCAN = 16
+_DURATION_WEIGHT = 3.0  # weight of |ln(duration / seed duration)| against resource fill  # leftover candidates looked at per GPU in the top-up pass
 
 # Per job, for one GPU model: (SM fraction, bandwidth fraction, fence bytes, CPUs, host bytes).
 _Vec = tuple[float, float, int, int, int]
@@ -408,11 +429,14 @@ def _complementary(request: PackingRequest, params: InterferenceParams) -> Packi
     if leftover and packs and held is None:
         taken: set[int] = set()
         light = sorted(leftover, key=lambda j: (max(_frac(j.sm_util_pct), _frac(j.membw_util_pct)), _order_key(j)))
+        head = 0
         for gpus in packs:
             for g in gpus:
                 vec = vecs[g.node.gpu.name]
                 scanned = 0
-                for job in light:
+                while head < len(light) and light[head].job_id in taken:
+                    head += 1
+                for job in light[head:head + 4 * _TOPUP_SCAN]:
                     if scanned >= _TOPUP_SCAN or len(g.members) >= g.slots:
                         break
                     if job.job_id in taken:
@@ -447,61 +471,81 @@ def _pick_chunk(candidates: list[JobDemand], vec: dict[int, _Vec], node: _Node, 
                 limits: PackingLimits) -> list[JobDemand]:
     """Members for one pack of up to `g_max` GPUs on `node`: the seed (`candidates[0]`)
     and then, among the next `_WINDOW` candidates (nearest in duration first), always the
-    one that leaves the pack's fullest resource (SM, bandwidth, GPU memory, CPUs, host
-    memory, member slots; each relative to the pack's capacity) lowest. A pack heavy on
-    SMs thus fills with bandwidth- or host-bound jobs next: the complementary pairing.
+    one with the lowest score: the pack's fullest resource after adding it (SM,
+    bandwidth, GPU memory, CPUs, host memory, member slots; each relative to the pack's
+    capacity) plus `_DURATION_WEIGHT` times its distance in log-duration from the seed.
+    A pack heavy on SMs thus fills with bandwidth- or host-bound jobs next: the
+    complementary pairing; and members end at about the same time.
     """
-    cap_sm = cap_bw = g_max * limits.target_load
+    cap_sm = g_max * limits.target_load
     cap_mem = float(g_max * usable_gpu_bytes(node.gpu))
     cap_cpu = float(node.free_cpus)
     cap_host = float(node.free_mem_bytes)
     cap_n = float(g_max * limits.members_per_gpu)
     if cap_cpu <= 0 or cap_host <= 0 or not candidates:
         return []
-    u_sm = u_bw = u_mem = u_cpu = u_host = u_n = 0.0
-    chunk: list[JobDemand] = []
-    i = 0
-    n = len(candidates)
+    seed_log = _log_duration(candidates[0])
+    # Per candidate, normalised: (sm, bw, mem, cpu, host, duration penalty).
+    rows = []
+    for job in candidates:
+        s, b, fence, cpus, host = vec[job.job_id]
+        rows.append((s / cap_sm, b / cap_sm, fence / cap_mem, cpus / cap_cpu, host / cap_host,
+                     _DURATION_WEIGHT * abs(_log_duration(job) - seed_log)))
+    s0, b0, m0, c0, h0, _ = rows[0]
+    if m0 > 1.0 + 1e-9 or c0 > 1.0 + 1e-9 or h0 > 1.0 + 1e-9:
+        return []  # the seed itself does not fit (it may overrun the SM/bandwidth target alone)
+    u_sm, u_bw, u_mem, u_cpu, u_host = s0, b0, m0, c0, h0
+    step_n = 1.0 / cap_n
+    u_n = step_n
+    chunk = [candidates[0]]
+    window = list(range(1, min(len(candidates), 1 + _WINDOW)))
+    nxt = len(window) + 1
     skipped = 0
-    window: list[JobDemand] = []
-    first = True
-    while True:
-        while len(window) < (1 if first else _WINDOW) and i < n:
-            window.append(candidates[i])
-            i += 1
-        if not window:
+    limit = 1.0 + 1e-9
+    while window:
+        n_fill = u_n + step_n
+        if n_fill > limit:
             break
-        best_k = -1
-        best_fill = math.inf
-        n_fill = (u_n + 1.0) / cap_n
-        if n_fill > 1.0 + 1e-9:
-            break
-        for k, job in enumerate(window):
-            s, b, fence, cpus, host = vec[job.job_id]
-            worst = max((u_sm + s) / cap_sm, (u_bw + b) / cap_bw, (u_mem + fence) / cap_mem,
-                        (u_cpu + cpus) / cap_cpu, (u_host + host) / cap_host, n_fill)
-            # The seed may overrun the SM/bandwidth target alone (a heavy job still runs).
-            if (worst <= 1.0 + 1e-9 or (first and (u_mem + fence) <= cap_mem and cpus <= cap_cpu and host <= cap_host)) \
-                    and worst < best_fill - 1e-12:
-                best_k, best_fill = k, worst
-        if best_k < 0:
-            if first:
-                return []
+        best_pos = -1
+        best_score = math.inf
+        for pos, k in enumerate(window):
+            r = rows[k]
+            worst = n_fill
+            v = u_sm + r[0]
+            if v > worst:
+                worst = v
+            v = u_bw + r[1]
+            if v > worst:
+                worst = v
+            v = u_mem + r[2]
+            if v > worst:
+                worst = v
+            v = u_cpu + r[3]
+            if v > worst:
+                worst = v
+            v = u_host + r[4]
+            if v > worst:
+                worst = v
+            if worst <= limit and worst + r[5] < best_score:
+                best_pos, best_score = pos, worst + r[5]
+        if best_pos < 0:
             window.pop(0)  # nothing in the window fits: look further, within a bound
             skipped += 1
             if skipped >= _SKIP_LIMIT:
                 break
-            continue
-        first = False
-        job = window.pop(best_k)
-        chunk.append(job)
-        s, b, fence, cpus, host = vec[job.job_id]
-        u_sm += s
-        u_bw += b
-        u_mem += fence
-        u_cpu += cpus
-        u_host += host
-        u_n += 1.0
+        else:
+            k = window.pop(best_pos)
+            r = rows[k]
+            u_sm += r[0]
+            u_bw += r[1]
+            u_mem += r[2]
+            u_cpu += r[3]
+            u_host += r[4]
+            u_n = n_fill
+            chunk.append(candidates[k])
+        if nxt < len(candidates):
+            window.append(nxt)
+            nxt += 1
     return chunk
 
 
@@ -516,7 +560,9 @@ def _balance(chunk: list[JobDemand], vec: dict[int, _Vec], node: _Node, g_max: i
     g = max(1, math.ceil(max(need_sm / limits.target_load, need_bw / limits.target_load, need_mem / usable,
                              len(chunk) / limits.members_per_gpu) - 1e-9))
     g = min(g, g_max)
-    order = sorted(chunk, key=lambda j: (-max(vec[j.job_id][0], vec[j.job_id][1]), -vec[j.job_id][2], j.job_id))
+    # The seed first (the pack exists for it), then heaviest first.
+    order = chunk[:1] + sorted(chunk[1:], key=lambda j: (-max(vec[j.job_id][0], vec[j.job_id][1]), -vec[j.job_id][2],
+                                                         j.job_id))
     while True:
         gpus = [_Gpu(node=node, usable_bytes=usable, slots=limits.members_per_gpu) for _ in range(g)]
         rejected: list[JobDemand] = []

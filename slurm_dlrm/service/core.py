@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slurm_dlrm.admin.marker import MODE_PACK, format_marker
 from slurm_dlrm.service.daemon import ensure_private_dir
 from slurm_dlrm.service.sbatch_options import (
     PackScript,
@@ -60,6 +61,7 @@ UNREACHABLE_MARKERS = (
 SBATCH_MARKER = "sbatch.started"
 PLACEMENT_FILE = "placement.json"
 SCRIPT_FILE = "pack.sbatch"
+SPEC_FILE = "spec.json"  # <spool_dir>/jobs/<job_id>/spec.json: what the member's `train` reads
 MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
 AGENT_MEM_MIB = 512  # host memory the agent itself needs on each node, added to --mem
 
@@ -73,6 +75,9 @@ class ServiceSettings:
     backoff_max_s: float = 60.0
     max_attempts: int = MAX_ATTEMPTS
     policy: str | None = None  # None: the site's packing.policy
+    # Batched dispatch (RMixer): plan when this long passed since the last plan, or when
+    # packing.round_batch_size jobs arrived since. None: the site's packing.round_seconds.
+    dispatch_window_s: float | None = None
 
 
 @dataclass
@@ -132,6 +137,8 @@ class PackingService:
         self.heartbeats: dict[int, float] = {}
         self.waited_rounds: dict[int, int] = {}
         self.rounds = 0
+        self._spool_ready = False
+        self.last_dispatch_t: float | None = None
 
     # ------------------------------------------------------------ the round
 
@@ -159,6 +166,8 @@ class PackingService:
             "pid": os.getpid(), "user": self.settings.user, "policy": self.policy, "rounds": self.rounds,
             "last_round_t": now, "slurm_ok": self.slurm_error is None, "slurm_error": self.slurm_error,
             "slurm_retry_in_s": None if self.slurm_error is None else round(max(0.0, self.slurm_retry_at - now), 1),
+            "next_dispatch_in_s": 0.0 if self.last_dispatch_t is None else
+            round(max(0.0, self.last_dispatch_t + self.dispatch_window_s - now), 1),
         }
 
     # ------------------------------------------------------------ Slurm availability
@@ -300,8 +309,9 @@ class PackingService:
             self.store.add_event("note", decision.reason, job_id=job_id)
 
     def _usage_peak(self, job_id: int, column: str) -> int | None:
-        row = self.store.conn.execute(f"SELECT {column} FROM job_usage WHERE job_id = ?", (job_id,)).fetchone()
-        return None if row is None or row[0] is None else int(row[0])
+        usage = self.store.usage(job_id)
+        value = None if usage is None else getattr(usage, column)
+        return None if value is None else int(value)
 
     def _requeue(self, job: Any, reason: str, t: float | None = None) -> None:
         """Back to PENDING (resumes from its checkpoint), or FAILED past the attempt bound."""
@@ -373,10 +383,7 @@ class PackingService:
         self._pack_ended(pack, ending, "no longer in squeue", stats)
 
     def _all_members_done(self, pack_id: int) -> bool:
-        from slurm_dlrm.store.states import JobState
-
-        live = self.store.jobs([JobState.PLANNED, JobState.RUNNING], user=self.settings.user)
-        return not any(j.pack_id == pack_id for j in live)
+        return not pack_member_ids(self.store, pack_id, ("PLANNED", "RUNNING"))
 
     def _pack_ended(self, pack: Any, slurm_state: str, reason: str, stats: RoundStats, *,
                     exit_code: int | None = None, nodes: str | None = None) -> None:
@@ -391,8 +398,7 @@ class PackingService:
         self.store.transition_pack(pack.id, to, why, nodes=nodes)
         stats.transitions += 1
         self.heartbeats.pop(pack.id, None)
-        live = [j for j in self.store.jobs([JobState.PLANNED, JobState.RUNNING], user=self.settings.user)
-                if j.pack_id == pack.id]
+        live = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED", "RUNNING"))]
         recoverable = slurm_state in RECOVERABLE_PACK_ENDINGS
         tail = self._output_tail(pack) if to == PackState.FAILED and not recoverable else ""
         for job in live:
@@ -427,8 +433,9 @@ class PackingService:
         if not self._slurm_available():
             return
         pending = self.store.jobs([JobState.PENDING], user=self.settings.user)
-        if not pending:
+        if not pending or not self._dispatch_due(pending):
             return
+        self.last_dispatch_t = self.clock()
         groups: dict[tuple[tuple[str, str], ...], list[Any]] = {}
         for job in pending:
             groups.setdefault(job_options(job).pack_key(), []).append(job)
@@ -436,6 +443,25 @@ class PackingService:
             if not self._slurm_available():
                 break
             self._dispatch_group(groups[key], stats)
+
+    @property
+    def dispatch_window_s(self) -> float:
+        w = self.settings.dispatch_window_s
+        return self.site.packing.round_seconds if w is None else w
+
+    def _dispatch_due(self, pending: list[Any]) -> bool:
+        """RMixer's batched dispatch: wait for a batch of jobs or the end of the window,
+        so jobs submitted one by one still share packs. The first round after a start
+        plans at once. A requeued job counts as a new arrival."""
+        from dataclasses import replace as dc_replace
+
+        from slurm_dlrm.packing.dispatch import DispatchConfig, should_run_round
+
+        cfg = dc_replace(DispatchConfig.from_site(self.site), round_seconds=self.dispatch_window_s)
+        since = self.last_dispatch_t
+        arrived = len(pending) if since is None else sum(
+            1 for j in pending if j.submit_time >= since or j.updated_time >= since)
+        return should_run_round(self.clock(), since, len(pending), arrived, cfg)
 
     def _dispatch_group(self, jobs: list[Any], stats: RoundStats) -> None:
         from slurm_dlrm.packing.dispatch import DispatchConfig, after_round, aged
@@ -540,7 +566,7 @@ class PackingService:
         from slurm_dlrm.store.states import JobState, PackState
 
         pack_dir = Path(pack.pack_dir)
-        members = [j for j in self.store.jobs([JobState.PLANNED], user=self.settings.user) if j.pack_id == pack.id]
+        members = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED",))]
         if not members:
             # every member was cancelled before sbatch: nothing to run
             self.store.transition_pack(pack.id, PackState.CANCELLED, "all members cancelled before submission")
@@ -568,23 +594,32 @@ class PackingService:
     # ------------------------------------------------------------ the pack folder
 
     def write_pack_dir(self, pack: Any, members: Sequence[Any]) -> str:
-        """placement.json, per-job files and the batch script; returns the script text."""
+        """placement.json, the members' specs and the batch script; returns the script text.
+
+        Rewritten in full before every sbatch attempt, so plain writes suffice (no fsync):
+        a service killed mid-write rewrites the folder before it submits. Only a power
+        loss after sbatch could leave a pack with a torn file; its agent then fails on the
+        placement and the members fail with that reason.
+        """
         pack_dir = Path(pack.pack_dir)
-        ensure_private_dir(self.spool_dir)
-        ensure_private_dir(pack_dir)
-        ensure_private_dir(pack_dir / "reports")
-        ensure_private_dir(pack_dir / "cancel")
-        placements = [p for p in self.store.placements(pack_id=pack.id)]
+        if not self._spool_ready:
+            ensure_private_dir(self.spool_dir)
+            self._spool_ready = True
+        # reports/ and cancel/ are made by whoever writes there first (agent, `cancel`).
+        pack_dir.mkdir(mode=0o700, exist_ok=True)
+        placements = self.store.placements(pack_id=pack.id)
         by_job = {j.id: j for j in members}
         out_members = []
         for p in sorted(placements, key=lambda p: (p.node_index, p.gpu_index, p.job_id)):
             job = by_job.get(p.job_id)
             if job is None:
                 continue  # cancelled before submission
-            job_dir = ensure_private_dir(self.spool_dir / "jobs" / str(job.id))
-            spec_path = job_dir / "spec.json"
-            _write_atomic(spec_path, json.dumps(job.spec, sort_keys=True, indent=1) + "\n")
-            command = list(job.spec.get("command") or
+            job_dir = self.spool_dir / "jobs" / str(job.id)
+            spec_path = job_dir / SPEC_FILE
+            spec = job.spec
+            if not spec_path.exists():  # `submit` wrote it, unless it died right after recording
+                write_job_spec(self.spool_dir, job.id, spec)
+            command = list(spec.get("command") or
                            [self.settings.python, "-m", "slurm_dlrm", "train", str(spec_path)])
             out_members.append({
                 "job_id": job.id, "name": job.name, "node_index": p.node_index, "gpu_index": p.gpu_index,
@@ -601,9 +636,9 @@ class PackingService:
             "sample_interval_s": agent.sample_interval_s, "host_mem_tolerance_pct": agent.host_mem_tolerance_pct,
             "term_grace_s": agent.term_grace_s, "pack_dir": str(pack_dir), "members": out_members,
         }
-        _write_atomic(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
+        _write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
         script = render_pack_script(self.pack_script(pack, out_members, [job_options(j) for j in members]))
-        _write_atomic(pack_dir / SCRIPT_FILE, script)
+        _write_private(pack_dir / SCRIPT_FILE, script)
         return script
 
     def pack_script(self, pack: Any, members: list[dict[str, Any]], options: list[SbatchOptions]) -> PackScript:
@@ -624,7 +659,7 @@ class PackingService:
             mail_type=base.mail_type, mail_user=base.mail_user, output=base.output, error=base.error,
             time_minutes=pack_time_minutes(o.time_minutes for o in options))
         return PackScript(
-            pack_name=pack.name, comment=f"slurm-dlrm pack={pack.name} pack_id={pack.id}",
+            pack_name=pack.name, comment=format_marker(MODE_PACK, pack_id=pack.id, extra={"pack": pack.name}),
             nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_node=max(1, max(cpus)) + 1,
             mem_per_node_mib=max(1, mem_mib), python=self.settings.python,
             placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,
@@ -686,8 +721,7 @@ def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
                              expect=JobState.PLANNED)
     else:
         store.add_event("note", "cancel requested; waiting for the agent", job_id=job_id, pack_id=pack.id)
-    live = [j for j in store.jobs([JobState.PLANNED, JobState.RUNNING], user=user)
-            if j.pack_id == pack.id and j.id != job_id]
+    live = [i for i in pack_member_ids(store, pack.id, ("PLANNED", "RUNNING")) if i != job_id]
     if not live and pack.slurm_job_id:
         try:
             slurm.scancel([int(pack.slurm_job_id)])
@@ -695,6 +729,30 @@ def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
             log.warning("scancel of pack %s: %s", pack.name, exc)
         return f"job {job_id} cancelled; its pack {pack.name} (Slurm job {pack.slurm_job_id}) had no other member"
     return f"job {job_id} cancel sent to its pack {pack.name}; {len(live)} other member(s) keep running"
+
+
+def pack_member_ids(store: Any, pack_id: int, states: Sequence[str]) -> list[int]:
+    """Ids of the jobs whose current pack is `pack_id`, in `states` (indexed by pack)."""
+    marks = ", ".join("?" * len(states))
+    rows = store.conn.execute(f"SELECT id FROM jobs WHERE pack_id = ? AND state IN ({marks}) ORDER BY id",
+                              (pack_id, *states)).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def write_job_spec(spool_dir: Path, job_id: int, spec: dict[str, Any]) -> Path:
+    """`<spool_dir>/jobs/<job_id>/spec.json` (folders 0700, file 0600); returns its path."""
+    job_dir = spool_dir / "jobs" / str(job_id)
+    if not job_dir.is_dir():
+        ensure_private_dir(job_dir)
+    path = job_dir / SPEC_FILE
+    _write_private(path, json.dumps(spec, sort_keys=True) + "\n")
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _write_atomic(path: Path, text: str) -> None:

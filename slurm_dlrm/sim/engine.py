@@ -31,7 +31,7 @@ from slurm_dlrm.packing.interference import (
     InterferenceParams,
     predict_speeds_from_fractions,
 )
-from slurm_dlrm.packing.model import JobDemand, NodeShape, PackingRequest
+from slurm_dlrm.packing.model import JobDemand, NodeShape, OpenGpu, PackingRequest
 from slurm_dlrm.packing.policies import plan as make_plan
 from slurm_dlrm.sim.files import SimCluster, SimJob, Workload
 from slurm_dlrm.site import MIB
@@ -58,6 +58,9 @@ class _Member:
     fence_bytes: int | None  # None: no fence (the whole GPU is reachable)
     progress_start: float
     progress: float
+    ready_at: float = math.inf
+    cpus: int = 0
+    host_mem: int = 0
     ready: bool = False
     peaked: bool = False
     peak_progress: float = 0.0
@@ -107,6 +110,20 @@ class SimResult:
     ooms: int
     rounds: int
     packs: int
+    member_s: float = 0.0  # integral of running (started, not ended) members over time
+    backlog_s: float = 0.0  # time during which jobs were waiting
+    backlog_work_s: float = 0.0  # solo-seconds of training done during that time
+
+    @property
+    def backlog_throughput_jobs_per_h(self) -> float:
+        """Solo-equivalent jobs per hour while jobs were waiting: the packing's capacity,
+        free of the start (queue filling) and the drain (too few jobs left to pack)."""
+        mean_solo = sum(j.solo_duration_s for j in self.jobs) / max(1, len(self.jobs))
+        return (self.backlog_work_s / mean_solo) / (self.backlog_s / 3600.0) if self.backlog_s > 0 and mean_solo > 0 else 0.0
+
+    @property
+    def mean_members_per_gpu(self) -> float:
+        return self.member_s / self.alloc_gpu_s if self.alloc_gpu_s > 0 else 0.0
 
     @property
     def completed(self) -> list[JobOutcome]:
@@ -154,10 +171,12 @@ class SimResult:
         return {"policy": self.policy, "workload": self.workload, "cluster": self.cluster, "gpus": self.gpus,
                 "jobs": len(self.jobs), "completed": len(self.completed),
                 "throughput_jobs_per_h": round(self.throughput_jobs_per_h, 4),
+                "backlog_throughput_jobs_per_h": round(self.backlog_throughput_jobs_per_h, 4),
                 "avg_jct_s": round(self.avg_jct_s, 1), "p95_jct_s": round(self.p95_jct_s, 1),
                 "makespan_s": round(self.makespan_s, 1), "gpu_hours": round(self.gpu_hours, 3),
                 "mean_gpu_util_pct": round(self.mean_gpu_util_pct, 2), "ooms": self.ooms,
-                "completion_rate": round(self.completion_rate, 4), "rounds": self.rounds, "packs": self.packs}
+                "completion_rate": round(self.completion_rate, 4), "rounds": self.rounds, "packs": self.packs,
+                "mean_members_per_gpu": round(self.mean_members_per_gpu, 2)}
 
 
 def _demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -> JobDemand:
@@ -203,9 +222,15 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     last_round: float | None = None
     arrived_since = 0
     tick_at: float | None = None
+    dirty = False
     rounds = ooms = packs_made = 0
-    alloc_gpu_s = busy_gpu_s = 0.0
+    alloc_gpu_s = busy_gpu_s = member_s = 0.0
+    backlog_s = backlog_work_s = 0.0  # time with jobs waiting, and solo work done then
     fenced = policy in ("mem-best-fit", "complementary")
+    # first-fit models gres/shard: each job is its own Slurm job on a shard of a GPU, so
+    # a busy GPU with a free shard takes new jobs (the other policies own whole GPUs).
+    shard_mode = policy == "first-fit"
+    shard_packs: dict[str, _Pack] = {}
 
     def gpu_bytes(node: _NodeState) -> int:
         return cluster.gpu_model(node.gpu_model).memory_bytes
@@ -230,7 +255,14 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         m.ended = True
         m.speed = 0.0
         pack.live -= 1
+        if shard_mode:
+            # Each first-fit member is its own Slurm job: its CPUs and memory come back now.
+            pack.cpus -= m.cpus
+            pack.host_mem -= m.host_mem
+            pack.node.free_cpus += m.cpus
+            pack.node.free_mem += m.host_mem
         set_speeds(gpu)
+        schedule_tick()  # a freed shard (first-fit) or, below, freed GPUs
         if pack.live == 0:
             nonlocal alloc_gpu_s
             alloc_gpu_s += pack.gpu_count * (now - pack.start_s)
@@ -238,10 +270,12 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             pack.node.free_cpus += pack.cpus
             pack.node.free_mem += pack.host_mem
             running_packs.remove(pack)
+            shard_packs.pop(str(pack.pack_id), None)
             schedule_tick()
 
     def schedule_tick() -> None:
-        nonlocal tick_at
+        nonlocal tick_at, dirty
+        dirty = True  # something changed: a round may place what the last one could not
         if pending and tick_at is None:
             base = now if last_round is None else max(now, last_round + dispatch.round_seconds)
             tick_at = base
@@ -258,16 +292,33 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         return total > gpu_bytes(node)
 
     def run_round() -> None:
-        nonlocal rounds, last_round, arrived_since, waited, next_pack_id, packs_made
+        nonlocal rounds, last_round, arrived_since, waited, next_pack_id, packs_made, dirty
         rounds += 1
+        dirty = False
         last_round = now
         arrived_since = 0
+        open_gpus = tuple(OpenGpu(key, pk.node.name, pk.live) for key, pk in sorted(shard_packs.items(), key=lambda kv: int(kv[0])))
+        with_open = {o.node_name for o in open_gpus}
         free = tuple(NodeShape(gpu_model=n.gpu_model, gpus=n.free_gpus, cpus=n.free_cpus, memory_bytes=n.free_mem,
-                               count=1, name=n.name) for n in nodes if n.free_gpus > 0)
+                               count=1, name=n.name) for n in nodes if n.free_gpus > 0 or n.name in with_open)
         request = PackingRequest(jobs=aged(sorted(pending.values(), key=lambda d: d.job_id), waited, dispatch),
-                                 gpu_models=cluster.gpu_models, nodes=free, limits=limits)
+                                 gpu_models=cluster.gpu_models, nodes=free, limits=limits, open_gpus=open_gpus)
         result = make_plan(request, policy, plan_params)
         waited = after_round(waited, result)
+        for jn in result.joins:
+            pack = shard_packs[jn.gpu_key]
+            job = jobs[jn.member.job_id]
+            start = progress_saved.get(job.job_id, 0.0)
+            member = _Member(job, None, start, start, ready_at=now + slurm.submit_to_start_s + slurm.member_startup_s,
+                             cpus=jn.member.cpus, host_mem=jn.member.host_mem_limit_bytes)
+            pack.gpus[0].members.append(member)
+            pack.live += 1
+            pack.cpus += jn.member.cpus
+            pack.host_mem += jn.member.host_mem_limit_bytes
+            pack.node.free_cpus -= jn.member.cpus
+            pack.node.free_mem -= jn.member.host_mem_limit_bytes
+            del pending[job.job_id]
+            push(member.ready_at, _MEMBER_READY, pack)
         for pk in result.packs:
             node = by_name[pk.node_name]
             node.free_gpus -= pk.gpu_count
@@ -284,9 +335,13 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                 if fence is not None and fence >= whole:
                     fence = None
                 start = progress_saved.get(job.job_id, 0.0)
-                gpus[mp.gpu_index].members.append(_Member(job, fence, start, start))
+                ready_at = now + slurm.submit_to_start_s + slurm.member_startup_s
+                gpus[mp.gpu_index].members.append(_Member(job, fence, start, start, ready_at=ready_at, cpus=mp.cpus,
+                                                          host_mem=mp.host_mem_limit_bytes))
                 pack.live += 1
                 del pending[job.job_id]
+            if shard_mode:
+                shard_packs[str(pack.pack_id)] = pack
             push(now + slurm.submit_to_start_s, _PACK_START, pack)
         for d in result.deferred:
             reason = d.reason
@@ -310,6 +365,13 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         if t_next == math.inf or t_next - first_arrival > max_sim_s:
             break
         dt = t_next - now
+        if dt > 0 and pending:
+            backlog_s += dt
+            for pack in running_packs:
+                for gpu in pack.gpus:
+                    for m in gpu.members:
+                        if m.ready and not m.ended:
+                            backlog_work_s += m.speed * dt
         if dt > 0:
             for pack in running_packs:
                 if pack.start_s <= now:
@@ -317,6 +379,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                         use = 0.0
                         for m in gpu.members:
                             if m.ready and not m.ended:
+                                member_s += dt
                                 m.progress += m.speed * dt
                                 use += min(1.0, m.job.true_sm_util_pct / 100.0) * m.speed
                         busy_gpu_s += min(1.0, use) * dt
@@ -371,16 +434,17 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                 assert isinstance(payload, _Pack)
                 for gpu in payload.gpus:
                     for m in gpu.members:
-                        if not m.ended:
+                        if not m.ended and not m.ready and m.ready_at <= now + _EPS:
                             m.ready = True
                             m.peak_progress = min(m.progress_start + m.job.peak_at_frac * m.job.solo_duration_s,
                                                   m.job.solo_duration_s)
                     set_speeds(gpu)
         # Dispatch.
-        any_free = any(n.free_gpus > 0 for n in nodes)
-        if any_free and should_run_round(now, last_round, len(pending), arrived_since, dispatch):
+        slots = max(1, min(limits.shards_per_gpu, limits.members_per_gpu))
+        any_free = any(n.free_gpus > 0 for n in nodes) or any(pk.live < slots for pk in shard_packs.values())
+        if dirty and any_free and should_run_round(now, last_round, len(pending), arrived_since, dispatch):
             run_round()
-        if pending and tick_at is None and any_free:
+        if dirty and pending and tick_at is None and any_free:
             schedule_tick()
         if not events and not running_packs and not pending:
             break
@@ -398,7 +462,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                                    oom_of.get(j.job_id, 0)))
     return SimResult(policy=policy, workload=workload.name, cluster=cluster.name, gpus=cluster.gpu_count,
                      jobs=tuple(outcomes), first_arrival_s=first_arrival, end_s=now, alloc_gpu_s=alloc_gpu_s,
-                     busy_gpu_s=busy_gpu_s, ooms=ooms, rounds=rounds, packs=packs_made)
+                     busy_gpu_s=busy_gpu_s, ooms=ooms, rounds=rounds, packs=packs_made, member_s=member_s,
+                     backlog_s=backlog_s, backlog_work_s=backlog_work_s)
 
 
 def _could_ever_fit(job: SimJob, gpu_mem_bytes: int, node: object, cluster: SimCluster) -> bool:

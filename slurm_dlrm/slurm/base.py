@@ -22,7 +22,10 @@ class SlurmError(DlrmError):
         self.command = list(command)
         self.returncode = returncode
         self.stderr = stderr
-        detail = message or (stderr.strip().splitlines() or ["no message"])[-1]
+        # The last few stderr lines: sbatch prints a job_submit plugin's reason
+        # (slurm.log_user) on a line before the generic "Batch job submission failed".
+        lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+        detail = message or (" | ".join(lines[-3:]) if lines else "no message")
         super().__init__(f"{self.command[0] if self.command else 'slurm'} failed "
                          f"(exit {returncode}): {detail}")
 

@@ -119,7 +119,12 @@ class SlurmClient:
         return records[0] if records else {}
 
     def sacct(self, job_ids: Sequence[int], fields: Sequence[str] | None = None) -> list[AcctRow]:
-        """Accounting rows of the jobs and all their steps (needs slurmdbd)."""
+        """Accounting rows of the jobs and all their steps (needs slurmdbd).
+
+        With `--duplicates`, a requeued job has one row per run (same JobID, oldest
+        first); take the last. Right after a job ends the rows can lag (slurmctld
+        reports to slurmdbd asynchronously): poll rather than read once.
+        """
         if not job_ids:
             return []
         cols = list(fields or DEFAULT_SACCT_FIELDS)

@@ -1,8 +1,8 @@
 """`FakeSlurm`: a stateful stand-in for `SlurmClient` in unit tests.
 
 It follows what the real Slurm 22.05 commands do, as far as callers can see: job ids
-count up, jobs start PENDING, `scancel` of an unknown id fails, `requeue` of a pending
-job fails, `sacct` without accounting raises `AccountingDisabled`, jobs vanish from
+count up, jobs start PENDING, `scancel` of an unknown or ended job is a silent no-op,
+`requeue` of a pending job fails, more GPUs per node than a node has is refused, `sacct` without accounting raises `AccountingDisabled`, jobs vanish from
 `squeue` once "purged" (MinJobAge) but stay in `sacct`. Tests move jobs through states
 with `start`, `finish`, `set_state`, `add_step` and `purge`, and read back what was
 submitted from `submitted`. `fail_next` injects an error into the next call of a method;
@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from slurm_dlrm.site import expand_hostlist
 from slurm_dlrm.slurm.base import (
     AccountingDisabled,
     AcctRow,
@@ -26,6 +27,7 @@ from slurm_dlrm.slurm.base import (
     SlurmTimeout,
 )
 from slurm_dlrm.slurm.client import DEFAULT_SACCT_FIELDS
+from slurm_dlrm.slurm.parse import compress_hostlist
 from slurm_dlrm.slurm.states import JobState, to_job_state
 
 
@@ -155,12 +157,12 @@ class FakeSlurm:
         j = self.job(job_id)
         if j.state is not JobState.PENDING:
             raise ValueError(f"job {job_id} is {j.slurm_state}, not PENDING")
+        if j.num_nodes > len(self.node_names):
+            raise ValueError(f"job {job_id} wants {j.num_nodes} nodes; the fake has {len(self.node_names)}")
         j.slurm_state, j.reason, j.start_time = "RUNNING", "None", self._now()
-        if nodes is None:
-            names = self.node_names[:j.num_nodes]
-            nodes = names[0] if len(names) == 1 else ",".join(names)
-        j.nodes = nodes
-        j.steps.append(FakeStep("batch", "batch", "RUNNING", nodes=nodes.split(",")[0]))
+        names = self.node_names[:j.num_nodes] if nodes is None else expand_hostlist(nodes)
+        j.nodes = compress_hostlist(names)  # "node[1-2]", as Slurm prints it
+        j.steps.append(FakeStep("batch", "batch", "RUNNING", nodes=names[0]))
 
     def finish(self, job_id: int, exit_code: int = 0) -> None:
         """The batch script exits: COMPLETED on 0, else FAILED."""
@@ -219,9 +221,13 @@ class FakeSlurm:
             raise SlurmError(["sbatch", "--parsable", *args], 1,
                              "sbatch: error: invalid partition specified: " + partition)
         num_nodes = int(opts.get("nodes", "1").split("-", 1)[0])
-        if num_nodes > len(self.node_names):
+        # 22.05.8 with default EnforcePartLimits accepts more nodes than the partition
+        # has (the job just pends), but refuses more GPUs per node than a node has.
+        gres = opts.get("gres", "")
+        if gres.startswith("gpu:") and gres.rsplit(":", 1)[-1].isdigit() \
+                and int(gres.rsplit(":", 1)[-1]) > self.gpus_per_node:
             raise SlurmError(["sbatch", "--parsable", *args], 1, "sbatch: error: Batch job submission failed: "
-                             "Node count specification invalid")
+                             "Requested node configuration is not available")
         job_id = self._next_id
         self._next_id += 1
         j = FakeJob(job_id=job_id, name=opts.get("job-name", "sbatch"), script=script_text, args=list(args),
@@ -280,11 +286,9 @@ class FakeSlurm:
         self._enter("scancel", tuple(job_ids), signal, full)
         for jid in job_ids:
             j = self.jobs.get(jid)
-            if j is None or j.purged:
-                raise SlurmError(["scancel", str(jid)], 1,
-                                 f"scancel: error: Kill job error on job id {jid}: Invalid job id specified")
-            if j.state.is_terminal:
-                continue  # real scancel is silent for jobs that already ended
+            # scancel 22.05.8 exits 0 silently for unknown ids and for jobs that ended.
+            if j is None or j.purged or j.state.is_terminal:
+                continue
             if signal is not None:
                 j.signals_sent.append(signal)
                 continue
@@ -293,12 +297,13 @@ class FakeSlurm:
     def requeue(self, job_id: int) -> None:
         self._enter("requeue", job_id)
         j = self.jobs.get(job_id)
+        # Messages as scontrol 22.05.8 prints them (exit 1).
         if j is None or j.purged:
             raise SlurmError(["scontrol", "requeue", str(job_id)], 1,
-                             f"Requeue of JobId={job_id} failed: Invalid job id specified")
+                             f"Invalid job id specified for job {job_id}")
         if j.state is JobState.PENDING:
             raise SlurmError(["scontrol", "requeue", str(job_id)], 1,
-                             f"Requeue of JobId={job_id} failed: Job is pending execution")
+                             f"Job is pending execution for job {job_id}")
         j.slurm_state, j.reason, j.nodes = "PENDING", "BeginTime", ""
         j.restart_count += 1
         j.start_time = j.end_time = None
@@ -309,7 +314,7 @@ class FakeSlurm:
         busy: dict[str, int] = {}
         for j in self.jobs.values():
             if j.state is JobState.RUNNING:
-                for n in j.nodes.split(","):
+                for n in expand_hostlist(j.nodes):
                     busy[n] = busy.get(n, 0) + 1
         gres = f"gpu:{self.gpu_type}:{self.gpus_per_node}" if self.gpus_per_node else ""
         return [NodeInfo(name=n, state="mixed" if busy.get(n) else "idle",
@@ -325,7 +330,7 @@ class FakeSlurm:
         for state in sorted({n.state for n in nodes}):
             names = [n.name for n in nodes if n.state == state]
             rows.append(PartitionRow(partition=self.partition, available="up", state=state,
-                                     nodes=",".join(names), num_nodes=len(names), cpus=32, memory_mib=256000,
+                                     nodes=compress_hostlist(names), num_nodes=len(names), cpus=32, memory_mib=256000,
                                      gres=nodes[0].gres, time_limit="1-00:00:00", default=True))
         return rows
 

@@ -262,3 +262,31 @@ def parse_sacct_exit_code(value: str) -> tuple[int | None, int | None]:
     if sig.isdigit() and int(sig):
         return None, int(sig)
     return (int(code), None) if code.isdigit() else (None, None)
+
+
+def compress_hostlist(names: Sequence[str]) -> str:
+    """``["node1", "node2", "node4", "gpu"]`` -> ``"gpu,node[1-2,4]"``, as Slurm prints
+    node lists (the inverse of `slurm_dlrm.site.expand_hostlist` for one number per name)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    plain: list[str] = []
+    for name in dict.fromkeys(names):
+        m = re.fullmatch(r"(.*?)(\d+)([^\d]*)", name)
+        if m is None:
+            plain.append(name)
+        else:
+            groups.setdefault((m.group(1), m.group(3)), []).append(m.group(2))
+    parts = list(plain)
+    for (prefix, suffix), nums in groups.items():
+        if len(nums) == 1:
+            parts.append(f"{prefix}{nums[0]}{suffix}")
+            continue
+        ordered = sorted(nums, key=lambda n: (int(n), len(n)))
+        ranges: list[list[str]] = []
+        for n in ordered:
+            if ranges and int(n) == int(ranges[-1][-1]) + 1 and len(n) == len(ranges[-1][-1]):
+                ranges[-1].append(n)
+            else:
+                ranges.append([n])
+        spans = ",".join(r[0] if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in ranges)
+        parts.append(f"{prefix}[{spans}]{suffix}")
+    return ",".join(sorted(parts))

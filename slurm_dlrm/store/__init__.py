@@ -29,6 +29,7 @@ from slurm_dlrm.store.states import (
 from slurm_dlrm.store.store import (
     CalibrationRow,
     Job,
+    JobUsage,
     NewPlacement,
     Pack,
     Placement,
@@ -39,7 +40,7 @@ from slurm_dlrm.store.store import (
 
 __all__ = [
     "JOB_TERMINAL", "JOB_TRANSITIONS", "PACK_ACTIVE", "PACK_TERMINAL", "PACK_TRANSITIONS",
-    "CalibrationRow", "IllegalTransition", "IngestResult", "Job", "JobState", "NewPlacement",
+    "CalibrationRow", "IllegalTransition", "IngestResult", "Job", "JobState", "JobUsage", "NewPlacement",
     "OnRecord", "Pack", "PackState", "Placement", "SchemaTooNew", "StaleState", "Store",
     "StoreBusy", "StoreError", "UnknownEntity", "current_user", "ingest_pack_reports",
     "record_as_event", "store_path_for",

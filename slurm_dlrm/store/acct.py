@@ -23,9 +23,10 @@ from typing import Any
 
 from slurm_dlrm.errors import BadInput
 from slurm_dlrm.site import SiteConfig
+from slurm_dlrm.store import queries
 from slurm_dlrm.store.db import DB_FILENAME
 from slurm_dlrm.store.errors import StoreError
-from slurm_dlrm.store.states import JOB_TERMINAL, JobState, parse_job_state
+from slurm_dlrm.store.states import JobState, parse_job_state
 from slurm_dlrm.store.store import Store
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("MaxSM", "sm_util_max", "pct", "max SM utilisation, %"),
     Column("MeanCPU", "host_cpu_mean", "pct", "mean host CPU, % of one core"),
     Column("SamplesPerSec", "samples_per_s_mean", "rate", "mean training throughput, samples/s"),
-    Column("NSamples", "n_samples", "int", "monitoring samples stored"),
+    Column("NSamples", "n_samples", "int", "monitoring samples recorded (pruned ones included)"),
     Column("GPUHours", "gpu_hours", "hours", "GPU-hours charged (shared GPUs split)"),
     Column("ExclGPUHours", "excl_gpu_hours", "hours", "GPU-hours it would take on its own GPUs"),
     Column("GPUHoursSaved", "gpu_hours_saved", "hours", "ExclGPUHours - GPUHours"),
@@ -153,52 +154,96 @@ def parse_job_ids(text: str) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------- rows
 
+def _params(store: Store, f: AcctFilter, now: float) -> dict[str, Any] | None:
+    """Named-query parameters for `f`; None if nothing can match (unknown pack name)."""
+    pack_id: int | None = None
+    if f.pack is not None:
+        if f.pack.isdigit():
+            pack_id = int(f.pack)
+        else:
+            p = store.find_pack_by_name(f.pack)
+            if p is None:
+                return None
+            pack_id = p.id
+    return {
+        "now": now,
+        "job_ids": None if f.job_ids is None else json.dumps(list(f.job_ids)),
+        "states": None if f.states is None else json.dumps([s.value for s in f.states]),
+        "users": None if f.users is None else json.dumps(list(f.users)),
+        "pack_id": pack_id, "since": f.since, "until": f.until,
+    }
+
+
 def acct_rows(store: Store, f: AcctFilter, now: float | None = None) -> list[dict[str, Any]]:
-    """One dict per job (keys: `Column.key`), derived columns computed."""
+    """One dict per job (keys: `Column.key`); the derived columns come from the SQL."""
     now = store.clock() if now is None else now
     with store.read():
-        pack_id: int | None = None
-        if f.pack is not None:
-            if f.pack.isdigit():
-                pack_id = int(f.pack)
-            else:
-                p = store.find_pack_by_name(f.pack)
-                if p is None:
-                    return []
-                pack_id = p.id
-        rows = store.query("acct", {
-            "now": now,
-            "job_ids": None if f.job_ids is None else json.dumps(list(f.job_ids)),
-            "states": None if f.states is None else json.dumps([s.value for s in f.states]),
-            "users": None if f.users is None else json.dumps(list(f.users)),
-            "pack_id": pack_id, "since": f.since, "until": f.until,
-        })
-    terminal = {s.value for s in JOB_TERMINAL}
-    for r in rows:
-        r["job_id"] = r.pop("id")
-        submit, start, end = r["submit_time"], r["start_time"], r["end_time"]
-        if start is not None:
-            r["wait_s"] = start - submit
-        else:
-            r["wait_s"] = (end if r["state"] in terminal and end is not None else now) - submit
-        if r["run_s"] is None:
-            r["run_s"] = 0.0
-        if r["slurm_job_id"] is None and r["pack_slurm_job_id"] is not None:
-            step = r["slurm_step"]
-            r["slurm_job_id"] = r["pack_slurm_job_id"] + (f".{step}" if step else "")
-        charged = (r["charged_gpu_s"] or 0.0) / 3600.0
-        # Slowdown correction: a job that ran at half its solo throughput would have
-        # needed half the time alone. Capped at 1; without both numbers, no correction.
-        solo, sps = r["est_solo_samples_per_s"], r["samples_per_s_mean"]
-        # Only for jobs that shared a GPU: alone, a job runs at its own solo speed by
-        # definition, whatever the estimate says.
-        shared = (r["max_members"] or 0) > 1
-        factor = min(1.0, sps / solo) if shared and solo and sps else 1.0
-        excl = (r["gpu_run_s"] or 0.0) * factor / 3600.0
-        r["gpu_hours"] = charged
-        r["excl_gpu_hours"] = excl
-        r["gpu_hours_saved"] = excl - charged
-    return rows
+        params = _params(store, f, now)
+        return [] if params is None else store.query("acct", params)
+
+
+def _sql_dur(s: str) -> str:
+    # the whole-second expression is repeated rather than put in a subquery: a scalar
+    # subquery per cell costs more than the arithmetic
+    return (f"CASE WHEN {s} < 86400 THEN printf('%02d:%02d:%02d', {s} / 3600, {s} % 3600 / 60, {s} % 60) "
+            f"ELSE printf('%d-%02d:%02d:%02d', {s} / 86400, {s} % 86400 / 3600, {s} % 3600 / 60, {s} % 60) END")
+
+
+# Table cells are formatted by SQLite (printf/strftime in C): for 10,000 jobs this
+# halves the CPU time of `acct` compared with formatting 160,000 cells in Python.
+_SQL_HUMAN: dict[str, Callable[[str], str]] = {
+    "str": lambda x: f"CAST({x} AS TEXT)",
+    "int": lambda x: f"CAST({x} AS TEXT)",
+    "bytes": lambda x: (
+        f"CASE WHEN abs({x}) >= 1099511627776 THEN printf('%.1fT', {x} / 1099511627776.0) "
+        f"WHEN abs({x}) >= 1073741824 THEN printf('%.1fG', {x} / 1073741824.0) "
+        f"WHEN abs({x}) >= 1048576 THEN printf('%.1fM', {x} / 1048576.0) "
+        f"WHEN abs({x}) >= 1024 THEN printf('%.1fK', {x} / 1024.0) ELSE CAST(CAST({x} AS INTEGER) AS TEXT) END"
+    ),
+    "pct": lambda x: f"printf('%.1f', {x})",
+    "rate": lambda x: f"printf('%.0f', {x})",
+    "hours": lambda x: f"printf('%.3f', {x})",
+    # [D-]HH:MM:SS like sacct; never negative (clock skew between hosts)
+    "dur": lambda x: _sql_dur(f"max(0, CAST({x} + 0.5 AS INTEGER))"),
+    "time": lambda x: f"strftime('%Y-%m-%dT%H:%M:%S', {x}, 'unixepoch', 'localtime')",
+}
+
+
+def acct_table_cells(store: Store, f: AcctFilter, cols: Sequence[tuple[Column, int | None]],
+                     now: float | None = None) -> list[tuple[Any, ...]]:
+    """Rows of formatted cells (strings), each prefixed with (submit_time, user, job_id)."""
+    now = store.clock() if now is None else now
+    # Column keys and kinds come from COLUMNS, never from the user: safe to splice.
+    cells = ", ".join(f"coalesce({_SQL_HUMAN[c.kind](c.key)}, '')" for c, _ in cols)
+    sql = f"SELECT submit_time, user, job_id, {cells} FROM ({queries.ACCT})"
+    with store.read():
+        params = _params(store, f, now)
+        if params is None:
+            return []
+        return store.conn.execute(sql, params).fetchall()
+
+
+def acct_table(store: Store, f: AcctFilter, cols: Sequence[tuple[Column, int | None]],
+               now: float | None = None, header: bool = True) -> str:
+    """`slurm-dlrm acct` as a table, for one store."""
+    return render_table([r[3:] for r in acct_table_cells(store, f, cols, now)], cols, header)
+
+
+def render_table(cell_rows: Sequence[Sequence[str]], cols: Sequence[tuple[Column, int | None]],
+                 header: bool = True) -> str:
+    """Right-aligned columns (sacct style); a given width truncates with '+'."""
+    padded: list[list[str]] = []
+    heads: list[str] = []
+    for i, (c, width) in enumerate(cols):
+        cells = [r[i] for r in cell_rows]
+        w = width if width is not None else max([len(c.name), *map(len, cells)])
+        if width is not None:
+            cells = [s if len(s) <= w else s[: w - 1] + "+" for s in cells]
+        padded.append([s.rjust(w) for s in cells])
+        heads.append(c.name[:w].rjust(w))
+    lines = [" ".join(heads), " ".join("-" * len(h) for h in heads)] if header else []
+    lines += map(" ".join, zip(*padded, strict=True))
+    return "\n".join(lines) + ("\n" if lines else "")
 
 
 # ---------------------------------------------------------------- all users
@@ -236,10 +281,10 @@ def discover_user_stores(site: SiteConfig) -> list[tuple[str, Path]]:
     return sorted(found.values())
 
 
-def acct_all_users(site: SiteConfig, f: AcctFilter, now: float | None = None) -> tuple[list[dict[str, Any]], list[str]]:
-    """Rows from every readable store (opened read-only) and one warning per skipped store."""
-    now = time.time() if now is None else now
-    rows: list[dict[str, Any]] = []
+def acct_all_users(site: SiteConfig, fetch: Callable[[Store], list[Any]]) -> tuple[list[Any], list[str]]:
+    """`fetch(store)` over every readable store (opened read-only), and one warning per
+    store skipped. `fetch` is `acct_rows` or `acct_table_cells` with its arguments bound."""
+    rows: list[Any] = []
     warnings: list[str] = []
     for user, path in discover_user_stores(site):
         if not os.access(path, os.R_OK):
@@ -247,46 +292,13 @@ def acct_all_users(site: SiteConfig, f: AcctFilter, now: float | None = None) ->
             continue
         try:
             with Store(path, readonly=True) as st:
-                rows.extend(acct_rows(st, f, now))
+                rows.extend(fetch(st))
         except StoreError as exc:
             warnings.append(f"{user}: {exc}; skipped")
-    rows.sort(key=lambda r: (r["submit_time"], r["user"], r["job_id"]))
     return rows, warnings
 
 
 # ---------------------------------------------------------------- rendering
-
-def _human_bytes(v: float) -> str:
-    a = abs(v)
-    if a >= 1 << 40:
-        return f"{v / (1 << 40):.1f}T"
-    if a >= 1 << 30:
-        return f"{v / (1 << 30):.1f}G"
-    if a >= 1 << 20:
-        return f"{v / (1 << 20):.1f}M"
-    if a >= 1 << 10:
-        return f"{v / (1 << 10):.1f}K"
-    return f"{int(v)}"
-
-
-def _human_dur(v: float) -> str:
-    s = int(round(v))
-    days, s = divmod(s, 86400)
-    h, s = divmod(s, 3600)
-    m, s = divmod(s, 60)
-    return f"{days}-{h:02d}:{m:02d}:{s:02d}" if days else f"{h:02d}:{m:02d}:{s:02d}"
-
-
-def _human_time(v: float) -> str:
-    return datetime.fromtimestamp(v).strftime("%Y-%m-%dT%H:%M:%S")
-
-
-_HUMAN: dict[str, Callable[[Any], str]] = {
-    "str": str, "int": str, "bytes": _human_bytes, "pct": lambda v: f"{v:.1f}",
-    "dur": _human_dur, "time": _human_time, "hours": lambda v: f"{v:.3f}",
-    "rate": lambda v: f"{v:.0f}",
-}
-
 
 def raw_value(col: Column, v: Any) -> Any:
     """Machine-readable value: bytes and counts as ints, seconds and % as numbers, times ISO 8601."""
@@ -305,38 +317,27 @@ def raw_value(col: Column, v: Any) -> Any:
 
 def render(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[Column, int | None]], fmt: str,
            header: bool = True) -> str:
-    """fmt: table | json | csv | parsable (``|``-separated raw values, like sacct -P)."""
+    """Raw values as fmt: json | csv | parsable (``|``-separated, like sacct -P).
+
+    The human table is `render_table` over `acct_table_cells`.
+    """
     if fmt == "json":
         return json.dumps([{c.name: raw_value(c, r.get(c.key)) for c, _ in cols} for r in rows], indent=1)
-    if fmt in ("csv", "parsable"):
-        buf = io.StringIO()
-        if fmt == "csv":
-            writer = csv.writer(buf, lineterminator="\n")
-            if header:
-                writer.writerow([c.name for c, _ in cols])
-            for r in rows:
-                writer.writerow(["" if (v := raw_value(c, r.get(c.key))) is None else v for c, _ in cols])
-        else:
-            if header:
-                buf.write("|".join(c.name for c, _ in cols) + "\n")
-            for r in rows:
-                buf.write("|".join("" if (v := raw_value(c, r.get(c.key))) is None else str(v)
-                                   for c, _ in cols) + "\n")
+    buf = io.StringIO()
+    if fmt == "csv":
+        writer = csv.writer(buf, lineterminator="\n")
+        if header:
+            writer.writerow([c.name for c, _ in cols])
+        for r in rows:
+            writer.writerow(["" if (v := raw_value(c, r.get(c.key))) is None else v for c, _ in cols])
         return buf.getvalue()
-    # Column by column with comprehensions: 10,000 rows x 16 columns in a few tens of ms.
-    padded: list[list[str]] = []
-    heads: list[str] = []
-    for c, width in cols:
-        conv, key = _HUMAN[c.kind], c.key
-        cells = [conv(v) if (v := r.get(key)) is not None else "" for r in rows]
-        w = width if width is not None else max([len(c.name), *map(len, cells)])
-        if width is not None:
-            cells = [s if len(s) <= w else s[: w - 1] + "+" for s in cells]
-        padded.append([s.rjust(w) for s in cells])
-        heads.append(c.name[:w].rjust(w))
-    lines = [" ".join(heads), " ".join("-" * len(h) for h in heads)] if header else []
-    lines += map(" ".join, zip(*padded, strict=True))
-    return "\n".join(lines) + ("\n" if lines else "")
+    if fmt != "parsable":
+        raise ValueError(f"unknown format {fmt!r}")
+    if header:
+        buf.write("|".join(c.name for c, _ in cols) + "\n")
+    for r in rows:
+        buf.write("|".join("" if (v := raw_value(c, r.get(c.key))) is None else str(v) for c, _ in cols) + "\n")
+    return buf.getvalue()
 
 
 def columns_help() -> str:

@@ -11,6 +11,8 @@ test in tests/test_store_migrations.py that opens a store at the previous versio
 
 from __future__ import annotations
 
+import sqlite3
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from slurm_dlrm.store.states import JobState, PackState
@@ -21,6 +23,8 @@ class Migration:
     version: int
     description: str
     statements: tuple[str, ...]
+    # Python for what plain SQL cannot say (conditional steps); runs after `statements`.
+    apply: Callable[[sqlite3.Connection], None] | None = None
 
 
 def _in(values: type[JobState] | type[PackState]) -> str:
@@ -59,12 +63,14 @@ _V1 = (
         name TEXT NOT NULL,
         state TEXT NOT NULL CHECK (state IN ({_in(JobState)})),
         attempt INTEGER NOT NULL DEFAULT 0, -- times it was requeued after running
+        spec_json TEXT NOT NULL,
         spec_fingerprint TEXT NOT NULL,
         gpu_model TEXT,
         est_gpu_peak_bytes INTEGER,
         est_host_peak_bytes INTEGER,
         est_profile_label TEXT,
         est_solo_samples_per_s REAL,
+        estimate_json TEXT,                 -- Estimate.to_dict(): breakdowns and profile
         gpu_mem_request_bytes INTEGER,      -- what packing reserves; raised after an OOM
         host_mem_request_bytes INTEGER,
         submit_time REAL NOT NULL,
@@ -76,15 +82,6 @@ _V1 = (
         exit_code INTEGER,
         exit_reason TEXT,
         updated_time REAL NOT NULL
-    )
-    """,
-    # The documents, apart: a job row stays small, so scanning 10,000 jobs for acct
-    # does not read kilobytes of spec per job.
-    """
-    CREATE TABLE job_specs (
-        job_id INTEGER PRIMARY KEY REFERENCES jobs(id),
-        spec_json TEXT NOT NULL,
-        estimate_json TEXT                  -- Estimate.to_dict(): breakdowns and profile
     )
     """,
     "CREATE INDEX jobs_state ON jobs(state)",
@@ -109,8 +106,7 @@ _V1 = (
         UNIQUE (pack_id, job_id, node_index, gpu_index)
     )
     """,
-    "CREATE INDEX placements_job ON placements(job_id, pack_id, start_time, end_time, node)",
-    "CREATE INDEX placements_gpu ON placements(pack_id, node_index, gpu_index, start_time, end_time)",
+    "CREATE INDEX placements_job ON placements(job_id)",
     """
     CREATE TABLE samples (
         t REAL NOT NULL,
@@ -127,8 +123,7 @@ _V1 = (
     )
     """,
     "CREATE INDEX samples_job_t ON samples(job_id, t)",
-    # Time windows (report --since, pruning old samples).
-    "CREATE INDEX samples_t ON samples(t)",
+    "CREATE INDEX samples_pack_t ON samples(pack_id, t)",
     # Per-job aggregates kept up to date by every sample write, so `acct` never scans
     # the samples table.
     """
@@ -178,12 +173,60 @@ _V1 = (
     """,
 )
 
+_V2 = (
+    # The documents, apart: a job row stays small, so scanning 10,000 jobs for acct
+    # does not read kilobytes of spec per job. sbatch_json: the user's sbatch options
+    # for this job (the service merges them into its pack's script).
+    """
+    CREATE TABLE IF NOT EXISTS job_specs (
+        job_id INTEGER PRIMARY KEY REFERENCES jobs(id),
+        spec_json TEXT NOT NULL,
+        estimate_json TEXT,                 -- Estimate.to_dict(): breakdowns and profile
+        sbatch_json TEXT                    -- sbatch options given at submit, or NULL
+    )
+    """,
+    # Covering indexes for acct's per-GPU and per-job groupings (no temp B-trees).
+    "DROP INDEX IF EXISTS placements_job",
+    "CREATE INDEX placements_job ON placements(job_id, pack_id, start_time, end_time, node)",
+    "CREATE INDEX IF NOT EXISTS placements_gpu ON placements(pack_id, node_index, gpu_index, start_time, end_time)",
+    # Nothing looks samples up by pack; time windows (report --since, pruning) do.
+    "DROP INDEX IF EXISTS samples_pack_t",
+    "CREATE INDEX IF NOT EXISTS samples_t ON samples(t)",
+)
+
+
+def _v2_move_documents(conn: sqlite3.Connection) -> None:
+    # Two layouts carry version 1: the first one (documents in `jobs`) and one that
+    # briefly had `job_specs` without `sbatch_json` (main at bbf9cb2). Bring both here.
+    jobs_cols = {r[1] for r in conn.execute("PRAGMA table_info(jobs)")}
+    if "spec_json" in jobs_cols:
+        conn.execute("INSERT INTO job_specs (job_id, spec_json, estimate_json) "
+                     "SELECT id, spec_json, estimate_json FROM jobs")
+        conn.execute("ALTER TABLE jobs DROP COLUMN spec_json")  # SQLite >= 3.35
+        conn.execute("ALTER TABLE jobs DROP COLUMN estimate_json")
+    spec_cols = {r[1] for r in conn.execute("PRAGMA table_info(job_specs)")}
+    if "sbatch_json" not in spec_cols:
+        conn.execute("ALTER TABLE job_specs ADD COLUMN sbatch_json TEXT")
+
+
+_V3 = (
+    # Samples deleted by `Store.prune_samples`; the aggregates keep counting them.
+    "ALTER TABLE job_usage ADD COLUMN n_pruned INTEGER NOT NULL DEFAULT 0",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
-        "jobs, job_specs, packs, placements, samples, job_usage, events, ingest_offsets",
+        "jobs, packs, placements, samples, job_usage, events, ingest_offsets",
         tuple(s.strip() for s in _V1),
     ),
+    Migration(
+        2,
+        "job_specs (spec, estimate, sbatch options) apart from jobs; acct and time-window indexes",
+        tuple(s.strip() for s in _V2),
+        _v2_move_documents,
+    ),
+    Migration(3, "job_usage.n_pruned (sample retention)", _V3),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

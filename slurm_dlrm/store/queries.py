@@ -7,6 +7,8 @@ Run with `Store.query(name, params)`. Optional filters are written as
 
 from __future__ import annotations
 
+from slurm_dlrm.store.states import JOB_TERMINAL
+
 UPSERT_JOB_USAGE = """
 INSERT INTO job_usage (job_id, n_samples, gpu_mem_peak_bytes, rss_peak_bytes, sm_util_sum, sm_util_n,
                        sm_util_max, host_cpu_sum, host_cpu_n, sps_sum, sps_n, first_t, last_t)
@@ -63,9 +65,23 @@ jp AS (
 span AS (
     SELECT job_id, sum(run_s) AS run_s FROM jp GROUP BY job_id
 )
-SELECT j.id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j.gpu_model,
+-- the derived columns, so that every output format (and the SQL-formatted table) agrees
+SELECT x.*, x.excl_gpu_hours - x.gpu_hours AS gpu_hours_saved FROM (
+SELECT b.*,
+       CASE WHEN b.start_time IS NOT NULL THEN b.start_time - b.submit_time
+            WHEN b.state IN ({TERMINAL}) AND b.end_time IS NOT NULL THEN b.end_time - b.submit_time
+            ELSE :now - b.submit_time END AS wait_s,
+       coalesce(b.span_s, 0.0) AS run_s,
+       coalesce(b.job_slurm_job_id, b.pack_slurm_job_id || coalesce('.' || b.slurm_step, '')) AS slurm_job_id,
+       coalesce(b.charged_gpu_s, 0.0) / 3600.0 AS gpu_hours,
+       -- slowdown correction, only for jobs that shared a GPU (docs/store.md, GPU-hours)
+       coalesce(b.gpu_run_s, 0.0) / 3600.0
+         * CASE WHEN b.max_members > 1 AND b.est_solo_samples_per_s > 0 AND b.samples_per_s_mean > 0
+                THEN min(1.0, b.samples_per_s_mean / b.est_solo_samples_per_s) ELSE 1.0 END AS excl_gpu_hours
+FROM (
+SELECT j.id AS job_id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j.gpu_model,
        j.est_gpu_peak_bytes, j.est_host_peak_bytes, j.est_profile_label, j.est_solo_samples_per_s,
-       j.submit_time, j.start_time, j.end_time, j.pack_id, j.slurm_job_id, j.slurm_step,
+       j.submit_time, j.start_time, j.end_time, j.pack_id, j.slurm_job_id AS job_slurm_job_id, j.slurm_step,
        j.exit_code, j.exit_reason,
        k.name AS pack_name, k.slurm_job_id AS pack_slurm_job_id,
        coalesce(last.n_gpus, 0) AS n_gpus, k.nodes,
@@ -74,7 +90,7 @@ SELECT j.id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j.gpu_model
        u.sm_util_max,
        CASE WHEN u.host_cpu_n > 0 THEN u.host_cpu_sum / u.host_cpu_n END AS host_cpu_mean,
        CASE WHEN u.sps_n > 0 THEN u.sps_sum / u.sps_n END AS samples_per_s_mean,
-       c.charged_gpu_s, c.gpu_run_s, c.max_members, sp.run_s
+       c.charged_gpu_s, c.gpu_run_s, c.max_members, sp.run_s AS span_s
 FROM jobs j
 LEFT JOIN packs k ON k.id = j.pack_id
 LEFT JOIN job_usage u ON u.job_id = j.id
@@ -87,8 +103,9 @@ WHERE (:job_ids IS NULL OR j.id IN (SELECT value FROM json_each(:job_ids)))
   AND (:pack_id IS NULL OR j.id IN (SELECT job_id FROM placements WHERE pack_id = :pack_id))
   AND (:since IS NULL OR coalesce(j.end_time, 1e300) >= :since)
   AND (:until IS NULL OR j.submit_time <= :until)
-ORDER BY j.id
-"""
+) b) x
+ORDER BY x.job_id
+""".replace("{TERMINAL}", ", ".join(f"'{s.value}'" for s in sorted(JOB_TERMINAL)))
 
 CALIBRATION = """
 SELECT j.id AS job_id, j.state, j.end_time,
@@ -105,7 +122,7 @@ LIMIT :limit
 USAGE_MISMATCH = """
 SELECT job_id, n_usage, n_samples FROM (
     SELECT u.job_id, u.n_samples AS n_usage,
-           (SELECT count(*) FROM samples s WHERE s.job_id = u.job_id) AS n_samples
+           (SELECT count(*) FROM samples s WHERE s.job_id = u.job_id) + u.n_pruned AS n_samples
     FROM job_usage u
 ) WHERE n_usage != n_samples
 UNION ALL
@@ -141,11 +158,11 @@ ORDER BY k.start_time, k.id, min(p.start_time)
 
 QUERIES: dict[str, str] = {
     "job_by_id": (
-        "SELECT j.*, s.spec_json, s.estimate_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
+        "SELECT j.*, s.spec_json, s.estimate_json, s.sbatch_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
         "WHERE j.id = :id"
     ),
     "jobs_by_state": (
-        "SELECT j.*, s.spec_json, s.estimate_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
+        "SELECT j.*, s.spec_json, s.estimate_json, s.sbatch_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
         "WHERE (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states))) "
         "AND (:user IS NULL OR j.user = :user) ORDER BY j.id"
     ),
@@ -163,6 +180,13 @@ QUERIES: dict[str, str] = {
         "SELECT * FROM events WHERE (:job_id IS NULL OR job_id = :job_id) "
         "AND (:pack_id IS NULL OR pack_id = :pack_id) AND (:kind IS NULL OR kind = :kind) "
         "AND (:since IS NULL OR t >= :since) ORDER BY id"
+    ),
+    "job_usage": (
+        "SELECT job_id, n_samples, gpu_mem_peak_bytes, rss_peak_bytes, "
+        "CASE WHEN sm_util_n > 0 THEN sm_util_sum / sm_util_n END AS sm_util_mean, sm_util_max, "
+        "CASE WHEN host_cpu_n > 0 THEN host_cpu_sum / host_cpu_n END AS host_cpu_mean, "
+        "CASE WHEN sps_n > 0 THEN sps_sum / sps_n END AS samples_per_s_mean, first_t, last_t "
+        "FROM job_usage WHERE job_id = :job_id"
     ),
     "acct": ACCT,
     "calibration": CALIBRATION,

@@ -18,7 +18,13 @@ from typing import Any
 
 import jinja2
 
-from slurm_dlrm.store.acct import DEFAULT_FORMAT, AcctFilter, acct_rows, parse_format, render
+from slurm_dlrm.store.acct import (
+    DEFAULT_FORMAT,
+    AcctFilter,
+    acct_rows,
+    acct_table_cells,
+    parse_format,
+)
 from slurm_dlrm.store.store import Store
 
 GIB = float(1 << 30)
@@ -103,13 +109,13 @@ def write_report(store: Store, html_path: Path, *, since: float, until: float, m
     save(fig, "memory", "Estimated vs measured peak memory", note)
 
     cols = parse_format(DEFAULT_FORMAT)
-    shown = rows[-max_job_rows:]
-    table = render(shown, cols, "parsable", header=False).splitlines()
+    cells = acct_table_cells(store, AcctFilter(since=since, until=until), cols, now)
+    shown = [list(r[3:]) for r in cells[-max_job_rows:]]
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
     html = env.from_string(_TEMPLATE).render(
         since=_fmt_time(since), until=_fmt_time(until), generated=_fmt_time(now),
         store_path=str(store.path), summary=_summary(store, rows, since, until), plots=plots,
-        job_header=[c.name for c, _ in cols], job_rows=[line.split("|") for line in table],
+        job_header=[c.name for c, _ in cols], job_rows=shown,
         jobs_truncated=len(rows) > len(shown), n_jobs=len(rows),
     )
     html_path.write_text(html, encoding="utf-8")
@@ -188,7 +194,9 @@ def _gpu_timelines(plt: Any, store: Store, since: float, until: float, max_gpus:
         ax.set_title(f"pack {gpu[0]}  {gpu[1]} GPU {gpu[2]}", fontsize=9, loc="left")
         ax.legend(fontsize=7, loc="upper right", ncol=4)
         ax.grid(alpha=0.3)
-        ax.xaxis.set_major_formatter(mdates.DateFormatter("%m-%d %H:%M"))
+        locator = mdates.AutoDateLocator()
+        ax.xaxis.set_major_locator(locator)
+        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
     fig.tight_layout()
     note = f"{len(gpus)} of {len(series)} GPUs; averages over {bucket_s:.0f} s buckets; black = whole GPU."
     return fig, note

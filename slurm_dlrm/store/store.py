@@ -18,9 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
-
-import sqlite_utils
+from typing import TYPE_CHECKING, Any
 
 from slurm_dlrm.site import SiteConfig, expand_hostlist
 from slurm_dlrm.store import queries
@@ -44,6 +42,9 @@ from slurm_dlrm.store.states import (
     job_transition_allowed,
     pack_transition_allowed,
 )
+
+if TYPE_CHECKING:
+    import sqlite_utils
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class Job:
     spec_fingerprint: str
     spec_json: str
     estimate_json: str | None
+    sbatch_json: str | None
     gpu_model: str | None
     est_gpu_peak_bytes: int | None
     est_host_peak_bytes: int | None
@@ -114,6 +116,10 @@ class Job:
     @property
     def estimate(self) -> dict[str, Any] | None:
         return None if self.estimate_json is None else dict(json.loads(self.estimate_json))
+
+    @property
+    def sbatch(self) -> dict[str, Any] | None:
+        return None if self.sbatch_json is None else dict(json.loads(self.sbatch_json))
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,22 @@ class CalibrationRow:
     n_samples: int
 
 
+@dataclass(frozen=True)
+class JobUsage:
+    """What the samples of one job measured so far (all attempts), from `job_usage`."""
+
+    job_id: int
+    n_samples: int
+    gpu_mem_peak_bytes: int | None
+    rss_peak_bytes: int | None
+    sm_util_mean: float | None
+    sm_util_max: float | None
+    host_cpu_mean: float | None
+    samples_per_s_mean: float | None
+    first_t: float | None
+    last_t: float | None
+
+
 # ---------------------------------------------------------------- the store
 
 class Store:
@@ -215,7 +237,7 @@ class Store:
             self.conn: sqlite3.Connection = connect(self.path, readonly=readonly, busy_timeout_s=busy_timeout_s)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open store {self.path}: {exc}") from exc
-        self.db = sqlite_utils.Database(self.conn, recursive_triggers=False, execute_plugins=False)
+        self._db: Any = None
         self._depth = 0
         self._known_jobs: set[int] = set()
         self._known_packs: set[int] = set()
@@ -231,6 +253,19 @@ class Store:
         except BaseException:
             self.conn.close()
             raise
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        """sqlite-utils over the same connection (introspection, ad-hoc queries, tests).
+
+        Built on first use: importing sqlite_utils also imports numpy (~0.1 s), which
+        `slurm-dlrm acct` and the submit path need not pay.
+        """
+        if self._db is None:
+            import sqlite_utils
+
+            self._db = sqlite_utils.Database(self.conn, recursive_triggers=False, execute_plugins=False)
+        return self._db
 
     @classmethod
     def for_user(cls, site: SiteConfig, user: str | None = None, **kw: Any) -> Store:
@@ -271,6 +306,8 @@ class Store:
                 self.conn.execute(MIGRATIONS_TABLE)
                 for stmt in m.statements:
                     self.conn.execute(stmt)
+                if m.apply is not None:
+                    m.apply(self.conn)
                 self.conn.execute(
                     "INSERT INTO migrations (version, description, applied_time) VALUES (?, ?, ?)",
                     (m.version, m.description, self.clock()),
@@ -298,6 +335,9 @@ class Store:
             self._depth = 0
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
+            # Ids learnt inside the rolled-back transaction may not exist any more.
+            self._known_jobs.clear()
+            self._known_packs.clear()
             raise
         try:
             retry_busy(lambda: self.conn.execute("COMMIT"), self.retry_s)
@@ -384,8 +424,13 @@ class Store:
         estimate: Mapping[str, Any] | None = None, gpu_model: str | None = None,
         gpu_mem_request_bytes: int | None = None, host_mem_request_bytes: int | None = None,
         submit_time: float | None = None, reason: str = "submitted",
+        sbatch: Mapping[str, Any] | None = None,
     ) -> int:
-        """A new PENDING job. `estimate` is `Estimate.to_dict()` (docs/interfaces.md section 2)."""
+        """A new PENDING job. `estimate` is `Estimate.to_dict()` (docs/interfaces.md section 2).
+
+        `sbatch`: the sbatch options the user gave for this job (JSON-able), kept for the
+        service; read back as `Job.sbatch`.
+        """
         now = self.clock() if submit_time is None else submit_time
         est = dict(estimate or {})
         profile = est.get("profile") or {}
@@ -406,12 +451,12 @@ class Store:
             cur = self.conn.execute(f"INSERT INTO jobs ({cols}) VALUES ({', '.join('?' * len(row))})", tuple(row.values()))
             job_id = int(cur.lastrowid or 0)
             self.conn.execute(
-                "INSERT INTO job_specs (job_id, spec_json, estimate_json) VALUES (?, ?, ?)",
+                "INSERT INTO job_specs (job_id, spec_json, estimate_json, sbatch_json) VALUES (?, ?, ?, ?)",
                 (job_id, json.dumps(dict(spec), sort_keys=True, default=str),
-                 json.dumps(est, sort_keys=True, default=str) if estimate is not None else None),
+                 json.dumps(est, sort_keys=True, default=str) if estimate is not None else None,
+                 json.dumps(dict(sbatch), sort_keys=True, default=str) if sbatch is not None else None),
             )
             self.event_in_tx("job_state", reason, job_id=job_id, dst=JobState.PENDING.value, t=now)
-        self._known_jobs.add(job_id)
         return job_id
 
     def get_job(self, job_id: int) -> Job:
@@ -533,7 +578,6 @@ class Store:
                     (pack_id, p.job_id, attempt, p.node_index, p.node, p.gpu_index, p.mps_thread_pct,
                      p.gpu_mem_limit_bytes, p.host_mem_limit_bytes, p.cpus),
                 )
-        self._known_packs.add(pack_id)
         return pack_id
 
     def get_pack(self, pack_id: int) -> Pack:
@@ -685,6 +729,35 @@ class Store:
         self.conn.executemany(queries.UPSERT_JOB_USAGE, _usage_rows(good))
         return len(good)
 
+    def prune_samples(self, before: float, *, batch: int = 50_000) -> int:
+        """Delete samples older than `before` (epoch s), in short transactions.
+
+        The per-job aggregates (`job_usage`, so `acct` and the calibration query) keep
+        what they learnt; only timelines before `before` are lost. Returns how many
+        samples were deleted.
+        """
+        deleted = 0
+        while True:
+            with self.write():
+                rows = self.conn.execute(
+                    "SELECT rowid, job_id FROM samples WHERE t < ? LIMIT ?", (before, batch)
+                ).fetchall()
+                if not rows:
+                    break
+                per_job: dict[int, int] = {}
+                for _, job in rows:
+                    if job is not None:
+                        per_job[job] = per_job.get(job, 0) + 1
+                self.conn.executemany("UPDATE job_usage SET n_pruned = n_pruned + ? WHERE job_id = ?",
+                                      [(n, job) for job, n in per_job.items()])
+                self.conn.execute("DELETE FROM samples WHERE rowid IN (SELECT value FROM json_each(?))",
+                                  (json.dumps([r[0] for r in rows]),))
+                deleted += len(rows)
+        if deleted:
+            self.add_event("store", f"pruned {deleted} samples older than {before:.0f}",
+                           data={"before": before, "deleted": deleted})
+        return deleted
+
     # ------------------------------------------------------------ ingestion
 
     def ingest_spool_file(self, path: str | os.PathLike[str], on_record: OnRecord | None = None,
@@ -699,6 +772,11 @@ class Store:
         rows = self.query("calibration", {"fingerprint": spec_fingerprint, "limit": limit,
                                           "terminal": json.dumps(sorted(s.value for s in JOB_TERMINAL))})
         return [CalibrationRow(**{**r, "state": JobState(r["state"])}) for r in rows]
+
+    def usage(self, job_id: int) -> JobUsage | None:
+        """Measured peaks and means of a job (None before its first sample)."""
+        rows = self.query("job_usage", {"job_id": job_id})
+        return JobUsage(**rows[0]) if rows else None
 
     def check(self) -> list[str]:
         """Consistency problems (empty if none): integrity, foreign keys, job_usage vs samples."""
@@ -760,6 +838,6 @@ def _usage_rows(rows: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 
 __all__ = [
-    "CalibrationRow", "Job", "NewPlacement", "Pack", "Placement", "Store", "StoreBusy",
+    "CalibrationRow", "Job", "JobUsage", "NewPlacement", "Pack", "Placement", "Store", "StoreBusy",
     "current_user", "is_busy", "store_path_for",
 ]
