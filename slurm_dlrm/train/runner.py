@@ -265,7 +265,7 @@ class Trainer:
                 path = ckpt.commit(d, step, merged, meta)
             dist.barrier()
         if self.is_main:
-            ckpt.prune(d, self.opts.keep_checkpoints)
+            ckpt.prune(d, self.opts.keep_checkpoints, step)
         self.last_saved_step = step
         log.info("checkpoint at step %d: %s (%.2f s)", step, path, time.perf_counter() - t0)
 
@@ -274,7 +274,7 @@ class Trainer:
         t0 = time.perf_counter()
         try:
             path = ckpt.save(self.opts.checkpoint_dir, step, snapshot, meta)
-            ckpt.prune(self.opts.checkpoint_dir, self.opts.keep_checkpoints)
+            ckpt.prune(self.opts.checkpoint_dir, self.opts.keep_checkpoints, step)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._writer_error = exc
             return
@@ -295,6 +295,11 @@ class Trainer:
         d = self.opts.checkpoint_dir
         if self.is_main:
             ckpt.remove_stale_tmp(d)
+            if not self.opts.resume:
+                # Left in place, they would win over this run's at the next restart.
+                n = ckpt.remove_all(d)
+                if n:
+                    log.warning("--no-resume: removed %d old checkpoint(s) in %s", n, d)
         if self.dist_info.world_size > 1:
             dist.barrier()
         if not self.opts.resume:
