@@ -86,6 +86,12 @@ def test_trains_on_cpu_and_writes_metrics(tmp_path: Path):
     assert recs[-1]["loss_avg"] < recs[0]["loss_avg"]  # it learns
     # every 5 steps plus the final one, newest 2 kept
     assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [24, 20]
+    # Rerun: already done. --no-resume: starts over and drops the old checkpoints.
+    assert _run(tmp_path, tiny()) == TRAIN_EXIT_OK
+    assert len(lines(tmp_path / "metrics.jsonl")) == 6
+    assert _run(tmp_path, tiny(steps=7), resume=False) == TRAIN_EXIT_OK
+    assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [7, 5]
+    assert [r["step"] for r in lines(tmp_path / "metrics.jsonl")][6:] == [4, 7]
 
 
 @pytest.mark.parametrize("optimizer", [

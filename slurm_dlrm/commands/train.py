@@ -42,7 +42,7 @@ Exit codes: 0 done, 1 failed, 2 bad spec, 3 GPU out of memory, 4 host out of mem
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Train this many steps (overrides the spec).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: CUDA when a GPU is visible, else the CPU (gloo).")
-@click.option("--no-resume", is_flag=True, help="Ignore existing checkpoints and start at step 0.")
+@click.option("--no-resume", is_flag=True, help="Start at step 0; existing checkpoints in the folder are removed.")
 @click.option("--sync-checkpoints", is_flag=True,
               help="Write checkpoints in the training thread (no host-memory copy of the state; "
                    "by default states up to 1 GiB are copied and written in the background).")

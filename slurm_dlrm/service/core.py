@@ -28,7 +28,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from slurm_dlrm.service.sbatch_options import (
     pack_time_minutes,
     render_pack_script,
 )
+from slurm_dlrm.service.spool import SPEC_FILE, write_job_spec, write_private
 from slurm_dlrm.site import MIB, SiteConfig
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,6 @@ UNREACHABLE_MARKERS = (
 SBATCH_MARKER = "sbatch.started"
 PLACEMENT_FILE = "placement.json"
 SCRIPT_FILE = "pack.sbatch"
-SPEC_FILE = "spec.json"  # <spool_dir>/jobs/<job_id>/spec.json: what the member's `train` reads
 MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
 AGENT_MEM_MIB = 512  # host memory the agent itself needs on each node, added to --mem
 
@@ -620,9 +620,9 @@ class PackingService:
             "sample_interval_s": agent.sample_interval_s, "host_mem_tolerance_pct": agent.host_mem_tolerance_pct,
             "term_grace_s": agent.term_grace_s, "pack_dir": str(pack_dir), "members": out_members,
         }
-        _write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
+        write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
         script = render_pack_script(self.pack_script(pack, out_members, [job_options(j) for j in members]))
-        _write_private(pack_dir / SCRIPT_FILE, script)
+        write_private(pack_dir / SCRIPT_FILE, script)
         return script
 
     def pack_script(self, pack: Any, members: list[dict[str, Any]], options: list[SbatchOptions]) -> PackScript:
@@ -648,11 +648,6 @@ class PackingService:
             mem_per_node_mib=max(1, mem_mib), python=self.settings.python,
             placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,
             signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged)
-
-    # ------------------------------------------------------------ cancel
-
-    def cancel_job(self, job_id: int) -> str:
-        return cancel_job(self.store, self.slurm, job_id, user=self.settings.user)
 
 
 def job_options(job: Any) -> SbatchOptions:
@@ -723,22 +718,6 @@ def pack_member_ids(store: Any, pack_id: int, states: Sequence[str]) -> list[int
     return [int(r[0]) for r in rows]
 
 
-def write_job_spec(spool_dir: Path, job_id: int, spec: dict[str, Any]) -> Path:
-    """`<spool_dir>/jobs/<job_id>/spec.json` (folders 0700, file 0600); returns its path."""
-    job_dir = spool_dir / "jobs" / str(job_id)
-    if not job_dir.is_dir():
-        ensure_private_dir(job_dir)
-    path = job_dir / SPEC_FILE
-    _write_private(path, json.dumps(spec, sort_keys=True) + "\n")
-    return path
-
-
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-
-
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -747,7 +726,3 @@ def _write_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
-
-
-def member_ids(packs: Iterable[Any]) -> list[int]:
-    return sorted(m.job_id for p in packs for m in p.members)

@@ -240,10 +240,21 @@ def load_into(targets: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) 
             t.copy_(saved[name])
 
 
-def prune(ckpt_dir: Path, keep: int) -> None:
-    """Keep the `keep` newest checkpoints; remove older ones and stale `.tmp-` folders."""
-    for _step, path in list_steps(ckpt_dir)[max(keep, 1):]:
+def prune(ckpt_dir: Path, keep: int, written_step: int | None = None) -> None:
+    """Keep the `keep` newest checkpoints up to `written_step` (the one just written);
+    remove older ones. Folders of later steps (left by another spec, or broken) are
+    not this run's to judge: they stay, and resume skips them with a warning."""
+    steps = [(s, p) for s, p in list_steps(ckpt_dir) if written_step is None or s <= written_step]
+    for _step, path in steps[max(keep, 1):]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_all(ckpt_dir: Path) -> int:
+    """Remove every checkpoint folder (a run told to start over); return how many."""
+    found = list_steps(ckpt_dir)
+    for _step, path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(found)
 
 
 def remove_stale_tmp(ckpt_dir: Path) -> None:

@@ -265,7 +265,7 @@ class Trainer:
                 path = ckpt.commit(d, step, merged, meta)
             dist.barrier()
         if self.is_main:
-            ckpt.prune(d, self.opts.keep_checkpoints)
+            ckpt.prune(d, self.opts.keep_checkpoints, step)
         self.last_saved_step = step
         log.info("checkpoint at step %d: %s (%.2f s)", step, path, time.perf_counter() - t0)
 
@@ -274,7 +274,7 @@ class Trainer:
         t0 = time.perf_counter()
         try:
             path = ckpt.save(self.opts.checkpoint_dir, step, snapshot, meta)
-            ckpt.prune(self.opts.checkpoint_dir, self.opts.keep_checkpoints)
+            ckpt.prune(self.opts.checkpoint_dir, self.opts.keep_checkpoints, step)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._writer_error = exc
             return
@@ -295,6 +295,11 @@ class Trainer:
         d = self.opts.checkpoint_dir
         if self.is_main:
             ckpt.remove_stale_tmp(d)
+            if not self.opts.resume:
+                # Left in place, they would win over this run's at the next restart.
+                n = ckpt.remove_all(d)
+                if n:
+                    log.warning("--no-resume: removed %d old checkpoint(s) in %s", n, d)
         if self.dist_info.world_size > 1:
             dist.barrier()
         if not self.opts.resume:
@@ -488,6 +493,8 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     dist_probe_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(opts.device, dist_probe_rank)
     info = init_distributed(device)
+    if info.world_size > 1:
+        _label_log_lines(info.rank)
     if info.world_size != int(spec.world_size):
         log.warning("spec asks for world_size %d; this launch has %d processes", spec.world_size, info.world_size)
     torch.manual_seed(int(spec.seed) * 1000 + info.rank)
@@ -505,6 +512,26 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
                       total_steps=total, stop=stop, expect=expect)
     trainer.resume()
     return trainer
+
+
+class _RankPrefix(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.prefix = f"rank {rank}: "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and not record.msg.startswith(self.prefix):
+            record.msg = self.prefix + record.msg
+        return True
+
+
+def _label_log_lines(rank: int) -> None:
+    """Several ranks share one log: say whose line it is; only rank 0 tells the story."""
+    prefix = _RankPrefix(rank)
+    for name in ("runner", "checkpoint", "data", "model", "launch"):  # filters are not inherited
+        logging.getLogger(f"slurm_dlrm.train.{name}").addFilter(prefix)
+    if rank != 0:
+        logging.getLogger("slurm_dlrm.train").setLevel(logging.WARNING)
 
 
 def teardown(trainer: Trainer | None) -> None:
