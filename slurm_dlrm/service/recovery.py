@@ -10,7 +10,7 @@ the agent's cancel hook, and leaves an event with the reason of every decision:
   `learned` event for the spec fingerprint; past the retry limit (or beyond any GPU)
   it stays OOM, the store's terminal failure-by-memory state, with a `decision` event
   saying why it was not retried.
-- `check_heartbeats`: a RUNNING pack whose agents have not reported for
+- `check_heartbeats`: a RUNNING pack whose agents have sent neither heartbeat nor sample for
   `agent.heartbeat_timeout_s` is cancelled in Slurm and ended LOST; the service's
   pack-ending path then requeues its unfinished members (finished ones are not rerun).
 - `check_stragglers`: a member whose samples/s stays below `straggler_ratio` of its
@@ -240,8 +240,11 @@ class Recovery:
         timeout = float(self.svc.site.agent.heartbeat_timeout_s)
         now = self.svc.clock()
         for pack in self.store.packs([PackState.RUNNING], user=self.svc.settings.user):
-            # A restarted service has no heartbeat times yet: count from its start.
-            last = max(self.svc.heartbeats.get(pack.id, 0.0), pack.start_time or 0.0, self.started_at)
+            # A restarted service has no heartbeat times yet: count from its start. Samples
+            # are signs of life too (they come every sample_interval_s, heartbeats slower).
+            row = self.store.conn.execute("SELECT max(t) FROM samples WHERE pack_id = ?", (pack.id,)).fetchone()
+            last = max(self.svc.heartbeats.get(pack.id, 0.0), pack.start_time or 0.0, self.started_at,
+                       float(row[0] or 0.0) if row else 0.0)
             age = now - last
             if age <= timeout:
                 continue
