@@ -56,6 +56,7 @@ BASE: dict[str, Any] = {
     "optimizer": {"type": "sgd", "lr": 0.05},
     "prefetch_batches": 1,
     "loader_workers": 0,
+    "checkpoint_every_steps": 0,  # the child does not checkpoint (the runner's host snapshot)
 }
 
 
@@ -120,10 +121,10 @@ CONFIGS: list[dict[str, Any]] = [
     cfg("ws3-sgd", tables=_t([100000, 1000, 3000, 60000, 500, 8000], 32), bottom_mlp=[128, 32], top_mlp=[128, 1],
         batch_size=256, world_size=3),
     {"name": "kaggle-scaled", "preset": "criteo-kaggle", "scale": {"max_rows_per_table": 20000}, "batch_size": 1024,
-     "prefetch_batches": 1, "loader_workers": 0, "optimizer": {"type": "adagrad"}},
+     "prefetch_batches": 1, "loader_workers": 0, "optimizer": {"type": "adagrad"}, "checkpoint_every_steps": 0},
     {"name": "dcnv2-scaled", "preset": "mlperf-dcnv2", "scale": {"max_rows_per_table": 5000, "dim": 16},
      "batch_size": 256, "prefetch_batches": 1, "loader_workers": 0,
-     "interaction": {"type": "dcn", "layers": 3, "low_rank": 64}},
+     "interaction": {"type": "dcn", "layers": 3, "low_rank": 64}, "checkpoint_every_steps": 0},
 ]
 
 

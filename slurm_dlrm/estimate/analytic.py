@@ -20,6 +20,7 @@ from slurm_dlrm.estimate.timeline import (
     Tape,
     batch_bytes,
     embedding_optimizer_state_bytes,
+    ids_per_batch,
     is_fixed_length,
     prefetch_depth,
     simulate_step,
@@ -55,6 +56,13 @@ LOADER_THREAD_BYTES = 2 * MIB
 UVM_CACHE_LOAD_FACTOR = 0.2
 SYNTHETIC_POOL_BATCHES = 8
 SYNTHETIC_POOL_EXTRA_IDS = 4_000_000
+# ... and makes up to 32 complete batches up front (at most 256 MiB by its own count),
+# cycled over the steps; pinned on a GPU.
+SYNTHETIC_RING_BATCHES = 32
+SYNTHETIC_RING_MAX_BYTES = 256 * MIB
+# The runner copies the training state to host memory for a background checkpoint
+# write when it has one process and the state is at most this big.
+ASYNC_CHECKPOINT_MAX_BYTES = 1 << 30
 # glibc malloc keeps much of what a step frees (activations, gradients) mapped: peak
 # RSS runs above the live tensor bytes by this share of the step's dynamic part
 # (least-squares fit over the 32 configs of benchmarks/estimator_accuracy.py).
@@ -173,6 +181,8 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
     workers = spec.loader_workers
     one_batch = batch_bytes(spec)
     pools = synthetic_pool_bytes(spec)
+    ring = synthetic_ring_bytes(spec, pinned=gpu is not None)
+    snapshot = checkpoint_snapshot_bytes(spec, tables, device)
 
     if gpu is not None:
         gpu_breakdown = dict(parts)
@@ -188,6 +198,8 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
             "pinned_staging": (prefetch_depth(spec) + 1) * one_batch,
             "loader_threads": workers * LOADER_THREAD_BYTES,
             "synthetic_data_pools": pools,
+            "synthetic_batch_ring": ring,
+            "checkpoint_snapshot": snapshot,
         }
     else:
         gpu_breakdown = {}
@@ -199,6 +211,8 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
             "loader_prefetch": prefetch_depth(spec) * one_batch,
             "loader_threads": workers * LOADER_THREAD_BYTES,
             "synthetic_data_pools": pools,
+            "synthetic_batch_ring": ring,
+            "checkpoint_snapshot": snapshot,
         }
     host_peak = sum(host_breakdown.values())
     return Estimate(
@@ -206,6 +220,35 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
         host_breakdown=host_breakdown, profile=compute_profile(spec, gpu), tensor_peak_bytes=tape.peak,
         peak_phase=tape.peak_where, gpu_model=gpu.name if gpu is not None else None, notes=tuple(notes),
     )
+
+
+def synthetic_ring_bytes(spec: JobSpec, pinned: bool) -> int:
+    """The runner's synthetic source keeps up to 32 ready batches (slurm_dlrm/train/data.py
+    SyntheticBatches.ring). Their ids and lengths are their own memory, dense rows and
+    labels are views of the pools; pinned (GPU) copies own everything."""
+    if spec.data.type != "synthetic":
+        return 0
+    B = spec.batch_size
+    ids = sum(B * t.ids_per_sample for t in spec.tables)
+    # the source's own size estimate decides how many it makes
+    counted = int(ids * 8 + B * (spec.dense_features + 1) * 4 + B * len(spec.tables) * 4)
+    n = min(SYNTHETIC_RING_BATCHES, SYNTHETIC_RING_MAX_BYTES // max(counted, 1))
+    if n < 2:
+        return 0
+    own = batch_bytes(spec) if pinned else sum(ids_per_batch(B, t) for t in spec.tables) * 8 + B * len(spec.tables) * 4
+    # the shared per-sample lengths of fixed-length tables, one tensor per count
+    fixed = len({t.multi_hot or 1 for t in spec.tables if is_fixed_length(t)}) * B * 4
+    return n * own + fixed
+
+
+def checkpoint_snapshot_bytes(spec: JobSpec, tables: list[int], device: str) -> int:
+    """Host copy of the state for a background checkpoint write (runner: one process,
+    state <= 1 GiB, checkpoints on)."""
+    if spec.world_size != 1 or spec.checkpoint_every_steps == 0:
+        return 0
+    state = static_bytes(spec, tables, device) - static_parts(spec, tables, device).dense_grads \
+        - static_parts(spec, tables, device).emb_grad_bucket
+    return state if state <= ASYNC_CHECKPOINT_MAX_BYTES else 0
 
 
 def static_bytes(spec: JobSpec, tables: list[int], device: str) -> int:

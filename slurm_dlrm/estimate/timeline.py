@@ -295,10 +295,6 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     # The batch in use. Batches the loader threads prepare ahead (`prefetch_depth`) stay
     # in host memory (pinned, on a GPU) until their step: see the host breakdown.
     one_batch = batch_bytes(spec)
-    if spec.data.type == "synthetic":
-        # the synthetic source's shared per-sample lengths tensors, one per fixed count
-        fixed = {t.multi_hot or 1 for t in spec.tables if is_fixed_length(t)}
-        tape.alloc(len(fixed) * B * I32, INPUTS)
     tape.where = "input"
     batch = tape.alloc(one_batch, INPUTS)
 

@@ -28,7 +28,7 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,7 @@ from slurm_dlrm.service.sbatch_options import (
     pack_time_minutes,
     render_pack_script,
 )
+from slurm_dlrm.service.spool import SPEC_FILE, write_job_spec, write_private
 from slurm_dlrm.site import MIB, SiteConfig
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,6 @@ UNREACHABLE_MARKERS = (
 SBATCH_MARKER = "sbatch.started"
 PLACEMENT_FILE = "placement.json"
 SCRIPT_FILE = "pack.sbatch"
-SPEC_FILE = "spec.json"  # <spool_dir>/jobs/<job_id>/spec.json: what the member's `train` reads
 MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
 AGENT_MEM_MIB = 512  # host memory the agent itself needs on each node, added to --mem
 
@@ -139,6 +139,9 @@ class PackingService:
         self.rounds = 0
         self._spool_ready = False
         self.last_dispatch_t: float | None = None
+        from slurm_dlrm.service.recovery import Recovery
+
+        self.recovery = Recovery(self)  # OOM retry, lost packs, stragglers, warm start (issue 10)
 
     # ------------------------------------------------------------ the round
 
@@ -213,6 +216,8 @@ class PackingService:
             if info is None and pack.slurm_job_id:
                 info = next((i for i in infos if str(i.job_id) == pack.slurm_job_id), None)
             self._observe_pack(pack, info, stats)
+        self.recovery.check_heartbeats(stats)
+        self.recovery.check_warmup_and_stragglers()
 
     def ingest(self, pack: Any) -> int:
         """Agent reports of one pack into the store, exactly once."""
@@ -268,7 +273,8 @@ class PackingService:
         if state == "COMPLETED":
             s.transition_job(job_id, JobState.COMPLETED, why, exit_code=code, t=t)
         elif state == "CANCELLED":
-            s.transition_job(job_id, JobState.CANCELLED, why, exit_code=code, t=t)
+            if not self.recovery.on_member_cancelled(job, t):  # a straggler asked to move is requeued
+                s.transition_job(job_id, JobState.CANCELLED, why, exit_code=code, t=t)
         elif state in ("OOM_GPU", "OOM_HOST"):
             s.transition_job(job_id, JobState.OOM, why, exit_code=code, t=t,
                              data={"kind": "gpu" if state == "OOM_GPU" else "host"})
@@ -281,32 +287,7 @@ class PackingService:
             log.warning("job %d: unknown member state %r in a report", job_id, state)
 
     def _after_oom(self, job_id: int, kind: str, t: float) -> None:
-        from slurm_dlrm.adapt.recovery import decide_after_oom
-        from slurm_dlrm.store.states import JobState
-
-        job = self.store.get_job(job_id)
-        placements = [p for p in self.store.placements(job_id=job_id) if p.pack_id == job.pack_id]
-        gpu = self.site.gpu_models.get(job.gpu_model or "") or next(iter(self.site.gpu_models.values()))
-        if kind == "gpu":
-            limit = max((p.gpu_mem_limit_bytes or 0) for p in placements) if placements else 0
-            capacity = gpu.memory_bytes - gpu.cuda_context_bytes
-            peak = self._usage_peak(job_id, "gpu_mem_peak_bytes")
-        else:
-            limit = max((p.host_mem_limit_bytes or 0) for p in placements) if placements else 0
-            capacity = max(n.memory_mib for n in self.site.nodes) * MIB
-            peak = self._usage_peak(job_id, "rss_peak_bytes")
-        decision = decide_after_oom(
-            "gpu" if kind == "gpu" else "host",
-            job.gpu_mem_request_bytes or job.est_gpu_peak_bytes or 0,
-            job.host_mem_request_bytes or job.est_host_peak_bytes or 0,
-            limit, peak, attempt=job.attempt + 1, max_attempts=self.settings.max_attempts,
-            capacity_bytes=capacity)
-        if decision.action == "requeue":
-            self.store.transition_job(job_id, JobState.PENDING, decision.reason, t=t,
-                                      gpu_mem_request_bytes=decision.gpu_mem_bytes,
-                                      host_mem_request_bytes=decision.host_mem_bytes)
-        else:
-            self.store.add_event("note", decision.reason, job_id=job_id)
+        self.recovery.after_oom(job_id, kind, t)  # raise and requeue, or say why not (service/recovery.py)
 
     def _usage_peak(self, job_id: int, column: str) -> int | None:
         usage = self.store.usage(job_id)
@@ -401,6 +382,8 @@ class PackingService:
         live = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED", "RUNNING"))]
         recoverable = slurm_state in RECOVERABLE_PACK_ENDINGS
         tail = self._output_tail(pack) if to == PackState.FAILED and not recoverable else ""
+        if recoverable:
+            self.recovery.fence_old_run(pack, live)  # an agent cut off from Slurm stops its members
         for job in live:
             if to == PackState.CANCELLED:
                 self.store.transition_job(job.id, JobState.CANCELLED, f"pack {pack.name} cancelled in Slurm")
@@ -489,6 +472,7 @@ class PackingService:
         for pack in result.packs:
             if not self._slurm_available():
                 return  # the rest stay PENDING; the next round plans them again
+            pack = self.recovery.tune_shares(pack, by_id)  # MPS shares from fitted perf models
             members = [by_id[m.job_id] for m in pack.members]
             for m in pack.members:
                 self.waited_rounds.pop(m.job_id, None)
@@ -540,7 +524,7 @@ class PackingService:
         if extra_gpu > 0 or extra_host > 0:
             d = replace(d, gpu_mem_bytes=d.gpu_mem_bytes + max(0, extra_gpu),
                         host_mem_bytes=d.host_mem_bytes + max(0, extra_host))
-        return d
+        return self.recovery.adapt_demand(job, d)  # warm start / measured profile
 
     def _create_and_submit(self, pack: Any, members: list[Any], options: SbatchOptions, partition: Any,
                            stats: RoundStats) -> None:
@@ -636,9 +620,9 @@ class PackingService:
             "sample_interval_s": agent.sample_interval_s, "host_mem_tolerance_pct": agent.host_mem_tolerance_pct,
             "term_grace_s": agent.term_grace_s, "pack_dir": str(pack_dir), "members": out_members,
         }
-        _write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
+        write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
         script = render_pack_script(self.pack_script(pack, out_members, [job_options(j) for j in members]))
-        _write_private(pack_dir / SCRIPT_FILE, script)
+        write_private(pack_dir / SCRIPT_FILE, script)
         return script
 
     def pack_script(self, pack: Any, members: list[dict[str, Any]], options: list[SbatchOptions]) -> PackScript:
@@ -664,11 +648,6 @@ class PackingService:
             mem_per_node_mib=max(1, mem_mib), python=self.settings.python,
             placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,
             signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged)
-
-    # ------------------------------------------------------------ cancel
-
-    def cancel_job(self, job_id: int) -> str:
-        return cancel_job(self.store, self.slurm, job_id, user=self.settings.user)
 
 
 def job_options(job: Any) -> SbatchOptions:
@@ -739,22 +718,6 @@ def pack_member_ids(store: Any, pack_id: int, states: Sequence[str]) -> list[int
     return [int(r[0]) for r in rows]
 
 
-def write_job_spec(spool_dir: Path, job_id: int, spec: dict[str, Any]) -> Path:
-    """`<spool_dir>/jobs/<job_id>/spec.json` (folders 0700, file 0600); returns its path."""
-    job_dir = spool_dir / "jobs" / str(job_id)
-    if not job_dir.is_dir():
-        ensure_private_dir(job_dir)
-    path = job_dir / SPEC_FILE
-    _write_private(path, json.dumps(spec, sort_keys=True) + "\n")
-    return path
-
-
-def _write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-
-
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as f:
@@ -763,7 +726,3 @@ def _write_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
-
-
-def member_ids(packs: Iterable[Any]) -> list[int]:
-    return sorted(m.job_id for p in packs for m in p.members)

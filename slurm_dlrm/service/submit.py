@@ -14,11 +14,10 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.admin.marker import MODE_NO_PACK, format_marker
 from slurm_dlrm.errors import BadInput, DlrmError
 from slurm_dlrm.service.daemon import (
     ServicePaths,
@@ -112,7 +111,7 @@ def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | 
                 estimate=s.estimate.to_dict(), gpu_model=s.gpu.name, sbatch=s.options.to_dict(),
                 reason=f"submitted from {s.path}")))
     if spool_dir is not None:
-        from slurm_dlrm.service.core import write_job_spec
+        from slurm_dlrm.service.spool import write_job_spec
 
         ensure_private_dir(spool_dir)
         for job_id, s in zip(ids, subs, strict=True):
@@ -183,6 +182,8 @@ def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
         if share_pct < 100.0:
             n = math.ceil(share_pct * site.mps.mps_per_gpu / 100.0)
             gres = f"mps:{min(site.mps.mps_per_gpu, max(min_mps_share(site, sub.options), n))}"
+    from slurm_dlrm.admin.marker import MODE_NO_PACK, format_marker
+
     comment = format_marker(MODE_NO_PACK, gpu_mem_mib=gpu_fence_mib)
     return NativeRequest(mem_mib=mem_mib, cpus=cpus, gres=gres, comment=comment)
 
@@ -272,7 +273,3 @@ def describe(sub: Submission) -> str:
     limit = f", time limit {format_time_minutes(t)}" if t is not None else ""
     return (f"{sub.name}: estimated GPU peak {est.gpu_peak_bytes / GIB:.2f} GiB, host peak "
             f"{est.host_peak_bytes / GIB:.2f} GiB, {est.profile.label}{limit}")
-
-
-def with_job_name(options: SbatchOptions, name: str | None) -> SbatchOptions:
-    return options if name is None else replace(options, job_name=name)
