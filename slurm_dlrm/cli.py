@@ -26,6 +26,11 @@ COMMANDS: dict[str, str] = {
     "train": "slurm_dlrm.commands.train:train",
     "agent": "slurm_dlrm.commands.agent:agent",
     "admin": "slurm_dlrm.commands.admin:admin",
+    "cancel": "slurm_dlrm.commands.queue:cancel",
+    "queue": "slurm_dlrm.commands.queue:queue",
+    "serve": "slurm_dlrm.commands.serve:serve",
+    "show": "slurm_dlrm.commands.queue:show",
+    "submit": "slurm_dlrm.commands.submit:submit",
     "estimate": "slurm_dlrm.commands.estimate:estimate",
     "simulate": "slurm_dlrm.commands.simulate:simulate_cmd",
 }

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from service_harness import FakeClock, FakeCluster, add_job, make_site
 
+from slurm_dlrm.admin.marker import parse_marker
 from slurm_dlrm.service.core import PackingService, ServiceSettings, cancel_job, is_unreachable
 
 # Modules of other areas, skipped until they are on main.
@@ -29,7 +30,7 @@ def world(tmp_path):
     site = make_site(tmp_path)
     store = Store(tmp_path / "store.sqlite", clock=clock)
     slurm = FakeSlurm(clock=clock, user=USER)
-    svc = PackingService(store, slurm, site, ServiceSettings(user=USER, python="/venv/bin/python"), clock=clock)
+    svc = PackingService(store, slurm, site, ServiceSettings(user=USER, python="/venv/bin/python", dispatch_window_s=0.0), clock=clock)
     yield svc, store, slurm, clock, FakeCluster(slurm, clock)
     store.close()
 
@@ -50,6 +51,8 @@ def test_round_packs_jobs_into_fewer_gpus_and_writes_the_contract(world):
     for p in packs:
         fake = slurm.job(int(p.slurm_job_id))
         assert fake.name == p.name  # the name a restarted service finds it by
+        marker = parse_marker(fake.comment)  # what job_submit.lua checks (interfaces section 6)
+        assert marker is not None and marker.mode == "pack" and marker.pack_id == p.id
         placement = json.loads((Path(p.pack_dir) / "placement.json").read_text())
         assert placement["pack_id"] == p.id and placement["pack_dir"] == p.pack_dir
         for m in placement["members"]:
@@ -330,7 +333,7 @@ def test_kill_at_random_moments_no_duplicate_no_lost_job(tmp_path, seed):
         else:
             plan = [None, rng.randint(1, 12)]
         svc = PackingService(Crashy(store, plan, rng, STORE_CALLS), Crashy(slurm, plan, rng, SLURM_CALLS),
-                             site, ServiceSettings(user=USER, python="/py"), clock=clock)
+                             site, ServiceSettings(user=USER, python="/py", dispatch_window_s=0.0), clock=clock)
         try:
             svc.run_round()
         except Crash:
@@ -343,7 +346,7 @@ def test_kill_at_random_moments_no_duplicate_no_lost_job(tmp_path, seed):
             cluster.tick()
     # Let it settle without crashes.
     with Store(path, clock=clock) as store:
-        svc = PackingService(store, slurm, site, ServiceSettings(user=USER, python="/py"), clock=clock)
+        svc = PackingService(store, slurm, site, ServiceSettings(user=USER, python="/py", dispatch_window_s=0.0), clock=clock)
         for _ in range(20):
             clock.advance(40)
             svc.run_round()
@@ -361,3 +364,27 @@ def test_kill_at_random_moments_no_duplicate_no_lost_job(tmp_path, seed):
             "SELECT job_id, count(*) FROM events WHERE kind = 'job_state' AND to_state = 'COMPLETED' GROUP BY job_id"
         ).fetchall()
     assert all(n == 1 for _, n in done) and len(done) == len(ids)
+
+
+def test_batched_dispatch_waits_for_the_window_or_a_batch(tmp_path):
+    clock = FakeClock()
+    site = make_site(tmp_path, round_batch_size=4)
+    with Store(tmp_path / "store.sqlite", clock=clock) as store:
+        slurm = FakeSlurm(clock=clock, user=USER)
+        svc = PackingService(store, slurm, site, ServiceSettings(user=USER, dispatch_window_s=10.0), clock=clock)
+        add_job(store, "first")
+        svc.run_round()  # a fresh service plans at once
+        assert len(slurm.submitted) == 1
+        for name in ("a", "b"):  # submitted one by one, a second apart
+            clock.advance(1)
+            add_job(store, name)
+            svc.run_round()
+        assert len(slurm.submitted) == 1 and svc.status()["next_dispatch_in_s"] == pytest.approx(8.0)
+        clock.advance(8.5)
+        svc.run_round()  # the window closed: a and b share one pack
+        assert len(slurm.submitted) == 2
+        assert {j.pack_id for j in store.jobs(["PLANNED"]) if j.name in ("a", "b")} == {store.packs()[-1].id}
+        for i in range(4):  # a full batch does not wait for the window
+            add_job(store, f"batch{i}")
+        svc.run_round()
+        assert len(slurm.submitted) == 3

@@ -41,3 +41,19 @@ def test_status_round_trip(tmp_path):
     write_status(paths, {"slurm": "unreachable", "retry_in_s": 4})
     assert read_status(paths) == {"retry_in_s": 4, "slurm": "unreachable"}
     assert stat.S_IMODE(paths.status.stat().st_mode) == 0o600
+
+
+def test_pid_of_a_killed_predecessor_is_not_reported(tmp_path):
+    import subprocess
+    import sys
+
+    paths = ServicePaths(tmp_path)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])  # noqa: S603
+    dead.wait()
+    lock = ServiceLock.acquire(paths)
+    assert lock is not None
+    paths.pid.write_text(f"{dead.pid}\n")  # as if the new holder had not written its pid yet
+    assert running_pid(paths) == -1  # held, but by no live pid we know
+    paths.pid.write_text(f"{os.getpid()}\n")
+    assert running_pid(paths) == os.getpid()
+    lock.release()

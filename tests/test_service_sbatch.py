@@ -155,7 +155,7 @@ def test_pack_time_is_the_longest():
 
 def _pack(pack_dir: str = "/spool/alice/pack-7", **kw) -> PackScript:
     base = dict(
-        pack_name="dlrm-pack-3f2a-7", comment="slurm-dlrm pack=dlrm-pack-3f2a-7",
+        pack_name="dlrm-pack-3f2a-7", comment="slurm-dlrm:mode=pack,pack_id=7,pack=dlrm-pack-3f2a-7",
         nodes=2, gpus_per_node=4, cpus_per_node=8, mem_per_node_mib=24000,
         python="/opt/venv/bin/python", placement_path=f"{pack_dir}/placement.json", pack_dir=pack_dir,
         signal_before_end_s=120,

@@ -263,3 +263,22 @@ def test_prune_samples_keeps_the_aggregates(setup):
     assert u is not None and u.n_samples == 1000 and u.gpu_mem_peak_bytes == before[1]
     assert store.check() == []
     assert store.prune_samples(0) == 0
+
+
+_ONCE = """
+import sys
+from slurm_dlrm.store import Store
+Store(sys.argv[1]).ingest_spool_file(sys.argv[2], chunk_bytes=8000)
+"""
+
+
+def test_two_ingesters_on_one_file_still_read_each_line_once(setup):
+    store, p, j, f = setup
+    total = 3000
+    append(f, b"".join(lines(p, j, total)))
+    procs = [subprocess.Popen([sys.executable, "-c", _ONCE, str(store.path), str(f)], cwd=REPO)  # noqa: S603
+             for _ in range(2)]
+    assert [pr.wait(120) for pr in procs] == [0, 0]
+    assert count(store) == total
+    assert store.conn.execute("SELECT count(DISTINCT t) FROM samples").fetchone()[0] == total
+    assert store.conn.execute("SELECT lines FROM ingest_offsets").fetchone()[0] == total

@@ -87,8 +87,16 @@ def test_truncated_file_and_bad_manifest(tmp_path: Path):
 def test_prune_keeps_newest_and_stale_tmp_is_removed(tmp_path: Path):
     for step in (1, 2, 3, 4):
         ckpt.save(tmp_path, step, {"x": torch.ones(1) * step}, EXPECT)
-    ckpt.prune(tmp_path, 2)
+    ckpt.prune(tmp_path, 2, 4)
     assert [s for s, _ in ckpt.list_steps(tmp_path)] == [4, 3]
+    # A later step left by something else never pushes out the one just written.
+    ckpt.save(tmp_path, 9, {"x": torch.ones(1)}, dict(EXPECT, spec_fingerprint="other"))
+    ckpt.save(tmp_path, 5, {"x": torch.ones(1)}, EXPECT)
+    ckpt.prune(tmp_path, 2, 5)
+    assert [s for s, _ in ckpt.list_steps(tmp_path)] == [9, 5, 4]
+    assert ckpt.remove_all(tmp_path) == 3 and ckpt.list_steps(tmp_path) == []
+    for step in (3, 4):
+        ckpt.save(tmp_path, step, {"x": torch.ones(1) * step}, EXPECT)
     tmp = ckpt.prepare_tmp(tmp_path, 5)
     (tmp / "rank0.bin").write_bytes(b"half")
     assert [s for s, _ in ckpt.list_steps(tmp_path)] == [4, 3]  # never listed

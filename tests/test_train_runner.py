@@ -86,6 +86,12 @@ def test_trains_on_cpu_and_writes_metrics(tmp_path: Path):
     assert recs[-1]["loss_avg"] < recs[0]["loss_avg"]  # it learns
     # every 5 steps plus the final one, newest 2 kept
     assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [24, 20]
+    # Rerun: already done. --no-resume: starts over and drops the old checkpoints.
+    assert _run(tmp_path, tiny()) == TRAIN_EXIT_OK
+    assert len(lines(tmp_path / "metrics.jsonl")) == 6
+    assert _run(tmp_path, tiny(steps=7), resume=False) == TRAIN_EXIT_OK
+    assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [7, 5]
+    assert [r["step"] for r in lines(tmp_path / "metrics.jsonl")][6:] == [4, 7]
 
 
 @pytest.mark.parametrize("optimizer", [
@@ -123,6 +129,23 @@ def test_corrupt_newest_checkpoint_is_skipped_on_resume(tmp_path: Path, caplog):
     resumed = {r["step"]: r["loss"] for r in lines(tmp_path / "b" / "metrics.jsonl")}
     assert min(resumed) == 12  # restarted from 10, first report at 12
     assert resumed[24] == full[24]
+
+
+def test_criteo_npy_epochs_and_synchronous_checkpoints(tmp_path: Path):
+    import numpy as np
+
+    n = 100
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "day_0_dense.npy", rng.standard_normal((n, 13)).astype(np.float32))
+    np.save(tmp_path / "day_0_sparse.npy", rng.integers(0, 2**31, (n, 26)))
+    np.save(tmp_path / "day_0_labels.npy", rng.integers(0, 2, (n, 1)).astype(np.int32))
+    spec = tiny(tables=[{"rows": 100, "dim": 8}] * 26, steps=None, epochs=2, batch_size=16,
+                data={"type": "criteo-npy", "path": str(tmp_path)}, checkpoint_every_steps=4,
+                metrics_every_steps=3, loader_workers=2)
+    assert _run(tmp_path, spec, async_checkpoint_max_bytes=0) == TRAIN_EXIT_OK
+    # 100 samples make 6 batches of 16 per epoch: 12 steps for 2 epochs.
+    assert [r["step"] for r in lines(tmp_path / "metrics.jsonl")] == [3, 6, 9, 12]
+    assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [12, 8]
 
 
 def test_bad_spec_exits_2_before_importing_torch(tmp_path: Path):

@@ -24,7 +24,7 @@ from slurm_dlrm.adapt.stages import (
     update_after_warmup,
     warm_start,
 )
-from slurm_dlrm.adapt.stragglers import SpeedSample, Straggler, find_stragglers
+from slurm_dlrm.adapt.stragglers import SpeedSample, Straggler, choose_moves, find_stragglers
 
 __all__ = [
     "MemberOutcome",
@@ -36,6 +36,7 @@ __all__ = [
     "Straggler",
     "WarmStart",
     "allocate_shares",
+    "choose_moves",
     "decide_after_oom",
     "decide_repack",
     "find_stragglers",

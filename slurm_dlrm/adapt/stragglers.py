@@ -8,7 +8,7 @@ prediction, and the window is fully covered by measurements.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -54,4 +54,34 @@ def find_stragglers(
                 job_id, median, predicted,
                 f"{median:.0f} samples/s for {sustained_s:.0f}s, below {ratio:.0%} of the predicted {predicted:.0f}",
             ))
+    return out
+
+
+def choose_moves(
+    stragglers: Iterable[Straggler],
+    change_of: Mapping[int, float],
+    gpu_of: Mapping[int, Hashable],
+    cause_ratio: float = 1.25,
+) -> list[tuple[int, str]]:
+    """Which members to move for the stragglers found, each with a reason.
+
+    `change_of[job]` is the member's measured use over its planned use (SM or
+    bandwidth, whichever departs more); `gpu_of[job]` names its GPU. On a GPU with
+    stragglers the member that departs most from its plan, by at least `cause_ratio`,
+    is the cause and is moved (even if it is not slow itself: its neighbours are);
+    if no member departs that much, the slowness is the device's or the host's and
+    the stragglers themselves are moved.
+    """
+    by_gpu: dict[Hashable, list[Straggler]] = defaultdict(list)
+    for s in stragglers:
+        by_gpu[gpu_of.get(s.job_id, s.job_id)].append(s)
+    out: list[tuple[int, str]] = []
+    for gpu, slow in by_gpu.items():
+        members = [j for j, g in gpu_of.items() if g == gpu] or [s.job_id for s in slow]
+        cause = max(members, key=lambda j: (change_of.get(j, 1.0), -j))
+        if change_of.get(cause, 1.0) >= cause_ratio:
+            names = ", ".join(str(s.job_id) for s in slow)
+            out.append((cause, f"uses {change_of[cause]:.1f}x its planned share; slows job(s) {names}"))
+        else:
+            out += [(s.job_id, s.reason) for s in slow]
     return out

@@ -2,7 +2,7 @@
 `slurm-dlrm train` towards the agent and does nothing else.
 
     python -m slurm_dlrm.agent.standin --steps 50 --step-s 0.1 [--grow-mib-per-step 8]
-        [--exit-code 3] [--env-out PATH] [--busy]
+        [--exit-code 3] [--env-out PATH] [--busy] [--checkpoint-every 10]
 
 It appends a metrics line per step to $SLURM_DLRM_METRICS_FILE, resumes from and writes
 checkpoints in $SLURM_DLRM_CHECKPOINT_DIR, on SIGTERM/SIGUSR1 writes a checkpoint and exits
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--env-out", default=None)
     ap.add_argument("--busy", action="store_true", help="spin instead of sleeping")
     ap.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (a hung member)")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only on stop)")
     args = ap.parse_args(argv)
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN if args.ignore_term else _on_signal)
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             block[::4096] = b"x" * len(block[::4096])  # touch every page so it counts in RSS
             hog.append(block)
         step += 1
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            _checkpoint(ckpt_dir, step)  # what a killed run resumes from (as the runner's periodic ones)
         dt = time.monotonic() - t0
         if out is not None:
             out.write(json.dumps({"t": time.time(), "step": step, "samples_per_s": args.samples_per_step / dt,

@@ -42,9 +42,12 @@ Exit codes: 0 done, 1 failed, 2 bad spec, 3 GPU out of memory, 4 host out of mem
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Train this many steps (overrides the spec).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
               help="auto: CUDA when a GPU is visible, else the CPU (gloo).")
-@click.option("--no-resume", is_flag=True, help="Ignore existing checkpoints and start at step 0.")
+@click.option("--no-resume", is_flag=True, help="Start at step 0; existing checkpoints in the folder are removed.")
+@click.option("--sync-checkpoints", is_flag=True,
+              help="Write checkpoints in the training thread (no host-memory copy of the state; "
+                   "by default states up to 1 GiB are copied and written in the background).")
 def train(spec_path: str, metrics_file: str | None, checkpoint_dir: str | None, keep_checkpoints: int,
-          steps: int | None, device: str, no_resume: bool) -> None:
+          steps: int | None, device: str, no_resume: bool, sync_checkpoints: bool) -> None:
     _setup_logging()
     from slurm_dlrm.spec import load_spec
 
@@ -67,12 +70,16 @@ def train(spec_path: str, metrics_file: str | None, checkpoint_dir: str | None, 
             child_args += ["--steps", str(steps)]
         if no_resume:
             child_args.append("--no-resume")
+        if sync_checkpoints:
+            child_args.append("--sync-checkpoints")
         sys.exit(launch_local(spec.world_size, child_args))
 
     from slurm_dlrm.train.runner import RunOptions, run
 
     opts = RunOptions(metrics_file=metrics_path, checkpoint_dir=ckpt_dir, keep_checkpoints=keep_checkpoints,
                       steps=steps, device=device, resume=not no_resume)
+    if sync_checkpoints:
+        opts.async_checkpoint_max_bytes = 0
     sys.exit(run(spec, opts))
 
 

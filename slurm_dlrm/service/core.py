@@ -28,11 +28,12 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slurm_dlrm.admin.marker import MODE_PACK, format_marker
 from slurm_dlrm.service.daemon import ensure_private_dir
 from slurm_dlrm.service.sbatch_options import (
     PackScript,
@@ -40,6 +41,7 @@ from slurm_dlrm.service.sbatch_options import (
     pack_time_minutes,
     render_pack_script,
 )
+from slurm_dlrm.service.spool import SPEC_FILE, write_job_spec, write_private
 from slurm_dlrm.site import MIB, SiteConfig
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,9 @@ class ServiceSettings:
     backoff_max_s: float = 60.0
     max_attempts: int = MAX_ATTEMPTS
     policy: str | None = None  # None: the site's packing.policy
+    # Batched dispatch (RMixer): plan when this long passed since the last plan, or when
+    # packing.round_batch_size jobs arrived since. None: the site's packing.round_seconds.
+    dispatch_window_s: float | None = None
 
 
 @dataclass
@@ -132,6 +137,11 @@ class PackingService:
         self.heartbeats: dict[int, float] = {}
         self.waited_rounds: dict[int, int] = {}
         self.rounds = 0
+        self._spool_ready = False
+        self.last_dispatch_t: float | None = None
+        from slurm_dlrm.service.recovery import Recovery
+
+        self.recovery = Recovery(self)  # OOM retry, lost packs, stragglers, warm start (issue 10)
 
     # ------------------------------------------------------------ the round
 
@@ -159,6 +169,8 @@ class PackingService:
             "pid": os.getpid(), "user": self.settings.user, "policy": self.policy, "rounds": self.rounds,
             "last_round_t": now, "slurm_ok": self.slurm_error is None, "slurm_error": self.slurm_error,
             "slurm_retry_in_s": None if self.slurm_error is None else round(max(0.0, self.slurm_retry_at - now), 1),
+            "next_dispatch_in_s": 0.0 if self.last_dispatch_t is None else
+            round(max(0.0, self.last_dispatch_t + self.dispatch_window_s - now), 1),
         }
 
     # ------------------------------------------------------------ Slurm availability
@@ -204,6 +216,8 @@ class PackingService:
             if info is None and pack.slurm_job_id:
                 info = next((i for i in infos if str(i.job_id) == pack.slurm_job_id), None)
             self._observe_pack(pack, info, stats)
+        self.recovery.check_heartbeats(stats)
+        self.recovery.check_warmup_and_stragglers()
 
     def ingest(self, pack: Any) -> int:
         """Agent reports of one pack into the store, exactly once."""
@@ -259,7 +273,8 @@ class PackingService:
         if state == "COMPLETED":
             s.transition_job(job_id, JobState.COMPLETED, why, exit_code=code, t=t)
         elif state == "CANCELLED":
-            s.transition_job(job_id, JobState.CANCELLED, why, exit_code=code, t=t)
+            if not self.recovery.on_member_cancelled(job, t):  # a straggler asked to move is requeued
+                s.transition_job(job_id, JobState.CANCELLED, why, exit_code=code, t=t)
         elif state in ("OOM_GPU", "OOM_HOST"):
             s.transition_job(job_id, JobState.OOM, why, exit_code=code, t=t,
                              data={"kind": "gpu" if state == "OOM_GPU" else "host"})
@@ -272,36 +287,12 @@ class PackingService:
             log.warning("job %d: unknown member state %r in a report", job_id, state)
 
     def _after_oom(self, job_id: int, kind: str, t: float) -> None:
-        from slurm_dlrm.adapt.recovery import decide_after_oom
-        from slurm_dlrm.store.states import JobState
-
-        job = self.store.get_job(job_id)
-        placements = [p for p in self.store.placements(job_id=job_id) if p.pack_id == job.pack_id]
-        gpu = self.site.gpu_models.get(job.gpu_model or "") or next(iter(self.site.gpu_models.values()))
-        if kind == "gpu":
-            limit = max((p.gpu_mem_limit_bytes or 0) for p in placements) if placements else 0
-            capacity = gpu.memory_bytes - gpu.cuda_context_bytes
-            peak = self._usage_peak(job_id, "gpu_mem_peak_bytes")
-        else:
-            limit = max((p.host_mem_limit_bytes or 0) for p in placements) if placements else 0
-            capacity = max(n.memory_mib for n in self.site.nodes) * MIB
-            peak = self._usage_peak(job_id, "rss_peak_bytes")
-        decision = decide_after_oom(
-            "gpu" if kind == "gpu" else "host",
-            job.gpu_mem_request_bytes or job.est_gpu_peak_bytes or 0,
-            job.host_mem_request_bytes or job.est_host_peak_bytes or 0,
-            limit, peak, attempt=job.attempt + 1, max_attempts=self.settings.max_attempts,
-            capacity_bytes=capacity)
-        if decision.action == "requeue":
-            self.store.transition_job(job_id, JobState.PENDING, decision.reason, t=t,
-                                      gpu_mem_request_bytes=decision.gpu_mem_bytes,
-                                      host_mem_request_bytes=decision.host_mem_bytes)
-        else:
-            self.store.add_event("note", decision.reason, job_id=job_id)
+        self.recovery.after_oom(job_id, kind, t)  # raise and requeue, or say why not (service/recovery.py)
 
     def _usage_peak(self, job_id: int, column: str) -> int | None:
-        row = self.store.conn.execute(f"SELECT {column} FROM job_usage WHERE job_id = ?", (job_id,)).fetchone()
-        return None if row is None or row[0] is None else int(row[0])
+        usage = self.store.usage(job_id)
+        value = None if usage is None else getattr(usage, column)
+        return None if value is None else int(value)
 
     def _requeue(self, job: Any, reason: str, t: float | None = None) -> None:
         """Back to PENDING (resumes from its checkpoint), or FAILED past the attempt bound."""
@@ -373,10 +364,7 @@ class PackingService:
         self._pack_ended(pack, ending, "no longer in squeue", stats)
 
     def _all_members_done(self, pack_id: int) -> bool:
-        from slurm_dlrm.store.states import JobState
-
-        live = self.store.jobs([JobState.PLANNED, JobState.RUNNING], user=self.settings.user)
-        return not any(j.pack_id == pack_id for j in live)
+        return not pack_member_ids(self.store, pack_id, ("PLANNED", "RUNNING"))
 
     def _pack_ended(self, pack: Any, slurm_state: str, reason: str, stats: RoundStats, *,
                     exit_code: int | None = None, nodes: str | None = None) -> None:
@@ -391,10 +379,11 @@ class PackingService:
         self.store.transition_pack(pack.id, to, why, nodes=nodes)
         stats.transitions += 1
         self.heartbeats.pop(pack.id, None)
-        live = [j for j in self.store.jobs([JobState.PLANNED, JobState.RUNNING], user=self.settings.user)
-                if j.pack_id == pack.id]
+        live = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED", "RUNNING"))]
         recoverable = slurm_state in RECOVERABLE_PACK_ENDINGS
         tail = self._output_tail(pack) if to == PackState.FAILED and not recoverable else ""
+        if recoverable:
+            self.recovery.fence_old_run(pack, live)  # an agent cut off from Slurm stops its members
         for job in live:
             if to == PackState.CANCELLED:
                 self.store.transition_job(job.id, JobState.CANCELLED, f"pack {pack.name} cancelled in Slurm")
@@ -427,8 +416,9 @@ class PackingService:
         if not self._slurm_available():
             return
         pending = self.store.jobs([JobState.PENDING], user=self.settings.user)
-        if not pending:
+        if not pending or not self._dispatch_due(pending):
             return
+        self.last_dispatch_t = self.clock()
         groups: dict[tuple[tuple[str, str], ...], list[Any]] = {}
         for job in pending:
             groups.setdefault(job_options(job).pack_key(), []).append(job)
@@ -436,6 +426,25 @@ class PackingService:
             if not self._slurm_available():
                 break
             self._dispatch_group(groups[key], stats)
+
+    @property
+    def dispatch_window_s(self) -> float:
+        w = self.settings.dispatch_window_s
+        return self.site.packing.round_seconds if w is None else w
+
+    def _dispatch_due(self, pending: list[Any]) -> bool:
+        """RMixer's batched dispatch: wait for a batch of jobs or the end of the window,
+        so jobs submitted one by one still share packs. The first round after a start
+        plans at once. A requeued job counts as a new arrival."""
+        from dataclasses import replace as dc_replace
+
+        from slurm_dlrm.packing.dispatch import DispatchConfig, should_run_round
+
+        cfg = dc_replace(DispatchConfig.from_site(self.site), round_seconds=self.dispatch_window_s)
+        since = self.last_dispatch_t
+        arrived = len(pending) if since is None else sum(
+            1 for j in pending if j.submit_time >= since or j.updated_time >= since)
+        return should_run_round(self.clock(), since, len(pending), arrived, cfg)
 
     def _dispatch_group(self, jobs: list[Any], stats: RoundStats) -> None:
         from slurm_dlrm.packing.dispatch import DispatchConfig, after_round, aged
@@ -463,6 +472,7 @@ class PackingService:
         for pack in result.packs:
             if not self._slurm_available():
                 return  # the rest stay PENDING; the next round plans them again
+            pack = self.recovery.tune_shares(pack, by_id)  # MPS shares from fitted perf models
             members = [by_id[m.job_id] for m in pack.members]
             for m in pack.members:
                 self.waited_rounds.pop(m.job_id, None)
@@ -514,7 +524,7 @@ class PackingService:
         if extra_gpu > 0 or extra_host > 0:
             d = replace(d, gpu_mem_bytes=d.gpu_mem_bytes + max(0, extra_gpu),
                         host_mem_bytes=d.host_mem_bytes + max(0, extra_host))
-        return d
+        return self.recovery.adapt_demand(job, d)  # warm start / measured profile
 
     def _create_and_submit(self, pack: Any, members: list[Any], options: SbatchOptions, partition: Any,
                            stats: RoundStats) -> None:
@@ -540,7 +550,7 @@ class PackingService:
         from slurm_dlrm.store.states import JobState, PackState
 
         pack_dir = Path(pack.pack_dir)
-        members = [j for j in self.store.jobs([JobState.PLANNED], user=self.settings.user) if j.pack_id == pack.id]
+        members = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED",))]
         if not members:
             # every member was cancelled before sbatch: nothing to run
             self.store.transition_pack(pack.id, PackState.CANCELLED, "all members cancelled before submission")
@@ -568,23 +578,32 @@ class PackingService:
     # ------------------------------------------------------------ the pack folder
 
     def write_pack_dir(self, pack: Any, members: Sequence[Any]) -> str:
-        """placement.json, per-job files and the batch script; returns the script text."""
+        """placement.json, the members' specs and the batch script; returns the script text.
+
+        Rewritten in full before every sbatch attempt, so plain writes suffice (no fsync):
+        a service killed mid-write rewrites the folder before it submits. Only a power
+        loss after sbatch could leave a pack with a torn file; its agent then fails on the
+        placement and the members fail with that reason.
+        """
         pack_dir = Path(pack.pack_dir)
-        ensure_private_dir(self.spool_dir)
-        ensure_private_dir(pack_dir)
-        ensure_private_dir(pack_dir / "reports")
-        ensure_private_dir(pack_dir / "cancel")
-        placements = [p for p in self.store.placements(pack_id=pack.id)]
+        if not self._spool_ready:
+            ensure_private_dir(self.spool_dir)
+            self._spool_ready = True
+        # reports/ and cancel/ are made by whoever writes there first (agent, `cancel`).
+        pack_dir.mkdir(mode=0o700, exist_ok=True)
+        placements = self.store.placements(pack_id=pack.id)
         by_job = {j.id: j for j in members}
         out_members = []
         for p in sorted(placements, key=lambda p: (p.node_index, p.gpu_index, p.job_id)):
             job = by_job.get(p.job_id)
             if job is None:
                 continue  # cancelled before submission
-            job_dir = ensure_private_dir(self.spool_dir / "jobs" / str(job.id))
-            spec_path = job_dir / "spec.json"
-            _write_atomic(spec_path, json.dumps(job.spec, sort_keys=True, indent=1) + "\n")
-            command = list(job.spec.get("command") or
+            job_dir = self.spool_dir / "jobs" / str(job.id)
+            spec_path = job_dir / SPEC_FILE
+            spec = job.spec
+            if not spec_path.exists():  # `submit` wrote it, unless it died right after recording
+                write_job_spec(self.spool_dir, job.id, spec)
+            command = list(spec.get("command") or
                            [self.settings.python, "-m", "slurm_dlrm", "train", str(spec_path)])
             out_members.append({
                 "job_id": job.id, "name": job.name, "node_index": p.node_index, "gpu_index": p.gpu_index,
@@ -601,9 +620,9 @@ class PackingService:
             "sample_interval_s": agent.sample_interval_s, "host_mem_tolerance_pct": agent.host_mem_tolerance_pct,
             "term_grace_s": agent.term_grace_s, "pack_dir": str(pack_dir), "members": out_members,
         }
-        _write_atomic(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
+        write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
         script = render_pack_script(self.pack_script(pack, out_members, [job_options(j) for j in members]))
-        _write_atomic(pack_dir / SCRIPT_FILE, script)
+        write_private(pack_dir / SCRIPT_FILE, script)
         return script
 
     def pack_script(self, pack: Any, members: list[dict[str, Any]], options: list[SbatchOptions]) -> PackScript:
@@ -624,16 +643,11 @@ class PackingService:
             mail_type=base.mail_type, mail_user=base.mail_user, output=base.output, error=base.error,
             time_minutes=pack_time_minutes(o.time_minutes for o in options))
         return PackScript(
-            pack_name=pack.name, comment=f"slurm-dlrm pack={pack.name} pack_id={pack.id}",
+            pack_name=pack.name, comment=format_marker(MODE_PACK, pack_id=pack.id, extra={"pack": pack.name}),
             nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_node=max(1, max(cpus)) + 1,
             mem_per_node_mib=max(1, mem_mib), python=self.settings.python,
             placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,
             signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged)
-
-    # ------------------------------------------------------------ cancel
-
-    def cancel_job(self, job_id: int) -> str:
-        return cancel_job(self.store, self.slurm, job_id, user=self.settings.user)
 
 
 def job_options(job: Any) -> SbatchOptions:
@@ -686,8 +700,7 @@ def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
                              expect=JobState.PLANNED)
     else:
         store.add_event("note", "cancel requested; waiting for the agent", job_id=job_id, pack_id=pack.id)
-    live = [j for j in store.jobs([JobState.PLANNED, JobState.RUNNING], user=user)
-            if j.pack_id == pack.id and j.id != job_id]
+    live = [i for i in pack_member_ids(store, pack.id, ("PLANNED", "RUNNING")) if i != job_id]
     if not live and pack.slurm_job_id:
         try:
             slurm.scancel([int(pack.slurm_job_id)])
@@ -695,6 +708,14 @@ def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
             log.warning("scancel of pack %s: %s", pack.name, exc)
         return f"job {job_id} cancelled; its pack {pack.name} (Slurm job {pack.slurm_job_id}) had no other member"
     return f"job {job_id} cancel sent to its pack {pack.name}; {len(live)} other member(s) keep running"
+
+
+def pack_member_ids(store: Any, pack_id: int, states: Sequence[str]) -> list[int]:
+    """Ids of the jobs whose current pack is `pack_id`, in `states` (indexed by pack)."""
+    marks = ", ".join("?" * len(states))
+    rows = store.conn.execute(f"SELECT id FROM jobs WHERE pack_id = ? AND state IN ({marks}) ORDER BY id",
+                              (pack_id, *states)).fetchall()
+    return [int(r[0]) for r in rows]
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -705,7 +726,3 @@ def _write_atomic(path: Path, text: str) -> None:
         os.fsync(f.fileno())
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
-
-
-def member_ids(packs: Iterable[Any]) -> list[int]:
-    return sorted(m.job_id for p in packs for m in p.members)

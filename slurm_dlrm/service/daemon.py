@@ -104,9 +104,10 @@ class ServiceLock:
 
 def read_pid(paths: ServicePaths) -> int | None:
     try:
-        return int(paths.pid.read_text().strip())
+        pid = int(paths.pid.read_text().strip())
     except (OSError, ValueError):
         return None
+    return pid if pid > 1 else None  # never let a signal go to a process group or init
 
 
 def running_pid(paths: ServicePaths) -> int | None:
@@ -120,10 +121,11 @@ def running_pid(paths: ServicePaths) -> int | None:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EAGAIN, errno.EACCES):
-                # Held: a service runs. Its pid file may lag by a few ms after start.
-                for _ in range(50):
+                # Held: a service runs. Right after it took the lock its pid file may
+                # still be missing or name a killed predecessor: wait for a live pid.
+                for _ in range(100):
                     pid = read_pid(paths)
-                    if pid is not None:
+                    if pid is not None and _alive(pid):
                         return pid
                     time.sleep(0.01)
                 return -1
@@ -133,6 +135,21 @@ def running_pid(paths: ServicePaths) -> int | None:
         os.close(fd)
 
 
+def _alive(pid: int) -> bool:
+    """Running and not a zombie (a killed child not yet reaped holds no lock)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust kill(0)
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
 def spawn_service(paths: ServicePaths, serve_args: list[str], env: dict[str, str] | None = None) -> int:
     """Start `slurm-dlrm serve` detached (own session, output to the service log).
 
@@ -140,7 +157,12 @@ def spawn_service(paths: ServicePaths, serve_args: list[str], env: dict[str, str
     `submit` finds the lock taken and exits at once, so a spawn is always safe.
     """
     ensure_private_dir(paths.store_dir)
-    argv = [sys.executable, "-m", "slurm_dlrm", "serve", *serve_args]
+    argv = [sys.executable, "-m", "slurm_dlrm", "-v", "serve", *serve_args]  # -v: INFO in the log
+    env = dict(os.environ if env is None else env)
+    # The child (and the packs it submits, which inherit its environment) must run this
+    # very slurm_dlrm, also from a source checkout that is not the installed one.
+    package_root = str(Path(__file__).resolve().parent.parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
     with open(paths.log, "ab", buffering=0) as out:
         os.chmod(paths.log, 0o600)
         proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
@@ -154,7 +176,7 @@ def wait_until_running(paths: ServicePaths, timeout_s: float = 10.0) -> int | No
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         pid = running_pid(paths)
-        if pid is not None:
+        if pid is not None and pid > 0:  # -1: held, pid not known yet (never signal -1!)
             return pid
         time.sleep(0.05)
     return None

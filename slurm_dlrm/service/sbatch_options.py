@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -113,7 +113,7 @@ class SbatchOptions:
 
     def merged_over(self, base: SbatchOptions) -> SbatchOptions:
         """These options with `base` filling the gaps (self wins, as the command line)."""
-        return replace(base, **{k: v for k, v in asdict(self).items() if v is not None})
+        return replace(base, **self.to_dict())
 
     def with_paths_from(self, cwd: str) -> SbatchOptions:
         """Relative -o/-e made absolute against `cwd`: the pack runs in its own folder."""
@@ -126,7 +126,8 @@ class SbatchOptions:
         return replace(self, output=absolute(self.output), error=absolute(self.error))
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        # not dataclasses.asdict: it deep-copies, and a round calls this per pending job
+        return {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SbatchOptions:
@@ -396,7 +397,7 @@ class PackScript:
     """Everything the pack's batch script says; computed by the service from the plan."""
 
     pack_name: str  # unique; the Slurm job name the service reconciles by
-    comment: str  # --comment, also unique (carries the pack name)
+    comment: str  # --comment: the marker job_submit.lua looks for (docs/interfaces.md section 6)
     nodes: int
     gpus_per_node: int
     cpus_per_node: int
@@ -417,7 +418,7 @@ def pack_sbatch_flags(p: PackScript) -> list[str]:
         f"--comment={p.comment}",
         f"--cpus-per-task={p.cpus_per_node}",
         f"--job-name={p.pack_name}",
-        f"--mem={p.mem_per_node_mib}",
+        f"--mem={p.mem_per_node_mib}M",
         f"--nodes={p.nodes}",
         "--no-requeue",  # a requeue would restart every member; the service decides
         "--ntasks-per-node=1",
@@ -456,6 +457,7 @@ def render_pack_script(p: PackScript) -> str:
         "srun",
         "--ntasks-per-node=1",
         f"--cpus-per-task={p.cpus_per_node}",
+        "--job-name=slurm-dlrm-agent",  # the step's name in sacct (members are named steps)
         "--kill-on-bad-exit=0",  # one node's agent failing must not kill the others
         p.python, "-m", "slurm_dlrm", "agent", "--pack-file", p.placement_path,
     ]

@@ -78,24 +78,23 @@ def ingest_spool_file(
             st = os.stat(key)
         except FileNotFoundError:
             return result
+        # Read the file before taking the write lock (the spool may sit on NFS); the
+        # offset is checked again under the lock and the read redone if it moved.
+        planned, _ = _stored_offset(store, key, st)
+        result.offset_bytes = planned
+        if st.st_size <= planned:
+            return result
+        data, end = _read_complete(key, planned, chunk_bytes)
+        if end == 0:
+            return result  # only a partial line so far
         with store.write():
-            row = store.conn.execute(
-                "SELECT inode, offset_bytes FROM ingest_offsets WHERE path = ?", (key,)
-            ).fetchone()
-            offset = 0
-            if row is not None:
-                inode, offset = row
-                if inode != st.st_ino or st.st_size < offset:
-                    # The file was replaced or truncated: what is there now is new.
-                    store.event_in_tx("ingest", "report file replaced; reading from the start",
-                                 data={"path": key, "old_offset": offset})
-                    offset = 0
-            result.offset_bytes = offset
-            if st.st_size <= offset:
-                return result
-            data, end = _read_complete(key, offset, chunk_bytes)
-            if end == 0:
-                return result  # only a partial line so far
+            offset, old = _stored_offset(store, key, st)
+            if offset != planned:
+                continue  # another ingester moved it meanwhile
+            if old is not None:
+                # The file was replaced or truncated: what is there now is new.
+                store.event_in_tx("ingest", "report file replaced; reading from the start",
+                                  data={"path": key, "old_offset": old})
             bad_before = result.bad_lines
             _apply_lines(store, data[:end], on_record, result)
             result.offset_bytes = offset + end
@@ -110,6 +109,17 @@ def ingest_spool_file(
         if offset + end >= st.st_size:
             return result
     return result
+
+
+def _stored_offset(store: Store, key: str, st: os.stat_result) -> tuple[int, int | None]:
+    """Where to read from, and the old offset if the file was replaced or truncated."""
+    row = store.conn.execute("SELECT inode, offset_bytes FROM ingest_offsets WHERE path = ?", (key,)).fetchone()
+    if row is None:
+        return 0, None
+    inode, offset = row
+    if inode != st.st_ino or st.st_size < offset:
+        return 0, int(offset)
+    return int(offset), None
 
 
 def _read_complete(path: str, offset: int, chunk_bytes: int) -> tuple[bytes, int]:

@@ -224,9 +224,8 @@ def read_rank(ckpt: Checkpoint, rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_into(targets: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
-    """Copy saved tensors into the live ones, after checking that names, shapes and
-    dtypes all match (nothing is copied when anything differs)."""
+def check_compatible(targets: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+    """Raise CheckpointError unless names, shapes and dtypes all match."""
     missing = sorted(set(targets) - set(saved))
     extra = sorted(set(saved) - set(targets))
     if missing or extra:
@@ -235,15 +234,32 @@ def load_into(targets: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) 
         s = saved[name]
         if tuple(s.shape) != tuple(t.shape) or s.dtype != t.dtype:
             raise CheckpointError(f"{name}: saved {s.dtype}{tuple(s.shape)}, live {t.dtype}{tuple(t.shape)}")
+
+
+def load_into(targets: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+    """Copy saved tensors into the live ones, after checking that names, shapes and
+    dtypes all match (nothing is copied when anything differs)."""
+    check_compatible(targets, saved)
     with torch.no_grad():
         for name, t in targets.items():
             t.copy_(saved[name])
 
 
-def prune(ckpt_dir: Path, keep: int) -> None:
-    """Keep the `keep` newest checkpoints; remove older ones and stale `.tmp-` folders."""
-    for _step, path in list_steps(ckpt_dir)[max(keep, 1):]:
+def prune(ckpt_dir: Path, keep: int, written_step: int | None = None) -> None:
+    """Keep the `keep` newest checkpoints up to `written_step` (the one just written);
+    remove older ones. Folders of later steps (left by another spec, or broken) are
+    not this run's to judge: they stay, and resume skips them with a warning."""
+    steps = [(s, p) for s, p in list_steps(ckpt_dir) if written_step is None or s <= written_step]
+    for _step, path in steps[max(keep, 1):]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_all(ckpt_dir: Path) -> int:
+    """Remove every checkpoint folder (a run told to start over); return how many."""
+    found = list_steps(ckpt_dir)
+    for _step, path in found:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(found)
 
 
 def remove_stale_tmp(ckpt_dir: Path) -> None:

@@ -37,7 +37,7 @@ _POOL_EXTRA_IDS = 4_000_000
 # thread, measured as 4-8% of a small CPU model's samples/s. The ring is capped in
 # bytes; bigger batches are made per step, where that cost is relatively small.
 _RING_BATCHES = 32
-_RING_MAX_BYTES = 256 * 2**20
+_RING_MAX_BYTES = 64 * 2**20
 
 
 class BatchSource(Protocol):
@@ -87,8 +87,9 @@ class SyntheticBatches:
 
     Pools of ids, lengths and dense rows are drawn once from (seed, rank); batch k takes
     random windows of them with a generator seeded by (seed, rank, k), so one batch
-    costs a few slices and one concatenation. Up to 32 batches (256 MiB) are made at
-    start and step s trains on batch s mod 32; larger batches are made per step."""
+    costs a few slices and one concatenation. Up to 32 batches are made at
+    start (at most 64 MiB, fewer when batches are big) and step s trains on batch s mod
+    their number; when fewer than 2 fit, batches are made per step."""
 
     sequential = False
     steps_per_epoch: int | None = None

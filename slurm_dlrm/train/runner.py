@@ -265,7 +265,7 @@ class Trainer:
                 path = ckpt.commit(d, step, merged, meta)
             dist.barrier()
         if self.is_main:
-            ckpt.prune(d, self.opts.keep_checkpoints)
+            ckpt.prune(d, self.opts.keep_checkpoints, step)
         self.last_saved_step = step
         log.info("checkpoint at step %d: %s (%.2f s)", step, path, time.perf_counter() - t0)
 
@@ -274,7 +274,7 @@ class Trainer:
         t0 = time.perf_counter()
         try:
             path = ckpt.save(self.opts.checkpoint_dir, step, snapshot, meta)
-            ckpt.prune(self.opts.checkpoint_dir, self.opts.keep_checkpoints)
+            ckpt.prune(self.opts.checkpoint_dir, self.opts.keep_checkpoints, step)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._writer_error = exc
             return
@@ -295,30 +295,35 @@ class Trainer:
         d = self.opts.checkpoint_dir
         if self.is_main:
             ckpt.remove_stale_tmp(d)
+            if not self.opts.resume:
+                # Left in place, they would win over this run's at the next restart.
+                n = ckpt.remove_all(d)
+                if n:
+                    log.warning("--no-resume: removed %d old checkpoint(s) in %s", n, d)
         if self.dist_info.world_size > 1:
             dist.barrier()
         if not self.opts.resume:
             return
         for _step, path in ckpt.list_steps(d):
+            # Every rank verifies and checks its part first; only a checkpoint that all
+            # ranks can load is copied into the live state (never half of one).
             try:
                 found = ckpt.verify(path, self.expect)
                 saved = ckpt.read_rank(found, self.dist_info.rank)
                 rng = saved.pop("rng/torch", None)
-                # Optimizers with lazy state (Adam, SGD) need it to exist to load into.
-                for opt in self.built.lazy_optimizers:
-                    if any(not s for s in opt.state.values()) or not opt.state:
-                        opt.init_state()
-                ckpt.load_into(state_tensors(self.built), saved)
+                targets = self._load_targets(saved)
+                ckpt.check_compatible(targets, saved)
             except ckpt.CheckpointError as exc:
                 ok = 0
                 log.warning("checkpoint %s skipped: %s", path, exc)
             else:
                 ok = 1
-            if self.dist_info.world_size > 1:  # every rank must take the same one
+            if self.dist_info.world_size > 1:
                 flag = torch.tensor([ok], dtype=torch.int32)
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)
                 ok = int(flag.item())
             if ok:
+                ckpt.load_into(targets, saved)
                 if rng is not None:
                     torch.set_rng_state(rng)
                 self.start_step = found.step
@@ -326,6 +331,18 @@ class Trainer:
                 log.info("resumed from %s (step %d)", path, found.step)
                 return
         log.info("no checkpoint to resume from in %s; starting at step 0", d)
+
+    def _load_targets(self, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The live tensors to load `saved` into. Optimizers whose state appears only
+        at the first step (Adam, SGD with momentum) get it created first (torchrec's
+        KeyedOptimizer.init_state) when the checkpoint holds state they lack."""
+        targets = state_tensors(self.built)
+        if set(saved) - set(targets):
+            for opt in self.built.lazy_optimizers:
+                if not opt.state or any(not s for s in opt.state.values()):
+                    opt.init_state()
+            targets = state_tensors(self.built)
+        return targets
 
     # ---------------------------------------------------------------- loop
 
@@ -488,6 +505,8 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     dist_probe_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(opts.device, dist_probe_rank)
     info = init_distributed(device)
+    if info.world_size > 1:
+        _label_log_lines(info.rank)
     if info.world_size != int(spec.world_size):
         log.warning("spec asks for world_size %d; this launch has %d processes", spec.world_size, info.world_size)
     torch.manual_seed(int(spec.seed) * 1000 + info.rank)
@@ -505,6 +524,26 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
                       total_steps=total, stop=stop, expect=expect)
     trainer.resume()
     return trainer
+
+
+class _RankPrefix(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.prefix = f"rank {rank}: "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and not record.msg.startswith(self.prefix):
+            record.msg = self.prefix + record.msg
+        return True
+
+
+def _label_log_lines(rank: int) -> None:
+    """Several ranks share one log: say whose line it is; only rank 0 tells the story."""
+    prefix = _RankPrefix(rank)
+    for name in ("runner", "checkpoint", "data", "model", "launch"):  # filters are not inherited
+        logging.getLogger(f"slurm_dlrm.train.{name}").addFilter(prefix)
+    if rank != 0:
+        logging.getLogger("slurm_dlrm.train").setLevel(logging.WARNING)
 
 
 def teardown(trainer: Trainer | None) -> None:
