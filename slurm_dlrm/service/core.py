@@ -555,7 +555,8 @@ class PackingService:
         pack_dir = self.spool_dir / name
         placements = [NewPlacement(job_id=m.job_id, node_index=m.node_index, gpu_index=m.gpu_index,
                                    mps_thread_pct=m.mps_thread_pct, gpu_mem_limit_bytes=m.gpu_mem_limit_mib * MIB,
-                                   host_mem_limit_bytes=m.host_mem_limit_bytes, cpus=m.cpus)
+                                   host_mem_limit_bytes=m.host_mem_limit_bytes, cpus=m.cpus,
+                                   predicted_speed=m.predicted_speed)
                       for m in pack.members]
         pack_id = self.store.add_pack(
             name=name, user=self.settings.user, policy=self.policy, n_gpus=pack.gpu_count,
