@@ -44,11 +44,14 @@ command: ["true"]
 """
 
 
-def timed(argv: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+def timed(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> tuple[float, float, str]:
     """(wall s, CPU s of the child, its stdout). CPU time does not grow with machine load."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=True)  # noqa: S603
+    # cwd: `python -m` puts the working folder first on sys.path, before PYTHONPATH, so
+    # from inside a checkout that checkout's code would run whatever PYTHONPATH says.
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60, check=True,  # noqa: S603
+                         cwd=cwd)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -87,8 +90,9 @@ def main() -> None:
     if args.compare:
         # Its own store and service: the two checkouts may have different schemas.
         (work / "before").mkdir()
-        site_before = demo_site(work / "before")
-        env_before = {**env, "PYTHONPATH": str(Path(args.compare).resolve()), "SLURM_DLRM_SITE": str(site_before)}
+        compare = Path(args.compare).resolve()
+        site_before = demo_site(work / "before", base=compare / "site-config" / "site.toml")
+        env_before = {**env, "PYTHONPATH": str(compare), "SLURM_DLRM_SITE": str(site_before)}
         paths_before = service_paths(load_site(site_before), current_user())
     site = load_site(site_path)
     paths = service_paths(site, current_user())
@@ -96,19 +100,24 @@ def main() -> None:
     assert wait_until_running(paths, timeout_s=60), f"service did not start: {paths.log}"
     sbatch = ["sbatch", "--parsable", "--wrap", "true", "-o", "/dev/null", "-J", "latency-baseline"]
     submit = [sys.executable, "-m", "slurm_dlrm", "submit", "--parsable", str(spec)]
+    which = [sys.executable, "-c", "import slurm_dlrm; print(slurm_dlrm.__file__)"]
+    for e, root in ((env, REPO), (env_before, Path(args.compare or ".").resolve())):
+        if e is not None:  # each child must run the checkout it is meant to
+            got = Path(timed(which, e, work)[2]).resolve()
+            assert got.is_relative_to(root), f"children import {got}, not from {root}"
     if env_before is not None:
-        timed(submit, env_before)  # starts that checkout's own service, as a user's first submit does
-    timed(submit, env)  # warm the page cache, the bytecode cache and the store (first open migrates it)
-    timed(sbatch, env)
+        timed(submit, env_before, work)  # starts that checkout's own service, as a user's first submit does
+    timed(submit, env, work)  # warm the page cache, the bytecode cache and the store (first open migrates it)
+    timed(sbatch, env, work)
     rows = []
     before: list[tuple[float, float]] = []
     try:
         for _ in range(args.runs):
-            w_sbatch, c_sbatch, _ = timed(sbatch, env)
-            w_submit, c_submit, _ = timed(submit, env)
+            w_sbatch, c_sbatch, _ = timed(sbatch, env, work)
+            w_submit, c_submit, _ = timed(submit, env, work)
             rows.append((w_sbatch, w_submit, c_sbatch, c_submit))
             if env_before is not None:
-                before.append(timed(submit, env_before)[:2])
+                before.append(timed(submit, env_before, work)[:2])
             time.sleep(0.2)
     finally:
         stop(paths, timeout_s=60)
