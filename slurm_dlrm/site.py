@@ -150,6 +150,9 @@ class SiteConfig:
     agent: AgentConfig
     path: str | None = field(default=None, compare=False)
     slurm: SlurmAdminConfig = field(default_factory=SlurmAdminConfig)
+    # The service deletes samples older than this from each store (0: keep them all);
+    # acct's per-job aggregates stay (Store.prune_samples).
+    sample_retention_days: float = 30.0
 
     def store_dir_for(self, user: str) -> Path:
         return Path(os.path.expanduser(self.store_dir.replace("{user}", user)))
@@ -272,6 +275,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         raise ConfigError("site.name", "letters, digits, '_' and '-' only (it becomes ClusterName)", path)
     store_dir = s.get("store_dir", str, "~/.local/share/slurm-dlrm")
     spool_dir = s.get("spool_dir", str, "~/.local/share/slurm-dlrm/spool")
+    sample_retention_days = s.get("sample_retention_days", float, 30.0, min_value=0)
     s.done()
 
     models_t = top.table("gpu_models")
@@ -422,7 +426,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
     a.done()
     top.done()
     return SiteConfig(name, store_dir, spool_dir, gpu_models, tuple(nodes), tuple(partitions), mps, packing, agent,
-                      path, slurm)
+                      path, slurm, sample_retention_days)
 
 
 def _abs_path(section: _Section, key: str, default: str) -> str:

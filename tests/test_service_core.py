@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from service_harness import FakeClock, FakeCluster, add_job, make_site
 
 from slurm_dlrm.admin.marker import parse_marker
-from slurm_dlrm.service.core import PackingService, ServiceSettings, cancel_job, is_unreachable
+from slurm_dlrm.service.core import (
+    PRUNE_EVERY_S,
+    PackingService,
+    RoundStats,
+    ServiceSettings,
+    cancel_job,
+    is_unreachable,
+)
 
 # Modules of other areas, skipped until they are on main.
 _slurm = pytest.importorskip("slurm_dlrm.slurm")
@@ -388,3 +396,65 @@ def test_batched_dispatch_waits_for_the_window_or_a_batch(tmp_path):
             add_job(store, f"batch{i}")
         svc.run_round()
         assert len(slurm.submitted) == 3
+
+
+def test_round_prunes_old_samples_hourly_keeping_acct_figures(world):
+    svc, store, slurm, clock, cluster = world
+    days = svc.site.sample_retention_days
+    assert days == 30.0  # the site default
+    ids = [add_job(store, f"j{i}") for i in range(2)]
+    svc.run_round()
+    cluster.tick()
+    svc.run_round()  # the first round already pruned (nothing old yet); RUNNING, one sample each
+    pack_id = store.packs()[0].id
+    day = 86400.0
+    old = [{"t": clock() - (days + 1) * day, "pack_id": pack_id, "job_id": ids[0], "node": "node1",
+            "gpu_index": 0, "samples_per_s": 10.0}]
+    recent = [{"t": clock() - (days - 1) * day, "pack_id": pack_id, "job_id": ids[0], "node": "node1",
+               "gpu_index": 0, "samples_per_s": 30.0}]
+    store.add_samples(old + recent)
+    n_before = store.usage(ids[0]).n_samples
+
+    def count() -> int:
+        return int(store.conn.execute("SELECT count(*) FROM samples WHERE job_id = ?", (ids[0],)).fetchone()[0])
+
+    total = count()
+    assert svc.last_prune_t is not None
+    clock.now = svc.last_prune_t + PRUNE_EVERY_S - 1
+    svc.run_round()
+    assert count() == total  # not due yet
+    clock.advance(2)
+    stats = svc.run_round()
+    assert count() == total - 1 and any("pruned 1 samples" in n for n in stats.notes)
+    assert store.conn.execute("SELECT min(t) FROM samples").fetchone()[0] >= clock() - days * day
+    usage = store.usage(ids[0])
+    assert usage.n_samples == n_before  # acct's aggregates keep the pruned sample
+    assert store.check() == []
+
+
+def test_sample_retention_zero_keeps_everything(tmp_path):
+    clock = FakeClock()
+    site = replace(make_site(tmp_path), sample_retention_days=0.0)
+    store = Store(tmp_path / "store.sqlite", clock=clock)
+    svc = PackingService(store, FakeSlurm(clock=clock, user=USER), site, ServiceSettings(user=USER), clock=clock)
+    job = add_job(store, "j0")
+    pack_id = store.add_pack(name="pk", user=USER, policy="exclusive", n_gpus=1)
+    store.add_samples([{"t": clock() - 1e9, "pack_id": pack_id, "job_id": job, "node": "n", "gpu_index": 0}])
+    stats = RoundStats()
+    assert svc.prune_samples(stats) == 0 and not stats.notes
+    assert store.conn.execute("SELECT count(*) FROM samples").fetchone()[0] == 1
+    store.close()
+
+
+def test_sample_retention_days_is_validated(tmp_path):
+    import tomllib
+
+    from slurm_dlrm.errors import ConfigError
+    from slurm_dlrm.site import REPO_SITE_FILE, parse_site
+
+    data = tomllib.loads(REPO_SITE_FILE.read_text())
+    data["site"]["sample_retention_days"] = 7
+    assert parse_site(data).sample_retention_days == 7.0
+    data["site"]["sample_retention_days"] = -1
+    with pytest.raises(ConfigError, match="sample_retention_days"):
+        parse_site(data)

@@ -29,26 +29,29 @@ def hist(tmp_path):
     pack 1, 1 GPU, allocated 0..100: A on GPU0 0..100, B on GPU0 0..50
     pack 2, 2 GPUs, allocated 200..280: C on GPU0 and GPU1 200..260, D on GPU1 200..260
     E pending, never planned.
+    Predicted speeds (the plan's): A 0.6, B 0.7, C 0.8 on GPU1 (1.0 alone on GPU0), D none.
     """
     s = Store(tmp_path / "alice" / "store.sqlite", clock=lambda: T0 + 1000)
     est = {"gpu_peak_bytes": 4 << 30, "host_peak_bytes": 8 << 30, "profile": {"solo_samples_per_s": 1000.0}}
     ids = {n: s.add_job(user="alice", name=n, spec={"name": n}, spec_fingerprint="fpX" if n in "AB" else "fpY",
                         estimate=est, submit_time=T0 - 10) for n in "ABCDE"}
     p1 = s.add_pack(name="pk-1", user="alice", policy="complementary", n_gpus=1, t=T0 - 5,
-                    placements=[NewPlacement(ids["A"], 0, 0, 50), NewPlacement(ids["B"], 0, 0, 50)])
+                    placements=[NewPlacement(ids["A"], 0, 0, 50, predicted_speed=0.6),
+                                NewPlacement(ids["B"], 0, 0, 50, predicted_speed=0.7)])
     s.transition_pack(p1, PackState.QUEUED, "sub", slurm_job_id="101", t=T0 - 1)
     s.transition_pack(p1, PackState.RUNNING, "run", nodes="node1", t=T0)
     run_job(s, p1, ids["A"], 0, 100)
     run_job(s, p1, ids["B"], 0, 50, JobState.OOM)
     s.transition_pack(p1, PackState.COMPLETED, "end", t=T0 + 100)
     p2 = s.add_pack(name="pk-2", user="alice", policy="complementary", n_gpus=2, t=T0 + 150,
-                    placements=[NewPlacement(ids["C"], 0, 0), NewPlacement(ids["C"], 0, 1), NewPlacement(ids["D"], 0, 1)])
+                    placements=[NewPlacement(ids["C"], 0, 0, predicted_speed=1.0),
+                                NewPlacement(ids["C"], 0, 1, predicted_speed=0.8), NewPlacement(ids["D"], 0, 1)])
     s.transition_pack(p2, PackState.QUEUED, "sub", slurm_job_id="102", t=T0 + 160)
     s.transition_pack(p2, PackState.RUNNING, "run", nodes="node2", t=T0 + 200)
     run_job(s, p2, ids["C"], 200, 260)
     run_job(s, p2, ids["D"], 200, 260)
     s.transition_pack(p2, PackState.COMPLETED, "end", t=T0 + 280)
-    # A ran at half its solo speed while sharing; D at full speed.
+    # A measured half of its *estimated* solo speed; D twice it (no solo runs to compare with).
     s.add_samples([{"t": T0 + i, "pack_id": p1, "job_id": ids["A"], "node": "node1", "gpu_index": 0,
                     "sm_util_pct": 10.0 * i, "gpu_mem_bytes": (3 << 30) + i, "rss_bytes": 5 << 30,
                     "samples_per_s": 500.0} for i in range(1, 6)])
@@ -73,16 +76,58 @@ def test_gpu_hours_split_and_saved(hist):
     assert r["C"]["gpu_hours"] == pytest.approx((80 + 40) * h)
     assert r["D"]["gpu_hours"] == pytest.approx(40 * h)
     assert sum(x["gpu_hours"] for x in r.values()) == pytest.approx((100 + 2 * 80) * h)
-    # exclusive: run time on each GPU, A corrected by its slowdown (500/1000), D capped at 1
-    assert r["A"]["excl_gpu_hours"] == pytest.approx(100 * 0.5 * h)
-    assert r["B"]["excl_gpu_hours"] == pytest.approx(50 * h)
-    assert r["C"]["excl_gpu_hours"] == pytest.approx(120 * h)
-    assert r["D"]["gpu_hours_saved"] == pytest.approx((60 - 40) * h)
+    # exclusive: run time on each GPU, times the plan's predicted speed where shared (no
+    # solo run of the same spec was measured; the analytic solo samples/s is not used)
+    assert r["A"]["excl_gpu_hours"] == pytest.approx(100 * 0.6 * h)
+    assert r["B"]["excl_gpu_hours"] == pytest.approx(50 * 0.7 * h)
+    assert r["C"]["excl_gpu_hours"] == pytest.approx((60 + 60 * 0.8) * h)
+    assert r["D"]["gpu_hours_saved"] == pytest.approx((60 - 40) * h)  # no prediction: no correction
+    assert r["A"]["gpu_hours_saved"] == pytest.approx((60 - 100 * 100 / 150) * h)
+    assert [r[n]["speed_basis"] for n in "ABCDE"] == ["predicted", "predicted", "predicted", "none", None]
     assert r["E"]["gpu_hours"] == 0 and r["E"]["wait_s"] == pytest.approx(1010)
     assert (r["A"]["run_s"], r["C"]["run_s"], r["C"]["n_gpus"], r["C"]["nodes"]) == (100, 60, 2, "node2")
     assert r["A"]["wait_s"] == pytest.approx(10)
     assert (r["A"]["gpu_mem_peak_bytes"], r["A"]["sm_util_mean"], r["A"]["sm_util_max"]) == ((3 << 30) + 5, 30.0, 50.0)
     assert r["A"]["slurm_job_id"] == "101"
+
+
+def test_measured_slowdown_only_against_solo_runs_of_the_same_spec_and_gpu_model(tmp_path):
+    """S1 (h100) and S2 (a100) ran alone with spec fpX; P and Q shared an h100 GPU.
+
+    P (fpX) measured 300 samples/s against S1's mean 600 -> slowdown 0.5 (measured wins
+    over its predicted 0.9; S2's a100 figure is not mixed in). Q (fpZ) has no solo run
+    of its spec: the plan's 0.7.
+    """
+    s = Store(tmp_path / "alice" / "store.sqlite", clock=lambda: T0 + 1000)
+    est = {"profile": {"solo_samples_per_s": 10_000.0}}  # the analytic figure: never used
+    fps = {"S1": "fpX", "S2": "fpX", "P": "fpX", "Q": "fpZ"}
+    ids = {n: s.add_job(user="alice", name=n, spec={"name": n}, spec_fingerprint=fp, estimate=est,
+                        submit_time=T0 - 10) for n, fp in fps.items()}
+
+    def run_pack(name: str, model: str, members: list[tuple[str, float | None]], sps: dict[str, list[float]],
+                 start: float, end: float) -> None:
+        pk = s.add_pack(name=name, user="alice", policy="complementary", n_gpus=1, gpu_model=model, t=T0 + start - 2,
+                        placements=[NewPlacement(ids[n], 0, 0, predicted_speed=v) for n, v in members])
+        s.transition_pack(pk, PackState.QUEUED, "sub", slurm_job_id=name, t=T0 + start - 1)
+        s.transition_pack(pk, PackState.RUNNING, "run", nodes="node1", t=T0 + start)
+        for n, _ in members:
+            run_job(s, pk, ids[n], start, end)
+            s.add_samples([{"t": T0 + start + i, "pack_id": pk, "job_id": ids[n], "node": "node1", "gpu_index": 0,
+                            "samples_per_s": v} for i, v in enumerate(sps[n])])
+        s.transition_pack(pk, PackState.COMPLETED, "end", t=T0 + end)
+
+    run_pack("pk-s1", "h100", [("S1", 1.0)], {"S1": [500.0, 700.0]}, 0, 10)
+    run_pack("pk-s2", "a100", [("S2", 1.0)], {"S2": [100.0]}, 20, 30)
+    run_pack("pk-pq", "h100", [("P", 0.9), ("Q", 0.7)], {"P": [300.0], "Q": [50.0]}, 100, 200)
+    r = by_name(acct_rows(s, AcctFilter(), now=T0 + 1000))
+    h = 1 / 3600
+    assert r["P"]["excl_gpu_hours"] == pytest.approx(100 * 0.5 * h) and r["P"]["speed_basis"] == "measured"
+    assert r["Q"]["excl_gpu_hours"] == pytest.approx(100 * 0.7 * h) and r["Q"]["speed_basis"] == "predicted"
+    assert r["P"]["gpu_hours"] == r["Q"]["gpu_hours"] == pytest.approx(50 * h)
+    assert r["Q"]["gpu_hours_saved"] == pytest.approx(20 * h)
+    # solo jobs: no correction, nothing saved
+    assert r["S1"]["speed_basis"] == "solo" and r["S1"]["gpu_hours_saved"] == pytest.approx(0)
+    s.close()
 
 
 def invoke(store: Store, *args: str):

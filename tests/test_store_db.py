@@ -9,7 +9,7 @@ import stat
 import pytest
 
 from slurm_dlrm.site import REPO_SITE_FILE, load_site
-from slurm_dlrm.store import SchemaTooNew, Store, StoreError, store_path_for
+from slurm_dlrm.store import NewPlacement, SchemaTooNew, Store, StoreError, store_path_for
 from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS
 
 
@@ -163,4 +163,41 @@ def test_the_interim_v1_layout_is_migrated_too(tmp_path):
         assert s.get_job(1).spec == {"name": "mid"}
         j2 = s.add_job(user="u", name="new", spec={}, spec_fingerprint="f", sbatch={"time": 10})
         assert s.get_job(j2).sbatch == {"time": 10}
+        assert s.check() == []
+
+
+def test_v3_store_gets_predicted_speed_and_old_placements_stay_uncorrected(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    p.parent.mkdir(mode=0o700)
+    conn = sqlite3.connect(p)
+    for m in MIGRATIONS[:3]:
+        for stmt in m.statements:
+            conn.execute(stmt)
+        if m.apply is not None:
+            m.apply(conn)
+    conn.executescript("""
+        INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, start_time, end_time, pack_id,
+                          updated_time) VALUES ('u', 'a', 'COMPLETED', 'fp', 1.0, 10.0, 110.0, 1, 1.0);
+        INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, start_time, end_time, pack_id,
+                          updated_time) VALUES ('u', 'b', 'COMPLETED', 'fp', 1.0, 10.0, 110.0, 1, 1.0);
+        INSERT INTO job_specs VALUES (1, '{}', NULL, NULL), (2, '{}', NULL, NULL);
+        INSERT INTO packs (name, user, state, policy, n_gpus, create_time, start_time, end_time, updated_time)
+            VALUES ('pk', 'u', 'COMPLETED', 'complementary', 1, 1.0, 10.0, 110.0, 1.0);
+        INSERT INTO placements (pack_id, job_id, attempt, node_index, gpu_index, start_time, end_time)
+            VALUES (1, 1, 0, 0, 0, 10.0, 110.0), (1, 2, 0, 0, 0, 10.0, 110.0);
+        PRAGMA user_version = 3;
+    """)
+    conn.close()
+    with Store(p) as s:
+        assert s.schema_version == LATEST_VERSION >= 4
+        assert [pl.predicted_speed for pl in s.placements()] == [None, None]
+        rows = s.query("acct", {"now": 200.0, "job_ids": None, "states": None, "users": None, "pack_id": None,
+                                "since": None, "until": None})
+        # shared, but no prediction and no measurement: no correction (100 s each, 50 s charged)
+        assert [(r["speed_basis"], round(r["excl_gpu_hours"] * 3600), round(r["gpu_hours"] * 3600))
+                for r in rows] == [("none", 100, 50), ("none", 100, 50)]
+        j = s.add_job(user="u", name="c", spec={}, spec_fingerprint="f")
+        pk = s.add_pack(name="pk2", user="u", policy="complementary", n_gpus=1,
+                        placements=[NewPlacement(j, 0, 0, predicted_speed=0.75)])
+        assert s.placements(pack_id=pk)[0].predicted_speed == 0.75
         assert s.check() == []

@@ -131,24 +131,25 @@ def demo(count: int | None, specs: tuple[str, ...], workdir: str | None, round_s
 
     result = run_sweep(chosen, work, say=say, follow=follow, round_seconds=round_seconds, timeout_s=timeout_s,
                       report=not no_report)
-    saved = result.run_gpu_hours - result.gpu_hours
+    saved = result.gpu_hours_saved  # acct's, summed: the demo has no formula of its own
     summary = {
         "jobs": len(result.job_ids), "states": result.states, "packs": result.packs,
         "gpus_allocated": result.pack_gpus, "gpus_at_one_job_per_gpu": len(result.job_ids),
-        "gpu_hours_used": round(result.gpu_hours, 5), "gpu_hours_one_job_per_gpu": round(result.run_gpu_hours, 5),
-        "gpu_hours_saved": round(saved, 5), "acct_excl_gpu_hours": round(result.excl_gpu_hours, 5),
+        "gpu_hours_used": round(result.gpu_hours, 5), "gpu_hours_one_job_per_gpu": round(result.excl_gpu_hours, 5),
+        "gpu_hours_saved": round(saved, 5),
         "seconds": round(result.seconds, 1), "workdir": str(result.workdir),
         "report": str(result.report_path) if result.report_path else None,
     }
     if as_json:
         click.echo(json.dumps(summary, indent=1, sort_keys=True))
     else:
-        pct = f" ({saved / result.run_gpu_hours:.0%} less)" if result.run_gpu_hours > 0 else ""
+        pct = f" ({saved / result.excl_gpu_hours:.0%} less)" if result.excl_gpu_hours > 0 else ""
         click.echo("\n".join([
             f"{len(result.job_ids)} jobs: " + ", ".join(f"{n} {s.lower()}" for s, n in sorted(result.states.items())),
             f"packed into {result.packs} Slurm jobs on {result.pack_gpus} GPUs "
             f"(one job per GPU would take {len(result.job_ids)} GPUs)",
-            f"GPU-hours used: {result.gpu_hours:.4f}; at one job per GPU: {result.run_gpu_hours:.4f}{pct}",
+            f"GPU-hours used: {result.gpu_hours:.4f}; at one job per GPU: {result.excl_gpu_hours:.4f}{pct}"
+            " (acct's GPUHours and ExclGPUHours, summed)",
             f"took {result.seconds:.0f} s; details: slurm-dlrm acct (SLURM_DLRM_SITE={result.workdir}/site.toml)",
             f"report: {result.report_path}" if result.report_path else "report: skipped",
         ]))

@@ -114,6 +114,12 @@ def slurm_message(exc: BaseException) -> str:
     return text
 
 
+# How often the service prunes old samples (site.sample_retention_days): a prune scans
+# by time index and deletes in short transactions, so hourly is cheap and keeps the
+# store's size bounded.
+PRUNE_EVERY_S = 3600.0
+
+
 def new_pack_name() -> str:
     """Unique across stores and users: the key a restarted service finds its pack by."""
     return f"dlrm-{secrets.token_hex(6)}"
@@ -139,6 +145,7 @@ class PackingService:
         self.rounds = 0
         self._spool_ready = False
         self.last_dispatch_t: float | None = None
+        self.last_prune_t: float | None = None
         from slurm_dlrm.service.recovery import Recovery
 
         self.recovery = Recovery(self)  # OOM retry, lost packs, stragglers, warm start (issue 10)
@@ -152,9 +159,23 @@ class PackingService:
         self.rounds += 1
         self.observe(stats)
         self.act(stats)
+        self.prune_samples(stats)
         stats.slurm_ok = self.slurm_error is None
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def prune_samples(self, stats: RoundStats) -> int:
+        """Delete samples older than the site's `sample_retention_days`, once per
+        PRUNE_EVERY_S (the first round after a start included). acct keeps its figures."""
+        days = self.site.sample_retention_days
+        now = self.clock()
+        if days <= 0 or (self.last_prune_t is not None and now - self.last_prune_t < PRUNE_EVERY_S):
+            return 0
+        self.last_prune_t = now
+        n = int(self.store.prune_samples(now - days * 86400.0))
+        if n:
+            stats.notes.append(f"pruned {n} samples older than {days:g} days")
+        return n
 
     def next_delay_s(self) -> float | None:
         """A back-off hint for the loop while Slurm is unreachable."""
@@ -534,7 +555,8 @@ class PackingService:
         pack_dir = self.spool_dir / name
         placements = [NewPlacement(job_id=m.job_id, node_index=m.node_index, gpu_index=m.gpu_index,
                                    mps_thread_pct=m.mps_thread_pct, gpu_mem_limit_bytes=m.gpu_mem_limit_mib * MIB,
-                                   host_mem_limit_bytes=m.host_mem_limit_bytes, cpus=m.cpus)
+                                   host_mem_limit_bytes=m.host_mem_limit_bytes, cpus=m.cpus,
+                                   predicted_speed=m.predicted_speed)
                       for m in pack.members]
         pack_id = self.store.add_pack(
             name=name, user=self.settings.user, policy=self.policy, n_gpus=pack.gpu_count,

@@ -32,8 +32,9 @@ class DemoResult:
     packs: int
     pack_gpus: int
     gpu_hours: float  # charged to the jobs (allocated GPU time split among members)
-    excl_gpu_hours: float  # acct's figure for one job per GPU
-    run_gpu_hours: float  # the members' own run time: one GPU each, as Slurm would do
+    # acct's figures (one definition, in the store's query; docs/store.md "GPU-hours"):
+    excl_gpu_hours: float  # the same work at one job per GPU
+    gpu_hours_saved: float  # excl_gpu_hours - gpu_hours
     report_path: Path | None
     seconds: float
     notes: list[str] = field(default_factory=list)
@@ -137,7 +138,7 @@ def summarize(site: SiteConfig, user: str, ids: list[int], states: list[str], wo
     return DemoResult(
         workdir=workdir, job_ids=ids, states=counts, packs=len(packs), pack_gpus=sum(p.n_gpus for p in packs.values()),
         gpu_hours=sum(r["gpu_hours"] for r in rows), excl_gpu_hours=sum(r["excl_gpu_hours"] for r in rows),
-        run_gpu_hours=sum((r["gpu_run_s"] or 0.0) for r in rows) / 3600.0, report_path=report_path,
+        gpu_hours_saved=sum(r["gpu_hours_saved"] for r in rows), report_path=report_path,
         seconds=seconds)
 
 

@@ -32,12 +32,14 @@ MAIL_TYPES = (
     "TIME_LIMIT", "TIME_LIMIT_90", "TIME_LIMIT_80", "TIME_LIMIT_50", "ARRAY_TASKS",
 )
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_NAME = re.compile(r"[A-Za-z0-9_.+-]+")
-_NAME_LIST = re.compile(r"[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*")
+# Patterns as strings, compiled on first use (`re` caches them): `submit` without
+# options never pays for compiling them at import.
+_CONTROL = r"[\x00-\x1f\x7f]"
+_NAME = r"[A-Za-z0-9_.+-]+"
+_NAME_LIST = r"[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*"
 # Feature expressions: names joined by & | , with counts [a*2&b] and parentheses.
-_CONSTRAINT = re.compile(r"[A-Za-z0-9_.&|,*\[\]():!=+-]+")
-_MAIL_USER = re.compile(r"[^\s'\"\\]+")
+_CONSTRAINT = r"[A-Za-z0-9_.&|,*\[\]():!=+-]+"
+_MAIL_USER = r"[^\s'\"\\]+"
 
 
 class SbatchOptionError(BadInput):
@@ -55,12 +57,12 @@ class SbatchOptionError(BadInput):
 
 _TIME_FORMS = (
     # (regex, field names) in Slurm's order: time_str2mins in src/common/parse_time.c
-    (re.compile(r"(\d+)"), ("m",)),
-    (re.compile(r"(\d+):(\d+)"), ("m", "s")),
-    (re.compile(r"(\d+):(\d+):(\d+)"), ("h", "m", "s")),
-    (re.compile(r"(\d+)-(\d+)"), ("d", "h")),
-    (re.compile(r"(\d+)-(\d+):(\d+)"), ("d", "h", "m")),
-    (re.compile(r"(\d+)-(\d+):(\d+):(\d+)"), ("d", "h", "m", "s")),
+    (r"(\d+)", ("m",)),
+    (r"(\d+):(\d+)", ("m", "s")),
+    (r"(\d+):(\d+):(\d+)", ("h", "m", "s")),
+    (r"(\d+)-(\d+)", ("d", "h")),
+    (r"(\d+)-(\d+):(\d+)", ("d", "h", "m")),
+    (r"(\d+)-(\d+):(\d+):(\d+)", ("d", "h", "m", "s")),
 )
 
 
@@ -75,7 +77,7 @@ def parse_time_minutes(value: str) -> int:
     if text.upper() in ("INFINITE", "UNLIMITED", "-1"):
         return TIME_UNLIMITED
     for pattern, names in _TIME_FORMS:
-        m = pattern.fullmatch(text)
+        m = re.fullmatch(pattern, text)
         if m:
             parts = dict(zip(names, (int(g) for g in m.groups()), strict=True))
             seconds = (parts.get("d", 0) * 86400 + parts.get("h", 0) * 3600
@@ -173,13 +175,13 @@ class _OptionSpec:
     check: Callable[[str], Any]  # returns the stored value or raises ValueError
 
 
-def _text(pattern: re.Pattern[str], what: str, max_len: int = 200) -> Callable[[str], str]:
+def _text(pattern: str, what: str, max_len: int = 200) -> Callable[[str], str]:
     def check(value: str) -> str:
         if not value:
             raise ValueError("must not be empty")
         if len(value) > max_len:
             raise ValueError(f"longer than {max_len} characters")
-        if not pattern.fullmatch(value):
+        if not re.fullmatch(pattern, value):
             raise ValueError(f"bad {what} {value!r}")
         return value
     return check
@@ -191,7 +193,7 @@ def _free_text(max_len: int) -> Callable[[str], str]:
             raise ValueError("must not be empty")
         if len(value) > max_len:
             raise ValueError(f"longer than {max_len} characters")
-        if _CONTROL.search(value):
+        if re.search(_CONTROL, value):
             # A #SBATCH line ends at a newline, so such a value cannot reach sbatch.
             raise ValueError(f"contains a control character (newline, tab, ...): {value!r}")
         return value
@@ -376,7 +378,7 @@ def sbatch_quote(value: str) -> str:
     backslash inside quotes as an escape (unlike a shell), so backslashes are doubled.
     A newline cannot be carried at all: a #SBATCH line ends there.
     """
-    if _CONTROL.search(value):
+    if re.search(_CONTROL, value):
         raise BadInput(f"#SBATCH value contains a control character (newline, tab, ...): {value!r}")
     return shlex.quote(value).replace("\\", "\\\\")
 
@@ -469,4 +471,4 @@ def render_pack_script(p: PackScript) -> str:
 
 
 def _one_line(text: str) -> str:
-    return _CONTROL.sub("?", text)
+    return re.sub(_CONTROL, "?", text)

@@ -79,6 +79,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("GPUHours", "gpu_hours", "hours", "GPU-hours charged (shared GPUs split)"),
     Column("ExclGPUHours", "excl_gpu_hours", "hours", "GPU-hours it would take on its own GPUs"),
     Column("GPUHoursSaved", "gpu_hours_saved", "hours", "ExclGPUHours - GPUHours"),
+    Column("SpeedBasis", "speed_basis", "str",
+           "ExclGPUHours' slowdown: solo | measured (vs solo runs) | predicted (plan) | none"),
     Column("ExitCode", "exit_code", "int", "member exit code"),
     Column("Reason", "exit_reason", "str", "reason of the terminal state"),
     Column("Fingerprint", "spec_fingerprint", "str", "spec fingerprint"),

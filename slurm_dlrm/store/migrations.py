@@ -214,6 +214,13 @@ _V3 = (
     "ALTER TABLE job_usage ADD COLUMN n_pruned INTEGER NOT NULL DEFAULT 0",
 )
 
+_V4 = (
+    # The packing plan's predicted relative speed of the member on that GPU (1.0 = as
+    # fast as alone; MemberPlacement.predicted_speed): acct's slowdown correction when no
+    # measured solo throughput of the same spec and GPU model exists.
+    "ALTER TABLE placements ADD COLUMN predicted_speed REAL",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -227,6 +234,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         _v2_move_documents,
     ),
     Migration(3, "job_usage.n_pruned (sample retention)", _V3),
+    Migration(4, "placements.predicted_speed (acct's slowdown correction)", _V4),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -50,6 +50,12 @@ charge AS (
                     THEN g.alloc_s * max(0.0, coalesce(p.end_time, :now) - p.start_time) / g.member_s
                     ELSE g.alloc_s / g.n_members END) AS charged_gpu_s,
            sum(max(0.0, coalesce(p.end_time, :now) - p.start_time)) AS gpu_run_s,
+           -- the same run time, shortened on a shared GPU to what the member would have
+           -- needed alone at the relative speed the packing plan predicted for it
+           sum(max(0.0, coalesce(p.end_time, :now) - p.start_time)
+               * CASE WHEN g.n_members > 1 THEN min(1.0, max(0.0, coalesce(p.predicted_speed, 1.0)))
+                      ELSE 1.0 END) AS excl_pred_s,
+           max(CASE WHEN g.n_members > 1 AND p.predicted_speed IS NOT NULL THEN 1 ELSE 0 END) AS has_pred,
            max(g.n_members) AS max_members
     FROM placements p
     JOIN gpu g ON g.pack_id = p.pack_id AND g.node_index = p.node_index AND g.gpu_index = p.gpu_index
@@ -64,6 +70,15 @@ jp AS (
 ),
 span AS (
     SELECT job_id, sum(run_s) AS run_s FROM jp GROUP BY job_id
+),
+-- measured solo throughput per spec fingerprint and GPU model: jobs that never shared a
+-- GPU. Only such a figure (same structure, same device) makes a measured slowdown.
+solo AS (
+    SELECT j.spec_fingerprint, k.gpu_model, sum(u.sps_sum) / sum(u.sps_n) AS solo_sps
+    FROM jobs j JOIN charge c ON c.job_id = j.id JOIN job_usage u ON u.job_id = j.id
+    JOIN packs k ON k.id = j.pack_id
+    WHERE c.max_members = 1 AND u.sps_n > 0
+    GROUP BY j.spec_fingerprint, k.gpu_model
 )
 -- the derived columns, so that every output format (and the SQL-formatted table) agrees
 SELECT x.*, x.excl_gpu_hours - x.gpu_hours AS gpu_hours_saved FROM (
@@ -74,10 +89,15 @@ SELECT b.*,
        coalesce(b.span_s, 0.0) AS run_s,
        coalesce(b.job_slurm_job_id, b.pack_slurm_job_id || coalesce('.' || b.slurm_step, '')) AS slurm_job_id,
        coalesce(b.charged_gpu_s, 0.0) / 3600.0 AS gpu_hours,
-       -- slowdown correction, only for jobs that shared a GPU (docs/store.md, GPU-hours)
-       coalesce(b.gpu_run_s, 0.0) / 3600.0
-         * CASE WHEN b.max_members > 1 AND b.est_solo_samples_per_s > 0 AND b.samples_per_s_mean > 0
-                THEN min(1.0, b.samples_per_s_mean / b.est_solo_samples_per_s) ELSE 1.0 END AS excl_gpu_hours
+       -- slowdown correction, only for jobs that shared a GPU (docs/store.md, GPU-hours):
+       -- measured against solo runs of the same spec on the same GPU model, else the
+       -- plan's predicted speed, else none
+       CASE WHEN b.max_members > 1 AND b.solo_sps > 0 AND b.samples_per_s_mean > 0
+            THEN coalesce(b.gpu_run_s, 0.0) * min(1.0, b.samples_per_s_mean / b.solo_sps)
+            ELSE coalesce(b.excl_pred_s, 0.0) END / 3600.0 AS excl_gpu_hours,
+       CASE WHEN b.max_members IS NULL THEN NULL WHEN b.max_members = 1 THEN 'solo'
+            WHEN b.solo_sps > 0 AND b.samples_per_s_mean > 0 THEN 'measured'
+            WHEN b.has_pred THEN 'predicted' ELSE 'none' END AS speed_basis
 FROM (
 SELECT j.id AS job_id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j.gpu_model,
        j.est_gpu_peak_bytes, j.est_host_peak_bytes, j.est_profile_label, j.est_solo_samples_per_s,
@@ -90,13 +110,15 @@ SELECT j.id AS job_id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j
        u.sm_util_max,
        CASE WHEN u.host_cpu_n > 0 THEN u.host_cpu_sum / u.host_cpu_n END AS host_cpu_mean,
        CASE WHEN u.sps_n > 0 THEN u.sps_sum / u.sps_n END AS samples_per_s_mean,
-       c.charged_gpu_s, c.gpu_run_s, c.max_members, sp.run_s AS span_s
+       c.charged_gpu_s, c.gpu_run_s, c.excl_pred_s, c.has_pred, c.max_members, sp.run_s AS span_s,
+       so.solo_sps
 FROM jobs j
 LEFT JOIN packs k ON k.id = j.pack_id
 LEFT JOIN job_usage u ON u.job_id = j.id
 LEFT JOIN charge c ON c.job_id = j.id
 LEFT JOIN jp last ON last.job_id = j.id AND last.pack_id = j.pack_id
 LEFT JOIN span sp ON sp.job_id = j.id
+LEFT JOIN solo so ON so.spec_fingerprint = j.spec_fingerprint AND so.gpu_model IS k.gpu_model
 WHERE (:job_ids IS NULL OR j.id IN (SELECT value FROM json_each(:job_ids)))
   AND (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states)))
   AND (:users IS NULL OR j.user IN (SELECT value FROM json_each(:users)))

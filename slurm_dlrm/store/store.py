@@ -165,6 +165,7 @@ class Placement:
     cpus: int | None
     start_time: float | None
     end_time: float | None
+    predicted_speed: float | None = None  # relative to solo, from the packing plan
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Placement:
@@ -183,6 +184,9 @@ class NewPlacement:
     host_mem_limit_bytes: int | None = None
     cpus: int | None = None
     node: str | None = None
+    # MemberPlacement.predicted_speed: the member's speed on this GPU relative to running
+    # alone, from the interference model (acct's GPU-hours saved, docs/store.md)
+    predicted_speed: float | None = None
 
 
 @dataclass(frozen=True)
@@ -573,10 +577,10 @@ class Store:
                 attempt = self.conn.execute("SELECT attempt FROM jobs WHERE id = ?", (p.job_id,)).fetchone()[0]
                 self.conn.execute(
                     "INSERT INTO placements (pack_id, job_id, attempt, node_index, node, gpu_index, "
-                    "mps_thread_pct, gpu_mem_limit_bytes, host_mem_limit_bytes, cpus) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "mps_thread_pct, gpu_mem_limit_bytes, host_mem_limit_bytes, cpus, predicted_speed) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (pack_id, p.job_id, attempt, p.node_index, p.node, p.gpu_index, p.mps_thread_pct,
-                     p.gpu_mem_limit_bytes, p.host_mem_limit_bytes, p.cpus),
+                     p.gpu_mem_limit_bytes, p.host_mem_limit_bytes, p.cpus, p.predicted_speed),
                 )
         return pack_id
 

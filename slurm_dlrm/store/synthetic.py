@@ -58,7 +58,10 @@ def populate(store: Store, *, n_jobs: int, samples_per_job: int, t0: float, seed
             for g, k in enumerate(per_gpu):
                 for _ in range(k):
                     if slot < len(ids):
-                        placements.append(NewPlacement(ids[slot], 0, g, mps_thread_pct=100 // k))
+                        # the plan's predicted speed: a fixed guess (no rng draw, so the
+                        # rest of the synthetic history stays as it was)
+                        placements.append(NewPlacement(ids[slot], 0, g, mps_thread_pct=100 // k,
+                                                       predicted_speed=1.0 if k == 1 else round(k ** -0.5, 3)))
                         slot += 1
             pid = store.add_pack(name=f"dlrm-{user}-{len(pack_ids)}", user=user, policy="complementary",
                                  n_gpus=n_gpus, placements=placements, t=t)

@@ -224,9 +224,8 @@ def read_rank(ckpt: Checkpoint, rank: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_into(targets: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
-    """Copy saved tensors into the live ones, after checking that names, shapes and
-    dtypes all match (nothing is copied when anything differs)."""
+def check_compatible(targets: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+    """Raise CheckpointError unless names, shapes and dtypes all match."""
     missing = sorted(set(targets) - set(saved))
     extra = sorted(set(saved) - set(targets))
     if missing or extra:
@@ -235,6 +234,12 @@ def load_into(targets: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) 
         s = saved[name]
         if tuple(s.shape) != tuple(t.shape) or s.dtype != t.dtype:
             raise CheckpointError(f"{name}: saved {s.dtype}{tuple(s.shape)}, live {t.dtype}{tuple(t.shape)}")
+
+
+def load_into(targets: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+    """Copy saved tensors into the live ones, after checking that names, shapes and
+    dtypes all match (nothing is copied when anything differs)."""
+    check_compatible(targets, saved)
     with torch.no_grad():
         for name, t in targets.items():
             t.copy_(saved[name])

@@ -305,25 +305,25 @@ class Trainer:
         if not self.opts.resume:
             return
         for _step, path in ckpt.list_steps(d):
+            # Every rank verifies and checks its part first; only a checkpoint that all
+            # ranks can load is copied into the live state (never half of one).
             try:
                 found = ckpt.verify(path, self.expect)
                 saved = ckpt.read_rank(found, self.dist_info.rank)
                 rng = saved.pop("rng/torch", None)
-                # Optimizers with lazy state (Adam, SGD) need it to exist to load into.
-                for opt in self.built.lazy_optimizers:
-                    if any(not s for s in opt.state.values()) or not opt.state:
-                        opt.init_state()
-                ckpt.load_into(state_tensors(self.built), saved)
+                targets = self._load_targets(saved)
+                ckpt.check_compatible(targets, saved)
             except ckpt.CheckpointError as exc:
                 ok = 0
                 log.warning("checkpoint %s skipped: %s", path, exc)
             else:
                 ok = 1
-            if self.dist_info.world_size > 1:  # every rank must take the same one
+            if self.dist_info.world_size > 1:
                 flag = torch.tensor([ok], dtype=torch.int32)
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN)
                 ok = int(flag.item())
             if ok:
+                ckpt.load_into(targets, saved)
                 if rng is not None:
                     torch.set_rng_state(rng)
                 self.start_step = found.step
@@ -331,6 +331,18 @@ class Trainer:
                 log.info("resumed from %s (step %d)", path, found.step)
                 return
         log.info("no checkpoint to resume from in %s; starting at step 0", d)
+
+    def _load_targets(self, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The live tensors to load `saved` into. Optimizers whose state appears only
+        at the first step (Adam, SGD with momentum) get it created first (torchrec's
+        KeyedOptimizer.init_state) when the checkpoint holds state they lack."""
+        targets = state_tensors(self.built)
+        if set(saved) - set(targets):
+            for opt in self.built.lazy_optimizers:
+                if not opt.state or any(not s for s in opt.state.values()):
+                    opt.init_state()
+            targets = state_tensors(self.built)
+        return targets
 
     # ---------------------------------------------------------------- loop
 
