@@ -219,3 +219,24 @@ def test_estimate_path_imports_no_torch():
     code = ("import sys; from slurm_dlrm.estimate import estimate; from slurm_dlrm.spec import parse_spec;"
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)  # noqa: S603
+
+
+@pytest.mark.torch
+def test_estimate_matches_the_runner_now():
+    """Runs the benchmark's child on one small spec with the current runner code, so a
+    change in the runner's execution mode (its data source, model build or loop) that
+    the estimator does not follow fails here rather than in production."""
+    import json
+
+    pytest.importorskip("torchrec")
+    from pathlib import Path
+
+    d = copy.deepcopy(SMALL)
+    d.update(optimizer={"type": "adagrad"}, interaction={"type": "dcn", "layers": 2, "low_rank": 8}, batch_size=128)
+    child = Path(__file__).resolve().parent.parent / "benchmarks" / "_measure.py"
+    out = subprocess.run([sys.executable, str(child), json.dumps(d), "2"], capture_output=True, text=True,  # noqa: S603
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_tensor_bytes"]
+    est = estimate(parse_spec(d), None).tensor_peak_bytes
+    assert -0.005 < (est - measured) / measured < 0.01, (est, measured)

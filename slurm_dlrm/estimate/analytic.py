@@ -56,10 +56,10 @@ LOADER_THREAD_BYTES = 2 * MIB
 UVM_CACHE_LOAD_FACTOR = 0.2
 SYNTHETIC_POOL_BATCHES = 8
 SYNTHETIC_POOL_EXTRA_IDS = 4_000_000
-# ... and makes up to 32 complete batches up front (at most 256 MiB by its own count),
+# ... and makes up to 32 complete batches up front (at most 64 MiB by its own count),
 # cycled over the steps; pinned on a GPU.
 SYNTHETIC_RING_BATCHES = 32
-SYNTHETIC_RING_MAX_BYTES = 256 * MIB
+SYNTHETIC_RING_MAX_BYTES = 64 * MIB
 # The runner copies the training state to host memory for a background checkpoint
 # write when it has one process and the state is at most this big.
 ASYNC_CHECKPOINT_MAX_BYTES = 1 << 30

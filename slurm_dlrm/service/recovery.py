@@ -85,6 +85,17 @@ class Recovery:
         self.config = config or RecoveryConfig()
         self.started_at = svc.clock()
         self.announced: set[tuple[str, int, int]] = set()  # (what, job, attempt) events written
+        # Per-round caches: a round with 1,000 pending jobs of a few specs asks the same
+        # history questions 1,000 times.
+        self._cache_round = -1
+        self._history: dict[str, tuple[tuple[float, float, int], list[Profile]]] = {}
+        self._learned_events: list[dict[str, Any]] | None = None
+
+    def _fresh(self) -> None:
+        if self._cache_round != self.svc.rounds:
+            self._cache_round = self.svc.rounds
+            self._history.clear()
+            self._learned_events = None
 
     @property
     def store(self) -> Any:
@@ -148,7 +159,10 @@ class Recovery:
                 gpu.append(r.meas_gpu_peak_bytes / r.est_gpu_peak_bytes)
             if r.est_host_peak_bytes and r.meas_host_peak_bytes:
                 host.append(r.meas_host_peak_bytes / r.est_host_peak_bytes)
-        for ev in self.store.events(kind=LEARNED)[-10 * HISTORY:]:
+        self._fresh()
+        if self._learned_events is None:
+            self._learned_events = self.store.events(kind=LEARNED)[-10 * HISTORY:]
+        for ev in self._learned_events:
             d = ev.get("data") or {}
             if d.get("fingerprint") == fingerprint:
                 if d.get("gpu_factor"):
@@ -172,7 +186,11 @@ class Recovery:
                        host_cpu_cores=max(demand.host_cpu_cores, (usage.host_cpu_mean or 0.0) / 100.0))
 
     def _warm_start(self, job: Any, demand: Any) -> Any:
-        gpu_f, host_f, runs = self.learned_factors(job.spec_fingerprint)
+        self._fresh()
+        fp = job.spec_fingerprint
+        if fp not in self._history:
+            self._history[fp] = (self.learned_factors(fp), self._similar_profiles(job))
+        (gpu_f, host_f, runs), similar = self._history[fp]
         notes = []
         if gpu_f > 1.0 and job.est_gpu_peak_bytes:
             extra = int(job.est_gpu_peak_bytes * (gpu_f - 1.0))
@@ -185,7 +203,6 @@ class Recovery:
             if want > demand.host_mem_bytes:
                 demand = replace(demand, host_mem_bytes=want)
                 notes.append(f"host x{host_f:.2f}")
-        similar = self._similar_profiles(job)
         if similar:
             analytic = Profile(demand.sm_util_pct, demand.membw_util_pct, demand.host_cpu_cores,
                                demand.solo_samples_per_s)
