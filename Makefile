@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 
 .PHONY: setup demo test lint
 setup:
-	bash scripts/setup.sh
+	SLURM_DLRM_VENV=$(VENV) bash scripts/setup.sh
 
 demo: setup
 	$(VENV)/bin/slurm-dlrm demo

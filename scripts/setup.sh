@@ -9,7 +9,8 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 venv=${SLURM_DLRM_VENV:-$here/.venv}
 stamp=$venv/.slurm-dlrm-setup-v1
 
-apt_pkgs=(slurm-wlm munge mariadb-server slurmdbd python3-venv)
+# lua5.1: the Lua that job_submit_lua.so links (tests run job_submit.lua in it); shellcheck: lints the rendered prolog scripts.
+apt_pkgs=(slurm-wlm munge mariadb-server slurmdbd python3-venv lua5.1 shellcheck)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -32,7 +33,15 @@ if [[ ! -f $stamp || $here/pyproject.toml -nt $stamp ]]; then
   "$py" -m pip install -q --upgrade pip
   # torch first, pinned, so nothing below pulls a CUDA build; fbgemm 1.N pairs with
   # torch 2.(N+5) (crossed pairs fail with "undefined symbol").
-  "$py" -m pip install -q torch==2.13.0 fbgemm-gpu-cpu==1.8.0
+  # PyPI's default Linux torch wheel is the CUDA build (several GB of nvidia-* wheels);
+  # the CPU build (2.13.0+cpu) comes from PyTorch's CPU index. Skipped where that host
+  # does not resolve (offline mirrors, /opt/wheels): pip's own config then decides.
+  torch_index=${SLURM_DLRM_TORCH_INDEX-https://download.pytorch.org/whl/cpu}
+  torch_args=()
+  if [[ -n $torch_index ]] && getent hosts "$(sed -E 's#^[a-z]+://([^/:]+).*#\1#' <<<"$torch_index")" >/dev/null; then
+    torch_args=(--extra-index-url "$torch_index")
+  fi
+  "$py" -m pip install -q "${torch_args[@]}" torch==2.13.0 fbgemm-gpu-cpu==1.8.0
   # torchrec declares fbgemm-gpu (the CUDA build): install it without deps, then its
   # other needs by hand.
   "$py" -m pip install -q --no-deps torchrec==1.8.0

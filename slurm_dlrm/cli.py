@@ -19,6 +19,19 @@ from slurm_dlrm.errors import EXIT_RUNTIME, DlrmError
 
 # name -> "module:attribute"; each command module owns its own options and help.
 COMMANDS: dict[str, str] = {
+    "acct": "slurm_dlrm.commands.store:acct",
+    "cluster": "slurm_dlrm.commands.cluster:cluster",
+    "demo": "slurm_dlrm.commands.demo:demo",
+    "report": "slurm_dlrm.commands.store:report",
+    "train": "slurm_dlrm.commands.train:train",
+    "agent": "slurm_dlrm.commands.agent:agent",
+    "admin": "slurm_dlrm.commands.admin:admin",
+    "cancel": "slurm_dlrm.commands.queue:cancel",
+    "queue": "slurm_dlrm.commands.queue:queue",
+    "serve": "slurm_dlrm.commands.serve:serve",
+    "show": "slurm_dlrm.commands.queue:show",
+    "submit": "slurm_dlrm.commands.submit:submit",
+    "estimate": "slurm_dlrm.commands.estimate:estimate",
     "simulate": "slurm_dlrm.commands.simulate:simulate_cmd",
 }
 

@@ -23,6 +23,10 @@ GIB = 1 << 30
 
 REPO_SITE_FILE = Path(__file__).resolve().parent.parent / "site-config" / "site.toml"
 POLICIES = ("exclusive", "first-fit", "mem-best-fit", "complementary")
+# NVIDIA MPS fails to start when CUDA_MPS_PIPE_DIRECTORY/LOG_DIRECTORY is longer than
+# 87 characters (seen with driver 535, CUDA 12.2).
+MPS_DIR_MAX_CHARS = 87
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -57,10 +61,25 @@ class NodeGroup:
     cpus: int
     memory_mib: int
     gpu_device_files: str
+    # Only a local test cluster (several slurmd on one host) needs these two.
+    node_addr: str = ""  # NodeAddr=; "" leaves it to Slurm (the node name resolves)
+    slurmd_port: int = 0  # Port= of the first node of the group, +1 per next node; 0 = SlurmdPort
 
     @property
     def hostnames(self) -> list[str]:
         return expand_hostlist(self.names)
+
+    @property
+    def uses_nvml(self) -> bool:
+        return self.gpu_device_files == "nvml"
+
+    @property
+    def per_node_devices(self) -> bool:
+        """The pattern names the node ({node}): each node has its own device files."""
+        return "{node}" in self.gpu_device_files
+
+    def gpu_device_file(self, index: int, node: str = "") -> str:
+        return self.gpu_device_files.replace("{i}", str(index)).replace("{node}", node)
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,7 @@ class Partition:
     max_time_minutes: int
     max_gpus_per_job: int
     min_mps_share: int
+    enforce: bool = True  # job_submit.lua requires the slurm-dlrm wrapper's fields here
 
 
 @dataclass(frozen=True)
@@ -79,6 +99,23 @@ class MpsConfig:
     mps_per_gpu: int
     shards_per_gpu: int
     client_limit: int
+
+
+@dataclass(frozen=True)
+class SlurmAdminConfig:
+    """Where the rendered Slurm files go and what the node scripts call (`[slurm]`)."""
+
+    config_dir: str = "/etc/slurm"
+    script_dir: str = "/etc/slurm/slurm-dlrm"
+    select_type_parameters: str = "CR_Core_Memory"
+    slurm_user: str = "slurm"
+    mps_control_command: str = "nvidia-cuda-mps-control"
+    mps_pipe_root: str = "/run/slurm-dlrm/mps"
+    mps_log_root: str = "/var/log/slurm-dlrm/mps"
+    mps_start_timeout_s: float = 10.0
+    mps_stop_timeout_s: float = 10.0
+    shm_dir: str = "/dev/shm"
+    accounting_tres: bool = True
 
 
 @dataclass(frozen=True)
@@ -112,6 +149,10 @@ class SiteConfig:
     packing: PackingConfig
     agent: AgentConfig
     path: str | None = field(default=None, compare=False)
+    slurm: SlurmAdminConfig = field(default_factory=SlurmAdminConfig)
+    # The service deletes samples older than this from each store (0: keep them all);
+    # acct's per-job aggregates stay (Store.prune_samples).
+    sample_retention_days: float = 30.0
 
     def store_dir_for(self, user: str) -> Path:
         return Path(os.path.expanduser(self.store_dir.replace("{user}", user)))
@@ -234,11 +275,15 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         raise ConfigError("site.name", "letters, digits, '_' and '-' only (it becomes ClusterName)", path)
     store_dir = s.get("store_dir", str, "~/.local/share/slurm-dlrm")
     spool_dir = s.get("spool_dir", str, "~/.local/share/slurm-dlrm/spool")
+    sample_retention_days = s.get("sample_retention_days", float, 30.0, min_value=0)
     s.done()
 
     models_t = top.table("gpu_models")
     gpu_models: dict[str, GpuModel] = {}
     for model_name in list(models_t.data):
+        if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", model_name):
+            raise ConfigError(f"gpu_models.{model_name}", "letters, digits, '_' and '-' only (it becomes the gres Type=)",
+                              path)
         g = models_t.table(model_name)
         gpu_models[model_name] = GpuModel(
             name=model_name,
@@ -270,8 +315,13 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
             cpus=n.get("cpus", int, min_value=1),
             memory_mib=n.get("memory_mib", int, min_value=1),
             gpu_device_files=n.get("gpu_device_files", str, "/dev/nvidia{i}"),
+            node_addr=n.get("node_addr", str, ""),
+            slurmd_port=n.get("slurmd_port", int, 0, min_value=0, max_value=65535),
         )
         n.done()
+        _check_device_files(group, f"nodes[{i}].gpu_device_files", path)
+        if group.node_addr and not re.fullmatch(r"[A-Za-z0-9_.:-]+", group.node_addr):
+            raise ConfigError(f"nodes[{i}].node_addr", "a host name or IP address, no spaces", path)
         try:
             hosts = group.hostnames
         except ValueError as exc:
@@ -286,7 +336,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
     raw_parts = data.get("partitions", [])
     if not isinstance(raw_parts, list) or not raw_parts:
         raise ConfigError("partitions", "at least one [[partitions]] entry is required", path)
-    partitions = []
+    partitions: list[Partition] = []
     for i, raw in enumerate(raw_parts):
         p = _Section(raw, f"partitions[{i}]", path)
         part = Partition(
@@ -296,8 +346,13 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
             max_time_minutes=p.get("max_time_minutes", int, 1440, min_value=1),
             max_gpus_per_job=p.get("max_gpus_per_job", int, 8, min_value=1),
             min_mps_share=p.get("min_mps_share", int, 1, min_value=1),
+            enforce=p.get("enforce", bool, True),
         )
         p.done()
+        if not _SLURM_NAME.fullmatch(part.name):
+            raise ConfigError(f"partitions[{i}].name", "letters, digits, '_', '.' and '-' only", path)
+        if any(q.name == part.name for q in partitions):
+            raise ConfigError(f"partitions[{i}].name", f"partition {part.name!r} is listed twice", path)
         try:
             missing = set(expand_hostlist(part.nodes)) - all_hosts
         except ValueError as exc:
@@ -316,6 +371,36 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         client_limit=m.get("client_limit", int, 48, min_value=1, max_value=48),
     )
     m.done()
+    for i, part in enumerate(partitions):
+        if part.min_mps_share > mps.mps_per_gpu:
+            raise ConfigError(f"partitions[{i}].min_mps_share", f"exceeds mps.mps_per_gpu ({mps.mps_per_gpu})", path)
+
+    sl = top.table("slurm")
+    slurm = SlurmAdminConfig(
+        config_dir=_abs_path(sl, "config_dir", "/etc/slurm"),
+        script_dir=_abs_path(sl, "script_dir", "/etc/slurm/slurm-dlrm"),
+        select_type_parameters=sl.get("select_type_parameters", str, "CR_Core_Memory",
+                                      choices=("CR_Core_Memory", "CR_CPU_Memory", "CR_Socket_Memory")),
+        slurm_user=sl.get("slurm_user", str, "slurm"),
+        mps_control_command=sl.get("mps_control_command", str, "nvidia-cuda-mps-control"),
+        mps_pipe_root=_abs_path(sl, "mps_pipe_root", "/run/slurm-dlrm/mps"),
+        mps_log_root=_abs_path(sl, "mps_log_root", "/var/log/slurm-dlrm/mps"),
+        mps_start_timeout_s=sl.get("mps_start_timeout_s", float, 10.0, min_value=0.5, max_value=600),
+        mps_stop_timeout_s=sl.get("mps_stop_timeout_s", float, 10.0, min_value=0.5, max_value=600),
+        shm_dir=_abs_path(sl, "shm_dir", "/dev/shm"),
+        accounting_tres=sl.get("accounting_tres", bool, True),
+    )
+    sl.done()
+    if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", slurm.slurm_user):
+        raise ConfigError("slurm.slurm_user", "not a valid user name", path)
+    if not slurm.mps_control_command or any(c.isspace() for c in slurm.mps_control_command):
+        raise ConfigError("slurm.mps_control_command", "one command name or absolute path, no spaces", path)
+    max_gpu_index = max(max(n.gpus for n in nodes) - 1, 0)
+    for key in ("mps_pipe_root", "mps_log_root"):
+        longest = f"{getattr(slurm, key)}/gpu{max_gpu_index}/pipe"
+        if len(longest) > MPS_DIR_MAX_CHARS:
+            raise ConfigError(f"slurm.{key}", f"too long: {longest} has {len(longest)} characters, "
+                              f"MPS fails to start beyond {MPS_DIR_MAX_CHARS}", path)
 
     k = top.table("packing")
     packing = PackingConfig(
@@ -340,7 +425,29 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
     )
     a.done()
     top.done()
-    return SiteConfig(name, store_dir, spool_dir, gpu_models, tuple(nodes), tuple(partitions), mps, packing, agent, path)
+    return SiteConfig(name, store_dir, spool_dir, gpu_models, tuple(nodes), tuple(partitions), mps, packing, agent,
+                      path, slurm, sample_retention_days)
+
+
+def _abs_path(section: _Section, key: str, default: str) -> str:
+    value: str = section.get(key, str, default)
+    # The paths land unquoted in slurm.conf, where '#' starts a comment.
+    if not value.startswith("/") or any(c.isspace() or c in "\"'$`#" for c in value):
+        raise ConfigError(section._key(key), f"must be an absolute path without spaces, quotes or '#', got {value!r}",
+                          section.path)
+    return value.rstrip("/") or "/"
+
+
+def _check_device_files(group: NodeGroup, key: str, path: str | None) -> None:
+    pattern = group.gpu_device_files
+    if group.uses_nvml or group.gpus == 0:
+        return
+    if not pattern.startswith("/") or any(c.isspace() or c in ",[]\"'$`#" for c in pattern):
+        raise ConfigError(key, f"must be \"nvml\" or an absolute path pattern with {{i}}, got {pattern!r}", path)
+    if "{" in pattern.replace("{i}", "").replace("{node}", "") or "}" in pattern.replace("{i}", "").replace("{node}", ""):
+        raise ConfigError(key, f"only {{i}} and {{node}} may be filled in, got {pattern!r}", path)
+    if "{i}" not in pattern and group.gpus > 1:
+        raise ConfigError(key, f"needs {{i}} (the GPU index) for {group.gpus} GPUs per node", path)
 
 
 def default_site_path() -> Path:

@@ -33,10 +33,12 @@ from slurm_dlrm.packing.interference import (
 )
 from slurm_dlrm.packing.model import JobDemand, NodeShape, OpenGpu, PackingRequest
 from slurm_dlrm.packing.policies import plan as make_plan
+from slurm_dlrm.sim.faults import FaultRuntime, KillAction
 from slurm_dlrm.sim.files import SimCluster, SimJob, Workload
 from slurm_dlrm.site import MIB
 
 _ARRIVAL, _TICK, _PACK_START, _MEMBER_READY = 0, 1, 2, 3
+_NODE_FAIL, _NODE_BACK, _OBSERVE = 4, 5, 6  # only with `faults` (sim/faults.py)
 _EPS = 1e-9
 
 
@@ -50,6 +52,7 @@ class _NodeState:
     free_gpus: int
     free_cpus: int
     free_mem: int
+    down: bool = False  # failed, until repaired (faults only)
 
 
 @dataclass
@@ -188,8 +191,11 @@ def _demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -> J
 
 def simulate(workload: Workload, cluster: SimCluster, policy: str,
              true_params: InterferenceParams | None = None, plan_params: InterferenceParams | None = None,
-             max_sim_s: float = 365 * 86400.0) -> SimResult:
-    """Replay `workload` on `cluster` through `policy`; see the module docstring."""
+             max_sim_s: float = 365 * 86400.0, faults: FaultRuntime | None = None) -> SimResult:
+    """Replay `workload` on `cluster` through `policy`; see the module docstring.
+
+    With `faults`, node failures and straggler checks are injected and OOMs, node
+    failures and stragglers are handled by its recovery decisions (sim/faults.py)."""
     truth = true_params or DEFAULT_PARAMS
     limits, dispatch, slurm, retry = cluster.limits, cluster.dispatch, cluster.slurm, cluster.retry
     nodes = [_NodeState(n.name, n.gpu_model, n.gpus, n.cpus, n.memory_bytes, n.gpus, n.cpus, n.memory_bytes)
@@ -219,6 +225,14 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     next_pack_id = 0
     now = workload.jobs[0].arrival_s if workload.jobs else 0.0
     first_arrival = now
+    observe_armed = False
+    if faults is not None:
+        for n in nodes:
+            fail_in = faults.next_failure_in_s()
+            if fail_in is not None:
+                push(first_arrival + fail_in, _NODE_FAIL, (n.name, True))
+        for at_s, name in faults.faults.node_failures_at:
+            push(at_s, _NODE_FAIL, (name, False))
     last_round: float | None = None
     arrived_since = 0
     tick_at: float | None = None
@@ -273,6 +287,40 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             shard_packs.pop(str(pack.pack_id), None)
             schedule_tick()
 
+    def apply_kill(pack: _Pack, gpu: _Gpu, m: _Member, act: KillAction) -> None:
+        # A fault ended the member: requeue it from its checkpoint, or fail it.
+        jid = m.job.job_id
+        end_member(pack, gpu, m)
+        progress_saved[jid] = act.saved_progress_s
+        if act.requeue and act.demand is not None:
+            est_mem[jid] = act.demand.gpu_mem_bytes
+            pending[jid] = act.demand
+            schedule_tick()
+        else:
+            outcome_state[jid] = "FAILED"
+
+    def kill_packs(name: str, packs: list[_Pack]) -> None:
+        assert faults is not None
+        victims = [(pk, gpu, m) for pk in packs for gpu in pk.gpus for m in gpu.members if not m.ended]
+        acts = faults.on_node_fail(now, name, [(m.job, m.progress, m.progress_start, est_mem[m.job.job_id])
+                                               for _, _, m in victims])
+        for pk, gpu, m in victims:
+            apply_kill(pk, gpu, m, acts[m.job.job_id])
+
+    def observe_round() -> None:
+        assert faults is not None
+        where = {}
+        groups = []
+        for pk in running_packs:
+            for gpu in pk.gpus:
+                live = [m for m in gpu.members if m.ready and not m.ended]
+                for m in live:
+                    where[m.job.job_id] = (pk, gpu, m)
+                if live:
+                    groups.append([(m.job, m.speed, m.progress) for m in live])
+        for jid, act in faults.observe(now, groups):
+            apply_kill(*where[jid], act)
+
     def schedule_tick() -> None:
         nonlocal tick_at, dirty
         dirty = True  # something changed: a round may place what the last one could not
@@ -300,7 +348,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         open_gpus = tuple(OpenGpu(key, pk.node.name, pk.live) for key, pk in sorted(shard_packs.items(), key=lambda kv: int(kv[0])))
         with_open = {o.node_name for o in open_gpus}
         free = tuple(NodeShape(gpu_model=n.gpu_model, gpus=n.free_gpus, cpus=n.free_cpus, memory_bytes=n.free_mem,
-                               count=1, name=n.name) for n in nodes if n.free_gpus > 0 or n.name in with_open)
+                               count=1, name=n.name) for n in nodes
+                     if (n.free_gpus > 0 or n.name in with_open) and not n.down)
         request = PackingRequest(jobs=aged(sorted(pending.values(), key=lambda d: d.job_id), waited, dispatch),
                                  gpu_models=cluster.gpu_models, nodes=free, limits=limits, open_gpus=open_gpus)
         result = make_plan(request, policy, plan_params)
@@ -317,6 +366,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             pack.host_mem += jn.member.host_mem_limit_bytes
             pack.node.free_cpus -= jn.member.cpus
             pack.node.free_mem -= jn.member.host_mem_limit_bytes
+            if faults is not None:
+                faults.on_placed(pending[job.job_id], now)
             del pending[job.job_id]
             push(member.ready_at, _MEMBER_READY, pack)
         for pk in result.packs:
@@ -339,6 +390,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                 gpus[mp.gpu_index].members.append(_Member(job, fence, start, start, ready_at=ready_at, cpus=mp.cpus,
                                                           host_mem=mp.host_mem_limit_bytes))
                 pack.live += 1
+                if faults is not None:
+                    faults.on_placed(pending[job.job_id], now)
                 del pending[job.job_id]
             if shard_mode:
                 shard_packs[str(pack.pack_id)] = pack
@@ -396,6 +449,13 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                             ooms += 1
                             jid = m.job.job_id
                             oom_of[jid] = oom_of.get(jid, 0) + 1
+                            if faults is not None:
+                                ctx, whole = ctx_bytes(pack.node), gpu_bytes(pack.node)
+                                limit = (m.fence_bytes if m.fence_bytes is not None else whole) - ctx
+                                capacity = int((whole - 2 * ctx) / (1.0 + limits.memory_margin_pct / 100.0))
+                                apply_kill(pack, gpu, m, faults.on_oom(m.job, now, m.progress, m.progress_start,
+                                                                       est_mem[jid], limit, capacity))
+                                continue
                             attempts[jid] = attempts.get(jid, 0) + 1
                             every = retry.checkpoint_every_frac * m.job.solo_duration_s
                             progress_saved[jid] = math.floor(m.progress / every) * every if every > 0 else 0.0
@@ -413,6 +473,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                     if m.peaked and m.progress >= m.job.solo_duration_s - 1e-6:
                         outcome_end[m.job.job_id] = now
                         outcome_state[m.job.job_id] = "COMPLETED"
+                        if faults is not None:
+                            faults.on_complete(m.job, now)
                         end_member(pack, gpu, m)
         # Heap events at this instant.
         while events and events[0][0] <= now + _EPS:
@@ -421,6 +483,9 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                 assert isinstance(payload, int)
                 job = jobs[payload]
                 pending[payload] = _demand(job, job.gpu_mem_bytes, job.est_duration_s)
+                if faults is not None:
+                    pending[payload] = faults.arrival_demand(job, now)
+                    est_mem[payload] = pending[payload].gpu_mem_bytes
                 arrived_since += 1
                 schedule_tick()
             elif kind == _TICK:
@@ -429,7 +494,13 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                 assert isinstance(payload, _Pack)
                 payload.start_s = now
                 running_packs.append(payload)
+                if payload.node.down:
+                    kill_packs(payload.node.name, [payload])  # its node failed before it started
+                    continue
                 push(now + slurm.member_startup_s, _MEMBER_READY, payload)
+                if faults is not None and not observe_armed and faults.recovery.enabled and faults.recovery.stragglers:
+                    observe_armed = True
+                    push(now + faults.recovery.observe_s, _OBSERVE, None)
             elif kind == _MEMBER_READY:
                 assert isinstance(payload, _Pack)
                 for gpu in payload.gpus:
@@ -439,9 +510,35 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                             m.peak_progress = min(m.progress_start + m.job.peak_at_frac * m.job.solo_duration_s,
                                                   m.job.solo_duration_s)
                     set_speeds(gpu)
+            elif kind == _NODE_FAIL:
+                assert isinstance(payload, tuple) and faults is not None
+                name, rearm = payload  # rearm: a random failure, the next is drawn when it is back
+                if len(outcome_state) < len(jobs) and not by_name[name].down:  # all done: stop injecting
+                    by_name[name].down = True
+                    kill_packs(name, [pk for pk in running_packs if pk.node.name == name])
+                    push(now + faults.faults.node_repair_s, _NODE_BACK, (name, rearm))
+                elif rearm and len(outcome_state) < len(jobs):
+                    fail_in = faults.next_failure_in_s()
+                    if fail_in is not None:
+                        push(now + faults.faults.node_repair_s + fail_in, _NODE_FAIL, (name, True))
+            elif kind == _NODE_BACK:
+                assert isinstance(payload, tuple) and faults is not None
+                name, rearm = payload
+                by_name[name].down = False
+                fail_in = faults.next_failure_in_s() if rearm else None
+                if fail_in is not None:
+                    push(now + fail_in, _NODE_FAIL, (name, True))
+                schedule_tick()
+            elif kind == _OBSERVE:
+                assert faults is not None
+                observe_armed = False
+                observe_round()
+                if running_packs:
+                    observe_armed = True
+                    push(now + faults.recovery.observe_s, _OBSERVE, None)
         # Dispatch.
         slots = max(1, min(limits.shards_per_gpu, limits.members_per_gpu))
-        any_free = any(n.free_gpus > 0 for n in nodes) or any(pk.live < slots for pk in shard_packs.values())
+        any_free = any(n.free_gpus > 0 and not n.down for n in nodes) or any(pk.live < slots for pk in shard_packs.values())
         if dirty and any_free and should_run_round(now, last_round, len(pending), arrived_since, dispatch):
             run_round()
         if dirty and pending and tick_at is None and any_free:

@@ -1,0 +1,253 @@
+"""Child process of estimator_accuracy.py: train a spec for a few steps, measure memory.
+
+Runs one spec (JSON on argv[1]) in the training runner's execution mode, on the CPU:
+the runner's own model build (`slurm_dlrm.train.model.build`: torchrec
+DistributedModelParallel over DLRM / DLRM_DCN, one gloo process, fused embedding
+kernels with the optimizer applied in backward), its data source and prefetcher
+(`slurm_dlrm.train.data`) and its step loop. Fused Adam is not supported by fbgemm's
+CPU kernels ("Optimizer adam is not supported in CPU mode", fbgemm-gpu-cpu 1.8.0), so
+the runner (and this) put Adam on the non-fused path: torchrec's DENSE embedding
+kernel (data-parallel in torchrec 1.8), full-table gradients, torch.optim.Adam.
+
+Measures the peak of live tensor bytes with a TorchDispatchMode that records every
+storage an op takes or returns and its free (weakref finalizer on the storage), from
+model construction to the end of the last step, and the peak RSS (ru_maxrss); also
+torchrec's planner estimate for the same model. Prints one JSON line.
+MEASURE_DEBUG=1 prints every allocation and free and what is live at the peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import sys
+import time
+import weakref
+from typing import Any
+
+os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # torchrec asks for it
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from slurm_dlrm.spec import JobSpec, parse_spec  # noqa: E402
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak of live storage bytes over every op that runs under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+        self.phase = "init"
+        self.peak_phase = "init"
+        self.debug = bool(os.environ.get("MEASURE_DEBUG"))
+        self._op = ""
+        self._what: dict[int, str] = {}
+        self.at_peak: list[str] = []
+
+    def _track(self, t: Any) -> None:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        n = st.nbytes()
+        if n == 0 or key in self._sizes:
+            return
+        self._sizes[key] = n
+        if self.debug:
+            self._what[key] = f"{self._op} {tuple(t.shape)} {t.dtype}"
+        self.live += n
+        if self.live > self.peak:
+            self.peak = self.live
+            self.peak_phase = self.phase
+            if self.debug and self.phase == "step":
+                self.at_peak = [f"{self._sizes[k]} {self._what.get(k, '?')}" for k in self._sizes]
+        if self.debug:
+            print(f"ALLOC {n} {self._op} {tuple(t.shape)} {t.dtype} live={self.live}", file=sys.stderr)
+        weakref.finalize(st, self._free, key, n)
+
+    def _free(self, key: int, n: int) -> None:
+        if self._sizes.get(key) == n:
+            del self._sizes[key]
+            self.live -= n
+            if self.debug:
+                print(f"FREE {n} live={self.live}", file=sys.stderr)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self._op = str(func)
+        # Inputs too: a tensor made outside any op (torch.from_numpy of the data
+        # source's pools) counts from its first use, as its device copy would on a GPU.
+        for t in tree_leaves((args, kwargs)):
+            self._track(t)
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self._track(t)
+        return out
+
+
+def rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def planner_bytes_for(spec: JobSpec, world: int = 1) -> int:
+    """torchrec's planner estimate for the same model, device and kernels."""
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from slurm_dlrm.train import model as runner_model
+
+    fused = spec.optimizer.fused and spec.optimizer.type in runner_model.CPU_FUSED_OPTIMIZERS
+    unsharded = runner_model.build_dlrm(spec, torch.device("cpu"))
+    if fused:
+        apply_optimizer_in_backward(runner_model._sparse_optimizer_cls(spec.optimizer.type),
+                                    unsharded.model.sparse_arch.parameters(), {"lr": spec.optimizer.lr})
+    kernel = EmbeddingComputeKernel.FUSED.value if fused else EmbeddingComputeKernel.DENSE.value
+    constraints = {t.name: ParameterConstraints(compute_kernels=[kernel], pooling_factors=[t.ids_per_sample])
+                   for t in spec.tables}
+    planner = EmbeddingShardingPlanner(topology=Topology(world_size=world, compute_device="cpu"),
+                                       constraints=constraints, batch_size=spec.batch_size)
+    planner.plan(unsharded, [EmbeddingBagCollectionSharder()])
+    return planner_estimate_bytes(planner)
+
+
+def planner_estimate_bytes(planner: Any) -> int:
+    """What torchrec's planner budgets for this job on this device: its shard storage
+    (tables, optimizer state, input and output) plus its dense and KJT reservations
+    (HeuristicalStorageReservation: 6x dense parameters, 20x KJT bytes). Its 15%
+    margin is a margin, not an estimate, and is left out."""
+    per_rank: dict[int, int] = {}
+    for so in planner._best_plan or []:  # torchrec 1.8 keeps the chosen options here
+        for shard in so.shards:
+            r = shard.rank or 0
+            per_rank[r] = per_rank.get(r, 0) + shard.storage.ddr + shard.storage.hbm
+    total = max(per_rank.values(), default=0)  # the fullest rank, as the estimator reports
+    res = planner._storage_reservation
+    for name in ("_dense_storage", "_kjt_storage"):
+        st = getattr(res, name, None)
+        if st is not None:
+            total += st.ddr + st.hbm
+    return int(total)
+
+
+def device_copy(batch: Any, tracker: LiveTensorBytes) -> Any:
+    """What `batch.to(device)` gives the model on a GPU: its own copy of the batch
+    (made untracked, then counted), while the source keeps its host batches."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from torchrec import KeyedJaggedTensor
+    from torchrec.datasets.utils import Batch
+
+    with _disable_current_modes():
+        kjt = batch.sparse_features
+        copy = Batch(dense_features=batch.dense_features.clone(), labels=batch.labels.clone(),
+                     sparse_features=KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().clone(),
+                                                       lengths=kjt.lengths().clone()))
+    for t in (copy.dense_features, copy.labels, copy.sparse_features.values(), copy.sparse_features.lengths()):
+        tracker._track(t)
+    return copy
+
+
+def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str | None = None) -> dict[str, Any]:
+    """Train like `slurm-dlrm train` does (slurm_dlrm/train/runner.py: Trainer.run):
+    the runner's model build, data source and prefetcher, and its step loop."""
+    from slurm_dlrm.train.data import Prefetcher, make_source
+    from slurm_dlrm.train.model import build
+
+    t0 = time.time()
+    cpu = torch.device("cpu")
+    if world == 1:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    planner_bytes = planner_bytes_for(spec, world) if rank == 0 else 0
+    rss_baseline = current_rss_bytes()
+    tracker = LiveTensorBytes()
+    tracker.debug = tracker.debug and rank == 0
+    # The data source (the synthetic source's ring of ready batches, numpy pools) is
+    # host memory on a GPU: made outside the tracker; it shows in the peak RSS.
+    source = make_source(spec, rank, world)
+    with tracker:
+        torch.manual_seed(spec.seed * 1000)
+        built = build(spec, cpu, world, world)
+        static_bytes = tracker.live
+        model, optimizer = built.model, built.optimizer
+        model.train()
+        tracker.phase = "step"
+        if tracker.debug:
+            print(f"STATIC {static_bytes}", file=sys.stderr)
+        prefetch = Prefetcher(source, 0, steps, spec.loader_workers, spec.prefetch_batches, cpu)
+        loss_sum = torch.zeros(())
+        # the runner's Trainer._autocast: forward under autocast when mixed precision is on
+        amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.mixed_precision)
+        for _step, host_batch in prefetch:
+            batch = device_copy(host_batch, tracker)
+            del host_batch
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
+                loss, _ = model(batch)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.detach()
+            if tracker.debug:
+                print(f"STEP END live={tracker.live} peak={tracker.peak}", file=sys.stderr)
+        prefetch.close()
+        del batch, loss, _
+    del source
+    dist.destroy_process_group()
+    if tracker.debug:
+        for line in tracker.at_peak:
+            print("ATPEAK", line, file=sys.stderr)
+    return {"peak_tensor_bytes": tracker.peak, "planner_bytes": planner_bytes, "static_tensor_bytes": static_bytes,
+            "peak_phase": tracker.peak_phase, "peak_rss_bytes": rss_bytes(), "rss_baseline_bytes": rss_baseline,
+            "seconds": round(time.time() - t0, 2)}
+
+
+def _rank_main(rank: int, spec_json: str, steps: int, world: int, init_file: str, out_dir: str) -> None:
+    result = run(parse_spec(json.loads(spec_json)), steps, rank, world, init_file)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def main() -> None:
+    spec = parse_spec(json.loads(sys.argv[1]))
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    if spec.world_size == 1:
+        print(json.dumps(run(spec, steps)))
+        return
+    # world_size > 1: one process per rank (gloo, a file rendezvous), as the runner's
+    # local launcher does; report the fullest rank.
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_rank_main, args=(sys.argv[1], steps, spec.world_size, os.path.join(tmp, "rdzv"), tmp),
+                 nprocs=spec.world_size, join=True)
+        ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(spec.world_size)]
+    out = max(ranks, key=lambda r: r["peak_tensor_bytes"])
+    out["planner_bytes"] = ranks[0]["planner_bytes"]
+    out["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in ranks)
+    out["per_rank_peak_tensor_bytes"] = [r["peak_tensor_bytes"] for r in ranks]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

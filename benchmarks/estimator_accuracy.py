@@ -1,0 +1,227 @@
+"""How close is the estimator to measured memory? And torchrec's own planner?
+
+For each of the configs below (varied over table count and size, dim, pooling,
+batch, optimizer, MLP widths and interaction), a child process
+(benchmarks/_measure.py) trains a few real steps with torchrec's sharded model and
+fused embedding kernels on the CPU (one process, gloo) and measures the peak of live
+tensor bytes and the peak RSS. Printed side by side with:
+  - the estimator's device-independent part (`Estimate.tensor_peak_bytes` for a CPU
+    run, i.e. everything but the CUDA context, cuBLAS workspace and allocator rounding),
+  - the estimator's host peak for a CPU run, against peak RSS,
+  - torchrec's planner estimate for the same config and device.
+
+Adam: fbgemm's CPU kernels have no fused Adam, so Adam configs run (and are
+estimated) on the non-fused path; see benchmarks/_measure.py.
+
+Run:  /work/main/.venv/bin/python benchmarks/estimator_accuracy.py [--only NAME] [--steps N]
+      [--spec FILE ...] [--specs-only]
+Last line:  estimator: configs=N median_err_pct=X p95_err_pct=X max_under_pct=X
+            rss_median_err_pct=X planner_median_err_pct=X
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from slurm_dlrm.estimate import estimate  # noqa: E402
+from slurm_dlrm.spec import load_spec, parse_spec  # noqa: E402
+
+MIB = 1 << 20
+
+
+def _t(rows: list[int], dim: int, **kw: Any) -> list[dict[str, Any]]:
+    return [{"rows": r, "dim": dim, **kw} for r in rows]
+
+
+BASE: dict[str, Any] = {
+    "tables": _t([20000, 5000, 80000, 1000], 16),
+    "dense_features": 13,
+    "bottom_mlp": [128, 64, 16],
+    "top_mlp": [128, 64, 1],
+    "interaction": {"type": "dot"},
+    "batch_size": 512,
+    "optimizer": {"type": "sgd", "lr": 0.05},
+    "prefetch_batches": 1,
+    "loader_workers": 0,
+    "checkpoint_every_steps": 0,  # the child does not checkpoint (the runner's host snapshot)
+}
+
+
+def cfg(name: str, **over: Any) -> dict[str, Any]:
+    d = copy.deepcopy(BASE)
+    d.update(copy.deepcopy(over))
+    d["name"] = name
+    return d
+
+
+CONFIGS: list[dict[str, Any]] = [
+    cfg("base-sgd"),
+    cfg("adagrad", optimizer={"type": "adagrad"}),
+    cfg("rowwise", optimizer={"type": "rowwise_adagrad"}),
+    cfg("adam-nonfused", optimizer={"type": "adam"}),
+    cfg("adagrad-nonfused", optimizer={"type": "adagrad", "fused": False}),
+    cfg("2-tables-big", tables=_t([400000, 150000], 16), optimizer={"type": "rowwise_adagrad"}),
+    cfg("26-tables", tables=_t([3000 + 1000 * i for i in range(26)], 16), batch_size=256),
+    cfg("26-tables-b2k", tables=_t([500 + 97 * i for i in range(26)], 16), batch_size=2048),
+    cfg("dim8", tables=_t([20000, 5000, 80000, 1000], 8), bottom_mlp=[64, 8]),
+    cfg("dim64", tables=_t([20000, 5000, 80000, 1000], 64), bottom_mlp=[256, 64], top_mlp=[256, 1]),
+    cfg("dim128-adagrad", tables=_t([10000, 30000, 2000], 128), bottom_mlp=[256, 128], top_mlp=[512, 256, 1],
+        optimizer={"type": "adagrad"}),
+    cfg("pooling-4", tables=_t([20000, 5000, 80000, 1000], 16, pooling_factor=4.0)),
+    cfg("pooling-mixed", tables=[{"rows": 20000, "dim": 16, "pooling_factor": 2.5},
+                                 {"rows": 5000, "dim": 16, "multi_hot": 7},
+                                 {"rows": 80000, "dim": 16, "multi_hot": 20},
+                                 {"rows": 1000, "dim": 16}], batch_size=1024),
+    cfg("batch-64", batch_size=64),
+    cfg("batch-4096", batch_size=4096, prefetch_batches=2),
+    cfg("batch-4096-tiny-tables", tables=_t([100, 200, 300, 400, 500, 600], 16), batch_size=4096),
+    cfg("wide-top", top_mlp=[1024, 1024, 512, 256, 1], batch_size=1024),
+    cfg("deep-bottom", bottom_mlp=[512, 256, 128, 64, 16], batch_size=1024),
+    cfg("narrow-mlps", bottom_mlp=[16], top_mlp=[8, 1], batch_size=2048),
+    cfg("dcn-small", interaction={"type": "dcn", "layers": 2, "low_rank": 32}),
+    cfg("dcn-3x512", interaction={"type": "dcn", "layers": 3, "low_rank": 512}, top_mlp=[512, 256, 1],
+        optimizer={"type": "adagrad"}),
+    cfg("dcn-b2k-rowwise", interaction={"type": "dcn", "layers": 3, "low_rank": 64}, batch_size=2048,
+        optimizer={"type": "rowwise_adagrad"}),
+    cfg("dcn-adam", interaction={"type": "dcn", "layers": 2, "low_rank": 16}, optimizer={"type": "adam"}),
+    cfg("dcn-multihot-26", tables=[{"rows": 2000 + 300 * i, "dim": 16, "multi_hot": 1 + (i * 7) % 12}
+                                   for i in range(26)], interaction={"type": "dcn", "layers": 3, "low_rank": 128},
+        top_mlp=[1024, 512, 256, 1], batch_size=512, optimizer={"type": "adagrad"}),
+    cfg("no-prefetch", prefetch_batches=0, batch_size=2048),
+    cfg("prefetch-3", prefetch_batches=3, batch_size=2048, tables=_t([20000, 5000, 80000, 1000], 16, multi_hot=8)),
+    cfg("bf16-autocast", mixed_precision="bf16", batch_size=2048, optimizer={"type": "adagrad"}),
+    cfg("dcn-fp16-autocast", mixed_precision="fp16", interaction={"type": "dcn", "layers": 2, "low_rank": 64},
+        batch_size=1024),
+    cfg("fp16-tables", tables=_t([20000, 5000, 80000, 1000], 16, dtype="fp16"), optimizer={"type": "adagrad"}),
+    cfg("bf16-tables-rowwise", tables=_t([20000, 5000, 80000, 1000], 16, dtype="bf16"),
+        optimizer={"type": "rowwise_adagrad"}, mixed_precision="bf16"),
+    cfg("criteo-npy-prefetch", tables=_t([3000 + 500 * i for i in range(26)], 16), batch_size=1024,
+        data={"type": "criteo-npy", "path": "@NPY@"}, loader_workers=2, prefetch_batches=2),
+    # several ranks (one process each, gloo): the fullest rank is measured and estimated
+    cfg("ws2-adagrad", tables=_t([40000, 20000, 15000, 5000], 16), bottom_mlp=[64, 16], top_mlp=[32, 1],
+        optimizer={"type": "adagrad"}, world_size=2),
+    cfg("ws2-dcn-pooling", tables=[{"rows": 40000, "dim": 16, "multi_hot": 3}, {"rows": 20000, "dim": 16},
+                                   {"rows": 15000, "dim": 16, "pooling_factor": 2.5}, {"rows": 5000, "dim": 16},
+                                   {"rows": 70000, "dim": 16}], bottom_mlp=[64, 16], top_mlp=[64, 1],
+        batch_size=1024, optimizer={"type": "rowwise_adagrad"}, world_size=2,
+        interaction={"type": "dcn", "layers": 2, "low_rank": 32}),
+    cfg("ws3-sgd", tables=_t([100000, 1000, 3000, 60000, 500, 8000], 32), bottom_mlp=[128, 32], top_mlp=[128, 1],
+        batch_size=256, world_size=3),
+    {"name": "kaggle-scaled", "preset": "criteo-kaggle", "scale": {"max_rows_per_table": 20000}, "batch_size": 1024,
+     "prefetch_batches": 1, "loader_workers": 0, "optimizer": {"type": "adagrad"}, "checkpoint_every_steps": 0},
+    {"name": "dcnv2-scaled", "preset": "mlperf-dcnv2", "scale": {"max_rows_per_table": 5000, "dim": 16},
+     "batch_size": 256, "prefetch_batches": 1, "loader_workers": 0,
+     "interaction": {"type": "dcn", "layers": 3, "low_rank": 64}, "checkpoint_every_steps": 0},
+]
+
+
+def write_criteo_npy(prefix: str, rows: int) -> str:
+    """A small day of torchrec's preprocessed Criteo layout (13 dense, 26 sparse)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    np.save(f"{prefix}_dense.npy", rng.random((rows, 13), dtype=np.float32))
+    np.save(f"{prefix}_sparse.npy", rng.integers(0, 2**31, (rows, 26), dtype=np.int64))
+    np.save(f"{prefix}_labels.npy", rng.integers(0, 2, rows, dtype=np.int32))
+    return prefix
+
+
+def measure(d: dict[str, Any], steps: int) -> dict[str, Any]:
+    out = subprocess.run(  # noqa: S603 - fixed argv, our own child script
+        [sys.executable, os.path.join(HERE, "_measure.py"), json.dumps(d), str(steps)],
+        capture_output=True, text=True, timeout=900,
+    )
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        tail = " | ".join(out.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"{d['name']}: child failed ({out.returncode}): {tail}")
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
+
+
+def pct(est: float, meas: float) -> float:
+    return 100.0 * (est - meas) / meas
+
+
+def p95(xs: list[float]) -> float:
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, int(round(0.95 * (len(s) - 1)))))
+    return s[k]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", action="append", help="run only the config(s) with this name")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--spec", action="append", default=[], metavar="FILE",
+                    help="also run this spec file (YAML/JSON); repeatable")
+    ap.add_argument("--specs-only", action="store_true", help="run only the --spec files")
+    ap.add_argument("--jobs", type=int, default=2,
+                    help="children measured at once (memory is per process, so this does not change figures)")
+    args = ap.parse_args()
+    configs = [] if args.specs_only else [c for c in CONFIGS if not args.only or c["name"] in args.only]
+    tmp = tempfile.TemporaryDirectory(prefix="estimator-accuracy-")
+    npy = write_criteo_npy(os.path.join(tmp.name, "day_0"), rows=1024 * 8)
+    for c in configs:
+        if c.get("data", {}).get("path") == "@NPY@":
+            c["data"] = {"type": "criteo-npy", "path": npy}
+    for path in args.spec:
+        configs.append(load_spec(path).to_dict())
+    print(f"{'config':<24} {'measured':>9} {'estimate':>9} {'err%':>6} | {'planner':>9} {'err%':>7} | "
+          f"{'RSS':>8} {'est RSS':>8} {'err%':>6} | {'ms':>5} phase")
+    errs: list[float] = []
+    rss_errs: list[float] = []
+    planner_errs: list[float] = []
+    t0 = time.time()
+    pool = ThreadPoolExecutor(max(1, args.jobs))
+    futures = [pool.submit(measure, d, args.steps) for d in configs]
+    for d, fut in zip(configs, futures, strict=True):
+        m = fut.result()  # in config order, as each is done
+        spec = parse_spec(d)
+        t = time.perf_counter()
+        est = estimate(spec, None)
+        est_ms = (time.perf_counter() - t) * 1000
+        meas = m["peak_tensor_bytes"]
+        e = pct(est.tensor_peak_bytes, meas)
+        pe = pct(m["planner_bytes"], meas)
+        re = pct(est.host_peak_bytes, m["peak_rss_bytes"])
+        errs.append(e)
+        planner_errs.append(pe)
+        rss_errs.append(re)
+        print(f"{d['name']:<24} {meas / MIB:>8.2f}M {est.tensor_peak_bytes / MIB:>8.2f}M {e:>+6.2f} | "
+              f"{m['planner_bytes'] / MIB:>8.2f}M {pe:>+7.1f} | {m['peak_rss_bytes'] / MIB:>7.0f}M "
+              f"{est.host_peak_bytes / MIB:>7.0f}M {re:>+6.1f} | {est_ms:>5.1f} {est.peak_phase}", flush=True)
+    pool.shutdown()
+    tmp.cleanup()
+    abs_errs = [abs(x) for x in errs]
+    unders = [-x for x in errs if x < 0]
+    print()
+    print(f"configs: {len(errs)}  wall: {time.time() - t0:.0f} s")
+    print(f"estimator, live tensor bytes: median |err| {statistics.median(abs_errs):.2f}%  p95 {p95(abs_errs):.2f}%  "
+          f"max {max(abs_errs):.2f}%  under-estimates {len(unders)}, of which {sum(u > 0.5 for u in unders)} by more "
+          f"than 0.5% (worst {max(unders, default=0.0):.2f}%)")
+    print(f"torchrec planner, same configs: median |err| {statistics.median(abs(x) for x in planner_errs):.1f}%  "
+          f"under-estimates {sum(x < 0 for x in planner_errs)} (worst {max((-x for x in planner_errs), default=0):.1f}%)")
+    print(f"estimator, host peak RSS: median |err| {statistics.median(abs(x) for x in rss_errs):.1f}%  "
+          f"max {max(abs(x) for x in rss_errs):.1f}%")
+    print(f"estimator: configs={len(errs)} median_err_pct={statistics.median(abs_errs):.2f} "
+          f"p95_err_pct={p95(abs_errs):.2f} max_under_pct={max(unders, default=0.0):.2f} "
+          f"rss_median_err_pct={statistics.median(abs(x) for x in rss_errs):.2f} "
+          f"planner_median_err_pct={statistics.median(abs(x) for x in planner_errs):.2f}")
+
+
+if __name__ == "__main__":
+    main()

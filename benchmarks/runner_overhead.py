@@ -1,0 +1,185 @@
+"""Overhead of our training runner against a bare torchrec training loop.
+
+Both train the same small DLRM in this process (one gloo group, CPU unless a GPU is
+visible), in interleaved segments so that machine noise hits both alike:
+
+  bare    torchrec DLRM + DistributedModelParallel + fused Adagrad in backward + dense
+          Adagrad, looping over batches made before the clock starts (the same
+          synthetic batches, step for step, that ours makes on the fly)
+  ours    slurm_dlrm.train's Trainer.run(): batches made on the fly, metrics line every
+          `metrics_every_steps`, checkpoint every `checkpoint_every_steps`, signal checks
+
+The two alternate every `metrics_every_steps` steps (lockstep windows) so that the noise
+of a shared machine falls on both alike; overhead_pct = (1 - ours/bare samples/s) * 100
+over all measured steps. Target: <= 3.
+
+Run: /work/main/.venv/bin/python benchmarks/runner_overhead.py [--steps 1000]
+Last line: `runner: overhead_pct=X`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig  # noqa: E402
+from torchrec.distributed import DistributedModelParallel  # noqa: E402
+from torchrec.models.dlrm import DLRM, DLRMTrain  # noqa: E402
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward  # noqa: E402
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper  # noqa: E402
+from torchrec.optim.optimizers import in_backward_optimizer_filter  # noqa: E402
+
+from slurm_dlrm.spec import parse_spec  # noqa: E402
+from slurm_dlrm.train.data import SyntheticBatches  # noqa: E402
+from slurm_dlrm.train.runner import RunOptions, StopFlag, quiet_library_logs, setup, teardown  # noqa: E402
+
+SPEC = {
+    "name": "bench",
+    "tables": [{"rows": 20_000, "dim": 16, "pooling_factor": 2.0}] * 4
+    + [{"rows": 5_000, "dim": 16, "multi_hot": 3}] * 2 + [{"rows": 1_000, "dim": 16}] * 2,
+    "dense_features": 13,
+    "bottom_mlp": [64, 16],
+    "top_mlp": [64, 32, 1],
+    "batch_size": 512,
+    "optimizer": {"type": "adagrad", "lr": 0.02},
+    "seed": 0,
+    "loader_workers": 2,
+    "prefetch_batches": 2,
+    "metrics_every_steps": 10,
+}
+
+
+def build_bare(spec, device: torch.device):
+    """The textbook torchrec setup (torchrec's examples/golden_training), no runner code."""
+    torch.manual_seed(spec.seed)
+    tables = [EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=[t.name])
+              for t in spec.tables]
+    ebc = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=spec.dense_features,
+                           dense_arch_layer_sizes=list(spec.bottom_mlp), over_arch_layer_sizes=list(spec.top_mlp),
+                           dense_device=device))
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.model.sparse_arch.parameters(), {"lr": spec.optimizer.lr})
+    dmp = DistributedModelParallel(module=model, device=device)
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
+                                  lambda ps: torch.optim.Adagrad(ps, lr=spec.optimizer.lr))
+    return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
+
+
+def bare_segment(model, optimizer, batches, device: torch.device) -> float:
+    t0 = time.perf_counter()
+    for batch in batches:
+        if device.type == "cuda":
+            batch = batch.to(device, non_blocking=True)
+        optimizer.zero_grad()
+        loss, _ = model(batch)
+        loss.backward()
+        optimizer.step()
+    loss.item()  # wait for the device
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=1000, help="measured training steps per side")
+    parser.add_argument("--block", type=int, default=100, help="steps per printed block")
+    parser.add_argument("--checkpoint-every", type=int, default=200, help="our runner's checkpoint interval")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1 keeps a shared machine's noise down)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    quiet_library_logs()
+    logging.basicConfig(level=logging.WARNING)
+
+    warmup = 30
+    spec = parse_spec(dict(SPEC, steps=warmup + args.steps, checkpoint_every_steps=args.checkpoint_every))
+    work = Path(tempfile.mkdtemp(prefix="runner-overhead-"))
+    opts = RunOptions(metrics_file=work / "metrics.jsonl", checkpoint_dir=work / "ckpt", resume=False, tty=False)
+    trainer = setup(spec, opts, StopFlag())
+    device = trainer.device
+    model, optimizer = build_bare(spec, device)
+    if str(model.plan) != str(trainer.built.model.plan):
+        print(f"note: the sharding plans differ:\nbare:\n{model.plan}\nours:\n{trainer.built.model.plan}")
+    source = SyntheticBatches(spec)
+
+    # Data generation speed against training speed (the loader must not be the bottleneck).
+    t0 = time.perf_counter()
+    for i in range(500):
+        source.batch(i)
+    batches_per_s = 500 / (time.perf_counter() - t0)
+    bare_segment(model, optimizer, [source.batch(i) for i in range(warmup)], device)
+
+    # Lockstep: every metrics report of ours (every `metrics_every_steps` steps) hands
+    # over to the bare loop for the same steps on the same batches, so both see the same
+    # machine noise. Ours' time for a window runs from the end of the previous bare turn
+    # to this report, so it holds everything the runner does (data, metrics, checkpoint
+    # copies, signal checks).
+    every = spec.metrics_every_steps
+    windows: list[tuple[int, float, float]] = []  # (step, ours_s, bare_s)
+    # The training thread's CPU seconds too: blind to waits, but also to the machine's
+    # noise (a cross-check; the headline is wall-clock samples/s).
+    cpu_windows: list[tuple[float, float]] = []
+    last_exit = [time.perf_counter(), time.thread_time()]
+
+    def on_report(record: dict) -> None:
+        entry, entry_cpu = time.perf_counter(), time.thread_time()
+        done = record["step"]
+        batches = [source.batch(i) for i in range(done - every, done)]
+        cpu0 = time.thread_time()
+        bare_s = bare_segment(model, optimizer, batches, device)
+        bare_cpu = time.thread_time() - cpu0
+        windows.append((done, entry - last_exit[0], bare_s))
+        cpu_windows.append((entry_cpu - last_exit[1], bare_cpu))
+        last_exit[0], last_exit[1] = time.perf_counter(), time.thread_time()
+
+    with contextlib.redirect_stdout(io.StringIO()):  # progress lines: still written, not shown
+        code = trainer.run(on_report=on_report)
+    assert code == 0, code
+    measured = [w for w in windows if w[0] > warmup]  # the first windows hold one-time set-up
+    cpu_measured = [c for w, c in zip(windows, cpu_windows, strict=True) if w[0] > warmup]
+
+    print(f"config: {len(spec.tables)} tables, batch {spec.batch_size}, device {device}, torch threads "
+          f"{args.threads}, {args.steps} steps per side in lockstep windows of {every}, "
+          f"checkpoint every {args.checkpoint_every}, metrics every {every}")
+    print(f"{'steps':>11} {'bare samples/s':>15} {'ours samples/s':>15} {'overhead %':>11}")
+    for lo in range(warmup, warmup + args.steps, args.block):
+        block = [w for w in measured if lo < w[0] <= lo + args.block]
+        if not block:
+            continue
+        n = len(block) * every * spec.batch_size
+        bare_sps, ours_sps = n / sum(w[2] for w in block), n / sum(w[1] for w in block)
+        print(f"{lo + 1:>5}-{lo + args.block:<5} {bare_sps:>15,.0f} {ours_sps:>15,.0f} "
+              f"{(1 - ours_sps / bare_sps) * 100:>11.2f}")
+    n = len(measured) * every * spec.batch_size
+    bare_total, ours_total = sum(w[2] for w in measured), sum(w[1] for w in measured)
+    bare_sps, ours_sps = n / bare_total, n / ours_total
+    per_window = statistics.median((1 - w[2] / w[1]) * 100 for w in measured)
+    print(f"total: bare {bare_sps:,.0f} samples/s, ours {ours_sps:,.0f} samples/s "
+          f"(median over {len(measured)} windows: {per_window:.2f}% overhead)")
+    cpu_pct = (1 - sum(c[1] for c in cpu_measured) / sum(c[0] for c in cpu_measured)) * 100
+    print(f"training-thread CPU time: ours {sum(c[0] for c in cpu_measured):.2f} s, bare "
+          f"{sum(c[1] for c in cpu_measured):.2f} s ({cpu_pct:.2f}% more)")
+    steps_per_s = ours_sps / spec.batch_size
+    print(f"synthetic data: {batches_per_s:,.0f} batches/s made vs {steps_per_s:,.0f} train steps/s "
+          f"({steps_per_s / batches_per_s * 100:.1f}% of a step's time goes to making its batch)")
+    metrics_lines = len((work / "metrics.jsonl").read_text().splitlines())
+    kept = sorted(p.name for p in (work / 'ckpt').iterdir()) if (work / 'ckpt').is_dir() else []
+    print(f"ours wrote {metrics_lines} metrics lines and kept checkpoints {kept}")
+    teardown(trainer)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    print(f"runner: overhead_pct={(1 - ours_sps / bare_sps) * 100:.2f}")
+
+
+if __name__ == "__main__":
+    main()

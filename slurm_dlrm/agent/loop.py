@@ -1,0 +1,535 @@
+"""The agent loop: launch this node's members, sample them, enforce budgets, report.
+
+One agent per node of a pack allocation. It is single-threaded: it sleeps in `select`
+on a signal wake-up pipe, so SIGTERM and child exits are handled at once and sampling
+happens every `sample_interval_s` otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.agent.mps import MpsSetup, open_mps
+from slurm_dlrm.agent.nvml import Nvml, NvmlSnapshot
+from slurm_dlrm.agent.placement import MemberPlacement, Placement
+from slurm_dlrm.agent.procstat import MetricsTail, TreeSample, TreeSampler
+from slurm_dlrm.agent.reports import ReportWriter
+from slurm_dlrm.errors import (
+    ENV_CHECKPOINT_DIR,
+    ENV_JOB_ID,
+    ENV_METRICS_FILE,
+    TRAIN_EXIT_BAD_SPEC,
+    TRAIN_EXIT_OK,
+    TRAIN_EXIT_OOM_GPU,
+    TRAIN_EXIT_OOM_HOST,
+    TRAIN_EXIT_PREEMPTED,
+)
+
+log = logging.getLogger(__name__)
+
+MIB = 1 << 20
+PID_FILE_TIMEOUT_S = 120.0
+# A signal to the allocation reaches members directly too (same step, or their own step);
+# forwarding it at once doubles it, and a duplicate that lands while a member's
+# interpreter shuts down (handlers reset) kills it. So the agent forwards a little later,
+# to members still running: it still matters when only the agent was signalled.
+FORWARD_DELAY_S = 1.0  # a step that has not started its member by then is stopped
+# Variables Slurm or a site may have set for the whole job that must not leak into a member.
+_MPS_CLIENT_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+
+
+@dataclass
+class AgentOptions:
+    node_index: int
+    node_name: str
+    gpus: list[str]  # the allocation's GPUs on this node, as CUDA_VISIBLE_DEVICES names them
+    launch: str = "process"  # "step" (srun --overlap) or "process" (child process group)
+    mps_mode: str = "auto"  # auto | own | site | off
+    site_mps_enabled: bool = True
+    tmp_root: str = "/tmp"
+    python: str = sys.executable
+    heartbeat_every_s: float = 30.0
+    sample_interval_s: float | None = None  # overrides the placement's
+    slurm_job_id: str | None = None
+
+
+@dataclass
+class Member:
+    placement: MemberPlacement
+    env: dict[str, str] = field(default_factory=dict)
+    popen: subprocess.Popen[bytes] | None = None
+    pid: int | None = None  # the member's own pid, leader of its process group
+    pid_file: Path | None = None
+    launched_at: float = 0.0
+    state: str = "PENDING"
+    exit_code: int | None = None
+    reason: str = ""
+    stop_reason: str | None = None  # why we stopped it: OOM_HOST | OOM_GPU | CANCEL | TERM | KILLED
+    stop_detail: str = ""
+    cancel_since: float | None = None  # monotonic time of the SIGTERM for a cancel request
+    cancel_killed: bool = False
+    tree: TreeSampler = field(default_factory=TreeSampler)
+    metrics: MetricsTail | None = None
+    last_tree: TreeSample | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state not in ("PENDING", "RUNNING")
+
+
+def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool) -> tuple[str, int, str]:
+    """(state, exit code in shell convention, reason) for a member that ended."""
+    signum = -returncode if returncode < 0 else None
+    if via_srun and returncode > 128:
+        signum = returncode - 128
+    code = 128 + signum if signum else returncode
+    sig_name = _signal_name(signum) if signum else ""
+    if stop_reason in ("OOM_HOST", "OOM_GPU"):
+        return stop_reason, code, ""
+    if stop_reason == "CANCEL":
+        return "CANCELLED", code, "cancelled by the service"
+    if returncode == TRAIN_EXIT_OK:
+        return "COMPLETED", code, ""
+    if returncode == TRAIN_EXIT_OOM_GPU:
+        return "OOM_GPU", code, "CUDA out of memory (runner exit code 3)"
+    if returncode == TRAIN_EXIT_OOM_HOST:
+        return "OOM_HOST", code, "host MemoryError (runner exit code 4)"
+    if returncode == TRAIN_EXIT_PREEMPTED:
+        return "PREEMPTED", code, "checkpointed and stopped after a signal"
+    if stop_reason == "KILLED":
+        return "CANCELLED", code, "did not exit within term_grace_s after SIGTERM; killed"
+    if stop_reason == "TERM":
+        return "CANCELLED", code, f"stopped by {sig_name or f'exit code {returncode}'} without a checkpoint exit"
+    if signum:
+        hint = " (the kernel OOM killer sends SIGKILL)" if signum == signal.SIGKILL else ""
+        return "FAILED", code, f"killed by {sig_name}{hint}"
+    if returncode == TRAIN_EXIT_BAD_SPEC:
+        return "FAILED", code, "the spec did not validate (runner exit code 2)"
+    return "FAILED", code, f"exit code {returncode}"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def member_env(base: dict[str, str], m: MemberPlacement, gpus: list[str], mps: MpsSetup) -> dict[str, str]:
+    """The environment of one member (docs/agent.md lists every variable)."""
+    if m.gpu_index >= len(gpus):
+        raise ValueError(f"member {m.name}: gpu_index {m.gpu_index} but the node has {len(gpus)} GPUs")
+    env = dict(base)
+    for var in _MPS_CLIENT_VARS:
+        env.pop(var, None)
+    if mps.daemon is not None and mps.mode == "own":
+        # Our daemon sees only the allocation's GPUs and renumbers them 0..n-1 for clients.
+        env["CUDA_VISIBLE_DEVICES"] = str(m.gpu_index)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[m.gpu_index]
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers GPUs as NVML does
+    if mps.daemon is not None:
+        env.update(mps.daemon.env())
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(m.mps_thread_pct)
+        # The member sees one GPU, its device 0; this is the fence gres/mps never sets.
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={m.gpu_mem_limit_mib}M"
+    env[ENV_METRICS_FILE] = m.metrics_path
+    env[ENV_CHECKPOINT_DIR] = m.checkpoint_dir
+    env[ENV_JOB_ID] = str(m.job_id)
+    env["OMP_NUM_THREADS"] = str(m.cpus)
+    return env
+
+
+# Variables applied again inside a Slurm step, after slurmstepd sets its own.
+STEP_OVERRIDES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+                  "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY",
+                  "OMP_NUM_THREADS")
+
+
+def step_argv(m: MemberPlacement, env: dict[str, str], node_name: str, pid_file: Path, python: str) -> list[str]:
+    """`srun --overlap` argv that runs one member as its own job step on this node."""
+    # --mem=0: the step shares the job's memory (the agent enforces each member's budget);
+    # without it srun takes $SLURM_MEM_PER_CPU from the batch job and, in Slurm 22.05,
+    # refuses the step because the agent's step holds that memory, --overlap or not.
+    argv = ["srun", "--overlap", "--mem=0", "--nodes=1", "--ntasks=1", f"--nodelist={node_name}",
+            f"--job-name={m.name}", "--export=ALL", "--input=none",
+            python, "-m", "slurm_dlrm.agent.member_exec", "--pid-file", str(pid_file)]
+    for var in STEP_OVERRIDES:
+        if var in env:
+            argv += ["--setenv", f"{var}={env[var]}"]
+    return [*argv, "--", *m.command]
+
+
+class Agent:
+    def __init__(self, placement: Placement, opts: AgentOptions, nvml: Nvml | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.placement = placement
+        self.opts = opts
+        self.nvml = nvml or Nvml()
+        self.base_env = dict(os.environ if env is None else env)
+        self.interval_s = opts.sample_interval_s or placement.sample_interval_s
+        self.members = [Member(p) for p in placement.members_on(opts.node_index)]
+        self.reports = ReportWriter(placement.pack_dir, opts.node_name, placement.pack_id)
+        self.mps: MpsSetup = MpsSetup("off", None, "not started")
+        self.run_dir = Path(opts.tmp_root) / f"slurm-dlrm-agent-{opts.slurm_job_id or os.getpid()}-{opts.node_index}"
+        self._term_signal: int | None = None
+        self._terminating_since: float | None = None
+        self._forwarded = False
+        self._last_heartbeat = 0.0
+        self._nvml_indices: list[int] = []
+        self.stale_after_s = max(60.0, 10 * self.interval_s)
+        self.cancel_dir = Path(placement.pack_dir) / "cancel"
+
+    # ------------------------------------------------------------ main
+
+    def run(self) -> int:
+        rsock, wsock = socket.socketpair()
+        rsock.setblocking(False)
+        wsock.setblocking(False)
+        old_handlers = self._install_signals(wsock)
+        try:
+            self._start()
+            self._loop(rsock)
+        finally:
+            self._finish()
+            self._restore_signals(old_handlers)
+            rsock.close()
+            wsock.close()
+        return 0
+
+    def _install_signals(self, wsock: socket.socket) -> dict[int, Any]:
+        old: dict[int, Any] = {}
+
+        def on_term(signum: int, frame: Any) -> None:
+            if self._term_signal is None:
+                self._term_signal = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            old[sig] = signal.signal(sig, on_term)
+        old[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda s, f: None)  # wakes select
+        old[-1] = signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
+        return old
+
+    def _restore_signals(self, old: dict[int, Any]) -> None:
+        signal.set_wakeup_fd(old.pop(-1))
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+    def _start(self) -> None:
+        o = self.opts
+        self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.reports.agent("start", f"{len(self.members)} members on {o.node_name}, GPUs {','.join(o.gpus)}, "
+                           f"launch {o.launch}, interval {self.interval_s:g}s", pid=os.getpid(),
+                           members=[m.placement.job_id for m in self.members])
+        self.reports.heartbeat()
+        self._last_heartbeat = time.monotonic()
+        self._setup_nvml()
+        wanted = self.placement.mps and o.site_mps_enabled and o.mps_mode != "off"
+        if not self.members:
+            wanted = False  # nothing to run here: no daemon either
+        self.mps = open_mps(wanted, o.gpus, o.tmp_root, f"{o.slurm_job_id or os.getpid()}-{o.node_index}",
+                            env=self.base_env, site_mode=o.mps_mode if o.mps_mode != "off" else "auto")
+        if self.mps.daemon is None:
+            self.reports.agent("mps_unavailable", self.mps.detail)
+        else:
+            self._configure_mps()
+            self.reports.agent("mps_started", self.mps.detail, mode=self.mps.mode, daemon_pid=self.mps.daemon.pid())
+        self.reports.flush()
+        for m in self.members:
+            self._launch(m)
+        self.reports.flush()
+
+    def _setup_nvml(self) -> None:
+        if not self.nvml.init():
+            return
+        if all(g.isdigit() for g in self.opts.gpus):
+            self._nvml_indices = [int(g) for g in self.opts.gpus]
+            return
+        # UUID names: find each one's NVML index.
+        snap = self.nvml.sample(list(range(self.nvml.device_count())))
+        by_uuid = {g.uuid: g.index for g in snap.gpus if g.uuid}
+        for name in self.opts.gpus:
+            match = [i for u, i in by_uuid.items() if u.startswith(name)]
+            self._nvml_indices.append(match[0] if match else -1)
+
+    def _configure_mps(self) -> None:
+        daemon = self.mps.daemon
+        if daemon is None or self.mps.mode != "own":
+            return  # a site daemon is configured by its owner (the prolog)
+        try:
+            # Daemon-wide defaults as a backstop; each member's own variables are tighter.
+            for dev in range(len(self.opts.gpus)):
+                limits = [m.placement.gpu_mem_limit_mib for m in self.members if m.placement.gpu_index == dev]
+                if limits:
+                    daemon.set_default_device_pinned_mem_limit(dev, max(limits))
+            if self.members:
+                daemon.set_default_active_thread_percentage(max(m.placement.mps_thread_pct for m in self.members))
+        except Exception as exc:  # noqa: BLE001 - a refused default must not stop the pack
+            log.warning("MPS defaults: %s", exc)
+
+    def _cancel_requested(self) -> set[int]:
+        """Job ids named in <pack_dir>/cancel/ (docs/interfaces.md section 3a)."""
+        try:
+            names = os.listdir(self.cancel_dir)
+        except OSError:
+            return set()
+        return {int(n) for n in names if n.isdigit()}
+
+    def _launch(self, m: Member) -> None:
+        p = m.placement
+        if p.job_id in self._cancel_requested():
+            m.state, m.reason = "CANCELLED", "cancelled by the service before it started"
+            self.reports.member(p.job_id, "CANCELLED", None, m.reason)
+            return
+        try:
+            m.env = member_env(self.base_env, p, self.opts.gpus, self.mps)
+            for d in (Path(p.checkpoint_dir), Path(p.metrics_path).parent):
+                d.mkdir(parents=True, exist_ok=True)
+            out = open(Path(p.metrics_path).parent / f"output-{self.opts.node_name}.log", "ab")  # noqa: SIM115
+            if self.opts.launch == "step":
+                m.pid_file = self.run_dir / f"member-{p.job_id}.pid"
+                m.pid_file.unlink(missing_ok=True)
+                argv = step_argv(p, m.env, self.opts.node_name, m.pid_file, self.opts.python)
+            else:
+                argv = list(p.command)
+            with out:
+                m.popen = subprocess.Popen(  # noqa: S603 - argv list from the placement, no shell
+                    argv, env=m.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True)
+        except (OSError, ValueError) as exc:
+            m.state, m.exit_code, m.reason = "FAILED", None, f"could not launch: {exc}"
+            self.reports.member(p.job_id, "FAILED", None, m.reason)
+            return
+        if self.opts.launch != "step":
+            m.pid = m.popen.pid
+        m.launched_at = time.monotonic()
+        m.metrics = MetricsTail(p.metrics_path)
+        m.state = "RUNNING"
+        self.reports.member(p.job_id, "RUNNING", None, "", launch=self.opts.launch, argv=argv,
+                            gpu=m.env.get("CUDA_VISIBLE_DEVICES"), mps=self.mps.mode)
+        log.info("launched %s (job %d) as %s", p.name, p.job_id, self.opts.launch)
+
+    def _loop(self, rsock: socket.socket) -> None:
+        next_tick = time.monotonic() + self.interval_s
+        while not all(m.done for m in self.members):
+            timeout = max(0.0, next_tick - time.monotonic())
+            if self._terminating_since is not None:
+                timeout = min(timeout, 0.2)
+            with contextlib.suppress(InterruptedError):
+                ready, _, _ = select.select([rsock], [], [], timeout)
+                if ready:
+                    with contextlib.suppress(OSError):
+                        rsock.recv(4096)
+            if self._term_signal is not None and self._terminating_since is None:
+                self._begin_termination()
+            self._reap()
+            self._forward()
+            self._kill_after_grace()
+            now = time.monotonic()
+            if now >= next_tick:
+                self._tick()
+                next_tick = now + self.interval_s
+            self.reports.flush()
+
+    # ------------------------------------------------------------ member life cycle
+
+    def _resolve_pid(self, m: Member) -> None:
+        if m.pid is not None or m.pid_file is None:
+            return
+        try:
+            m.pid = int(m.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            if time.monotonic() - m.launched_at > PID_FILE_TIMEOUT_S and m.popen is not None:
+                log.error("%s: step did not start within %.0fs; stopping srun", m.placement.name, PID_FILE_TIMEOUT_S)
+                m.stop_reason = m.stop_reason or "KILLED"
+                with contextlib.suppress(OSError):
+                    m.popen.kill()
+
+    def _signal(self, m: Member, sig: int) -> None:
+        self._resolve_pid(m)
+        if m.pid is not None:
+            try:
+                os.killpg(m.pid, sig)
+                return
+            except ProcessLookupError:
+                pass
+            except PermissionError as exc:
+                log.warning("cannot signal %s: %s", m.placement.name, exc)
+        if m.popen is not None and m.popen.poll() is None:
+            with contextlib.suppress(OSError):
+                m.popen.send_signal(sig)  # srun forwards it to the step
+
+    def stop(self, m: Member, reason: str, detail: str) -> None:
+        """Stop one member for exceeding a budget; its neighbours are not touched."""
+        if m.done or m.stop_reason in ("OOM_HOST", "OOM_GPU"):
+            return
+        m.stop_reason, m.stop_detail = reason, detail
+        log.warning("stopping %s (job %d): %s", m.placement.name, m.placement.job_id, detail)
+        self._signal(m, signal.SIGKILL)
+
+    def _begin_termination(self) -> None:
+        assert self._term_signal is not None
+        self._terminating_since = time.monotonic()
+        log.warning("%s received: forwarding to %d members in %.1fs, grace %.0fs", _signal_name(self._term_signal),
+                    sum(not m.done for m in self.members), FORWARD_DELAY_S, self.placement.term_grace_s)
+        for m in self.members:
+            if not m.done:
+                m.stop_reason = m.stop_reason or "TERM"
+
+    def _forward(self) -> None:
+        if self._forwarded or self._terminating_since is None or self._term_signal is None:
+            return
+        if time.monotonic() - self._terminating_since < min(FORWARD_DELAY_S, self.placement.term_grace_s / 2):
+            return
+        self._forwarded = True
+        for m in self.members:
+            if not m.done:
+                self._signal(m, self._term_signal)
+
+    def _check_cancels(self) -> None:
+        wanted = self._cancel_requested()
+        if not wanted:
+            return
+        for m in self.members:
+            if m.placement.job_id in wanted and not m.done and m.cancel_since is None:
+                log.warning("cancel requested for %s (job %d)", m.placement.name, m.placement.job_id)
+                m.stop_reason, m.cancel_since = "CANCEL", time.monotonic()
+                self._signal(m, signal.SIGTERM)
+
+    def _kill_after_grace(self) -> None:
+        now = time.monotonic()
+        for m in self.members:
+            if (not m.done and m.cancel_since is not None and not m.cancel_killed
+                    and now - m.cancel_since >= self.placement.term_grace_s):
+                m.cancel_killed = True
+                self._signal(m, signal.SIGKILL)
+        if self._terminating_since is None:
+            return
+        if time.monotonic() - self._terminating_since < self.placement.term_grace_s:
+            return
+        for m in self.members:
+            if not m.done and m.stop_reason != "KILLED":
+                m.stop_reason = "KILLED" if m.stop_reason in ("TERM", None) else m.stop_reason
+                self._signal(m, signal.SIGKILL)
+
+    def _reap(self) -> None:
+        for m in self.members:
+            if m.done or m.popen is None:
+                continue
+            self._resolve_pid(m)
+            rc = m.popen.poll()
+            if rc is None:
+                continue
+            if m.pid is not None and self.opts.launch == "process":
+                # The leader is gone; leftovers of its group (loader workers) go with it.
+                with contextlib.suppress(OSError):
+                    os.killpg(m.pid, signal.SIGKILL)
+            state, code, reason = classify_exit(rc, m.stop_reason, via_srun=self.opts.launch == "step")
+            if state == m.stop_reason and m.stop_detail:
+                reason = m.stop_detail
+            m.state, m.exit_code, m.reason = state, code, reason
+            self.reports.member(m.placement.job_id, state, code, reason)
+            log.info("%s (job %d) ended: %s %s", m.placement.name, m.placement.job_id, state, reason)
+
+    # ------------------------------------------------------------ sampling and enforcement
+
+    def _tick(self) -> None:
+        self._check_cancels()
+        snap = self.nvml.sample([i for i in self._nvml_indices if i >= 0]) if self._nvml_indices else None
+        gpu_by_nvml = {g.index: g for g in snap.gpus} if snap else {}
+        for pos, nvml_index in enumerate(self._nvml_indices):
+            g = gpu_by_nvml.get(nvml_index)
+            if g is None:
+                continue
+            self.reports.sample(None, pos, sm_util_pct=g.sm_util_pct, mem_util_pct=g.mem_util_pct,
+                                gpu_mem_bytes=g.memory_used_bytes, gpu_mem_total_bytes=g.memory_total_bytes,
+                                nvml_index=nvml_index, gpu_lost=g.lost, **({"error": g.error} if g.error else {}))
+        for m in self.members:
+            if m.done:
+                continue
+            self._sample_member(m, snap, gpu_by_nvml)
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.opts.heartbeat_every_s:
+            self.reports.heartbeat()
+            self._last_heartbeat = now
+
+    def _sample_member(self, m: Member, snap: NvmlSnapshot | None, gpu_by_nvml: dict[int, Any]) -> None:
+        p = m.placement
+        self._resolve_pid(m)
+        if m.pid is None:
+            return
+        tree = m.tree.sample(m.pid)
+        if tree is None:
+            return  # exited between the poll and now: reaped next round
+        m.last_tree = tree
+        gpu_mem = sm = mem_util = None
+        nvml_index = self._nvml_indices[p.gpu_index] if p.gpu_index < len(self._nvml_indices) else -1
+        gpu = gpu_by_nvml.get(nvml_index)
+        if snap is not None and gpu is not None and not gpu.lost and gpu.error is None:
+            gpu_mem = 0  # measured: a member without a CUDA context yet uses none
+            procs = snap.by_pid()
+            for pid in tree.pids:
+                ps = procs.get(pid)
+                if ps is None:
+                    continue
+                if ps.gpu_mem_bytes is not None:
+                    gpu_mem += ps.gpu_mem_bytes
+                if ps.sm_util_pct is not None:
+                    sm = (sm or 0.0) + ps.sm_util_pct
+                    mem_util = (mem_util or 0.0) + (ps.mem_util_pct or 0.0)
+        sps = m.metrics.samples_per_s(self.stale_after_s) if m.metrics else None
+        self.reports.sample(p.job_id, p.gpu_index, sm_util_pct=sm, mem_util_pct=mem_util, gpu_mem_bytes=gpu_mem,
+                            host_cpu_pct=round(tree.cpu_pct, 2) if tree.cpu_pct is not None else None,
+                            rss_bytes=tree.rss_bytes, samples_per_s=sps)
+        self._enforce(m, tree, gpu_mem)
+
+    def _enforce(self, m: Member, tree: TreeSample, gpu_mem: int | None) -> None:
+        p = m.placement
+        tol = 1.0 + self.placement.host_mem_tolerance_pct / 100.0
+        budget = int(p.host_mem_limit_bytes * tol)
+        if tree.rss_bytes > budget:
+            self.stop(m, "OOM_HOST", f"host RSS {tree.rss_bytes} B over budget {p.host_mem_limit_bytes} B "
+                      f"+ {self.placement.host_mem_tolerance_pct:g}%")
+            return
+        gpu_budget = int(p.gpu_mem_limit_mib * MIB * tol)
+        if self.mps.daemon is None and gpu_mem is not None and gpu_mem > gpu_budget:
+            # Without MPS nothing fences GPU memory; stop the member before it takes a neighbour's.
+            self.stop(m, "OOM_GPU", f"GPU memory {gpu_mem} B over limit {p.gpu_mem_limit_mib} MiB "
+                      f"+ {self.placement.host_mem_tolerance_pct:g}% (no MPS fence)")
+
+    # ------------------------------------------------------------ shutdown
+
+    def _finish(self) -> None:
+        # Anything still running here means the loop died: stop members rather than orphan them.
+        for m in self.members:
+            if not m.done and m.popen is not None:
+                m.stop_reason = m.stop_reason or "KILLED"
+                self._signal(m, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    m.popen.wait(timeout=10)
+        self._reap()
+        if self.mps.daemon is not None and self.mps.mode == "own":
+            pid = self.mps.daemon.pid()
+            self.mps.daemon.quit()
+            self.reports.agent("mps_stopped", f"sent quit to daemon {pid}; removed {self.mps.daemon.root_dir}",
+                               daemon_pid=pid)
+        self.nvml.shutdown()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        states: dict[str, int] = {}
+        for m in self.members:
+            states[m.state] = states.get(m.state, 0) + 1
+        signame = _signal_name(self._term_signal) if self._term_signal else ""
+        self.reports.agent("exit", f"members: {states}" + (f"; after {signame}" if signame else ""), states=states)
+        self.reports.close()

@@ -1,0 +1,127 @@
+"""The placement file (docs/interfaces.md section 3): read and validated, nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.errors import BadInput
+
+PLACEMENT_FILE = "placement.json"
+
+
+@dataclass(frozen=True)
+class MemberPlacement:
+    job_id: int
+    name: str
+    node_index: int
+    gpu_index: int  # position in the node's allocated GPU list (CUDA_VISIBLE_DEVICES)
+    mps_thread_pct: int
+    gpu_mem_limit_mib: int
+    host_mem_limit_bytes: int
+    cpus: int
+    command: tuple[str, ...]
+    checkpoint_dir: str
+    metrics_path: str
+
+
+@dataclass(frozen=True)
+class Placement:
+    pack_id: int
+    user: str
+    mps: bool
+    sample_interval_s: float
+    host_mem_tolerance_pct: float
+    term_grace_s: float
+    pack_dir: str
+    members: tuple[MemberPlacement, ...]
+    path: str | None = None
+
+    def members_on(self, node_index: int) -> list[MemberPlacement]:
+        return [m for m in self.members if m.node_index == node_index]
+
+
+def _get(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str, default: Any = ...,
+         min_value: float | None = None) -> Any:
+    if key not in data:
+        if default is ...:
+            raise BadInput(f"placement {where}{key}: missing")
+        return default
+    value = data[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if float in kinds and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise BadInput(f"placement {where}{key}: must be {'/'.join(k.__name__ for k in kinds)}, got {value!r}")
+    if min_value is not None and value < min_value:  # type: ignore[operator]
+        raise BadInput(f"placement {where}{key}: must be >= {min_value:g}, got {value!r}")
+    return value
+
+
+def parse_placement(data: Any, source: str | None = None) -> Placement:
+    if not isinstance(data, dict):
+        raise BadInput("placement: must be a JSON object")
+    raw_members = _get(data, "members", list, "")
+    members = []
+    seen: set[int] = set()
+    for i, m in enumerate(raw_members):
+        w = f"members[{i}]."
+        if not isinstance(m, dict):
+            raise BadInput(f"placement members[{i}]: must be an object")
+        command = _get(m, "command", list, w)
+        if not command or not all(isinstance(c, str) for c in command):
+            raise BadInput(f"placement {w}command: must be a non-empty list of strings")
+        member = MemberPlacement(
+            job_id=_get(m, "job_id", int, w, min_value=0),
+            name=_get(m, "name", str, w),
+            node_index=_get(m, "node_index", int, w, 0, min_value=0),
+            gpu_index=_get(m, "gpu_index", int, w, min_value=0),
+            mps_thread_pct=_get(m, "mps_thread_pct", int, w, 100, min_value=1),
+            gpu_mem_limit_mib=_get(m, "gpu_mem_limit_mib", int, w, min_value=1),
+            host_mem_limit_bytes=_get(m, "host_mem_limit_bytes", int, w, min_value=1),
+            cpus=_get(m, "cpus", int, w, 1, min_value=1),
+            command=tuple(command),
+            checkpoint_dir=_get(m, "checkpoint_dir", str, w),
+            metrics_path=_get(m, "metrics_path", str, w),
+        )
+        if member.mps_thread_pct > 100:
+            raise BadInput(f"placement {w}mps_thread_pct: must be <= 100, got {member.mps_thread_pct}")
+        if member.job_id in seen:
+            raise BadInput(f"placement {w}job_id: {member.job_id} appears twice")
+        seen.add(member.job_id)
+        members.append(member)
+    return Placement(
+        pack_id=_get(data, "pack_id", int, "", min_value=0),
+        user=_get(data, "user", str, "", ""),
+        mps=_get(data, "mps", bool, "", True),
+        sample_interval_s=_get(data, "sample_interval_s", float, "", 2.0, min_value=0.05),
+        host_mem_tolerance_pct=_get(data, "host_mem_tolerance_pct", float, "", 10.0, min_value=0),
+        term_grace_s=_get(data, "term_grace_s", float, "", 60.0, min_value=0),
+        pack_dir=_get(data, "pack_dir", str, ""),
+        members=tuple(members),
+        path=source,
+    )
+
+
+def load_placement(path: str | os.PathLike[str]) -> Placement:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise BadInput(f"placement: cannot read {p}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise BadInput(f"placement: {p} is not JSON: {exc}") from None
+    return parse_placement(data, str(p))
+
+
+def write_placement(placement_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Atomic write (tests and the service side use the same layout)."""
+    p = Path(path)
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(placement_dict, indent=1))
+    os.replace(tmp, p)

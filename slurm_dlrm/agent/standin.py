@@ -1,0 +1,122 @@
+"""A stand-in pack member for tests and benchmarks (no torch): it behaves like
+`slurm-dlrm train` towards the agent and does nothing else.
+
+    python -m slurm_dlrm.agent.standin --steps 50 --step-s 0.1 [--grow-mib-per-step 8]
+        [--exit-code 3] [--env-out PATH] [--busy] [--checkpoint-every 10]
+
+It appends a metrics line per step to $SLURM_DLRM_METRICS_FILE, resumes from and writes
+checkpoints in $SLURM_DLRM_CHECKPOINT_DIR, on SIGTERM/SIGUSR1 writes a checkpoint and exits
+with TRAIN_EXIT_PREEMPTED, can grow its host memory every step (to trip the agent's host
+budget), and ends with the exit code asked for (3 = TRAIN_EXIT_OOM_GPU, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.errors import ENV_CHECKPOINT_DIR, ENV_JOB_ID, ENV_METRICS_FILE, TRAIN_EXIT_PREEMPTED
+
+_stop: list[int] = []
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    # Ignore repeats: Slurm and the agent both deliver it, and a repeat during interpreter
+    # shutdown (Python handlers already removed) would kill the process with the signal.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    _stop.append(signum)
+
+
+def _checkpoint(ckpt_dir: Path | None, step: int) -> None:
+    if ckpt_dir is None:
+        return
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    tmp = ckpt_dir / "checkpoint.json.tmp"
+    tmp.write_text(json.dumps({"step": step, "t": time.time()}))
+    os.replace(tmp, ckpt_dir / "checkpoint.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="standin")
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--step-s", type=float, default=0.1)
+    ap.add_argument("--samples-per-step", type=int, default=2048)
+    ap.add_argument("--grow-mib-per-step", type=float, default=0.0)
+    ap.add_argument("--exit-code", type=int, default=0)
+    ap.add_argument("--env-out", default=None)
+    ap.add_argument("--busy", action="store_true", help="spin instead of sleeping")
+    ap.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (a hung member)")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only on stop)")
+    args = ap.parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN if args.ignore_term else _on_signal)
+    metrics = os.environ.get(ENV_METRICS_FILE)
+    ckpt_env = os.environ.get(ENV_CHECKPOINT_DIR)
+    ckpt_dir = Path(ckpt_env) if ckpt_env else None
+    if args.env_out:
+        keep = {k: v for k, v in os.environ.items()
+                if k.startswith(("CUDA_", "SLURM_DLRM_", "OMP_", "SLURM_STEP_ID", "SLURM_JOB_ID"))}
+        Path(args.env_out).write_text(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0), "env": keep}))
+    step = 0
+    if ckpt_dir is not None and (ckpt_dir / "checkpoint.json").exists():
+        step = int(json.loads((ckpt_dir / "checkpoint.json").read_text())["step"])
+    hog: list[bytearray] = []
+    out = open(metrics, "a", buffering=1) if metrics else None  # noqa: SIM115
+    while step < args.steps:
+        if _stop:
+            _checkpoint(ckpt_dir, step)
+            return TRAIN_EXIT_PREEMPTED
+        t0 = time.monotonic()
+        if args.busy:
+            while time.monotonic() - t0 < args.step_s:
+                pass
+        else:
+            time.sleep(args.step_s)
+        if args.grow_mib_per_step:
+            block = bytearray(int(args.grow_mib_per_step * (1 << 20)))
+            block[::4096] = b"x" * len(block[::4096])  # touch every page so it counts in RSS
+            hog.append(block)
+        step += 1
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            _checkpoint(ckpt_dir, step)  # what a killed run resumes from (as the runner's periodic ones)
+        dt = time.monotonic() - t0
+        if out is not None:
+            out.write(json.dumps({"t": time.time(), "step": step, "samples_per_s": args.samples_per_step / dt,
+                                  "step_time_s": dt, "loss": 1.0 / step, "job_id": os.environ.get(ENV_JOB_ID)}) + "\n")
+    _checkpoint(ckpt_dir, step)
+    if out is not None:
+        out.close()
+    return args.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def member_entry(pack_dir: str | os.PathLike[str], job_id: int, gpu_index: int, *, node_index: int = 0,
+                 host_mem_limit_mib: int = 512, gpu_mem_limit_mib: int = 3000, mps_thread_pct: int = 50,
+                 args: list[str] | None = None, python: str | None = None) -> dict[str, Any]:
+    """A placement member (docs/interfaces.md section 3) that runs this stand-in."""
+    job_dir = Path(pack_dir) / f"job-{job_id}"
+    return {
+        "job_id": job_id, "name": f"standin-{job_id}", "node_index": node_index, "gpu_index": gpu_index,
+        "mps_thread_pct": mps_thread_pct, "gpu_mem_limit_mib": gpu_mem_limit_mib,
+        "host_mem_limit_bytes": host_mem_limit_mib << 20, "cpus": 1,
+        "command": [python or sys.executable, "-m", "slurm_dlrm.agent.standin", *(args or [])],
+        "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
+    }
+
+
+def placement_dict(pack_dir: str | os.PathLike[str], members: list[dict[str, Any]], *, pack_id: int = 7,
+                   sample_interval_s: float = 0.2, term_grace_s: float = 5.0, mps: bool = True,
+                   host_mem_tolerance_pct: float = 10.0) -> dict[str, Any]:
+    return {"pack_id": pack_id, "user": os.environ.get("USER", "root"), "mps": mps,
+            "sample_interval_s": sample_interval_s, "host_mem_tolerance_pct": host_mem_tolerance_pct,
+            "term_grace_s": term_grace_s, "pack_dir": str(pack_dir), "members": members}

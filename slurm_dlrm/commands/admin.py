@@ -1,0 +1,104 @@
+"""`slurm-dlrm admin`: render the Slurm configuration from the site file, check a cluster against it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from slurm_dlrm.errors import EXIT_RUNTIME
+from slurm_dlrm.site import load_site
+
+SITE_OPTION = click.option("--site", "site_path", type=click.Path(dir_okay=False), default=None,
+                           help="Site file (default: $SLURM_DLRM_SITE, /etc/slurm-dlrm/site.toml, "
+                                "then the repository's site-config/site.toml).")
+JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+
+
+@click.group("admin")
+def admin() -> None:
+    """Slurm configuration for slurm-dlrm: render it from the site file, check a cluster against it.
+
+    \b
+    Example:
+      slurm-dlrm admin render --site /etc/slurm-dlrm/site.toml --out rendered/
+      slurm-dlrm admin check --site /etc/slurm-dlrm/site.toml
+    """
+
+
+@admin.command("render")
+@SITE_OPTION
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Folder to write the rendered files into (created).")
+@JSON_OPTION
+def render(site_path: str | None, out_dir: str, as_json: bool) -> None:
+    """Render slurm-dlrm.conf (a slurm.conf fragment), gres.conf, job_submit.lua and the MPS
+    prolog, epilog and task prolog from the site file.
+
+    Prints each file with the path it belongs at; nothing is installed. Review the files,
+    copy them there, add `Include slurm-dlrm.conf` to slurm.conf, then `scontrol reconfigure`
+    (see docs/admin.md).
+
+    \b
+    Example:
+      slurm-dlrm admin render --site site-config/site.toml --out /tmp/slurm-dlrm-conf
+      slurm-dlrm admin render --out rendered/ --json
+    """
+    from slurm_dlrm.admin.render import render_site, write_rendered
+
+    site = load_site(site_path)
+    files = render_site(site)  # everything renders before anything is written
+    written = write_rendered(files, out_dir)
+    rows = [{"file": f.name, "path": str(p), "install_path": f.install_path, "mode": f"{f.mode:04o}"}
+            for f, p in zip(files, written, strict=True)]
+    if as_json:
+        click.echo(json.dumps({"site": site.path, "out": out_dir, "files": rows}, indent=2))
+        return
+    for row in rows:
+        click.echo(f"{row['path']} -> {row['install_path']} (mode {row['mode']})")
+    click.echo("review, install, add `Include slurm-dlrm.conf` to slurm.conf, then `scontrol reconfigure` "
+               "and `slurm-dlrm admin check` (docs/admin.md)", err=True)
+
+
+@admin.command("check")
+@SITE_OPTION
+@JSON_OPTION
+@click.pass_context
+def check(ctx: click.Context, site_path: str | None, as_json: bool) -> None:
+    """Compare the site file with the live cluster: per node CPUs, memory, GPUs and their type,
+    MPS and shard counts; per partition its nodes, default flag and time limit; and the
+    slurm.conf keys the rendered fragment sets (GresTypes, SelectType, JobSubmitPlugins,
+    Prolog/Epilog/TaskProlog, PrologFlags, AccountingStorageTRES).
+
+    Prints one line per difference; exit code 1 when there is any, 0 when none.
+
+    \b
+    Example:
+      slurm-dlrm admin check --site /etc/slurm-dlrm/site.toml
+      slurm-dlrm admin check --json
+    """
+    from slurm_dlrm.admin.check import compare, compare_config
+
+    site = load_site(site_path)
+    nodes, partitions, config = _live_records()
+    diffs = compare_config(site, config) + compare(site, nodes, partitions)
+    if as_json:
+        click.echo(json.dumps({"site": site.path, "differences": [d.to_dict() for d in diffs]}, indent=2))
+    else:
+        for d in diffs:
+            click.echo(str(d))
+        if not diffs:
+            click.echo(f"the cluster matches {site.path}", err=True)
+    if diffs:
+        ctx.exit(EXIT_RUNTIME)
+
+
+def _live_records() -> tuple[list[Any], list[Any], dict[str, str]]:
+    """Nodes, partitions and configuration of the live cluster, through the Slurm seam ($SLURM_CONF)."""
+    from slurm_dlrm.admin.check import nodes_from_seam, parse_scontrol_config, partitions_from_sinfo
+    from slurm_dlrm.slurm import SlurmClient
+
+    client = SlurmClient()
+    config = parse_scontrol_config(client.run(["scontrol", "show", "config"]).stdout)
+    return nodes_from_seam(client.show_nodes()), partitions_from_sinfo(client.sinfo()), config

@@ -1,0 +1,170 @@
+"""`slurm-dlrm estimate SPEC...`: click glue over slurm_dlrm.estimate."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import click
+
+from slurm_dlrm.errors import DlrmError
+
+log = logging.getLogger(__name__)
+
+HELP = """Estimate a DLRM job's peak GPU and host memory and its compute profile, before it runs.
+
+\b
+Example:
+  slurm-dlrm estimate spec.yaml
+  slurm-dlrm estimate spec.yaml other.yaml --gpu a100
+  slurm-dlrm estimate spec.yaml --json | jq '.[0].estimates.h100.gpu_peak_bytes'
+
+Prints, per spec, the breakdown of the GPU peak (embedding weights, optimizer state,
+dense parameters, gradients, activations, inputs, CUDA context, allocator rounding) and
+of the host peak, the compute profile (FLOPs and embedding bytes per sample, predicted
+solo SM and memory-bandwidth utilisation, label), and how many copies of the job fit
+one GPU of each model of the site (with the site's packing margin). When the store holds
+measured peaks of earlier jobs with the same spec fingerprint, the estimate is
+calibrated from them and says so (--no-history to skip).
+
+Exit codes: 0 ok, 2 bad spec or site config (one line naming the field).
+"""
+
+
+@click.command("estimate", help=HELP, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("spec_paths", metavar="SPEC...", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--gpu", "gpu_name", metavar="MODEL", default=None,
+              help="Estimate for this GPU model of the site only (default: every model).")
+@click.option("--site", "site_path", type=click.Path(dir_okay=False), default=None,
+              help="Site config (default: $SLURM_DLRM_SITE, /etc/slurm-dlrm/site.toml, the repository's).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (a list, one object per spec).")
+@click.option("--no-history", is_flag=True, help="Do not calibrate from measured peaks in the store.")
+def estimate_cmd(spec_paths: tuple[str, ...], gpu_name: str | None, site_path: str | None, as_json: bool,
+                 no_history: bool) -> None:
+    from slurm_dlrm.estimate import check_tables_fit
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.spec import load_spec
+
+    site = load_site(site_path)
+    models = [site.gpu_model(gpu_name)] if gpu_name else list(site.gpu_models.values())
+    # Validate every spec before printing anything: nothing half-done on bad input.
+    specs = []
+    for path in spec_paths:
+        spec = load_spec(path)
+        check_tables_fit(spec, site)
+        specs.append(spec)
+    results = [_estimate_one(spec, models, site, use_history=not no_history) for spec in specs]
+    if as_json:
+        click.echo(json.dumps(results, indent=2))
+        return
+    _print_human(results)
+
+
+def _estimate_one(spec: Any, models: list[Any], site: Any, use_history: bool) -> dict[str, Any]:
+    from slurm_dlrm.estimate import calibrate, copies_per_gpu, estimate
+    from slurm_dlrm.spec import spec_fingerprint
+
+    fp = spec_fingerprint(spec)
+    history = _history(site, fp) if use_history else []
+    out: dict[str, Any] = {"spec": spec.source, "name": spec.name, "fingerprint": fp, "estimates": {}, "fits": {}}
+    for gpu in models:
+        if spec.custom_module:
+            from slurm_dlrm.estimate.traced import estimate_traced
+
+            est = estimate_traced(spec, gpu)
+        else:
+            est = estimate(spec, gpu)
+        est = calibrate(est, history, fingerprint=fp)
+        fit = copies_per_gpu(est, gpu, site.packing.memory_margin_pct)
+        out["estimates"][gpu.name] = est.to_dict()
+        out["fits"][gpu.name] = {"gpu_mem_bytes": fit.gpu_mem_bytes, "gpu_peak_bytes_with_margin": fit.gpu_peak_bytes,
+                                 "copies": fit.copies, "fits": fit.fits}
+    return out
+
+
+def _history(site: Any, fingerprint: str) -> list[Any]:
+    """Measured peaks of earlier jobs with this fingerprint, from the user's store (if any)."""
+    from slurm_dlrm.estimate import HistoryRecord
+
+    try:
+        from slurm_dlrm.store import Store, store_path_for
+
+        path = store_path_for(site)
+        if not path.exists():
+            return []
+        with Store(path, readonly=True) as store:
+            rows = store.calibration(fingerprint, limit=20)
+    except (DlrmError, OSError, ImportError) as exc:  # no history is not an error
+        log.warning("no calibration history: %s", exc)
+        return []
+    return [HistoryRecord(fingerprint, r.est_gpu_peak_bytes, r.meas_gpu_peak_bytes, r.est_host_peak_bytes,
+                          r.meas_host_peak_bytes, t=r.end_time or 0.0) for r in rows]
+
+
+def human_bytes(n: float) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{sign}{n / size:.2f} {unit}"
+    return f"{sign}{int(n)} B"
+
+
+def _print_human(results: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=110, soft_wrap=True, highlight=False)
+    for r in results:
+        models = list(r["estimates"])
+        first = r["estimates"][models[0]]
+        console.print(f"[bold]{r['name']}[/bold]  ({r['spec']})  fingerprint {r['fingerprint']}  "
+                      f"method {first['method']}")
+        gpu = Table(title="GPU peak memory", title_justify="left")
+        gpu.add_column("part")
+        for m in models:
+            gpu.add_column(m, justify="right")
+        keys: list[str] = []
+        for m in models:
+            keys += [k for k in r["estimates"][m]["gpu_breakdown"] if k not in keys]
+        for k in keys:
+            vals = [r["estimates"][m]["gpu_breakdown"].get(k, 0) for m in models]
+            if any(vals):
+                gpu.add_row(k, *(human_bytes(v) for v in vals))
+        gpu.add_row("[bold]total[/bold]", *(f"[bold]{human_bytes(r['estimates'][m]['gpu_peak_bytes'])}[/bold]"
+                                            for m in models))
+        console.print(gpu)
+        host = Table(title="host peak memory", title_justify="left")
+        host.add_column("part")
+        host.add_column("bytes", justify="right")
+        for k, v in first["host_breakdown"].items():
+            if v:
+                host.add_row(k, human_bytes(v))
+        host.add_row("[bold]total[/bold]", f"[bold]{human_bytes(first['host_peak_bytes'])}[/bold]")
+        console.print(host)
+        prof = Table(title="compute profile (solo)", title_justify="left")
+        for col in ("GPU", "label", "SM %", "mem BW %", "host cores", "samples/s", "GFLOP/sample",
+                    "emb KiB/sample"):
+            prof.add_column(col, justify="right")
+        for m in models:
+            p = r["estimates"][m]["profile"]
+            prof.add_row(m, p["label"], f"{p['sm_util_pct']:.1f}", f"{p['membw_util_pct']:.1f}",
+                         f"{p['host_cpu_cores']:.2f}", f"{p['solo_samples_per_s']:,.0f}",
+                         f"{p['flops_per_sample'] / 1e9:.4f}", f"{p['emb_bytes_per_sample'] / 1024:.1f}")
+        console.print(prof)
+        fits = Table(title="copies per GPU (by memory, with the packing margin)", title_justify="left")
+        for col in ("GPU", "memory", "one copy", "copies"):
+            fits.add_column(col, justify="right")
+        for m in models:
+            f = r["fits"][m]
+            fits.add_row(m, human_bytes(f["gpu_mem_bytes"]), human_bytes(f["gpu_peak_bytes_with_margin"]),
+                         str(f["copies"]) if f["fits"] else "[red]0 (does not fit)[/red]")
+        console.print(fits)
+        console.print(f"peak at: {first['peak_phase']}")
+        for note in first["notes"]:
+            console.print(f"note: {note}")
+        console.print()
+
+
+estimate = estimate_cmd

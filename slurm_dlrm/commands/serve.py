@@ -1,0 +1,132 @@
+"""`slurm-dlrm serve`: the user's packing service (foreground, --daemon, status, stop)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from slurm_dlrm.commands.submit import site_option
+from slurm_dlrm.errors import DlrmError
+
+
+@click.group("serve", invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--daemon", is_flag=True, help="Run in the background (own session, log in the store folder); "
+              "print its pid once it holds the lock.")
+@click.option("--round-seconds", type=click.FloatRange(min=0.1), default=None,
+              help="Dispatch round period (default: the site's packing.round_seconds).")
+@click.option("--idle-exit", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Exit after this many seconds with no pending or running job (0: never).")
+@click.option("--policy", type=click.Choice(["exclusive", "first-fit", "mem-best-fit", "complementary"]),
+              default=None, help="Packing policy (default: the site's packing.policy).")
+@site_option
+@click.pass_context
+def serve(ctx: click.Context, daemon: bool, round_seconds: float | None, idle_exit: float, policy: str | None,
+          site_path: str | None) -> None:
+    """Run your packing service: it packs your pending jobs into Slurm jobs.
+
+    One service per user (a lock in your store folder). `slurm-dlrm submit` starts
+    it when needed, so running it by hand is optional. Each round it reads agent
+    reports and Slurm's job states, then plans and submits packs.
+
+    \b
+    Example:
+      slurm-dlrm serve                    # foreground, Ctrl-C to stop
+      slurm-dlrm serve --daemon --round-seconds 2
+      slurm-dlrm serve status
+      slurm-dlrm serve stop
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from slurm_dlrm.service.run import serve_forever
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.store.store import current_user
+
+    site = load_site(site_path)
+    user = current_user()
+    if daemon:
+        import os
+
+        from slurm_dlrm.service.daemon import running_pid, spawn_service, wait_until_running
+        from slurm_dlrm.service.submit import service_paths
+
+        paths = service_paths(site, user)
+        pid = running_pid(paths)
+        if pid is not None:
+            click.echo(f"packing service already running (pid {pid})")
+            return
+        args = ["--idle-exit", str(idle_exit)]
+        if round_seconds is not None:
+            args += ["--round-seconds", str(round_seconds)]
+        if policy is not None:
+            args += ["--policy", policy]
+        env = dict(os.environ)
+        if site.path:
+            env["SLURM_DLRM_SITE"] = os.path.abspath(site.path)
+        spawn_service(paths, args, env=env)
+        pid = wait_until_running(paths, timeout_s=30.0)
+        if pid is None:
+            raise DlrmError(f"the packing service did not start; see {paths.log}")
+        click.echo(f"packing service running (pid {pid}); log: {paths.log}")
+        return
+    serve_forever(site, user, round_seconds=round_seconds, idle_exit_s=idle_exit, policy=policy)
+
+
+@serve.command("status", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@site_option
+def status(as_json: bool, site_path: str | None) -> None:
+    """Show whether your packing service runs and what its last round saw.
+
+    \b
+    Example:
+      slurm-dlrm serve status --json
+
+    Exit code 0 if it runs, 1 if not.
+    """
+    from slurm_dlrm.service.daemon import read_status, running_pid
+    from slurm_dlrm.service.submit import service_paths
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.store.store import current_user
+
+    paths = service_paths(load_site(site_path), current_user())
+    pid = running_pid(paths)
+    st = read_status(paths) if pid is not None else {}
+    if as_json:
+        click.echo(json.dumps({"running": pid is not None, "pid": pid, **{k: v for k, v in st.items() if k != "pid"}},
+                              indent=1, sort_keys=True))
+    elif pid is None:
+        click.echo("packing service: not running")
+    else:
+        age = time.time() - float(st.get("last_round_t") or time.time())
+        slurm = "ok" if st.get("slurm_ok", True) else (
+            f"unreachable ({st.get('slurm_error')}); retry in {st.get('slurm_retry_in_s')} s")
+        click.echo(f"packing service: running (pid {pid}), policy {st.get('policy', '?')}, "
+                   f"{st.get('rounds', 0)} rounds, last {age:.0f} s ago; Slurm {slurm}")
+    if pid is None:
+        raise SystemExit(1)
+
+
+@serve.command("stop", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
+              help="Seconds to wait for the current round to finish.")
+@site_option
+def stop(timeout_s: float, site_path: str | None) -> None:
+    """Stop your packing service (after its current round). Jobs are not touched.
+
+    \b
+    Example:
+      slurm-dlrm serve stop
+    """
+    from slurm_dlrm.service import daemon
+    from slurm_dlrm.service.submit import service_paths
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.store.store import current_user
+
+    paths = service_paths(load_site(site_path), current_user())
+    try:
+        pid = daemon.stop(paths, timeout_s)
+    except TimeoutError as exc:
+        raise DlrmError(str(exc)) from None
+    click.echo("packing service: not running" if pid is None else f"packing service (pid {pid}) stopped")

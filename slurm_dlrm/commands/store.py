@@ -1,0 +1,147 @@
+"""`slurm-dlrm acct` and `slurm-dlrm report`: click glue over `slurm_dlrm.store`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from slurm_dlrm.errors import BadInput
+
+
+def _store_path(db: str | None, site_path: str | None) -> Path:
+    if db is not None:
+        return Path(db)
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.store import store_path_for
+
+    return store_path_for(load_site(site_path))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("-j", "--jobs", "jobs", metavar="ID[,ID...]", help="Only these job ids.")
+@click.option("-u", "--user", "users", metavar="USER[,USER...]", help="Only these users' jobs.")
+@click.option("-s", "--state", "states", metavar="STATE[,STATE...]",
+              help="Only jobs in these states (PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED).")
+@click.option("--pack", metavar="ID|NAME", help="Only members of this pack (any attempt).")
+@click.option("-S", "--since", metavar="TIME", help="Jobs not finished before TIME (2026-11-21, 3h, 2d, @EPOCH).")
+@click.option("-E", "--until", metavar="TIME", help="Jobs submitted up to TIME.")
+@click.option("-o", "--format", "fmt", metavar="COL[%W],...", default=None,
+              help="Columns to show, comma-separated, optional width (see --helpformat).")
+@click.option("--helpformat", is_flag=True, help="List the columns and exit.")
+@click.option("--json", "as_json", is_flag=True, help="JSON array of objects (raw values).")
+@click.option("--csv", "as_csv", is_flag=True, help="CSV with a header (raw values).")
+@click.option("-P", "--parsable", is_flag=True, help="'|'-separated raw values, like sacct --parsable2.")
+@click.option("-n", "--noheader", is_flag=True, help="No header line.")
+@click.option("-a", "--all-users", is_flag=True,
+              help="Every user's store under the site's store folder, read-only, where readable.")
+@click.option("--db", type=click.Path(dir_okay=False), help="Store file (default: your store from the site config).")
+@click.option("--site", "site_path", type=click.Path(dir_okay=False), help="Site config (default: $SLURM_DLRM_SITE, ...).")
+def acct(jobs: str | None, users: str | None, states: str | None, pack: str | None, since: str | None,
+         until: str | None, fmt: str | None, helpformat: bool, as_json: bool, as_csv: bool, parsable: bool,
+         noheader: bool, all_users: bool, db: str | None, site_path: str | None) -> None:
+    """Accounting of DLRM jobs, like sacct: estimates vs measurements and GPU-hours.
+
+    GPU-hours charged split a shared GPU's allocated hours among its members by
+    their run time on it; GPU-hours saved compare with one job per GPU (docs/store.md).
+    Times are local; --json/--csv/--parsable print raw values (bytes, seconds, ISO times).
+
+    \b
+    Example:
+      slurm-dlrm acct                                  # your jobs
+      slurm-dlrm acct -s RUNNING,PENDING -S 2h
+      slurm-dlrm acct --pack 7 -o JobID,State,MaxGPUMem,GPUHours --json
+      slurm-dlrm acct -a -S 2026-11-01 -P              # admin: every user's store
+    """
+    from slurm_dlrm.store import acct as A
+
+    if helpformat:
+        click.echo(A.columns_help())
+        return
+    if sum((as_json, as_csv, parsable)) > 1:
+        raise BadInput("choose one of --json, --csv, --parsable")
+    now = time.time()
+    cols = A.parse_format(fmt or (("User," if all_users else "") + A.DEFAULT_FORMAT))
+    f = A.AcctFilter(
+        job_ids=A.parse_job_ids(jobs) if jobs else None,
+        users=tuple(u.strip() for u in users.split(",") if u.strip()) if users else None,
+        states=A.parse_states(states) if states else None,
+        pack=pack.strip() if pack else None,
+        since=A.parse_time(since, "--since", now) if since else None,
+        until=A.parse_time(until, "--until", now) if until else None,
+    )
+    out_fmt = "json" if as_json else "csv" if as_csv else "parsable" if parsable else "table"
+    if out_fmt == "table":
+        def fetch(st: Any) -> list[Any]:
+            return A.acct_table_cells(st, f, cols, now)
+    else:
+        def fetch(st: Any) -> list[Any]:
+            return A.acct_rows(st, f, now)
+    if all_users:
+        from slurm_dlrm.site import load_site
+
+        if db is not None:
+            raise BadInput("--all-users reads the site's store folder; do not combine it with --db")
+        rows, warnings = A.acct_all_users(load_site(site_path), fetch)
+        for w in warnings:
+            click.echo(f"slurm-dlrm acct: warning: {w}", err=True)
+        # by submit time across stores (cells rows start with submit_time, user, job_id)
+        rows.sort(key=(lambda r: tuple(r[:3])) if out_fmt == "table"
+                  else (lambda r: (r["submit_time"], r["user"], r["job_id"])))
+    else:
+        from slurm_dlrm.store import Store
+
+        with Store(_store_path(db, site_path)) as store:
+            rows = fetch(store)
+    if out_fmt == "table":
+        click.echo(A.render_table([r[3:] for r in rows], cols, header=not noheader), nl=False)
+        return
+    click.echo(A.render(rows, cols, out_fmt, header=not noheader), nl=False)
+    if out_fmt == "json":
+        click.echo()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("-S", "--since", metavar="TIME", help="Start of the window (2026-11-21, 3h, 2d, @EPOCH; default 1d).")
+@click.option("-E", "--until", metavar="TIME", help="End of the window (default now).")
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False), default="report.html",
+              show_default=True, help="HTML file; the PNG files are written beside it.")
+@click.option("--max-gpus", type=click.IntRange(1, 256), default=16, show_default=True,
+              help="At most this many GPU timelines (the busiest).")
+@click.option("--max-packs", type=click.IntRange(1, 1000), default=40, show_default=True,
+              help="At most this many packs in the Gantt chart (the latest).")
+@click.option("--json", "as_json", is_flag=True, help="Print the files written as JSON.")
+@click.option("--db", type=click.Path(dir_okay=False), help="Store file (default: your store from the site config).")
+@click.option("--site", "site_path", type=click.Path(dir_okay=False), help="Site config (default: $SLURM_DLRM_SITE, ...).")
+def report(since: str | None, until: str | None, output: str, max_gpus: int, max_packs: int,
+           as_json: bool, db: str | None, site_path: str | None) -> None:
+    """Write a self-contained HTML report with plots (matplotlib) of a time window.
+
+    Utilisation timelines per GPU, a Gantt chart of packs and their members,
+    estimated vs measured memory, and a summary table. The PNG files are embedded
+    in the HTML (base64) and also written beside it.
+
+    \b
+    Example:
+      slurm-dlrm report -o report.html                 # the last day
+      slurm-dlrm report --since 2026-11-20 --until 2026-11-21 -o nov20.html
+    """
+    from slurm_dlrm.store import Store
+    from slurm_dlrm.store import acct as A
+    from slurm_dlrm.store.report import write_report
+
+    now = time.time()
+    t_until = A.parse_time(until, "--until", now) if until else now
+    t_since = A.parse_time(since, "--since", now) if since else t_until - 86400
+    if t_since >= t_until:
+        raise BadInput("--since must be before --until")
+    with Store(_store_path(db, site_path)) as store:
+        written = write_report(store, Path(output), since=t_since, until=t_until,
+                               max_gpus=max_gpus, max_packs=max_packs, now=now)
+    if as_json:
+        click.echo(json.dumps({"html": str(written.html), "png": [str(p) for p in written.pngs]}))
+    else:
+        click.echo(str(written.html))

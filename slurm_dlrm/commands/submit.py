@@ -1,0 +1,113 @@
+"""`slurm-dlrm submit`: click glue over slurm_dlrm.service.submit."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import click
+
+from slurm_dlrm.errors import EXIT_OK, EXIT_RUNTIME
+
+# sbatch options that apply to a pack; the same names as sbatch's.
+_SBATCH_OPTIONS = (
+    ("partition", ("-p", "--partition"), "PARTITION", "Slurm partition of the pack."),
+    ("account", ("-A", "--account"), "ACCOUNT", "Account charged for the pack."),
+    ("time_minutes", ("-t", "--time"), "TIME",
+     "Time limit: MIN, MIN:SEC, H:M:S, D-H, D-H:M, D-H:M:S or UNLIMITED."),
+    ("qos", ("-q", "--qos"), "QOS", "Quality of service."),
+    ("job_name", ("-J", "--job-name"), "NAME", "Name of the job(s) (default: the spec's name)."),
+    ("constraint", ("-C", "--constraint"), "FEATURES", "Node features the pack needs."),
+    ("mail_type", ("--mail-type",), "TYPE[,TYPE]", "BEGIN, END, FAIL, ALL, ... (mail about the pack)."),
+    ("mail_user", ("--mail-user",), "ADDRESS", "Where Slurm sends mail."),
+    ("output", ("-o", "--output"), "PATTERN", "Batch output of the pack (sbatch patterns like %j)."),
+    ("error", ("-e", "--error"), "PATTERN", "Batch error output of the pack."),
+)
+
+
+def sbatch_option_decorators(fn: Any) -> Any:
+    for attr, names, metavar, help_text in reversed(_SBATCH_OPTIONS):
+        fn = click.option(*names, attr, metavar=metavar, default=None, help=help_text)(fn)
+    return fn
+
+
+def site_option(fn: Any) -> Any:
+    return click.option("--site", "site_path", type=click.Path(dir_okay=False), default=None,
+                        help="Site config (default: $SLURM_DLRM_SITE, /etc/slurm-dlrm/site.toml, the repo's).")(fn)
+
+
+@click.command("submit", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("specs", nargs=-1, required=True, metavar="SPEC...")
+@sbatch_option_decorators
+@click.option("--parsable", is_flag=True, help="Print only the job ids, one per line (like sbatch --parsable).")
+@click.option("--wait", "wait_", is_flag=True, help="Block with a progress display until the jobs end; "
+              "exit 0 only if every job completed.")
+@click.option("--no-pack", is_flag=True, help="Submit each spec as one ordinary Slurm job sized from its "
+              "estimate (--mem, --cpus-per-task, --gres=gpu:1 or an MPS share); prints Slurm job ids.")
+@click.option("--no-service", is_flag=True, hidden=True, help="Record only; do not start or wake the service.")
+@click.option("--json", "as_json", is_flag=True, help="Print the recorded jobs and their estimates as JSON.")
+@site_option
+def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, no_service: bool,
+           as_json: bool, site_path: str | None, **sbatch: str | None) -> None:
+    """Submit DLRM job specs to the packing service, like sbatch.
+
+    Each SPEC is validated and its memory and compute are estimated; the jobs are
+    recorded and the user's packing service (started if needed) packs them onto
+    shared GPUs. sbatch options may also be given as `#SBATCH` lines at the top of a
+    spec file (read as sbatch reads them; the command line wins). Resources are not
+    options: they come from the estimate.
+
+    \b
+    Example:
+      slurm-dlrm submit examples/sweep/*.yaml -p dlrm -t 30
+      slurm-dlrm submit --parsable --wait tiny.yaml
+      slurm-dlrm submit --no-pack tiny.yaml      # one plain Slurm job, sized from the estimate
+
+    Exit codes: 0 recorded (with --wait: all jobs completed), 1 a job failed or
+    Slurm refused, 2 bad spec or option.
+    """
+    from slurm_dlrm.service import submit as svc
+    from slurm_dlrm.service.sbatch_options import options_from_mapping
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.store.store import current_user
+
+    site = load_site(site_path)
+    user = current_user()
+    cli_options = options_from_mapping(sbatch)
+    cwd = os.getcwd()
+    if no_pack:
+        from slurm_dlrm.slurm import SlurmClient
+
+        results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=SlurmClient())
+        if as_json:
+            click.echo(json.dumps([{"slurm_job_id": sid, "name": sub.name, "mem_mib": req.mem_mib,
+                                    "cpus": req.cpus, "gres": req.gres} for sid, sub, req in results], indent=1))
+        for sid, sub, req in results:
+            if parsable:
+                click.echo(str(sid))
+            elif not as_json:
+                click.echo(f"Submitted batch job {sid} ({sub.name}: --mem={req.mem_mib} "
+                           f"--cpus-per-task={req.cpus} --gres={req.gres})")
+        return
+    ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service)
+    if as_json:
+        click.echo(json.dumps([{"job_id": i, "name": s.name, "spec": s.path, "gpu_model": s.gpu.name,
+                                "options": s.options.to_dict(), "estimate": s.estimate.to_dict()}
+                               for i, s in zip(ids, subs, strict=True)], indent=1, default=str))
+    for i, s in zip(ids, subs, strict=True):
+        if parsable:
+            click.echo(str(i))
+        elif not as_json:
+            click.echo(f"Submitted job {i} ({svc.describe(s)})")
+    if wait_:
+        sys.exit(wait_with_progress(site, user, ids))
+
+
+def wait_with_progress(site: Any, user: str, ids: list[int]) -> int:
+    """Follow jobs until they end (a live table on a terminal, state changes otherwise)."""
+    from slurm_dlrm.service.progress import follow_jobs
+
+    jobs = follow_jobs(site, user, ids)
+    return EXIT_OK if all(j.state == "COMPLETED" for j in jobs) else EXIT_RUNTIME

@@ -1,0 +1,383 @@
+"""The analytic estimate: GPU peak, host peak and compute profile of one DLRM job.
+
+Pure (no torch, no I/O). The device-independent part, the peak of live tensor bytes
+over one training step, comes from `timeline.simulate_step`; this module adds the
+device rules (CUDA context, cuBLAS workspace, caching-allocator rounding), the host
+side (runtime, host/UVM tables, loader workers, pinned staging) and the compute
+profile used by the packing policy. See docs/estimator.md for every term's source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from slurm_dlrm.estimate.timeline import (
+    EMB_OPT,
+    EMB_WEIGHTS,
+    F32,
+    Shapes,
+    Tape,
+    batch_bytes,
+    embedding_optimizer_state_bytes,
+    ids_per_batch,
+    is_fixed_length,
+    prefetch_depth,
+    simulate_step,
+    static_parts,
+)
+from slurm_dlrm.site import GpuModel
+from slurm_dlrm.spec import JobSpec
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+# PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): every block is
+# rounded up to 512 B; small blocks (<= 1 MiB) come from 2 MiB segments, large ones
+# from segments rounded up to 2 MiB.
+ALLOC_BLOCK_BYTES = 512
+SMALL_SIZE_BYTES = 1 * MIB
+SEGMENT_BYTES = 2 * MIB
+
+# Host side. Measured here (torch 2.13 CPU, torchrec 1.8, one gloo process): RSS of
+# the training process with the model set up but before any tensor is counted. The
+# CUDA figure adds the CUDA runtime, cuBLAS/cuDNN and fbgemm's GPU kernels mapped into
+# the host process (typical for CUDA 12 builds; calibrate from history on the site).
+HOST_RUNTIME_CPU_BYTES = 364 * MIB
+HOST_RUNTIME_CUDA_BYTES = 1536 * MIB
+# The runner's loader workers are threads (slurm_dlrm/train/data.py Prefetcher): a
+# touched stack and numpy scratch each, no process of their own.
+LOADER_THREAD_BYTES = 2 * MIB
+# The runner's synthetic source (slurm_dlrm/train/data.py SyntheticBatches) draws pools
+# once: 8 batches of dense rows, labels and lengths, and per table 8 batches of ids
+# capped at one batch + 4 M. Mirrored here (that module imports torch).
+# placement uvm runs fbgemm's UVM-caching kernel on a GPU (slurm_dlrm/train/model.py):
+# an HBM cache of this share of the rows (torchrec batched_embedding_kernel default).
+UVM_CACHE_LOAD_FACTOR = 0.2
+SYNTHETIC_POOL_BATCHES = 8
+SYNTHETIC_POOL_EXTRA_IDS = 4_000_000
+# ... and makes up to 32 complete batches up front (at most 64 MiB by its own count),
+# cycled over the steps; pinned on a GPU.
+SYNTHETIC_RING_BATCHES = 32
+SYNTHETIC_RING_MAX_BYTES = 64 * MIB
+# The runner copies the training state to host memory for a background checkpoint
+# write when it has one process and the state is at most this big.
+ASYNC_CHECKPOINT_MAX_BYTES = 1 << 30
+# glibc malloc keeps much of what a step frees (activations, gradients) mapped: peak
+# RSS runs above the live tensor bytes by this share of the step's dynamic part
+# (least-squares fit over the 32 configs of benchmarks/estimator_accuracy.py).
+HOST_MALLOC_OVERHEAD = 0.8
+
+# Compute profile assumptions (documented in docs/estimator.md).
+GEMM_EFFICIENCY = 0.5  # small-MLP GEMMs reach about half of peak FLOP/s
+EMB_BW_EFFICIENCY = 0.4  # random row gathers reach about 40% of peak HBM bandwidth
+KERNEL_LAUNCH_S = 8e-6  # per kernel, launch + tail
+HOST_SECONDS_PER_SAMPLE = {"synthetic": 0.3e-6, "criteo-npy": 1.5e-6, "criteo-tsv": 25e-6}
+HOST_SECONDS_PER_ID = 1e-9  # gathering and concatenating int64 ids into the batch
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    flops_per_sample: float
+    emb_bytes_per_sample: float
+    solo_samples_per_s: float
+    sm_util_pct: float
+    membw_util_pct: float
+    host_cpu_cores: float
+    label: str  # "compute-bound" | "memory-bound" | "host-bound"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    gpu_peak_bytes: int
+    host_peak_bytes: int
+    gpu_breakdown: dict[str, int]
+    host_breakdown: dict[str, int]
+    profile: ComputeProfile
+    tensor_peak_bytes: int  # device-independent: the peak of live tensor bytes
+    peak_phase: str
+    gpu_model: str | None
+    method: str = "analytic"  # "analytic" | "traced"; "+calibrated" when history corrected it
+    notes: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["notes"] = list(self.notes)
+        return d
+
+
+def device_tables(spec: JobSpec, all_placements: bool = False) -> list[int]:
+    """Tables whose weights sit in device memory (placement hbm), for the fullest rank.
+
+    With world_size > 1 the runner lets torchrec's planner shard table-wise. Its
+    GreedyPerfPartitioner (torchrec 1.8, default sort by storage) takes the tables
+    largest first and puts each on the rank with the least lookup cost so far (ties:
+    the lowest rank); a fused lookup's cost is mostly its pooled output, plus a share
+    per id, and does not grow with rows. The same greedy here; the estimate is for the rank holding
+    the most bytes. `all_placements`: every table counts (a CPU run keeps them all in
+    one memory).
+    """
+    chosen = [i for i, t in enumerate(spec.tables) if all_placements or t.placement == "hbm"]
+    if spec.world_size <= 1:
+        return chosen
+    cost = [0.0] * spec.world_size
+    owned: list[list[int]] = [[] for _ in range(spec.world_size)]
+    for i in sorted(range(len(spec.tables)), key=lambda i: -_table_total_bytes(spec, i)):  # stable
+        t = spec.tables[i]
+        r = cost.index(min(cost))
+        # pooled output per table dominates, each id adds about half of it (fitted to
+        # the placements torchrec 1.8 chose on the benchmark's multi-rank configs)
+        cost[r] += t.dim * 4 * (1 + 0.5 * t.ids_per_sample)
+        owned[r].append(i)
+    mem = [sum(_table_total_bytes(spec, i) for i in o if i in chosen) for o in owned]
+    return sorted(i for i in owned[mem.index(max(mem))] if i in chosen)
+
+
+def _table_total_bytes(spec: JobSpec, i: int) -> int:
+    return spec.tables[i].weight_bytes + embedding_optimizer_state_bytes(spec, [i])
+
+
+def table_bytes_with_state(spec: JobSpec, i: int) -> int:
+    """One table's weights plus its optimizer state: the least memory it needs."""
+    return _table_total_bytes(spec, i)
+
+
+def _peak_tape(spec: JobSpec, device: str, tables: list[int]) -> Tape:
+    steady = simulate_step(spec, device, tables)
+    first = simulate_step(spec, device, tables, first_step=True)
+    return first if first.peak > steady.peak else steady
+
+
+def allocator_rounding_bytes(live_sizes: list[int]) -> int:
+    extra = 0
+    for n in live_sizes:
+        if n <= 0:
+            continue
+        if n <= SMALL_SIZE_BYTES:
+            extra += -n % ALLOC_BLOCK_BYTES
+        else:
+            extra += -n % SEGMENT_BYTES
+    return extra + SEGMENT_BYTES  # one partly used small-block segment
+
+
+def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
+    """Estimate one job. `gpu=None` means a CPU run (the benchmark's mode): all tensors
+    then live in host memory and the GPU parts are zero."""
+    device = "cuda" if gpu is not None else "cpu"
+    # On a CPU run every table is in the one (host) memory.
+    tables = device_tables(spec, all_placements=gpu is None)
+    tape = _peak_tape(spec, device, tables)
+    parts = {k: v for k, v in tape.at_peak.items()}
+    notes: list[str] = []
+    if device == "cpu" and spec.optimizer.type == "adam" and spec.optimizer.fused:
+        notes.append("fused Adam is GPU-only (fbgemm CPU kernels); estimated as non-fused on the CPU")
+    if spec.world_size > 1:
+        notes.append(f"world_size {spec.world_size}: tables placed as torchrec's greedy partitioner would (the "
+                     "fullest rank is estimated); NCCL's own buffers are not counted (calibrate from history)")
+
+    host_tables = [i for i, t in enumerate(spec.tables) if t.placement != "hbm"]
+    host_table_bytes = sum(spec.tables[i].weight_bytes for i in host_tables)
+    host_table_opt = embedding_optimizer_state_bytes(spec, host_tables) if host_tables else 0
+    workers = spec.loader_workers
+    one_batch = batch_bytes(spec)
+    pools = synthetic_pool_bytes(spec)
+    ring = synthetic_ring_bytes(spec, pinned=gpu is not None)
+    snapshot = checkpoint_snapshot_bytes(spec, tables, device)
+
+    if gpu is not None:
+        gpu_breakdown = dict(parts)
+        gpu_breakdown["uvm_cache"] = uvm_cache_bytes(spec)
+        gpu_breakdown["cuda_context"] = gpu.cuda_context_bytes
+        gpu_breakdown["cublas_workspace"] = gpu.cublas_workspace_bytes
+        gpu_breakdown["allocator_rounding"] = allocator_rounding_bytes(tape.at_peak_sizes)
+        gpu_peak = sum(gpu_breakdown.values())
+        host_breakdown = {
+            "runtime": HOST_RUNTIME_CUDA_BYTES,
+            "host_embedding_weights": host_table_bytes,
+            "host_embedding_optimizer_state": host_table_opt,
+            "pinned_staging": (prefetch_depth(spec) + 1) * one_batch,
+            "loader_threads": workers * LOADER_THREAD_BYTES,
+            "synthetic_data_pools": pools,
+            "synthetic_batch_ring": ring,
+            "checkpoint_snapshot": snapshot,
+        }
+    else:
+        gpu_breakdown = {}
+        gpu_peak = 0
+        host_breakdown = {
+            "runtime": HOST_RUNTIME_CPU_BYTES,
+            "tensors": tape.peak,
+            "malloc_overhead": int(max(0, tape.peak - static_bytes(spec, tables, device)) * HOST_MALLOC_OVERHEAD),
+            "loader_prefetch": prefetch_depth(spec) * one_batch,
+            "loader_threads": workers * LOADER_THREAD_BYTES,
+            "synthetic_data_pools": pools,
+            "synthetic_batch_ring": ring,
+            "checkpoint_snapshot": snapshot,
+        }
+    host_peak = sum(host_breakdown.values())
+    return Estimate(
+        gpu_peak_bytes=gpu_peak, host_peak_bytes=host_peak, gpu_breakdown=gpu_breakdown,
+        host_breakdown=host_breakdown, profile=compute_profile(spec, gpu), tensor_peak_bytes=tape.peak,
+        peak_phase=tape.peak_where, gpu_model=gpu.name if gpu is not None else None, notes=tuple(notes),
+    )
+
+
+def synthetic_ring_bytes(spec: JobSpec, pinned: bool) -> int:
+    """The runner's synthetic source keeps up to 32 ready batches (slurm_dlrm/train/data.py
+    SyntheticBatches.ring). Their ids and lengths are their own memory, dense rows and
+    labels are views of the pools; pinned (GPU) copies own everything."""
+    if spec.data.type != "synthetic":
+        return 0
+    B = spec.batch_size
+    ids = sum(B * t.ids_per_sample for t in spec.tables)
+    # the source's own size estimate decides how many it makes
+    counted = int(ids * 8 + B * (spec.dense_features + 1) * 4 + B * len(spec.tables) * 4)
+    n = min(SYNTHETIC_RING_BATCHES, SYNTHETIC_RING_MAX_BYTES // max(counted, 1))
+    if n < 2:
+        return 0
+    own = batch_bytes(spec) if pinned else sum(ids_per_batch(B, t) for t in spec.tables) * 8 + B * len(spec.tables) * 4
+    # the shared per-sample lengths of fixed-length tables, one tensor per count
+    fixed = len({t.multi_hot or 1 for t in spec.tables if is_fixed_length(t)}) * B * 4
+    return n * own + fixed
+
+
+def checkpoint_snapshot_bytes(spec: JobSpec, tables: list[int], device: str) -> int:
+    """Host copy of the state for a background checkpoint write (runner: one process,
+    state <= 1 GiB, checkpoints on)."""
+    if spec.world_size != 1 or spec.checkpoint_every_steps == 0:
+        return 0
+    state = static_bytes(spec, tables, device) - static_parts(spec, tables, device).dense_grads \
+        - static_parts(spec, tables, device).emb_grad_bucket
+    return state if state <= ASYNC_CHECKPOINT_MAX_BYTES else 0
+
+
+def static_bytes(spec: JobSpec, tables: list[int], device: str) -> int:
+    """Bytes that live for the whole run: tables, their optimizer state, dense
+    parameters, their gradients and optimizer state."""
+    st = static_parts(spec, tables, device)
+    return (st.emb_weights + st.emb_opt_state + st.emb_grad_bucket + st.dense_params + st.dense_grads
+            + st.dense_opt_state)
+
+
+def uvm_cache_bytes(spec: JobSpec) -> int:
+    """HBM cache of UVM-cached tables: cached rows in the table's dtype, plus fbgemm's
+    cache state (int64 per slot, int32 per row; torchrec planner
+    `_calculate_cache_aux_state_sizes`)."""
+    total = 0
+    for t in spec.tables:
+        if t.placement != "uvm":
+            continue
+        slots = int(t.rows * UVM_CACHE_LOAD_FACTOR + 0.999999)
+        total += slots * t.dim * t.dtype_bytes + slots * 8 + t.rows * 4
+    return total
+
+
+def synthetic_pool_bytes(spec: JobSpec) -> int:
+    """Host bytes of the runner's synthetic data pools (numpy, outside torch)."""
+    if spec.data.type != "synthetic":
+        return 0
+    B = spec.batch_size
+    pool_rows = B * SYNTHETIC_POOL_BATCHES
+    total = pool_rows * spec.dense_features * F32 + pool_rows * F32
+    for t in spec.tables:
+        if is_fixed_length(t):
+            per_batch = B * (t.multi_hot or 1)
+        else:
+            p = float(t.pooling_factor or 1.0)
+            per_batch = int(B * p + 8 * (B * p) ** 0.5 + 16)
+            total += pool_rows * 4  # int32 lengths pool
+        n_ids = per_batch + min(per_batch * (SYNTHETIC_POOL_BATCHES - 1), SYNTHETIC_POOL_EXTRA_IDS)
+        total += n_ids * 8
+    return total
+
+
+def embedding_and_optimizer_bytes(est: Estimate) -> tuple[int, int]:
+    """(embedding weights, embedding optimizer state) in device memory (or host on CPU)."""
+    parts = est.gpu_breakdown
+    return parts.get(EMB_WEIGHTS, 0), parts.get(EMB_OPT, 0)
+
+
+# ---------------------------------------------------------------- compute profile
+
+def dense_flops_per_sample(spec: JobSpec) -> float:
+    """Training FLOPs per sample of the dense part: forward x 3 (backward is about 2x)."""
+    s = Shapes.of(spec)
+    fwd = 0.0
+    prev = s.dense_in
+    for w in s.bottom:
+        fwd += 2 * prev * w
+        prev = w
+    if s.dcn_layers:
+        n = (s.F + 1) * s.D
+        fwd += s.dcn_layers * (2 * n * s.dcn_rank * 2 + 3 * n)
+    else:
+        fwd += 2 * (s.F + 1) ** 2 * s.D
+    prev = s.top_in
+    for w in s.top:
+        fwd += 2 * prev * w
+        prev = w
+    return 3 * fwd
+
+
+def emb_bytes_per_sample(spec: JobSpec) -> float:
+    """Bytes of embedding memory touched per sample: forward gathers, backward
+    read-modify-write of the rows (fused optimizer), optimizer state traffic, and the
+    pooled outputs and their gradients."""
+    total = 0.0
+    state_rw = {"sgd": 0, "adagrad": 2 * F32, "rowwise_adagrad": 0, "adam": 4 * F32}[spec.optimizer.type]
+    for t in spec.tables:
+        ids = t.ids_per_sample
+        row = t.dim * t.dtype_bytes
+        total += ids * (3 * row + t.dim * state_rw)
+        if spec.optimizer.type == "rowwise_adagrad":
+            total += ids * 2 * F32
+        total += 2 * t.dim * F32  # pooled output written, its gradient read
+    return total
+
+
+def _kernels_per_step(spec: JobSpec) -> int:
+    s = Shapes.of(spec)
+    layers = len(s.bottom) + len(s.top) + 2 * s.dcn_layers
+    return 3 * 3 * layers + 30  # fwd + 2 bwd GEMMs and elementwise per layer, plus fixed ops
+
+
+def compute_profile(spec: JobSpec, gpu: GpuModel | None) -> ComputeProfile:
+    flops = dense_flops_per_sample(spec)
+    emb_bytes = emb_bytes_per_sample(spec)
+    B = spec.batch_size
+    if gpu is not None:
+        peak_flops = (gpu.tf32_tflops * 2 if spec.mixed_precision != "none" else gpu.fp32_tflops) * 1e12
+        bw = gpu.mem_bandwidth_gbps * 1e9
+    else:  # a CPU run: a few cores' worth of vector FLOP/s and DRAM bandwidth
+        peak_flops = 0.2e12
+        bw = 20e9
+    # dense activations also stream through memory once forward and twice backward
+    act_bytes = 3 * 2 * sum(Shapes.of(spec).bottom + Shapes.of(spec).top) * F32
+    t_compute = B * flops / (peak_flops * GEMM_EFFICIENCY)
+    t_memory = B * (emb_bytes / (bw * EMB_BW_EFFICIENCY) + act_bytes / bw)
+    t_launch = _kernels_per_step(spec) * KERNEL_LAUNCH_S
+    t_gpu = t_compute + t_memory + t_launch
+    ids_per_sample = sum(t.ids_per_sample for t in spec.tables)
+    per_sample_host = HOST_SECONDS_PER_SAMPLE.get(spec.data.type, 1e-6) + ids_per_sample * HOST_SECONDS_PER_ID
+    inline = spec.data.type == "synthetic"  # the runner makes synthetic batches in the training thread
+    workers = 1 if inline else max(spec.loader_workers, 1)
+    t_host = B * per_sample_host / workers
+    t_step = max(t_gpu, t_host)
+    if t_host > t_gpu:
+        label = "host-bound"
+    elif t_compute >= t_memory:
+        label = "compute-bound"
+    else:
+        label = "memory-bound"
+    busy = min(1.0, t_host / t_step)
+    host_cores = 1.0 + (spec.loader_workers * busy if spec.loader_workers and not inline else 0.0)
+    return ComputeProfile(
+        flops_per_sample=flops,
+        emb_bytes_per_sample=emb_bytes,
+        solo_samples_per_s=B / t_step,
+        # NVML's utilisation: the share of time some kernel runs.
+        sm_util_pct=round(100 * (t_compute + t_memory) / t_step, 1),
+        membw_util_pct=round(100 * B * (emb_bytes + act_bytes) / (t_step * bw), 1),
+        host_cpu_cores=round(host_cores, 2),
+        label=label,
+    )

@@ -1,0 +1,750 @@
+"""The packing service: each round *observe* (agent reports, Slurm) then *act* (plan, submit).
+
+Mechanism only: which jobs share which GPUs is the policy's decision
+(`slurm_dlrm.packing.plan`), what to do after an OOM or a lost pack is
+`slurm_dlrm.adapt.recovery`'s. Every state change goes through the store's state
+machines, so each one is checked and leaves an event row.
+
+Crash safety (the service may be killed at any instant and restarted):
+
+- A pack row is written (SUBMITTING, with a unique name, its members PLANNED) in one
+  transaction *before* sbatch runs, and `--job-name` carries that name. A pack still
+  SUBMITTING on the next round is looked up in squeue by name: found -> its Slurm id is
+  recorded; not found -> sbatch runs again. A marker file with the time sbatch was
+  started keeps a restarted service from resubmitting while a killed service's sbatch
+  may still be in flight (it waits `sbatch_timeout_s` first), so a pack is never
+  submitted twice.
+- Agent reports are ingested by the store exactly once (offsets move in the same
+  transaction as the state changes they cause).
+- Nothing is kept only in memory that a restart needs: the in-memory heartbeat times and
+  back-off are rebuilt from scratch without losing a job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.admin.marker import MODE_PACK, format_marker
+from slurm_dlrm.service.daemon import ensure_private_dir
+from slurm_dlrm.service.sbatch_options import (
+    PackScript,
+    SbatchOptions,
+    pack_time_minutes,
+    render_pack_script,
+)
+from slurm_dlrm.service.spool import SPEC_FILE, write_job_spec, write_private
+from slurm_dlrm.site import MIB, SiteConfig
+
+log = logging.getLogger(__name__)
+
+# Slurm's messages when slurmctld cannot be reached (Slurm 22.05 slurm_strerror texts):
+# the request may not have arrived, so the service retries instead of failing jobs.
+UNREACHABLE_MARKERS = (
+    "Unable to contact slurm controller",
+    "Socket timed out",
+    "Zero Bytes were transmitted or received",
+    "Connection refused",
+    "Communication connection failure",
+    "Slurm backup controller in standby mode",
+    "Slurm temporarily unable to accept job",
+    "Could not establish a configuration source",
+)
+
+SBATCH_MARKER = "sbatch.started"
+PLACEMENT_FILE = "placement.json"
+SCRIPT_FILE = "pack.sbatch"
+MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
+AGENT_MEM_MIB = 512  # host memory the agent itself needs on each node, added to --mem
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    user: str
+    python: str = sys.executable
+    sbatch_timeout_s: float = 30.0  # the Slurm client's command timeout
+    backoff_min_s: float = 2.0
+    backoff_max_s: float = 60.0
+    max_attempts: int = MAX_ATTEMPTS
+    policy: str | None = None  # None: the site's packing.policy
+    # Batched dispatch (RMixer): plan when this long passed since the last plan, or when
+    # packing.round_batch_size jobs arrived since. None: the site's packing.round_seconds.
+    dispatch_window_s: float | None = None
+
+
+@dataclass
+class RoundStats:
+    ingested_lines: int = 0
+    transitions: int = 0
+    packs_submitted: int = 0
+    jobs_planned: int = 0
+    slurm_ok: bool = True
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """True if a Slurm failure means "could not talk to slurmctld", not "refused"."""
+    from slurm_dlrm.slurm import SlurmError, SlurmNotFound, SlurmTimeout
+
+    if isinstance(exc, SlurmTimeout | SlurmNotFound):
+        return True
+    if isinstance(exc, SlurmError):
+        text = f"{exc.stderr}\n{exc}"
+        return any(m.lower() in text.lower() for m in UNREACHABLE_MARKERS)
+    return False
+
+
+def slurm_message(exc: BaseException) -> str:
+    """Slurm's own words, one line (`sbatch: error: ...` without the prefix noise)."""
+    stderr = getattr(exc, "stderr", "") or ""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()] or lines
+    text = errors[-1] if errors else str(exc)
+    for prefix in ("sbatch: error: ", "sbatch: fatal: "):
+        text = text.removeprefix(prefix)
+    return text
+
+
+# How often the service prunes old samples (site.sample_retention_days): a prune scans
+# by time index and deletes in short transactions, so hourly is cheap and keeps the
+# store's size bounded.
+PRUNE_EVERY_S = 3600.0
+
+
+def new_pack_name() -> str:
+    """Unique across stores and users: the key a restarted service finds its pack by."""
+    return f"dlrm-{secrets.token_hex(6)}"
+
+
+class PackingService:
+    """One user's service. Not thread-safe; one instance per process."""
+
+    def __init__(self, store: Any, slurm: Any, site: SiteConfig, settings: ServiceSettings, *,
+                 clock: Callable[[], float] = time.time, spool_dir: Path | None = None) -> None:
+        self.store = store
+        self.slurm = slurm
+        self.site = site
+        self.settings = settings
+        self.clock = clock
+        self.spool_dir = spool_dir if spool_dir is not None else site.spool_dir_for(settings.user)
+        self.policy = settings.policy or site.packing.policy
+        self.backoff_s = 0.0
+        self.slurm_retry_at = 0.0
+        self.slurm_error: str | None = None
+        self.heartbeats: dict[int, float] = {}
+        self.waited_rounds: dict[int, int] = {}
+        self.rounds = 0
+        self._spool_ready = False
+        self.last_dispatch_t: float | None = None
+        self.last_prune_t: float | None = None
+        from slurm_dlrm.service.recovery import Recovery
+
+        self.recovery = Recovery(self)  # OOM retry, lost packs, stragglers, warm start (issue 10)
+
+    # ------------------------------------------------------------ the round
+
+    def run_round(self) -> RoundStats:
+        """Observe, then act. Returns what happened (for logs, tests and benchmarks)."""
+        t0 = time.perf_counter()
+        stats = RoundStats()
+        self.rounds += 1
+        self.observe(stats)
+        self.act(stats)
+        self.prune_samples(stats)
+        stats.slurm_ok = self.slurm_error is None
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def prune_samples(self, stats: RoundStats) -> int:
+        """Delete samples older than the site's `sample_retention_days`, once per
+        PRUNE_EVERY_S (the first round after a start included). acct keeps its figures."""
+        days = self.site.sample_retention_days
+        now = self.clock()
+        if days <= 0 or (self.last_prune_t is not None and now - self.last_prune_t < PRUNE_EVERY_S):
+            return 0
+        self.last_prune_t = now
+        n = int(self.store.prune_samples(now - days * 86400.0))
+        if n:
+            stats.notes.append(f"pruned {n} samples older than {days:g} days")
+        return n
+
+    def next_delay_s(self) -> float | None:
+        """A back-off hint for the loop while Slurm is unreachable."""
+        if self.slurm_error is None:
+            return None
+        return max(0.1, self.slurm_retry_at - self.clock())
+
+    def status(self) -> dict[str, Any]:
+        """What `queue` and `serve status` show about the service."""
+        now = self.clock()
+        return {
+            "pid": os.getpid(), "user": self.settings.user, "policy": self.policy, "rounds": self.rounds,
+            "last_round_t": now, "slurm_ok": self.slurm_error is None, "slurm_error": self.slurm_error,
+            "slurm_retry_in_s": None if self.slurm_error is None else round(max(0.0, self.slurm_retry_at - now), 1),
+            "next_dispatch_in_s": 0.0 if self.last_dispatch_t is None else
+            round(max(0.0, self.last_dispatch_t + self.dispatch_window_s - now), 1),
+        }
+
+    # ------------------------------------------------------------ Slurm availability
+
+    def _slurm_available(self) -> bool:
+        return self.slurm_error is None or self.clock() >= self.slurm_retry_at
+
+    def _slurm_failed(self, exc: BaseException) -> None:
+        self.backoff_s = min(self.settings.backoff_max_s, max(self.settings.backoff_min_s, self.backoff_s * 2))
+        self.slurm_retry_at = self.clock() + self.backoff_s
+        self.slurm_error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log.warning("Slurm unreachable (%s); retrying in %.0f s", self.slurm_error, self.backoff_s)
+
+    def _slurm_ok(self) -> None:
+        if self.slurm_error is not None:
+            log.info("Slurm reachable again")
+        self.slurm_error = None
+        self.backoff_s = 0.0
+
+    # ------------------------------------------------------------ observe
+
+    def observe(self, stats: RoundStats) -> None:
+        from slurm_dlrm.store.states import PACK_ACTIVE
+
+        active = self.store.packs(PACK_ACTIVE, user=self.settings.user)
+        for pack in active:
+            stats.ingested_lines += self.ingest(pack)
+        if not active or not self._slurm_available():
+            return
+        from slurm_dlrm.slurm import SlurmError
+
+        try:
+            infos = self.slurm.squeue(user=self.settings.user)
+        except SlurmError as exc:
+            if is_unreachable(exc):
+                self._slurm_failed(exc)
+                return
+            raise
+        self._slurm_ok()
+        by_name = {i.name: i for i in infos}
+        for pack in active:
+            info = by_name.get(pack.name)
+            if info is None and pack.slurm_job_id:
+                info = next((i for i in infos if str(i.job_id) == pack.slurm_job_id), None)
+            self._observe_pack(pack, info, stats)
+        self.recovery.check_heartbeats(stats)
+        self.recovery.check_warmup_and_stragglers()
+
+    def ingest(self, pack: Any) -> int:
+        """Agent reports of one pack into the store, exactly once."""
+        if not pack.pack_dir:
+            return 0
+        from slurm_dlrm.store.ingest import ingest_pack_reports
+
+        result = ingest_pack_reports(self.store, pack.pack_dir, self._on_record)
+        return int(result.lines)
+
+    def _on_record(self, store: Any, rec: dict[str, Any]) -> None:
+        """One agent record, inside the ingestion transaction (see store.ingest)."""
+        kind = rec.get("type")
+        pack_id = rec.get("pack_id")
+        t = float(rec.get("t") or self.clock())
+        if kind == "heartbeat":
+            if isinstance(pack_id, int):
+                self.heartbeats[pack_id] = max(t, self.heartbeats.get(pack_id, 0.0))
+            return
+        if kind == "agent":
+            store.add_event("agent", str(rec.get("event") or "agent"), pack_id=pack_id, data=rec, t=t)
+            return
+        if kind != "member":
+            return
+        job_id = rec.get("job_id")
+        if not isinstance(job_id, int):
+            return
+        self._apply_member_report(job_id, pack_id, str(rec.get("state") or ""), rec.get("exit_code"),
+                                  str(rec.get("reason") or ""), t)
+
+    def _apply_member_report(self, job_id: int, pack_id: Any, state: str, exit_code: Any,
+                             reason: str, t: float) -> None:
+        from slurm_dlrm.store.states import JOB_TERMINAL, JobState
+
+        s = self.store
+        job = s.get_job(job_id)
+        if job.pack_id != pack_id:
+            log.info("ignoring a report of job %d from pack %s (its pack is now %s)", job_id, pack_id, job.pack_id)
+            return
+        if job.state in JOB_TERMINAL or job.state == JobState.PENDING:
+            return  # already settled (e.g. cancelled, or requeued after its pack was lost)
+        code = exit_code if isinstance(exit_code, int) else None
+        why = reason or state.lower()
+        if state == "RUNNING":
+            if job.state == JobState.PLANNED:
+                pack = s.get_pack(job.pack_id)
+                s.transition_job(job_id, JobState.RUNNING, "member started", slurm_job_id=pack.slurm_job_id, t=t)
+            return
+        if job.state == JobState.PLANNED and state in ("COMPLETED", "PREEMPTED"):
+            # the start record was never written (agent killed early); it did run
+            s.transition_job(job_id, JobState.RUNNING, "member started (inferred)", t=t)
+            job = s.get_job(job_id)
+        if state == "COMPLETED":
+            s.transition_job(job_id, JobState.COMPLETED, why, exit_code=code, t=t)
+        elif state == "CANCELLED":
+            if not self.recovery.on_member_cancelled(job, t):  # a straggler asked to move is requeued
+                s.transition_job(job_id, JobState.CANCELLED, why, exit_code=code, t=t)
+        elif state in ("OOM_GPU", "OOM_HOST"):
+            s.transition_job(job_id, JobState.OOM, why, exit_code=code, t=t,
+                             data={"kind": "gpu" if state == "OOM_GPU" else "host"})
+            self._after_oom(job_id, "gpu" if state == "OOM_GPU" else "host", t)
+        elif state == "PREEMPTED":
+            self._requeue(job, f"preempted ({why}); resumes from its checkpoint", t)
+        elif state == "FAILED":
+            s.transition_job(job_id, JobState.FAILED, why, exit_code=code, t=t)
+        else:
+            log.warning("job %d: unknown member state %r in a report", job_id, state)
+
+    def _after_oom(self, job_id: int, kind: str, t: float) -> None:
+        self.recovery.after_oom(job_id, kind, t)  # raise and requeue, or say why not (service/recovery.py)
+
+    def _usage_peak(self, job_id: int, column: str) -> int | None:
+        usage = self.store.usage(job_id)
+        value = None if usage is None else getattr(usage, column)
+        return None if value is None else int(value)
+
+    def _requeue(self, job: Any, reason: str, t: float | None = None) -> None:
+        """Back to PENDING (resumes from its checkpoint), or FAILED past the attempt bound."""
+        from slurm_dlrm.store.states import JobState
+
+        if job.state == JobState.RUNNING and job.attempt + 1 >= self.settings.max_attempts:
+            self.store.transition_job(job.id, JobState.FAILED, f"{reason}; gave up after {job.attempt + 1} runs", t=t)
+            return
+        self.store.transition_job(job.id, JobState.PENDING, reason, t=t)
+
+    def _observe_pack(self, pack: Any, info: Any, stats: RoundStats) -> None:
+        from slurm_dlrm.slurm import JobState as SJ
+        from slurm_dlrm.store.states import PackState
+
+        if pack.state == PackState.SUBMITTING:
+            if info is not None:
+                to = PackState.RUNNING if info.state in (SJ.RUNNING, SJ.COMPLETING, SJ.SUSPENDED) else PackState.QUEUED
+                if info.state.is_terminal:
+                    to = PackState.QUEUED  # seen next round as ended
+                self.store.transition_pack(pack.id, to, "found in Slurm by its name after a restart",
+                                           slurm_job_id=str(info.job_id), nodes=info.nodes or None)
+                stats.transitions += 1
+            elif self._may_resubmit(pack):
+                self._submit_pack(pack, stats)
+            return
+        if info is None:
+            self._pack_vanished(pack, stats)
+            return
+        if info.state in (SJ.RUNNING, SJ.COMPLETING, SJ.SUSPENDED):
+            if pack.state == PackState.QUEUED:
+                start = float(info.start_time) if info.start_time else None
+                self.store.transition_pack(pack.id, PackState.RUNNING, "allocation started",
+                                           nodes=info.nodes or None, start_time=start)
+                stats.transitions += 1
+            return
+        if info.state.is_terminal:
+            self._pack_ended(pack, info.slurm_state.split(" ", 1)[0], info.reason or "", stats,
+                             exit_code=info.exit_code, nodes=info.nodes or None)
+
+    def _may_resubmit(self, pack: Any) -> bool:
+        """sbatch for this SUBMITTING pack either never ran or cannot still be running."""
+        marker = Path(pack.pack_dir or "") / SBATCH_MARKER
+        try:
+            started = float(marker.read_text().strip() or 0)
+        except (OSError, ValueError):
+            return True
+        return self.clock() - started > self.settings.sbatch_timeout_s + 5.0
+
+    def _pack_vanished(self, pack: Any, stats: RoundStats) -> None:
+        """Gone from squeue (purged after MinJobAge): ask sacct, else judge by the reports."""
+        from slurm_dlrm.slurm import AccountingDisabled, SlurmError
+
+        ending: str | None = None
+        if pack.slurm_job_id:
+            try:
+                rows = self.slurm.sacct([int(pack.slurm_job_id)], ["JobID", "State", "ExitCode", "NodeList"])
+                line = next((r for r in rows if r.step is None), None)
+                if line is not None and line.state.is_terminal:
+                    ending = line.get("State").split(" ", 1)[0]
+            except AccountingDisabled:
+                pass
+            except SlurmError as exc:
+                if is_unreachable(exc):
+                    self._slurm_failed(exc)
+                    return
+                log.warning("sacct for pack %s failed: %s", pack.name, exc)
+        if ending is None:
+            ending = "COMPLETED" if self._all_members_done(pack.id) else "LOST"
+        self._pack_ended(pack, ending, "no longer in squeue", stats)
+
+    def _all_members_done(self, pack_id: int) -> bool:
+        return not pack_member_ids(self.store, pack_id, ("PLANNED", "RUNNING"))
+
+    def _pack_ended(self, pack: Any, slurm_state: str, reason: str, stats: RoundStats, *,
+                    exit_code: int | None = None, nodes: str | None = None) -> None:
+        """The allocation is over: record it, then settle members that did not report an end."""
+        from slurm_dlrm.adapt.recovery import RECOVERABLE_PACK_ENDINGS
+        from slurm_dlrm.store.states import JobState, PackState
+
+        self.ingest(pack)  # the agents' last words first
+        to = {"COMPLETED": PackState.COMPLETED, "CANCELLED": PackState.CANCELLED,
+              "LOST": PackState.LOST}.get(slurm_state, PackState.FAILED)
+        why = f"Slurm: {slurm_state}" + (f" ({reason})" if reason else "")
+        self.store.transition_pack(pack.id, to, why, nodes=nodes)
+        stats.transitions += 1
+        self.heartbeats.pop(pack.id, None)
+        live = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED", "RUNNING"))]
+        recoverable = slurm_state in RECOVERABLE_PACK_ENDINGS
+        tail = self._output_tail(pack) if to == PackState.FAILED and not recoverable else ""
+        if recoverable:
+            self.recovery.fence_old_run(pack, live)  # an agent cut off from Slurm stops its members
+        for job in live:
+            if to == PackState.CANCELLED:
+                self.store.transition_job(job.id, JobState.CANCELLED, f"pack {pack.name} cancelled in Slurm")
+            elif recoverable or job.state == JobState.PLANNED and to == PackState.COMPLETED:
+                self._requeue(job, f"pack {pack.name} ended {slurm_state} before the member finished")
+            else:
+                msg = f"pack {pack.name} ended {slurm_state} before the member reported an end"
+                self.store.transition_job(job.id, JobState.FAILED, msg + (f": {tail}" if tail else ""),
+                                          exit_code=exit_code)
+            stats.transitions += 1
+
+    def _output_tail(self, pack: Any) -> str:
+        """The last line of the pack's batch output: usually why an agent could not start."""
+        if not pack.pack_dir or not pack.slurm_job_id:
+            return ""
+        path = Path(pack.pack_dir) / f"slurm-{pack.slurm_job_id}.out"
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - 4096))
+                lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+        except OSError:
+            return ""
+        return lines[-1][:300] if lines else ""
+
+    # ------------------------------------------------------------ act
+
+    def act(self, stats: RoundStats) -> None:
+        from slurm_dlrm.store.states import JobState
+
+        if not self._slurm_available():
+            return
+        pending = self.store.jobs([JobState.PENDING], user=self.settings.user)
+        if not pending or not self._dispatch_due(pending):
+            return
+        self.last_dispatch_t = self.clock()
+        groups: dict[tuple[tuple[str, str], ...], list[Any]] = {}
+        for job in pending:
+            groups.setdefault(job_options(job).pack_key(), []).append(job)
+        for key in sorted(groups):
+            if not self._slurm_available():
+                break
+            self._dispatch_group(groups[key], stats)
+
+    @property
+    def dispatch_window_s(self) -> float:
+        w = self.settings.dispatch_window_s
+        return self.site.packing.round_seconds if w is None else w
+
+    def _dispatch_due(self, pending: list[Any]) -> bool:
+        """RMixer's batched dispatch: wait for a batch of jobs or the end of the window,
+        so jobs submitted one by one still share packs. The first round after a start
+        plans at once. A requeued job counts as a new arrival."""
+        from dataclasses import replace as dc_replace
+
+        from slurm_dlrm.packing.dispatch import DispatchConfig, should_run_round
+
+        cfg = dc_replace(DispatchConfig.from_site(self.site), round_seconds=self.dispatch_window_s)
+        since = self.last_dispatch_t
+        arrived = len(pending) if since is None else sum(
+            1 for j in pending if j.submit_time >= since or j.updated_time >= since)
+        return should_run_round(self.clock(), since, len(pending), arrived, cfg)
+
+    def _dispatch_group(self, jobs: list[Any], stats: RoundStats) -> None:
+        from slurm_dlrm.packing.dispatch import DispatchConfig, after_round, aged
+        from slurm_dlrm.packing.model import PackingRequest, limits_from_site
+        from slurm_dlrm.packing.policies import plan
+        from slurm_dlrm.store.states import JobState
+
+        options = job_options(jobs[0])
+        partition = self._partition(options)
+        nodes = self._node_shapes(partition)
+        demands = [self._demand(j) for j in jobs]
+        cfg = DispatchConfig.from_site(self.site)
+        busy = self._busy_gpus(partition)
+        total = sum(n.gpus * n.count for n in nodes)
+        request = PackingRequest(jobs=aged(demands, self.waited_rounds, cfg),
+                                 gpu_models=tuple(self.site.gpu_models.values()), nodes=nodes,
+                                 limits=limits_from_site(self.site), max_gpus=max(0, total - busy))
+        result = plan(request, self.policy)
+        self.waited_rounds.update(after_round(self.waited_rounds, result))
+        for d in result.deferred:
+            if _never_fits(d.reason):
+                self.store.transition_job(d.job_id, JobState.FAILED, f"cannot run on this site: {d.reason}")
+                stats.transitions += 1
+        by_id = {j.id: j for j in jobs}
+        for pack in result.packs:
+            if not self._slurm_available():
+                return  # the rest stay PENDING; the next round plans them again
+            pack = self.recovery.tune_shares(pack, by_id)  # MPS shares from fitted perf models
+            members = [by_id[m.job_id] for m in pack.members]
+            for m in pack.members:
+                self.waited_rounds.pop(m.job_id, None)
+            self._create_and_submit(pack, members, options, partition, stats)
+
+    def _partition(self, options: SbatchOptions) -> Any:
+        if options.partition:
+            for p in self.site.partitions:
+                if p.name == options.partition.split(",")[0]:
+                    return p
+            return None  # unknown to the site: Slurm will judge (and refuse) it
+        return self.site.default_partition
+
+    def _node_shapes(self, partition: Any) -> tuple[Any, ...]:
+        from slurm_dlrm.packing.model import NodeShape
+        from slurm_dlrm.site import expand_hostlist
+
+        allowed = set(expand_hostlist(partition.nodes)) if partition is not None else None
+        shapes = []
+        for g in self.site.nodes:
+            hosts = [h for h in g.hostnames if allowed is None or h in allowed]
+            if g.gpus > 0 and hosts:
+                shapes.append(NodeShape(gpu_model=g.gpu_model, gpus=g.gpus, cpus=g.cpus,
+                                        memory_bytes=g.memory_mib * MIB, count=len(hosts), name=g.names))
+        return tuple(shapes)
+
+    def _busy_gpus(self, partition: Any) -> int:
+        """GPUs the user's packs already hold or wait for: the policy plans only the rest."""
+        from slurm_dlrm.store.states import PACK_ACTIVE
+
+        name = partition.name if partition is not None else None
+        return sum(p.n_gpus for p in self.store.packs(PACK_ACTIVE, user=self.settings.user)
+                   if name is None or p.partition in (None, name))
+
+    def _demand(self, job: Any) -> Any:
+        from dataclasses import replace
+
+        from slurm_dlrm.packing.model import demand_from_estimate
+
+        spec = job.spec
+        steps = spec.get("steps") or 0
+        samples = float(steps * int(spec.get("batch_size") or 0)) if steps else None
+        est = job.estimate or {}
+        d = demand_from_estimate(est, job_id=job.id, user=job.user, submit_time_s=job.submit_time,
+                                 name=job.name, samples_to_train=samples)
+        # After an OOM the store holds a raised request: reserve that much.
+        extra_gpu = (job.gpu_mem_request_bytes or 0) - (job.est_gpu_peak_bytes or 0)
+        extra_host = (job.host_mem_request_bytes or 0) - (job.est_host_peak_bytes or 0)
+        if extra_gpu > 0 or extra_host > 0:
+            d = replace(d, gpu_mem_bytes=d.gpu_mem_bytes + max(0, extra_gpu),
+                        host_mem_bytes=d.host_mem_bytes + max(0, extra_host))
+        return self.recovery.adapt_demand(job, d)  # warm start / measured profile
+
+    def _create_and_submit(self, pack: Any, members: list[Any], options: SbatchOptions, partition: Any,
+                           stats: RoundStats) -> None:
+        from slurm_dlrm.store.store import NewPlacement
+
+        name = new_pack_name()
+        pack_dir = self.spool_dir / name
+        placements = [NewPlacement(job_id=m.job_id, node_index=m.node_index, gpu_index=m.gpu_index,
+                                   mps_thread_pct=m.mps_thread_pct, gpu_mem_limit_bytes=m.gpu_mem_limit_mib * MIB,
+                                   host_mem_limit_bytes=m.host_mem_limit_bytes, cpus=m.cpus,
+                                   predicted_speed=m.predicted_speed)
+                      for m in pack.members]
+        pack_id = self.store.add_pack(
+            name=name, user=self.settings.user, policy=self.policy, n_gpus=pack.gpu_count,
+            n_nodes=pack.node_count, partition=options.partition or (partition.name if partition else None),
+            gpu_model=pack.gpu_model, pack_dir=str(pack_dir), placements=placements,
+            reason=f"planned by {self.policy}: {len(members)} members on {pack.gpu_count} GPU(s)")
+        stats.jobs_planned += len(members)
+        self._submit_pack(self.store.get_pack(pack_id), stats)
+
+    def _submit_pack(self, pack: Any, stats: RoundStats) -> None:
+        """Write the pack folder, then sbatch. Safe to repeat for a SUBMITTING pack."""
+        from slurm_dlrm.slurm import SlurmError
+        from slurm_dlrm.store.states import JobState, PackState
+
+        pack_dir = Path(pack.pack_dir)
+        members = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED",))]
+        if not members:
+            # every member was cancelled before sbatch: nothing to run
+            self.store.transition_pack(pack.id, PackState.CANCELLED, "all members cancelled before submission")
+            return
+        script = self.write_pack_dir(pack, members)
+        marker = pack_dir / SBATCH_MARKER
+        marker.write_text(f"{self.clock()}\n")
+        try:
+            slurm_id = self.slurm.sbatch(script)
+        except SlurmError as exc:
+            if is_unreachable(exc):
+                self._slurm_failed(exc)
+                return  # stays SUBMITTING; the next rounds find it by name or submit again
+            msg = slurm_message(exc)
+            self.store.transition_pack(pack.id, PackState.FAILED, f"sbatch refused: {msg}")
+            for job in members:
+                self.store.transition_job(job.id, JobState.FAILED, f"Slurm refused the pack: {msg}")
+            stats.transitions += 1 + len(members)
+            return
+        self._slurm_ok()
+        self.store.transition_pack(pack.id, PackState.QUEUED, "submitted", slurm_job_id=str(slurm_id))
+        stats.packs_submitted += 1
+        log.info("pack %s (%d members) submitted as Slurm job %s", pack.name, len(members), slurm_id)
+
+    # ------------------------------------------------------------ the pack folder
+
+    def write_pack_dir(self, pack: Any, members: Sequence[Any]) -> str:
+        """placement.json, the members' specs and the batch script; returns the script text.
+
+        Rewritten in full before every sbatch attempt, so plain writes suffice (no fsync):
+        a service killed mid-write rewrites the folder before it submits. Only a power
+        loss after sbatch could leave a pack with a torn file; its agent then fails on the
+        placement and the members fail with that reason.
+        """
+        pack_dir = Path(pack.pack_dir)
+        if not self._spool_ready:
+            ensure_private_dir(self.spool_dir)
+            self._spool_ready = True
+        # reports/ and cancel/ are made by whoever writes there first (agent, `cancel`).
+        pack_dir.mkdir(mode=0o700, exist_ok=True)
+        placements = self.store.placements(pack_id=pack.id)
+        by_job = {j.id: j for j in members}
+        out_members = []
+        for p in sorted(placements, key=lambda p: (p.node_index, p.gpu_index, p.job_id)):
+            job = by_job.get(p.job_id)
+            if job is None:
+                continue  # cancelled before submission
+            job_dir = self.spool_dir / "jobs" / str(job.id)
+            spec_path = job_dir / SPEC_FILE
+            spec = job.spec
+            if not spec_path.exists():  # `submit` wrote it, unless it died right after recording
+                write_job_spec(self.spool_dir, job.id, spec)
+            command = list(spec.get("command") or
+                           [self.settings.python, "-m", "slurm_dlrm", "train", str(spec_path)])
+            out_members.append({
+                "job_id": job.id, "name": job.name, "node_index": p.node_index, "gpu_index": p.gpu_index,
+                "mps_thread_pct": p.mps_thread_pct or 100,
+                "gpu_mem_limit_mib": max(1, (p.gpu_mem_limit_bytes or 0) // MIB),
+                "host_mem_limit_bytes": max(1, p.host_mem_limit_bytes or 0), "cpus": p.cpus or 1,
+                "command": command,
+                # per job, not per pack: a requeued job resumes from it in its next pack
+                "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
+            })
+        agent = self.site.agent
+        placement = {
+            "pack_id": pack.id, "user": self.settings.user, "mps": bool(self.site.mps.enabled),
+            "sample_interval_s": agent.sample_interval_s, "host_mem_tolerance_pct": agent.host_mem_tolerance_pct,
+            "term_grace_s": agent.term_grace_s, "pack_dir": str(pack_dir), "members": out_members,
+        }
+        write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
+        script = render_pack_script(self.pack_script(pack, out_members, [job_options(j) for j in members]))
+        write_private(pack_dir / SCRIPT_FILE, script)
+        return script
+
+    def pack_script(self, pack: Any, members: list[dict[str, Any]], options: list[SbatchOptions]) -> PackScript:
+        nodes = max(1, pack.n_nodes)
+        gpus_per_node = max(1, -(-pack.n_gpus // nodes))
+        cpus = [0] * nodes
+        mem = [0] * nodes
+        for m in members:
+            cpus[m["node_index"]] += int(m["cpus"])
+            mem[m["node_index"]] += int(m["host_mem_limit_bytes"])
+        node_mem_mib = min((g.memory_mib for g in self.site.nodes if g.gpus > 0), default=None)
+        mem_mib = max(mem) // MIB + AGENT_MEM_MIB
+        if node_mem_mib is not None:
+            mem_mib = min(mem_mib, node_mem_mib)
+        base = options[0]
+        merged = SbatchOptions(
+            partition=base.partition, account=base.account, qos=base.qos, constraint=base.constraint,
+            mail_type=base.mail_type, mail_user=base.mail_user, output=base.output, error=base.error,
+            time_minutes=pack_time_minutes(o.time_minutes for o in options))
+        return PackScript(
+            pack_name=pack.name, comment=format_marker(MODE_PACK, pack_id=pack.id, extra={"pack": pack.name}),
+            nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_node=max(1, max(cpus)) + 1,
+            mem_per_node_mib=max(1, mem_mib), python=self.settings.python,
+            placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,
+            signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged)
+
+
+def job_options(job: Any) -> SbatchOptions:
+    raw = getattr(job, "sbatch_json", None)
+    if not raw:
+        return SbatchOptions()
+    return SbatchOptions.from_dict(json.loads(raw))
+
+
+def _never_fits(reason: str) -> bool:
+    # The policy's "too big" reasons: the job exceeds what any node offers even when
+    # empty. Room or GPUs lacking *this round* is not final.
+    return "largest free GPU" in reason
+
+
+def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
+    """Cancel one job without disturbing the other members of its pack. Returns what was done.
+
+    PENDING: cancelled in the store. PLANNED or RUNNING: the agent is told through
+    `<pack_dir>/cancel/<job_id>` (docs/interfaces.md 3a) and reports the member
+    CANCELLED; a member not yet started is cancelled in the store at once. If it was
+    the pack's last live member, the whole Slurm job is cancelled too.
+    """
+    from slurm_dlrm.errors import BadInput
+    from slurm_dlrm.slurm import SlurmError
+    from slurm_dlrm.store.errors import StaleState, UnknownEntity
+    from slurm_dlrm.store.states import JOB_TERMINAL, JobState
+
+    try:
+        job = store.get_job(job_id)
+    except UnknownEntity:
+        raise BadInput(f"job {job_id}: no such job in your store") from None
+    if job.user != user:
+        raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
+    if job.state in JOB_TERMINAL:
+        return f"job {job_id} already ended ({job.state})"
+    if job.state == JobState.PENDING:
+        try:
+            store.transition_job(job_id, JobState.CANCELLED, "cancelled by the user", expect=JobState.PENDING)
+            return f"job {job_id} cancelled (was pending)"
+        except StaleState:
+            job = store.get_job(job_id)  # a round just planned it: cancel it in its pack
+    pack = store.get_pack(job.pack_id)
+    if pack.pack_dir:
+        cancel_dir = Path(pack.pack_dir) / "cancel"
+        ensure_private_dir(cancel_dir)
+        _write_atomic(cancel_dir / str(job_id), f"{time.time()}\n")
+    if job.state == JobState.PLANNED:
+        store.transition_job(job_id, JobState.CANCELLED, "cancelled by the user before it started",
+                             expect=JobState.PLANNED)
+    else:
+        store.add_event("note", "cancel requested; waiting for the agent", job_id=job_id, pack_id=pack.id)
+    live = [i for i in pack_member_ids(store, pack.id, ("PLANNED", "RUNNING")) if i != job_id]
+    if not live and pack.slurm_job_id:
+        try:
+            slurm.scancel([int(pack.slurm_job_id)])
+        except SlurmError as exc:
+            log.warning("scancel of pack %s: %s", pack.name, exc)
+        return f"job {job_id} cancelled; its pack {pack.name} (Slurm job {pack.slurm_job_id}) had no other member"
+    return f"job {job_id} cancel sent to its pack {pack.name}; {len(live)} other member(s) keep running"
+
+
+def pack_member_ids(store: Any, pack_id: int, states: Sequence[str]) -> list[int]:
+    """Ids of the jobs whose current pack is `pack_id`, in `states` (indexed by pack)."""
+    marks = ", ".join("?" * len(states))
+    rows = store.conn.execute(f"SELECT id FROM jobs WHERE pack_id = ? AND state IN ({marks}) ORDER BY id",
+                              (pack_id, *states)).fetchall()
+    return [int(r[0]) for r in rows]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)

@@ -1,0 +1,236 @@
+"""One packing service per user: a lock file, a pid file, start, stop, wake.
+
+The service holds an exclusive `flock` on `<store_dir>/service.lock` for its whole life;
+the kernel drops it when the process dies (also on kill -9), so "is it running?" is
+answered by trying the lock, never by trusting a stale pid file. The pid file only
+says whom to signal.
+
+Signals: SIGTERM stops the service after its current round; SIGUSR1 wakes it for a
+round now (sent by `submit`, so new jobs do not wait for the round timer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServicePaths:
+    """Where one user's service keeps its files (all inside the private store folder)."""
+
+    store_dir: Path
+
+    @property
+    def lock(self) -> Path:
+        return self.store_dir / "service.lock"
+
+    @property
+    def pid(self) -> Path:
+        return self.store_dir / "service.pid"
+
+    @property
+    def log(self) -> Path:
+        return self.store_dir / "service.log"
+
+    @property
+    def status(self) -> Path:
+        return self.store_dir / "service.status.json"
+
+
+def ensure_private_dir(path: Path) -> Path:
+    """Create `path` (and parents) and make it 0700: it holds the user's job data."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+class ServiceLock:
+    """The running service's claim; `acquire()` returns None if another one holds it."""
+
+    def __init__(self, paths: ServicePaths, fd: int) -> None:
+        self.paths = paths
+        self._fd = fd
+
+    @classmethod
+    def acquire(cls, paths: ServicePaths, attempts: int = 20) -> ServiceLock | None:
+        ensure_private_dir(paths.store_dir)
+        fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        for attempt in range(attempts):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise
+                # `running_pid` takes a shared lock for an instant; retry past it.
+                if attempt == attempts - 1:
+                    os.close(fd)
+                    return None
+                time.sleep(0.025)
+        _write_atomic(paths.pid, f"{os.getpid()}\n")
+        return cls(paths, fd)
+
+    def release(self) -> None:
+        if self._fd < 0:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            if read_pid(self.paths) == os.getpid():
+                self.paths.pid.unlink()
+        os.close(self._fd)  # drops the flock
+        self._fd = -1
+
+    def __enter__(self) -> ServiceLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def read_pid(paths: ServicePaths) -> int | None:
+    try:
+        pid = int(paths.pid.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if pid > 1 else None  # never let a signal go to a process group or init
+
+
+def running_pid(paths: ServicePaths) -> int | None:
+    """The pid of the user's running service, or None if none holds the lock."""
+    try:
+        fd = os.open(paths.lock, os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                # Held: a service runs. Right after it took the lock its pid file may
+                # still be missing or name a killed predecessor: wait for a live pid.
+                for _ in range(100):
+                    pid = read_pid(paths)
+                    if pid is not None and _alive(pid):
+                        return pid
+                    time.sleep(0.01)
+                return -1
+            raise
+        return None  # we got the lock, so nobody holds it (ours drops on close)
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    """Running and not a zombie (a killed child not yet reaped holds no lock)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust kill(0)
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def spawn_service(paths: ServicePaths, serve_args: list[str], env: dict[str, str] | None = None) -> int:
+    """Start `slurm-dlrm serve` detached (own session, output to the service log).
+
+    Returns the child's pid without waiting: a second service started by a racing
+    `submit` finds the lock taken and exits at once, so a spawn is always safe.
+    """
+    ensure_private_dir(paths.store_dir)
+    argv = [sys.executable, "-m", "slurm_dlrm", "-v", "serve", *serve_args]  # -v: INFO in the log
+    env = dict(os.environ if env is None else env)
+    # The child (and the packs it submits, which inherit its environment) must run this
+    # very slurm_dlrm, also from a source checkout that is not the installed one.
+    package_root = str(Path(__file__).resolve().parent.parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
+    with open(paths.log, "ab", buffering=0) as out:
+        os.chmod(paths.log, 0o600)
+        proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+            close_fds=True, cwd=str(paths.store_dir), env=env)
+    log.info("started the packing service (pid %d): %s", proc.pid, argv)
+    return proc.pid
+
+
+def wait_until_running(paths: ServicePaths, timeout_s: float = 10.0) -> int | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pid = running_pid(paths)
+        if pid is not None and pid > 0:  # -1: held, pid not known yet (never signal -1!)
+            return pid
+        time.sleep(0.05)
+    return None
+
+
+def wake(paths: ServicePaths) -> bool:
+    """Ask the running service for a round now; False if none runs."""
+    pid = running_pid(paths)
+    if pid is None or pid <= 0:
+        return False
+    try:
+        os.kill(pid, signal.SIGUSR1)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop(paths: ServicePaths, timeout_s: float = 30.0) -> int | None:
+    """SIGTERM the running service and wait until its lock is free. Returns its pid."""
+    pid = running_pid(paths)
+    if pid is None:
+        return None
+    if pid > 0:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while running_pid(paths) is not None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the packing service (pid {pid}) did not stop within {timeout_s:g} s")
+        time.sleep(0.05)
+    return pid
+
+
+# ---------------------------------------------------------------- status file
+
+def write_status(paths: ServicePaths, status: dict[str, Any]) -> None:
+    """What `queue` and `serve status` show about the service (atomic replace)."""
+    _write_atomic(paths.status, json.dumps(status, sort_keys=True) + "\n")
+
+
+def read_status(paths: ServicePaths) -> dict[str, Any]:
+    try:
+        data = json.loads(paths.status.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)

@@ -1,0 +1,136 @@
+"""What `queue` and `show` print: the user's jobs with their pack, GPU and reason."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.site import MIB
+
+log = logging.getLogger(__name__)
+
+QUEUE_COLUMNS = ("job_id", "name", "state", "pack", "slurm_job_id", "node", "gpu", "mps_pct",
+                 "gpu_mem_mib", "attempt", "reason")
+HEADERS = {"job_id": "JOBID", "name": "NAME", "state": "STATE", "pack": "PACK", "slurm_job_id": "SLURMID",
+           "node": "NODE", "gpu": "GPU", "mps_pct": "MPS%", "gpu_mem_mib": "GPU_MiB", "attempt": "TRY",
+           "reason": "REASON"}
+
+
+def pending_reason(service: dict[str, Any]) -> str:
+    if not service.get("running"):
+        return "the packing service is not running (slurm-dlrm serve --daemon)"
+    if service.get("slurm_ok") is False:
+        return (f"waiting for Slurm: {service.get('slurm_error')} "
+                f"(retry in {service.get('slurm_retry_in_s')} s)")
+    nxt = service.get("next_dispatch_in_s")
+    return "waiting for a dispatch round" + (f" (in {nxt:.0f} s)" if nxt else "")
+
+
+def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended: bool = False,
+               slurm_reasons: dict[str, str] | None = None, job_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """One row per job (current placement), oldest first."""
+    from slurm_dlrm.store.states import JOB_TERMINAL, JobState, PackState
+
+    with store.read():
+        jobs = store.jobs(None if include_ended else
+                          [JobState.PENDING, JobState.PLANNED, JobState.RUNNING], user=user)
+        if job_ids is not None:
+            wanted = set(job_ids)
+            jobs = [j for j in jobs if j.id in wanted]
+        pack_ids = {j.pack_id for j in jobs if j.pack_id is not None}
+        packs = {p.id: p for p in store.packs(user=user) if p.id in pack_ids}
+        placements: dict[tuple[int, int], Any] = {}
+        for pid in pack_ids:
+            for pl in store.placements(pack_id=pid):
+                placements[(pl.pack_id, pl.job_id)] = pl
+    rows = []
+    for j in jobs:
+        pack = packs.get(j.pack_id) if j.pack_id is not None and j.state != JobState.PENDING else None
+        pl = placements.get((j.pack_id, j.id)) if pack is not None else None
+        if j.state == JobState.PENDING:
+            reason = pending_reason(service)
+        elif j.state in JOB_TERMINAL:
+            reason = j.exit_reason or ""
+        elif pack is not None and pack.state == PackState.SUBMITTING:
+            reason = "submitting the pack" + (f"; {pending_reason(service)}" if service.get("slurm_ok") is False else "")
+        elif pack is not None and pack.state == PackState.QUEUED:
+            reason = "pack queued in Slurm" + (f" ({slurm_reasons[pack.slurm_job_id]})"
+                                               if slurm_reasons and pack.slurm_job_id in slurm_reasons else "")
+        elif pack is not None and pack.pack_dir and (Path(pack.pack_dir) / "cancel" / str(j.id)).exists():
+            reason = "cancel requested"
+        else:
+            reason = ""
+        rows.append({
+            "job_id": j.id, "name": j.name, "state": str(j.state), "pack": pack.name if pack else None,
+            "slurm_job_id": pack.slurm_job_id if pack else None,
+            "node": (pl.node or (f"#{pl.node_index}" if pl else None)) if pl else None,
+            "gpu": pl.gpu_index if pl else None, "mps_pct": pl.mps_thread_pct if pl else None,
+            "gpu_mem_mib": (pl.gpu_mem_limit_bytes // MIB) if pl and pl.gpu_mem_limit_bytes else None,
+            "attempt": j.attempt, "reason": reason,
+        })
+    return rows
+
+
+def slurm_pending_reasons(slurm: Any, user: str) -> dict[str, str]:
+    """Slurm's reason for each of the user's pending jobs (empty if Slurm does not answer)."""
+    from slurm_dlrm.slurm import SlurmError
+
+    try:
+        infos = slurm.squeue(user=user)
+    except SlurmError as exc:
+        log.info("squeue failed: %s", exc)
+        return {}
+    return {str(i.job_id): i.reason for i in infos if i.reason}
+
+
+def format_table(rows: list[dict[str, Any]], columns: Sequence[str] = QUEUE_COLUMNS) -> str:
+    """Fixed-width text like squeue's (the last column unpadded)."""
+    cells = [[HEADERS[c] for c in columns]]
+    for r in rows:
+        cells.append(["-" if r.get(c) is None else str(r[c]) for c in columns])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns) - 1)]
+    lines = []
+    for row in cells:
+        lines.append("  ".join([v.ljust(w) for v, w in zip(row, widths, strict=False)] + [row[-1]]).rstrip())
+    return "\n".join(lines)
+
+
+def job_details(store: Any, job_id: int, *, user: str, service: dict[str, Any]) -> dict[str, Any]:
+    """Everything `show` prints about one job."""
+    from slurm_dlrm.errors import BadInput
+    from slurm_dlrm.store.errors import UnknownEntity
+
+    try:
+        job = store.get_job(job_id)
+    except UnknownEntity:
+        raise BadInput(f"job {job_id}: no such job in your store") from None
+    if job.user != user:
+        raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
+    (row,) = queue_rows(store, user=user, service=service, include_ended=True, job_ids=[job_id])
+    packs = {p.id: p for p in store.packs(user=user)}
+    history = []
+    for pl in store.placements(job_id=job_id):
+        p = packs.get(pl.pack_id)
+        history.append({"pack": p.name if p else pl.pack_id, "pack_state": str(p.state) if p else None,
+                        "slurm_job_id": p.slurm_job_id if p else None, "attempt": pl.attempt, "node": pl.node,
+                        "gpu": pl.gpu_index, "mps_pct": pl.mps_thread_pct,
+                        "gpu_mem_limit_mib": (pl.gpu_mem_limit_bytes or 0) // MIB,
+                        "host_mem_limit_mib": (pl.host_mem_limit_bytes or 0) // MIB, "cpus": pl.cpus,
+                        "start_time": pl.start_time, "end_time": pl.end_time})
+    events = [{"t": e["t"], "kind": e["kind"], "from": e.get("from_state"), "to": e.get("to_state"),
+               "reason": e["reason"]} for e in store.events(job_id=job_id)]
+    return {
+        **row, "user": job.user, "submit_time": job.submit_time, "start_time": job.start_time,
+        "end_time": job.end_time, "exit_code": job.exit_code, "gpu_model": job.gpu_model,
+        "estimate": job.estimate, "gpu_mem_request_mib": (job.gpu_mem_request_bytes or 0) // MIB,
+        "host_mem_request_mib": (job.host_mem_request_bytes or 0) // MIB,
+        "options": _options(job), "spec": job.spec, "placements": history, "events": events,
+    }
+
+
+def _options(job: Any) -> dict[str, Any]:
+    from slurm_dlrm.service.core import job_options
+
+    return job_options(job).to_dict()

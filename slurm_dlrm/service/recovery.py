@@ -1,0 +1,416 @@
+"""DLRover-RM's recovery and adaptation on the live path, called from the service round.
+
+The decisions are `slurm_dlrm.adapt`'s (the simulator makes the same ones); this module
+gathers what they need from the store, acts through the store's state machines and
+the agent's cancel hook, and leaves an event with the reason of every decision:
+
+- `after_oom`: a member reported OOM_GPU/OOM_HOST -> `decide_after_oom` from its
+  measured peak (samples) and the fence it hit -> requeued (OOM -> PENDING, attempt+1)
+  with the raised request, resuming from its checkpoint dir; the raise is recorded as a
+  `learned` event for the spec fingerprint; past the retry limit (or beyond any GPU)
+  it stays OOM, the store's terminal failure-by-memory state, with a `decision` event
+  saying why it was not retried.
+- `check_heartbeats`: a RUNNING pack whose agents have sent neither heartbeat nor sample for
+  `agent.heartbeat_timeout_s` is cancelled in Slurm and ended LOST; the service's
+  pack-ending path then requeues its unfinished members (finished ones are not rerun).
+- `check_stragglers`: a member whose samples/s stays below `straggler_ratio` of its
+  predicted co-located speed for `straggler_sustained_s` is asked to checkpoint
+  (`<pack_dir>/cancel/<job_id>`, SIGTERM) and, when the agent reports it stopped, is
+  requeued instead of cancelled (`on_member_cancelled`), with its measured profile.
+- `check_warmup`: the first measured window replaces the predicted profile
+  (`update_after_warmup`); the decision (keep or re-plan) is an event.
+- `adapt_demand`: warm start of a job's first run from the history of its spec
+  fingerprint (memory raise learned from OOMs and measured peaks; measured profile of
+  similar finished jobs); a requeued job's demand takes its own measured profile.
+- `tune_shares`: where every member of a GPU has a fitted resource-performance model
+  (`fit_perf_model` on samples taken at different MPS shares and CPU counts), the SM
+  shares are split by `allocate_shares` and CPUs trimmed by `PerfModel.cores_for`.
+
+Predicted co-located speed: the speed measured during the member's warm-up, scaled by
+the interference model's relative speed now over its relative speed then (members
+that ended since make it faster). The analytic solo samples/s of the estimate is not
+used: it describes the GPU the spec was estimated for, not the node it runs on.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.adapt import (
+    PerfModel,
+    Profile,
+    SpeedSample,
+    allocate_shares,
+    decide_after_oom,
+    find_stragglers,
+    fit_perf_model,
+    update_after_warmup,
+    warm_start,
+)
+from slurm_dlrm.adapt.stragglers import choose_moves
+from slurm_dlrm.packing.interference import predict_speeds_from_fractions
+from slurm_dlrm.site import MIB
+
+log = logging.getLogger(__name__)
+
+LEARNED = "learned"  # event kind: a correction learned for a spec fingerprint
+MOVE = "move"  # event kind: a member was asked to checkpoint so it can be moved
+ADAPT = "adapt"  # event kind: warm start, warm-up update, share tuning
+MAX_FACTOR = 3.0  # as the estimator's calibration: refuse absurd corrections
+HISTORY = 10  # the most recent runs of a fingerprint; older ones may predate a code change
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    straggler_ratio: float = 0.7
+    straggler_sustained_s: float = 120.0
+    warmup_s: float = 60.0  # measured window that replaces the predicted profile
+    profile_change_pct: float = 25.0
+    min_perf_points: int = 3  # distinct (share, cpus) settings before a perf model is trusted
+
+
+def _fraction(pct: float | None) -> float:
+    return min(1.0, max(0.0, (pct or 0.0) / 100.0))
+
+
+class Recovery:
+    """State that only saves work (which events were written); a restart loses nothing."""
+
+    def __init__(self, svc: Any, config: RecoveryConfig | None = None) -> None:
+        self.svc = svc
+        self.config = config or RecoveryConfig()
+        self.started_at = svc.clock()
+        self.announced: set[tuple[str, int, int]] = set()  # (what, job, attempt) events written
+        # Per-round caches: a round with 1,000 pending jobs of a few specs asks the same
+        # history questions 1,000 times.
+        self._cache_round = -1
+        self._history: dict[str, tuple[tuple[float, float, int], list[Profile]]] = {}
+        self._learned_events: list[dict[str, Any]] | None = None
+
+    def _fresh(self) -> None:
+        if self._cache_round != self.svc.rounds:
+            self._cache_round = self.svc.rounds
+            self._history.clear()
+            self._learned_events = None
+
+    @property
+    def store(self) -> Any:
+        return self.svc.store
+
+    def _once(self, what: str, job: Any) -> bool:
+        key = (what, int(job.id), int(job.attempt))
+        if key in self.announced:
+            return False
+        self.announced.add(key)
+        return True
+
+    # ------------------------------------------------------------ OOM
+
+    def after_oom(self, job_id: int, kind: str, t: float) -> None:
+        """The job is in OOM: requeue it with a raised request, or fail it with the reason."""
+        from slurm_dlrm.store.states import JobState
+
+        s = self.store
+        job = s.get_job(job_id)
+        placements = [p for p in s.placements(job_id=job_id) if p.pack_id == job.pack_id]
+        site = self.svc.site
+        gpu = site.gpu_models.get(job.gpu_model or "") or next(iter(site.gpu_models.values()))
+        usage = s.usage(job_id)
+        if kind == "gpu":
+            limit = max((p.gpu_mem_limit_bytes or 0) for p in placements) if placements else 0
+            capacity = gpu.memory_bytes - gpu.cuda_context_bytes
+            peak = usage.gpu_mem_peak_bytes if usage else None
+        else:
+            limit = max((p.host_mem_limit_bytes or 0) for p in placements) if placements else 0
+            capacity = max(n.memory_mib for n in site.nodes) * MIB
+            peak = usage.rss_peak_bytes if usage else None
+        gpu_req = job.gpu_mem_request_bytes or job.est_gpu_peak_bytes or 0
+        host_req = job.host_mem_request_bytes or job.est_host_peak_bytes or 0
+        decision = decide_after_oom("gpu" if kind == "gpu" else "host", gpu_req, host_req, limit, peak,
+                                    attempt=job.attempt + 1, max_attempts=self.svc.settings.max_attempts,
+                                    capacity_bytes=capacity)
+        if decision.action == "fail":
+            # OOM is terminal in the store's job lifecycle (a failure by memory): the job
+            # stays there and the decision says why it is not retried.
+            s.add_event("decision", f"not retried: {decision.reason}", job_id=job_id, t=t,
+                        data={"kind": kind, "limit_bytes": limit, "peak_bytes": peak, "attempt": job.attempt})
+            return
+        est_gpu = job.est_gpu_peak_bytes or gpu_req
+        est_host = job.est_host_peak_bytes or host_req
+        data = {"fingerprint": job.spec_fingerprint, "kind": kind,
+                "gpu_factor": decision.gpu_mem_bytes / est_gpu if est_gpu else None,
+                "host_factor": decision.host_mem_bytes / est_host if est_host else None}
+        s.add_event(LEARNED, f"spec {job.spec_fingerprint[:12]}: {decision.reason}", job_id=job_id, data=data, t=t)
+        # The checkpoint dir is per job (service.write_pack_dir), so the next pack resumes from it.
+        s.transition_job(job_id, JobState.PENDING, f"{decision.reason}; resumes from its checkpoint", t=t,
+                         gpu_mem_request_bytes=decision.gpu_mem_bytes, host_mem_request_bytes=decision.host_mem_bytes)
+
+    def learned_factors(self, fingerprint: str) -> tuple[float, float, int]:
+        """(GPU factor, host factor, runs) learned for a fingerprint: the largest
+        needed/estimated ratio over its recent OOM raises and finished runs; >= 1
+        (a smaller figure is not trusted: under a fence an under-estimate kills)."""
+        gpu, host = [], []
+        for r in self.store.calibration(fingerprint, limit=HISTORY):
+            if r.est_gpu_peak_bytes and r.meas_gpu_peak_bytes:
+                gpu.append(r.meas_gpu_peak_bytes / r.est_gpu_peak_bytes)
+            if r.est_host_peak_bytes and r.meas_host_peak_bytes:
+                host.append(r.meas_host_peak_bytes / r.est_host_peak_bytes)
+        self._fresh()
+        if self._learned_events is None:
+            self._learned_events = self.store.events(kind=LEARNED)[-10 * HISTORY:]
+        for ev in self._learned_events:
+            d = ev.get("data") or {}
+            if d.get("fingerprint") == fingerprint:
+                if d.get("gpu_factor"):
+                    gpu.append(float(d["gpu_factor"]))
+                if d.get("host_factor"):
+                    host.append(float(d["host_factor"]))
+        runs = max(len(gpu), len(host))
+        return (min(MAX_FACTOR, max([1.0, *gpu])), min(MAX_FACTOR, max([1.0, *host])), runs)
+
+    # ------------------------------------------------------------ warm start
+
+    def adapt_demand(self, job: Any, demand: Any) -> Any:
+        """The demand the policy sees for `job`, adapted from measurements."""
+        if job.attempt == 0:
+            return self._warm_start(job, demand)
+        usage = self.store.usage(job.id)
+        if usage is None or not usage.sm_util_mean:
+            return demand
+        # A requeued job is planned with what it was measured to use.
+        return replace(demand, sm_util_pct=float(usage.sm_util_mean),
+                       host_cpu_cores=max(demand.host_cpu_cores, (usage.host_cpu_mean or 0.0) / 100.0))
+
+    def _warm_start(self, job: Any, demand: Any) -> Any:
+        self._fresh()
+        fp = job.spec_fingerprint
+        if fp not in self._history:
+            self._history[fp] = (self.learned_factors(fp), self._similar_profiles(job))
+        (gpu_f, host_f, runs), similar = self._history[fp]
+        notes = []
+        if gpu_f > 1.0 and job.est_gpu_peak_bytes:
+            extra = int(job.est_gpu_peak_bytes * (gpu_f - 1.0))
+            need = (job.gpu_mem_request_bytes or 0) - job.est_gpu_peak_bytes
+            if extra > need:
+                demand = replace(demand, gpu_mem_bytes=demand.gpu_mem_bytes + extra - max(0, need))
+                notes.append(f"GPU x{gpu_f:.2f}")
+        if host_f > 1.0 and job.est_host_peak_bytes:
+            want = int(job.est_host_peak_bytes * host_f)
+            if want > demand.host_mem_bytes:
+                demand = replace(demand, host_mem_bytes=want)
+                notes.append(f"host x{host_f:.2f}")
+        if similar:
+            analytic = Profile(demand.sm_util_pct, demand.membw_util_pct, demand.host_cpu_cores,
+                               demand.solo_samples_per_s)
+            ws = warm_start(analytic, similar)
+            demand = replace(demand, sm_util_pct=ws.profile.sm_util_pct, host_cpu_cores=ws.profile.host_cpu_cores)
+            notes.append(ws.reason)
+        if notes and self._once("warm", job):
+            self.store.add_event(ADAPT, f"warm start from {max(runs, len(similar))} run(s) of spec "
+                                 f"{job.spec_fingerprint[:12]}: {'; '.join(notes)}", job_id=job.id,
+                                 data={"gpu_factor": gpu_f, "host_factor": host_f, "similar": len(similar)})
+        return demand
+
+    def _similar_profiles(self, job: Any) -> list[Profile]:
+        from slurm_dlrm.store.states import JobState
+
+        out = []
+        for r in self.store.calibration(job.spec_fingerprint, limit=HISTORY):
+            if r.job_id == job.id or r.state != JobState.COMPLETED:
+                continue
+            u = self.store.usage(r.job_id)
+            if u is None or not u.sm_util_mean:
+                continue
+            out.append(Profile(sm_util_pct=float(u.sm_util_mean), membw_util_pct=0.0,
+                               host_cpu_cores=max(0.1, (u.host_cpu_mean or 100.0) / 100.0),
+                               samples_per_s=float(u.samples_per_s_mean or 0.0)))
+        return out  # bandwidth is not measured per member: only SM and host figures are taken
+
+    # ------------------------------------------------------------ heartbeats
+
+    def check_heartbeats(self, stats: Any) -> None:
+        """End RUNNING packs whose agents went silent: LOST, members requeued."""
+        from slurm_dlrm.slurm import SlurmError
+        from slurm_dlrm.store.states import PackState
+
+        timeout = float(self.svc.site.agent.heartbeat_timeout_s)
+        now = self.svc.clock()
+        for pack in self.store.packs([PackState.RUNNING], user=self.svc.settings.user):
+            # A restarted service has no heartbeat times yet: count from its start. Samples
+            # are signs of life too (they come every sample_interval_s, heartbeats slower).
+            row = self.store.conn.execute("SELECT max(t) FROM samples WHERE pack_id = ?", (pack.id,)).fetchone()
+            last = max(self.svc.heartbeats.get(pack.id, 0.0), pack.start_time or 0.0, self.started_at,
+                       float(row[0] or 0.0) if row else 0.0)
+            age = now - last
+            if age <= timeout:
+                continue
+            reason = f"no agent heartbeat for {age:.0f} s (deadline agent.heartbeat_timeout_s={timeout:.0f})"
+            log.warning("pack %s: %s; cancelling and requeueing its members", pack.name, reason)
+            self.store.add_event("decision", f"pack {pack.name}: {reason}: lost", pack_id=pack.id)
+            if pack.slurm_job_id:
+                try:
+                    self.svc.slurm.scancel([int(pack.slurm_job_id)])
+                except SlurmError as exc:
+                    log.warning("scancel of lost pack %s: %s", pack.name, exc)
+            self.svc._pack_ended(pack, "LOST", reason, stats)
+
+    def fence_old_run(self, pack: Any, jobs: list[Any]) -> None:
+        """Before members of an ended pack are rerun, tell any agent of it that still
+        runs (slurmd dead or cut off: Slurm cannot kill the steps) to stop them, through
+        the cancel hook; they checkpoint on SIGTERM, and their late reports are ignored
+        (the job's pack has changed). Two runs must not write one checkpoint dir."""
+        if not pack.pack_dir or not jobs:
+            return
+        cancel_dir = Path(pack.pack_dir) / "cancel"
+        try:
+            cancel_dir.mkdir(mode=0o700, exist_ok=True)
+            for job in jobs:
+                (cancel_dir / str(job.id)).write_text(f"{self.svc.clock()} fence\n")
+        except OSError as exc:
+            log.warning("pack %s: cannot write cancel requests: %s", pack.name, exc)
+
+    # ------------------------------------------------------------ warm-up and stragglers
+
+    def _pack_samples(self, pack_id: int, since: float) -> dict[int, list[tuple[float, float, float | None]]]:
+        rows = self.store.conn.execute(
+            "SELECT job_id, t, samples_per_s, sm_util_pct FROM samples WHERE pack_id = ? AND t >= ? "
+            "AND job_id IS NOT NULL AND samples_per_s IS NOT NULL ORDER BY t", (pack_id, since)).fetchall()
+        out: dict[int, list[tuple[float, float, float | None]]] = {}
+        for job_id, t, sps, sm in rows:
+            out.setdefault(int(job_id), []).append((float(t), float(sps), None if sm is None else float(sm)))
+        return out
+
+    def _relative_speeds(self, jobs: list[Any]) -> dict[int, float]:
+        est = [(j.estimate or {}).get("profile") or {} for j in jobs]
+        sp = predict_speeds_from_fractions([_fraction(p.get("sm_util_pct")) for p in est],
+                                           [_fraction(p.get("membw_util_pct")) for p in est])
+        return {j.id: s for j, s in zip(jobs, sp, strict=True)}
+
+    def check_warmup_and_stragglers(self) -> None:
+        from slurm_dlrm.store.states import JobState, PackState
+
+        cfg = self.config
+        now = self.svc.clock()
+        user = self.svc.settings.user
+        running = {j.id: j for j in self.store.jobs([JobState.RUNNING], user=user)}
+        for pack in self.store.packs([PackState.RUNNING], user=user):
+            if not pack.start_time or now - pack.start_time < cfg.warmup_s:
+                continue
+            placements = self.store.placements(pack_id=pack.id)
+            samples = self._pack_samples(pack.id, pack.start_time)
+            by_gpu: dict[tuple[int, int], list[Any]] = {}
+            planned: dict[tuple[int, int], list[Any]] = {}
+            for p in placements:
+                job = self.store.get_job(p.job_id)
+                planned.setdefault((p.node_index, p.gpu_index), []).append(job)
+                if p.job_id in running:
+                    by_gpu.setdefault((p.node_index, p.gpu_index), []).append(running[p.job_id])
+            for key, live in by_gpu.items():
+                rel_then = self._relative_speeds(planned[key])
+                rel_now = self._relative_speeds(live)
+                predicted: dict[int, float] = {}
+                speeds: list[SpeedSample] = []
+                changes: dict[int, float] = {}
+                for job in live:
+                    rows = samples.get(job.id, [])
+                    warm = [r for r in rows if r[0] <= rows[0][0] + cfg.warmup_s] if rows else []
+                    if not warm or rows[-1][0] - rows[0][0] < cfg.warmup_s:
+                        continue
+                    warm_sps = statistics.median(r[1] for r in warm)
+                    predicted[job.id] = warm_sps * rel_now[job.id] / max(rel_then[job.id], 1e-9)
+                    speeds += [SpeedSample(job.id, t, sps) for t, sps, _ in rows if t > rows[0][0] + cfg.warmup_s]
+                    self._warmup_update(job, warm, warm_sps)
+                    recent = [r[2] for r in rows if r[0] >= now - cfg.straggler_sustained_s and r[2] is not None]
+                    planned_sm = float(((job.estimate or {}).get("profile") or {}).get("sm_util_pct") or 0.0)
+                    if recent and planned_sm > 0:
+                        changes[job.id] = statistics.median(recent) / planned_sm
+                found = find_stragglers(speeds, predicted, now, cfg.straggler_ratio, cfg.straggler_sustained_s)
+                gpu_of = {j.id: key for j in live}
+                for job_id, reason in choose_moves(found, changes, gpu_of, 1.0 + cfg.profile_change_pct / 100.0):
+                    self._ask_to_move(pack, running[job_id], reason)
+
+    def _warmup_update(self, job: Any, warm: list[tuple[float, float, float | None]], warm_sps: float) -> None:
+        """Record the warm-up measurement against the prediction, once per run."""
+        prof = (job.estimate or {}).get("profile") or {}
+        sms = [r[2] for r in warm if r[2] is not None]
+        planned_sm = float(prof.get("sm_util_pct") or 0.0)
+        measured_sm = statistics.median(sms) if sms else planned_sm
+        if self._once("warmup", job):
+            predicted = Profile(planned_sm, float(prof.get("membw_util_pct") or 0.0),
+                                float(prof.get("host_cpu_cores") or 1.0), float(prof.get("solo_samples_per_s") or 0.0))
+            measured = replace(predicted, sm_util_pct=measured_sm, samples_per_s=warm_sps)
+            upd = update_after_warmup(predicted, measured, self.config.profile_change_pct)
+            self.store.add_event(ADAPT, upd.reason, job_id=job.id,
+                                 data={"measured_sm_util_pct": measured_sm, "samples_per_s": warm_sps,
+                                       "replan": upd.replan})
+
+    def _ask_to_move(self, pack: Any, job: Any, reason: str) -> None:
+        if any(ev.get("kind") == MOVE and ev.get("pack_id") == pack.id for ev in self.store.events(job_id=job.id)):
+            return  # already asked
+        if not pack.pack_dir:
+            return
+        cancel_dir = Path(pack.pack_dir) / "cancel"
+        cancel_dir.mkdir(mode=0o700, exist_ok=True)
+        # The move is recorded before the agent is told, so a restart still requeues it.
+        self.store.add_event(MOVE, f"{reason}: checkpoint and move in the next round", job_id=job.id,
+                             pack_id=pack.id)
+        (cancel_dir / str(job.id)).write_text(f"{self.svc.clock()} move\n")
+        log.info("job %d: %s; asked to checkpoint and move", job.id, reason)
+
+    def on_member_cancelled(self, job: Any, t: float) -> bool:
+        """The agent stopped a member: if the service had asked it to move, requeue it
+        (RUNNING -> PENDING, resumes from its checkpoint) and return True."""
+        from slurm_dlrm.store.states import JobState
+
+        moves = [ev for ev in self.store.events(job_id=job.id, kind=MOVE) if ev.get("pack_id") == job.pack_id]
+        if not moves or job.state != JobState.RUNNING:
+            return False
+        self.store.transition_job(job.id, JobState.PENDING, f"moved: {moves[-1]['reason']}; resumes from its checkpoint",
+                                  t=t)
+        return True
+
+    # ------------------------------------------------------------ resource-performance model
+
+    def perf_model(self, fingerprint: str) -> PerfModel | None:
+        """Fit on runs of this fingerprint: each placement's (share, cpus) and the
+        median samples/s measured while it held them."""
+        points: list[tuple[float, float, float]] = []
+        rows = self.store.conn.execute(
+            "SELECT p.mps_thread_pct, p.cpus, "
+            "(SELECT avg(s.samples_per_s) FROM samples s WHERE s.job_id = p.job_id AND s.pack_id = p.pack_id "
+            " AND s.samples_per_s IS NOT NULL) "
+            "FROM placements p JOIN jobs j ON j.id = p.job_id WHERE j.spec_fingerprint = ? "
+            "ORDER BY p.id DESC LIMIT 50", (fingerprint,)).fetchall()
+        for share, cpus, sps in rows:
+            if share and cpus and sps:
+                points.append((float(share), float(cpus), float(sps)))
+        if len({(s, c) for s, c, _ in points}) < self.config.min_perf_points:
+            return None
+        return fit_perf_model(points)
+
+    def tune_shares(self, pack: Any, jobs: dict[int, Any]) -> Any:
+        """MPS shares and CPUs of a planned pack from the members' perf models, on the
+        GPUs where every member has one (elsewhere the policy's figures stay)."""
+        members = list(pack.members)
+        by_gpu: dict[tuple[int, int], list[int]] = {}
+        for i, m in enumerate(members):
+            by_gpu.setdefault((m.node_index, m.gpu_index), []).append(i)
+        changed = []
+        for idx in by_gpu.values():
+            models = [self.perf_model(jobs[members[i].job_id].spec_fingerprint) for i in idx]
+            if any(mo is None for mo in models):
+                continue
+            fitted = [mo for mo in models if mo is not None]
+            shares = allocate_shares(fitted, cpu_cores=[float(members[i].cpus) for i in idx])
+            for i, mo, share in zip(idx, fitted, shares, strict=True):
+                cpus = min(members[i].cpus, mo.cores_for(share, members[i].cpus))
+                members[i] = replace(members[i], mps_thread_pct=share, cpus=cpus)
+                changed.append((members[i].job_id, share, cpus))
+        for job_id, share, cpus in changed:
+            self.store.add_event(ADAPT, f"resource-performance model: {share}% of the SMs, {cpus} CPU(s)",
+                                 job_id=job_id)
+        return replace(pack, members=tuple(members)) if changed else pack

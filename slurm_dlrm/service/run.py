@@ -1,0 +1,76 @@
+"""Running one user's service: the lock, the store, the Slurm client, the loop."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from slurm_dlrm.service.daemon import ServiceLock, read_pid, write_status
+from slurm_dlrm.service.loop import LoopControl, run_loop
+from slurm_dlrm.service.submit import service_paths
+from slurm_dlrm.site import SiteConfig
+
+log = logging.getLogger(__name__)
+
+
+def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = None,
+                  idle_exit_s: float = 0.0, slurm: Any = None, control: LoopControl | None = None,
+                  policy: str | None = None) -> int:
+    """Run the service until SIGTERM (or `idle_exit_s` with nothing to do). Returns rounds run.
+
+    If another service of this user holds the lock, returns 0 at once: two `submit`s
+    racing to start the service end with exactly one running.
+    """
+    from slurm_dlrm.service.core import PackingService, ServiceSettings
+    from slurm_dlrm.store.states import PACK_ACTIVE, JobState
+    from slurm_dlrm.store.store import Store
+
+    paths = service_paths(site, user)
+    if control is None:
+        # Before the lock (and so the pid file) exists: a `submit` that sees the pid may
+        # send SIGUSR1 at once, and its default action would kill us.
+        control = LoopControl()
+        control.install_signal_handlers()
+    lock = ServiceLock.acquire(paths)
+    if lock is None:
+        log.info("a packing service already runs for %s (pid %s)", user, read_pid(paths))
+        return 0
+    with lock:
+        if slurm is None:
+            from slurm_dlrm.slurm import SlurmClient
+
+            slurm = SlurmClient()
+        store = Store.for_user(site, user)
+        period = round_seconds if round_seconds is not None else site.packing.round_seconds
+        # A little under the period, so a timer round never just misses its window.
+        svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy,
+                                                                 dispatch_window_s=0.9 * period))
+        idle_since = time.monotonic()
+        log.info("packing service for %s: pid file %s, round every %.1f s, policy %s",
+                 user, paths.pid, period, svc.policy)
+
+        def one_round() -> float | None:
+            nonlocal idle_since
+            stats = svc.run_round()
+            busy = bool(store.jobs([JobState.PENDING, JobState.PLANNED, JobState.RUNNING], user=user)
+                        or store.packs(PACK_ACTIVE, user=user))
+            now = time.monotonic()
+            if busy:
+                idle_since = now
+            write_status(paths, {**svc.status(), "round_seconds": round(stats.seconds, 4),
+                                 "packs_submitted": stats.packs_submitted, "idle": not busy})
+            if stats.packs_submitted or stats.transitions or stats.ingested_lines:
+                log.info("round %d: %d packs submitted, %d jobs planned, %d transitions, %d report lines "
+                         "(%.3f s)", svc.rounds, stats.packs_submitted, stats.jobs_planned, stats.transitions,
+                         stats.ingested_lines, stats.seconds)
+            if idle_exit_s > 0 and not busy and now - idle_since >= idle_exit_s:
+                log.info("nothing to do for %.0f s: exiting", idle_exit_s)
+                control.stop = True
+            return svc.next_delay_s()
+
+        try:
+            return run_loop(one_round, control, period)
+        finally:
+            store.close()
+            log.info("packing service for %s stopped", user)

@@ -1,0 +1,275 @@
+"""`slurm-dlrm submit`: validate, estimate, record, make sure the service runs, return.
+
+Everything is checked before anything is recorded: a bad spec or option among several
+leaves the store untouched (exit 2). No torch on this path (the estimate is pure).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shlex
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.errors import BadInput, DlrmError
+from slurm_dlrm.service.daemon import (
+    ServicePaths,
+    ensure_private_dir,
+    running_pid,
+    spawn_service,
+    wake,
+)
+from slurm_dlrm.service.sbatch_options import (
+    SbatchOptions,
+    format_time_minutes,
+    parse_sbatch_script,
+    sbatch_line,
+)
+from slurm_dlrm.site import GIB, MIB, GpuModel, SiteConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Submission:
+    """One validated spec with its options and estimate, ready to record."""
+
+    path: str
+    name: str  # -J if given, else the spec's name
+    spec: Any  # slurm_dlrm.spec.JobSpec
+    spec_data: dict[str, Any]  # what the runner reads back (paths made absolute)
+    fingerprint: str
+    options: SbatchOptions
+    gpu: GpuModel
+    estimate: Any  # slurm_dlrm.estimate.Estimate
+
+
+def gpu_for(site: SiteConfig, options: SbatchOptions) -> GpuModel:
+    """The GPU model the job will get: its partition's (the site default otherwise)."""
+    from slurm_dlrm.site import expand_hostlist
+
+    part = site.default_partition
+    if options.partition:
+        wanted = options.partition.split(",")[0]
+        part = next((p for p in site.partitions if p.name == wanted), part)
+    hosts = set(expand_hostlist(part.nodes))
+    for group in site.nodes:
+        if group.gpus > 0 and hosts.intersection(group.hostnames):
+            return site.gpu_model(group.gpu_model)
+    return next(iter(site.gpu_models.values()))
+
+
+def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, cwd: str) -> list[Submission]:
+    """Validate and estimate every spec; raise BadInput naming the first bad one."""
+    from slurm_dlrm.estimate import estimate
+    from slurm_dlrm.spec import load_spec, spec_fingerprint
+
+    if not paths:
+        raise BadInput("SPEC: give at least one spec file")
+    out = []
+    for raw in paths:
+        path = os.path.abspath(os.path.join(cwd, raw))
+        try:
+            text = Path(path).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BadInput(f"{raw}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+        options = cli_options.merged_over(parse_sbatch_script(text, raw)).with_paths_from(cwd)
+        spec = load_spec(path)
+        gpu = gpu_for(site, options)
+        est = estimate(spec, gpu)
+        if est.gpu_peak_bytes > gpu.memory_bytes:
+            raise BadInput(f"{raw}: needs {est.gpu_peak_bytes / GIB:.1f} GiB of GPU memory (estimate); "
+                           f"a {gpu.name} has {gpu.memory_bytes / GIB:.0f} GiB")
+        data = spec.to_dict()
+        ds = data.get("data") or {}
+        if ds.get("path") and not os.path.isabs(ds["path"]):
+            ds["path"] = os.path.normpath(os.path.join(os.path.dirname(path), ds["path"]))
+        out.append(Submission(path=path, name=options.job_name or spec.name, spec=spec, spec_data=data,
+                              fingerprint=spec_fingerprint(spec), options=options, gpu=gpu, estimate=est))
+    return out
+
+
+def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | None = None) -> list[int]:
+    """All jobs in one transaction: either every spec is recorded or none.
+
+    With `spool_dir`, each job's spec file for its runner is written right after (a
+    millisecond here instead of in the service's round; the service writes any that
+    a crash left missing, from the store).
+    """
+    ids = []
+    with store.write():
+        for s in subs:
+            ids.append(int(store.add_job(
+                user=user, name=s.name, spec=s.spec_data, spec_fingerprint=s.fingerprint,
+                estimate=s.estimate.to_dict(), gpu_model=s.gpu.name, sbatch=s.options.to_dict(),
+                reason=f"submitted from {s.path}")))
+    if spool_dir is not None:
+        from slurm_dlrm.service.spool import write_job_spec
+
+        ensure_private_dir(spool_dir)
+        for job_id, s in zip(ids, subs, strict=True):
+            write_job_spec(spool_dir, job_id, s.spec_data)
+    return ids
+
+
+def service_paths(site: SiteConfig, user: str) -> ServicePaths:
+    return ServicePaths(site.store_dir_for(user))
+
+
+# A service started by `submit` exits after this long with nothing to do.
+AUTO_IDLE_EXIT_S = 600.0
+
+
+def ensure_service(site: SiteConfig, user: str,
+                   serve_args: Sequence[str] = ("--idle-exit", str(AUTO_IDLE_EXIT_S))) -> str:
+    """Wake the user's service, or start it if none runs. Returns what was done."""
+    paths = service_paths(site, user)
+    if running_pid(paths) is not None:
+        wake(paths)
+        return "woken"
+    env = dict(os.environ)
+    if site.path:
+        env["SLURM_DLRM_SITE"] = os.path.abspath(site.path)
+    spawn_service(paths, list(serve_args), env=env)
+    return "started"
+
+
+def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
+           start_service: bool = True) -> tuple[list[int], list[Submission]]:
+    from slurm_dlrm.store.store import Store
+
+    subs = prepare(paths, cli_options, site, cwd)
+    ensure_private_dir(site.store_dir_for(user))
+    with Store.for_user(site, user) as store:
+        ids = record(store, subs, user, site.spool_dir_for(user))
+    if start_service:
+        what = ensure_service(site, user)
+        log.info("packing service %s", what)
+    return ids, subs
+
+
+# ---------------------------------------------------------------- --no-pack
+
+@dataclass(frozen=True)
+class NativeRequest:
+    """One ordinary Slurm job sized from the estimate (the Slurm-native path)."""
+
+    mem_mib: int
+    cpus: int
+    gres: str  # "gpu:1" or "mps:N"
+    comment: str  # what job_submit.lua reads (docs/interfaces.md section 6)
+
+
+def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
+    est = sub.estimate
+    margin = 1.0 + site.packing.memory_margin_pct / 100.0
+    mem_mib = max(256, math.ceil(est.host_peak_bytes * margin / MIB) + 256)
+    cpus = max(1, math.ceil(float(est.profile.host_cpu_cores) - 1e-9))
+    gpu_fence_mib = math.ceil(est.gpu_peak_bytes * margin / MIB)
+    gres = "gpu:1"
+    if site.mps.enabled and site.mps.mps_per_gpu > 0:
+        # An MPS share as large as its SM demand and its memory share (Slurm's MPS sets
+        # only the thread percentage, so memory counts too), rounded up to a tenth.
+        share_pct = max(float(est.profile.sm_util_pct), 100.0 * gpu_fence_mib * MIB / sub.gpu.memory_bytes)
+        share_pct = min(100.0, math.ceil(share_pct / 10.0) * 10.0)
+        if share_pct < 100.0:
+            n = math.ceil(share_pct * site.mps.mps_per_gpu / 100.0)
+            gres = f"mps:{min(site.mps.mps_per_gpu, max(min_mps_share(site, sub.options), n))}"
+    from slurm_dlrm.admin.marker import MODE_NO_PACK, format_marker
+
+    comment = format_marker(MODE_NO_PACK, gpu_mem_mib=gpu_fence_mib)
+    return NativeRequest(mem_mib=mem_mib, cpus=cpus, gres=gres, comment=comment)
+
+
+def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
+    """The partition's smallest accepted --gres=mps:N (job_submit.lua refuses less)."""
+    wanted = (options.partition or site.default_partition.name).split(",")[0]
+    part = next((p for p in site.partitions if p.name == wanted), site.default_partition)
+    return max(1, part.min_mps_share)
+
+
+def native_script(sub: Submission, req: NativeRequest, spec_path: str, python: str) -> str:
+    """A plain batch script: #SBATCH lines (quoted, sorted) and the training command."""
+    flags = sorted([f"--comment={req.comment}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
+                    f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
+                    *sub.options.sbatch_flags(include_job_name=False)])
+    command = list(sub.spec.command or [python, "-m", "slurm_dlrm", "train", spec_path])
+    lines = ["#!/bin/bash", f"# slurm-dlrm --no-pack job {sub.name}: one job, sized from its estimate."]
+    lines += [f"#SBATCH {sbatch_line(f)}" for f in flags]
+    lines += ["", "exec " + " ".join(shlex.quote(a) for a in command), ""]
+    return "\n".join(lines)
+
+
+def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
+                   slurm: Any, python: str = sys.executable) -> list[tuple[int, Submission, NativeRequest]]:
+    """Each spec as its own Slurm job; returns (Slurm job id, submission, request)."""
+    subs = prepare(paths, cli_options, site, cwd)
+    spool = ensure_private_dir(site.spool_dir_for(user))
+    out = []
+    for sub in subs:
+        req = native_request(sub, site)
+        job_dir = ensure_private_dir(spool / "native" / f"{sub.spec.name}-{time.time_ns()}")
+        spec_path = job_dir / "spec.json"
+        spec_path.write_text(json.dumps(sub.spec_data, sort_keys=True, indent=1) + "\n")
+        script = native_script(sub, req, str(spec_path), python)
+        (job_dir / "job.sbatch").write_text(script)
+        opts = [] if sub.options.output else [f"--output={job_dir}/slurm-%j.out"]
+        out.append((slurm.sbatch(script, [*opts, f"--chdir={job_dir}"]), sub, req))
+    return out
+
+
+# ---------------------------------------------------------------- --wait
+
+def job_progress(site: SiteConfig, user: str, job_id: int) -> int | None:
+    """The last step the job's metrics file reports, if any (cheap: reads its tail)."""
+    path = site.spool_dir_for(user) / "jobs" / str(job_id) / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 4096))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            return step
+    return None
+
+
+def wait_for_jobs(site: SiteConfig, user: str, ids: Sequence[int], *, poll_s: float = 1.0,
+                  on_update: Callable[[list[Any]], None] | None = None, timeout_s: float | None = None,
+                  sleep: Callable[[float], None] = time.sleep) -> list[Any]:
+    """Block until every job ends; returns their final rows. `on_update` sees each poll."""
+    from slurm_dlrm.store.states import JOB_TERMINAL
+    from slurm_dlrm.store.store import Store
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with Store.for_user(site, user, readonly=True) as store:
+        while True:
+            with store.read():
+                jobs = [store.get_job(i) for i in ids]
+            if on_update is not None:
+                on_update(jobs)
+            if all(j.state in JOB_TERMINAL for j in jobs):
+                return jobs
+            if deadline is not None and time.monotonic() > deadline:
+                raise DlrmError(f"--wait: jobs still running after {timeout_s:g} s")
+            sleep(poll_s)
+
+
+def describe(sub: Submission) -> str:
+    est = sub.estimate
+    t = sub.options.time_minutes
+    limit = f", time limit {format_time_minutes(t)}" if t is not None else ""
+    return (f"{sub.name}: estimated GPU peak {est.gpu_peak_bytes / GIB:.2f} GiB, host peak "
+            f"{est.host_peak_bytes / GIB:.2f} GiB, {est.profile.label}{limit}")

@@ -1,0 +1,487 @@
+"""DLRM job spec: load, validate, normalise, fingerprint (contract: docs/interfaces.md §1).
+
+Pure: the only I/O is reading the one file `load_spec` is given; no torch import.
+Every error is a `SpecError(field, reason)` whose field is a dotted path such as
+``tables[2].rows``, so the CLI prints one line and exits 2.
+
+Resolution order: a `preset` gives defaults for every field the spec leaves out
+(`tables` replaces the preset's tables as a whole), then `scale` caps rows and
+overrides the dim of every table (and the bottom MLP's last width).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.errors import SpecError
+from slurm_dlrm.presets import PRESET_NAMES, PRESETS
+
+DTYPES = ("fp32", "fp16", "bf16")
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+PLACEMENTS = ("hbm", "uvm", "host")
+INTERACTIONS = ("dot", "dcn")
+OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
+MIXED_PRECISION = ("none", "fp16", "bf16")
+DATA_TYPES = ("synthetic", "criteo-tsv", "criteo-npy")
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_CUSTOM_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    name: str
+    rows: int
+    dim: int
+    pooling_factor: float | None = 1.0  # mean ids per sample; None when multi_hot is set
+    multi_hot: int | None = None  # fixed ids per sample
+    dtype: str = "fp32"
+    placement: str = "hbm"
+
+    @property
+    def ids_per_sample(self) -> float:
+        """Mean number of ids one sample looks up in this table."""
+        if self.multi_hot is not None:
+            return float(self.multi_hot)
+        return float(self.pooling_factor if self.pooling_factor is not None else 1.0)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.rows * self.dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Interaction:
+    type: str = "dot"
+    layers: int | None = None  # dcn only
+    low_rank: int | None = None  # dcn only
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    type: str = "adagrad"
+    lr: float = 0.01
+    fused: bool = True
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    type: str = "synthetic"
+    zipf_alpha: float | None = 1.05  # synthetic only
+    path: str | None = None  # criteo-* only
+
+
+@dataclass(frozen=True)
+class Scale:
+    max_rows_per_table: int | None = None
+    dim: int | None = None
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    tables: tuple[TableSpec, ...]
+    dense_features: int
+    bottom_mlp: tuple[int, ...]
+    top_mlp: tuple[int, ...]
+    interaction: Interaction
+    batch_size: int
+    optimizer: Optimizer
+    mixed_precision: str = "none"
+    loader_workers: int = 2
+    prefetch_batches: int = 2
+    steps: int | None = 1000
+    epochs: int | None = None
+    data: DataSpec = DataSpec()
+    seed: int = 0
+    world_size: int = 1
+    checkpoint_every_steps: int = 500
+    metrics_every_steps: int = 10
+    command: tuple[str, ...] | None = None
+    preset: str | None = None
+    scale: Scale | None = None
+    # "pkg.module:factory": factory(spec) -> torch.nn.Module replaces the DLRM model;
+    # such a spec is estimated by tracing (slurm_dlrm.estimate.traced).
+    custom_module: str | None = None
+    source: str | None = field(default=None, compare=False)  # the file it came from, for messages
+
+    @property
+    def emb_dim(self) -> int:
+        return self.tables[0].dim
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data that `parse_spec` turns back into an equal spec."""
+        out: dict[str, Any] = {"name": self.name}
+        if self.preset is not None:
+            out["preset"] = self.preset
+        if self.scale is not None:
+            out["scale"] = {k: v for k, v in vars(self.scale).items() if v is not None}
+        out["tables"] = [_table_dict(t) for t in self.tables]
+        out["dense_features"] = self.dense_features
+        out["bottom_mlp"] = list(self.bottom_mlp)
+        out["top_mlp"] = list(self.top_mlp)
+        inter: dict[str, Any] = {"type": self.interaction.type}
+        if self.interaction.type == "dcn":
+            inter.update(layers=self.interaction.layers, low_rank=self.interaction.low_rank)
+        out["interaction"] = inter
+        out["batch_size"] = self.batch_size
+        out["optimizer"] = {"type": self.optimizer.type, "lr": self.optimizer.lr, "fused": self.optimizer.fused}
+        out["mixed_precision"] = self.mixed_precision
+        out["loader_workers"] = self.loader_workers
+        out["prefetch_batches"] = self.prefetch_batches
+        if self.epochs is not None:
+            out["epochs"] = self.epochs
+        else:
+            out["steps"] = self.steps
+        data: dict[str, Any] = {"type": self.data.type}
+        if self.data.type == "synthetic":
+            data["zipf_alpha"] = self.data.zipf_alpha
+        else:
+            data["path"] = self.data.path
+        out["data"] = data
+        out["seed"] = self.seed
+        out["world_size"] = self.world_size
+        out["checkpoint_every_steps"] = self.checkpoint_every_steps
+        out["metrics_every_steps"] = self.metrics_every_steps
+        out["command"] = list(self.command) if self.command is not None else None
+        if self.custom_module is not None:
+            out["custom_module"] = self.custom_module
+        return out
+
+
+def _table_dict(t: TableSpec) -> dict[str, Any]:
+    d: dict[str, Any] = {"name": t.name, "rows": t.rows, "dim": t.dim}
+    if t.multi_hot is not None:
+        d["multi_hot"] = t.multi_hot
+    else:
+        d["pooling_factor"] = t.pooling_factor
+    d["dtype"] = t.dtype
+    d["placement"] = t.placement
+    return d
+
+
+# ---------------------------------------------------------------- fingerprint
+
+# Fields that do not change the job's structure (memory or speed): ignored.
+_FINGERPRINT_IGNORES = ("name", "seed", "steps", "epochs", "checkpoint_every_steps", "metrics_every_steps",
+                        "command", "preset", "scale")
+
+
+def spec_fingerprint(spec: JobSpec) -> str:
+    """A short hash of the job's structure: two specs that differ only in names, seed,
+    run length, learning rate, paths or the way they were written (preset + scale vs.
+    tables spelled out) get the same fingerprint."""
+    d = spec.to_dict()
+    for key in _FINGERPRINT_IGNORES:
+        d.pop(key, None)
+    for t in d["tables"]:
+        t.pop("name", None)
+    d["optimizer"].pop("lr", None)
+    d["data"].pop("path", None)
+    d["data"].pop("zipf_alpha", None)  # changes which rows are hot, not how much memory
+    blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------- validation helpers
+
+_MISSING: Any = object()
+
+
+class _Obj:
+    """Reads typed fields from one mapping and refuses the ones it never read."""
+
+    def __init__(self, data: Any, where: str, source: str | None) -> None:
+        if not isinstance(data, dict):
+            raise SpecError(where or "spec", f"must be a mapping, got {_type_name(data)}", source)
+        self.data = data
+        self.where = where
+        self.source = source
+        self.seen: set[str] = set()
+
+    def field(self, key: str) -> str:
+        return f"{self.where}.{key}" if self.where else key
+
+    def error(self, key: str, reason: str) -> SpecError:
+        return SpecError(self.field(key), reason, self.source)
+
+    def has(self, key: str) -> bool:
+        return key in self.data and self.data[key] is not None
+
+    def raw(self, key: str, default: Any = _MISSING) -> Any:
+        self.seen.add(key)
+        if key not in self.data:
+            if default is _MISSING:
+                raise self.error(key, "missing")
+            return default
+        return self.data[key]
+
+    def int_(self, key: str, default: Any = _MISSING, *, min_value: int = 1) -> Any:
+        value = self.raw(key, default)
+        if value is None and default is None:
+            return None
+        if key not in self.data:
+            return value
+        return _as_int(value, self.field(key), self.source, min_value)
+
+    def float_(self, key: str, default: Any = _MISSING, *, positive: bool = True) -> Any:
+        value = self.raw(key, default)
+        if key not in self.data or (value is None and default is None):
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self.error(key, f"must be a number, got {_type_name(value)} {value!r}")
+        if value != value or value in (float("inf"), float("-inf")):
+            raise self.error(key, "must be a finite number")
+        if positive and value <= 0:
+            raise self.error(key, f"must be > 0, got {value!r}")
+        return float(value)
+
+    def str_(self, key: str, default: Any = _MISSING, *, choices: tuple[str, ...] | None = None) -> Any:
+        value = self.raw(key, default)
+        if key not in self.data or (value is None and default is None):
+            return value
+        if not isinstance(value, str):
+            raise self.error(key, f"must be a string, got {_type_name(value)} {value!r}")
+        if choices is not None and value not in choices:
+            raise self.error(key, f"must be one of {', '.join(choices)}; got {value!r}")
+        return value
+
+    def bool_(self, key: str, default: Any = _MISSING) -> Any:
+        value = self.raw(key, default)
+        if key not in self.data:
+            return value
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {_type_name(value)} {value!r}")
+        return value
+
+    def int_list(self, key: str, default: Any = _MISSING) -> Any:
+        value = self.raw(key, default)
+        if key not in self.data:
+            return value
+        if not isinstance(value, list):
+            raise self.error(key, f"must be a list of integers, got {_type_name(value)} {value!r}")
+        if not value:
+            raise self.error(key, "must not be empty")
+        return tuple(_as_int(v, f"{self.field(key)}[{i}]", self.source, 1) for i, v in enumerate(value))
+
+    def done(self) -> None:
+        unknown = sorted(set(map(str, self.data)) - self.seen)
+        if unknown:
+            raise self.error(unknown[0], "unknown field")
+
+
+def _type_name(value: Any) -> str:
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
+             dict: "mapping", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+def _as_int(value: Any, field: str, source: str | None, min_value: int) -> int:
+    # YAML may give 1.0e+7 for a row count; accept a float only if it is integral.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(field, f"must be an integer, got {_type_name(value)} {value!r}", source)
+    if value < min_value:
+        what = "> 0" if min_value == 1 else f">= {min_value}"
+        raise SpecError(field, f"must be {what}, got {value}", source)
+    return value
+
+
+# ---------------------------------------------------------------- parsing
+
+def parse_spec(data: Any, source: str | None = None) -> JobSpec:
+    """Validate plain data (from YAML/JSON) into a `JobSpec`; raise `SpecError`."""
+    first = _Obj(data, "", source)
+    preset_name = first.str_("preset", None, choices=PRESET_NAMES)
+    # The preset's fields are defaults; the spec's own fields win (tables as a whole).
+    merged: dict[str, Any] = copy.deepcopy(PRESETS[preset_name]) if preset_name else {}
+    merged.update(data)
+    view = _Obj(merged, "", source)
+    view.seen.add("preset")
+    name = view.str_("name")
+    if not _NAME_RE.fullmatch(name):
+        raise view.error("name", "1-64 of letters, digits, '.', '_' and '-'")
+    scale = _parse_scale(view, source)
+
+    raw_tables = view.raw("tables", None)
+    if raw_tables is None:
+        raise view.error("tables", "missing (give tables or a preset)")
+    if not isinstance(raw_tables, list):
+        raise view.error("tables", f"must be a list of tables, got {_type_name(raw_tables)}")
+    if not raw_tables:
+        raise view.error("tables", "must not be empty")
+    tables = tuple(_parse_table(raw, i, source, scale) for i, raw in enumerate(raw_tables))
+    seen_names: set[str] = set()
+    for i, t in enumerate(tables):
+        if t.name in seen_names:
+            raise SpecError(f"tables[{i}].name", f"duplicate table name {t.name!r}", source)
+        seen_names.add(t.name)
+    dim = tables[0].dim
+    for i, t in enumerate(tables):
+        if t.dim != dim:
+            # torchrec's DLRM interacts all embeddings with the bottom MLP's output.
+            raise SpecError(f"tables[{i}].dim", f"must equal tables[0].dim ({dim}): DLRM needs one embedding dim", source)
+
+    dense_features = view.int_("dense_features")
+    bottom_mlp = view.int_list("bottom_mlp")
+    if scale is not None and scale.dim is not None:
+        bottom_mlp = bottom_mlp[:-1] + (scale.dim,)
+    if bottom_mlp[-1] != dim:
+        raise view.error("bottom_mlp", f"last width must equal the embedding dim ({dim}), got {bottom_mlp[-1]}")
+    top_mlp = view.int_list("top_mlp")
+    if top_mlp[-1] != 1:
+        raise view.error("top_mlp", f"last width must be 1 (one logit), got {top_mlp[-1]}")
+    if len(top_mlp) < 2:
+        raise view.error("top_mlp", "needs at least two layers (torchrec's OverArch refuses one)")
+
+    interaction = _parse_interaction(view.raw("interaction", {"type": "dot"}), source)
+    batch_size = view.int_("batch_size")
+    optimizer = _parse_optimizer(view.raw("optimizer", {"type": "adagrad"}), source)
+    mixed_precision = view.str_("mixed_precision", "none", choices=MIXED_PRECISION)
+    loader_workers = view.int_("loader_workers", 2, min_value=0)
+    prefetch_batches = view.int_("prefetch_batches", 2, min_value=0)
+    data_spec = _parse_data(view.raw("data", {"type": "synthetic"}), source)
+
+    has_steps, has_epochs = view.has("steps"), view.has("epochs")
+    if has_steps and has_epochs:
+        raise view.error("epochs", "give steps or epochs, not both")
+    if has_epochs:
+        epochs = view.int_("epochs")
+        view.seen.add("steps")
+        steps = None
+        if data_spec.type == "synthetic":
+            raise view.error("epochs", "needs a data file (data.type criteo-tsv or criteo-npy); use steps with synthetic data")
+    else:
+        steps = view.int_("steps", 1000)
+        view.seen.add("epochs")
+        epochs = None
+    seed = view.int_("seed", 0, min_value=0)
+    world_size = view.int_("world_size", 1)
+    checkpoint_every_steps = view.int_("checkpoint_every_steps", 500, min_value=0)
+    metrics_every_steps = view.int_("metrics_every_steps", 10)
+
+    command_raw = view.raw("command", None)
+    command: tuple[str, ...] | None = None
+    if command_raw is not None:
+        if not isinstance(command_raw, list) or not command_raw:
+            raise view.error("command", "must be a non-empty list of strings (an argv) or null")
+        for i, arg in enumerate(command_raw):
+            if not isinstance(arg, str):
+                raise SpecError(f"command[{i}]", f"must be a string, got {_type_name(arg)} {arg!r}", source)
+        command = tuple(command_raw)
+
+    custom_module = view.str_("custom_module", None)
+    if custom_module is not None and not _CUSTOM_MODULE_RE.fullmatch(custom_module):
+        raise view.error("custom_module", f"must look like 'package.module:factory', got {custom_module!r}")
+
+    view.done()
+    return JobSpec(
+        name=name, tables=tables, dense_features=dense_features, bottom_mlp=bottom_mlp, top_mlp=top_mlp,
+        interaction=interaction, batch_size=batch_size, optimizer=optimizer, mixed_precision=mixed_precision,
+        loader_workers=loader_workers, prefetch_batches=prefetch_batches, steps=steps, epochs=epochs,
+        data=data_spec, seed=seed, world_size=world_size, checkpoint_every_steps=checkpoint_every_steps,
+        metrics_every_steps=metrics_every_steps, command=command, preset=preset_name, scale=scale,
+        custom_module=custom_module, source=source,
+    )
+
+
+def _parse_scale(top: _Obj, source: str | None) -> Scale | None:
+    raw = top.raw("scale", None)
+    if raw is None:
+        return None
+    s = _Obj(raw, "scale", source)
+    scale = Scale(max_rows_per_table=s.int_("max_rows_per_table", None), dim=s.int_("dim", None))
+    s.done()
+    return scale
+
+
+def _parse_table(raw: Any, i: int, source: str | None, scale: Scale | None) -> TableSpec:
+    t = _Obj(raw, f"tables[{i}]", source)
+    name = t.str_("name", f"t{i}")
+    if not _NAME_RE.fullmatch(name):
+        raise t.error("name", "1-64 of letters, digits, '.', '_' and '-'")
+    rows = t.int_("rows")
+    dim = t.int_("dim")
+    if t.has("pooling_factor") and t.has("multi_hot"):
+        raise t.error("multi_hot", "give pooling_factor or multi_hot, not both")
+    multi_hot = t.int_("multi_hot", None)
+    pooling_factor = t.float_("pooling_factor", None)
+    if multi_hot is None and pooling_factor is None:
+        pooling_factor = 1.0
+    dtype = t.str_("dtype", "fp32", choices=DTYPES)
+    placement = t.str_("placement", "hbm", choices=PLACEMENTS)
+    t.done()
+    if scale is not None:
+        if scale.max_rows_per_table is not None:
+            rows = min(rows, scale.max_rows_per_table)
+        if scale.dim is not None:
+            dim = scale.dim
+    return TableSpec(name=name, rows=rows, dim=dim, pooling_factor=pooling_factor, multi_hot=multi_hot,
+                     dtype=dtype, placement=placement)
+
+
+def _parse_interaction(raw: Any, source: str | None) -> Interaction:
+    o = _Obj(raw, "interaction", source)
+    kind = o.str_("type", choices=INTERACTIONS)
+    if kind == "dot":
+        o.done()
+        return Interaction("dot")
+    inter = Interaction("dcn", layers=o.int_("layers", 3), low_rank=o.int_("low_rank", 512))
+    o.done()
+    return inter
+
+
+def _parse_optimizer(raw: Any, source: str | None) -> Optimizer:
+    o = _Obj(raw, "optimizer", source)
+    opt = Optimizer(type=o.str_("type", choices=OPTIMIZERS), lr=o.float_("lr", 0.01), fused=o.bool_("fused", True))
+    o.done()
+    return opt
+
+
+def _parse_data(raw: Any, source: str | None) -> DataSpec:
+    o = _Obj(raw, "data", source)
+    kind = o.str_("type", "synthetic", choices=DATA_TYPES)
+    if kind == "synthetic":
+        spec = DataSpec(kind, zipf_alpha=o.float_("zipf_alpha", 1.05, positive=False))
+        if spec.zipf_alpha is not None and spec.zipf_alpha < 0:
+            raise o.error("zipf_alpha", f"must be >= 0, got {spec.zipf_alpha}")
+    else:
+        path = o.str_("path")
+        if not path:
+            raise o.error("path", "must not be empty")
+        spec = DataSpec(kind, zipf_alpha=None, path=path)
+    o.done()
+    return spec
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    """Read a spec file (YAML; JSON accepted) and validate it."""
+    import yaml  # parsing only; kept local so `import slurm_dlrm.spec` stays cheap
+
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise SpecError("spec", f"cannot read {p}: {reason}") from None
+    try:
+        if p.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        first = " ".join(str(exc).split())[:200]
+        raise SpecError("spec", f"not valid {'JSON' if p.suffix.lower() == '.json' else 'YAML'}: {first}", str(p)) from None
+    if data is None:
+        raise SpecError("spec", "file is empty", str(p))
+    return parse_spec(data, str(p))

@@ -1,0 +1,105 @@
+"""Opening the SQLite file: private folder and file modes, pragmas, write transactions.
+
+Concurrency model: every connection runs in autocommit mode (`isolation_level=None`)
+and writes only inside `Store.write()`, which starts with `BEGIN IMMEDIATE` (the write
+lock is taken up front, so a transaction never has to upgrade a read lock and deadlock)
+and retries with jittered exponential backoff on top of SQLite's busy timeout. In WAL
+mode readers never block writers and vice versa; only writers queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import sqlite3
+import stat
+import time
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from slurm_dlrm.store.errors import StoreBusy, StoreError
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DB_FILENAME = "store.sqlite"
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+
+
+def is_busy(exc: BaseException) -> bool:
+    """SQLITE_BUSY / SQLITE_LOCKED as Python's sqlite3 reports them (3.11: by message)."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return (code & 0xFF) in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    msg = str(exc)
+    return "locked" in msg or "busy" in msg
+
+
+def ensure_private_dir(path: Path) -> None:
+    """Create `path` as 0700; tighten it if we own it and it is open to others."""
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != DIR_MODE:
+        log.warning("store folder %s had mode %o; setting 0700", path, stat.S_IMODE(st.st_mode))
+        os.chmod(path, DIR_MODE)
+
+
+def ensure_private_file(path: Path) -> None:
+    """Create the database file 0600 before SQLite does (SQLite would use the umask).
+
+    SQLite gives the -wal and -shm files the mode of the database file, so they stay
+    private too.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != FILE_MODE:
+            os.fchmod(fd, FILE_MODE)
+    finally:
+        os.close(fd)
+
+
+def connect(path: Path, *, readonly: bool, busy_timeout_s: float) -> sqlite3.Connection:
+    if readonly:
+        if not path.is_file():
+            raise StoreError(f"no store at {path}")
+        uri = "file:" + urllib.parse.quote(str(path)) + "?mode=ro"
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=busy_timeout_s)
+    else:
+        ensure_private_dir(path.parent)
+        ensure_private_file(path)
+        conn = sqlite3.connect(str(path), isolation_level=None, timeout=busy_timeout_s)
+    conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+    conn.execute("PRAGMA foreign_keys = ON")
+    if not readonly:
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        if str(mode).lower() != "wal":
+            # Persistent once set; needs the write lock, so retry like a write.
+            retry_busy(lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone(), 60.0)
+        # WAL + NORMAL: a commit survives a process crash; a power cut may lose the
+        # last commits but never corrupts, and offsets roll back with their samples.
+        conn.execute("PRAGMA synchronous = NORMAL")
+    return conn
+
+
+def retry_busy(fn: Callable[[], T], deadline_s: float) -> T:
+    """Call `fn` until it does not fail with SQLITE_BUSY, backing off up to `deadline_s`."""
+    deadline = time.monotonic() + deadline_s
+    delay = 0.002
+    while True:
+        try:
+            return fn()
+        except sqlite3.OperationalError as exc:
+            if not is_busy(exc):
+                raise
+            if time.monotonic() > deadline:
+                raise StoreBusy(f"store still locked after {deadline_s:g} s: {exc}") from exc
+            time.sleep(delay * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, 0.25)

@@ -1,0 +1,48 @@
+"""Typed errors of the store (all `DlrmError`, so the CLI prints one line)."""
+
+from __future__ import annotations
+
+from slurm_dlrm.errors import DlrmError
+
+
+class StoreError(DlrmError):
+    """Base of the store's errors."""
+
+
+class IllegalTransition(StoreError):
+    """A state change that the lifecycle table does not allow."""
+
+    def __init__(self, entity: str, entity_id: int, src: str, dst: str) -> None:
+        self.entity = entity
+        self.entity_id = entity_id
+        self.src = src
+        self.dst = dst
+        super().__init__(f"{entity} {entity_id}: illegal transition {src} -> {dst}")
+
+
+class StaleState(StoreError):
+    """The caller expected another current state (someone else moved it first)."""
+
+    def __init__(self, entity: str, entity_id: int, expected: str, actual: str) -> None:
+        self.entity = entity
+        self.entity_id = entity_id
+        self.expected = expected
+        self.actual = actual
+        super().__init__(f"{entity} {entity_id}: expected state {expected}, found {actual}")
+
+
+class UnknownEntity(StoreError):
+    """No job/pack with that id (or name)."""
+
+    def __init__(self, entity: str, key: object) -> None:
+        self.entity = entity
+        self.key = key
+        super().__init__(f"no {entity} {key!r} in the store")
+
+
+class StoreBusy(StoreError):
+    """The write lock could not be taken within the retry budget."""
+
+
+class SchemaTooNew(StoreError):
+    """The database was migrated by a newer slurm-dlrm than this one."""

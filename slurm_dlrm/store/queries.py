@@ -1,0 +1,219 @@
+"""Named SQL queries of the store, in one place so they can be read, reviewed and tested.
+
+Run with `Store.query(name, params)`. Optional filters are written as
+``(:x IS NULL OR ...)``; lists are passed as a JSON array and unpacked with
+`json_each`, so each query is one static statement.
+"""
+
+from __future__ import annotations
+
+from slurm_dlrm.store.states import JOB_TERMINAL
+
+UPSERT_JOB_USAGE = """
+INSERT INTO job_usage (job_id, n_samples, gpu_mem_peak_bytes, rss_peak_bytes, sm_util_sum, sm_util_n,
+                       sm_util_max, host_cpu_sum, host_cpu_n, sps_sum, sps_n, first_t, last_t)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT(job_id) DO UPDATE SET
+    n_samples = n_samples + excluded.n_samples,
+    -- SQLite's max(NULL, x) is NULL, hence the coalesce pairs
+    gpu_mem_peak_bytes = max(coalesce(gpu_mem_peak_bytes, excluded.gpu_mem_peak_bytes),
+                             coalesce(excluded.gpu_mem_peak_bytes, gpu_mem_peak_bytes)),
+    rss_peak_bytes = max(coalesce(rss_peak_bytes, excluded.rss_peak_bytes),
+                         coalesce(excluded.rss_peak_bytes, rss_peak_bytes)),
+    sm_util_sum = sm_util_sum + excluded.sm_util_sum,
+    sm_util_n = sm_util_n + excluded.sm_util_n,
+    sm_util_max = max(coalesce(sm_util_max, excluded.sm_util_max), coalesce(excluded.sm_util_max, sm_util_max)),
+    host_cpu_sum = host_cpu_sum + excluded.host_cpu_sum,
+    host_cpu_n = host_cpu_n + excluded.host_cpu_n,
+    sps_sum = sps_sum + excluded.sps_sum,
+    sps_n = sps_n + excluded.sps_n,
+    first_t = min(coalesce(first_t, excluded.first_t), coalesce(excluded.first_t, first_t)),
+    last_t = max(coalesce(last_t, excluded.last_t), coalesce(excluded.last_t, last_t))
+"""
+
+# GPU-hours (docs/store.md, "GPU-hours"): every GPU a pack's member ran on is charged
+# for the pack's allocated time on it; that time is split among the GPU's members in
+# proportion to how long each ran there.
+ACCT = """
+WITH gpu AS (
+    -- every GPU of a pack that had a running member: members' seconds and allocated seconds
+    SELECT p.pack_id, p.node_index, p.gpu_index, count(*) AS n_members,
+           sum(max(0.0, coalesce(p.end_time, :now) - p.start_time)) AS member_s,
+           max(0.0, coalesce(k.end_time, :now) - coalesce(k.start_time, min(p.start_time))) AS alloc_s
+    FROM placements p JOIN packs k ON k.id = p.pack_id
+    WHERE p.start_time IS NOT NULL
+    GROUP BY p.pack_id, p.node_index, p.gpu_index
+),
+charge AS (
+    SELECT p.job_id,
+           sum(CASE WHEN g.member_s > 0
+                    THEN g.alloc_s * max(0.0, coalesce(p.end_time, :now) - p.start_time) / g.member_s
+                    ELSE g.alloc_s / g.n_members END) AS charged_gpu_s,
+           sum(max(0.0, coalesce(p.end_time, :now) - p.start_time)) AS gpu_run_s,
+           -- the same run time, shortened on a shared GPU to what the member would have
+           -- needed alone at the relative speed the packing plan predicted for it
+           sum(max(0.0, coalesce(p.end_time, :now) - p.start_time)
+               * CASE WHEN g.n_members > 1 THEN min(1.0, max(0.0, coalesce(p.predicted_speed, 1.0)))
+                      ELSE 1.0 END) AS excl_pred_s,
+           max(CASE WHEN g.n_members > 1 AND p.predicted_speed IS NOT NULL THEN 1 ELSE 0 END) AS has_pred,
+           max(g.n_members) AS max_members
+    FROM placements p
+    JOIN gpu g ON g.pack_id = p.pack_id AND g.node_index = p.node_index AND g.gpu_index = p.gpu_index
+    WHERE p.start_time IS NOT NULL
+    GROUP BY p.job_id
+),
+-- per job and pack: GPUs, and how long the member ran there
+jp AS (
+    SELECT job_id, pack_id, count(*) AS n_gpus,
+           max(coalesce(end_time, :now)) - min(start_time) AS run_s
+    FROM placements GROUP BY job_id, pack_id
+),
+span AS (
+    SELECT job_id, sum(run_s) AS run_s FROM jp GROUP BY job_id
+),
+-- measured solo throughput per spec fingerprint and GPU model: jobs that never shared a
+-- GPU. Only such a figure (same structure, same device) makes a measured slowdown.
+solo AS (
+    SELECT j.spec_fingerprint, k.gpu_model, sum(u.sps_sum) / sum(u.sps_n) AS solo_sps
+    FROM jobs j JOIN charge c ON c.job_id = j.id JOIN job_usage u ON u.job_id = j.id
+    JOIN packs k ON k.id = j.pack_id
+    WHERE c.max_members = 1 AND u.sps_n > 0
+    GROUP BY j.spec_fingerprint, k.gpu_model
+)
+-- the derived columns, so that every output format (and the SQL-formatted table) agrees
+SELECT x.*, x.excl_gpu_hours - x.gpu_hours AS gpu_hours_saved FROM (
+SELECT b.*,
+       CASE WHEN b.start_time IS NOT NULL THEN b.start_time - b.submit_time
+            WHEN b.state IN ({TERMINAL}) AND b.end_time IS NOT NULL THEN b.end_time - b.submit_time
+            ELSE :now - b.submit_time END AS wait_s,
+       coalesce(b.span_s, 0.0) AS run_s,
+       coalesce(b.job_slurm_job_id, b.pack_slurm_job_id || coalesce('.' || b.slurm_step, '')) AS slurm_job_id,
+       coalesce(b.charged_gpu_s, 0.0) / 3600.0 AS gpu_hours,
+       -- slowdown correction, only for jobs that shared a GPU (docs/store.md, GPU-hours):
+       -- measured against solo runs of the same spec on the same GPU model, else the
+       -- plan's predicted speed, else none
+       CASE WHEN b.max_members > 1 AND b.solo_sps > 0 AND b.samples_per_s_mean > 0
+            THEN coalesce(b.gpu_run_s, 0.0) * min(1.0, b.samples_per_s_mean / b.solo_sps)
+            ELSE coalesce(b.excl_pred_s, 0.0) END / 3600.0 AS excl_gpu_hours,
+       CASE WHEN b.max_members IS NULL THEN NULL WHEN b.max_members = 1 THEN 'solo'
+            WHEN b.solo_sps > 0 AND b.samples_per_s_mean > 0 THEN 'measured'
+            WHEN b.has_pred THEN 'predicted' ELSE 'none' END AS speed_basis
+FROM (
+SELECT j.id AS job_id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j.gpu_model,
+       j.est_gpu_peak_bytes, j.est_host_peak_bytes, j.est_profile_label, j.est_solo_samples_per_s,
+       j.submit_time, j.start_time, j.end_time, j.pack_id, j.slurm_job_id AS job_slurm_job_id, j.slurm_step,
+       j.exit_code, j.exit_reason,
+       k.name AS pack_name, k.slurm_job_id AS pack_slurm_job_id,
+       coalesce(last.n_gpus, 0) AS n_gpus, k.nodes,
+       coalesce(u.n_samples, 0) AS n_samples, u.gpu_mem_peak_bytes, u.rss_peak_bytes,
+       CASE WHEN u.sm_util_n > 0 THEN u.sm_util_sum / u.sm_util_n END AS sm_util_mean,
+       u.sm_util_max,
+       CASE WHEN u.host_cpu_n > 0 THEN u.host_cpu_sum / u.host_cpu_n END AS host_cpu_mean,
+       CASE WHEN u.sps_n > 0 THEN u.sps_sum / u.sps_n END AS samples_per_s_mean,
+       c.charged_gpu_s, c.gpu_run_s, c.excl_pred_s, c.has_pred, c.max_members, sp.run_s AS span_s,
+       so.solo_sps
+FROM jobs j
+LEFT JOIN packs k ON k.id = j.pack_id
+LEFT JOIN job_usage u ON u.job_id = j.id
+LEFT JOIN charge c ON c.job_id = j.id
+LEFT JOIN jp last ON last.job_id = j.id AND last.pack_id = j.pack_id
+LEFT JOIN span sp ON sp.job_id = j.id
+LEFT JOIN solo so ON so.spec_fingerprint = j.spec_fingerprint AND so.gpu_model IS k.gpu_model
+WHERE (:job_ids IS NULL OR j.id IN (SELECT value FROM json_each(:job_ids)))
+  AND (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states)))
+  AND (:users IS NULL OR j.user IN (SELECT value FROM json_each(:users)))
+  AND (:pack_id IS NULL OR j.id IN (SELECT job_id FROM placements WHERE pack_id = :pack_id))
+  AND (:since IS NULL OR coalesce(j.end_time, 1e300) >= :since)
+  AND (:until IS NULL OR j.submit_time <= :until)
+) b) x
+ORDER BY x.job_id
+""".replace("{TERMINAL}", ", ".join(f"'{s.value}'" for s in sorted(JOB_TERMINAL)))
+
+CALIBRATION = """
+SELECT j.id AS job_id, j.state, j.end_time,
+       j.est_gpu_peak_bytes, u.gpu_mem_peak_bytes AS meas_gpu_peak_bytes,
+       j.est_host_peak_bytes, u.rss_peak_bytes AS meas_host_peak_bytes,
+       coalesce(u.n_samples, 0) AS n_samples
+FROM jobs j LEFT JOIN job_usage u ON u.job_id = j.id
+WHERE j.spec_fingerprint = :fingerprint
+  AND j.state IN (SELECT value FROM json_each(:terminal))
+ORDER BY j.end_time DESC, j.id DESC
+LIMIT :limit
+"""
+
+USAGE_MISMATCH = """
+SELECT job_id, n_usage, n_samples FROM (
+    SELECT u.job_id, u.n_samples AS n_usage,
+           (SELECT count(*) FROM samples s WHERE s.job_id = u.job_id) + u.n_pruned AS n_samples
+    FROM job_usage u
+) WHERE n_usage != n_samples
+UNION ALL
+SELECT s.job_id, 0 AS n_usage, count(*) AS n_samples
+FROM samples s LEFT JOIN job_usage u ON u.job_id = s.job_id
+WHERE s.job_id IS NOT NULL AND u.job_id IS NULL GROUP BY s.job_id
+"""
+
+# Report: per-GPU utilisation, averaged into time buckets so a plot stays readable.
+GPU_TIMELINE = """
+SELECT pack_id, node, gpu_index, job_id,
+       CAST(t / :bucket_s AS INTEGER) * :bucket_s AS t,
+       avg(sm_util_pct) AS sm_util_pct, max(gpu_mem_bytes) AS gpu_mem_bytes
+FROM samples
+WHERE t >= :since AND t <= :until AND gpu_index IS NOT NULL
+GROUP BY pack_id, node, gpu_index, job_id, CAST(t / :bucket_s AS INTEGER)
+ORDER BY pack_id, node, gpu_index, job_id, t
+"""
+
+SAMPLE_SPAN = "SELECT min(t) AS t0, max(t) AS t1, count(*) AS n FROM samples WHERE t >= :since AND t <= :until"
+
+GANTT = """
+SELECT k.id AS pack_id, k.name AS pack_name, k.state AS pack_state, k.start_time AS pack_start,
+       k.end_time AS pack_end, p.job_id, j.name AS job_name, j.state AS job_state,
+       min(p.start_time) AS start_time, max(coalesce(p.end_time, :now)) AS end_time,
+       count(*) AS n_gpus
+FROM packs k JOIN placements p ON p.pack_id = k.id JOIN jobs j ON j.id = p.job_id
+WHERE k.start_time IS NOT NULL AND coalesce(k.end_time, :now) >= :since AND k.start_time <= :until
+  AND p.start_time IS NOT NULL
+GROUP BY k.id, p.job_id
+ORDER BY k.start_time, k.id, min(p.start_time)
+"""
+
+QUERIES: dict[str, str] = {
+    "job_by_id": (
+        "SELECT j.*, s.spec_json, s.estimate_json, s.sbatch_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
+        "WHERE j.id = :id"
+    ),
+    "jobs_by_state": (
+        "SELECT j.*, s.spec_json, s.estimate_json, s.sbatch_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
+        "WHERE (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states))) "
+        "AND (:user IS NULL OR j.user = :user) ORDER BY j.id"
+    ),
+    "pack_by_id": "SELECT * FROM packs WHERE id = :id",
+    "pack_by_name": "SELECT * FROM packs WHERE name = :name",
+    "packs_by_state": (
+        "SELECT * FROM packs WHERE (:states IS NULL OR state IN (SELECT value FROM json_each(:states))) "
+        "AND (:user IS NULL OR user = :user) ORDER BY id"
+    ),
+    "placements": (
+        "SELECT * FROM placements WHERE (:pack_id IS NULL OR pack_id = :pack_id) "
+        "AND (:job_id IS NULL OR job_id = :job_id) ORDER BY id"
+    ),
+    "events": (
+        "SELECT * FROM events WHERE (:job_id IS NULL OR job_id = :job_id) "
+        "AND (:pack_id IS NULL OR pack_id = :pack_id) AND (:kind IS NULL OR kind = :kind) "
+        "AND (:since IS NULL OR t >= :since) ORDER BY id"
+    ),
+    "job_usage": (
+        "SELECT job_id, n_samples, gpu_mem_peak_bytes, rss_peak_bytes, "
+        "CASE WHEN sm_util_n > 0 THEN sm_util_sum / sm_util_n END AS sm_util_mean, sm_util_max, "
+        "CASE WHEN host_cpu_n > 0 THEN host_cpu_sum / host_cpu_n END AS host_cpu_mean, "
+        "CASE WHEN sps_n > 0 THEN sps_sum / sps_n END AS samples_per_s_mean, first_t, last_t "
+        "FROM job_usage WHERE job_id = :job_id"
+    ),
+    "acct": ACCT,
+    "calibration": CALIBRATION,
+    "usage_mismatch": USAGE_MISMATCH,
+    "gpu_timeline": GPU_TIMELINE,
+    "sample_span": SAMPLE_SPAN,
+    "gantt": GANTT,
+}

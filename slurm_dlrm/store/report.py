@@ -1,0 +1,272 @@
+"""`slurm-dlrm report`: one self-contained HTML page with matplotlib plots.
+
+matplotlib (Agg backend) is imported inside `write_report` only, so nothing else in
+slurm-dlrm pays for it. Each plot is written as a PNG beside the HTML and embedded in
+it as base64, so the page works when copied alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from slurm_dlrm.store.acct import (
+    DEFAULT_FORMAT,
+    AcctFilter,
+    acct_rows,
+    acct_table_cells,
+    parse_format,
+)
+from slurm_dlrm.store.store import Store
+
+GIB = float(1 << 30)
+STATE_COLOURS = {
+    "COMPLETED": "#2e7d32", "RUNNING": "#1565c0", "FAILED": "#c62828", "OOM": "#ef6c00",
+    "CANCELLED": "#757575", "PENDING": "#9e9e9e", "PLANNED": "#6a1b9a",
+}
+
+
+@dataclass
+class Written:
+    html: Path
+    pngs: list[Path] = field(default_factory=list)
+
+
+_TEMPLATE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>slurm-dlrm report {{ since }} to {{ until }}</title>
+<style>
+ body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
+ table { border-collapse: collapse; font-size: 0.85em; }
+ th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
+ th { background: #eee; } td.l, th.l { text-align: left; }
+ img { max-width: 100%; border: 1px solid #ddd; margin: 0.5em 0; }
+ .note { color: #666; font-size: 0.85em; }
+</style></head><body>
+<h1>slurm-dlrm report</h1>
+<p>Window: {{ since }} to {{ until }} (local time). Store: <code>{{ store_path }}</code>.
+Generated {{ generated }}.</p>
+<h2>Summary</h2>
+<table>{% for k, v in summary %}<tr><th class="l">{{ k }}</th><td>{{ v }}</td></tr>{% endfor %}</table>
+<p class="note">GPU-hours charged split each shared GPU's allocated hours among its members by
+their run time on it; "exclusive" is what the same work would take at one job per GPU
+(docs/store.md, "GPU-hours").</p>
+{% for p in plots %}
+<h2>{{ p.title }}</h2>
+<img alt="{{ p.title }}" src="data:image/png;base64,{{ p.b64 }}">
+<p class="note">{{ p.note }} (also <a href="{{ p.file }}">{{ p.file }}</a>)</p>
+{% endfor %}
+<h2>Jobs{% if jobs_truncated %} (latest {{ job_rows|length }} of {{ n_jobs }}){% endif %}</h2>
+<table><tr>{% for h in job_header %}<th>{{ h }}</th>{% endfor %}</tr>
+{% for row in job_rows %}<tr>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>{% endfor %}
+</table>
+</body></html>
+"""
+
+
+def _fmt_time(t: float) -> str:
+    return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def write_report(store: Store, html_path: Path, *, since: float, until: float, max_gpus: int = 16,
+                 max_packs: int = 40, max_job_rows: int = 500, now: float | None = None) -> Written:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on login or compute nodes
+    import matplotlib.pyplot as plt
+
+    now = store.clock() if now is None else now
+    html_path = html_path.resolve()
+    html_path.parent.mkdir(parents=True, exist_ok=True)
+    stem = html_path.stem
+    rows = acct_rows(store, AcctFilter(since=since, until=until), now)
+    written = Written(html_path)
+    plots: list[dict[str, str]] = []
+
+    def save(fig: Any, suffix: str, title: str, note: str) -> None:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        png = html_path.with_name(f"{stem}-{suffix}.png")
+        png.write_bytes(buf.getvalue())
+        written.pngs.append(png)
+        plots.append({"title": title, "note": note, "file": png.name,
+                      "b64": base64.b64encode(buf.getvalue()).decode("ascii")})
+
+    fig, note = _gpu_timelines(plt, store, since, until, max_gpus)
+    save(fig, "gpu-util", "SM utilisation per GPU", note)
+    fig, note = _gantt(plt, store, since, until, max_packs, now)
+    save(fig, "gantt", "Packs and their members", note)
+    fig, note = _memory(plt, rows)
+    save(fig, "memory", "Estimated vs measured peak memory", note)
+
+    cols = parse_format(DEFAULT_FORMAT)
+    cells = acct_table_cells(store, AcctFilter(since=since, until=until), cols, now)
+    shown = [list(r[3:]) for r in cells[-max_job_rows:]]
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    html = env.from_string(_TEMPLATE).render(
+        since=_fmt_time(since), until=_fmt_time(until), generated=_fmt_time(now),
+        store_path=str(store.path), summary=_summary(store, rows, since, until), plots=plots,
+        job_header=[c.name for c, _ in cols], job_rows=shown,
+        jobs_truncated=len(rows) > len(shown), n_jobs=len(rows),
+    )
+    html_path.write_text(html, encoding="utf-8")
+    return written
+
+
+def _summary(store: Store, rows: list[dict[str, Any]], since: float, until: float) -> list[tuple[str, str]]:
+    by_state: dict[str, int] = defaultdict(int)
+    for r in rows:
+        by_state[r["state"]] += 1
+    charged = sum(r["gpu_hours"] for r in rows)
+    excl = sum(r["excl_gpu_hours"] for r in rows)
+    waits = [r["wait_s"] for r in rows if r["start_time"] is not None]
+    gpu_err = [r["gpu_mem_peak_bytes"] / r["est_gpu_peak_bytes"] - 1 for r in rows
+               if r["gpu_mem_peak_bytes"] and r["est_gpu_peak_bytes"]]
+    host_err = [r["rss_peak_bytes"] / r["est_host_peak_bytes"] - 1 for r in rows
+                if r["rss_peak_bytes"] and r["est_host_peak_bytes"]]
+    span = store.query("sample_span", {"since": since, "until": until})[0]
+    packs = {r["pack_id"] for r in rows if r["pack_id"] is not None}
+    out = [
+        ("Jobs", f"{len(rows)} (" + ", ".join(f"{k} {v}" for k, v in sorted(by_state.items())) + ")"),
+        ("Packs", str(len(packs))),
+        ("Monitoring samples", f"{span['n']:,}"),
+        ("GPU-hours charged", f"{charged:.3f}"),
+        ("GPU-hours at one job per GPU", f"{excl:.3f}"),
+        ("GPU-hours saved", f"{excl - charged:.3f}" + (f" ({(excl - charged) / excl:.1%})" if excl > 0 else "")),
+        ("Mean wait (started jobs)", f"{statistics.fmean(waits):.0f} s" if waits else "-"),
+        ("GPU memory: median (measured/estimated - 1)", f"{statistics.median(gpu_err):+.1%}" if gpu_err else "-"),
+        ("Host memory: median (measured/estimated - 1)", f"{statistics.median(host_err):+.1%}" if host_err else "-"),
+        ("OOM jobs", str(by_state.get("OOM", 0))),
+    ]
+    return out
+
+
+def _empty(plt: Any, text: str) -> Any:
+    fig, ax = plt.subplots(figsize=(10, 1.5))
+    ax.text(0.5, 0.5, text, ha="center", va="center")
+    ax.set_axis_off()
+    return fig
+
+
+def _dates(ts: list[float]) -> list[datetime]:
+    return [datetime.fromtimestamp(t) for t in ts]
+
+
+def _gpu_timelines(plt: Any, store: Store, since: float, until: float, max_gpus: int) -> tuple[Any, str]:
+    span = store.query("sample_span", {"since": since, "until": until})[0]
+    if not span["n"]:
+        return _empty(plt, "no samples in this window"), "No samples."
+    bucket_s = max(1.0, (span["t1"] - span["t0"]) / 300.0)
+    series: dict[tuple[int, str, int], dict[int | None, tuple[list[float], list[float]]]] = defaultdict(dict)
+    for r in store.query("gpu_timeline", {"since": since, "until": until, "bucket_s": bucket_s}):
+        gpu = (r["pack_id"], r["node"], r["gpu_index"])
+        ts, ys = series[gpu].setdefault(r["job_id"], ([], []))
+        if r["sm_util_pct"] is not None:
+            ts.append(r["t"])
+            ys.append(r["sm_util_pct"])
+    # The busiest GPUs by points, shown in time order.
+    gpus = sorted(series, key=lambda g: -sum(len(v[0]) for v in series[g].values()))[:max_gpus]
+    gpus.sort(key=lambda g: min((v[0][0] for v in series[g].values() if v[0]), default=0.0))
+    import matplotlib.dates as mdates
+
+    # Own time axis per GPU: packs are short next to the window.
+    fig, axes = plt.subplots(len(gpus), 1, figsize=(11, 1.8 * len(gpus) + 0.6), squeeze=False)
+    for ax, gpu in zip(axes[:, 0], gpus, strict=True):
+        members = series[gpu]
+        for job_id, (ts, ys) in sorted(members.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+            if not ts:
+                continue
+            if job_id is None:
+                ax.plot(_dates(ts), ys, color="black", linewidth=1.2, label="GPU")
+            else:
+                ax.plot(_dates(ts), ys, linewidth=0.9, label=f"job {job_id}")
+        ax.set_ylim(0, 105)
+        ax.set_ylabel("SM %")
+        ax.set_title(f"pack {gpu[0]}  {gpu[1]} GPU {gpu[2]}", fontsize=9, loc="left")
+        ax.legend(fontsize=7, loc="upper right", ncol=4)
+        ax.grid(alpha=0.3)
+        locator = mdates.AutoDateLocator()
+        ax.xaxis.set_major_locator(locator)
+        ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+    fig.tight_layout()
+    note = f"{len(gpus)} of {len(series)} GPUs; averages over {bucket_s:.0f} s buckets; black = whole GPU."
+    return fig, note
+
+
+def _gantt(plt: Any, store: Store, since: float, until: float, max_packs: int, now: float) -> tuple[Any, str]:
+    import matplotlib.dates as mdates
+
+    rows = store.query("gantt", {"since": since, "until": until, "now": now})
+    if not rows:
+        return _empty(plt, "no packs ran in this window"), "No packs."
+    pack_ids = list(dict.fromkeys(r["pack_id"] for r in rows))
+    keep = set(pack_ids[-max_packs:])
+    rows = [r for r in rows if r["pack_id"] in keep]
+    fig, ax = plt.subplots(figsize=(11, 0.28 * len(rows) + 1.5))
+    labels: list[str] = []
+    y = 0
+    pack_rows: dict[int, list[int]] = defaultdict(list)
+    for r in rows:
+        pack_rows[r["pack_id"]].append(y)
+        start = mdates.date2num(datetime.fromtimestamp(r["start_time"]))
+        end = mdates.date2num(datetime.fromtimestamp(r["end_time"]))
+        ax.barh(y, max(end - start, 1e-6), left=start, height=0.7,
+                color=STATE_COLOURS.get(r["job_state"], "#888"), edgecolor="none")
+        labels.append(f"pack {r['pack_id']} · job {r['job_id']} {r['job_name'][:18]}"
+                      + (f" ({r['n_gpus']} GPUs)" if r["n_gpus"] > 1 else ""))
+        y += 1
+    for r in {r["pack_id"]: r for r in rows}.values():
+        ys = pack_rows[r["pack_id"]]
+        start = mdates.date2num(datetime.fromtimestamp(r["pack_start"]))
+        end = mdates.date2num(datetime.fromtimestamp(r["pack_end"] if r["pack_end"] is not None else now))
+        ax.axhspan(min(ys) - 0.45, max(ys) + 0.45, xmin=0, xmax=1, color="#f0f0f0", zorder=0)
+        ax.plot([start, end], [min(ys) - 0.45] * 2, color="black", linewidth=2)
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.xaxis_date()
+    ax.grid(axis="x", alpha=0.3)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STATE_COLOURS.values()]
+    ax.legend(handles, list(STATE_COLOURS), fontsize=7, loc="lower right", ncol=4)
+    fig.autofmt_xdate()
+    return fig, (f"{len(keep)} of {len(pack_ids)} packs; bars are members coloured by job state, "
+                 "the black line above each group is the pack's allocation.")
+
+
+def _memory(plt: Any, rows: list[dict[str, Any]]) -> tuple[Any, str]:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
+    n_total = 0
+    for ax, est_key, meas_key, title in (
+        (axes[0], "est_gpu_peak_bytes", "gpu_mem_peak_bytes", "GPU memory peak (GiB)"),
+        (axes[1], "est_host_peak_bytes", "rss_peak_bytes", "host memory peak (GiB)"),
+    ):
+        pts = [(r[est_key] / GIB, r[meas_key] / GIB, r["state"]) for r in rows
+               if r[est_key] is not None and r[meas_key] is not None]
+        n_total += len(pts)
+        for state, colour in STATE_COLOURS.items():
+            xs = [p[0] for p in pts if p[2] == state]
+            ys = [p[1] for p in pts if p[2] == state]
+            if xs:
+                ax.scatter(xs, ys, s=12, color=colour, label=state, alpha=0.8)
+        hi = max([max(p[0], p[1]) for p in pts], default=1.0) * 1.05
+        ax.plot([0, hi], [0, hi], color="black", linewidth=0.8, linestyle="--", label="measured = estimated")
+        ax.set_xlim(0, hi)
+        ax.set_ylim(0, hi)
+        ax.set_xlabel("estimated")
+        ax.set_ylabel("measured")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return fig, f"{n_total} points; above the diagonal the estimate was too low."
+
+
+__all__ = ["Written", "write_report"]

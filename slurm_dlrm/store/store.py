@@ -1,0 +1,847 @@
+"""The store: one SQLite file per user holding jobs, packs, placements, samples, events.
+
+Every state change goes through `transition_job` / `transition_pack`, which check the
+lifecycle tables in `states.py` and write an event row in the same transaction.
+Writes nest: calling a store method inside `with store.write():` joins the outer
+transaction, so a caller can make several changes atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pwd
+import sqlite3
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slurm_dlrm.site import SiteConfig, expand_hostlist
+from slurm_dlrm.store import queries
+from slurm_dlrm.store.db import DB_FILENAME, connect, is_busy, retry_busy
+from slurm_dlrm.store.errors import (
+    IllegalTransition,
+    SchemaTooNew,
+    StaleState,
+    StoreBusy,
+    StoreError,
+    UnknownEntity,
+)
+from slurm_dlrm.store.ingest import IngestResult, OnRecord, ingest_spool_file
+from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS, MIGRATIONS_TABLE
+from slurm_dlrm.store.states import (
+    JOB_ATTEMPT_FROM,
+    JOB_TERMINAL,
+    PACK_TERMINAL,
+    JobState,
+    PackState,
+    job_transition_allowed,
+    pack_transition_allowed,
+)
+
+if TYPE_CHECKING:
+    import sqlite_utils
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+SAMPLE_FIELDS = (
+    "t", "pack_id", "job_id", "node", "gpu_index", "sm_util_pct", "mem_util_pct",
+    "gpu_mem_bytes", "host_cpu_pct", "rss_bytes", "samples_per_s",
+)
+_INSERT_SAMPLE = f"INSERT INTO samples ({', '.join(SAMPLE_FIELDS)}) VALUES ({', '.join('?' * len(SAMPLE_FIELDS))})"
+
+
+def current_user() -> str:
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return os.environ.get("USER", str(os.getuid()))
+
+
+def store_path_for(site: SiteConfig, user: str | None = None) -> Path:
+    """Where `user`'s store lives: ``<site.store_dir_for(user)>/store.sqlite``."""
+    return site.store_dir_for(user or current_user()) / DB_FILENAME
+
+
+# ---------------------------------------------------------------- row types
+
+def _row_fields(cls: type, row: Mapping[str, Any]) -> dict[str, Any]:
+    return {f.name: row.get(f.name) for f in fields(cls)}
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    user: str
+    name: str
+    state: JobState
+    attempt: int
+    spec_fingerprint: str
+    spec_json: str
+    estimate_json: str | None
+    sbatch_json: str | None
+    gpu_model: str | None
+    est_gpu_peak_bytes: int | None
+    est_host_peak_bytes: int | None
+    est_profile_label: str | None
+    est_solo_samples_per_s: float | None
+    gpu_mem_request_bytes: int | None
+    host_mem_request_bytes: int | None
+    submit_time: float
+    start_time: float | None
+    end_time: float | None
+    pack_id: int | None
+    slurm_job_id: str | None
+    slurm_step: str | None
+    exit_code: int | None
+    exit_reason: str | None
+    updated_time: float
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Job:
+        d = _row_fields(cls, row)
+        d["state"] = JobState(d["state"])
+        return cls(**d)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return dict(json.loads(self.spec_json))
+
+    @property
+    def estimate(self) -> dict[str, Any] | None:
+        return None if self.estimate_json is None else dict(json.loads(self.estimate_json))
+
+    @property
+    def sbatch(self) -> dict[str, Any] | None:
+        return None if self.sbatch_json is None else dict(json.loads(self.sbatch_json))
+
+
+@dataclass(frozen=True)
+class Pack:
+    id: int
+    name: str
+    user: str
+    state: PackState
+    policy: str
+    partition: str | None
+    gpu_model: str | None
+    n_nodes: int
+    n_gpus: int
+    nodes: str | None
+    slurm_job_id: str | None
+    pack_dir: str | None
+    create_time: float
+    submit_time: float | None
+    start_time: float | None
+    end_time: float | None
+    reason: str | None
+    updated_time: float
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Pack:
+        d = _row_fields(cls, row)
+        d["state"] = PackState(d["state"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Placement:
+    id: int
+    pack_id: int
+    job_id: int
+    attempt: int
+    node_index: int
+    node: str | None
+    gpu_index: int
+    mps_thread_pct: int | None
+    gpu_mem_limit_bytes: int | None
+    host_mem_limit_bytes: int | None
+    cpus: int | None
+    start_time: float | None
+    end_time: float | None
+    predicted_speed: float | None = None  # relative to solo, from the packing plan
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Placement:
+        return cls(**_row_fields(cls, row))
+
+
+@dataclass(frozen=True)
+class NewPlacement:
+    """One member on one GPU, as the policy planned it (a job with world_size > 1 has several)."""
+
+    job_id: int
+    node_index: int
+    gpu_index: int
+    mps_thread_pct: int | None = None
+    gpu_mem_limit_bytes: int | None = None
+    host_mem_limit_bytes: int | None = None
+    cpus: int | None = None
+    node: str | None = None
+    # MemberPlacement.predicted_speed: the member's speed on this GPU relative to running
+    # alone, from the interference model (acct's GPU-hours saved, docs/store.md)
+    predicted_speed: float | None = None
+
+
+@dataclass(frozen=True)
+class CalibrationRow:
+    """A finished job's estimated vs measured peaks, for the estimator's calibration."""
+
+    job_id: int
+    state: JobState
+    end_time: float | None
+    est_gpu_peak_bytes: int | None
+    meas_gpu_peak_bytes: int | None
+    est_host_peak_bytes: int | None
+    meas_host_peak_bytes: int | None
+    n_samples: int
+
+
+@dataclass(frozen=True)
+class JobUsage:
+    """What the samples of one job measured so far (all attempts), from `job_usage`."""
+
+    job_id: int
+    n_samples: int
+    gpu_mem_peak_bytes: int | None
+    rss_peak_bytes: int | None
+    sm_util_mean: float | None
+    sm_util_max: float | None
+    host_cpu_mean: float | None
+    samples_per_s_mean: float | None
+    first_t: float | None
+    last_t: float | None
+
+
+# ---------------------------------------------------------------- the store
+
+class Store:
+    """A user's store. Not thread-safe: one `Store` per thread or process."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        readonly: bool = False,
+        clock: Clock = time.time,
+        busy_timeout_s: float = 10.0,
+        retry_s: float = 300.0,
+    ) -> None:
+        self.path = Path(path)
+        self.readonly = readonly
+        self.clock = clock
+        self.retry_s = retry_s
+        try:
+            self.conn: sqlite3.Connection = connect(self.path, readonly=readonly, busy_timeout_s=busy_timeout_s)
+        except sqlite3.Error as exc:
+            raise StoreError(f"cannot open store {self.path}: {exc}") from exc
+        self._db: Any = None
+        self._depth = 0
+        self._known_jobs: set[int] = set()
+        self._known_packs: set[int] = set()
+        self._warned_unknown: set[tuple[str, int]] = set()
+        try:
+            if readonly:
+                self._check_version()
+            else:
+                self._migrate()
+        except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
+            self.conn.close()
+            raise StoreError(f"cannot open store {self.path}: {exc}") from exc
+        except BaseException:
+            self.conn.close()
+            raise
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        """sqlite-utils over the same connection (introspection, ad-hoc queries, tests).
+
+        Built on first use: importing sqlite_utils also imports numpy (~0.1 s), which
+        `slurm-dlrm acct` and the submit path need not pay.
+        """
+        if self._db is None:
+            import sqlite_utils
+
+            self._db = sqlite_utils.Database(self.conn, recursive_triggers=False, execute_plugins=False)
+        return self._db
+
+    @classmethod
+    def for_user(cls, site: SiteConfig, user: str | None = None, **kw: Any) -> Store:
+        return cls(store_path_for(site, user), **kw)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ transactions
+
+    @property
+    def schema_version(self) -> int:
+        return int(self.conn.execute("PRAGMA user_version").fetchone()[0])
+
+    def _check_version(self) -> None:
+        v = self.schema_version
+        if v > LATEST_VERSION:
+            raise SchemaTooNew(f"{self.path}: schema version {v} is newer than this slurm-dlrm ({LATEST_VERSION})")
+        if v < LATEST_VERSION:
+            raise StoreError(f"{self.path}: schema version {v} is older than {LATEST_VERSION}; open it read-write once to migrate")
+
+    def _migrate(self) -> None:
+        if self.schema_version > LATEST_VERSION:
+            raise SchemaTooNew(f"{self.path}: schema version {self.schema_version} is newer than this slurm-dlrm ({LATEST_VERSION})")
+        for m in MIGRATIONS:
+            if self.schema_version >= m.version:
+                continue
+            with self.write():
+                # Re-read under the write lock: another process may have migrated.
+                if self.schema_version >= m.version:
+                    continue
+                self.conn.execute(MIGRATIONS_TABLE)
+                for stmt in m.statements:
+                    self.conn.execute(stmt)
+                if m.apply is not None:
+                    m.apply(self.conn)
+                self.conn.execute(
+                    "INSERT INTO migrations (version, description, applied_time) VALUES (?, ?, ?)",
+                    (m.version, m.description, self.clock()),
+                )
+                self.conn.execute(f"PRAGMA user_version = {int(m.version)}")
+                log.info("store %s: migrated to version %d (%s)", self.path, m.version, m.description)
+
+    @contextmanager
+    def write(self) -> Iterator[Store]:
+        """One write transaction (`BEGIN IMMEDIATE`, retried while busy); nests."""
+        if self.readonly:
+            raise StoreError(f"{self.path} is open read-only")
+        if self._depth:
+            self._depth += 1
+            try:
+                yield self
+            finally:
+                self._depth -= 1
+            return
+        retry_busy(lambda: self.conn.execute("BEGIN IMMEDIATE"), self.retry_s)
+        self._depth = 1
+        try:
+            yield self
+        except BaseException:
+            self._depth = 0
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            # Ids learnt inside the rolled-back transaction may not exist any more.
+            self._known_jobs.clear()
+            self._known_packs.clear()
+            raise
+        try:
+            retry_busy(lambda: self.conn.execute("COMMIT"), self.retry_s)
+        except BaseException:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+        finally:
+            self._depth = 0
+
+    @contextmanager
+    def savepoint(self, name: str = "sp") -> Iterator[None]:
+        """Inside `write()`: undo only this block's changes if it raises."""
+        assert self._depth, "savepoint() needs an open write()"
+        self.conn.execute(f"SAVEPOINT {name}")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute(f"ROLLBACK TO {name}")
+            self.conn.execute(f"RELEASE {name}")
+            raise
+        self.conn.execute(f"RELEASE {name}")
+
+    @contextmanager
+    def read(self) -> Iterator[Store]:
+        """A consistent snapshot across several queries (a deferred read transaction)."""
+        if self._depth or self.conn.in_transaction:
+            yield self
+            return
+        retry_busy(lambda: self.conn.execute("BEGIN"), self.retry_s)
+        try:
+            yield self
+        finally:
+            if self.conn.in_transaction:
+                self.conn.execute("COMMIT")
+
+    def query(self, name: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Run a named query from `queries.QUERIES`; rows as dicts."""
+        sql = queries.QUERIES[name]
+
+        def run() -> list[dict[str, Any]]:
+            cur = self.conn.execute(sql, dict(params or {}))
+            cols = [d[0] for d in cur.description]
+            return [dict(zip(cols, row, strict=True)) for row in cur.fetchall()]
+
+        return retry_busy(run, self.retry_s)
+
+    # ------------------------------------------------------------ events
+
+    def event_in_tx(
+        self, kind: str, reason: str, *, job_id: int | None = None, pack_id: int | None = None,
+        src: str | None = None, dst: str | None = None, data: Mapping[str, Any] | None = None,
+        t: float | None = None,
+    ) -> None:
+        self.conn.execute(
+            "INSERT INTO events (t, kind, job_id, pack_id, from_state, to_state, reason, data_json) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (self.clock() if t is None else t, kind, job_id, pack_id, src, dst, reason,
+             None if data is None else json.dumps(data, sort_keys=True, default=str)),
+        )
+
+    def add_event(
+        self, kind: str, reason: str, *, job_id: int | None = None, pack_id: int | None = None,
+        data: Mapping[str, Any] | None = None, t: float | None = None,
+    ) -> None:
+        """An audit row that is not a state change (agent events, notes, warnings)."""
+        with self.write():
+            self.event_in_tx(kind, reason, job_id=job_id, pack_id=pack_id, data=data, t=t)
+
+    def events(
+        self, *, job_id: int | None = None, pack_id: int | None = None, kind: str | None = None,
+        since: float | None = None,
+    ) -> list[dict[str, Any]]:
+        rows = self.query("events", {"job_id": job_id, "pack_id": pack_id, "kind": kind, "since": since})
+        for r in rows:
+            raw = r.pop("data_json")
+            r["data"] = None if raw is None else json.loads(raw)
+        return rows
+
+    # ------------------------------------------------------------ jobs
+
+    def add_job(
+        self, *, user: str, name: str, spec: Mapping[str, Any], spec_fingerprint: str,
+        estimate: Mapping[str, Any] | None = None, gpu_model: str | None = None,
+        gpu_mem_request_bytes: int | None = None, host_mem_request_bytes: int | None = None,
+        submit_time: float | None = None, reason: str = "submitted",
+        sbatch: Mapping[str, Any] | None = None,
+    ) -> int:
+        """A new PENDING job. `estimate` is `Estimate.to_dict()` (docs/interfaces.md section 2).
+
+        `sbatch`: the sbatch options the user gave for this job (JSON-able), kept for the
+        service; read back as `Job.sbatch`.
+        """
+        now = self.clock() if submit_time is None else submit_time
+        est = dict(estimate or {})
+        profile = est.get("profile") or {}
+        est_gpu = _int_or_none(est.get("gpu_peak_bytes"))
+        est_host = _int_or_none(est.get("host_peak_bytes"))
+        row = {
+            "user": user, "name": name, "state": JobState.PENDING.value, "attempt": 0,
+            "spec_fingerprint": spec_fingerprint, "gpu_model": gpu_model,
+            "est_gpu_peak_bytes": est_gpu, "est_host_peak_bytes": est_host,
+            "est_profile_label": profile.get("label"),
+            "est_solo_samples_per_s": _float_or_none(profile.get("solo_samples_per_s")),
+            "gpu_mem_request_bytes": est_gpu if gpu_mem_request_bytes is None else gpu_mem_request_bytes,
+            "host_mem_request_bytes": est_host if host_mem_request_bytes is None else host_mem_request_bytes,
+            "submit_time": now, "updated_time": now,
+        }
+        with self.write():
+            cols = ", ".join(row)
+            cur = self.conn.execute(f"INSERT INTO jobs ({cols}) VALUES ({', '.join('?' * len(row))})", tuple(row.values()))
+            job_id = int(cur.lastrowid or 0)
+            self.conn.execute(
+                "INSERT INTO job_specs (job_id, spec_json, estimate_json, sbatch_json) VALUES (?, ?, ?, ?)",
+                (job_id, json.dumps(dict(spec), sort_keys=True, default=str),
+                 json.dumps(est, sort_keys=True, default=str) if estimate is not None else None,
+                 json.dumps(dict(sbatch), sort_keys=True, default=str) if sbatch is not None else None),
+            )
+            self.event_in_tx("job_state", reason, job_id=job_id, dst=JobState.PENDING.value, t=now)
+        return job_id
+
+    def get_job(self, job_id: int) -> Job:
+        rows = self.query("job_by_id", {"id": job_id})
+        if not rows:
+            raise UnknownEntity("job", job_id)
+        return Job.from_row(rows[0])
+
+    def jobs(self, states: Iterable[JobState | str] | None = None, *, user: str | None = None) -> list[Job]:
+        """Jobs in any of `states` (all if None), oldest first."""
+        st = None if states is None else json.dumps([JobState(s).value for s in states])
+        return [Job.from_row(r) for r in self.query("jobs_by_state", {"states": st, "user": user})]
+
+    def transition_job(
+        self, job_id: int, to: JobState | str, reason: str, *, expect: JobState | str | None = None,
+        pack_id: int | None = None, exit_code: int | None = None, slurm_job_id: str | None = None,
+        slurm_step: str | None = None, gpu_mem_request_bytes: int | None = None,
+        host_mem_request_bytes: int | None = None, data: Mapping[str, Any] | None = None,
+        t: float | None = None,
+    ) -> Job:
+        """Move a job along its lifecycle (see `states.JOB_TRANSITIONS`) and log the event.
+
+        Side effects by edge: -> PLANNED needs `pack_id`; -> RUNNING sets the first
+        start time and starts the job's placements in its pack; leaving RUNNING ends
+        them; a terminal state sets end time, exit code and reason; -> PENDING from
+        RUNNING or OOM counts a new attempt and clears end time and exit code.
+        `expect` makes it a compare-and-set: `StaleState` if the job moved meanwhile.
+        """
+        dst = JobState(to)
+        with self.write():
+            rows = self.query("job_by_id", {"id": job_id})
+            if not rows:
+                raise UnknownEntity("job", job_id)
+            row = rows[0]
+            src = JobState(row["state"])
+            if expect is not None and src != JobState(expect):
+                raise StaleState("job", job_id, JobState(expect).value, src.value)
+            if not job_transition_allowed(src, dst):
+                raise IllegalTransition("job", job_id, src.value, dst.value)
+            now = self.clock() if t is None else t
+            sets: dict[str, Any] = {"state": dst.value, "updated_time": now}
+            cur_pack = row["pack_id"]
+            if dst == JobState.PLANNED:
+                if pack_id is None:
+                    raise ValueError("transition to PLANNED needs pack_id")
+                sets["pack_id"] = cur_pack = pack_id
+            if dst == JobState.RUNNING:
+                if row["start_time"] is None:
+                    sets["start_time"] = now
+                self.conn.execute(
+                    "UPDATE placements SET start_time = ? WHERE job_id = ? AND pack_id = ? AND start_time IS NULL",
+                    (now, job_id, cur_pack),
+                )
+            if src == JobState.RUNNING:
+                self.conn.execute(
+                    "UPDATE placements SET end_time = ? WHERE job_id = ? AND pack_id = ? "
+                    "AND start_time IS NOT NULL AND end_time IS NULL",
+                    (now, job_id, cur_pack),
+                )
+            if dst in JOB_TERMINAL:
+                sets.update(end_time=now, exit_reason=reason)
+                if exit_code is not None:
+                    sets["exit_code"] = exit_code
+            if dst == JobState.PENDING:
+                sets.update(end_time=None, exit_code=None, exit_reason=None)
+                if src in JOB_ATTEMPT_FROM:
+                    sets["attempt"] = int(row["attempt"]) + 1
+            for key, value in (("slurm_job_id", slurm_job_id), ("slurm_step", slurm_step),
+                               ("gpu_mem_request_bytes", gpu_mem_request_bytes),
+                               ("host_mem_request_bytes", host_mem_request_bytes)):
+                if value is not None:
+                    sets[key] = value
+            assign = ", ".join(f"{k} = ?" for k in sets)
+            self.conn.execute(f"UPDATE jobs SET {assign} WHERE id = ?", (*sets.values(), job_id))
+            ev = dict(data or {})
+            if exit_code is not None:
+                ev.setdefault("exit_code", exit_code)
+            self.event_in_tx("job_state", reason, job_id=job_id, pack_id=cur_pack, src=src.value,
+                        dst=dst.value, data=ev or None, t=now)
+            return Job.from_row({**row, **sets})
+
+    # ------------------------------------------------------------ packs
+
+    def add_pack(
+        self, *, name: str, user: str, policy: str, n_gpus: int, n_nodes: int = 1,
+        partition: str | None = None, gpu_model: str | None = None, pack_dir: str | None = None,
+        placements: Sequence[NewPlacement] = (), reason: str = "planned", t: float | None = None,
+    ) -> int:
+        """A SUBMITTING pack with its placements; its member jobs move PENDING -> PLANNED.
+
+        All in one transaction: either the pack and all members are planned or nothing.
+        Write this row *before* calling sbatch with `--job-name=name`, so a service
+        that crashes in between finds the pack by name (`find_pack_by_name`).
+        """
+        now = self.clock() if t is None else t
+        with self.write():
+            try:
+                cur = self.conn.execute(
+                    "INSERT INTO packs (name, user, state, policy, partition, gpu_model, n_nodes, n_gpus, "
+                    "pack_dir, create_time, reason, updated_time) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (name, user, PackState.SUBMITTING.value, policy, partition, gpu_model, n_nodes, n_gpus,
+                     pack_dir, now, reason, now),
+                )
+            except sqlite3.IntegrityError as exc:
+                raise StoreError(f"pack name {name!r} already exists") from exc
+            pack_id = int(cur.lastrowid or 0)
+            self.event_in_tx("pack_state", reason, pack_id=pack_id, dst=PackState.SUBMITTING.value, t=now)
+            seen: set[int] = set()
+            for p in placements:
+                if p.job_id not in seen:
+                    seen.add(p.job_id)
+                    self.transition_job(p.job_id, JobState.PLANNED, f"planned into pack {name}",
+                                        pack_id=pack_id, t=now)
+                attempt = self.conn.execute("SELECT attempt FROM jobs WHERE id = ?", (p.job_id,)).fetchone()[0]
+                self.conn.execute(
+                    "INSERT INTO placements (pack_id, job_id, attempt, node_index, node, gpu_index, "
+                    "mps_thread_pct, gpu_mem_limit_bytes, host_mem_limit_bytes, cpus, predicted_speed) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (pack_id, p.job_id, attempt, p.node_index, p.node, p.gpu_index, p.mps_thread_pct,
+                     p.gpu_mem_limit_bytes, p.host_mem_limit_bytes, p.cpus, p.predicted_speed),
+                )
+        return pack_id
+
+    def get_pack(self, pack_id: int) -> Pack:
+        rows = self.query("pack_by_id", {"id": pack_id})
+        if not rows:
+            raise UnknownEntity("pack", pack_id)
+        return Pack.from_row(rows[0])
+
+    def find_pack_by_name(self, name: str) -> Pack | None:
+        """The pack submitted as `sbatch --job-name=name` (for crash reconciliation)."""
+        rows = self.query("pack_by_name", {"name": name})
+        return Pack.from_row(rows[0]) if rows else None
+
+    def packs(self, states: Iterable[PackState | str] | None = None, *, user: str | None = None) -> list[Pack]:
+        st = None if states is None else json.dumps([PackState(s).value for s in states])
+        return [Pack.from_row(r) for r in self.query("packs_by_state", {"states": st, "user": user})]
+
+    def placements(self, *, pack_id: int | None = None, job_id: int | None = None) -> list[Placement]:
+        rows = self.query("placements", {"pack_id": pack_id, "job_id": job_id})
+        return [Placement.from_row(r) for r in rows]
+
+    def transition_pack(
+        self, pack_id: int, to: PackState | str, reason: str, *, expect: PackState | str | None = None,
+        slurm_job_id: str | None = None, nodes: str | None = None, start_time: float | None = None,
+        data: Mapping[str, Any] | None = None, t: float | None = None,
+    ) -> Pack:
+        """Move a pack along its lifecycle (see `states.PACK_TRANSITIONS`) and log the event.
+
+        -> QUEUED sets the submit time; -> RUNNING the start time (`start_time` if Slurm
+        reported an earlier one); a terminal state the end time. `slurm_job_id` and
+        `nodes` (a Slurm hostlist; fills each placement's node name) are recorded when
+        given. Member jobs are not moved: the caller decides what happens to them.
+        """
+        dst = PackState(to)
+        with self.write():
+            rows = self.query("pack_by_id", {"id": pack_id})
+            if not rows:
+                raise UnknownEntity("pack", pack_id)
+            row = rows[0]
+            src = PackState(row["state"])
+            if expect is not None and src != PackState(expect):
+                raise StaleState("pack", pack_id, PackState(expect).value, src.value)
+            if not pack_transition_allowed(src, dst):
+                raise IllegalTransition("pack", pack_id, src.value, dst.value)
+            now = self.clock() if t is None else t
+            sets: dict[str, Any] = {"state": dst.value, "reason": reason, "updated_time": now}
+            if dst in (PackState.QUEUED, PackState.RUNNING) and row["submit_time"] is None:
+                sets["submit_time"] = now
+            if dst in (PackState.RUNNING, PackState.COMPLETED) and row["start_time"] is None:
+                sets["start_time"] = now if start_time is None else start_time
+            if dst in PACK_TERMINAL:
+                sets["end_time"] = now
+            if slurm_job_id is not None:
+                sets["slurm_job_id"] = slurm_job_id
+            assign = ", ".join(f"{k} = ?" for k in sets)
+            self.conn.execute(f"UPDATE packs SET {assign} WHERE id = ?", (*sets.values(), pack_id))
+            if nodes is not None:
+                self._set_nodes(pack_id, nodes)
+            self.event_in_tx("pack_state", reason, pack_id=pack_id, src=src.value, dst=dst.value,
+                        data={**(data or {}), **({"slurm_job_id": slurm_job_id} if slurm_job_id else {})} or None,
+                        t=now)
+            return Pack.from_row({**row, **sets, **({"nodes": nodes} if nodes is not None else {})})
+
+    def set_pack_slurm_job(self, pack_id: int, *, slurm_job_id: str | None = None, nodes: str | None = None) -> None:
+        """Record the Slurm job id and/or allocated nodes as soon as they are known."""
+        with self.write():
+            if not self.conn.execute("SELECT 1 FROM packs WHERE id = ?", (pack_id,)).fetchone():
+                raise UnknownEntity("pack", pack_id)
+            if slurm_job_id is not None:
+                self.conn.execute("UPDATE packs SET slurm_job_id = ?, updated_time = ? WHERE id = ?",
+                                  (slurm_job_id, self.clock(), pack_id))
+                self.event_in_tx("note", f"slurm job id {slurm_job_id}", pack_id=pack_id)
+            if nodes is not None:
+                self._set_nodes(pack_id, nodes)
+
+    def _set_nodes(self, pack_id: int, nodes: str) -> None:
+        self.conn.execute("UPDATE packs SET nodes = ? WHERE id = ?", (nodes, pack_id))
+        hosts = expand_hostlist(nodes)
+        for i, host in enumerate(hosts):
+            self.conn.execute("UPDATE placements SET node = ? WHERE pack_id = ? AND node_index = ?",
+                              (host, pack_id, i))
+
+    # ------------------------------------------------------------ samples
+
+    def add_samples(self, samples: Iterable[Mapping[str, Any]], *, batch_size: int = 10_000) -> int:
+        """Insert samples (dicts shaped like contract 4's "sample" records) in batches.
+
+        Each batch is one transaction, so a crash loses at most the batch in flight.
+        Samples naming an unknown job or pack are dropped (logged once per id).
+        Returns how many were stored.
+        """
+        stored = 0
+        batch: list[Mapping[str, Any]] = []
+        for s in samples:
+            batch.append(s)
+            if len(batch) >= batch_size:
+                with self.write():
+                    stored += self.insert_samples_in_tx(batch)
+                batch = []
+        if batch:
+            with self.write():
+                stored += self.insert_samples_in_tx(batch)
+        return stored
+
+    def _known(self, table: str, ids: set[int], cache: set[int]) -> set[int]:
+        missing = ids - cache
+        if missing:
+            rows = self.conn.execute(
+                f"SELECT id FROM {table} WHERE id IN (SELECT value FROM json_each(?))",
+                (json.dumps(sorted(missing)),),
+            ).fetchall()
+            cache.update(r[0] for r in rows)
+        return ids & cache
+
+    def insert_samples_in_tx(self, samples: Sequence[Mapping[str, Any]]) -> int:
+        """Insert samples and update `job_usage`; the caller holds `write()`."""
+        assert self._depth, "insert_samples_in_tx() needs an open write()"
+        rows: list[tuple[Any, ...]] = []
+        for s in samples:
+            # Coerce here: SQLite would store a stray string in a REAL column as TEXT.
+            # Inlined (no helper calls): this loop is most of the ingest cost.
+            g = s.get
+            try:
+                rows.append((
+                    float(s["t"]), int(s["pack_id"]),
+                    None if (v := g("job_id")) is None else int(v), str(s["node"]),
+                    None if (v := g("gpu_index")) is None else int(v),
+                    None if (v := g("sm_util_pct")) is None else float(v),
+                    None if (v := g("mem_util_pct")) is None else float(v),
+                    None if (v := g("gpu_mem_bytes")) is None else int(v),
+                    None if (v := g("host_cpu_pct")) is None else float(v),
+                    None if (v := g("rss_bytes")) is None else int(v),
+                    None if (v := g("samples_per_s")) is None else float(v),
+                ))
+            except (KeyError, TypeError, ValueError) as exc:
+                log.warning("dropping malformed sample %r: %s", s, exc)
+        if not rows:
+            return 0
+        packs = self._known("packs", {r[1] for r in rows}, self._known_packs)
+        jobs = self._known("jobs", {r[2] for r in rows if r[2] is not None}, self._known_jobs)
+        good = [r for r in rows if r[1] in packs and (r[2] is None or r[2] in jobs)]
+        if len(good) != len(rows):
+            for r in rows:
+                for kind, key, ok in (("pack", r[1], r[1] in packs), ("job", r[2], r[2] is None or r[2] in jobs)):
+                    if not ok and (kind, key) not in self._warned_unknown:
+                        self._warned_unknown.add((kind, key))
+                        log.warning("dropping samples of unknown %s %s", kind, key)
+        self.conn.executemany(_INSERT_SAMPLE, good)
+        self.conn.executemany(queries.UPSERT_JOB_USAGE, _usage_rows(good))
+        return len(good)
+
+    def prune_samples(self, before: float, *, batch: int = 50_000) -> int:
+        """Delete samples older than `before` (epoch s), in short transactions.
+
+        The per-job aggregates (`job_usage`, so `acct` and the calibration query) keep
+        what they learnt; only timelines before `before` are lost. Returns how many
+        samples were deleted.
+        """
+        deleted = 0
+        while True:
+            with self.write():
+                rows = self.conn.execute(
+                    "SELECT rowid, job_id FROM samples WHERE t < ? LIMIT ?", (before, batch)
+                ).fetchall()
+                if not rows:
+                    break
+                per_job: dict[int, int] = {}
+                for _, job in rows:
+                    if job is not None:
+                        per_job[job] = per_job.get(job, 0) + 1
+                self.conn.executemany("UPDATE job_usage SET n_pruned = n_pruned + ? WHERE job_id = ?",
+                                      [(n, job) for job, n in per_job.items()])
+                self.conn.execute("DELETE FROM samples WHERE rowid IN (SELECT value FROM json_each(?))",
+                                  (json.dumps([r[0] for r in rows]),))
+                deleted += len(rows)
+        if deleted:
+            self.add_event("store", f"pruned {deleted} samples older than {before:.0f}",
+                           data={"before": before, "deleted": deleted})
+        return deleted
+
+    # ------------------------------------------------------------ ingestion
+
+    def ingest_spool_file(self, path: str | os.PathLike[str], on_record: OnRecord | None = None,
+                          **kw: Any) -> IngestResult:
+        """Ingest an agent report file exactly once (see `slurm_dlrm.store.ingest`)."""
+        return ingest_spool_file(self, path, on_record, **kw)
+
+    # ------------------------------------------------------------ reads for others
+
+    def calibration(self, spec_fingerprint: str, *, limit: int = 100) -> list[CalibrationRow]:
+        """Finished jobs with this fingerprint: estimated vs measured GPU and host peaks, newest first."""
+        rows = self.query("calibration", {"fingerprint": spec_fingerprint, "limit": limit,
+                                          "terminal": json.dumps(sorted(s.value for s in JOB_TERMINAL))})
+        return [CalibrationRow(**{**r, "state": JobState(r["state"])}) for r in rows]
+
+    def usage(self, job_id: int) -> JobUsage | None:
+        """Measured peaks and means of a job (None before its first sample)."""
+        rows = self.query("job_usage", {"job_id": job_id})
+        return JobUsage(**rows[0]) if rows else None
+
+    def check(self) -> list[str]:
+        """Consistency problems (empty if none): integrity, foreign keys, job_usage vs samples."""
+        problems: list[str] = []
+        res = self.conn.execute("PRAGMA integrity_check").fetchall()
+        if res != [("ok",)]:
+            problems += [f"integrity: {r[0]}" for r in res]
+        for r in self.conn.execute("PRAGMA foreign_key_check").fetchall():
+            problems.append(f"foreign key: table {r[0]} rowid {r[1]} -> {r[2]}")
+        for r in self.query("usage_mismatch"):
+            problems.append(f"job_usage of job {r['job_id']}: {r['n_usage']} samples counted, {r['n_samples']} stored")
+        return problems
+
+
+def _int_or_none(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def _float_or_none(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _max(a: Any, b: Any) -> Any:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a if a >= b else b
+
+
+def _usage_rows(rows: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """Per-job aggregates of one batch, for `UPSERT_JOB_USAGE`."""
+    acc: dict[int, list[Any]] = {}
+    for (t, _pack, job, _node, _gpu, sm, _mu, gmem, cpu, rss, sps) in rows:
+        if job is None:
+            continue
+        a = acc.get(job)
+        if a is None:
+            # n, gmem_peak, rss_peak, sm_sum, sm_n, sm_max, cpu_sum, cpu_n, sps_sum, sps_n, first_t, last_t
+            a = acc[job] = [0, None, None, 0.0, 0, None, 0.0, 0, 0.0, 0, t, t]
+        a[0] += 1
+        a[1] = _max(a[1], gmem)
+        a[2] = _max(a[2], rss)
+        if sm is not None:
+            a[3] += sm
+            a[4] += 1
+            a[5] = _max(a[5], sm)
+        if cpu is not None:
+            a[6] += cpu
+            a[7] += 1
+        if sps is not None:
+            a[8] += sps
+            a[9] += 1
+        if t < a[10]:
+            a[10] = t
+        if t > a[11]:
+            a[11] = t
+    return [(job, *a) for job, a in acc.items()]
+
+
+__all__ = [
+    "CalibrationRow", "Job", "JobUsage", "NewPlacement", "Pack", "Placement", "Store", "StoreBusy",
+    "current_user", "is_busy", "store_path_for",
+]

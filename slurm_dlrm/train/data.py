@@ -1,0 +1,423 @@
+"""Training batches: synthetic (power-law ids) and Criteo (TSV days, preprocessed npy).
+
+Every source is addressed by step: `source.batch(step)` returns the batch of that step
+for this rank, computed from (seed, rank, step) alone. A checkpoint therefore needs no
+generator state beyond the step, prefetch threads can run ahead without changing what
+a resumed run sees, and an interrupted run resumes onto exactly the same data.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import math
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+import numpy as np
+import torch
+from torchrec.datasets.utils import Batch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from slurm_dlrm.errors import BadInput, SpecError
+
+CRITEO_DENSE = 13
+CRITEO_SPARSE = 26
+# Multiplier that scatters the hot ids over a table: a bijection of [0, rows) whenever
+# rows is not a multiple of it (it is prime), so the id popularity is kept.
+_SCATTER_PRIME = 2654435761
+# Batches of ids kept per table in the synthetic pools (each step takes random windows).
+_POOL_BATCHES = 8
+# Upper bound on the ids a pool holds beyond one batch, so huge multi-hot specs stay small.
+_POOL_EXTRA_IDS = 4_000_000
+# Complete batches made up front and cycled (like torchrec's RandomRecDataset with
+# num_generated_batches): making a batch per step costs 0.1-0.5 ms of the training
+# thread, measured as 4-8% of a small CPU model's samples/s. The ring is capped in
+# bytes; bigger batches are made per step, where that cost is relatively small.
+_RING_BATCHES = 32
+_RING_MAX_BYTES = 64 * 2**20
+
+
+class BatchSource(Protocol):
+    # True: batch(step) must be asked in step order (one loader thread).
+    sequential: bool
+    # Steps per epoch for a data file; None for endless synthetic data.
+    steps_per_epoch: int | None
+    # True: a batch costs microseconds and no I/O; taken in the training thread, since
+    # handing it over from a loader thread costs more than making it (measured: prefetch
+    # threads cut a tiny CPU model from 410 to 240 steps/s, GIL hand-offs).
+    inline: bool
+
+    def batch(self, step: int) -> Batch: ...
+
+
+def feature_names(spec: Any) -> list[str]:
+    """One sparse feature per table, named after it (the KJT keys)."""
+    return [t.name for t in spec.tables]
+
+
+def zipf_ids(rng: np.random.Generator, rows: int, alpha: float, n: int) -> np.ndarray:
+    """`n` ids in [0, rows) whose popularity falls off as rank^-alpha.
+
+    Inverse-CDF sampling of the bounded continuous power law p(x) ~ (1+x)^-alpha on
+    [0, rows): vectorised and needs no per-row table (rows may be 10^8)."""
+    u = rng.random(n)
+    if alpha <= 0.0:
+        x = u * rows
+    elif abs(alpha - 1.0) < 1e-9:
+        x = np.expm1(u * math.log1p(rows))
+    else:
+        a1 = 1.0 - alpha
+        x = (1.0 + u * ((rows + 1.0) ** a1 - 1.0)) ** (1.0 / a1) - 1.0
+    ids = np.minimum(x.astype(np.int64), rows - 1)
+    return (ids * _SCATTER_PRIME) % rows
+
+
+def _labels_from(dense: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    # Labels that depend on the first dense feature, so the loss visibly falls.
+    logit = 2.0 * dense[:, 0] if dense.shape[1] else np.zeros(len(dense))
+    return (rng.random(len(dense)) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+
+
+class SyntheticBatches:
+    """Random batches shaped like the spec: pooling factors or fixed multi-hot sizes, and
+    power-law ids (`data.zipf_alpha`).
+
+    Pools of ids, lengths and dense rows are drawn once from (seed, rank); batch k takes
+    random windows of them with a generator seeded by (seed, rank, k), so one batch
+    costs a few slices and one concatenation. Up to 32 batches are made at
+    start (at most 64 MiB, fewer when batches are big) and step s trains on batch s mod
+    their number; when fewer than 2 fit, batches are made per step."""
+
+    sequential = False
+    steps_per_epoch: int | None = None
+    inline = True
+
+    def __init__(self, spec: Any, rank: int = 0, pool_batches: int = _POOL_BATCHES,
+                 ring_batches: int = _RING_BATCHES, pin_memory: bool = False) -> None:
+        self.batch_size = int(spec.batch_size)
+        self.seed = int(spec.seed)
+        self.rank = rank
+        self.keys = feature_names(spec)
+        alpha = spec.data.zipf_alpha
+        alpha = 1.05 if alpha is None else float(alpha)
+        rng = np.random.default_rng([self.seed, rank, 0x5EED])
+        b = self.batch_size
+        pool_rows = b * pool_batches
+        self._dense = rng.standard_normal((pool_rows, int(spec.dense_features)), dtype=np.float32)
+        self._labels = _labels_from(self._dense, rng)
+        # Per table: (fixed ids per sample or None, lengths pool or None, ids pool).
+        self._tables: list[tuple[int | None, np.ndarray | None, np.ndarray]] = []
+        for t in spec.tables:
+            if t.multi_hot is not None or float(t.pooling_factor or 1.0) == 1.0:
+                fixed = int(t.multi_hot) if t.multi_hot is not None else 1
+                lengths = None
+                per_batch = b * fixed
+            else:
+                fixed = None
+                lengths = rng.poisson(float(t.pooling_factor), pool_rows).astype(np.int32)
+                # A window of b lengths sums to at most this many ids (nearly always).
+                per_batch = int(b * float(t.pooling_factor) + 8 * math.sqrt(b * float(t.pooling_factor)) + 16)
+            n_ids = per_batch + min(per_batch * (pool_batches - 1), _POOL_EXTRA_IDS)
+            ids = zipf_ids(rng, int(t.rows), alpha, n_ids)
+            self._tables.append((fixed, lengths, ids))
+        self._alpha = alpha
+        self._rows = [int(t.rows) for t in spec.tables]
+        self._fixed_lengths = {
+            k: torch.full((b,), k, dtype=torch.int32) for k in {f for f, _, _ in self._tables if f is not None}
+        }
+        ids_per_batch = sum(b * t.ids_per_sample for t in spec.tables)
+        batch_bytes = int(ids_per_batch * 8 + b * (int(spec.dense_features) + 1) * 4 + b * len(spec.tables) * 4)
+        n_ring = min(ring_batches, _RING_MAX_BYTES // max(batch_bytes, 1))
+        self.ring: list[Batch] = []
+        if n_ring >= 2:
+            self.ring = [self.make(k) for k in range(n_ring)]
+            if pin_memory:
+                self.ring = [batch.pin_memory() for batch in self.ring]
+
+    def batch(self, step: int) -> Batch:
+        if self.ring:
+            return self.ring[step % len(self.ring)]
+        return self.make(step)
+
+    def make(self, step: int) -> Batch:
+        """Batch number `step`, made now."""
+        b = self.batch_size
+        rng = np.random.default_rng([self.seed, self.rank, step])
+        offsets = rng.random(2 * len(self._tables) + 1)
+        o = int(offsets[0] * (len(self._dense) - b + 1))
+        dense = torch.from_numpy(self._dense[o : o + b])
+        labels = torch.from_numpy(self._labels[o : o + b])
+        values: list[np.ndarray] = []
+        lengths: list[torch.Tensor] = []
+        for i, (fixed, lengths_pool, ids) in enumerate(self._tables):
+            if fixed is not None:
+                lengths.append(self._fixed_lengths[fixed])
+                need = b * fixed
+            else:
+                assert lengths_pool is not None
+                lo = int(offsets[1 + 2 * i] * (len(lengths_pool) - b + 1))
+                window = lengths_pool[lo : lo + b]
+                lengths.append(torch.from_numpy(window))
+                need = int(window.sum())
+            if need <= len(ids):
+                io = int(offsets[2 + 2 * i] * (len(ids) - need + 1))
+                values.append(ids[io : io + need])
+            else:  # a rare long window: draw fresh ids rather than grow the pool
+                values.append(zipf_ids(rng, self._rows[i], self._alpha, need))
+        kjt = KeyedJaggedTensor(
+            keys=self.keys,
+            values=torch.from_numpy(np.concatenate(values)),
+            lengths=torch.cat(lengths),
+        )
+        return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+
+
+def _one_hot_kjt(keys: list[str], sparse: np.ndarray, rows: np.ndarray) -> KeyedJaggedTensor:
+    """Criteo rows (batch x features, raw hashes) -> a one-hot KJT, ids mod table rows."""
+    b = sparse.shape[0]
+    # Feature-major order: all of feature 0's ids, then feature 1's, ...
+    ids = np.mod(sparse[:, : len(keys)].astype(np.int64), rows[None, :]).T.reshape(-1)
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.from_numpy(np.ascontiguousarray(ids)),
+        lengths=torch.ones(b * len(keys), dtype=torch.int32),
+    )
+
+
+def _check_criteo_shape(spec: Any, n_dense: int, n_sparse: int, where: str) -> None:
+    if int(spec.dense_features) != n_dense:
+        raise SpecError("dense_features", f"{where} has {n_dense} dense features, the spec {spec.dense_features}")
+    if len(spec.tables) > n_sparse:
+        raise SpecError("tables", f"{where} has {n_sparse} categorical features, the spec {len(spec.tables)} tables")
+
+
+class CriteoNpyBatches:
+    """torchrec's preprocessed Criteo files: `<day>_dense.npy` (float32 N x 13, already
+    log-transformed), `<day>_sparse.npy` (int N x 26) and `<day>_labels.npy` (N or N x 1).
+
+    `data.path` is a folder (every `*_dense.npy` in name order) or one day's prefix
+    (`.../day_0`). Files are memory-mapped; a batch is a slice, so any step is cheap."""
+
+    sequential = False
+    inline = False  # page faults on the memory map are disk reads
+
+    def __init__(self, spec: Any, rank: int = 0, world_size: int = 1) -> None:
+        path = Path(spec.data.path)
+        if path.is_dir():
+            prefixes = sorted(str(p)[: -len("_dense.npy")] for p in path.glob("*_dense.npy"))
+        else:
+            text = str(path)
+            for suffix in ("_dense.npy", "_sparse.npy", "_labels.npy"):
+                text = text.removesuffix(suffix)
+            prefixes = [text]
+        if not prefixes:
+            raise SpecError("data.path", f"no *_dense.npy files in {path}")
+        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        for prefix in prefixes:
+            try:
+                dense = np.load(prefix + "_dense.npy", mmap_mode="r")
+                sparse = np.load(prefix + "_sparse.npy", mmap_mode="r")
+                labels = np.load(prefix + "_labels.npy", mmap_mode="r").reshape(-1)
+            except (OSError, ValueError) as exc:
+                raise SpecError("data.path", f"cannot read {prefix}_{{dense,sparse,labels}}.npy: {exc}") from None
+            if dense.ndim != 2 or sparse.ndim != 2 or not (len(dense) == len(sparse) == len(labels)):
+                raise SpecError("data.path", f"{prefix}: dense/sparse/labels disagree on shape")
+            _check_criteo_shape(spec, dense.shape[1], sparse.shape[1], prefix)
+            self.parts.append((dense, sparse, labels))
+        self.starts = np.cumsum([0] + [len(p[0]) for p in self.parts])
+        self.n_samples = int(self.starts[-1])
+        self.batch_size = int(spec.batch_size)
+        self.rank, self.world_size = rank, world_size
+        self.keys = feature_names(spec)
+        self.rows = np.array([t.rows for t in spec.tables], dtype=np.int64)
+        self.steps_per_epoch: int | None = self.n_samples // (self.batch_size * world_size)
+        if not self.steps_per_epoch:
+            raise SpecError("batch_size", f"{self.n_samples} samples in {path} make no batch of {self.batch_size} x {world_size} ranks")
+
+    def _rows(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            dense, sparse, labels = self.parts[i]
+            lo = start - int(self.starts[i])
+            hi = min(stop, int(self.starts[i + 1])) - int(self.starts[i])
+            pieces.append((dense[lo:hi], sparse[lo:hi], labels[lo:hi]))
+            start += hi - lo
+            i += 1
+        return tuple(np.concatenate([p[k] for p in pieces]) for k in range(3))  # type: ignore[return-value]
+
+    def batch(self, step: int) -> Batch:
+        assert self.steps_per_epoch is not None
+        g = (step % self.steps_per_epoch) * self.world_size + self.rank
+        dense, sparse, labels = self._rows(g * self.batch_size, (g + 1) * self.batch_size)
+        return Batch(
+            dense_features=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
+            sparse_features=_one_hot_kjt(self.keys, sparse, self.rows),
+            labels=torch.from_numpy(np.ascontiguousarray(labels, dtype=np.float32)),
+        )
+
+
+def parse_criteo_lines(lines: list[str], where: str = "") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Criteo TSV lines (label, 13 integers, 26 hex hashes; empty = missing) ->
+    (dense float32 log(1+max(x,0)), sparse int64 raw hashes, labels float32)."""
+    n_fields = 1 + CRITEO_DENSE + CRITEO_SPARSE
+    rows = [line.rstrip("\r\n").split("\t") for line in lines]
+    for i, row in enumerate(rows):
+        if len(row) != n_fields:
+            raise BadInput(f"{where}line {i + 1} of the batch: {len(row)} tab-separated fields, Criteo has {n_fields}")
+    table = np.array(rows, dtype=str)
+    table[table == ""] = "0"
+    try:
+        labels = table[:, 0].astype(np.float32)
+        dense_int = table[:, 1 : 1 + CRITEO_DENSE].astype(np.int64)
+        sparse = np.array([int(x, 16) for x in table[:, 1 + CRITEO_DENSE :].reshape(-1)], dtype=np.int64)
+    except ValueError as exc:
+        raise BadInput(f"{where}not Criteo TSV: {exc}") from None
+    dense = np.log1p(np.maximum(dense_int, 0)).astype(np.float32)
+    return dense, sparse.reshape(len(rows), CRITEO_SPARSE), labels
+
+
+def _open_text(path: Path) -> IO[str]:
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt")
+    return open(path)  # noqa: SIM115 - closed by the reader
+
+
+class CriteoTsvBatches:
+    """The Criteo Kaggle/Terabyte day files as released (TSV, optionally .gz).
+
+    `data.path` is one file or a folder of them (name order). The lines are counted
+    once at start (for epochs and wrap-around); batches are then read in order, and a
+    resumed run skips to its step's line. Parsing runs in Python (~10^5 lines/s), so
+    for full-size days on a GPU convert them to torchrec's npy files first."""
+
+    sequential = True
+    inline = False
+
+    def __init__(self, spec: Any, rank: int = 0, world_size: int = 1) -> None:
+        path = Path(spec.data.path)
+        if path.is_dir():
+            self.files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+        else:
+            self.files = [path]
+        if not self.files or not all(p.exists() for p in self.files):
+            raise SpecError("data.path", f"no Criteo TSV file at {path}")
+        _check_criteo_shape(spec, CRITEO_DENSE, CRITEO_SPARSE, str(path))
+        self.batch_size = int(spec.batch_size)
+        self.rank, self.world_size = rank, world_size
+        self.keys = feature_names(spec)
+        self.rows = np.array([t.rows for t in spec.tables], dtype=np.int64)
+        self.n_samples = sum(self._count_lines(p) for p in self.files)
+        self.steps_per_epoch: int | None = self.n_samples // (self.batch_size * world_size)
+        if not self.steps_per_epoch:
+            raise SpecError("batch_size", f"{self.n_samples} lines in {path} make no batch of {self.batch_size} x {world_size} ranks")
+        self._lines: Iterator[str] | None = None
+        self._handle: IO[str] | None = None
+        self._cursor = 0  # index of the next line self._lines yields
+
+    @staticmethod
+    def _count_lines(path: Path) -> int:
+        n = 0
+        last = b"\n"
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                n += chunk.count(b"\n")
+                last = chunk[-1:]
+        return n + (last != b"\n")
+
+    def _restart(self) -> None:
+        self.close()
+
+        def lines() -> Iterator[str]:
+            for p in self.files:
+                with _open_text(p) as fh:
+                    self._handle = fh
+                    for line in fh:
+                        if line.strip():
+                            yield line
+
+        self._lines = lines()
+        self._cursor = 0
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def batch(self, step: int) -> Batch:
+        assert self.steps_per_epoch is not None
+        g = (step % self.steps_per_epoch) * self.world_size + self.rank
+        first = g * self.batch_size
+        if self._lines is None or first < self._cursor:
+            self._restart()
+        assert self._lines is not None
+        for _ in range(first - self._cursor):
+            next(self._lines)
+        chunk = [next(self._lines) for _ in range(self.batch_size)]
+        self._cursor = first + self.batch_size
+        dense, sparse, labels = parse_criteo_lines(chunk, f"{self.files[0].parent}: ")
+        return Batch(
+            dense_features=torch.from_numpy(dense),
+            sparse_features=_one_hot_kjt(self.keys, sparse, self.rows),
+            labels=torch.from_numpy(labels),
+        )
+
+
+def make_source(spec: Any, rank: int = 0, world_size: int = 1, pin_memory: bool = False) -> BatchSource:
+    kind = spec.data.type
+    if kind == "synthetic":
+        return SyntheticBatches(spec, rank, pin_memory=pin_memory)
+    if kind == "criteo-npy":
+        return CriteoNpyBatches(spec, rank, world_size)
+    if kind == "criteo-tsv":
+        return CriteoTsvBatches(spec, rank, world_size)
+    raise SpecError("data.type", f"unknown data type {kind!r}")
+
+
+class Prefetcher:
+    """Yields (step, batch) for steps [start, stop), made `depth` steps ahead by
+    `workers` threads (numpy and torch release the GIL for the bulk of the work).
+    workers=0 or depth=0, or a source whose batches are cheap (`inline`), makes
+    batches in the calling thread."""
+
+    def __init__(self, source: BatchSource, start: int, stop: int, workers: int, depth: int,
+                 device: torch.device | None = None) -> None:
+        self.source = source
+        self.start, self.stop = start, stop
+        self.device = device if device is not None and device.type == "cuda" else None
+        self.depth = depth if workers > 0 and not source.inline else 0
+        n_threads = 1 if source.sequential else max(1, workers)
+        self._pool = ThreadPoolExecutor(n_threads, thread_name_prefix="batches") if self.depth else None
+
+    def _make(self, step: int) -> Batch:
+        batch = self.source.batch(step)
+        # Inline sources come pinned already (see make_source); pinning per step costs.
+        return batch.pin_memory() if self.device is not None and not self.source.inline else batch
+
+    def __iter__(self) -> Iterator[tuple[int, Batch]]:
+        pending: collections.deque[tuple[int, Future[Batch]]] = collections.deque()
+        next_step = self.start
+        for step in range(self.start, self.stop):
+            if self._pool is None:
+                batch = self._make(step)
+            else:
+                while next_step < self.stop and len(pending) <= self.depth:
+                    pending.append((next_step, self._pool.submit(self._make, next_step)))
+                    next_step += 1
+                got, fut = pending.popleft()
+                assert got == step
+                batch = fut.result()
+            if self.device is not None:
+                batch = batch.to(self.device, non_blocking=True)
+            yield step, batch
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        close = getattr(self.source, "close", None)
+        if close is not None:
+            close()

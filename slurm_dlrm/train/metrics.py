@@ -1,0 +1,93 @@
+"""Progress reporting: JSON lines for the agent, a human line (or a bar) for people.
+
+Metrics file (docs/interfaces.md section 5), one line per report, appended and flushed:
+    {"t", "step", "samples_per_s", "step_time_s", "loss", "peak_gpu_bytes",
+     "peak_tensor_bytes", "rss_bytes", ...}
+plus `loss_avg` (over the report window), `peak_rss_bytes`, `steps_total`,
+`world_size` and `device`. `samples_per_s` counts the whole job (all ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import psutil
+
+_SELF = psutil.Process()
+
+
+def rss_bytes() -> int:
+    return int(_SELF.memory_info().rss)
+
+
+def peak_rss_bytes() -> int:
+    # Linux reports ru_maxrss in KiB.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class MetricsWriter:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fh: IO[str] = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return f"{n / 2**20:,.0f} MiB"
+
+
+class Progress:
+    """A rich progress bar on a terminal, else one plain line per report on stdout."""
+
+    def __init__(self, name: str, total_steps: int, start_step: int, tty: bool | None = None) -> None:
+        self.name = name
+        self.total = total_steps
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self._bar: Any = None
+        if self.tty:
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+            self._task = self._bar.add_task(name, total=total_steps, completed=start_step, info="")
+            self._bar.start()
+
+    def report(self, record: dict[str, Any]) -> None:
+        info = (f"{record['samples_per_s']:,.0f} samples/s  loss {record['loss']:.4f}  "
+                f"step {record['step_time_s'] * 1e3:.1f} ms  rss {_human_bytes(record['rss_bytes'])}")
+        if record.get("peak_gpu_bytes") is not None:
+            info += f"  gpu peak {_human_bytes(record['peak_gpu_bytes'])}"
+        if self._bar is not None:
+            self._bar.update(self._task, completed=record["step"], info=info)
+        else:
+            print(f"{self.name}: step {record['step']}/{self.total}  {info}", flush=True)
+
+    def say(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(text)
+        else:
+            print(f"{self.name}: {text}", flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+
+def now() -> float:
+    return time.time()

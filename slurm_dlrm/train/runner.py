@@ -1,0 +1,594 @@
+"""Train one job spec: set up (distributed, model, data), resume, loop, report,
+checkpoint, and map every way of ending onto a `TRAIN_EXIT_*` code.
+
+Signals: SIGTERM and SIGUSR1 (what Slurm sends on preemption, at the time limit with
+`--signal`, and on `scontrol requeue`), and SIGINT, only set a flag; the loop sees it at
+the next step boundary, writes a checkpoint and exits with TRAIN_EXIT_PREEMPTED.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slurm_dlrm.errors import (
+    ENV_CHECKPOINT_DIR,
+    ENV_METRICS_FILE,
+    TRAIN_EXIT_BAD_SPEC,
+    TRAIN_EXIT_FAILED,
+    TRAIN_EXIT_OK,
+    TRAIN_EXIT_OOM_GPU,
+    TRAIN_EXIT_OOM_HOST,
+    TRAIN_EXIT_PREEMPTED,
+    BadInput,
+)
+from slurm_dlrm.train import checkpoint as ckpt
+from slurm_dlrm.train.data import BatchSource, Prefetcher, make_source
+from slurm_dlrm.train.launch import ENV_RDZV_FILE
+from slurm_dlrm.train.metrics import MetricsWriter, Progress, now, peak_rss_bytes, rss_bytes
+from slurm_dlrm.train.model import Built, build, plan_text
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+DEFAULT_KEEP_CHECKPOINTS = 2
+# A background checkpoint holds a copy of the state in host memory while it writes.
+DEFAULT_ASYNC_CHECKPOINT_MAX_BYTES = 1 << 30
+
+
+@dataclass
+class RunOptions:
+    metrics_file: Path
+    checkpoint_dir: Path
+    keep_checkpoints: int = DEFAULT_KEEP_CHECKPOINTS
+    steps: int | None = None  # overrides the spec's steps/epochs
+    device: str = "auto"  # auto | cpu | cuda
+    resume: bool = True
+    tty: bool | None = None  # progress bar: None = when stdout is a terminal
+    # Larger states are written synchronously instead of copied for a background write.
+    async_checkpoint_max_bytes: int = DEFAULT_ASYNC_CHECKPOINT_MAX_BYTES
+    # Checkpoint the final step too (a requeue after the end then has nothing to redo).
+    final_checkpoint: bool = True
+    # Test hook: request a stop once this many steps are done (as if signalled).
+    stop_after_step: int | None = None
+
+
+def default_paths(spec_name: str, metrics_file: str | None, checkpoint_dir: str | None) -> tuple[Path, Path]:
+    """Option, else the agent's environment, else `./<name>.run/`; the checkpoint folder
+    defaults to `ckpt/` next to the metrics file."""
+    metrics = metrics_file or os.environ.get(ENV_METRICS_FILE)
+    metrics_path = Path(metrics) if metrics else Path.cwd() / f"{spec_name}.run" / "metrics.jsonl"
+    ckpt_dir = checkpoint_dir or os.environ.get(ENV_CHECKPOINT_DIR)
+    ckpt_path = Path(ckpt_dir) if ckpt_dir else metrics_path.parent / "ckpt"
+    return metrics_path.absolute(), ckpt_path.absolute()
+
+
+class StopFlag:
+    """Set by SIGTERM/SIGUSR1/SIGINT; read at step boundaries."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handler(self, signum: int, _frame: FrameType | None) -> None:
+        if self.signum is None:
+            self.signum = signum
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handler)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else "-"
+
+
+@dataclass
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    backend: str = "gloo"
+    owns_group: bool = False
+
+
+def pick_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "cuda" or (kind == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise BadInput("--device cuda: no CUDA device is visible")
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def init_distributed(device: torch.device) -> DistInfo:
+    """One process group per run: from torchrun's (or our launcher's) environment when
+    RANK/WORLD_SIZE are set, else a single-process group on an in-memory store."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if dist.is_initialized():  # e.g. the benchmark builds two models in one process
+        return DistInfo(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)),
+                        int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())), dist.get_backend())
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        init_method = f"file://{env[ENV_RDZV_FILE]}" if env.get(ENV_RDZV_FILE) else "env://"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    else:
+        rank, world, local_rank, local_world = 0, 1, 0, 1
+        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # torchrec asks for it
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return DistInfo(rank, world, local_rank, local_world, backend, owns_group=True)
+
+
+def _flatten(prefix: str, obj: Any, out: dict[str, torch.Tensor]) -> None:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, ShardedTensor):
+        for shard in obj.local_shards():
+            offsets = ",".join(str(o) for o in shard.metadata.shard_offsets)
+            out[f"{prefix}@{offsets}"] = shard.tensor
+    elif isinstance(obj, DTensor):
+        out[prefix] = obj.to_local()
+    elif isinstance(obj, torch.Tensor):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _flatten(f"{prefix}/{k}", v, out)
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _flatten(f"{prefix}/{i}", v, out)
+
+
+def state_tensors(built: Built) -> dict[str, torch.Tensor]:
+    """Every tensor of the training state this rank holds, as live views: local shards of
+    the tables, the fused optimizer state, dense weights and the dense optimizer."""
+    out: dict[str, torch.Tensor] = {}
+    _flatten("model", built.model.state_dict(), out)
+    _flatten("optim", built.optimizer.state_dict(), out)
+    return out
+
+
+@contextlib.contextmanager
+def _count_saved_tensors(counter: list[int]) -> Iterator[None]:
+    """Counts the bytes autograd keeps for backward (the activations)."""
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            key = t.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                counter[0] += t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def _batch_bytes(batch: Any) -> int:
+    kjt = batch.sparse_features
+    return int(sum(t.numel() * t.element_size() for t in
+                   (batch.dense_features, batch.labels, kjt.values(), kjt.lengths())))
+
+
+@dataclass
+class Trainer:
+    """One rank's training: built once, then `run()` from the resumed step to the end."""
+
+    spec: Any
+    opts: RunOptions
+    dist_info: DistInfo
+    device: torch.device
+    built: Built
+    source: BatchSource
+    total_steps: int
+    stop: StopFlag
+    start_step: int = 0
+    last_saved_step: int = -1
+    expect: dict[str, Any] = field(default_factory=dict)
+    _writer: threading.Thread | None = None
+    _writer_error: BaseException | None = None
+    _static_tensor_bytes: int = 0
+    _activation_bytes: int = 0
+    _peak_tensor_bytes: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.dist_info.rank == 0
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, step: int, wait: bool = False) -> None:
+        """Checkpoint the state after `step` steps.
+
+        One process and a state of at most `async_checkpoint_max_bytes`: the loop only
+        copies the state (milliseconds) and a background thread writes, fsyncs and
+        renames it, so a slow disk does not stall training. Otherwise (several ranks,
+        whose commit needs collectives, or a state too big to copy) it is written
+        in place, tensor by tensor."""
+        t0 = time.perf_counter()
+        self.wait_for_writer()
+        tensors = state_tensors(self.built)
+        tensors["rng/torch"] = torch.get_rng_state()
+        meta = dict(self.expect, samples_per_step=int(self.spec.batch_size) * self.dist_info.world_size)
+        d = self.opts.checkpoint_dir
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.dist_info.world_size == 1 and nbytes <= self.opts.async_checkpoint_max_bytes:
+            snapshot = {k: t.detach().to("cpu", copy=True) for k, t in tensors.items()}
+            copy_s = time.perf_counter() - t0
+            self._writer = threading.Thread(target=self._write_snapshot, args=(step, snapshot, meta, copy_s),
+                                            name="checkpoint-writer", daemon=True)
+            self._writer.start()
+            self.last_saved_step = step
+            if wait:
+                self.wait_for_writer()
+            return
+        if self.dist_info.world_size == 1:
+            path = ckpt.save(d, step, tensors, meta)
+        else:
+            if self.is_main:
+                ckpt.prepare_tmp(d, step)
+            dist.barrier()
+            tmp = d / f"{ckpt.TMP_PREFIX}{ckpt.step_dir_name(step)}"
+            files = ckpt.write_rank_files(tmp, self.dist_info.rank, tensors)
+            gathered: list[Any] = [None] * self.dist_info.world_size
+            dist.all_gather_object(gathered, files)
+            path = d / ckpt.step_dir_name(step)
+            if self.is_main:
+                merged = {k: v for part in gathered for k, v in part.items()}
+                path = ckpt.commit(d, step, merged, meta)
+            dist.barrier()
+        if self.is_main:
+            ckpt.prune(d, self.opts.keep_checkpoints, step)
+        self.last_saved_step = step
+        log.info("checkpoint at step %d: %s (%.2f s)", step, path, time.perf_counter() - t0)
+
+    def _write_snapshot(self, step: int, snapshot: dict[str, torch.Tensor], meta: dict[str, Any],
+                        copy_s: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            path = ckpt.save(self.opts.checkpoint_dir, step, snapshot, meta)
+            ckpt.prune(self.opts.checkpoint_dir, self.opts.keep_checkpoints, step)
+        except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+            self._writer_error = exc
+            return
+        log.info("checkpoint at step %d: %s (copy %.3f s, write %.2f s in the background)",
+                 step, path, copy_s, time.perf_counter() - t0)
+
+    def wait_for_writer(self) -> None:
+        """Block until the background checkpoint write is done; re-raise its failure."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._writer_error is not None:
+            exc, self._writer_error = self._writer_error, None
+            raise exc
+
+    def resume(self) -> None:
+        """Load the newest valid checkpoint, if any (skipping broken ones)."""
+        d = self.opts.checkpoint_dir
+        if self.is_main:
+            ckpt.remove_stale_tmp(d)
+            if not self.opts.resume:
+                # Left in place, they would win over this run's at the next restart.
+                n = ckpt.remove_all(d)
+                if n:
+                    log.warning("--no-resume: removed %d old checkpoint(s) in %s", n, d)
+        if self.dist_info.world_size > 1:
+            dist.barrier()
+        if not self.opts.resume:
+            return
+        for _step, path in ckpt.list_steps(d):
+            # Every rank verifies and checks its part first; only a checkpoint that all
+            # ranks can load is copied into the live state (never half of one).
+            try:
+                found = ckpt.verify(path, self.expect)
+                saved = ckpt.read_rank(found, self.dist_info.rank)
+                rng = saved.pop("rng/torch", None)
+                targets = self._load_targets(saved)
+                ckpt.check_compatible(targets, saved)
+            except ckpt.CheckpointError as exc:
+                ok = 0
+                log.warning("checkpoint %s skipped: %s", path, exc)
+            else:
+                ok = 1
+            if self.dist_info.world_size > 1:
+                flag = torch.tensor([ok], dtype=torch.int32)
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+                ok = int(flag.item())
+            if ok:
+                ckpt.load_into(targets, saved)
+                if rng is not None:
+                    torch.set_rng_state(rng)
+                self.start_step = found.step
+                self.last_saved_step = found.step
+                log.info("resumed from %s (step %d)", path, found.step)
+                return
+        log.info("no checkpoint to resume from in %s; starting at step 0", d)
+
+    def _load_targets(self, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The live tensors to load `saved` into. Optimizers whose state appears only
+        at the first step (Adam, SGD with momentum) get it created first (torchrec's
+        KeyedOptimizer.init_state) when the checkpoint holds state they lack."""
+        targets = state_tensors(self.built)
+        if set(saved) - set(targets):
+            for opt in self.built.lazy_optimizers:
+                if not opt.state or any(not s for s in opt.state.values()):
+                    opt.init_state()
+            targets = state_tensors(self.built)
+        return targets
+
+    # ---------------------------------------------------------------- loop
+
+    def _stop_requested(self, done: int) -> bool:
+        if self.opts.stop_after_step is not None and done >= self.opts.stop_after_step and self.stop.signum is None:
+            self.stop.signum = signal.SIGTERM
+        if self.dist_info.world_size == 1:
+            return self.stop.signum is not None
+        flag = torch.tensor([0 if self.stop.signum is None else 1], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        mp = self.spec.mixed_precision
+        if mp == "none":
+            return contextlib.nullcontext()
+        dtype = torch.float16 if mp == "fp16" else torch.bfloat16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+    def _tensor_bytes(self) -> int:
+        if not self._static_tensor_bytes:
+            tensors = state_tensors(self.built)
+            seen: set[int] = set()
+            total = 0
+            for t in tensors.values():
+                key = t.untyped_storage().data_ptr()
+                if key not in seen:
+                    seen.add(key)
+                    total += t.untyped_storage().nbytes()
+            grads = sum(p.grad.numel() * p.grad.element_size() for p in self.built.model.parameters()
+                        if p.grad is not None)
+            self._static_tensor_bytes = total + grads
+        return self._static_tensor_bytes + self._activation_bytes
+
+    def run(self, on_report: Callable[[dict[str, Any]], None] | None = None) -> int:
+        """Train from start_step to total_steps; return a TRAIN_EXIT_* code."""
+        spec, opts = self.spec, self.opts
+        metrics = MetricsWriter(opts.metrics_file) if self.is_main else None
+        progress = Progress(spec.name, self.total_steps, self.start_step, opts.tty) if self.is_main else None
+        every_metrics = max(1, int(spec.metrics_every_steps))
+        every_ckpt = int(spec.checkpoint_every_steps)
+        samples_per_step = int(spec.batch_size) * self.dist_info.world_size
+        model, optimizer = self.built.model, self.built.optimizer
+        prefetch = Prefetcher(self.source, self.start_step, self.total_steps, int(spec.loader_workers),
+                              int(spec.prefetch_batches), self.device)
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        window_steps = 0
+        window_t0 = time.perf_counter()
+        measured_activations = False
+        code = TRAIN_EXIT_OK
+        try:
+            if self._stop_requested(self.start_step):
+                log.warning("%s before the first step; nothing new to save", self.stop.name)
+                return TRAIN_EXIT_PREEMPTED
+            for step, batch in prefetch:
+                optimizer.zero_grad()
+                if not measured_activations:
+                    counter = [0]
+                    with _count_saved_tensors(counter), self._autocast():
+                        loss, _ = model(batch)
+                    self._activation_bytes = counter[0] + _batch_bytes(batch)
+                    measured_activations = True
+                else:
+                    with self._autocast():
+                        loss, _ = model(batch)
+                loss.backward()
+                optimizer.step()
+                loss_sum += loss.detach()
+                window_steps += 1
+                done = step + 1
+                if done % every_metrics == 0 or done == self.total_steps:
+                    if cuda:
+                        torch.cuda.synchronize(self.device)
+                    elapsed = time.perf_counter() - window_t0
+                    record = {
+                        "t": now(),
+                        "step": done,
+                        "samples_per_s": window_steps * samples_per_step / elapsed if elapsed > 0 else None,
+                        "step_time_s": elapsed / window_steps,
+                        "loss": float(loss.item()),
+                        "loss_avg": float(loss_sum.item()) / window_steps,
+                        "peak_gpu_bytes": int(torch.cuda.max_memory_allocated(self.device)) if cuda else None,
+                        "peak_tensor_bytes": None,
+                        "rss_bytes": rss_bytes(),
+                        "peak_rss_bytes": peak_rss_bytes(),
+                        "steps_total": self.total_steps,
+                        "world_size": self.dist_info.world_size,
+                        "device": self.device.type,
+                    }
+                    self._peak_tensor_bytes = max(self._peak_tensor_bytes, self._tensor_bytes())
+                    record["peak_tensor_bytes"] = self._peak_tensor_bytes
+                    if metrics is not None and progress is not None:
+                        metrics.write(record)
+                        progress.report(record)
+                    if on_report is not None:
+                        on_report(record)
+                    loss_sum.zero_()
+                    window_steps = 0
+                    window_t0 = time.perf_counter()
+                if every_ckpt and done % every_ckpt == 0 and done != self.total_steps:
+                    self.save_checkpoint(done)
+                if done == self.total_steps:
+                    if every_ckpt and opts.final_checkpoint and done != self.last_saved_step:
+                        self.save_checkpoint(done)
+                    break
+                if self._stop_requested(done):
+                    if done != self.last_saved_step:
+                        self.save_checkpoint(done, wait=True)
+                    self.wait_for_writer()
+                    log.warning("%s: stopped at step %d with a checkpoint; exit %d",
+                                self.stop.name, done, TRAIN_EXIT_PREEMPTED)
+                    if progress is not None:
+                        progress.say(f"{self.stop.name}: checkpoint at step {done}, exiting")
+                    code = TRAIN_EXIT_PREEMPTED
+                    break
+            self.wait_for_writer()  # run() returns with every checkpoint on disk
+        finally:
+            if self._writer is not None:
+                self._writer.join()
+                self._writer = None
+            prefetch.close()
+            if progress is not None:
+                progress.close()
+            if metrics is not None:
+                metrics.close()
+        return code
+
+
+def total_steps_of(spec: Any, source: BatchSource, override: int | None) -> int:
+    if override is not None:
+        return override
+    if spec.epochs is not None:
+        if source.steps_per_epoch is None:
+            raise BadInput("epochs needs a data file (synthetic data has no epochs)")
+        return int(spec.epochs) * source.steps_per_epoch
+    return int(spec.steps)
+
+
+def _plan_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def quiet_library_logs() -> None:
+    """torchrec's planner warns about things that do not concern a training run."""
+    for name in ("torchrec", "torch.distributed", "torch.fx", "fbgemm_gpu", "MethodLogger-NullHandler"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning, module="torch")
+    warnings.filterwarnings("ignore", category=UserWarning, module="torchrec")
+    warnings.filterwarnings("ignore", category=UserWarning, module="fbgemm_gpu")
+
+
+def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
+    """Distributed group, model, optimizer, data, resume. Raises on failure."""
+    from slurm_dlrm.spec import spec_fingerprint
+
+    dist_probe_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = pick_device(opts.device, dist_probe_rank)
+    info = init_distributed(device)
+    if info.world_size > 1:
+        _label_log_lines(info.rank)
+    if info.world_size != int(spec.world_size):
+        log.warning("spec asks for world_size %d; this launch has %d processes", spec.world_size, info.world_size)
+    torch.manual_seed(int(spec.seed) * 1000 + info.rank)
+    built = build(spec, device, info.world_size, info.local_world_size)
+    for note in built.notes:
+        log.warning("%s", note)
+    source = make_source(spec, info.rank, info.world_size, pin_memory=device.type == "cuda")
+    total = total_steps_of(spec, source, opts.steps)
+    expect = {
+        "world_size": info.world_size,
+        "spec_fingerprint": spec_fingerprint(spec),
+        "plan_hash": _plan_hash(plan_text(built.model)),
+    }
+    trainer = Trainer(spec=spec, opts=opts, dist_info=info, device=device, built=built, source=source,
+                      total_steps=total, stop=stop, expect=expect)
+    trainer.resume()
+    return trainer
+
+
+class _RankPrefix(logging.Filter):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.prefix = f"rank {rank}: "
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and not record.msg.startswith(self.prefix):
+            record.msg = self.prefix + record.msg
+        return True
+
+
+def _label_log_lines(rank: int) -> None:
+    """Several ranks share one log: say whose line it is; only rank 0 tells the story."""
+    prefix = _RankPrefix(rank)
+    for name in ("runner", "checkpoint", "data", "model", "launch"):  # filters are not inherited
+        logging.getLogger(f"slurm_dlrm.train.{name}").addFilter(prefix)
+    if rank != 0:
+        logging.getLogger("slurm_dlrm.train").setLevel(logging.WARNING)
+
+
+def teardown(trainer: Trainer | None) -> None:
+    if trainer is not None and trainer.dist_info.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def exit_code_for(exc: BaseException, device: torch.device | None) -> int:
+    if isinstance(exc, BadInput):
+        return TRAIN_EXIT_BAD_SPEC
+    if isinstance(exc, torch.OutOfMemoryError):
+        # torch raises the same type for a failed host allocation ("DefaultCPUAllocator").
+        on_host = "CPUAllocator" in str(exc) or device is None or device.type != "cuda"
+        return TRAIN_EXIT_OOM_HOST if on_host else TRAIN_EXIT_OOM_GPU
+    if isinstance(exc, MemoryError):
+        return TRAIN_EXIT_OOM_HOST
+    return TRAIN_EXIT_FAILED
+
+
+def run(spec: Any, opts: RunOptions) -> int:
+    """Everything of one rank's run; never raises (but for KeyboardInterrupt outside the
+    loop); returns the TRAIN_EXIT_* code."""
+    quiet_library_logs()
+    stop = StopFlag()
+    stop.install()
+    trainer: Trainer | None = None
+    device: torch.device | None = None
+    try:
+        trainer = setup(spec, opts, stop)
+        device = trainer.device
+        if trainer.start_step >= trainer.total_steps:
+            log.info("already done: the checkpoint is at step %d of %d", trainer.start_step, trainer.total_steps)
+            return TRAIN_EXIT_OK
+        return trainer.run()
+    except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
+        if isinstance(exc, SystemExit | KeyboardInterrupt):
+            raise
+        code = exit_code_for(exc, device)
+        if code == TRAIN_EXIT_BAD_SPEC:
+            log.error("bad spec: %s", exc)
+        elif code in (TRAIN_EXIT_OOM_GPU, TRAIN_EXIT_OOM_HOST):
+            log.error("out of %s memory: %s", "GPU" if code == TRAIN_EXIT_OOM_GPU else "host", str(exc)[:500])
+        else:
+            log.exception("training failed")
+        return code
+    finally:
+        stop.restore()
+        teardown(trainer)

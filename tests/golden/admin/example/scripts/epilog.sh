@@ -1,0 +1,170 @@
+#!/bin/bash
+# Epilog for site "local" (site.toml), rendered by `slurm-dlrm admin render`.
+# slurmd runs it as root when a job ends. For a job the prolog recorded it drops the job from
+# its GPU; after a GPU's last job it stops that GPU's MPS control daemon with `quit`, waits
+# (bounded) for it to exit, then cleans its pipes (and the node's shared memory once no
+# daemon is left). A non-zero exit drains the node: only when a daemon cannot be stopped.
+set -u
+# MPS clients (the jobs' users) must be able to reach the pipe directories.
+umask 022
+# slurmd may run this with a bare environment; Slurm's and MPS's commands live here.
+export PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
+
+# [slurm] mps_control_command: the MPS control program (daemon with -d, client without).
+MPS_CONTROL=nvidia-cuda-mps-control
+# [slurm] mps_pipe_root: GPU <i> has its daemon's pipes in $PIPE_ROOT/gpu<i>/pipe.
+PIPE_ROOT=/run/slurm-dlrm/mps
+# [slurm] mps_log_root: GPU <i> logs to $LOG_ROOT/gpu<i>; events.log records starts/stops.
+LOG_ROOT=/var/log/slurm-dlrm/mps
+# [slurm] shm_dir: MPS leaves cuda.shm.* segments here.
+SHM_DIR=/dev/shm
+# One record per job that holds MPS on this node:
+# "<GPU indices, comma-separated> <thread pct> <gpu_mem_mib, 0 = no fence>".
+JOBS_DIR=$PIPE_ROOT/jobs
+
+log() {
+  mkdir -p "$LOG_ROOT" 2>/dev/null
+  printf '%s %s job %s: %s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)" "${0##*/}" "${SLURM_JOB_ID:-?}" "$*" \
+    >>"$LOG_ROOT/events.log" 2>/dev/null
+  logger -t slurm-dlrm-mps -- "job ${SLURM_JOB_ID:-?}: $*" 2>/dev/null || true
+}
+
+# True while process $1 exists and is not a zombie (an exited daemon nobody reaped yet).
+is_alive() {
+  local stat
+  kill -0 "$1" 2>/dev/null || return 1
+  stat=$(<"/proc/$1/stat") 2>/dev/null || return 1
+  stat=${stat##*) }
+  [[ ${stat%% *} != Z ]]
+}
+
+gpu_dir() { printf '%s/gpu%s' "$PIPE_ROOT" "$1"; }
+pipe_dir() { printf '%s/gpu%s/pipe' "$PIPE_ROOT" "$1"; }
+log_dir() { printf '%s/gpu%s' "$LOG_ROOT" "$1"; }
+
+# The PID of GPU $1's control daemon if it runs, else nothing. The daemon writes its PID
+# into its pipe directory; the command-line check guards against a reused PID.
+daemon_pid() {
+  local pidfile pid cmdline
+  pidfile="$(pipe_dir "$1")/nvidia-cuda-mps-control.pid"
+  [[ -r $pidfile ]] || return 0
+  pid=$(<"$pidfile") || return 0
+  pid=${pid//[[:space:]]/}
+  [[ $pid =~ ^[0-9]+$ ]] || return 0
+  is_alive "$pid" || return 0
+  cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null) || return 0
+  [[ $cmdline == *"${MPS_CONTROL##*/}"* ]] || return 0
+  printf '%s' "$pid"
+}
+
+# Send one command to GPU $1's daemon (a client call; bounded so a wedged daemon cannot hang us).
+control() {
+  local gpu=$1
+  shift
+  printf '%s\n' "$*" | CUDA_MPS_PIPE_DIRECTORY="$(pipe_dir "$gpu")" CUDA_MPS_LOG_DIRECTORY="$(log_dir "$gpu")" \
+    timeout 5 "$MPS_CONTROL"
+}
+
+# True if GPU $1's daemon runs: its PID file names a live daemon, or (drivers that write no
+# PID file) it answers get_server_list on its pipe.
+daemon_up() {
+  [[ -n $(daemon_pid "$1") ]] && return 0
+  [[ -d $(pipe_dir "$1") ]] && control "$1" get_server_list >/dev/null 2>&1
+}
+
+any_daemon_running() {
+  local d
+  for d in "$PIPE_ROOT"/gpu*; do
+    [[ -d $d ]] || continue
+    daemon_up "${d##*/gpu}" && return 0
+  done
+  return 1
+}
+
+# Remove what a stopped or dead daemon of GPU $1 left: its pipes, and once no daemon runs on
+# the node, the shared-memory segments (their names do not say which GPU they belong to).
+clean_stale() {
+  rm -rf -- "$(pipe_dir "$1")"
+  if ! any_daemon_running; then
+    rm -f -- "$SHM_DIR"/cuda.shm.*
+  fi
+}
+# [slurm] mps_stop_timeout_s, as a count of 0.1 s polls (per step: quit, SIGTERM, SIGKILL).
+STOP_POLLS=100
+
+# True only when Slurm says job $1 is over (an unreachable controller keeps the record).
+job_is_over() {
+  local out rc
+  out=$(timeout 10 scontrol show job -o "$1" 2>&1)
+  rc=$?
+  [[ $out == *"Invalid job id"* ]] && return 0
+  ((rc == 0)) || return 1
+  [[ $out =~ JobState=(COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|PREEMPTED|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE)[[:space:]] ]]
+}
+
+# Stop GPU $1's daemon: `quit`, then SIGTERM, then SIGKILL, each with a bounded wait.
+stop_daemon() {
+  local gpu=$1 pid sig i
+  pid=$(daemon_pid "$gpu")
+  if [[ -n $pid ]]; then
+    control "$gpu" quit >/dev/null 2>&1 || log "GPU $gpu: quit was not accepted"
+    for sig in "" TERM KILL; do
+      if [[ -n $sig ]]; then
+        log "GPU $gpu: daemon $pid still runs; sending SIG$sig"
+        kill "-$sig" "$pid" 2>/dev/null
+      fi
+      for ((i = 0; i < STOP_POLLS; i++)); do
+        is_alive "$pid" || break 2
+        sleep 0.1
+      done
+    done
+    if is_alive "$pid"; then
+      log "GPU $gpu: daemon $pid survived SIGKILL"
+      return 1
+    fi
+    log "GPU $gpu: MPS control daemon $pid stopped"
+  elif control "$gpu" get_server_list >/dev/null 2>&1; then
+    # A driver that writes no PID file: quit, then poll until the pipe stops answering.
+    control "$gpu" quit >/dev/null 2>&1 || log "GPU $gpu: quit was not accepted"
+    for ((i = 0; i < STOP_POLLS; i++)); do
+      control "$gpu" get_server_list >/dev/null 2>&1 || break
+      sleep 0.1
+    done
+    if control "$gpu" get_server_list >/dev/null 2>&1; then
+      log "GPU $gpu: daemon ignored quit and has no PID file to signal"
+      return 1
+    fi
+    log "GPU $gpu: MPS control daemon stopped"
+  fi
+  clean_stale "$gpu"
+}
+
+main() {
+  local job=${SLURM_JOB_ID:-} record gpu_list gpu other rc=0 gpus
+  [[ $job =~ ^[0-9]+$ ]] || return 0
+  record=$JOBS_DIR/$job
+  [[ -f $record ]] || return 0 # not a gres/mps job, or its prolog never got this far
+  read -r gpu_list _ <"$record" || gpu_list=
+  exec 9>"$PIPE_ROOT/lock"
+  flock -w 60 9 || { log "lock $PIPE_ROOT/lock busy for 60 s"; return 1; }
+  IFS=, read -ra gpus <<<"$gpu_list"
+  for gpu in "${gpus[@]}"; do
+    [[ $gpu =~ ^[0-9]+$ ]] || continue
+    rm -f -- "$(gpu_dir "$gpu")/jobs/$job"
+    # A job whose epilog never ran (slurmd restarted) must not keep the daemon forever.
+    for other in "$(gpu_dir "$gpu")"/jobs/*; do
+      [[ -e $other ]] || continue
+      if job_is_over "${other##*/}"; then
+        log "GPU $gpu: dropping job ${other##*/}, which Slurm reports over"
+        rm -f -- "$other" "$JOBS_DIR/${other##*/}"
+      fi
+    done
+    if ! compgen -G "$(gpu_dir "$gpu")/jobs/*" >/dev/null; then
+      stop_daemon "$gpu" || rc=1
+    fi
+  done
+  rm -f -- "$record"
+  return $rc
+}
+
+main

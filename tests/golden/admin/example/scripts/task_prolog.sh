@@ -1,0 +1,36 @@
+#!/bin/bash
+# TaskProlog for site "local" (site.toml), rendered by `slurm-dlrm admin render`.
+# slurmstepd runs it as the job's user before each task; the "export NAME=value" and
+# "unset NAME" lines it prints change that task's environment. For a gres/mps job whose
+# daemon the prolog started it points the task at that daemon, and for a `--no-pack` job
+# it sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT from the gpu_mem_mib its --comment recorded,
+# which the prolog read once (Slurm itself sets only the thread percentage, never a
+# memory limit). It asks Slurm nothing, so many tasks cost the controller nothing.
+set -u
+
+# [slurm] mps_pipe_root and mps_log_root, as in the prolog.
+PIPE_ROOT=/run/slurm-dlrm/mps
+LOG_ROOT=/var/log/slurm-dlrm/mps
+
+main() {
+  [[ -n ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-} && ${SLURM_JOB_ID:-} =~ ^[0-9]+$ ]] || return 0
+  # Written by the prolog (root): "<GPU indices> <thread pct> <gpu_mem_mib, 0 = none>".
+  local record=$PIPE_ROOT/jobs/$SLURM_JOB_ID gpu_list pct mem_mib gpu
+  [[ -r $record ]] || return 0 # the prolog started no daemon for this job
+  read -r gpu_list pct mem_mib <"$record" || return 0
+  gpu=${gpu_list%%,*}
+  [[ $gpu =~ ^[0-9]+$ && $pct =~ ^[0-9]+$ ]] || return 0
+  echo "export CUDA_MPS_PIPE_DIRECTORY=$PIPE_ROOT/gpu$gpu/pipe"
+  echo "export CUDA_MPS_LOG_DIRECTORY=$LOG_ROOT/gpu$gpu"
+  echo "export CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$pct"
+  # The daemon sees only its GPU and shows it to clients as device 0 (NVIDIA: do not set
+  # CUDA_VISIBLE_DEVICES in an MPS client's environment).
+  echo "unset CUDA_VISIBLE_DEVICES"
+  # A --no-pack job's per-GPU memory from its --comment marker (docs/interfaces.md section 6).
+  if [[ ${mem_mib:-0} =~ ^[1-9][0-9]*$ ]]; then
+    echo "export CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=${mem_mib}M"
+  fi
+}
+
+main
+exit 0

@@ -1,0 +1,109 @@
+"""Shared pieces of the service tests: a site in tmp, a fake clock, jobs with hand-made
+estimates, and a tiny "cluster" that plays Slurm's scheduler and the agents on FakeSlurm."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.site import REPO_SITE_FILE, SiteConfig, parse_site
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+class FakeClock:
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, s: float) -> None:
+        self.now += s
+
+
+def make_site(tmp: Path, **packing: Any) -> SiteConfig:
+    data = tomllib.loads(REPO_SITE_FILE.read_text())
+    data["site"]["store_dir"] = str(tmp / "store-{user}")
+    data["site"]["spool_dir"] = str(tmp / "spool-{user}")
+    data["packing"].update(packing)
+    return parse_site(data, "test-site")
+
+
+def estimate_dict(gpu_gib: float = 2.0, host_gib: float = 1.0, sm: float = 30.0, bw: float = 30.0,
+                  cores: float = 1.0, label: str = "compute-bound", sps: float = 50_000.0) -> dict[str, Any]:
+    gpu = int(gpu_gib * GIB)
+    return {
+        "gpu_peak_bytes": gpu, "host_peak_bytes": int(host_gib * GIB),
+        "gpu_breakdown": {"embeddings": gpu - 600 * MIB, "cuda_context": 600 * MIB},
+        "host_breakdown": {"python": int(host_gib * GIB)},
+        "profile": {"sm_util_pct": sm, "membw_util_pct": bw, "host_cpu_cores": cores, "label": label,
+                    "flops_per_sample": 1e6, "emb_bytes_per_sample": 1e3, "solo_samples_per_s": sps},
+    }
+
+
+def spec_dict(name: str, steps: int = 100) -> dict[str, Any]:
+    return {"name": name, "tables": [{"name": "t0", "rows": 1000, "dim": 8}], "dense_features": 13,
+            "bottom_mlp": [16, 8], "top_mlp": [16, 1], "batch_size": 64, "steps": steps}
+
+
+def add_job(store: Any, name: str, *, user: str = "root", sbatch: dict[str, Any] | None = None,
+            **est: Any) -> int:
+    kw: dict[str, Any] = {}
+    if sbatch is not None:
+        kw["sbatch"] = sbatch
+    return int(store.add_job(user=user, name=name, spec=spec_dict(name), spec_fingerprint=f"fp-{name}",
+                             estimate=estimate_dict(**est), gpu_model="h100", **kw))
+
+
+@dataclass
+class FakeCluster:
+    """Plays Slurm's scheduler and the pack agents around a FakeSlurm."""
+
+    slurm: Any
+    clock: FakeClock
+
+    def placement_of(self, job_id: int) -> dict[str, Any]:
+        script = self.slurm.job(job_id).script
+        m = re.search(r"--pack-file (.+)$", script, re.M)
+        assert m, script
+        path = shlex.split(m.group(1))[0]
+        return dict(json.loads(Path(path).read_text()))
+
+    def report(self, placement: dict[str, Any], records: list[dict[str, Any]], node: str = "node1") -> None:
+        reports = Path(placement["pack_dir"]) / "reports"
+        reports.mkdir(exist_ok=True)
+        with open(reports / f"{node}.jsonl", "a") as f:
+            for r in records:
+                f.write(json.dumps({"t": self.clock(), "pack_id": placement["pack_id"], "node": node, **r}) + "\n")
+
+    def member(self, placement: dict[str, Any], job_id: int, state: str, exit_code: int | None = None,
+               reason: str = "") -> None:
+        self.report(placement, [{"type": "member", "job_id": job_id, "state": state, "exit_code": exit_code,
+                                 "reason": reason}])
+
+    def tick(self) -> None:
+        """One step of the world: start pending packs, run their members to the end, finish."""
+        for j in list(self.slurm.jobs.values()):
+            if j.state.name == "PENDING":
+                self.slurm.start(j.job_id)
+                p = self.placement_of(j.job_id)
+                for m in p["members"]:
+                    self.member(p, m["job_id"], "RUNNING")
+                    self.report(p, [{"type": "sample", "job_id": m["job_id"], "gpu_index": m["gpu_index"],
+                                     "sm_util_pct": 20.0, "gpu_mem_bytes": GIB, "rss_bytes": GIB,
+                                     "samples_per_s": 1000.0}])
+            elif j.state.name == "RUNNING":
+                p = self.placement_of(j.job_id)
+                cancelled = {int(f.name) for f in (Path(p["pack_dir"]) / "cancel").glob("[0-9]*")}
+                for m in p["members"]:
+                    state = "CANCELLED" if m["job_id"] in cancelled else "COMPLETED"
+                    self.member(p, m["job_id"], state, 0 if state == "COMPLETED" else None)
+                self.slurm.finish(j.job_id)
+        self.clock.advance(5.0)

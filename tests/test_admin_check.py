@@ -1,0 +1,321 @@
+"""admin check's comparison, on `scontrol show node|partition -o` pasted from a local
+Slurm 22.05.8 cluster started with the rendered files of SITE below."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from slurm_dlrm.admin.check import (
+    compare,
+    compare_config,
+    nodes_from_scontrol,
+    nodes_from_seam,
+    parse_gres,
+    parse_scontrol_config,
+    parse_scontrol_output,
+    parse_time_limit_minutes,
+    partitions_from_scontrol,
+    partitions_from_sinfo,
+)
+from slurm_dlrm.site import parse_site
+from slurm_dlrm.slurm.parse import parse_nodes_json, parse_sinfo
+
+SITE = """
+[site]
+name = "exp"
+[gpu_models.h100]
+memory_gib = 80
+sm_count = 132
+mem_bandwidth_gbps = 3350
+fp32_tflops = 67.0
+tf32_tflops = 494.0
+cuda_context_mib = 520
+cublas_workspace_mib = 32
+[gpu_models.a100]
+memory_gib = 40
+sm_count = 108
+mem_bandwidth_gbps = 1555
+fp32_tflops = 19.5
+tf32_tflops = 156.0
+cuda_context_mib = 450
+cublas_workspace_mib = 8
+[[nodes]]
+names = "node[1-2]"
+gpu_model = "h100"
+gpus = 2
+cpus = 4
+memory_mib = 4000
+gpu_device_files = "/tmp/admin-exp/dev/nvidia{i}"
+node_addr = "127.0.0.1"
+slurmd_port = 27821
+[[partitions]]
+name = "dlrm"
+nodes = "node[1-2]"
+default = true
+max_time_minutes = 60
+max_gpus_per_job = 4
+[mps]
+shards_per_gpu = 8
+[slurm]
+config_dir = "/tmp/admin-exp"
+script_dir = "/tmp/admin-exp/scripts"
+slurm_user = "root"
+mps_control_command = "/tmp/admin-exp/bin/nvidia-cuda-mps-control"
+mps_pipe_root = "/tmp/admin-exp/mps"
+mps_log_root = "/tmp/admin-exp/mpslog"
+shm_dir = "/dev/shm"
+accounting_tres = false
+"""
+
+NODES = """\
+NodeName=node1 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=4 CPUTot=4 CPULoad=4.62 AvailableFeatures=(null) ActiveFeatures=(null) Gres=gpu:h100:2,mps:h100:200,shard:h100:16 NodeAddr=127.0.0.1 NodeHostName=node1 Port=27821 Version=22.05.8 OS=Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=4000 AllocMem=0 FreeMem=20751 Sockets=4 Boards=1 State=IDLE ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A Partitions=dlrm  BootTime=2026-11-22T00:13:26 SlurmdStartTime=2026-11-22T00:32:58 LastBusyTime=2026-11-22T00:33:21 CfgTRES=cpu=4,mem=4000M,billing=4 AllocTRES= CapWatts=n/a CurrentWatts=0 AveWatts=0 ExtSensorsJoules=n/s ExtSensorsWatts=0 ExtSensorsTemp=n/s
+NodeName=node2 Arch=x86_64 CoresPerSocket=1  CPUAlloc=0 CPUEfctv=4 CPUTot=4 CPULoad=4.62 AvailableFeatures=(null) ActiveFeatures=(null) Gres=gpu:h100:2,mps:h100:200,shard:h100:16 NodeAddr=127.0.0.1 NodeHostName=node2 Port=27822 Version=22.05.8 OS=Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0  RealMemory=4000 AllocMem=0 FreeMem=20751 Sockets=4 Boards=1 State=IDLE ThreadsPerCore=1 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A Partitions=dlrm  BootTime=2026-11-22T00:13:26 SlurmdStartTime=2026-11-22T00:32:58 LastBusyTime=2026-11-22T00:32:58 CfgTRES=cpu=4,mem=4000M,billing=4 AllocTRES= CapWatts=n/a CurrentWatts=0 AveWatts=0 ExtSensorsJoules=n/s ExtSensorsWatts=0 ExtSensorsTemp=n/s
+"""
+
+PARTITIONS = """\
+PartitionName=dlrm AllowGroups=ALL AllowAccounts=ALL AllowQos=ALL AllocNodes=ALL Default=YES QoS=N/A DefaultTime=NONE DisableRootJobs=NO ExclusiveUser=NO GraceTime=0 Hidden=NO MaxNodes=UNLIMITED MaxTime=01:00:00 MinNodes=0 LLN=NO MaxCPUsPerNode=UNLIMITED Nodes=node[1-2] PriorityJobFactor=1 PriorityTier=1 RootOnly=NO ReqResv=NO OverSubscribe=NO OverTimeLimit=NONE PreemptMode=OFF State=UP TotalCPUs=8 TotalNodes=2 SelectTypeParameters=NONE JobDefaults=(null) DefMemPerNode=UNLIMITED MaxMemPerNode=UNLIMITED TRES=cpu=8,mem=8000M,node=2,billing=8
+"""
+
+
+def site(**changes):
+    raw = tomllib.loads(SITE)
+    for dotted, value in changes.items():
+        where = raw
+        *path, key = dotted.split(".")
+        for p in path:
+            where = where[int(p)] if p.isdigit() else where[p]
+        where[key] = value
+    return parse_site(raw)
+
+
+def diffs(s=None, nodes=NODES, partitions=PARTITIONS):
+    return [str(d) for d in compare(s or site(), nodes_from_scontrol(parse_scontrol_output(nodes)),
+                                    partitions_from_scontrol(parse_scontrol_output(partitions)))]
+
+
+def test_the_config_that_made_the_cluster_matches():
+    assert diffs() == []
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"nodes.0.gpus": 4}, ["node node1: gres/gpu: site h100:4, cluster h100:2",
+                           "node node1: gres/mps: site 400, cluster 200",
+                           "node node1: gres/shard: site 32, cluster 16"]),
+    ({"mps.mps_per_gpu": 50}, ["node node1: gres/mps: site 100, cluster 200"]),
+    ({"mps.shards_per_gpu": 0}, ["node node1: gres/shard: site -, cluster h100:16"]),
+    ({"mps.enabled": False}, ["node node1: gres/mps: site -, cluster h100:200"]),
+    ({"nodes.0.gpu_model": "a100"}, ["node node1: gres/gpu: site a100:2, cluster h100:2"]),
+    ({"nodes.0.cpus": 8}, ["node node1: CPUs: site 8, cluster 4"]),
+    ({"nodes.0.memory_mib": 4096}, ["node node1: RealMemory: site 4096, cluster 4000"]),
+    ({"nodes.0.names": "node[1-3]", "partitions.0.nodes": "node[1-3]"},
+     ["node node3: NodeName: site defined, cluster -", "partition dlrm: Nodes: site node[1-3], cluster node[1-2]"]),
+    ({"partitions.0.max_time_minutes": 90}, ["partition dlrm: MaxTime: site 90 min, cluster 60 min"]),
+    ({"partitions.0.default": False}, ["partition dlrm: Default: site NO, cluster YES"]),
+    ({"partitions.0.name": "dlrm2"}, ["partition dlrm2: PartitionName: site defined, cluster -"]),
+])
+def test_one_changed_value_is_named(change, expected):
+    got = diffs(site(**change))
+    # Each node of the group shows the same node difference; look at node1 and partitions.
+    assert [d for d in got if not d.startswith("node node2")] == expected
+
+
+def test_parsers():
+    nodes = parse_scontrol_output(NODES)
+    assert [n["NodeName"] for n in nodes] == ["node1", "node2"]
+    assert nodes[0]["OS"].startswith("Linux ") and nodes[0]["RealMemory"] == "4000"
+    assert parse_gres("gpu:h100:4(S:0,1),mps:h100:400,shard:32")["shard"].count == 32
+    assert parse_gres("(null)") == {}
+    assert [parse_time_limit_minutes(v) for v in ("UNLIMITED", "1-00:00:00", "01:00:00", "30", "00:00:30")] == [
+        None, 1440, 60, 30, 1]
+
+
+# `sinfo --json` and `sinfo --format ...` of the same cluster (what SlurmClient parses).
+SINFO_JSON = r"""{
+  "meta": {
+    "plugin": {
+      "type": "openapi\/v0.0.38",
+      "name": "Slurm OpenAPI v0.0.38"
+    },
+    "Slurm": {
+      "version": {
+        "major": 22,
+        "micro": 8,
+        "minor": 5
+      },
+      "release": "22.05.8"
+    }
+  },
+  "errors": [
+  ],
+  "nodes": [
+    {
+      "architecture": "x86_64",
+      "burstbuffer_network_address": "",
+      "boards": 1,
+      "boot_time": 1795306406,
+      "comment": "",
+      "cores": 1,
+      "cpu_binding": 0,
+      "cpu_load": 462,
+      "extra": "",
+      "free_memory": 20751,
+      "cpus": 4,
+      "last_busy": 1795307601,
+      "features": "",
+      "active_features": "",
+      "gres": "gpu:h100:2,mps:h100:200,shard:h100:16",
+      "gres_drained": "N\/A",
+      "gres_used": "gpu:h100:0(IDX:N\/A),mps:h100:0(IDX:N\/A),shard:h100:0(IDX:N\/A)",
+      "mcs_label": "",
+      "name": "node1",
+      "next_state_after_reboot": "invalid",
+      "address": "127.0.0.1",
+      "hostname": "node1",
+      "state": "idle",
+      "state_flags": [
+      ],
+      "next_state_after_reboot_flags": [
+      ],
+      "operating_system": "Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0",
+      "owner": null,
+      "partitions": [
+        "dlrm"
+      ],
+      "port": 27821,
+      "real_memory": 4000,
+      "reason": "",
+      "reason_changed_at": 0,
+      "reason_set_by_user": null,
+      "slurmd_start_time": 1795307578,
+      "sockets": 4,
+      "threads": 1,
+      "temporary_disk": 0,
+      "weight": 1,
+      "tres": "cpu=4,mem=4000M,billing=4",
+      "slurmd_version": "22.05.8",
+      "alloc_memory": 0,
+      "alloc_cpus": 0,
+      "idle_cpus": 4,
+      "tres_used": null,
+      "tres_weighted": 0.0
+    },
+    {
+      "architecture": "x86_64",
+      "burstbuffer_network_address": "",
+      "boards": 1,
+      "boot_time": 1795306406,
+      "comment": "",
+      "cores": 1,
+      "cpu_binding": 0,
+      "cpu_load": 611,
+      "extra": "",
+      "free_memory": 20801,
+      "cpus": 4,
+      "last_busy": 1795307578,
+      "features": "",
+      "active_features": "",
+      "gres": "gpu:h100:2,mps:h100:200,shard:h100:16",
+      "gres_drained": "N\/A",
+      "gres_used": "gpu:h100:0(IDX:N\/A),mps:h100:0(IDX:N\/A),shard:h100:0(IDX:N\/A)",
+      "mcs_label": "",
+      "name": "node2",
+      "next_state_after_reboot": "invalid",
+      "address": "127.0.0.1",
+      "hostname": "node2",
+      "state": "idle",
+      "state_flags": [
+      ],
+      "next_state_after_reboot_flags": [
+      ],
+      "operating_system": "Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0",
+      "owner": null,
+      "partitions": [
+        "dlrm"
+      ],
+      "port": 27822,
+      "real_memory": 4000,
+      "reason": "",
+      "reason_changed_at": 0,
+      "reason_set_by_user": null,
+      "slurmd_start_time": 1795307578,
+      "sockets": 4,
+      "threads": 1,
+      "temporary_disk": 0,
+      "weight": 1,
+      "tres": "cpu=4,mem=4000M,billing=4",
+      "slurmd_version": "22.05.8",
+      "alloc_memory": 0,
+      "alloc_cpus": 0,
+      "idle_cpus": 4,
+      "tres_used": null,
+      "tres_weighted": 0.0
+    }
+  ]
+}"""
+
+SINFO = """\
+dlrm*|up|idle|node[1-2]|2|4|4000|gpu:h100:2,mps:h100:200,shard:h100:16|1:00:00
+"""
+
+
+def test_seam_records_compare_like_scontrol_records():
+    nodes = nodes_from_seam(parse_nodes_json(SINFO_JSON))
+    partitions = partitions_from_sinfo(parse_sinfo(SINFO))
+    assert compare(site(), nodes, partitions) == []
+    changed = [str(d) for d in compare(site(**{"mps.mps_per_gpu": 50}), nodes, partitions)]
+    assert changed == ["node node1: gres/mps: site 100, cluster 200", "node node2: gres/mps: site 100, cluster 200"]
+
+
+def test_sinfo_rows_of_one_partition_merge():
+    rows = parse_sinfo("dlrm*|up|idle|node1|1|4|4000|gpu:h100:2|1:00:00\n"
+                       "dlrm*|up|allocated|node2|1|4|4000|gpu:h100:2|1:00:00\n")
+    (p,) = partitions_from_sinfo(rows)
+    assert p.nodes == ("node1", "node2") and p.default and p.max_time_minutes == 60
+
+
+# `scontrol show config` of the same cluster (only the keys admin check reads, plus neighbours).
+CONFIG = """\
+Configuration data as of 2026-11-22T00:46:16
+AccountingStorageTRES   = cpu,mem,energy,node,billing,fs/disk,vmem,pages
+ClusterName             = exp
+Epilog                  = /tmp/admin-exp/scripts/epilog.sh
+EpilogMsgTime           = 2000 usec
+GresTypes               = gpu,mps,shard
+JobSubmitPlugins        = lua
+Prolog                  = /tmp/admin-exp/scripts/prolog.sh
+PrologEpilogTimeout     = 65534
+PrologFlags             = Alloc
+SelectType              = select/cons_tres
+SelectTypeParameters    = CR_CORE_MEMORY
+SlurmctldPort           = 27817
+TaskProlog              = /tmp/admin-exp/scripts/task_prolog.sh
+"""
+
+
+def test_config_that_made_the_cluster_matches():
+    assert compare_config(site(), parse_scontrol_config(CONFIG)) == []
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"mps.shards_per_gpu": 0}, ["config: GresTypes: site gpu,mps, cluster gpu,mps,shard"]),
+    ({"slurm.script_dir": "/etc/slurm/dlrm"}, [
+        "config: Prolog: site /etc/slurm/dlrm/prolog.sh, cluster /tmp/admin-exp/scripts/prolog.sh",
+        "config: Epilog: site /etc/slurm/dlrm/epilog.sh, cluster /tmp/admin-exp/scripts/epilog.sh",
+        "config: TaskProlog: site /etc/slurm/dlrm/task_prolog.sh, cluster /tmp/admin-exp/scripts/task_prolog.sh"]),
+    ({"slurm.select_type_parameters": "CR_CPU_Memory"},
+     ["config: SelectTypeParameters: site CR_CPU_Memory, cluster CR_CORE_MEMORY"]),
+    ({"slurm.accounting_tres": True}, [
+        "config: AccountingStorageTRES: site gres/gpu,gres/gpu:h100,gres/mps,gres/shard, "
+        "cluster cpu,mem,energy,node,billing,fs/disk,vmem,pages"]),
+])
+def test_config_differences_are_named(change, expected):
+    assert [str(d) for d in compare_config(site(**change), parse_scontrol_config(CONFIG))] == expected
+
+
+def test_missing_plugin_and_prolog_flags():
+    config = parse_scontrol_config(CONFIG)
+    config.update(JobSubmitPlugins="(null)", PrologFlags="Contain")
+    assert [str(d) for d in compare_config(site(), config)] == [
+        "config: JobSubmitPlugins: site lua, cluster -", "config: PrologFlags: site Alloc, cluster Contain"]

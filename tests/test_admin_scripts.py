@@ -1,0 +1,445 @@
+"""The rendered MPS prolog, epilog and task prolog, run by bash against a fake
+`nvidia-cuda-mps-control` (daemon with -d, client otherwise, commands through the control
+FIFO in CUDA_MPS_PIPE_DIRECTORY, PID file there, like the real one) and a stub scontrol.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_dlrm.admin.marker import format_marker
+from slurm_dlrm.admin.render import render_site, write_rendered
+from slurm_dlrm.site import REPO_SITE_FILE, parse_site
+
+FAKE_MPS_CONTROL = r'''#!/usr/bin/env python3
+"""Fake nvidia-cuda-mps-control for tests (slurm-dlrm). `-d`: fork a daemon that serves the
+control FIFO in $CUDA_MPS_PIPE_DIRECTORY and writes nvidia-cuda-mps-control.pid there;
+no argument: a client sending stdin's commands through that FIFO.
+FAKE_MPS_FAIL_START / FAKE_MPS_START_DELAY_S / FAKE_MPS_IGNORE_QUIT make it misbehave;
+FAKE_MPS_NO_PID_FILE acts like a driver that writes no PID file."""
+import os, signal, sys, time
+
+PIPE = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+LOGS = os.environ.get("CUDA_MPS_LOG_DIRECTORY", "/var/log/nvidia-mps")
+PID_FILE = os.path.join(PIPE, "nvidia-cuda-mps-control.pid")
+FIFO = os.path.join(PIPE, "control")
+SHM = os.environ.get("FAKE_MPS_SHM_DIR", "/dev/shm")
+
+
+def log(msg):
+    os.makedirs(LOGS, exist_ok=True)
+    with open(os.path.join(LOGS, "control.log"), "a") as f:
+        f.write("%.3f %d %s\n" % (time.time(), os.getpid(), msg))
+
+
+def cleanup():
+    for p in (PID_FILE, PID_FILE + ".fake", FIFO, os.path.join(SHM, "cuda.shm.0.%d.1" % os.getpid())):
+        try:
+            os.unlink(p)
+        except OSError:
+            pass
+    log("exit")
+
+
+def serve():
+    if os.environ.get("FAKE_MPS_FAIL_START"):
+        log("failed to start")
+        return
+    time.sleep(float(os.environ.get("FAKE_MPS_START_DELAY_S", "0")))
+    os.makedirs(PIPE, exist_ok=True)
+    if not os.path.exists(FIFO):
+        os.mkfifo(FIFO, 0o622)
+    # Drivers without the PID file: keep it where only this fake looks.
+    pid_file = PID_FILE + ".fake" if os.environ.get("FAKE_MPS_NO_PID_FILE") else PID_FILE
+    with open(pid_file + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(pid_file + ".tmp", pid_file)
+    if os.path.isdir(SHM):
+        open(os.path.join(SHM, "cuda.shm.0.%d.1" % os.getpid()), "w").close()
+    log("start CUDA_VISIBLE_DEVICES=%s" % os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+
+    def on_term(*_):
+        log("SIGTERM")
+        cleanup()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    fd = os.open(FIFO, os.O_RDWR)  # read-write: no EOF when a client closes
+    buf = b""
+    while True:
+        buf += os.read(fd, 4096)
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            cmd = line.decode().strip()
+            log("command " + cmd)
+            if cmd == "quit" and not os.environ.get("FAKE_MPS_IGNORE_QUIT"):
+                cleanup()
+                return
+
+
+def alive():
+    for pid_file in (PID_FILE, PID_FILE + ".fake"):
+        try:
+            pid = int(open(pid_file).read())
+            os.kill(pid, 0)
+            return True
+        except (OSError, ValueError):
+            continue
+    return False
+
+
+def client():
+    if not alive() or not os.path.exists(FIFO):
+        print("Cannot find MPS control daemon process", file=sys.stderr)
+        return 1
+    for line in sys.stdin:
+        cmd = line.strip()
+        if not cmd:
+            continue
+        w = os.open(FIFO, os.O_WRONLY | os.O_NONBLOCK)
+        os.write(w, (cmd + "\n").encode())
+        os.close(w)
+        if cmd.startswith("set_default_active_thread_percentage"):
+            print(cmd.split()[-1])
+    return 0
+
+
+if sys.argv[1:] == ["-d"]:
+    if os.fork():
+        sys.exit(0)  # like the real one: returns at once, the daemon comes up later
+    os.setsid()
+    if os.fork():
+        os._exit(0)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    try:
+        serve()
+    finally:
+        os._exit(0)
+sys.exit(client())
+'''
+
+# scontrol stub: answers come from files in $STUB_DIR.
+STUB_SCONTROL = r'''#!/bin/bash
+# scontrol show job -o ID -> $STUB_DIR/job_ID, else "Invalid job id"
+id=${!#}
+if [[ -f $STUB_DIR/job_$id ]]; then cat "$STUB_DIR/job_$id"; exit 0; fi
+echo "slurm_load_jobs error: Invalid job id specified" >&2
+exit 1
+'''
+
+
+def write_fake_mps(bin_dir: Path, shm_dir: Path | None = None) -> Path:
+    """Install the fake; `shm_dir` replaces /dev/shm as its default (slurmd passes no FAKE_* env)."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    path = bin_dir / "nvidia-cuda-mps-control"
+    text = FAKE_MPS_CONTROL
+    if shm_dir is not None:
+        text = text.replace('os.environ.get("FAKE_MPS_SHM_DIR", "/dev/shm")', f"os.environ.get(\"FAKE_MPS_SHM_DIR\", {str(shm_dir)!r})")
+        assert str(shm_dir) in text
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+class Node:
+    """One fake compute node: rendered scripts, fake MPS, stub Slurm commands."""
+
+    def __init__(self, root: Path, shards: bool = True) -> None:
+        self.root = root
+        self.bin = root / "bin"
+        self.stub = root / "stub"
+        self.shm = root / "shm"
+        for d in (self.stub, self.shm):
+            d.mkdir(parents=True)
+        write_fake_mps(self.bin)
+        for name, text in (("scontrol", STUB_SCONTROL),):
+            (self.bin / name).write_text(text)
+            (self.bin / name).chmod(0o755)
+        raw = tomllib.loads(REPO_SITE_FILE.read_text())
+        raw["mps"]["shards_per_gpu"] = 8 if shards else 0
+        raw["slurm"].update(mps_control_command=str(self.bin / "nvidia-cuda-mps-control"),
+                            mps_pipe_root=str(root / "p"), mps_log_root=str(root / "l"), shm_dir=str(self.shm),
+                            script_dir=str(root / "s"), mps_start_timeout_s=1.5, mps_stop_timeout_s=1.0)
+        self.site = parse_site(raw)
+        write_rendered(render_site(self.site), root / "out")
+        self.scripts = root / "out" / "scripts"
+        self.pipe_root = root / "p"
+        self.log_root = root / "l"
+
+    def run(self, script: str, job: int, gpus: str | None = "1", pct: str | None = "40",
+            **extra: str) -> subprocess.CompletedProcess[str]:
+        env = {"PATH": f"{self.bin}:/usr/bin:/bin", "SLURM_JOB_ID": str(job), "STUB_DIR": str(self.stub),
+               "FAKE_MPS_SHM_DIR": str(self.shm), **extra}
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+        if pct is not None:
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = pct
+        return subprocess.run(["bash", str(self.scripts / script)], env=env, capture_output=True,  # noqa: S603
+                              text=True, timeout=30)
+
+    def daemon_pid(self, gpu: int) -> int | None:
+        try:
+            pid = int((self.pipe_root / f"gpu{gpu}" / "pipe" / "nvidia-cuda-mps-control.pid").read_text())
+        except (OSError, ValueError):
+            return None
+        return pid if alive(pid) else None
+
+    def control_log(self, gpu: int) -> str:
+        p = self.log_root / f"gpu{gpu}" / "control.log"
+        return p.read_text() if p.exists() else ""
+
+    def events(self) -> str:
+        p = self.log_root / "events.log"
+        return p.read_text() if p.exists() else ""
+
+    def job_running(self, job: int, comment: str = "(null)", mps: int = 40) -> None:
+        (self.stub / f"job_{job}").write_text(f"JobId={job} JobName=x JobState=RUNNING Reason=None "
+                                              f"Comment={comment} TresPerNode=gres:mps:{mps}\n")
+
+    def kill_daemons(self) -> None:
+        for f in self.pipe_root.glob("gpu*/pipe/nvidia-cuda-mps-control.pid*"):
+            try:
+                pid = int(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def node():
+    # Short paths: MPS pipe directories must stay under 87 characters.
+    root = Path(tempfile.mkdtemp(prefix="sdm", dir="/tmp"))
+    n = Node(root)
+    yield n
+    n.kill_daemons()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def alive(pid: int) -> bool:
+    """Exists and is not a zombie (the daemons are orphans; PID 1 may reap them late)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_gone(pid: int, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_prolog_ignores_jobs_without_mps(node):
+    result = node.run("prolog.sh", 5, gpus="0", pct=None)
+    assert result.returncode == 0
+    assert not node.pipe_root.exists()
+
+
+def test_daemon_lives_from_first_prolog_to_last_epilog(node):
+    (node.shm / "cuda.shm.0.999.1").write_text("stale")  # left by a crashed daemon
+    node.job_running(11)
+    node.job_running(12)
+    (node.stub / "job_11").write_text("JobId=11 JobState=RUNNING TresPerNode=gres:mps:40\n")
+    assert node.run("prolog.sh", 11, pct="500").returncode == 0  # 22.05 + shards: bogus percentage
+    pid = node.daemon_pid(1)
+    assert pid is not None
+    assert "start CUDA_VISIBLE_DEVICES=1" in node.control_log(1)
+    # The prolog recomputed the percentage from gres:mps:40 (mps_per_gpu = 100).
+    assert "set_default_active_thread_percentage 40" in node.control_log(1)
+    assert (node.pipe_root / "jobs" / "11").read_text() == "1 40 0\n"  # no marker: no fence
+    assert not (node.shm / "cuda.shm.0.999.1").exists()  # no daemon ran: stale segments went
+
+    (node.stub / "job_12").write_text("JobId=12 JobState=RUNNING TresPerNode=gres:mps:30\n")
+    assert node.run("prolog.sh", 12, pct="375").returncode == 0
+    assert node.daemon_pid(1) == pid  # one daemon per GPU, shared
+    assert node.control_log(1).count("start ") == 1
+
+    assert node.run("epilog.sh", 11).returncode == 0
+    assert node.daemon_pid(1) == pid  # job 12 still holds the GPU
+    assert not (node.pipe_root / "jobs" / "11").exists()
+
+    assert node.run("epilog.sh", 12).returncode == 0
+    assert wait_gone(pid)
+    assert "command quit" in node.control_log(1)
+    assert not (node.pipe_root / "gpu1" / "pipe").exists()
+    assert not list(node.shm.glob("cuda.shm.*"))
+    assert "stopped" in node.events()
+
+
+def test_daemons_per_gpu_are_independent(node):
+    node.job_running(21)
+    node.job_running(22)
+    assert node.run("prolog.sh", 21, gpus="0").returncode == 0
+    assert node.run("prolog.sh", 22, gpus="3").returncode == 0
+    pid0, pid3 = node.daemon_pid(0), node.daemon_pid(3)
+    assert pid0 and pid3 and pid0 != pid3
+    assert node.run("epilog.sh", 21).returncode == 0
+    assert wait_gone(pid0)
+    assert node.daemon_pid(3) == pid3
+    # GPU 3's daemon still runs, so the node's shared memory stays.
+    assert list(node.shm.glob("cuda.shm.*"))
+
+
+def test_epilog_escalates_when_quit_is_ignored(node):
+    node.job_running(31)
+    assert node.run("prolog.sh", 31, FAKE_MPS_IGNORE_QUIT="1").returncode == 0
+    pid = node.daemon_pid(1)
+    assert pid
+    started = time.monotonic()
+    result = node.run("epilog.sh", 31)
+    assert result.returncode == 0
+    assert wait_gone(pid, 1.0)
+    assert "SIGTERM" in node.control_log(1) and "sending SIGTERM" in node.events()
+    assert time.monotonic() - started < 5  # bounded by mps_stop_timeout_s per step
+
+
+def test_prolog_fails_when_the_daemon_never_answers(node):
+    started = time.monotonic()
+    result = node.run("prolog.sh", 41, FAKE_MPS_FAIL_START="1")
+    assert result.returncode == 1  # slurmd drains the node and requeues the job
+    assert 1.4 < time.monotonic() - started < 8  # waited mps_start_timeout_s (1.5 s), no longer
+    assert not (node.pipe_root / "gpu1" / "jobs" / "41").exists()
+    assert not (node.pipe_root / "jobs" / "41").exists()
+    assert "did not answer" in node.events()
+
+
+def test_prolog_waits_for_a_slow_daemon(node):
+    node.job_running(45)
+    assert node.run("prolog.sh", 45, FAKE_MPS_START_DELAY_S="0.6").returncode == 0
+    assert node.daemon_pid(1)
+
+
+def test_daemon_without_a_pid_file(node):
+    """Older drivers write no PID file: readiness and stop go by get_server_list alone."""
+    node.job_running(55)
+    node.job_running(56)
+    assert node.run("prolog.sh", 55, FAKE_MPS_NO_PID_FILE="1").returncode == 0
+    fake_pid_file = node.pipe_root / "gpu1" / "pipe" / "nvidia-cuda-mps-control.pid.fake"
+    pid = int(fake_pid_file.read_text())
+    assert node.daemon_pid(1) is None and alive(pid)
+    assert node.run("prolog.sh", 56).returncode == 0  # finds the running daemon by its pipe
+    assert node.control_log(1).count("start ") == 1
+    assert node.run("epilog.sh", 55).returncode == 0
+    assert alive(pid)
+    assert node.run("epilog.sh", 56).returncode == 0
+    assert wait_gone(pid)
+    assert "command quit" in node.control_log(1)
+    assert not (node.pipe_root / "gpu1" / "pipe").exists()
+
+
+def test_prolog_replaces_a_dead_daemon(node):
+    node.job_running(51)
+    assert node.run("prolog.sh", 51).returncode == 0
+    old = node.daemon_pid(1)
+    assert old
+    os.kill(old, signal.SIGKILL)  # pid file, FIFO and job record stay behind
+    assert wait_gone(old)
+    node.job_running(52)
+    assert node.run("prolog.sh", 52).returncode == 0
+    new = node.daemon_pid(1)
+    assert new and new != old
+
+
+def test_epilog_drops_jobs_slurm_no_longer_knows(node):
+    node.job_running(61)
+    assert node.run("prolog.sh", 61).returncode == 0
+    pid = node.daemon_pid(1)
+    # Job 60's epilog never ran (slurmd restarted); Slurm has forgotten it.
+    (node.pipe_root / "gpu1" / "jobs" / "60").write_text("")
+    assert node.run("epilog.sh", 61).returncode == 0
+    assert pid is not None and wait_gone(pid)
+    assert "dropping job 60" in node.events()
+
+
+def test_epilog_keeps_the_daemon_while_the_controller_is_unreachable(node):
+    node.job_running(71)
+    assert node.run("prolog.sh", 71).returncode == 0
+    pid = node.daemon_pid(1)
+    (node.pipe_root / "gpu1" / "jobs" / "70").write_text("")
+    (node.stub / "job_70").write_text("")  # exists but the stub prints no state
+    (node.bin / "scontrol").write_text("#!/bin/bash\necho 'Unable to contact slurm controller' >&2\nexit 1\n")
+    assert node.run("epilog.sh", 71).returncode == 0
+    assert node.daemon_pid(1) == pid
+
+
+def test_epilog_ignores_jobs_the_prolog_did_not_record(node):
+    assert node.run("epilog.sh", 81, pct=None).returncode == 0
+    assert not node.pipe_root.exists()
+
+
+def task_env(output: str) -> dict[str, Any]:
+    env: dict[str, Any] = {}
+    for line in output.splitlines():
+        if line.startswith("export "):
+            name, _, value = line[len("export "):].partition("=")
+            env[name] = value
+        elif line.startswith("unset "):
+            env[line[len("unset "):]] = None
+    return env
+
+
+def test_task_prolog_points_a_no_pack_job_at_its_daemon_and_fences_memory(node):
+    node.job_running(91, comment=format_marker("no-pack", gpu_mem_mib=3000, job_id=4))
+    assert node.run("prolog.sh", 91, gpus="2").returncode == 0
+    (node.bin / "scontrol").write_text("#!/bin/bash\nexit 1\n")  # tasks must not ask Slurm
+    result = node.run("task_prolog.sh", 91, gpus="0", pct="500")
+    assert result.returncode == 0
+    env = task_env(result.stdout)
+    assert env == {
+        "CUDA_MPS_PIPE_DIRECTORY": f"{node.pipe_root}/gpu2/pipe",
+        "CUDA_MPS_LOG_DIRECTORY": f"{node.log_root}/gpu2",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40",
+        "CUDA_VISIBLE_DEVICES": None,
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=3000M",
+    }
+
+
+def test_task_prolog_sets_no_fence_for_packs_or_foreign_comments(node):
+    comments = [format_marker("pack", pack_id=3), "slurm-dlrm:mode=no-pack,gpu_mem_mib=$(id)", "hello",
+                "slurm-dlrm:mode=no-pack,gpu_mem_mib=0"]
+    for job, comment in enumerate(comments, start=200):
+        node.job_running(job, comment=comment)
+        assert node.run("prolog.sh", job).returncode == 0
+        env = task_env(node.run("task_prolog.sh", job).stdout)
+        assert "CUDA_MPS_PIPE_DIRECTORY" in env
+        assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env, comment
+
+
+def test_task_prolog_is_silent_for_other_jobs(node):
+    assert node.run("task_prolog.sh", 93, pct=None).stdout == ""
+    assert node.run("task_prolog.sh", 94).stdout == ""  # mps job, but no daemon recorded
+
+
+def test_without_shards_the_slurm_percentage_is_used(tmp_path):
+    root = Path(tempfile.mkdtemp(prefix="sdm", dir="/tmp"))
+    n = Node(root, shards=False)
+    try:
+        n.job_running(101, comment=format_marker("no-pack", gpu_mem_mib=1234), mps=30)
+        assert n.run("prolog.sh", 101, pct="25").returncode == 0
+        # Slurm's own 25 stands (no shards: its percentage is right); the fence is read.
+        assert (n.pipe_root / "jobs" / "101").read_text() == "1 25 1234\n"
+        # The controller unreachable: the job still runs, with Slurm's percentage, unfenced.
+        (n.bin / "scontrol").write_text("#!/bin/bash\nexit 1\n")
+        assert n.run("prolog.sh", 102, pct="25").returncode == 0
+        assert (n.pipe_root / "jobs" / "102").read_text() == "1 25 0\n"
+        assert "scontrol show job failed" in n.events()
+    finally:
+        n.kill_daemons()
+        shutil.rmtree(root, ignore_errors=True)

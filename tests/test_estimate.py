@@ -1,0 +1,242 @@
+import copy
+import subprocess
+import sys
+import time
+
+import pytest
+
+from slurm_dlrm.errors import SpecError
+from slurm_dlrm.estimate import HistoryRecord, calibrate, check_tables_fit, copies_per_gpu, estimate
+from slurm_dlrm.estimate.analytic import device_tables
+from slurm_dlrm.estimate.timeline import PARTS, batch_bytes
+from slurm_dlrm.presets import PRESET_NAMES
+from slurm_dlrm.site import REPO_SITE_FILE, load_site
+from slurm_dlrm.spec import parse_spec, spec_fingerprint
+
+SITE = load_site(REPO_SITE_FILE)
+H100 = SITE.gpu_models["h100"]
+
+SMALL = {
+    "name": "s",
+    "tables": [{"rows": 1000, "dim": 16}, {"rows": 2000, "dim": 16}, {"rows": 500, "dim": 16}],
+    "dense_features": 13,
+    "bottom_mlp": [64, 16],
+    "top_mlp": [32, 1],
+    "batch_size": 256,
+    "optimizer": {"type": "sgd"},
+    "prefetch_batches": 0,
+}
+
+
+def small(**over):
+    d = copy.deepcopy(SMALL)
+    d.update(over)
+    return parse_spec(d)
+
+
+# Optimizer state as a multiple of fp32 table bytes, per torchrec's planner
+# (shard_estimators._get_optimizer_multipler): SGD 0, Adam 2, row-wise Adagrad 1/dim, Adagrad 1.
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+@pytest.mark.parametrize("opt", ["sgd", "adagrad", "rowwise_adagrad", "adam"])
+def test_preset_embedding_and_optimizer_parts_are_the_table_sizes(preset, opt):
+    spec = parse_spec({"name": "p", "preset": preset, "optimizer": {"type": opt}})
+    est = estimate(spec, H100)
+    rows = sum(t.rows for t in spec.tables)
+    dim = spec.tables[0].dim
+    table_bytes = rows * dim * 4
+    assert est.gpu_breakdown["embedding_weights"] == table_bytes
+    expected_opt = {"sgd": 0, "adagrad": table_bytes, "rowwise_adagrad": rows * 4, "adam": 2 * table_bytes}[opt]
+    assert est.gpu_breakdown["embedding_optimizer_state"] == expected_opt
+    assert sum(est.gpu_breakdown.values()) == est.gpu_peak_bytes
+    assert est.gpu_peak_bytes > table_bytes + expected_opt + H100.cuda_context_bytes
+
+
+def test_reference_gib_figures():
+    gib = {p: estimate(parse_spec({"name": "p", "preset": p}), H100).gpu_breakdown["embedding_weights"] / 2**30
+           for p in PRESET_NAMES}
+    assert round(gib["criteo-kaggle"], 1) == 2.0
+    assert round(gib["criteo-terabyte-10m"], 1) == 11.7
+    assert round(gib["criteo-terabyte-40m"], 1) == 89.5
+    assert round(gib["mlperf-dcnv2"], 1) == 97.4
+
+
+def test_fast_enough():
+    specs = [parse_spec({"name": "p", "preset": p}) for p in PRESET_NAMES]
+    t = time.perf_counter()
+    for s in specs:
+        estimate(s, H100)
+    assert (time.perf_counter() - t) / len(specs) < 0.05
+
+
+# Peaks of live tensor bytes measured with benchmarks/_measure.py (the runner's model
+# build, data source and loop, each batch handed over as a device copy; torch 2.13 CPU,
+# torchrec 1.8, fbgemm-gpu-cpu 1.8; 3 steps). The estimator must land within 1%, and not under by more than 0.5%.
+_DCN_SMALL = {"tables": [{"rows": 1000, "dim": 8}, {"rows": 2000, "dim": 8}], "dense_features": 5,
+              "bottom_mlp": [24, 8], "top_mlp": [12, 1], "batch_size": 100,
+              "interaction": {"type": "dcn", "layers": 2, "low_rank": 6}}
+_FP16_TABLES = [{"rows": 1000, "dim": 16, "dtype": "fp16"}, {"rows": 2000, "dim": 16, "dtype": "fp16"},
+                {"rows": 500, "dim": 16, "dtype": "fp16"}]
+MEASURED = [
+    ({}, 603780),
+    ({"optimizer": {"type": "adagrad"}}, 838640),
+    ({"optimizer": {"type": "adam"}, "tables": [{"rows": 1000, "dim": 8}, {"rows": 2000, "dim": 8}],
+      "dense_features": 5, "bottom_mlp": [24, 8], "top_mlp": [12, 1], "batch_size": 100}, 558356),
+    ({**_DCN_SMALL, "optimizer": {"type": "adagrad"}}, 307236),
+    ({"mixed_precision": "bf16"}, 543364),
+    ({**_DCN_SMALL, "mixed_precision": "bf16"}, 204904),
+    ({"tables": _FP16_TABLES, "optimizer": {"type": "adagrad"}}, 726640),
+    ({"tables": [{"rows": 1000, "dim": 16, "dtype": "bf16"}, {"rows": 2000, "dim": 16}],
+      "optimizer": {"type": "rowwise_adagrad"}, "mixed_precision": "fp16"}, 474684),
+]
+
+
+@pytest.mark.parametrize("over, measured", MEASURED)
+def test_matches_measured_cpu_peaks(over, measured):
+    est = estimate(small(**over), None)
+    err = (est.tensor_peak_bytes - measured) / measured
+    assert -0.005 < err < 0.01, (est.tensor_peak_bytes, measured)
+
+
+def test_cpu_run_has_no_gpu_part_and_adam_note():
+    est = estimate(small(optimizer={"type": "adam"}), None)
+    assert est.gpu_peak_bytes == 0 and est.gpu_breakdown == {}
+    assert est.host_breakdown["tensors"] == est.tensor_peak_bytes
+    assert any("fused Adam" in n for n in est.notes)
+    # the non-fused path keeps a gradient bucket the size of the tables
+    assert est.tensor_peak_bytes > estimate(small(optimizer={"type": "adam"}), H100).tensor_peak_bytes
+
+
+def test_gpu_rules_added_on_top_of_tensors():
+    est = estimate(small(), H100)
+    gpu_only = est.gpu_breakdown["cuda_context"] + est.gpu_breakdown["cublas_workspace"]
+    assert est.gpu_breakdown["allocator_rounding"] >= 2 << 20
+    assert est.gpu_peak_bytes == est.tensor_peak_bytes + gpu_only + est.gpu_breakdown["allocator_rounding"]
+    assert set(est.gpu_breakdown) >= set(PARTS)
+
+
+def test_monotone_in_batch_and_prefetch():
+    assert estimate(small(batch_size=1024), H100).gpu_peak_bytes > estimate(small(), H100).gpu_peak_bytes
+    npy = {"data": {"type": "criteo-npy", "path": "/d"}, "loader_workers": 2}
+    one = estimate(small(**npy, prefetch_batches=0), H100)
+    three = estimate(small(**npy, prefetch_batches=3), H100)
+    # batches made ahead wait in pinned host memory; only the one in use is on the GPU
+    assert three.gpu_peak_bytes == one.gpu_peak_bytes
+    assert three.host_breakdown["pinned_staging"] == 4 * one.host_breakdown["pinned_staging"]
+    cpu_one, cpu_three = estimate(small(**npy, prefetch_batches=0), None), estimate(small(**npy, prefetch_batches=3), None)
+    assert cpu_one.host_breakdown["loader_prefetch"] == 0
+    assert cpu_three.host_breakdown["loader_prefetch"] == 3 * batch_bytes(small(**npy))
+    assert cpu_three.host_peak_bytes - cpu_one.host_peak_bytes == cpu_three.host_breakdown["loader_prefetch"]
+    # synthetic batches are made inline by the runner: prefetching does not apply
+    assert estimate(small(prefetch_batches=3), H100) == estimate(small(), H100)
+
+
+def test_multi_hot_counts_index_bytes():
+    one = estimate(small(), H100).gpu_breakdown["input_batches"]
+    tables = [{"rows": 1000, "dim": 16, "multi_hot": 10}] * 3
+    ten = estimate(small(tables=[dict(t, name=f"t{i}") for i, t in enumerate(tables)]), H100)
+    # 9 more ids per sample and table, 8 bytes each (int64 in TBE)
+    assert ten.gpu_breakdown["input_batches"] - one == 256 * 3 * 9 * 8
+
+
+def test_host_placement_moves_tables_to_host():
+    tables = [{"rows": 100000, "dim": 16, "placement": "uvm"}, {"rows": 2000, "dim": 16}]
+    est = estimate(small(tables=tables, optimizer={"type": "adagrad"}), H100)
+    assert est.gpu_breakdown["embedding_weights"] == 2000 * 16 * 4
+    assert est.host_breakdown["host_embedding_weights"] == 100000 * 16 * 4
+    assert est.host_breakdown["host_embedding_optimizer_state"] == 100000 * 16 * 4
+    # fbgemm's UVM-caching kernel keeps 20% of the rows in HBM, plus its cache state
+    assert est.gpu_breakdown["uvm_cache"] == 20000 * 16 * 4 + 20000 * 8 + 100000 * 4
+    host = estimate(small(tables=[dict(t, placement="host") for t in tables], optimizer={"type": "adagrad"}), H100)
+    assert host.gpu_breakdown["uvm_cache"] == 0
+
+
+def test_world_size_spreads_tables():
+    tables = [{"rows": r, "dim": 16} for r in (1000, 900, 800, 100)]
+    spec = small(tables=tables, world_size=2)
+    # equal lookup cost: the planner's greedy deals them out in order, r0 gets t0 and t2
+    assert device_tables(spec) == [0, 2]
+    assert estimate(spec, H100).gpu_breakdown["embedding_weights"] == 1800 * 16 * 4
+    # a table with ten times the lookups is placed first and alone on its rank
+    heavy = small(tables=[dict(tables[0], multi_hot=10), *tables[1:]], world_size=2)
+    assert sorted(device_tables(heavy)) in ([0], [1, 2, 3])
+
+
+def test_profile_labels():
+    big_mlp = small(top_mlp=[4096, 4096, 1], batch_size=8192, loader_workers=4)
+    assert estimate(big_mlp, H100).profile.label == "compute-bound"
+    tsv = small(data={"type": "criteo-tsv", "path": "/x"}, loader_workers=1, batch_size=8192)
+    p = estimate(tsv, H100).profile
+    assert p.label == "host-bound" and p.host_cpu_cores >= 1.9
+    lookups = small(tables=[{"rows": 10**7, "dim": 128, "multi_hot": 400}], bottom_mlp=[128], top_mlp=[16, 1],
+                    batch_size=8192, loader_workers=8, data={"type": "criteo-npy", "path": "/d"})
+    assert estimate(lookups, H100).profile.label == "memory-bound"
+    for est in (estimate(big_mlp, H100), estimate(lookups, H100)):
+        assert 0 < est.profile.sm_util_pct <= 100 and 0 <= est.profile.membw_util_pct <= 100
+        assert est.profile.flops_per_sample > 0 and est.profile.emb_bytes_per_sample > 0
+
+
+def test_to_dict_is_json():
+    import json
+
+    d = estimate(small(), H100).to_dict()
+    assert json.loads(json.dumps(d))["profile"]["label"] in ("compute-bound", "memory-bound", "host-bound")
+
+
+def test_calibrate_scales_by_the_worst_ratio_and_says_so():
+    spec = small()
+    est = estimate(spec, H100)
+    fp = spec_fingerprint(spec)
+    hist = [HistoryRecord(fp, 1000, 1050, t=1), HistoryRecord(fp, 1000, 980, t=2),
+            HistoryRecord("other", 1000, 2000, t=3)]
+    cal = calibrate(est, hist, fingerprint=fp)
+    assert cal.gpu_peak_bytes == round(est.gpu_peak_bytes * 1.05)
+    assert cal.gpu_breakdown["calibration"] == cal.gpu_peak_bytes - est.gpu_peak_bytes
+    assert sum(cal.gpu_breakdown.values()) == cal.gpu_peak_bytes
+    assert cal.method == "analytic+calibrated" and any("2 earlier run" in n for n in cal.notes)
+    assert calibrate(est, [], fingerprint=fp) == est
+    # a measurement gone wrong cannot blow the estimate up without bound
+    assert calibrate(est, [HistoryRecord(fp, 1, 10**9)]).gpu_peak_bytes == est.gpu_peak_bytes * 3
+
+
+def test_copies_per_gpu():
+    est = estimate(small(), H100)
+    fit = copies_per_gpu(est, H100)
+    assert fit.copies == H100.memory_bytes // est.gpu_peak_bytes and fit.fits
+    huge = estimate(parse_spec({"name": "p", "preset": "mlperf-dcnv2", "optimizer": {"type": "adagrad"}}), H100)
+    assert not copies_per_gpu(huge, H100).fits
+
+
+def test_table_that_fits_no_gpu():
+    spec = small(tables=[{"rows": 2 * 10**9, "dim": 16}], bottom_mlp=[64, 16])
+    with pytest.raises(SpecError) as err:
+        check_tables_fit(spec, SITE)
+    assert err.value.field == "tables[0].rows"
+    check_tables_fit(small(), SITE)
+    check_tables_fit(small(tables=[{"rows": 2 * 10**9, "dim": 16, "placement": "host"}]), SITE)
+
+
+def test_estimate_path_imports_no_torch():
+    code = ("import sys; from slurm_dlrm.estimate import estimate; from slurm_dlrm.spec import parse_spec;"
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)  # noqa: S603
+
+
+@pytest.mark.torch
+def test_estimate_matches_the_runner_now():
+    """Runs the benchmark's child on one small spec with the current runner code, so a
+    change in the runner's execution mode (its data source, model build or loop) that
+    the estimator does not follow fails here rather than in production."""
+    import json
+
+    pytest.importorskip("torchrec")
+    from pathlib import Path
+
+    d = copy.deepcopy(SMALL)
+    d.update(optimizer={"type": "adagrad"}, interaction={"type": "dcn", "layers": 2, "low_rank": 8}, batch_size=128)
+    child = Path(__file__).resolve().parent.parent / "benchmarks" / "_measure.py"
+    out = subprocess.run([sys.executable, str(child), json.dumps(d), "2"], capture_output=True, text=True,  # noqa: S603
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_tensor_bytes"]
+    est = estimate(parse_spec(d), None).tensor_peak_bytes
+    assert -0.005 < (est - measured) / measured < 0.01, (est, measured)

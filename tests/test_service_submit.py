@@ -1,0 +1,172 @@
+"""`slurm-dlrm submit`, `queue`, `show`, `cancel`, `serve` through the CLI (no cluster)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from service_harness import make_site
+
+from slurm_dlrm.cli import cli
+
+pytest.importorskip("slurm_dlrm.store.store")
+pytest.importorskip("slurm_dlrm.estimate")
+pytest.importorskip("slurm_dlrm.spec")
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples" / "sweep"
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    site = make_site(tmp_path)
+    site_file = tmp_path / "site.toml"
+    text = (REPO / "site-config" / "site.toml").read_text()
+    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
+    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
+    site_file.write_text(text)
+    monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
+    monkeypatch.chdir(tmp_path)
+    return site, site_file, tmp_path
+
+
+def run(*args):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def _spec(tmp_path, name, header=""):
+    src = (EXAMPLES / "tiny-b.yaml").read_text().replace("name: tiny-b", f"name: {name}")
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(header + src)
+    return p
+
+
+def test_submit_records_jobs_with_options_and_estimates(env):
+    site, site_file, tmp = env
+    spec = _spec(tmp, "hdr", "#!/bin/sh\n#SBATCH -p dlrm --time=10\n#SBATCH -o out-%j.txt\n")
+    r = run("submit", "--no-service", "--json", str(spec), str(EXAMPLES / "tiny-c.yaml"), "-t", "20", "-A", "proj")
+    assert r.exit_code == 0, r.output
+    jobs = json.loads(r.output)
+    assert [j["name"] for j in jobs] == ["hdr", "tiny-c"]
+    assert jobs[0]["options"] == {"partition": "dlrm", "time_minutes": 20, "account": "proj",
+                                  "output": f"{tmp}/out-%j.txt"}  # command line wins; -o made absolute
+    assert jobs[1]["options"] == {"time_minutes": 20, "account": "proj"}
+    assert jobs[0]["estimate"]["gpu_peak_bytes"] > 0
+    r = run("queue", "--json", "--no-slurm")
+    rows = json.loads(r.output)["jobs"]
+    assert [(x["job_id"], x["state"]) for x in rows] == [(1, "PENDING"), (2, "PENDING")]
+    assert "not running" in rows[0]["reason"]
+    r = run("show", "1", "--json")
+    d = json.loads(r.output)
+    assert d["options"]["account"] == "proj" and d["spec"]["name"] == "hdr"
+    assert run("submit", "--no-service", "--parsable", str(EXAMPLES / "tiny-a.yaml")).output == "3\n"
+
+
+def test_one_bad_spec_records_nothing(env):
+    site, site_file, tmp = env
+    bad = tmp / "bad.yaml"
+    bad.write_text("name: bad\ntables: []\n")
+    r = CliRunner().invoke(cli, ["submit", "--no-service", str(EXAMPLES / "tiny-a.yaml"), str(bad)])
+    assert r.exit_code == 2
+    assert "tables" in r.output and r.output.count("\n") == 1
+    r = run("queue", "--json", "--no-slurm", "--all")
+    assert json.loads(r.output)["jobs"] == []
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["-t", "soon"], "--time"),
+    (["--mail-type", "SOMETIMES"], "--mail-type"),
+    (["-J", "a\nb"], "--job-name"),
+])
+def test_bad_options_exit_2_in_one_line(env, args, needle):
+    r = CliRunner().invoke(cli, ["submit", "--no-service", str(EXAMPLES / "tiny-a.yaml"), *args])
+    assert r.exit_code == 2 and needle in r.output and r.output.count("\n") == 1
+
+
+def test_bad_sbatch_line_in_spec_names_file_and_line(env):
+    site, site_file, tmp = env
+    spec = _spec(tmp, "x", "#SBATCH --gres=gpu:2\n")
+    r = CliRunner().invoke(cli, ["submit", "--no-service", str(spec)])
+    assert r.exit_code == 2 and "x.yaml:1: --gres: sized by slurm-dlrm" in r.output
+
+
+def test_cancel_pending_and_foreign_ids(env):
+    run("submit", "--no-service", str(EXAMPLES / "tiny-a.yaml"))
+    r = run("cancel", "1")
+    assert "cancelled (was pending)" in r.output
+    r = CliRunner().invoke(cli, ["cancel", "99"])
+    assert r.exit_code == 2 and "no such job" in r.output
+    assert json.loads(run("show", "1", "--json").output)["state"] == "CANCELLED"
+
+
+def test_submit_imports_no_torch(env):
+    site, site_file, tmp = env
+    code = textwrap.dedent(f"""
+        import sys
+        from slurm_dlrm.cli import cli
+        try:
+            cli.main(["submit", "--no-service", {str(EXAMPLES / 'tiny-a.yaml')!r}], prog_name="slurm-dlrm")
+        except SystemExit as e:
+            assert not e.code, e.code
+        # sqlite_utils imports numpy and pluggy plugins (~0.1-0.4 s): the store opens
+        # it only on demand (Store.db), never on this path.
+        heavy = sorted(m for m in ("torch", "torchrec", "fbgemm_gpu", "matplotlib", "jinja2", "numpy",
+                                   "sqlite_utils", "pluggy", "rich") if m in sys.modules)
+        print("HEAVY", heavy)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO,  # noqa: S603
+                         env={**os.environ, "SLURM_DLRM_SITE": str(site_file)}, check=True)
+    assert "HEAVY []" in out.stdout, out.stdout + out.stderr
+
+
+def test_serve_daemon_status_stop_and_one_service_per_user(env):
+    site, site_file, tmp = env
+    r = run("serve", "--daemon", "--round-seconds", "0.5")
+    assert r.exit_code == 0 and "running (pid" in r.output, r.output
+    pid = int(r.output.split("pid ")[1].split(")")[0])
+    try:
+        assert "already running" in run("serve", "--daemon").output
+        deadline = time.monotonic() + 20
+        status: dict = {}
+        while time.monotonic() < deadline and not status.get("rounds"):
+            status = json.loads(run("serve", "status", "--json").output)
+            time.sleep(0.2)
+        assert status["running"] and status["pid"] == pid and status["rounds"] >= 1
+        # A second service started by hand finds the lock taken and exits at once.
+        out = subprocess.run([sys.executable, "-m", "slurm_dlrm", "serve"], capture_output=True, text=True,
+                             timeout=60, cwd=REPO, env={**os.environ, "SLURM_DLRM_SITE": str(site_file)})
+        assert out.returncode == 0
+    finally:
+        r = run("serve", "stop")
+    assert f"(pid {pid}) stopped" in r.output
+    assert CliRunner().invoke(cli, ["serve", "status"]).exit_code == 1
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_no_pack_script_is_sized_from_the_estimate(env):
+    fake = pytest.importorskip("slurm_dlrm.slurm.fake")
+    from slurm_dlrm.service import submit as svc
+    from slurm_dlrm.service.sbatch_options import SbatchOptions
+
+    site, site_file, tmp = env
+    slurm = fake.FakeSlurm(user="root")
+    (sid, sub, req), = svc.submit_no_pack([str(EXAMPLES / "tiny-a.yaml")], SbatchOptions(partition="dlrm"),
+                                          site=site, user="root", cwd=str(tmp), slurm=slurm, python="/py")
+    job = slurm.job(sid)
+    assert job.partition == "dlrm" and job.name == "tiny-a"
+    assert f"--mem={req.mem_mib}M" in job.script and f"--cpus-per-task={req.cpus}" in job.script
+    from slurm_dlrm.admin.marker import parse_marker
+
+    marker = parse_marker(job.comment)
+    assert marker is not None and marker.mode == "no-pack" and marker.gpu_mem_mib >= 1
+    assert req.gres == "gpu:1" or req.gres.startswith("mps:")
+    assert req.mem_mib * (1 << 20) >= sub.estimate.host_peak_bytes
+    assert "exec /py -m slurm_dlrm train" in job.script

@@ -1,0 +1,203 @@
+"""Opening a store: migrations, pragmas, file modes, read-only access."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import stat
+
+import pytest
+
+from slurm_dlrm.site import REPO_SITE_FILE, load_site
+from slurm_dlrm.store import NewPlacement, SchemaTooNew, Store, StoreError, store_path_for
+from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS
+
+
+def mode(p) -> int:
+    return stat.S_IMODE(os.stat(p).st_mode)
+
+
+def test_fresh_store_is_migrated_wal_and_private(tmp_path):
+    path = tmp_path / "a b'c;\n" / "store.sqlite"  # quotes, ; and a newline in the folder name
+    with Store(path) as s:
+        assert s.schema_version == LATEST_VERSION
+        assert s.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert s.conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+        assert s.conn.execute("PRAGMA busy_timeout").fetchone()[0] > 0
+        tables = set(s.db.table_names())
+        assert {"jobs", "packs", "placements", "samples", "events", "job_usage", "ingest_offsets",
+                "migrations"} <= tables
+        assert [r[0] for r in s.conn.execute("SELECT version FROM migrations")] == [m.version for m in MIGRATIONS]
+        s.add_job(user="u", name="n", spec={}, spec_fingerprint="f")  # creates -wal/-shm
+        assert mode(path.parent) == 0o700
+        for suffix in ("", "-wal", "-shm"):
+            assert mode(str(path) + suffix) == 0o600, suffix
+
+
+def test_open_tightens_loose_folder_and_file(tmp_path):
+    d = tmp_path / "loose"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)
+    (d / "store.sqlite").touch()
+    os.chmod(d / "store.sqlite", 0o644)
+    Store(d / "store.sqlite").close()
+    assert mode(d) == 0o700 and mode(d / "store.sqlite") == 0o600
+
+
+def test_reopen_does_not_reapply_and_data_survives(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    with Store(p) as s:
+        j = s.add_job(user="u", name="n", spec={"x": 1}, spec_fingerprint="f")
+    with Store(p) as s:
+        assert s.get_job(j).spec == {"x": 1}
+        assert s.conn.execute("SELECT count(*) FROM migrations").fetchone()[0] == len(MIGRATIONS)
+
+
+def test_migrates_an_old_empty_database(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    p.parent.mkdir(mode=0o700)
+    conn = sqlite3.connect(p)
+    conn.execute("CREATE TABLE unrelated (x)")  # version 0, with a table of its own
+    conn.commit()
+    conn.close()
+    with Store(p) as s:
+        assert s.schema_version == LATEST_VERSION
+        assert "unrelated" in s.db.table_names()
+
+
+def test_newer_schema_is_refused(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    Store(p).close()
+    conn = sqlite3.connect(p)
+    conn.execute(f"PRAGMA user_version = {LATEST_VERSION + 1}")
+    conn.close()
+    with pytest.raises(SchemaTooNew):
+        Store(p)
+    with pytest.raises(SchemaTooNew):
+        Store(p, readonly=True)
+
+
+def test_readonly_reads_but_never_writes(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    with Store(p) as s:
+        j = s.add_job(user="u", name="n", spec={}, spec_fingerprint="f")
+    with Store(p, readonly=True) as ro:
+        assert ro.get_job(j).name == "n"
+        with pytest.raises(StoreError):
+            ro.add_job(user="u", name="m", spec={}, spec_fingerprint="f")
+    with pytest.raises(StoreError):
+        Store(tmp_path / "missing" / "store.sqlite", readonly=True)
+
+
+def test_two_processes_opening_a_fresh_store_migrate_once(tmp_path):
+    import multiprocessing as mp
+
+    p = str(tmp_path / "s" / "store.sqlite")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_open_close, args=(p,)) for _ in range(3)]
+    for pr in procs:
+        pr.start()
+    for pr in procs:
+        pr.join(60)
+    assert [pr.exitcode for pr in procs] == [0, 0, 0]
+    with Store(p) as s:
+        assert s.conn.execute("SELECT count(*) FROM migrations").fetchone()[0] == len(MIGRATIONS)
+
+
+def _open_close(p: str) -> None:
+    Store(p).close()
+
+
+def test_store_path_follows_the_site(tmp_path):
+    site = load_site(REPO_SITE_FILE)
+    assert store_path_for(site, "bob").name == "store.sqlite"
+    assert store_path_for(site, "bob").parent == site.store_dir_for("bob")
+
+
+def test_v1_store_is_migrated_keeping_its_jobs(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    p.parent.mkdir(mode=0o700)
+    conn = sqlite3.connect(p)
+    for stmt in MIGRATIONS[0].statements:
+        conn.execute(stmt)
+    conn.execute(
+        "INSERT INTO jobs (user, name, state, spec_json, spec_fingerprint, estimate_json, submit_time, updated_time) "
+        "VALUES ('u', 'old', 'PENDING', '{\"name\": \"old\"}', 'fp', '{\"gpu_peak_bytes\": 5}', 1.0, 1.0)")
+    conn.execute("INSERT INTO packs (name, user, state, policy, n_gpus, create_time, updated_time) "
+                 "VALUES ('pk', 'u', 'SUBMITTING', 'exclusive', 1, 1.0, 1.0)")
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    with Store(p) as s:
+        assert s.schema_version == LATEST_VERSION >= 2
+        job = s.get_job(1)
+        assert (job.spec, job.estimate, job.sbatch) == ({"name": "old"}, {"gpu_peak_bytes": 5}, None)
+        assert "spec_json" not in s.db["jobs"].columns_dict
+        assert {"samples_t", "placements_gpu"} <= {i.name for t in ("samples", "placements") for i in s.db[t].indexes}
+        j2 = s.add_job(user="u", name="new", spec={}, spec_fingerprint="f", sbatch={"partition": "dlrm"})
+        assert s.get_job(j2).sbatch == {"partition": "dlrm"}
+        assert s.check() == []
+
+
+def test_the_interim_v1_layout_is_migrated_too(tmp_path):
+    # main at bbf9cb2 had version 1 with job_specs (no sbatch_json) and the new indexes.
+    p = tmp_path / "s" / "store.sqlite"
+    p.parent.mkdir(mode=0o700)
+    conn = sqlite3.connect(p)
+    for stmt in MIGRATIONS[0].statements:
+        conn.execute(stmt)
+    conn.executescript("""
+        CREATE TABLE job_specs (job_id INTEGER PRIMARY KEY REFERENCES jobs(id), spec_json TEXT NOT NULL,
+                                estimate_json TEXT);
+        ALTER TABLE jobs DROP COLUMN spec_json; ALTER TABLE jobs DROP COLUMN estimate_json;
+        DROP INDEX samples_pack_t; CREATE INDEX samples_t ON samples(t);
+        CREATE INDEX placements_gpu ON placements(pack_id, node_index, gpu_index, start_time, end_time);
+        INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, updated_time)
+            VALUES ('u', 'mid', 'PENDING', 'fp', 1.0, 1.0);
+        INSERT INTO job_specs VALUES (1, '{"name": "mid"}', NULL);
+        PRAGMA user_version = 1;
+    """)
+    conn.close()
+    with Store(p) as s:
+        assert s.schema_version == LATEST_VERSION
+        assert s.get_job(1).spec == {"name": "mid"}
+        j2 = s.add_job(user="u", name="new", spec={}, spec_fingerprint="f", sbatch={"time": 10})
+        assert s.get_job(j2).sbatch == {"time": 10}
+        assert s.check() == []
+
+
+def test_v3_store_gets_predicted_speed_and_old_placements_stay_uncorrected(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    p.parent.mkdir(mode=0o700)
+    conn = sqlite3.connect(p)
+    for m in MIGRATIONS[:3]:
+        for stmt in m.statements:
+            conn.execute(stmt)
+        if m.apply is not None:
+            m.apply(conn)
+    conn.executescript("""
+        INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, start_time, end_time, pack_id,
+                          updated_time) VALUES ('u', 'a', 'COMPLETED', 'fp', 1.0, 10.0, 110.0, 1, 1.0);
+        INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, start_time, end_time, pack_id,
+                          updated_time) VALUES ('u', 'b', 'COMPLETED', 'fp', 1.0, 10.0, 110.0, 1, 1.0);
+        INSERT INTO job_specs VALUES (1, '{}', NULL, NULL), (2, '{}', NULL, NULL);
+        INSERT INTO packs (name, user, state, policy, n_gpus, create_time, start_time, end_time, updated_time)
+            VALUES ('pk', 'u', 'COMPLETED', 'complementary', 1, 1.0, 10.0, 110.0, 1.0);
+        INSERT INTO placements (pack_id, job_id, attempt, node_index, gpu_index, start_time, end_time)
+            VALUES (1, 1, 0, 0, 0, 10.0, 110.0), (1, 2, 0, 0, 0, 10.0, 110.0);
+        PRAGMA user_version = 3;
+    """)
+    conn.close()
+    with Store(p) as s:
+        assert s.schema_version == LATEST_VERSION >= 4
+        assert [pl.predicted_speed for pl in s.placements()] == [None, None]
+        rows = s.query("acct", {"now": 200.0, "job_ids": None, "states": None, "users": None, "pack_id": None,
+                                "since": None, "until": None})
+        # shared, but no prediction and no measurement: no correction (100 s each, 50 s charged)
+        assert [(r["speed_basis"], round(r["excl_gpu_hours"] * 3600), round(r["gpu_hours"] * 3600))
+                for r in rows] == [("none", 100, 50), ("none", 100, 50)]
+        j = s.add_job(user="u", name="c", spec={}, spec_fingerprint="f")
+        pk = s.add_pack(name="pk2", user="u", policy="complementary", n_gpus=1,
+                        placements=[NewPlacement(j, 0, 0, predicted_speed=0.75)])
+        assert s.placements(pack_id=pk)[0].predicted_speed == 0.75
+        assert s.check() == []

@@ -1,0 +1,234 @@
+"""The training runner end to end on the CPU: metrics, checkpoints, signals, exact
+resume, exit codes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+pytest.importorskip("torchrec")
+spec_mod = pytest.importorskip("slurm_dlrm.spec")
+
+import torch  # noqa: E402
+
+from slurm_dlrm.cli import cli  # noqa: E402
+from slurm_dlrm.errors import (  # noqa: E402
+    ENV_CHECKPOINT_DIR,
+    ENV_METRICS_FILE,
+    TRAIN_EXIT_BAD_SPEC,
+    TRAIN_EXIT_FAILED,
+    TRAIN_EXIT_OK,
+    TRAIN_EXIT_OOM_GPU,
+    TRAIN_EXIT_OOM_HOST,
+    TRAIN_EXIT_PREEMPTED,
+    SpecError,
+)
+from slurm_dlrm.train import checkpoint as ckpt  # noqa: E402
+from slurm_dlrm.train.runner import RunOptions, exit_code_for, run  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CONTRACT_FIELDS = {"t", "step", "samples_per_s", "step_time_s", "loss", "peak_gpu_bytes", "peak_tensor_bytes", "rss_bytes"}
+
+
+def tiny(**over) -> dict:
+    d = {
+        "name": "tiny",
+        "tables": [
+            {"rows": 400, "dim": 8, "pooling_factor": 2.0},
+            {"rows": 300, "dim": 8, "multi_hot": 3},
+            {"rows": 50, "dim": 8},
+        ],
+        "dense_features": 13,
+        "bottom_mlp": [16, 8],
+        "top_mlp": [16, 1],
+        "batch_size": 32,
+        "optimizer": {"type": "adagrad", "lr": 0.05},
+        "steps": 24,
+        "seed": 1,
+        "loader_workers": 0,
+        "checkpoint_every_steps": 5,
+        "metrics_every_steps": 4,
+    }
+    d.update(over)
+    return d
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def _run(tmp: Path, spec: dict, **opts) -> int:
+    return run(spec_mod.parse_spec(spec), RunOptions(metrics_file=tmp / "metrics.jsonl",
+                                                       checkpoint_dir=tmp / "ckpt", tty=False, **opts))
+
+
+def test_trains_on_cpu_and_writes_metrics(tmp_path: Path):
+    assert _run(tmp_path, tiny()) == TRAIN_EXIT_OK
+    recs = lines(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in recs] == [4, 8, 12, 16, 20, 24]
+    for r in recs:
+        assert CONTRACT_FIELDS <= set(r)
+        assert r["samples_per_s"] > 0 and r["step_time_s"] > 0
+        assert r["peak_gpu_bytes"] is None  # CPU
+        # tables + Adagrad state alone are (400+300+50)*8*4*2 bytes
+        assert r["peak_tensor_bytes"] >= 750 * 8 * 4 * 2
+        assert r["rss_bytes"] > 10 * 2**20
+    assert recs[-1]["loss_avg"] < recs[0]["loss_avg"]  # it learns
+    # every 5 steps plus the final one, newest 2 kept
+    assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [24, 20]
+    # Rerun: already done. --no-resume: starts over and drops the old checkpoints.
+    assert _run(tmp_path, tiny()) == TRAIN_EXIT_OK
+    assert len(lines(tmp_path / "metrics.jsonl")) == 6
+    assert _run(tmp_path, tiny(steps=7), resume=False) == TRAIN_EXIT_OK
+    assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [7, 5]
+    assert [r["step"] for r in lines(tmp_path / "metrics.jsonl")][6:] == [4, 7]
+
+
+@pytest.mark.parametrize("optimizer", [
+    {"type": "adagrad", "lr": 0.05},  # fused TBE kernels, optimizer in backward
+    {"type": "adam", "lr": 0.01},  # no fused Adam on the CPU: DENSE kernel + torch.optim.Adam
+])
+def test_interrupted_and_resumed_run_is_exact(tmp_path: Path, optimizer: dict):
+    spec = tiny(optimizer=optimizer)
+    assert _run(tmp_path / "a", spec) == TRAIN_EXIT_OK
+    # Stop after step 13 (as SIGTERM would): checkpoint at 13, exit 5; then resume.
+    assert _run(tmp_path / "b", spec, stop_after_step=13) == TRAIN_EXIT_PREEMPTED
+    assert [s for s, _ in ckpt.list_steps(tmp_path / "b" / "ckpt")] == [13, 10]
+    assert _run(tmp_path / "b", spec) == TRAIN_EXIT_OK
+    full = {r["step"]: r["loss"] for r in lines(tmp_path / "a" / "metrics.jsonl")}
+    resumed = {r["step"]: r["loss"] for r in lines(tmp_path / "b" / "metrics.jsonl")}
+    assert set(resumed) == {4, 8, 12, 16, 20, 24}
+    for step in (16, 20, 24):
+        assert resumed[step] == full[step], step
+
+
+def test_corrupt_newest_checkpoint_is_skipped_on_resume(tmp_path: Path, caplog):
+    caplog.set_level(logging.INFO, logger="slurm_dlrm.train")
+    spec = tiny()
+    assert _run(tmp_path / "a", spec) == TRAIN_EXIT_OK
+    assert _run(tmp_path / "b", spec, stop_after_step=13, keep_checkpoints=3) == TRAIN_EXIT_PREEMPTED
+    newest = tmp_path / "b" / "ckpt" / "step-000000013" / "rank0.bin"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x55
+    newest.write_bytes(bytes(data))
+    (tmp_path / "b" / "metrics.jsonl").unlink()
+    assert _run(tmp_path / "b", spec) == TRAIN_EXIT_OK
+    assert "step-000000013 skipped" in caplog.text
+    assert "resumed from" in caplog.text and "step 10" in caplog.text
+    full = {r["step"]: r["loss"] for r in lines(tmp_path / "a" / "metrics.jsonl")}
+    resumed = {r["step"]: r["loss"] for r in lines(tmp_path / "b" / "metrics.jsonl")}
+    assert min(resumed) == 12  # restarted from 10, first report at 12
+    assert resumed[24] == full[24]
+
+
+def test_criteo_npy_epochs_and_synchronous_checkpoints(tmp_path: Path):
+    import numpy as np
+
+    n = 100
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "day_0_dense.npy", rng.standard_normal((n, 13)).astype(np.float32))
+    np.save(tmp_path / "day_0_sparse.npy", rng.integers(0, 2**31, (n, 26)))
+    np.save(tmp_path / "day_0_labels.npy", rng.integers(0, 2, (n, 1)).astype(np.int32))
+    spec = tiny(tables=[{"rows": 100, "dim": 8}] * 26, steps=None, epochs=2, batch_size=16,
+                data={"type": "criteo-npy", "path": str(tmp_path)}, checkpoint_every_steps=4,
+                metrics_every_steps=3, loader_workers=2)
+    assert _run(tmp_path, spec, async_checkpoint_max_bytes=0) == TRAIN_EXIT_OK
+    # 100 samples make 6 batches of 16 per epoch: 12 steps for 2 epochs.
+    assert [r["step"] for r in lines(tmp_path / "metrics.jsonl")] == [3, 6, 9, 12]
+    assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [12, 8]
+
+
+def test_bad_spec_exits_2_before_importing_torch(tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(tiny(batch_size=0)))
+    result = CliRunner().invoke(cli, ["train", str(bad)])
+    assert result.exit_code == TRAIN_EXIT_BAD_SPEC
+    assert "batch_size" in result.output
+    argv = [sys.executable, "-m", "slurm_dlrm.train", str(tmp_path / "nope.yaml")]
+    missing = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)  # noqa: S603
+    assert missing.returncode == TRAIN_EXIT_BAD_SPEC
+    assert "nope.yaml" in missing.stderr
+
+
+def test_data_that_does_not_fit_the_spec_is_a_bad_spec(tmp_path: Path):
+    tsv = tmp_path / "day_0"
+    tsv.write_text("1\t" + "\t".join(["1"] * 13 + ["a"] * 26) + "\n")
+    spec = tiny(dense_features=5, data={"type": "criteo-tsv", "path": str(tsv)}, bottom_mlp=[8])
+    assert _run(tmp_path, spec) == TRAIN_EXIT_BAD_SPEC
+
+
+def test_exit_codes_for_failures():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert exit_code_for(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"), cuda) == TRAIN_EXIT_OOM_GPU
+    assert exit_code_for(torch.OutOfMemoryError("DefaultCPUAllocator: can't allocate memory"), cuda) == TRAIN_EXIT_OOM_HOST
+    assert exit_code_for(MemoryError(), cpu) == TRAIN_EXIT_OOM_HOST
+    assert exit_code_for(SpecError("tables", "x"), cpu) == TRAIN_EXIT_BAD_SPEC
+    assert exit_code_for(RuntimeError("boom"), cpu) == TRAIN_EXIT_FAILED
+
+
+def _wait_for_metrics(path: Path, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"runner exited early with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+        time.sleep(0.1)
+    raise AssertionError("no metrics line in time")
+
+
+def test_sigterm_mid_run_checkpoints_exits_5_and_restart_resumes(tmp_path: Path):
+    spec_path = tmp_path / "s.yaml"
+    spec_path.write_text(yaml.safe_dump(tiny(steps=1_000_000, checkpoint_every_steps=0, metrics_every_steps=2)))
+    env = dict(os.environ, **{ENV_METRICS_FILE: str(tmp_path / "m.jsonl"), ENV_CHECKPOINT_DIR: str(tmp_path / "ck")})
+    env["PYTHONPATH"] = str(REPO)
+    argv = [sys.executable, "-m", "slurm_dlrm", "train", str(spec_path)]
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path,  # noqa: S603
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_metrics(tmp_path / "m.jsonl", proc)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == TRAIN_EXIT_PREEMPTED, err
+    steps = ckpt.list_steps(tmp_path / "ck")
+    assert len(steps) == 1
+    stopped_at = steps[0][0]
+    assert f"checkpoint at step {stopped_at}" in out
+    assert ckpt.verify(steps[0][1], {"world_size": 1}).step == stopped_at
+    # Restart with a run length just past the checkpoint: it resumes, does not restart.
+    again = subprocess.run([*argv,  # noqa: S603
+                            "--steps", str(stopped_at + 2)], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == TRAIN_EXIT_OK, again.stderr
+    assert f"resumed from {steps[0][1]} (step {stopped_at})" in again.stderr
+    assert lines(tmp_path / "m.jsonl")[-1]["step"] == stopped_at + 2
+
+
+def test_world_size_2_launches_two_ranks_and_checkpoints_both(tmp_path: Path):
+    spec_path = tmp_path / "s.yaml"
+    spec_path.write_text(yaml.safe_dump(tiny(world_size=2, steps=6, checkpoint_every_steps=3, metrics_every_steps=3)))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", ENV_METRICS_FILE, ENV_CHECKPOINT_DIR):
+        env.pop(var, None)
+    done = subprocess.run([sys.executable,  # noqa: S603
+                           "-m", "slurm_dlrm.train", str(spec_path), "--metrics-file",
+                           str(tmp_path / "m.jsonl")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    assert done.returncode == TRAIN_EXIT_OK, done.stderr[-3000:]
+    recs = lines(tmp_path / "m.jsonl")  # rank 0 reports for the job
+    assert [r["step"] for r in recs] == [3, 6] and recs[0]["world_size"] == 2
+    found = ckpt.newest_valid(tmp_path / "ckpt", {"world_size": 2})
+    assert found is not None and found.step == 6
+    assert {"rank0.bin", "rank1.bin", "rank0.json", "rank1.json"} <= set(found.manifest["files"])
