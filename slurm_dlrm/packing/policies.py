@@ -324,6 +324,7 @@ _WINDOW = 8  # candidates looked at per pick, in duration order (keeps plan() O(
 _SKIP_LIMIT = 64  # candidates that did not fit before a pack is closed
 _TOPUP_SCAN = 16
 _SWAP_BUDGET = 2000  # model evaluations the swap pass may spend per plan
+_EXACT_LOG_SPREAD = math.log(1.25)  # duration ratio to the GPU's first member for exact candidates
 _EXACT_MAX = 12  # members + candidates up to which one GPU is solved by enumeration
 _EXACT_BUDGET = 20000  # model evaluations the exact step may spend per plan
 _DURATION_WEIGHT = 3.0  # weight of |ln(duration / seed duration)| against resource fill  # leftover candidates looked at per GPU in the top-up pass
@@ -490,6 +491,14 @@ def _top_up(packs: list[list[_Gpu]], leftover: list[JobDemand], vecs: dict[str, 
     return [j for j in leftover if j.job_id not in taken]
 
 
+def _duration_compatible(job: JobDemand, g: _Gpu) -> bool:
+    """Whether `job` would end about when the GPU's first member does (a pack keeps its
+    GPUs until its last member ends); unknown durations count as compatible."""
+    if not g.members or job.est_duration_s is None or g.members[0].est_duration_s is None:
+        return True
+    return abs(_log_duration(job) - _log_duration(g.members[0])) <= _EXACT_LOG_SPREAD
+
+
 def _exact_gpu(g: _Gpu, leftover: list[JobDemand], vec: dict[int, _Vec], limits: PackingLimits,
                params: InterferenceParams, budget: list[int]) -> list[JobDemand]:
     """Small cases solved exactly: when a GPU's members plus the leftovers that could join
@@ -499,7 +508,9 @@ def _exact_gpu(g: _Gpu, leftover: list[JobDemand], vec: dict[int, _Vec], limits:
     it refines small rounds and leaves large ones to the heuristics."""
     if len(g.members) + len(leftover) > 4 * _EXACT_MAX:
         return leftover  # a large round: not worth scanning the leftovers per GPU
-    fits_alone = [j for j in leftover if vec[j.job_id][2] <= g.usable_bytes]
+    # Only jobs that would end about when the GPU's first member does (a pack keeps its
+    # GPUs until its last member ends); unknown durations count as compatible.
+    fits_alone = [j for j in leftover if vec[j.job_id][2] <= g.usable_bytes and _duration_compatible(j, g)]
     cands = g.members + fits_alone
     if len(cands) > _EXACT_MAX or not fits_alone or budget[0] < (1 << len(cands)):
         return leftover
@@ -612,6 +623,8 @@ def _swap_pass(packs: list[list[_Gpu]], leftover: list[JobDemand], vecs: dict[st
             current = sum(predict_speeds_from_fractions(sm, bw, params)) if len(sm) > 1 else float(len(sm))
             for ci in range(len(pool)):
                 cand = pool[ci]
+                if not _duration_compatible(cand, g):
+                    continue
                 cs, cb, cfence, ccpus, chost = vec[cand.job_id]
                 best: tuple[float, int] | None = None
                 for mi, member in enumerate(g.members):
@@ -648,9 +661,13 @@ def _swap_pass(packs: list[list[_Gpu]], leftover: list[JobDemand], vecs: dict[st
             for mi, member in enumerate(g.members):
                 ms, mb, mfence, mcpus, mhost = vec[member.job_id]
                 for a in range(len(pool)):
+                    if not _duration_compatible(pool[a], g):
+                        continue
                     for c in range(a + 1, len(pool)):
                         if budget <= 0:
                             break
+                        if not _duration_compatible(pool[c], g):
+                            continue
                         va, vc = vec[pool[a].job_id], vec[pool[c].job_id]
                         if (g.used_bytes - mfence + va[2] + vc[2] > g.usable_bytes
                                 or va[3] + vc[3] - mcpus > g.node.free_cpus or va[4] + vc[4] - mhost > g.node.free_mem_bytes):
