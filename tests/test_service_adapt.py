@@ -280,3 +280,18 @@ def test_refit_needs_enough_co_locations(world):
     svc.run_round()
     assert svc.recovery.interference_params == DEFAULT_PARAMS
     assert not store.events(kind="adapt")
+
+
+@pytest.mark.parametrize("key, value", [("repack_threshold_pct", -1.0), ("repack_restart_cost_s", "soon"),
+                                        ("refit_every_rounds", 0), ("no_such_key", 1)])
+def test_adapt_site_keys_are_validated(tmp_path, key, value):
+    import tomllib
+
+    from slurm_dlrm.errors import ConfigError
+    from slurm_dlrm.site import REPO_SITE_FILE, parse_site
+
+    data = tomllib.loads(REPO_SITE_FILE.read_text())
+    assert parse_site(data).adapt.repack_threshold_pct == 10.0  # the documented default
+    data["adapt"][key] = value
+    with pytest.raises(ConfigError, match=f"adapt.{key}"):
+        parse_site(data)

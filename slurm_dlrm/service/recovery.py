@@ -570,9 +570,8 @@ class Recovery:
         if self.svc.rounds % cfg.refit_every_rounds:
             return False
         conn = self.store.conn
-        packs = [int(r[0]) for r in conn.execute(
-            "SELECT DISTINCT pack_id FROM samples WHERE job_id IS NOT NULL AND samples_per_s IS NOT NULL "
-            "ORDER BY pack_id DESC LIMIT ?", (REFIT_PACKS,))]
+        # The newest packs by id (not a scan of samples: that table is the store's largest).
+        packs = [int(r[0]) for r in conn.execute("SELECT id FROM packs ORDER BY id DESC LIMIT ?", (REFIT_PACKS,))]
         if not packs:
             return False
         marks = ",".join("?" * len(packs))
@@ -580,13 +579,17 @@ class Recovery:
             f"SELECT pack_id, job_id, min(t), max(t), avg(samples_per_s) FROM samples WHERE pack_id IN ({marks}) "
             "AND job_id IS NOT NULL AND samples_per_s IS NOT NULL GROUP BY pack_id, job_id", packs)}
         gpus: dict[tuple[int, int, int], list[tuple[int, str]]] = {}  # (pack, node, GPU) -> members
-        for pid, jid, node, gpu, fp in conn.execute(
-                f"SELECT p.pack_id, p.job_id, p.node_index, p.gpu_index, j.spec_fingerprint "
+        capped: set[tuple[int, int, int]] = set()  # a lone member under an MPS cap is no solo rate
+        for pid, jid, node, gpu, fp, share in conn.execute(
+                f"SELECT p.pack_id, p.job_id, p.node_index, p.gpu_index, j.spec_fingerprint, p.mps_thread_pct "
                 f"FROM placements p JOIN jobs j ON j.id = p.job_id WHERE p.pack_id IN ({marks})", packs):
             gpus.setdefault((int(pid), int(node), int(gpu)), []).append((int(jid), str(fp)))
+            if share is not None and share < 100:
+                capped.add((int(pid), int(node), int(gpu)))
         solo_by_fp: dict[str, list[float]] = {}
-        for (pid, _, _), members in gpus.items():
-            if len(members) == 1 and (pid, members[0][0]) in spans:
+        for key, members in gpus.items():
+            pid = key[0]
+            if len(members) == 1 and key not in capped and (pid, members[0][0]) in spans:
                 solo_by_fp.setdefault(members[0][1], []).append(spans[(pid, members[0][0])][2])
         solo = {fp: statistics.median(v) for fp, v in solo_by_fp.items() if v}
         groups: list[dict[int, float]] = []
