@@ -457,7 +457,7 @@ class Recovery:
             upper = decide_repack(here, solo * share_factor(100.0, max(cur_cpus, 1.0)), remaining_s, cost, thr)
             if not upper.repack:
                 if replan:
-                    self._kept(job, f"even alone on a GPU the {upper.reason}")
+                    self._kept(job, f"even alone on a GPU: {upper.reason}")
                 continue
             fresh, where = self._fresh_placement(job, measured_sm.get(job.id), alone)
             if fresh is None:
