@@ -167,7 +167,7 @@ def test_a_member_is_judged_at_most_once_per_interval(world, monkeypatch):
 # ---------------------------------------------------------------- warm-up re-plan
 
 
-def _warmup(world, measured_sm_a: float):
+def _warmup(world, measured_sm_a: float, before_judgement=None):
     """a and b planned on one GPU from their estimates; a's warm-up measures `measured_sm_a`."""
     svc, store, slurm, clock, cluster = world
     a = add(store, "a", sm=20, bw=20)
@@ -178,6 +178,8 @@ def _warmup(world, measured_sm_a: float):
     samples(p, a, t0, t0 + 120, 1000.0, measured_sm_a)
     samples(p, b, t0, t0 + 120, 1000.0, 20.0)
     clock.advance(125)
+    if before_judgement:
+        before_judgement(svc)
     svc.run_round()
     return svc, store, p, a, b
 
@@ -196,6 +198,15 @@ def test_warmup_replan_kept_in_place_says_why(world):
     assert not asked_to_move(p, a) and not asked_to_move(p, b)
     kept = [r for r in reasons(store, a, "adapt") if r.startswith("warm-up asked for a re-plan; kept in place")]
     assert len(kept) == 1 and "below the 10% threshold" in kept[0]
+
+
+def test_warmup_replan_without_a_free_gpu_is_kept(world, monkeypatch):
+    def cluster_full(svc):
+        monkeypatch.setattr(svc, "_busy_gpus", lambda partition: 8)  # every GPU of the site is held
+
+    svc, store, p, a, b = _warmup(world, measured_sm_a=100.0, before_judgement=cluster_full)
+    assert not asked_to_move(p, a)
+    assert any(r.endswith("kept in place: no free GPU for a fresh plan") for r in reasons(store, a, "adapt"))
 
 
 # ---------------------------------------------------------------- interference refit

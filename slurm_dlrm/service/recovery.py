@@ -18,7 +18,13 @@ the agent's cancel hook, and leaves an event with the reason of every decision:
   (`<pack_dir>/cancel/<job_id>`, SIGTERM) and, when the agent reports it stopped, is
   requeued instead of cancelled (`on_member_cancelled`), with its measured profile.
 - `check_warmup`: the first measured window replaces the predicted profile
-  (`update_after_warmup`); the decision (keep or re-plan) is an event.
+  (`update_after_warmup`); the decision (keep or re-plan) is an event, and a re-plan
+  is judged at once by `_check_repack`.
+- `_check_repack` (stage 3): a running member whose fresh plan is predicted faster by
+  `adapt.repack_threshold_pct`, enough to repay `adapt.repack_restart_cost_s`
+  (`decide_repack`), is checkpointed and moved like a straggler.
+- `maybe_refit`: every `adapt.refit_every_rounds` rounds the interference model is
+  refitted from measured co-locations; the policy plans with the result.
 - `adapt_demand`: warm start of a job's first run from the history of its spec
   fingerprint (memory raise learned from OOMs and measured peaks; measured profile of
   similar finished jobs); a requeued job's demand takes its own measured profile.
@@ -72,6 +78,7 @@ ADAPT = "adapt"  # event kind: warm start, warm-up update, share tuning
 MAX_FACTOR = 3.0  # as the estimator's calibration: refuse absurd corrections
 HISTORY = 10  # the most recent runs of a fingerprint; older ones may predate a code change
 FRESH_PLAN_PENDING = 32  # pending jobs a re-pack's fresh plan considers (keeps the round cheap)
+REPACK_JUDGEMENTS_PER_ROUND = 64  # members judged for a re-pack per round; the rest wait a round
 REFIT_PACKS = 200  # the most recent packs whose co-locations feed the interference refit
 UNKNOWN_REMAINING_S = 1e9  # a job without a step count: only the threshold decides
 
@@ -106,6 +113,7 @@ class Recovery:
         self._repack_checked: dict[tuple[int, int], float] = {}  # (job, attempt) -> last re-pack check
         self._replan: set[tuple[int, int]] = set()  # warm-up said re-plan; not yet judged
         self._refit_key: tuple[tuple[int, int, int], ...] = ()  # the co-locations of the last refit
+        self._judged: tuple[int, int] = (-1, 0)  # (round, re-pack judgements made in it)
         self.interference_params = self._last_refit_params()
 
     def _fresh(self) -> None:
@@ -420,6 +428,11 @@ class Recovery:
             last = self._repack_checked.get(key)
             if job.id not in current or (not replan and last is not None and now - last < site_cfg.repack_interval_s):
                 continue
+            if self._judged[0] != self.svc.rounds:
+                self._judged = (self.svc.rounds, 0)
+            if self._judged[1] >= REPACK_JUDGEMENTS_PER_ROUND:
+                break  # packs that started together are judged over a few rounds, not in one
+            self._judged = (self._judged[0], self._judged[1] + 1)
             self._repack_checked[key] = now
             self._replan.discard(key)
             due.append((job, replan))
