@@ -109,6 +109,8 @@ class Recovery:
         self._cache_round = -1
         self._history: dict[str, tuple[tuple[float, float, int], list[Profile]]] = {}
         self._learned_events: list[dict[str, Any]] | None = None
+        self._perf: dict[str, PerfModel | None] = {}
+        self._busy: dict[str | None, int] = {}  # partition -> GPUs the user's packs hold
         self._pending: dict[tuple[tuple[str, str], ...], list[Any]] | None = None
         self._repack_checked: dict[tuple[int, int], float] = {}  # (job, attempt) -> last re-pack check
         self._replan: set[tuple[int, int]] = set()  # warm-up said re-plan; not yet judged
@@ -122,6 +124,8 @@ class Recovery:
             self._history.clear()
             self._learned_events = None
             self._pending = None
+            self._perf.clear()
+            self._busy.clear()
 
     @property
     def store(self) -> Any:
@@ -419,8 +423,6 @@ class Recovery:
         the fresh share/CPUs to the current ones where a model is fitted."""
         site_cfg = self.svc.site.adapt
         now = self.svc.clock()
-        if any(self._move_asked(pack, j) for j in live):
-            return  # this GPU is already changing
         due = []
         for job in live:
             key = (int(job.id), int(job.attempt))
@@ -436,8 +438,8 @@ class Recovery:
             self._repack_checked[key] = now
             self._replan.discard(key)
             due.append((job, replan))
-        if not due:
-            return
+        if not due or any(self._move_asked(pack, j) for j in live):
+            return  # nobody to judge, or this GPU is already changing
         profiles = []
         for j in live:
             prof = (j.estimate or {}).get("profile") or {}
@@ -537,7 +539,11 @@ class Recovery:
         options = job_options(job)
         partition = svc._partition(options)
         nodes = svc._node_shapes(partition)
-        free = sum(n.gpus * n.count for n in nodes) - svc._busy_gpus(partition) + (1 if alone else 0)
+        name = partition.name if partition is not None else None
+        self._fresh()
+        if name not in self._busy:
+            self._busy[name] = svc._busy_gpus(partition)
+        free = sum(n.gpus * n.count for n in nodes) - self._busy[name] + (1 if alone else 0)
         if free <= 0:
             return None, "no free GPU for a fresh plan"
         demand = svc._demand(job)
@@ -671,7 +677,13 @@ class Recovery:
 
     def perf_model(self, fingerprint: str) -> PerfModel | None:
         """Fit on runs of this fingerprint: each placement's (share, cpus) and the
-        median samples/s measured while it held them."""
+        median samples/s measured while it held them. Cached for the round."""
+        self._fresh()
+        if fingerprint not in self._perf:
+            self._perf[fingerprint] = self._fit_perf_model(fingerprint)
+        return self._perf[fingerprint]
+
+    def _fit_perf_model(self, fingerprint: str) -> PerfModel | None:
         points: list[tuple[float, float, float]] = []
         rows = self.store.conn.execute(
             "SELECT p.mps_thread_pct, p.cpus, "
