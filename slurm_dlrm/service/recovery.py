@@ -79,7 +79,7 @@ MAX_FACTOR = 3.0  # as the estimator's calibration: refuse absurd corrections
 HISTORY = 10  # the most recent runs of a fingerprint; older ones may predate a code change
 FRESH_PLAN_PENDING = 32  # pending jobs a re-pack's fresh plan considers (keeps the round cheap)
 REPACK_JUDGEMENTS_PER_ROUND = 64  # members judged for a re-pack per round; the rest wait a round
-REFIT_PACKS = 200  # the most recent packs whose co-locations feed the interference refit
+REFIT_PACKS = 200  # the most recent ended packs whose co-locations feed the interference refit
 UNKNOWN_REMAINING_S = 1e9  # a job without a step count: only the threshold decides
 
 
@@ -116,6 +116,7 @@ class Recovery:
         self._replan: set[tuple[int, int]] = set()  # warm-up said re-plan; not yet judged
         self._refit_key: tuple[tuple[int, int, int], ...] = ()  # the co-locations of the last refit
         self._judged: tuple[int, int] = (-1, 0)  # (round, re-pack judgements made in it)
+        self._colocations: dict[int, Any] = {}  # ended pack -> what it tells the refit (_pack_colocations)
         self.interference_params = self._last_refit_params()
 
     def _fresh(self) -> None:
@@ -372,7 +373,7 @@ class Recovery:
                 for job_id, reason in moves:
                     self._ask_to_move(pack, running[job_id], reason)
                 if not moves:
-                    self._check_repack(pack, live, planned[key], current, measured_sm, placements)
+                    self._check_repack(pack, live, current, measured_sm, placements)
 
     def _warmup_update(self, job: Any, warm: list[tuple[float, float, float | None]], warm_sps: float) -> None:
         """Record the warm-up measurement against the prediction, once per run."""
@@ -409,8 +410,8 @@ class Recovery:
 
     # ------------------------------------------------------------ run-time re-pack
 
-    def _check_repack(self, pack: Any, live: list[Any], planned: list[Any], current: dict[int, float],
-                      measured_sm: dict[int, float], placements: list[Any]) -> None:
+    def _check_repack(self, pack: Any, live: list[Any], current: dict[int, float], measured_sm: dict[int, float],
+                      placements: list[Any]) -> None:
         """Stage 3 (and the warm-up's re-plan): on one GPU of a running pack, move the
         member whose fresh plan is predicted fastest relative to its measured speed here,
         if `decide_repack` says the gain clears the threshold and repays the restart.
@@ -468,7 +469,7 @@ class Recovery:
                     return 1.0
                 return model.samples_per_s(share, cpus) / max(model.samples_per_s(cur_share, cur_cpus), 1e-12)
 
-            # Cheap bound first: nothing beats running alone with the whole GPU.
+            # Cheap bound first: alone with the whole GPU (and its CPUs) is the best a fresh plan gives.
             upper = decide_repack(here, solo * share_factor(100.0, max(cur_cpus, 1.0)), remaining_s, cost, thr)
             if not upper.repack:
                 if replan:
@@ -581,65 +582,47 @@ class Recovery:
 
     def maybe_refit(self) -> bool:
         """Every `adapt.refit_every_rounds` rounds: refit the interference model from the
-        measured co-locations of recent packs (each member's mean samples/s while all of
-        its GPU's members were reporting, over the median solo rate of its spec from
-        packs where it ran alone on a GPU). Adopted when it lowers the mean error on
-        those samples; an event records the parameters and both errors. True if refitted."""
+        measured co-locations of the newest ended packs (each member's mean samples/s while
+        all of its GPU's members were reporting, over the median solo rate of its spec
+        from packs where it ran alone on a GPU without an MPS cap). Adopted when it lowers
+        the mean error on those samples; an event records the parameters and both errors.
+        True if refitted."""
+        from slurm_dlrm.store.states import PACK_TERMINAL
+
         cfg = self.svc.site.adapt
         if self.svc.rounds % cfg.refit_every_rounds:
             return False
-        conn = self.store.conn
-        # The newest packs by id (not a scan of samples: that table is the store's largest).
-        packs = [int(r[0]) for r in conn.execute("SELECT id FROM packs ORDER BY id DESC LIMIT ?", (REFIT_PACKS,))]
-        if not packs:
-            return False
-        marks = ",".join("?" * len(packs))
-        spans = {(int(p), int(j)): (float(a), float(b), float(s)) for p, j, a, b, s in conn.execute(
-            f"SELECT pack_id, job_id, min(t), max(t), avg(samples_per_s) FROM samples WHERE pack_id IN ({marks}) "
-            "AND job_id IS NOT NULL AND samples_per_s IS NOT NULL GROUP BY pack_id, job_id", packs)}
-        gpus: dict[tuple[int, int, int], list[tuple[int, str]]] = {}  # (pack, node, GPU) -> members
-        capped: set[tuple[int, int, int]] = set()  # a lone member under an MPS cap is no solo rate
-        for pid, jid, node, gpu, fp, share in conn.execute(
-                f"SELECT p.pack_id, p.job_id, p.node_index, p.gpu_index, j.spec_fingerprint, p.mps_thread_pct "
-                f"FROM placements p JOIN jobs j ON j.id = p.job_id WHERE p.pack_id IN ({marks})", packs):
-            gpus.setdefault((int(pid), int(node), int(gpu)), []).append((int(jid), str(fp)))
-            if share is not None and share < 100:
-                capped.add((int(pid), int(node), int(gpu)))
+        # The newest ended packs by id: their samples are complete, so what each holds is
+        # read once and kept (a scan of samples, the store's largest table, every time would not be cheap).
+        marks = ",".join("?" * len(PACK_TERMINAL))
+        packs = [int(r[0]) for r in self.store.conn.execute(
+            f"SELECT id FROM packs WHERE state IN ({marks}) ORDER BY id DESC LIMIT ?",
+            (*sorted(str(x) for x in PACK_TERMINAL), REFIT_PACKS))]
+        for pid in packs:
+            if pid not in self._colocations:
+                self._colocations[pid] = self._pack_colocations(pid)
+        for pid in set(self._colocations) - set(packs):
+            del self._colocations[pid]
         solo_by_fp: dict[str, list[float]] = {}
-        for key, members in gpus.items():
-            pid = key[0]
-            if len(members) == 1 and key not in capped and (pid, members[0][0]) in spans:
-                solo_by_fp.setdefault(members[0][1], []).append(spans[(pid, members[0][0])][2])
-        solo = {fp: statistics.median(v) for fp, v in solo_by_fp.items() if v}
+        for pid in packs:
+            for fp, sps in self._colocations[pid][0]:
+                solo_by_fp.setdefault(fp, []).append(sps)
+        solo = {fp: statistics.median(v) for fp, v in solo_by_fp.items()}
+        usable = [(gpu_key, members) for pid in sorted(packs) for gpu_key, members in self._colocations[pid][1]
+                  if all(fp in solo for _, fp, _ in members)]
+        used = tuple(gpu_key for gpu_key, _ in usable)
+        if len(usable) < cfg.refit_min_samples or used == self._refit_key:
+            return False
+        self._refit_key = used
         groups: list[dict[int, float]] = []
         profiles: dict[int, SoloProfile] = {}  # as the policy sees them: the estimate's
         solo_by_job: dict[int, float] = {}
-        used: list[tuple[int, int, int]] = []
-        for key, members in sorted(gpus.items()):
-            pid = key[0]
-            if len(members) < 2 or any(fp not in solo or (pid, jid) not in spans for jid, fp in members):
-                continue
-            t0 = max(spans[(pid, jid)][0] for jid, _ in members)
-            t1 = min(spans[(pid, jid)][1] for jid, _ in members)
-            if t1 <= t0:
-                continue  # never all reporting at once
-            ids = [jid for jid, _ in members]
-            rates = {int(j): float(s) for j, s in conn.execute(
-                f"SELECT job_id, avg(samples_per_s) FROM samples WHERE pack_id = ? AND job_id IN "
-                f"({','.join('?' * len(ids))}) AND t BETWEEN ? AND ? AND samples_per_s IS NOT NULL GROUP BY job_id",
-                (pid, *ids, t0, t1))}
-            if len(rates) != len(ids):
-                continue
-            for jid, fp in members:
+        for _, members in usable:
+            for jid, fp, _ in members:
                 prof = (self.store.get_job(jid).estimate or {}).get("profile") or {}
-                profiles[jid] = SoloProfile(float(prof.get("sm_util_pct") or 0.0),
-                                            float(prof.get("membw_util_pct") or 0.0))
+                profiles[jid] = SoloProfile(float(prof.get("sm_util_pct") or 0.0), float(prof.get("membw_util_pct") or 0.0))
                 solo_by_job[jid] = solo[fp]
-            groups.append(rates)
-            used.append(key)
-        if len(groups) < cfg.refit_min_samples or tuple(used) == self._refit_key:
-            return False
-        self._refit_key = tuple(used)
+            groups.append({jid: rate for jid, _, rate in members})
         samples = build_samples(solo_by_job, profiles, groups)
         before = prediction_error(samples, self.interference_params)
         fitted = refit_interference(samples, start=self.interference_params)
@@ -660,6 +643,46 @@ class Recovery:
         self.store.add_event(ADAPT, f"interference model kept: a refit on {len(samples)} co-located GPU(s) "
                              f"does not lower its mean error ({before:.3f} -> {after:.3f})", data=data)
         return False
+
+    def _pack_colocations(self, pack_id: int) -> tuple[list[tuple[str, float]],
+                                                     list[tuple[tuple[int, int, int], list[tuple[int, str, float]]]]]:
+        """What one ended pack tells the refit: solo rates [(fingerprint, samples/s)] of
+        members alone on a GPU without an MPS cap, and the co-located GPUs
+        [((pack, node, gpu), [(job, fingerprint, samples/s while all of them reported)])]."""
+        conn = self.store.conn
+        spans = {int(j): (float(a), float(b), float(s)) for j, a, b, s in conn.execute(
+            "SELECT job_id, min(t), max(t), avg(samples_per_s) FROM samples WHERE pack_id = ? "
+            "AND job_id IS NOT NULL AND samples_per_s IS NOT NULL GROUP BY job_id", (pack_id,))}
+        gpus: dict[tuple[int, int, int], list[tuple[int, str]]] = {}
+        capped: set[tuple[int, int, int]] = set()
+        for jid, node, gpu, fp, share in conn.execute(
+                "SELECT p.job_id, p.node_index, p.gpu_index, j.spec_fingerprint, p.mps_thread_pct "
+                "FROM placements p JOIN jobs j ON j.id = p.job_id WHERE p.pack_id = ?", (pack_id,)):
+            key = (pack_id, int(node), int(gpu))
+            gpus.setdefault(key, []).append((int(jid), str(fp)))
+            if share is not None and share < 100:
+                capped.add(key)
+        solo: list[tuple[str, float]] = []
+        groups: list[tuple[tuple[int, int, int], list[tuple[int, str, float]]]] = []
+        for key, members in sorted(gpus.items()):
+            if any(jid not in spans for jid, _ in members):
+                continue
+            if len(members) == 1:
+                if key not in capped:
+                    solo.append((members[0][1], spans[members[0][0]][2]))
+                continue
+            t0 = max(spans[jid][0] for jid, _ in members)
+            t1 = min(spans[jid][1] for jid, _ in members)
+            if t1 <= t0:
+                continue  # never all reporting at once
+            ids = [jid for jid, _ in members]
+            rates = {int(j): float(r) for j, r in conn.execute(
+                f"SELECT job_id, avg(samples_per_s) FROM samples WHERE pack_id = ? AND job_id IN "
+                f"({','.join('?' * len(ids))}) AND t BETWEEN ? AND ? AND samples_per_s IS NOT NULL GROUP BY job_id",
+                (pack_id, *ids, t0, t1))}
+            if len(rates) == len(ids):
+                groups.append((key, [(jid, fp, rates[jid]) for jid, fp in members]))
+        return solo, groups
 
     def on_member_cancelled(self, job: Any, t: float) -> bool:
         """The agent stopped a member: if the service had asked it to move, requeue it
