@@ -216,7 +216,7 @@ PROFILES = {"fp-c": (70.0, 20.0), "fp-m": (20.0, 70.0), "fp-x": (50.0, 50.0), "f
 SOLO_SPS = {"fp-c": 2000.0, "fp-m": 800.0, "fp-x": 1200.0, "fp-y": 3000.0}
 
 
-def _history(store, clock):
+def _history(store, clock, solo_share=100):
     """Packs already run: each spec alone on a GPU, and pairs co-located, with samples/s
     from the TRUE interference constants."""
     from slurm_dlrm.store.store import NewPlacement
@@ -229,8 +229,9 @@ def _history(store, clock):
                                  estimate=estimate_dict(sm=PROFILES[fp][0], bw=PROFILES[fp][1]), gpu_model="h100"))
                for i, fp in enumerate(fps)]
         pid = store.add_pack(name=f"h{n}", user=USER, policy="complementary", n_gpus=1,
-                             placements=[NewPlacement(job_id=j, node_index=0, gpu_index=0, mps_thread_pct=100,
-                                                      cpus=2) for j in ids])
+                             placements=[NewPlacement(job_id=j, node_index=0, gpu_index=0, cpus=2,
+                                                      mps_thread_pct=solo_share if len(ids) == 1 else 100)
+                                         for j in ids])
         store.transition_pack(pid, PackState.CANCELLED, "test history")  # over: not the service's to run
         for j in ids:
             store.transition_job(j, JobState.CANCELLED, "test history")
@@ -279,6 +280,17 @@ def test_interference_model_is_refitted_from_live_samples_and_used_by_the_policy
     assert seen and seen[-1] == got
     again = PackingService(store, slurm, svc.site, svc.settings, clock=clock)
     assert again.recovery.interference_params == got
+
+
+def test_a_capped_lone_member_is_no_solo_rate(world):
+    from slurm_dlrm.packing.interference import DEFAULT_PARAMS
+
+    svc, store, slurm, clock, cluster = world
+    _history(store, clock, solo_share=50)
+    svc.rounds = svc.site.adapt.refit_every_rounds - 1
+    svc.run_round()
+    assert svc.recovery.interference_params == DEFAULT_PARAMS
+    assert not store.events(kind="adapt")
 
 
 def test_refit_needs_enough_co_locations(world):
