@@ -133,6 +133,14 @@ def test_no_repack_when_the_restart_does_not_pay_off(world, monkeypatch):
     assert store.get_job(a).state == JobState.RUNNING
 
 
+def test_no_repack_that_would_spend_the_last_retry(world, monkeypatch):
+    svc, store, slurm, clock, cluster = world
+    svc.settings = ServiceSettings(user=USER, python="/venv/bin/python", max_attempts=2)
+    a, b, p, share = _neighbour_finished(svc, store, slurm, clock, cluster, monkeypatch)
+    svc.run_round()
+    assert not asked_to_move(p, a) and store.get_job(a).state == JobState.RUNNING
+
+
 def test_no_repack_below_the_site_threshold(tmp_path, monkeypatch):
     svc, store, slurm, clock, cluster = _world(tmp_path, repack_threshold_pct=10_000.0)
     try:

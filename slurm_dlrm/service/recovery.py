@@ -452,7 +452,14 @@ class Recovery:
         alone = len(live) == 1
         mine = {p.job_id: p for p in placements}
         best: tuple[float, Any, str] | None = None
+        max_attempts = self.svc.settings.max_attempts
         for job, replan in due:
+            if job.attempt + 2 >= max_attempts:
+                # A move is a run (a requeue counts against max_attempts): keep one for a failure.
+                if replan:
+                    self._kept(job, f"a move would leave no retry for a failure (run {job.attempt + 1} of "
+                               f"at most {max_attempts})")
+                continue
             here = current[job.id]
             solo = here / max(rel_here[job.id], 1e-9)
             remaining_s = self._remaining_s(job, here)
