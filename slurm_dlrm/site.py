@@ -138,6 +138,17 @@ class AgentConfig:
 
 
 @dataclass(frozen=True)
+class AdaptConfig:
+    """Run-time adaptation by the service (docs/recovery.md)."""
+
+    repack_threshold_pct: float = 10.0  # predicted speed gain a run-time move must clear
+    repack_restart_cost_s: float = 120.0  # what a move costs: checkpoint, requeue, restart, warm-up
+    repack_interval_s: float = 300.0  # a running member is reconsidered at most this often
+    refit_every_rounds: int = 30  # refit the interference model at most once per this many rounds
+    refit_min_samples: int = 3  # co-located GPUs with solo rates needed before a refit
+
+
+@dataclass(frozen=True)
 class SiteConfig:
     name: str
     store_dir: str
@@ -153,6 +164,7 @@ class SiteConfig:
     # The service deletes samples older than this from each store (0: keep them all);
     # acct's per-job aggregates stay (Store.prune_samples).
     sample_retention_days: float = 30.0
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)
 
     def store_dir_for(self, user: str) -> Path:
         return Path(os.path.expanduser(self.store_dir.replace("{user}", user)))
@@ -424,9 +436,19 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         heartbeat_timeout_s=a.get("heartbeat_timeout_s", float, 120.0, min_value=1),
     )
     a.done()
+    d = AdaptConfig()
+    r = top.table("adapt")
+    adapt = AdaptConfig(
+        repack_threshold_pct=r.get("repack_threshold_pct", float, d.repack_threshold_pct, min_value=0),
+        repack_restart_cost_s=r.get("repack_restart_cost_s", float, d.repack_restart_cost_s, min_value=0),
+        repack_interval_s=r.get("repack_interval_s", float, d.repack_interval_s, min_value=1),
+        refit_every_rounds=r.get("refit_every_rounds", int, d.refit_every_rounds, min_value=1),
+        refit_min_samples=r.get("refit_min_samples", int, d.refit_min_samples, min_value=1),
+    )
+    r.done()
     top.done()
     return SiteConfig(name, store_dir, spool_dir, gpu_models, tuple(nodes), tuple(partitions), mps, packing, agent,
-                      path, slurm, sample_retention_days)
+                      path, slurm, sample_retention_days, adapt)
 
 
 def _abs_path(section: _Section, key: str, default: str) -> str:

@@ -158,6 +158,7 @@ class PackingService:
         stats = RoundStats()
         self.rounds += 1
         self.observe(stats)
+        self.recovery.maybe_refit()  # the interference model from measured co-locations, every N rounds
         self.act(stats)
         self.prune_samples(stats)
         stats.slurm_ok = self.slurm_error is None
@@ -238,7 +239,7 @@ class PackingService:
                 info = next((i for i in infos if str(i.job_id) == pack.slurm_job_id), None)
             self._observe_pack(pack, info, stats)
         self.recovery.check_heartbeats(stats)
-        self.recovery.check_warmup_and_stragglers()
+        self.recovery.check_warmup_and_stragglers()  # also run-time re-pack and warm-up re-plan
 
     def ingest(self, pack: Any) -> int:
         """Agent reports of one pack into the store, exactly once."""
@@ -483,7 +484,7 @@ class PackingService:
         request = PackingRequest(jobs=aged(demands, self.waited_rounds, cfg),
                                  gpu_models=tuple(self.site.gpu_models.values()), nodes=nodes,
                                  limits=limits_from_site(self.site), max_gpus=max(0, total - busy))
-        result = plan(request, self.policy)
+        result = plan(request, self.policy, self.recovery.interference_params)  # refitted from samples
         self.waited_rounds.update(after_round(self.waited_rounds, result))
         for d in result.deferred:
             if _never_fits(d.reason):

@@ -18,7 +18,13 @@ the agent's cancel hook, and leaves an event with the reason of every decision:
   (`<pack_dir>/cancel/<job_id>`, SIGTERM) and, when the agent reports it stopped, is
   requeued instead of cancelled (`on_member_cancelled`), with its measured profile.
 - `check_warmup`: the first measured window replaces the predicted profile
-  (`update_after_warmup`); the decision (keep or re-plan) is an event.
+  (`update_after_warmup`); the decision (keep or re-plan) is an event, and a re-plan
+  is judged at once by `_check_repack`.
+- `_check_repack` (stage 3): a running member whose fresh plan is predicted faster by
+  `adapt.repack_threshold_pct`, enough to repay `adapt.repack_restart_cost_s`
+  (`decide_repack`), is checkpointed and moved like a straggler.
+- `maybe_refit`: every `adapt.refit_every_rounds` rounds the interference model is
+  refitted from measured co-locations; the policy plans with the result.
 - `adapt_demand`: warm start of a job's first run from the history of its spec
   fingerprint (memory raise learned from OOMs and measured peaks; measured profile of
   similar finished jobs); a requeued job's demand takes its own measured profile.
@@ -46,13 +52,22 @@ from slurm_dlrm.adapt import (
     SpeedSample,
     allocate_shares,
     decide_after_oom,
+    decide_repack,
     find_stragglers,
     fit_perf_model,
     update_after_warmup,
     warm_start,
 )
 from slurm_dlrm.adapt.stragglers import choose_moves
-from slurm_dlrm.packing.interference import predict_speeds_from_fractions
+from slurm_dlrm.packing.interference import (
+    DEFAULT_PARAMS,
+    InterferenceParams,
+    SoloProfile,
+    build_samples,
+    predict_speeds_from_fractions,
+    prediction_error,
+    refit_interference,
+)
 from slurm_dlrm.site import MIB
 
 log = logging.getLogger(__name__)
@@ -62,6 +77,10 @@ MOVE = "move"  # event kind: a member was asked to checkpoint so it can be moved
 ADAPT = "adapt"  # event kind: warm start, warm-up update, share tuning
 MAX_FACTOR = 3.0  # as the estimator's calibration: refuse absurd corrections
 HISTORY = 10  # the most recent runs of a fingerprint; older ones may predate a code change
+FRESH_PLAN_PENDING = 32  # pending jobs a re-pack's fresh plan considers (keeps the round cheap)
+REPACK_JUDGEMENTS_PER_ROUND = 64  # members judged for a re-pack per round; the rest wait a round
+REFIT_PACKS = 200  # the most recent ended packs whose co-locations feed the interference refit
+UNKNOWN_REMAINING_S = 1e9  # a job without a step count: only the threshold decides
 
 
 @dataclass(frozen=True)
@@ -90,12 +109,24 @@ class Recovery:
         self._cache_round = -1
         self._history: dict[str, tuple[tuple[float, float, int], list[Profile]]] = {}
         self._learned_events: list[dict[str, Any]] | None = None
+        self._perf: dict[str, PerfModel | None] = {}
+        self._busy: dict[str | None, int] = {}  # partition -> GPUs the user's packs hold
+        self._pending: dict[tuple[tuple[str, str], ...], list[Any]] | None = None
+        self._repack_checked: dict[tuple[int, int], float] = {}  # (job, attempt) -> last re-pack check
+        self._replan: set[tuple[int, int]] = set()  # warm-up said re-plan; not yet judged
+        self._refit_key: tuple[tuple[int, int, int], ...] = ()  # the co-locations of the last refit
+        self._judged: tuple[int, int] = (-1, 0)  # (round, re-pack judgements made in it)
+        self._colocations: dict[int, Any] = {}  # ended pack -> what it tells the refit (_pack_colocations)
+        self.interference_params = self._last_refit_params()
 
     def _fresh(self) -> None:
         if self._cache_round != self.svc.rounds:
             self._cache_round = self.svc.rounds
             self._history.clear()
             self._learned_events = None
+            self._pending = None
+            self._perf.clear()
+            self._busy.clear()
 
     @property
     def store(self) -> Any:
@@ -287,7 +318,8 @@ class Recovery:
     def _relative_speeds(self, jobs: list[Any]) -> dict[int, float]:
         est = [(j.estimate or {}).get("profile") or {} for j in jobs]
         sp = predict_speeds_from_fractions([_fraction(p.get("sm_util_pct")) for p in est],
-                                           [_fraction(p.get("membw_util_pct")) for p in est])
+                                           [_fraction(p.get("membw_util_pct")) for p in est],
+                                           self.interference_params)
         return {j.id: s for j, s in zip(jobs, sp, strict=True)}
 
     def check_warmup_and_stragglers(self) -> None:
@@ -315,6 +347,8 @@ class Recovery:
                 predicted: dict[int, float] = {}
                 speeds: list[SpeedSample] = []
                 changes: dict[int, float] = {}
+                current: dict[int, float] = {}  # median samples/s over the recent window
+                measured_sm: dict[int, float] = {}
                 for job in live:
                     rows = samples.get(job.id, [])
                     warm = [r for r in rows if r[0] <= rows[0][0] + cfg.warmup_s] if rows else []
@@ -324,14 +358,22 @@ class Recovery:
                     predicted[job.id] = warm_sps * rel_now[job.id] / max(rel_then[job.id], 1e-9)
                     speeds += [SpeedSample(job.id, t, sps) for t, sps, _ in rows if t > rows[0][0] + cfg.warmup_s]
                     self._warmup_update(job, warm, warm_sps)
-                    recent = [r[2] for r in rows if r[0] >= now - cfg.straggler_sustained_s and r[2] is not None]
+                    recent_rows = [r for r in rows if r[0] >= now - cfg.straggler_sustained_s]
+                    recent = [r[2] for r in recent_rows if r[2] is not None]
                     planned_sm = float(((job.estimate or {}).get("profile") or {}).get("sm_util_pct") or 0.0)
+                    if recent:
+                        measured_sm[job.id] = statistics.median(recent)
                     if recent and planned_sm > 0:
                         changes[job.id] = statistics.median(recent) / planned_sm
+                    if recent_rows:
+                        current[job.id] = statistics.median(r[1] for r in recent_rows)
                 found = find_stragglers(speeds, predicted, now, cfg.straggler_ratio, cfg.straggler_sustained_s)
                 gpu_of = {j.id: key for j in live}
-                for job_id, reason in choose_moves(found, changes, gpu_of, 1.0 + cfg.profile_change_pct / 100.0):
+                moves = choose_moves(found, changes, gpu_of, 1.0 + cfg.profile_change_pct / 100.0)
+                for job_id, reason in moves:
                     self._ask_to_move(pack, running[job_id], reason)
+                if not moves:
+                    self._check_repack(pack, live, current, measured_sm, placements)
 
     def _warmup_update(self, job: Any, warm: list[tuple[float, float, float | None]], warm_sps: float) -> None:
         """Record the warm-up measurement against the prediction, once per run."""
@@ -347,9 +389,11 @@ class Recovery:
             self.store.add_event(ADAPT, upd.reason, job_id=job.id,
                                  data={"measured_sm_util_pct": measured_sm, "samples_per_s": warm_sps,
                                        "replan": upd.replan})
+            if upd.replan:
+                self._replan.add((int(job.id), int(job.attempt)))  # judged by _check_repack this round
 
     def _ask_to_move(self, pack: Any, job: Any, reason: str) -> None:
-        if any(ev.get("kind") == MOVE and ev.get("pack_id") == pack.id for ev in self.store.events(job_id=job.id)):
+        if self._move_asked(pack, job):
             return  # already asked
         if not pack.pack_dir:
             return
@@ -360,6 +404,292 @@ class Recovery:
                              pack_id=pack.id)
         (cancel_dir / str(job.id)).write_text(f"{self.svc.clock()} move\n")
         log.info("job %d: %s; asked to checkpoint and move", job.id, reason)
+
+    def _move_asked(self, pack: Any, job: Any) -> bool:
+        return any(ev.get("pack_id") == pack.id for ev in self.store.events(job_id=job.id, kind=MOVE))
+
+    # ------------------------------------------------------------ run-time re-pack
+
+    def _check_repack(self, pack: Any, live: list[Any], current: dict[int, float], measured_sm: dict[int, float],
+                      placements: list[Any]) -> None:
+        """Stage 3 (and the warm-up's re-plan): on one GPU of a running pack, move the
+        member whose fresh plan is predicted fastest relative to its measured speed here,
+        if `decide_repack` says the gain clears the threshold and repays the restart.
+
+        Each member is judged at most once per `adapt.repack_interval_s` (a warm-up that
+        asked for a re-plan is judged at once). Its solo speed is its measured speed here
+        divided by the interference model's relative speed here (with the measured SM use
+        of the GPU's live members); the candidate is that solo speed times its relative
+        speed in a fresh plan of it with the pending jobs, times the perf model's ratio of
+        the fresh share/CPUs to the current ones where a model is fitted."""
+        site_cfg = self.svc.site.adapt
+        now = self.svc.clock()
+        due = []
+        for job in live:
+            key = (int(job.id), int(job.attempt))
+            replan = key in self._replan
+            last = self._repack_checked.get(key)
+            if job.id not in current or (not replan and last is not None and now - last < site_cfg.repack_interval_s):
+                continue
+            if self._judged[0] != self.svc.rounds:
+                self._judged = (self.svc.rounds, 0)
+            if self._judged[1] >= REPACK_JUDGEMENTS_PER_ROUND:
+                break  # packs that started together are judged over a few rounds, not in one
+            self._judged = (self._judged[0], self._judged[1] + 1)
+            self._repack_checked[key] = now
+            self._replan.discard(key)
+            due.append((job, replan))
+        if not due or any(self._move_asked(pack, j) for j in live):
+            return  # nobody to judge, or this GPU is already changing
+        profiles = []
+        for j in live:
+            prof = (j.estimate or {}).get("profile") or {}
+            profiles.append((_fraction(measured_sm.get(j.id, prof.get("sm_util_pct"))),
+                             _fraction(prof.get("membw_util_pct"))))
+        rel_here = dict(zip((j.id for j in live),
+                            predict_speeds_from_fractions([p[0] for p in profiles], [p[1] for p in profiles],
+                                                          self.interference_params), strict=True))
+        alone = len(live) == 1
+        mine = {p.job_id: p for p in placements}
+        best: tuple[float, Any, str] | None = None
+        max_attempts = self.svc.settings.max_attempts
+        for job, replan in due:
+            if job.attempt + 2 >= max_attempts:
+                # A move is a run (a requeue counts against max_attempts): keep one for a failure.
+                if replan:
+                    self._kept(job, f"a move would leave no retry for a failure (run {job.attempt + 1} of "
+                               f"at most {max_attempts})")
+                continue
+            here = current[job.id]
+            solo = here / max(rel_here[job.id], 1e-9)
+            remaining_s = self._remaining_s(job, here)
+            cost = site_cfg.repack_restart_cost_s
+            thr = site_cfg.repack_threshold_pct
+            place = mine.get(job.id)
+            model = self.perf_model(job.spec_fingerprint)
+            cur_share = float(place.mps_thread_pct or 100) if place else 100.0
+            cur_cpus = float(place.cpus or 1) if place else 1.0
+
+            def share_factor(share: float, cpus: float, model: PerfModel | None = model,
+                             cur_share: float = cur_share, cur_cpus: float = cur_cpus) -> float:
+                if model is None:
+                    return 1.0
+                return model.samples_per_s(share, cpus) / max(model.samples_per_s(cur_share, cur_cpus), 1e-12)
+
+            # Cheap bound first: alone with the whole GPU (and its CPUs) is the best a fresh plan gives.
+            upper = decide_repack(here, solo * share_factor(100.0, max(cur_cpus, 1.0)), remaining_s, cost, thr)
+            if not upper.repack:
+                if replan:
+                    self._kept(job, f"even alone on a GPU: {upper.reason}")
+                continue
+            fresh, where = self._fresh_placement(job, measured_sm.get(job.id), alone)
+            if fresh is None:
+                if replan:
+                    self._kept(job, where)
+                continue
+            candidate = solo * fresh.predicted_speed * share_factor(float(fresh.mps_thread_pct), float(fresh.cpus))
+            dec = decide_repack(here, candidate, remaining_s, cost, thr)
+            stage = "warm-up re-plan" if replan else "re-pack"
+            reason = (f"{stage}: {here:.0f} samples/s here, {candidate:.0f} predicted {where}; {dec.reason}")
+            if not dec.repack:
+                if replan:
+                    self._kept(job, reason)
+                continue
+            if best is None or dec.gain_pct > best[0]:
+                best = (dec.gain_pct, job, reason)
+        if best is not None:
+            self._ask_to_move(pack, best[1], best[2])
+
+    def _kept(self, job: Any, reason: str) -> None:
+        self.store.add_event(ADAPT, f"warm-up asked for a re-plan; kept in place: {reason}", job_id=job.id)
+
+    def _remaining_s(self, job: Any, samples_per_s: float) -> float:
+        """Seconds left at `samples_per_s`: the spec's steps x batch minus what was trained
+        (the runner's last reported step, else the samples/s integrated over its runs)."""
+        from slurm_dlrm.service.submit import job_progress
+
+        spec = job.spec or {}
+        steps, batch = spec.get("steps"), spec.get("batch_size")
+        if not isinstance(steps, int) or not isinstance(batch, int) or steps <= 0 or samples_per_s <= 0:
+            return UNKNOWN_REMAINING_S
+        step = job_progress(self.svc.site, self.svc.settings.user, job.id)
+        if step is not None:
+            done = float(step * batch)
+        else:
+            rows = self.store.conn.execute(
+                "SELECT max(t) - min(t), avg(samples_per_s) FROM samples WHERE job_id = ? "
+                "AND samples_per_s IS NOT NULL GROUP BY pack_id", (job.id,)).fetchall()
+            done = sum(float(span or 0.0) * float(sps or 0.0) for span, sps in rows)
+        return max(0.0, steps * batch - done) / samples_per_s
+
+    def _pending_demands(self, pack_key: tuple[tuple[str, str], ...]) -> list[Any]:
+        from slurm_dlrm.service.core import job_options
+        from slurm_dlrm.store.states import JobState
+
+        self._fresh()
+        if self._pending is None:
+            self._pending = {}
+            for j in self.store.jobs([JobState.PENDING], user=self.svc.settings.user):
+                group = self._pending.setdefault(job_options(j).pack_key(), [])
+                if len(group) < FRESH_PLAN_PENDING:
+                    group.append(j)
+        return [self.svc._demand(j) for j in self._pending.get(pack_key, [])]
+
+    def _fresh_placement(self, job: Any, measured_sm: float | None, alone: bool) -> tuple[Any, str]:
+        """The member's placement in a fresh plan of it (with its measured SM use) and the
+        pending jobs of its pack key, on the GPUs free now (plus its own if it is alone
+        on it). (None, why) if the plan has no place for it."""
+        from slurm_dlrm.packing.model import PackingRequest, limits_from_site
+        from slurm_dlrm.packing.policies import plan
+        from slurm_dlrm.service.core import job_options
+
+        svc = self.svc
+        options = job_options(job)
+        partition = svc._partition(options)
+        nodes = svc._node_shapes(partition)
+        name = partition.name if partition is not None else None
+        self._fresh()
+        if name not in self._busy:
+            self._busy[name] = svc._busy_gpus(partition)
+        free = sum(n.gpus * n.count for n in nodes) - self._busy[name] + (1 if alone else 0)
+        if free <= 0:
+            return None, "no free GPU for a fresh plan"
+        demand = svc._demand(job)
+        if measured_sm:
+            demand = replace(demand, sm_util_pct=measured_sm)
+        request = PackingRequest(jobs=(demand, *self._pending_demands(options.pack_key())),
+                                 gpu_models=tuple(svc.site.gpu_models.values()), nodes=nodes,
+                                 limits=limits_from_site(svc.site), max_gpus=free)
+        result = plan(request, svc.policy, self.interference_params)
+        for pk in result.packs:
+            for m in pk.members:
+                if m.job_id == job.id:
+                    others = sorted(o.job_id for o in pk.members
+                                    if o.job_id != job.id and (o.node_index, o.gpu_index) == (m.node_index, m.gpu_index))
+                    where = ("alone on a GPU" if not others else
+                             "with job(s) " + ", ".join(str(o) for o in others)) + " in a fresh plan"
+                    return m, where
+        return None, "no place in a fresh plan"
+
+    # ------------------------------------------------------------ interference refit
+
+    def _last_refit_params(self) -> InterferenceParams:
+        """The parameters of the last refit (events survive a restart), else the defaults."""
+        import json
+
+        row = self.store.conn.execute(
+            "SELECT data_json FROM events WHERE kind = ? AND data_json LIKE '%\"interference\"%' "
+            "ORDER BY id DESC LIMIT 1", (ADAPT,)).fetchone()
+        try:
+            p = json.loads(row[0])["interference"] if row else None
+            return InterferenceParams(float(p["sm_contention"]), float(p["membw_contention"]),
+                                      float(p["per_client_overhead"])) if p else DEFAULT_PARAMS
+        except (ValueError, KeyError, TypeError):
+            return DEFAULT_PARAMS
+
+    def maybe_refit(self) -> bool:
+        """Every `adapt.refit_every_rounds` rounds: refit the interference model from the
+        measured co-locations of the newest ended packs (each member's mean samples/s while
+        all of its GPU's members were reporting, over the median solo rate of its spec
+        from packs where it ran alone on a GPU without an MPS cap). Adopted when it lowers
+        the mean error on those samples; an event records the parameters and both errors.
+        True if refitted."""
+        from slurm_dlrm.store.states import PACK_TERMINAL
+
+        cfg = self.svc.site.adapt
+        if self.svc.rounds % cfg.refit_every_rounds:
+            return False
+        # The newest ended packs by id: their samples are complete, so what each holds is
+        # read once and kept (a scan of samples, the store's largest table, every time would not be cheap).
+        marks = ",".join("?" * len(PACK_TERMINAL))
+        packs = [int(r[0]) for r in self.store.conn.execute(
+            f"SELECT id FROM packs WHERE state IN ({marks}) ORDER BY id DESC LIMIT ?",
+            (*sorted(str(x) for x in PACK_TERMINAL), REFIT_PACKS))]
+        for pid in packs:
+            if pid not in self._colocations:
+                self._colocations[pid] = self._pack_colocations(pid)
+        for pid in set(self._colocations) - set(packs):
+            del self._colocations[pid]
+        solo_by_fp: dict[str, list[float]] = {}
+        for pid in packs:
+            for fp, sps in self._colocations[pid][0]:
+                solo_by_fp.setdefault(fp, []).append(sps)
+        solo = {fp: statistics.median(v) for fp, v in solo_by_fp.items()}
+        usable = [(gpu_key, members) for pid in sorted(packs) for gpu_key, members in self._colocations[pid][1]
+                  if all(fp in solo for _, fp, _ in members)]
+        used = tuple(gpu_key for gpu_key, _ in usable)
+        if len(usable) < cfg.refit_min_samples or used == self._refit_key:
+            return False
+        self._refit_key = used
+        groups: list[dict[int, float]] = []
+        profiles: dict[int, SoloProfile] = {}  # as the policy sees them: the estimate's
+        solo_by_job: dict[int, float] = {}
+        for _, members in usable:
+            for jid, fp, _ in members:
+                prof = (self.store.get_job(jid).estimate or {}).get("profile") or {}
+                profiles[jid] = SoloProfile(float(prof.get("sm_util_pct") or 0.0), float(prof.get("membw_util_pct") or 0.0))
+                solo_by_job[jid] = solo[fp]
+            groups.append({jid: rate for jid, _, rate in members})
+        samples = build_samples(solo_by_job, profiles, groups)
+        before = prediction_error(samples, self.interference_params)
+        fitted = refit_interference(samples, start=self.interference_params)
+        after = prediction_error(samples, fitted)
+        old = self.interference_params
+        names = ("alpha", "beta", "gamma")
+        change = ", ".join(f"{n} {a:.3f} -> {b:.3f}" for n, a, b in zip(names, old.as_tuple(), fitted.as_tuple(),
+                                                                       strict=True))
+        data: dict[str, Any] = {"samples": len(samples), "error_before": before, "error_after": after}
+        if after < before:
+            self.interference_params = fitted
+            data["interference"] = {"sm_contention": fitted.sm_contention, "membw_contention": fitted.membw_contention,
+                                    "per_client_overhead": fitted.per_client_overhead}
+            self.store.add_event(ADAPT, f"interference model refit from {len(samples)} co-located GPU(s): {change}; "
+                                 f"mean error of the relative speed {before:.3f} -> {after:.3f}", data=data)
+            log.info("interference model refit: %s", change)
+            return True
+        self.store.add_event(ADAPT, f"interference model kept: a refit on {len(samples)} co-located GPU(s) "
+                             f"does not lower its mean error ({before:.3f} -> {after:.3f})", data=data)
+        return False
+
+    def _pack_colocations(self, pack_id: int) -> tuple[list[tuple[str, float]],
+                                                     list[tuple[tuple[int, int, int], list[tuple[int, str, float]]]]]:
+        """What one ended pack tells the refit: solo rates [(fingerprint, samples/s)] of
+        members alone on a GPU without an MPS cap, and the co-located GPUs
+        [((pack, node, gpu), [(job, fingerprint, samples/s while all of them reported)])]."""
+        conn = self.store.conn
+        spans = {int(j): (float(a), float(b), float(s)) for j, a, b, s in conn.execute(
+            "SELECT job_id, min(t), max(t), avg(samples_per_s) FROM samples WHERE pack_id = ? "
+            "AND job_id IS NOT NULL AND samples_per_s IS NOT NULL GROUP BY job_id", (pack_id,))}
+        gpus: dict[tuple[int, int, int], list[tuple[int, str]]] = {}
+        capped: set[tuple[int, int, int]] = set()
+        for jid, node, gpu, fp, share in conn.execute(
+                "SELECT p.job_id, p.node_index, p.gpu_index, j.spec_fingerprint, p.mps_thread_pct "
+                "FROM placements p JOIN jobs j ON j.id = p.job_id WHERE p.pack_id = ?", (pack_id,)):
+            key = (pack_id, int(node), int(gpu))
+            gpus.setdefault(key, []).append((int(jid), str(fp)))
+            if share is not None and share < 100:
+                capped.add(key)
+        solo: list[tuple[str, float]] = []
+        groups: list[tuple[tuple[int, int, int], list[tuple[int, str, float]]]] = []
+        for key, members in sorted(gpus.items()):
+            if any(jid not in spans for jid, _ in members):
+                continue
+            if len(members) == 1:
+                if key not in capped:
+                    solo.append((members[0][1], spans[members[0][0]][2]))
+                continue
+            t0 = max(spans[jid][0] for jid, _ in members)
+            t1 = min(spans[jid][1] for jid, _ in members)
+            if t1 <= t0:
+                continue  # never all reporting at once
+            ids = [jid for jid, _ in members]
+            rates = {int(j): float(r) for j, r in conn.execute(
+                f"SELECT job_id, avg(samples_per_s) FROM samples WHERE pack_id = ? AND job_id IN "
+                f"({','.join('?' * len(ids))}) AND t BETWEEN ? AND ? AND samples_per_s IS NOT NULL GROUP BY job_id",
+                (pack_id, *ids, t0, t1))}
+            if len(rates) == len(ids):
+                groups.append((key, [(jid, fp, rates[jid]) for jid, fp in members]))
+        return solo, groups
 
     def on_member_cancelled(self, job: Any, t: float) -> bool:
         """The agent stopped a member: if the service had asked it to move, requeue it
@@ -377,7 +707,13 @@ class Recovery:
 
     def perf_model(self, fingerprint: str) -> PerfModel | None:
         """Fit on runs of this fingerprint: each placement's (share, cpus) and the
-        median samples/s measured while it held them."""
+        median samples/s measured while it held them. Cached for the round."""
+        self._fresh()
+        if fingerprint not in self._perf:
+            self._perf[fingerprint] = self._fit_perf_model(fingerprint)
+        return self._perf[fingerprint]
+
+    def _fit_perf_model(self, fingerprint: str) -> PerfModel | None:
         points: list[tuple[float, float, float]] = []
         rows = self.store.conn.execute(
             "SELECT p.mps_thread_pct, p.cpus, "
