@@ -210,7 +210,7 @@ def test_pack_runs_members_enforces_and_reports(world):
     assert recs[0]["type"] == "agent" and recs[0]["event"] == "start"
     assert recs[-1]["type"] == "agent" and recs[-1]["event"] == "exit"
     events = [r["event"] for r in recs if r["type"] == "agent"]
-    assert events == ["start", "mps_started", "mps_stopped", "exit"]
+    assert events == ["start", "mps_started", "closed", "mps_stopped", "exit"]
     assert any(r["type"] == "heartbeat" for r in recs)
     finals = {r["job_id"]: r for r in recs if r["type"] == "member" and r["state"] != "RUNNING"}
     assert finals[2]["state"] == "OOM_HOST" and "host RSS" in finals[2]["reason"] and finals[2]["exit_code"] == 137
@@ -244,7 +244,7 @@ def test_without_mps_gpu_memory_is_fenced_by_the_agent(world):
     agent.run()
     assert [m.state for m in agent.members] == ["OOM_GPU", "COMPLETED"]
     recs = read_reports(agent.reports.path)
-    assert [r["event"] for r in recs if r["type"] == "agent"] == ["start", "mps_unavailable", "exit"]
+    assert [r["event"] for r in recs if r["type"] == "agent"] == ["start", "mps_unavailable", "closed", "exit"]
     assert "no MPS fence" in agent.members[0].reason
 
 

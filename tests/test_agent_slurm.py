@@ -108,7 +108,7 @@ def test_pack_of_four_on_two_gpus(slurm_cluster, tmp_path):
     (report,) = (pack / "reports").glob("*.jsonl")
     recs = read_reports(report)
     events = [r for r in recs if r["type"] == "agent"]
-    assert [e["event"] for e in events] == ["start", "mps_started", "mps_stopped", "exit"]
+    assert [e["event"] for e in events] == ["start", "mps_started", "closed", "mps_stopped", "exit"]
     assert recs[-1]["event"] == "exit"
     daemon_pid = events[1]["daemon_pid"]
     assert daemon_pid and _dead(daemon_pid)  # the daemon was quit

@@ -8,6 +8,7 @@ happens every `sample_interval_s` otherwise.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import select
@@ -23,7 +24,13 @@ from typing import Any
 
 from slurm_dlrm.agent.mps import MpsSetup, open_mps
 from slurm_dlrm.agent.nvml import Nvml, NvmlSnapshot
-from slurm_dlrm.agent.placement import MemberPlacement, Placement
+from slurm_dlrm.agent.placement import (
+    CLOSED_DIR,
+    JOINS_DIR,
+    MemberPlacement,
+    Placement,
+    parse_member,
+)
 from slurm_dlrm.agent.procstat import MetricsTail, TreeSample, TreeSampler
 from slurm_dlrm.agent.reports import ReportWriter
 from slurm_dlrm.errors import (
@@ -35,6 +42,7 @@ from slurm_dlrm.errors import (
     TRAIN_EXIT_OOM_GPU,
     TRAIN_EXIT_OOM_HOST,
     TRAIN_EXIT_PREEMPTED,
+    BadInput,
 )
 
 log = logging.getLogger(__name__)
@@ -191,6 +199,10 @@ class Agent:
         self._nvml_indices: list[int] = []
         self.stale_after_s = max(60.0, 10 * self.interval_s)
         self.cancel_dir = Path(placement.pack_dir) / "cancel"
+        self.joins_dir = Path(placement.pack_dir) / JOINS_DIR
+        self.closed_path = Path(placement.pack_dir) / CLOSED_DIR / str(opts.node_index)
+        self._joins_seen: set[str] = set()  # join file names already handled (launched or refused)
+        self._idle_since: float | None = None  # monotonic time all members had ended
 
     # ------------------------------------------------------------ main
 
@@ -287,7 +299,7 @@ class Agent:
             return set()
         return {int(n) for n in names if n.isdigit()}
 
-    def _launch(self, m: Member) -> None:
+    def _launch(self, m: Member, joined: bool = False) -> None:
         p = m.placement
         if p.job_id in self._cancel_requested():
             m.state, m.reason = "CANCELLED", "cancelled by the service before it started"
@@ -318,12 +330,13 @@ class Agent:
         m.metrics = MetricsTail(p.metrics_path)
         m.state = "RUNNING"
         self.reports.member(p.job_id, "RUNNING", None, "", launch=self.opts.launch, argv=argv,
-                            gpu=m.env.get("CUDA_VISIBLE_DEVICES"), mps=self.mps.mode)
+                            gpu=m.env.get("CUDA_VISIBLE_DEVICES"), mps=self.mps.mode,
+                            **({"joined": True} if joined else {}))
         log.info("launched %s (job %d) as %s", p.name, p.job_id, self.opts.launch)
 
     def _loop(self, rsock: socket.socket) -> None:
         next_tick = time.monotonic() + self.interval_s
-        while not all(m.done for m in self.members):
+        while not self._may_exit():
             timeout = max(0.0, next_tick - time.monotonic())
             if self._terminating_since is not None:
                 timeout = min(timeout, 0.2)
@@ -342,6 +355,67 @@ class Agent:
                 self._tick()
                 next_tick = now + self.interval_s
             self.reports.flush()
+
+    def _may_exit(self) -> bool:
+        """All members ended and no join came for join_grace_s (at once after a signal)."""
+        if not all(m.done for m in self.members):
+            self._idle_since = None
+            return False
+        if self._terminating_since is not None or self.placement.join_grace_s <= 0:
+            return True
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+            self._check_joins()  # one may be waiting already
+            if not all(m.done for m in self.members):
+                self._idle_since = None
+                return False
+        return now - self._idle_since >= self.placement.join_grace_s
+
+    def _check_joins(self) -> None:
+        """Launch this node's new joiners from <pack_dir>/joins/ (docs/interfaces.md 3b)."""
+        if self._terminating_since is not None:
+            return  # the allocation is ending: a joiner would only be stopped again
+        try:
+            names = sorted(n for n in os.listdir(self.joins_dir)
+                           if n.endswith(".json") and not n.startswith(".") and n not in self._joins_seen)
+        except OSError:
+            return
+        known = {m.placement.job_id for m in self.members}
+        for name in names:
+            path = self.joins_dir / name
+            try:
+                data = json.loads(path.read_text())
+                entry = parse_member(data, f"joins/{name}")
+            except (OSError, ValueError, BadInput) as exc:
+                # written by the service atomically, so a bad file stays bad: report it once
+                self._joins_seen.add(name)
+                self.reports.agent("join_refused", f"{name}: {exc}")
+                continue
+            if entry.node_index != self.opts.node_index:
+                self._joins_seen.add(name)  # another node's joiner
+                continue
+            self._joins_seen.add(name)
+            if entry.job_id in known:
+                continue
+            m = Member(entry)
+            self.members.append(m)
+            known.add(entry.job_id)
+            log.info("join: %s (job %d) on GPU %d", entry.name, entry.job_id, entry.gpu_index)
+            self._launch(m, joined=True)
+
+    def _close(self) -> None:
+        """Tell the service this node takes no more joins; reports first, so a joiner the
+        service finds unstarted after seeing the marker really never started."""
+        self.reports.flush()
+        try:
+            self.closed_path.parent.mkdir(mode=0o700, exist_ok=True)
+            tmp = self.closed_path.with_name(f".{self.closed_path.name}.tmp")
+            tmp.write_text(f"{time.time()}\n")
+            os.replace(tmp, self.closed_path)
+            self.reports.agent("closed", f"node {self.opts.node_index} takes no more joins")
+        except OSError as exc:
+            log.warning("cannot write %s: %s", self.closed_path, exc)
 
     # ------------------------------------------------------------ member life cycle
 
@@ -447,6 +521,7 @@ class Agent:
 
     def _tick(self) -> None:
         self._check_cancels()
+        self._check_joins()
         snap = self.nvml.sample([i for i in self._nvml_indices if i >= 0]) if self._nvml_indices else None
         gpu_by_nvml = {g.index: g for g in snap.gpus} if snap else {}
         for pos, nvml_index in enumerate(self._nvml_indices):
@@ -520,6 +595,7 @@ class Agent:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     m.popen.wait(timeout=10)
         self._reap()
+        self._close()
         if self.mps.daemon is not None and self.mps.mode == "own":
             pid = self.mps.daemon.pid()
             self.mps.daemon.quit()

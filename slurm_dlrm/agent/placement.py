@@ -11,6 +11,11 @@ from typing import Any
 from slurm_dlrm.errors import BadInput
 
 PLACEMENT_FILE = "placement.json"
+# Refill (docs/interfaces.md section 3b): the service writes `<pack_dir>/joins/<job_id>.json`
+# (one member entry) for a job that joins the running pack; an agent about to exit
+# creates `<pack_dir>/closed/<node_index>`, after which it launches no join.
+JOINS_DIR = "joins"
+CLOSED_DIR = "closed"
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,9 @@ class Placement:
     pack_dir: str
     members: tuple[MemberPlacement, ...]
     path: str | None = None
+    # seconds an agent whose members all ended waits for joiners (docs/interfaces.md 3b);
+    # absent = 0: exit at once, as before refill
+    join_grace_s: float = 0.0
 
     def members_on(self, node_index: int) -> list[MemberPlacement]:
         return [m for m in self.members if m.node_index == node_index]
@@ -61,6 +69,32 @@ def _get(data: dict[str, Any], key: str, kind: type | tuple[type, ...], where: s
     return value
 
 
+def parse_member(m: Any, where: str) -> MemberPlacement:
+    """One entry of `members` (also the content of a join file, docs/interfaces.md 3b)."""
+    w = f"{where}."
+    if not isinstance(m, dict):
+        raise BadInput(f"placement {where}: must be an object")
+    command = _get(m, "command", list, w)
+    if not command or not all(isinstance(c, str) for c in command):
+        raise BadInput(f"placement {w}command: must be a non-empty list of strings")
+    member = MemberPlacement(
+        job_id=_get(m, "job_id", int, w, min_value=0),
+        name=_get(m, "name", str, w),
+        node_index=_get(m, "node_index", int, w, 0, min_value=0),
+        gpu_index=_get(m, "gpu_index", int, w, min_value=0),
+        mps_thread_pct=_get(m, "mps_thread_pct", int, w, 100, min_value=1),
+        gpu_mem_limit_mib=_get(m, "gpu_mem_limit_mib", int, w, min_value=1),
+        host_mem_limit_bytes=_get(m, "host_mem_limit_bytes", int, w, min_value=1),
+        cpus=_get(m, "cpus", int, w, 1, min_value=1),
+        command=tuple(command),
+        checkpoint_dir=_get(m, "checkpoint_dir", str, w),
+        metrics_path=_get(m, "metrics_path", str, w),
+    )
+    if member.mps_thread_pct > 100:
+        raise BadInput(f"placement {w}mps_thread_pct: must be <= 100, got {member.mps_thread_pct}")
+    return member
+
+
 def parse_placement(data: Any, source: str | None = None) -> Placement:
     if not isinstance(data, dict):
         raise BadInput("placement: must be a JSON object")
@@ -68,29 +102,9 @@ def parse_placement(data: Any, source: str | None = None) -> Placement:
     members = []
     seen: set[int] = set()
     for i, m in enumerate(raw_members):
-        w = f"members[{i}]."
-        if not isinstance(m, dict):
-            raise BadInput(f"placement members[{i}]: must be an object")
-        command = _get(m, "command", list, w)
-        if not command or not all(isinstance(c, str) for c in command):
-            raise BadInput(f"placement {w}command: must be a non-empty list of strings")
-        member = MemberPlacement(
-            job_id=_get(m, "job_id", int, w, min_value=0),
-            name=_get(m, "name", str, w),
-            node_index=_get(m, "node_index", int, w, 0, min_value=0),
-            gpu_index=_get(m, "gpu_index", int, w, min_value=0),
-            mps_thread_pct=_get(m, "mps_thread_pct", int, w, 100, min_value=1),
-            gpu_mem_limit_mib=_get(m, "gpu_mem_limit_mib", int, w, min_value=1),
-            host_mem_limit_bytes=_get(m, "host_mem_limit_bytes", int, w, min_value=1),
-            cpus=_get(m, "cpus", int, w, 1, min_value=1),
-            command=tuple(command),
-            checkpoint_dir=_get(m, "checkpoint_dir", str, w),
-            metrics_path=_get(m, "metrics_path", str, w),
-        )
-        if member.mps_thread_pct > 100:
-            raise BadInput(f"placement {w}mps_thread_pct: must be <= 100, got {member.mps_thread_pct}")
+        member = parse_member(m, f"members[{i}]")
         if member.job_id in seen:
-            raise BadInput(f"placement {w}job_id: {member.job_id} appears twice")
+            raise BadInput(f"placement members[{i}].job_id: {member.job_id} appears twice")
         seen.add(member.job_id)
         members.append(member)
     return Placement(
@@ -100,6 +114,7 @@ def parse_placement(data: Any, source: str | None = None) -> Placement:
         sample_interval_s=_get(data, "sample_interval_s", float, "", 2.0, min_value=0.05),
         host_mem_tolerance_pct=_get(data, "host_mem_tolerance_pct", float, "", 10.0, min_value=0),
         term_grace_s=_get(data, "term_grace_s", float, "", 60.0, min_value=0),
+        join_grace_s=_get(data, "join_grace_s", float, "", 0.0, min_value=0),
         pack_dir=_get(data, "pack_dir", str, ""),
         members=tuple(members),
         path=source,

@@ -19,7 +19,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MEMBER_STATES = ("RUNNING", "COMPLETED", "FAILED", "OOM_GPU", "OOM_HOST", "PREEMPTED", "CANCELLED")
-AGENT_EVENTS = ("start", "mps_started", "mps_unavailable", "mps_stopped", "exit")
+AGENT_EVENTS = ("start", "mps_started", "mps_unavailable", "mps_stopped", "join_refused", "closed", "exit")
 
 
 def report_path(pack_dir: str | os.PathLike[str], node: str) -> Path:

@@ -149,6 +149,9 @@ class PackingService:
         from slurm_dlrm.service.recovery import Recovery
 
         self.recovery = Recovery(self)  # OOM retry, lost packs, stragglers, warm start (issue 10)
+        from slurm_dlrm.service.refill import Refill
+
+        self.refill = Refill(self)  # pending jobs join running packs (docs/interfaces.md 3b)
 
     # ------------------------------------------------------------ the round
 
@@ -240,6 +243,7 @@ class PackingService:
             self._observe_pack(pack, info, stats)
         self.recovery.check_heartbeats(stats)
         self.recovery.check_warmup_and_stragglers()  # also run-time re-pack and warm-up re-plan
+        self.refill.check_joiners(stats)  # rewrite lost join files, requeue joiners of closed nodes
 
     def ingest(self, pack: Any) -> int:
         """Agent reports of one pack into the store, exactly once."""
@@ -344,6 +348,8 @@ class PackingService:
             self._pack_vanished(pack, stats)
             return
         if info.state in (SJ.RUNNING, SJ.COMPLETING, SJ.SUSPENDED):
+            if info.end_time:  # squeue's EndTime of a running job: start + time limit
+                self.refill.end_t[pack.id] = float(info.end_time)
             if pack.state == PackState.QUEUED:
                 start = float(info.start_time) if info.start_time else None
                 self.store.transition_pack(pack.id, PackState.RUNNING, "allocation started",
@@ -392,6 +398,7 @@ class PackingService:
                     exit_code: int | None = None, nodes: str | None = None) -> None:
         """The allocation is over: record it, then settle members that did not report an end."""
         from slurm_dlrm.adapt.recovery import RECOVERABLE_PACK_ENDINGS
+        from slurm_dlrm.service.refill import JOINER_NOT_STARTED
         from slurm_dlrm.store.states import JobState, PackState
 
         self.ingest(pack)  # the agents' last words first
@@ -407,7 +414,11 @@ class PackingService:
         if recoverable:
             self.recovery.fence_old_run(pack, live)  # an agent cut off from Slurm stops its members
         for job in live:
-            if to == PackState.CANCELLED:
+            if job.state == JobState.PLANNED and self.refill.is_joiner(pack, job.id):
+                # it joined a running pack that ended first: it never ran, no attempt is counted
+                self.store.transition_job(job.id, JobState.PENDING, f"{JOINER_NOT_STARTED} "
+                                          f"({pack.name} ended {slurm_state})")
+            elif to == PackState.CANCELLED:
                 self.store.transition_job(job.id, JobState.CANCELLED, f"pack {pack.name} cancelled in Slurm")
             elif recoverable or job.state == JobState.PLANNED and to == PackState.COMPLETED:
                 self._requeue(job, f"pack {pack.name} ended {slurm_state} before the member finished")
@@ -416,6 +427,7 @@ class PackingService:
                 self.store.transition_job(job.id, JobState.FAILED, msg + (f": {tail}" if tail else ""),
                                           exit_code=exit_code)
             stats.transitions += 1
+        self.refill.forget(pack.id)
 
     def _output_tail(self, pack: Any) -> str:
         """The last line of the pack's batch output: usually why an agent could not start."""
@@ -481,9 +493,11 @@ class PackingService:
         cfg = DispatchConfig.from_site(self.site)
         busy = self._busy_gpus(partition)
         total = sum(n.gpus * n.count for n in nodes)
+        open_gpus, where = self.refill.open_gpus(options.pack_key())  # GPUs of running packs to refill
         request = PackingRequest(jobs=aged(demands, self.waited_rounds, cfg),
                                  gpu_models=tuple(self.site.gpu_models.values()), nodes=nodes,
-                                 limits=limits_from_site(self.site), max_gpus=max(0, total - busy))
+                                 limits=limits_from_site(self.site), max_gpus=max(0, total - busy),
+                                 open_gpus=open_gpus)
         result = plan(request, self.policy, self.recovery.interference_params)  # refitted from samples
         self.waited_rounds.update(after_round(self.waited_rounds, result))
         for d in result.deferred:
@@ -491,6 +505,8 @@ class PackingService:
                 self.store.transition_job(d.job_id, JobState.FAILED, f"cannot run on this site: {d.reason}")
                 stats.transitions += 1
         by_id = {j.id: j for j in jobs}
+        if result.joins:  # recorded, then written for the agents: no Slurm call needed
+            self.refill.record_joins(result.joins, where, by_id, stats)
         for pack in result.packs:
             if not self._slurm_available():
                 return  # the rest stay PENDING; the next round plans them again
@@ -540,6 +556,9 @@ class PackingService:
         est = job.estimate or {}
         d = demand_from_estimate(est, job_id=job.id, user=job.user, submit_time_s=job.submit_time,
                                  name=job.name, samples_to_train=samples)
+        minutes = job_options(job).time_minutes
+        if minutes is not None and minutes > 0:  # a joiner's own time limit must fit its pack's time left
+            d = replace(d, time_limit_s=minutes * 60.0)
         # After an OOM the store holds a raised request: reserve that much.
         extra_gpu = (job.gpu_mem_request_bytes or 0) - (job.est_gpu_peak_bytes or 0)
         extra_host = (job.host_mem_request_bytes or 0) - (job.est_host_peak_bytes or 0)
@@ -621,45 +640,45 @@ class PackingService:
             job = by_job.get(p.job_id)
             if job is None:
                 continue  # cancelled before submission
-            job_dir = self.spool_dir / "jobs" / str(job.id)
-            spec_path = job_dir / SPEC_FILE
-            spec = job.spec
-            if not spec_path.exists():  # `submit` wrote it, unless it died right after recording
-                write_job_spec(self.spool_dir, job.id, spec)
-            command = list(spec.get("command") or
-                           [self.settings.python, "-m", "slurm_dlrm", "train", str(spec_path)])
-            out_members.append({
-                "job_id": job.id, "name": job.name, "node_index": p.node_index, "gpu_index": p.gpu_index,
-                "mps_thread_pct": p.mps_thread_pct or 100,
-                "gpu_mem_limit_mib": max(1, (p.gpu_mem_limit_bytes or 0) // MIB),
-                "host_mem_limit_bytes": max(1, p.host_mem_limit_bytes or 0), "cpus": p.cpus or 1,
-                "command": command,
-                # per job, not per pack: a requeued job resumes from it in its next pack
-                "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
-            })
+            out_members.append(self.member_entry(job, p))
         agent = self.site.agent
         placement = {
             "pack_id": pack.id, "user": self.settings.user, "mps": bool(self.site.mps.enabled),
             "sample_interval_s": agent.sample_interval_s, "host_mem_tolerance_pct": agent.host_mem_tolerance_pct,
-            "term_grace_s": agent.term_grace_s, "pack_dir": str(pack_dir), "members": out_members,
+            "term_grace_s": agent.term_grace_s, "join_grace_s": agent.join_grace_s, "pack_dir": str(pack_dir),
+            "members": out_members,
         }
         write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
         script = render_pack_script(self.pack_script(pack, out_members, [job_options(j) for j in members]))
         write_private(pack_dir / SCRIPT_FILE, script)
         return script
 
+    def member_entry(self, job: Any, p: Any) -> dict[str, Any]:
+        """One placement-file member (docs/interfaces.md 3), also a join file's content (3b)."""
+        job_dir = self.spool_dir / "jobs" / str(job.id)
+        spec_path = job_dir / SPEC_FILE
+        spec = job.spec
+        if not spec_path.exists():  # `submit` wrote it, unless it died right after recording
+            write_job_spec(self.spool_dir, job.id, spec)
+        command = list(spec.get("command") or
+                       [self.settings.python, "-m", "slurm_dlrm", "train", str(spec_path)])
+        return {
+            "job_id": job.id, "name": job.name, "node_index": p.node_index, "gpu_index": p.gpu_index,
+            "mps_thread_pct": p.mps_thread_pct or 100,
+            "gpu_mem_limit_mib": max(1, (p.gpu_mem_limit_bytes or 0) // MIB),
+            "host_mem_limit_bytes": max(1, p.host_mem_limit_bytes or 0), "cpus": p.cpus or 1,
+            "command": command,
+            # per job, not per pack: a requeued job resumes from it in its next pack
+            "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
+        }
+
     def pack_script(self, pack: Any, members: list[dict[str, Any]], options: list[SbatchOptions]) -> PackScript:
+        from slurm_dlrm.service.refill import pack_allocation
+
         nodes = max(1, pack.n_nodes)
         gpus_per_node = max(1, -(-pack.n_gpus // nodes))
-        cpus = [0] * nodes
-        mem = [0] * nodes
-        for m in members:
-            cpus[m["node_index"]] += int(m["cpus"])
-            mem[m["node_index"]] += int(m["host_mem_limit_bytes"])
         node_mem_mib = min((g.memory_mib for g in self.site.nodes if g.gpus > 0), default=None)
-        mem_mib = max(mem) // MIB + AGENT_MEM_MIB
-        if node_mem_mib is not None:
-            mem_mib = min(mem_mib, node_mem_mib)
+        cpus_per_node, mem_mib = pack_allocation(members, nodes, node_mem_mib, AGENT_MEM_MIB)
         base = options[0]
         merged = SbatchOptions(
             partition=base.partition, account=base.account, qos=base.qos, constraint=base.constraint,
@@ -667,8 +686,8 @@ class PackingService:
             time_minutes=pack_time_minutes(o.time_minutes for o in options))
         return PackScript(
             pack_name=pack.name, comment=format_marker(MODE_PACK, pack_id=pack.id, extra={"pack": pack.name}),
-            nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_node=max(1, max(cpus)) + 1,
-            mem_per_node_mib=max(1, mem_mib), python=self.settings.python,
+            nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node,
+            mem_per_node_mib=mem_mib, python=self.settings.python,
             placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,
             signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged)
 

@@ -36,7 +36,8 @@ P = PackState
 
 # (from, to) -> why this edge exists. Anything not listed is refused.
 JOB_TRANSITIONS: dict[tuple[JobState, JobState], str] = {
-    # dispatch: a round put the job into a pack that is about to be sbatch'ed
+    # dispatch: a round put the job into a pack that is about to be sbatch'ed, or
+    # into a GPU of a RUNNING pack whose members ended (a join, docs/interfaces.md 3b)
     (J.PENDING, J.PLANNED): "planned into a pack",
     # the user cancelled before any round picked the job
     (J.PENDING, J.CANCELLED): "cancelled while pending",
@@ -44,7 +45,8 @@ JOB_TRANSITIONS: dict[tuple[JobState, JobState], str] = {
     (J.PENDING, J.FAILED): "rejected as infeasible",
     # the agent launched the member
     (J.PLANNED, J.RUNNING): "member started",
-    # sbatch refused the pack, or the pack was lost/cancelled before the member started;
+    # sbatch refused the pack, or the pack was lost/cancelled before the member started,
+    # or a joiner's pack (or its node's agent) closed before the joiner started;
     # the job never ran, so its attempt counter does not move
     (J.PLANNED, J.PENDING): "pack did not start; back to the queue",
     (J.PLANNED, J.CANCELLED): "cancelled while its pack was queued",

@@ -584,6 +584,39 @@ class Store:
                 )
         return pack_id
 
+    def add_join(self, pack_id: int, placement: NewPlacement, *, reason: str = "", t: float | None = None) -> Job:
+        """A PENDING job joins a GPU of a RUNNING pack (docs/interfaces.md section 3b).
+
+        One transaction: the job moves PENDING -> PLANNED in that pack, its placement row
+        is written (node name from the pack's allocation) and the event reads
+        "joined pack N: ...". Refused (`StaleState`) unless the pack is RUNNING and the
+        job PENDING, so a join is recorded at most once and never into an ended pack.
+        The service writes the join file only after this returns.
+        """
+        now = self.clock() if t is None else t
+        with self.write():
+            rows = self.query("pack_by_id", {"id": pack_id})
+            if not rows:
+                raise UnknownEntity("pack", pack_id)
+            pack = Pack.from_row(rows[0])
+            if pack.state != PackState.RUNNING:
+                raise StaleState("pack", pack_id, PackState.RUNNING.value, pack.state.value)
+            where = f"node {placement.node_index} GPU {placement.gpu_index}"
+            why = f"joined pack {pack_id}: {where} of {pack.name}" + (f", {reason}" if reason else "")
+            job = self.transition_job(placement.job_id, JobState.PLANNED, why, expect=JobState.PENDING,
+                                      pack_id=pack_id, slurm_job_id=pack.slurm_job_id, data={"join": True}, t=now)
+            hosts = expand_hostlist(pack.nodes) if pack.nodes else []
+            node = placement.node or (hosts[placement.node_index] if placement.node_index < len(hosts) else None)
+            self.conn.execute(
+                "INSERT INTO placements (pack_id, job_id, attempt, node_index, node, gpu_index, "
+                "mps_thread_pct, gpu_mem_limit_bytes, host_mem_limit_bytes, cpus, predicted_speed) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (pack_id, job.id, job.attempt, placement.node_index, node, placement.gpu_index,
+                 placement.mps_thread_pct, placement.gpu_mem_limit_bytes, placement.host_mem_limit_bytes,
+                 placement.cpus, placement.predicted_speed),
+            )
+            return job
+
     def get_pack(self, pack_id: int) -> Pack:
         rows = self.query("pack_by_id", {"id": pack_id})
         if not rows:

@@ -1,0 +1,237 @@
+"""Refilling running packs: pending jobs join GPUs of running packs whose members ended.
+
+The live side of docs/interfaces.md section 3b (the pilot-job pattern: a pack's
+allocation takes new work until its agents leave). Each dispatch round the service
+offers the policy one `OpenGpu(pack=True)` per GPU of each RUNNING pack whose agents
+are alive and whose node has no `closed/<node_index>` marker, with that GPU's live
+members and the room left in the node's allocation. A join in the plan is recorded in
+the store first (job PENDING -> PLANNED in that pack) and only then written as
+`<pack_dir>/joins/<job_id>.json`, so a crash in between leaves a PLANNED joiner whose
+file the next round writes again; never a file the store does not know.
+
+A joiner that did not start is sent back to PENDING without counting an attempt when
+its node's agent closed (marker, then a fresh read of the reports) or its pack ended.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR
+from slurm_dlrm.service.core import (
+    AGENT_MEM_MIB,
+    PLACEMENT_FILE,
+    _write_atomic,
+    job_options,
+    pack_member_ids,
+)
+from slurm_dlrm.service.daemon import ensure_private_dir
+from slurm_dlrm.site import MIB, expand_hostlist
+
+log = logging.getLogger(__name__)
+
+JOINER_NOT_STARTED = "pack closed before the joiner started"
+# Policies that place jobs on pack GPUs (docs/interfaces.md 3b); the others get none.
+JOINING_POLICIES = ("complementary", "mem-best-fit")
+
+
+@dataclass(frozen=True)
+class PackShape:
+    """What one running pack's allocation holds, from its placement file (the initial
+    members: the batch script was sized from them, see `pack_allocation`)."""
+
+    initial_job_ids: frozenset[int]
+    cpus_per_node: int  # as asked from Slurm, the agent's own CPU included
+    mem_per_node_bytes: int  # likewise, the agent's own memory included
+    gpus_per_node: int
+    key: tuple[tuple[str, str], ...]  # the members' pack key (sbatch options that must match)
+
+
+def pack_allocation(members: list[dict[str, Any]], n_nodes: int, node_mem_mib: int | None,
+                    agent_mem_mib: int) -> tuple[int, int]:
+    """(CPUs, MiB) per node the pack asks Slurm for, from its placement members: the
+    busiest node's members plus one CPU and `agent_mem_mib` for the agent, at most
+    the node's memory (the batch script and the refill both use this)."""
+    nodes = max(1, n_nodes)
+    cpus = [0] * nodes
+    mem = [0] * nodes
+    for m in members:
+        cpus[m["node_index"]] += int(m["cpus"])
+        mem[m["node_index"]] += int(m["host_mem_limit_bytes"])
+    mem_mib = max(mem) // MIB + agent_mem_mib
+    if node_mem_mib is not None:
+        mem_mib = min(mem_mib, node_mem_mib)
+    return max(1, max(cpus)) + 1, max(1, mem_mib)
+
+
+def join_path(pack_dir: str, job_id: int) -> Path:
+    return Path(pack_dir) / JOINS_DIR / f"{job_id}.json"
+
+
+def closed_path(pack_dir: str, node_index: int) -> Path:
+    return Path(pack_dir) / CLOSED_DIR / str(node_index)
+
+
+class Refill:
+    """The service's refill steps; holds only caches a restart can rebuild."""
+
+    def __init__(self, svc: Any) -> None:
+        self.svc = svc
+        self.shapes: dict[int, PackShape] = {}
+        self.end_t: dict[int, float] = {}  # pack id -> when its allocation's time limit ends (squeue)
+
+    # ------------------------------------------------------------ what a pack holds
+
+    def shape(self, pack: Any) -> PackShape | None:
+        cached = self.shapes.get(pack.id)
+        if cached is not None:
+            return cached
+        try:
+            data = json.loads((Path(pack.pack_dir) / PLACEMENT_FILE).read_text())
+            members = list(data["members"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("pack %s: no placement file to refill from: %s", pack.name, exc)
+            return None
+        if not members:
+            return None
+        node_mem_mib = min((g.memory_mib for g in self.svc.site.nodes if g.gpus > 0), default=None)
+        cpus, mem_mib = pack_allocation(members, pack.n_nodes, node_mem_mib, AGENT_MEM_MIB)
+        nodes = max(1, pack.n_nodes)
+        first = self.svc.store.get_job(int(members[0]["job_id"]))
+        shape = PackShape(initial_job_ids=frozenset(int(m["job_id"]) for m in members), cpus_per_node=cpus,
+                          mem_per_node_bytes=mem_mib * MIB, gpus_per_node=max(1, -(-pack.n_gpus // nodes)),
+                          key=job_options(first).pack_key())
+        self.shapes[pack.id] = shape
+        return shape
+
+    def is_joiner(self, pack: Any, job_id: int) -> bool:
+        shape = self.shape(pack) if pack.pack_dir else None
+        return shape is not None and job_id not in shape.initial_job_ids
+
+    def forget(self, pack_id: int) -> None:
+        self.shapes.pop(pack_id, None)
+        self.end_t.pop(pack_id, None)
+
+    def _alive(self, pack: Any, now: float) -> bool:
+        hb = self.svc.heartbeats.get(pack.id)
+        return hb is not None and now - hb <= float(self.svc.site.agent.heartbeat_timeout_s)
+
+    # ------------------------------------------------------------ offer
+
+    def open_gpus(self, key: tuple[tuple[str, str], ...]) -> tuple[tuple[Any, ...], dict[str, tuple[Any, int, int]]]:
+        """OpenGpus of the running packs with this pack key, and key -> (pack, node, GPU)."""
+        from slurm_dlrm.packing.model import OpenGpu
+        from slurm_dlrm.store.states import PackState
+
+        svc = self.svc
+        if svc.policy not in JOINING_POLICIES:
+            return (), {}
+        now = svc.clock()
+        out: list[Any] = []
+        where: dict[str, tuple[Any, int, int]] = {}
+        for pack in svc.store.packs([PackState.RUNNING], user=svc.settings.user):
+            if not pack.pack_dir or not pack.nodes or not self._alive(pack, now):
+                continue
+            shape = self.shape(pack)
+            if shape is None or shape.key != key:
+                continue
+            hosts = expand_hostlist(pack.nodes)
+            live_ids = pack_member_ids(svc.store, pack.id, ("PLANNED", "RUNNING"))
+            by_job = {p.job_id: p for p in svc.store.placements(pack_id=pack.id) if p.job_id in set(live_ids)}
+            demands = {j: svc._demand(svc.store.get_job(j)) for j in by_job}
+            end_t = self.end_t.get(pack.id)
+            remaining = None if end_t is None else max(0.0, end_t - now)
+            for node_index in range(max(1, pack.n_nodes)):
+                if node_index >= len(hosts) or closed_path(pack.pack_dir, node_index).exists():
+                    continue
+                on_node = [p for p in by_job.values() if p.node_index == node_index]
+                free_cpus = shape.cpus_per_node - 1 - sum(p.cpus or 1 for p in on_node)
+                free_mem = (shape.mem_per_node_bytes - AGENT_MEM_MIB * MIB
+                            - sum(p.host_mem_limit_bytes or 0 for p in on_node))
+                for gpu_index in range(shape.gpus_per_node):
+                    live = tuple(demands[p.job_id] for p in on_node if p.gpu_index == gpu_index)
+                    gpu_key = f"{pack.id}:{node_index}:{gpu_index}"
+                    out.append(OpenGpu(key=gpu_key, node_name=hosts[node_index], members=len(live), pack=True,
+                                       gpu_model=pack.gpu_model or "", live=live, free_cpus=max(0, free_cpus),
+                                       free_host_mem_bytes=max(0, free_mem), remaining_s=remaining))
+                    where[gpu_key] = (pack, node_index, gpu_index)
+        return tuple(out), where
+
+    # ------------------------------------------------------------ act on a plan
+
+    def record_joins(self, joins: tuple[Any, ...], where: dict[str, tuple[Any, int, int]],
+                     by_id: dict[int, Any], stats: Any) -> int:
+        """Each join: into the store (PENDING -> PLANNED in the pack), then its join file."""
+        from slurm_dlrm.store.errors import StaleState
+        from slurm_dlrm.store.store import NewPlacement
+
+        done = 0
+        for join in joins:
+            target = where.get(join.gpu_key)
+            m = join.member
+            if target is None or m.job_id not in by_id:
+                log.warning("plan joins job %d to unknown GPU %s; ignored", m.job_id, join.gpu_key)
+                continue
+            pack, node_index, gpu_index = target
+            placement = NewPlacement(job_id=m.job_id, node_index=node_index, gpu_index=gpu_index,
+                                     mps_thread_pct=m.mps_thread_pct, gpu_mem_limit_bytes=m.gpu_mem_limit_mib * MIB,
+                                     host_mem_limit_bytes=m.host_mem_limit_bytes, cpus=m.cpus,
+                                     predicted_speed=m.predicted_speed)
+            try:
+                self.svc.store.add_join(pack.id, placement, reason=f"{self.svc.policy}, predicted speed "
+                                        f"{m.predicted_speed:.2f}")
+            except StaleState as exc:  # the pack ended or the job moved since the round began
+                log.info("join of job %d into pack %s not recorded: %s", m.job_id, pack.name, exc)
+                continue
+            self.svc.waited_rounds.pop(m.job_id, None)
+            self.write_join_file(pack, self.svc.store.get_job(m.job_id))
+            done += 1
+        stats.jobs_planned += done
+        stats.transitions += done
+        return done
+
+    def write_join_file(self, pack: Any, job: Any) -> None:
+        """`<pack_dir>/joins/<job_id>.json`: one placement-file member entry, atomically."""
+        placement = next((p for p in self.svc.store.placements(pack_id=pack.id, job_id=job.id)), None)
+        if placement is None:
+            return
+        entry = self.svc.member_entry(job, placement)
+        joins = Path(pack.pack_dir) / JOINS_DIR
+        if not joins.is_dir():
+            ensure_private_dir(joins)
+        _write_atomic(joins / f"{job.id}.json", json.dumps(entry, sort_keys=True) + "\n")
+
+    # ------------------------------------------------------------ each round
+
+    def check_joiners(self, stats: Any) -> None:
+        """PLANNED joiners of running packs: rewrite a missing join file (a crash between
+        the store and the file); requeue those whose node's agent closed unstarted."""
+        from slurm_dlrm.store.states import JobState, PackState
+
+        svc = self.svc
+        for pack in svc.store.packs([PackState.RUNNING], user=svc.settings.user):
+            if not pack.pack_dir:
+                continue
+            planned = pack_member_ids(svc.store, pack.id, ("PLANNED",))
+            joiners = [j for j in planned if self.is_joiner(pack, j)]
+            if not joiners:
+                continue
+            nodes = {p.job_id: p.node_index for p in svc.store.placements(pack_id=pack.id) if p.job_id in joiners}
+            closed = {n for n in set(nodes.values()) if closed_path(pack.pack_dir, n).exists()}
+            if closed:
+                svc.ingest(pack)  # marker first, then the reports: a launched joiner shows RUNNING now
+            for job_id in joiners:
+                job = svc.store.get_job(job_id)
+                if job.state != JobState.PLANNED or job.pack_id != pack.id:
+                    continue
+                if nodes.get(job_id) in closed:
+                    svc.store.transition_job(job_id, JobState.PENDING, f"{JOINER_NOT_STARTED} "
+                                             f"(node {nodes[job_id]} of {pack.name} closed)", expect=JobState.PLANNED)
+                    stats.transitions += 1
+                elif not join_path(pack.pack_dir, job_id).exists():
+                    log.info("job %d: join file of pack %s missing (restart); writing it again", job_id, pack.name)
+                    self.write_join_file(pack, job)

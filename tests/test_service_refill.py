@@ -1,0 +1,230 @@
+"""Refill on FakeSlurm with a fake clock (docs/interfaces.md 3b): the store's join edge,
+the service's offer of running packs' GPUs, joins recorded then written, restart safety,
+and joiners that never started going back to the queue without an attempt counted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from service_harness import FakeClock, FakeCluster, add_job, make_site
+
+import slurm_dlrm.packing.policies as policies
+from slurm_dlrm.agent.placement import parse_member
+from slurm_dlrm.packing.model import Join, MemberPlacement, PackingPlan
+from slurm_dlrm.service.core import PackingService, ServiceSettings
+from slurm_dlrm.service.refill import JOINER_NOT_STARTED, pack_allocation
+from slurm_dlrm.slurm.fake import FakeSlurm
+from slurm_dlrm.store import JobState, NewPlacement, PackState, StaleState, Store
+
+USER = "root"
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    clock = FakeClock()
+    site = make_site(tmp_path)
+    store = Store(tmp_path / "store.sqlite", clock=clock)
+    slurm = FakeSlurm(clock=clock, user=USER)
+    settings = ServiceSettings(user=USER, python="/venv/bin/python", dispatch_window_s=0.0)
+    svc = PackingService(store, slurm, site, settings, clock=clock)
+    requests: list = []
+    real_plan = policies.plan
+
+    def joining_plan(request, name=None, params=None):
+        """The real policy, except that jobs go onto pack GPUs when some are offered
+        (refill-sim teaches `complementary` this; here the mechanism is under test)."""
+        requests.append(request)
+        pack_gpus = sorted((g for g in request.open_gpus if g.pack), key=lambda g: (g.members, g.key))
+        if not pack_gpus:
+            return real_plan(request, name, params)
+        joins = []
+        for job, gpu in zip(request.jobs, pack_gpus, strict=False):
+            joins.append(Join(gpu.key, MemberPlacement(job.job_id, 0, 0, mps_thread_pct=40, gpu_mem_limit_mib=3000,
+                                                       host_mem_limit_bytes=GIB, cpus=1, predicted_speed=0.9)))
+        return PackingPlan(policy="test-join", packs=(), deferred=(), joins=tuple(joins))
+
+    monkeypatch.setattr(policies, "plan", joining_plan)
+    yield svc, store, slurm, clock, FakeCluster(slurm, clock), requests
+    store.close()
+
+
+def _running_pack(svc, store, cluster, names=("a", "b")):
+    """A pack of `names` that is RUNNING with live agents; returns (pack, placement dict, ids)."""
+    ids = [add_job(store, n) for n in names]
+    svc.run_round()
+    (pack,) = store.packs()
+    slurm_job = svc.slurm.job(int(pack.slurm_job_id))
+    svc.slurm.start(slurm_job.job_id)
+    p = cluster.placement_of(slurm_job.job_id)
+    for m in p["members"]:
+        cluster.member(p, m["job_id"], "RUNNING")
+    cluster.report(p, [{"type": "heartbeat"}])
+    svc.run_round()
+    pack = store.get_pack(pack.id)
+    assert pack.state == PackState.RUNNING and all(store.get_job(i).state == JobState.RUNNING for i in ids)
+    return pack, p, ids
+
+
+# ------------------------------------------------------------------ store
+
+def test_store_join_edge_is_checked_and_counts_no_attempt(tmp_path):
+    clock = FakeClock()
+    with Store(tmp_path / "s.sqlite", clock=clock) as store:
+        first, joiner = add_job(store, "first"), add_job(store, "joiner")
+        pack_id = store.add_pack(name="dlrm-x", user=USER, policy="p", n_gpus=2, pack_dir=str(tmp_path),
+                                 placements=[NewPlacement(first, 0, 0)])
+        place = NewPlacement(joiner, 0, 1, mps_thread_pct=40, gpu_mem_limit_bytes=3 * GIB, cpus=1)
+        with pytest.raises(StaleState):  # not running yet: nothing to join
+            store.add_join(pack_id, place)
+        store.transition_pack(pack_id, PackState.QUEUED, "submitted", slurm_job_id="41")
+        store.transition_pack(pack_id, PackState.RUNNING, "started", nodes="node[3-4]")
+        job = store.add_join(pack_id, place, reason="test")
+        assert job.state == JobState.PLANNED and job.pack_id == pack_id and job.slurm_job_id == "41"
+        (row,) = store.placements(pack_id=pack_id, job_id=joiner)
+        assert (row.node, row.gpu_index, row.gpu_mem_limit_bytes, row.attempt) == ("node3", 1, 3 * GIB, 0)
+        ev = [e for e in store.events(job_id=joiner) if e["to_state"] == "PLANNED"][-1]
+        assert ev["reason"].startswith(f"joined pack {pack_id}: node 0 GPU 1 of dlrm-x")
+        with pytest.raises(StaleState):  # recorded once only
+            store.add_join(pack_id, place)
+        store.transition_job(joiner, JobState.PENDING, JOINER_NOT_STARTED)
+        assert store.get_job(joiner).attempt == 0
+
+
+# ------------------------------------------------------------------ service
+
+def test_running_pack_gpus_offered_with_live_members_and_room(world):
+    svc, store, slurm, clock, cluster, requests = world
+    pack, p, (a, b) = _running_pack(svc, store, cluster)
+    cluster.member(p, a, "COMPLETED", 0)
+    add_job(store, "c")
+    requests.clear()
+    svc.run_round()
+    offered = [g for g in requests[-1].open_gpus if g.pack]
+    assert len(offered) == pack.n_gpus
+    cpus_per_node, mem_mib = pack_allocation(p["members"], pack.n_nodes, None, 512)
+    live = {d.job_id for g in offered for d in g.live}
+    assert live == {b}  # a ended: its GPU share is free again
+    gpu_b = next(m for m in p["members"] if m["job_id"] == b)
+    for g in offered:
+        assert g.key.startswith(f"{pack.id}:0:") and g.node_name == "node1" and g.gpu_model == pack.gpu_model
+        assert g.members == len(g.live)
+        assert g.free_cpus == cpus_per_node - 1 - gpu_b["cpus"]
+        assert g.free_host_mem_bytes == min(mem_mib, 10**9) * MIB - 512 * MIB - gpu_b["host_mem_limit_bytes"]
+
+
+def test_join_recorded_then_written_and_runs_in_the_same_allocation(world):
+    svc, store, slurm, clock, cluster, requests = world
+    pack, p, (a, b) = _running_pack(svc, store, cluster)
+    cluster.member(p, a, "COMPLETED", 0)
+    c = add_job(store, "c")
+    stats = svc.run_round()
+    job = store.get_job(c)
+    assert job.state == JobState.PLANNED and job.pack_id == pack.id and stats.jobs_planned == 1
+    assert len(store.packs()) == 1 and len(slurm.submitted) == 1  # no new Slurm job
+    path = Path(pack.pack_dir) / "joins" / f"{c}.json"
+    entry = json.loads(path.read_text())
+    assert set(entry) == set(p["members"][0])  # exactly a placement-file member
+    parsed = parse_member(entry, "join")
+    assert parsed.job_id == c and parsed.gpu_mem_limit_mib == 3000 and parsed.node_index == 0
+    assert entry["command"][:4] == ["/venv/bin/python", "-m", "slurm_dlrm", "train"]
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    # the agent starts it and it finishes inside the pack
+    cluster.member(p, c, "RUNNING")
+    svc.run_round()
+    assert store.get_job(c).state == JobState.RUNNING and store.get_job(c).slurm_job_id == pack.slurm_job_id
+    cluster.member(p, b, "COMPLETED", 0)
+    cluster.member(p, c, "COMPLETED", 0)
+    slurm.finish(int(pack.slurm_job_id))
+    svc.run_round()
+    assert store.get_job(c).state == JobState.COMPLETED and store.get_pack(pack.id).state == PackState.COMPLETED
+    assert store.get_job(c).attempt == 0
+    (row,) = store.placements(job_id=c)
+    assert row.pack_id == pack.id and row.start_time is not None and row.end_time is not None
+
+
+def test_restart_writes_a_missing_join_file_again(world):
+    svc, store, slurm, clock, cluster, requests = world
+    pack, p, (a, b) = _running_pack(svc, store, cluster)
+    cluster.member(p, a, "COMPLETED", 0)
+    c = add_job(store, "c")
+    svc.run_round()
+    path = Path(pack.pack_dir) / "joins" / f"{c}.json"
+    text = path.read_text()
+    path.unlink()  # the service died between the store and the file
+    restarted = PackingService(store, slurm, svc.site, svc.settings, clock=clock)
+    restarted.run_round()
+    assert path.read_text() == text and store.get_job(c).state == JobState.PLANNED
+    assert len(store.placements(job_id=c)) == 1  # not joined twice
+
+
+def test_closed_node_is_not_offered_and_its_unstarted_joiner_is_requeued(world):
+    svc, store, slurm, clock, cluster, requests = world
+    pack, p, (a, b) = _running_pack(svc, store, cluster)
+    cluster.member(p, a, "COMPLETED", 0)
+    c = add_job(store, "c")
+    svc.run_round()
+    assert store.get_job(c).state == JobState.PLANNED
+    # the agent closed before it saw the join file (it reports its last records first)
+    cluster.member(p, b, "COMPLETED", 0)
+    (Path(pack.pack_dir) / "closed").mkdir()
+    (Path(pack.pack_dir) / "closed" / "0").write_text("x\n")
+    requests.clear()
+    svc.run_round()
+    job = store.get_job(c)  # back in the queue; the same round may plan it into a new pack
+    assert job.state == JobState.PENDING or (job.state == JobState.PLANNED and job.pack_id != pack.id)
+    ev = [e for e in store.events(job_id=c) if e["to_state"] == "PENDING"]
+    assert ev and ev[-1]["reason"].startswith(JOINER_NOT_STARTED) and store.get_job(c).attempt == 0
+    assert not any(g.pack for r in requests for g in r.open_gpus)  # the closed node is not offered
+
+
+def test_joiner_that_started_is_not_requeued_when_its_node_closes(world):
+    svc, store, slurm, clock, cluster, requests = world
+    pack, p, (a, b) = _running_pack(svc, store, cluster)
+    cluster.member(p, a, "COMPLETED", 0)
+    c = add_job(store, "c")
+    svc.run_round()
+    # RUNNING and the end are reported, then the marker: all after the service's ingest
+    cluster.member(p, c, "RUNNING")
+    cluster.member(p, c, "COMPLETED", 0)
+    (Path(pack.pack_dir) / "closed").mkdir()
+    (Path(pack.pack_dir) / "closed" / "0").write_text("x\n")
+    svc.refill.check_joiners(type("S", (), {"transitions": 0})())
+    assert store.get_job(c).state == JobState.COMPLETED
+
+
+def test_pack_ending_before_the_joiner_started_requeues_it_without_an_attempt(world):
+    svc, store, slurm, clock, cluster, requests = world
+    pack, p, (a, b) = _running_pack(svc, store, cluster)
+    cluster.member(p, a, "COMPLETED", 0)
+    c = add_job(store, "c")
+    svc.run_round()
+    cluster.member(p, b, "COMPLETED", 0)
+    slurm.finish(int(pack.slurm_job_id))
+    svc.run_round()
+    job = store.get_job(c)
+    ev = [e for e in store.events(job_id=c) if e["from_state"] == "PLANNED" and e["to_state"] == "PENDING"]
+    assert ev and JOINER_NOT_STARTED in ev[-1]["reason"] and job.attempt == 0
+    assert store.get_pack(pack.id).state == PackState.COMPLETED
+
+
+def test_no_offer_without_a_fresh_heartbeat_or_for_a_non_joining_policy(world):
+    svc, store, slurm, clock, cluster, requests = world
+    pack, p, (a, b) = _running_pack(svc, store, cluster)
+    cluster.member(p, a, "COMPLETED", 0)
+    clock.advance(svc.site.agent.heartbeat_timeout_s - 1)
+    add_job(store, "c")
+    svc.policy = "exclusive"
+    requests.clear()
+    svc.run_round()
+    assert requests and not any(g.pack for r in requests for g in r.open_gpus)
+    svc.policy = "complementary"
+    clock.advance(5)  # the last heartbeat is now older than agent.heartbeat_timeout_s
+    cluster.report(p, [{"type": "sample", "job_id": b, "gpu_index": 0, "samples_per_s": 1.0}])
+    requests.clear()
+    svc.last_dispatch_t = None
+    svc.run_round()
+    assert not any(g.pack for r in requests for g in r.open_gpus)
