@@ -136,8 +136,9 @@ class AgentConfig:
     term_grace_s: float
     heartbeat_timeout_s: float
     # an agent whose members all ended waits this long for joiners (refill) before it
-    # exits; the site default is 2 x packing.round_seconds (docs/agent.md)
-    join_grace_s: float = 20.0
+    # exits; None: 2 x the service's dispatch round (packing.round_seconds, or
+    # `serve --round-seconds`), so that at least one round can plan a join (docs/agent.md)
+    join_grace_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -437,7 +438,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         host_mem_tolerance_pct=a.get("host_mem_tolerance_pct", float, 10.0, min_value=0),
         term_grace_s=a.get("term_grace_s", float, 60.0, min_value=0),
         heartbeat_timeout_s=a.get("heartbeat_timeout_s", float, 120.0, min_value=1),
-        join_grace_s=a.get("join_grace_s", float, 2.0 * packing.round_seconds, min_value=0),
+        join_grace_s=a.get("join_grace_s", float, None, min_value=0),
     )
     a.done()
     d = AdaptConfig()

@@ -228,3 +228,23 @@ def test_no_offer_without_a_fresh_heartbeat_or_for_a_non_joining_policy(world):
     svc.last_dispatch_t = None
     svc.run_round()
     assert not any(g.pack for r in requests for g in r.open_gpus)
+
+
+def test_join_grace_site_key_default_and_validation(world, tmp_path):
+    from slurm_dlrm.errors import ConfigError
+    from slurm_dlrm.site import REPO_SITE_FILE, parse_site
+
+    svc, store, slurm, clock, cluster, requests = world
+    assert svc.site.agent.join_grace_s is None  # unset in site-config/site.toml
+    svc.settings = svc.settings.__class__(user=USER, dispatch_window_s=3.0)
+    assert svc.join_grace_s == 6.0  # two dispatch rounds
+    pack, p, ids = _running_pack(svc, store, cluster)
+    assert p["join_grace_s"] == 6.0  # what the agent reads
+    import tomllib
+
+    data = tomllib.loads(REPO_SITE_FILE.read_text())
+    data["agent"]["join_grace_s"] = 45
+    assert parse_site(data, "x").agent.join_grace_s == 45.0
+    data["agent"]["join_grace_s"] = -1
+    with pytest.raises(ConfigError, match="agent.join_grace_s"):
+        parse_site(data, "x")

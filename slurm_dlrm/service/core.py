@@ -462,6 +462,13 @@ class PackingService:
             self._dispatch_group(groups[key], stats)
 
     @property
+    def join_grace_s(self) -> float:
+        """How long an idle agent waits for joins: the site's agent.join_grace_s, else
+        two dispatch rounds (one round may pass before the plan that joins)."""
+        grace = self.site.agent.join_grace_s
+        return 2.0 * self.dispatch_window_s if grace is None else grace
+
+    @property
     def dispatch_window_s(self) -> float:
         w = self.settings.dispatch_window_s
         return self.site.packing.round_seconds if w is None else w
@@ -645,7 +652,7 @@ class PackingService:
         placement = {
             "pack_id": pack.id, "user": self.settings.user, "mps": bool(self.site.mps.enabled),
             "sample_interval_s": agent.sample_interval_s, "host_mem_tolerance_pct": agent.host_mem_tolerance_pct,
-            "term_grace_s": agent.term_grace_s, "join_grace_s": agent.join_grace_s, "pack_dir": str(pack_dir),
+            "term_grace_s": agent.term_grace_s, "join_grace_s": self.join_grace_s, "pack_dir": str(pack_dir),
             "members": out_members,
         }
         write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
