@@ -35,6 +35,7 @@ class JobDemand:
     solo_samples_per_s: float = 0.0
     est_duration_s: float | None = None  # solo run time if known (steps / rate)
     name: str = ""
+    time_limit_s: float | None = None  # the job's own time limit if it has one; a refill join must fit it
 
     @property
     def cpus(self) -> int:
@@ -71,17 +72,30 @@ class PackingLimits:
 
 @dataclass(frozen=True)
 class OpenGpu:
-    """A GPU already running per-job shard allocations (gres/shard) with slots left.
+    """A busy GPU a pending job may join.
 
-    Only `first-fit` uses these: it models Slurm's own gres/shard, where a new job takes
-    a free shard of a busy GPU. Our packs own whole GPUs, so the service never sends any.
-    The GPU's node must be among the request's `nodes` (with `gpus=0` if it has no
-    idle GPU left) so that its free CPUs and host memory are known.
+    `pack=False` (the default): a GPU running per-job shard allocations (gres/shard),
+    only `first-fit` uses these; the GPU's node must be among the request's `nodes`
+    (with `gpus=0` if it has no idle GPU left) so that its free CPUs and host memory
+    are known.
+
+    `pack=True`: a GPU of one of our running packs (refill, docs/packing.md). `live`
+    holds the members running there now (their fences, client slots and profiles
+    count), `free_cpus` / `free_host_mem_bytes` what the allocation holds on that node
+    beyond its live members, `remaining_s` the allocation's time left. Its node need
+    not be among the request's `nodes`. The service's key is
+    f"{pack_id}:{node_index}:{gpu_index}".
     """
 
     key: str
     node_name: str
-    members: int
+    members: int  # members running there now
+    pack: bool = False  # True: a GPU of one of our packs (refill)
+    gpu_model: str = ""
+    live: tuple[JobDemand, ...] = ()  # the members running there (their fences and profiles count)
+    free_cpus: int | None = None  # the allocation's CPUs on that node not held by live members
+    free_host_mem_bytes: int | None = None  # likewise host memory
+    remaining_s: float | None = None  # allocation time left; a joiner's time limit must fit
 
 
 @dataclass(frozen=True)
@@ -155,7 +169,9 @@ class Deferred:
 
 @dataclass(frozen=True)
 class Join:
-    """A job placed on an `OpenGpu` (first-fit's shard semantics)."""
+    """A job placed on an `OpenGpu`: a free shard (first-fit) or a pack GPU with room
+    (refill; `member.node_index`/`gpu_index` as in its pack, the service fills them from
+    the key)."""
 
     gpu_key: str
     member: MemberPlacement
