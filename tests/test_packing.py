@@ -336,3 +336,14 @@ def test_joins_respect_the_allocations_free_cpus_and_time_left():
         assert plan(req, policy).joins == ()  # job 1: 6 CPUs > 4 free; job 2: 5000 s > 3600 s left
         roomy = PackingRequest(jobs=jobs, gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live, 8, 7200.0),))
         assert sorted(j.member.job_id for j in plan(roomy, policy).joins) == [1, 2]
+
+
+def test_an_urgent_job_that_cannot_join_holds_the_packs_room():
+    live = (_demand(100, sm=10, bw=10, mem_gib=30),)
+    urgent = JobDemand(**{**_demand(1, sm=10, bw=10, mem_gib=60).__dict__, "priority": URGENT_PRIORITY})
+    small = _demand(2, sm=10, bw=10)
+    for policy in ("complementary", "mem-best-fit"):
+        req = PackingRequest(jobs=(urgent, small), gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live),))
+        assert plan(req, policy).joins == ()  # the small job would keep the pack alive
+        calm = PackingRequest(jobs=(small,), gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live),))
+        assert [j.member.job_id for j in plan(calm, policy).joins] == [2]

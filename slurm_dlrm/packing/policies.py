@@ -957,16 +957,26 @@ def _refill(request: PackingRequest, policy: str, params: InterferenceParams) ->
     new GPU. `complementary` fills each pack GPU with the job (among the next
     `_JOIN_SCAN` in queue order) that raises the GPU's predicted summed speed most, live
     members included, while that gain is at least `min_gain`; `mem-best-fit` puts each
-    job in queue order onto the pack GPU its fence fills best. Returns the joins and the
-    jobs still pending."""
+    job in queue order onto the pack GPU its fence fills best. An urgent job (aging)
+    joins first; if it cannot, nothing of lower priority joins. Returns the joins and
+    the jobs still pending."""
     limits = request.limits
     pgs = _pack_gpus(request)
     queue = sorted(request.jobs, key=_order_key)
     if not pgs or not queue:
         return [], queue
+    # An urgent job that cannot join holds the room (docs/packing.md, aging): nothing of
+    # lower priority joins, so no join keeps a pack alive that the urgent job waits for.
+    held: list[JobDemand] = []
+
+    def held_back(job: JobDemand) -> bool:
+        return bool(held) and job.priority < held[0].priority
+
     placed: set[int] = set()
     if policy == "mem-best-fit":
         for job in queue:
+            if held_back(job):
+                break
             best: _PackGpu | None = None
             best_left = 0
             for pg in pgs:
@@ -981,14 +991,39 @@ def _refill(request: PackingRequest, policy: str, params: InterferenceParams) ->
             if best is not None:
                 _join(best, job, limits)
                 placed.add(job.job_id)
+            elif job.priority >= URGENT_PRIORITY:
+                held.append(job)
     else:
+        # Urgent jobs first, each onto the pack GPU where it adds most.
+        for job in queue:
+            if job.priority < URGENT_PRIORITY:
+                break
+            best_gpu: _PackGpu | None = None
+            best_gain = -math.inf
+            for pg in pgs:
+                if not _join_fits(pg, job, limits):
+                    continue
+                members = pg.members + [job]
+                speeds = _join_speeds(members, params)
+                gain = sum(speeds) - (sum(_join_speeds(pg.members, params)) if pg.members else 0.0)
+                if gain > best_gain + 1e-12 and _times_fit(pg, members, speeds):
+                    best_gpu, best_gain = pg, gain
+            if best_gpu is None:
+                held.append(job)
+                break
+            _join(best_gpu, job, limits)
+            placed.add(job.job_id)
+        if held:
+            queue_for_gain: list[JobDemand] = []
+        else:
+            queue_for_gain = queue
         for pg in pgs:
             while len(pg.joined) < pg.slots:
                 current = sum(_join_speeds(pg.members, params)) if pg.members else 0.0
                 pick: JobDemand | None = None
                 pick_gain = limits.min_gain - 1e-12
                 scanned = 0
-                for job in queue:
+                for job in queue_for_gain:
                     if job.job_id in placed or not _join_fits(pg, job, limits):
                         continue
                     scanned += 1
