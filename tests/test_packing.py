@@ -347,3 +347,15 @@ def test_an_urgent_job_that_cannot_join_holds_the_packs_room():
         assert plan(req, policy).joins == ()  # the small job would keep the pack alive
         calm = PackingRequest(jobs=(small,), gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live),))
         assert [j.member.job_id for j in plan(calm, policy).joins] == [2]
+
+
+def test_refill_policies_give_a_pack_its_gpus_share_of_the_node_as_headroom():
+    node = NodeShape("h100", 2, 26, 200 * GIB, name="n")
+    req = PackingRequest(jobs=(_demand(1, sm=10, bw=10, cpus=2),), gpu_models=(H100,), nodes=(node,))
+    for policy in ("complementary", "mem-best-fit"):
+        (pk,) = plan(req, policy).packs
+        assert pk.gpu_count == 1 and pk.cpus == 2
+        assert pk.alloc_cpus == 13 and pk.alloc_host_mem_bytes == 100 * GIB  # half the node for one of 2 GPUs
+    for policy in ("exclusive", "first-fit"):
+        (pk,) = plan(req, policy).packs
+        assert (pk.alloc_cpus, pk.alloc_host_mem_bytes) == (pk.cpus, pk.host_mem_bytes)

@@ -70,14 +70,19 @@ def _check(req: PackingRequest, policy: str) -> None:
     lim = req.limits
     gpus_used = 0
     per_shape_cpus: dict[str, int] = defaultdict(int)
+    per_shape_mem: dict[str, int] = defaultdict(int)
     for pk in p.packs:
         gpu = MODELS[pk.gpu_model]
         gpus_used += pk.gpu_count
         shape = next(s for s in req.nodes if pk.node_name.split("#")[0] == s.name)
         assert pk.gpu_count <= shape.gpus and pk.node_count == 1
-        per_shape_cpus[pk.node_name] += pk.cpus
+        per_shape_cpus[pk.node_name] += pk.alloc_cpus  # members + refill headroom
+        per_shape_mem[pk.node_name] += pk.alloc_host_mem_bytes
         assert per_shape_cpus[pk.node_name] <= shape.cpus
-        assert sum(host_limit_bytes(by_id[m.job_id], lim) for m in pk.members) <= shape.memory_bytes
+        assert per_shape_mem[pk.node_name] <= shape.memory_bytes
+        assert pk.host_mem_bytes == sum(host_limit_bytes(by_id[m.job_id], lim) for m in pk.members)
+        if policy in ("exclusive", "first-fit"):
+            assert pk.reserve_cpus == pk.reserve_host_mem_bytes == 0
         for g in range(pk.gpu_count):
             members = pk.members_on(g)
             assert members, "a pack GPU without members"

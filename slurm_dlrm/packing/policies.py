@@ -42,6 +42,8 @@ from slurm_dlrm.packing.model import (
 from slurm_dlrm.site import MIB, GpuModel
 
 POLICY_NAMES = ("exclusive", "first-fit", "mem-best-fit", "complementary")
+# Policies that refill running packs (OpenGpu.pack) and give packs refill headroom.
+REFILL_POLICIES = ("mem-best-fit", "complementary")
 # A priority at or above this marks a job that waited past the age bound: nothing of
 # lower priority is admitted ahead of it (see slurm_dlrm.packing.dispatch).
 URGENT_PRIORITY = 1e9
@@ -59,6 +61,10 @@ class _Node:
     free_gpus: int
     free_cpus: int
     free_mem_bytes: int
+    # What the request offered at round start (the refill headroom's share per GPU).
+    offered_gpus: int = 0
+    offered_cpus: int = 0
+    offered_mem_bytes: int = 0
 
 
 @dataclass
@@ -87,7 +93,8 @@ def _expand_nodes(request: PackingRequest) -> list[_Node]:
         base = shape.name or f"{shape.gpu_model}-{shape.gpus}gpu-{i}"
         for k in range(shape.count):
             name = base if shape.count == 1 else f"{base}#{k}"
-            nodes.append(_Node(name, gpu, shape.gpus, shape.cpus, shape.memory_bytes))
+            nodes.append(_Node(name, gpu, shape.gpus, shape.cpus, shape.memory_bytes,
+                               shape.gpus, shape.cpus, shape.memory_bytes))
     return nodes
 
 
@@ -159,8 +166,19 @@ def _finish(policy: str, packs: list[list[_Gpu]], deferred: list[Deferred], limi
                     gpu_mem_limit_mib=math.ceil(fence / MIB) if fenced else whole_gpu_mib,
                     host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus, predicted_speed=speed))
         node = gpus[0].node
+        reserve_cpus = reserve_mem = 0
+        if policy in REFILL_POLICIES and node.offered_gpus > 0:
+            # Refill headroom: up to the pack's GPUs' share of what the node offered,
+            # from what no member of this round took.
+            share_cpus = node.offered_cpus * len(gpus) // node.offered_gpus
+            share_mem = node.offered_mem_bytes * len(gpus) // node.offered_gpus
+            reserve_cpus = max(0, min(node.free_cpus, share_cpus - sum(m.cpus for m in members)))
+            reserve_mem = max(0, min(node.free_mem_bytes, share_mem - sum(m.host_mem_limit_bytes for m in members)))
+            node.free_cpus -= reserve_cpus
+            node.free_mem_bytes -= reserve_mem
         out.append(Pack(gpu_model=node.gpu.name, gpu_count=len(gpus), node_count=1, members=tuple(members),
-                        node_name=node.name, mps=policy != "exclusive"))
+                        node_name=node.name, mps=policy != "exclusive", reserve_cpus=reserve_cpus,
+                        reserve_host_mem_bytes=reserve_mem))
     return PackingPlan(policy=policy, packs=tuple(out), deferred=tuple(sorted(deferred, key=lambda d: d.job_id)))
 
 
@@ -860,7 +878,6 @@ def _gain_if_added(g: _Gpu, s: float, b: float, params: InterferenceParams) -> f
 # ---------------------------------------------------------------- refill (joins onto running packs)
 
 _JOIN_SCAN = 24  # pending jobs looked at per pick for one pack GPU (complementary)
-REFILL_POLICIES = ("mem-best-fit", "complementary")
 
 
 @dataclass

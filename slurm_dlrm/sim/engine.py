@@ -421,11 +421,13 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             push(member.ready_at, _MEMBER_READY, pack)
         for pk in result.packs:
             node = by_name[pk.node_name]
+            # The allocation takes the members' CPUs and memory plus the policy's refill
+            # headroom (Pack.reserve_*), and keeps them until its last member ends.
             node.free_gpus -= pk.gpu_count
-            node.free_cpus -= pk.cpus
-            node.free_mem -= pk.host_mem_bytes
+            node.free_cpus -= pk.alloc_cpus
+            node.free_mem -= pk.alloc_host_mem_bytes
             gpus = [_Gpu() for _ in range(pk.gpu_count)]
-            pack = _Pack(next_pack_id, node, pk.gpu_count, pk.cpus, pk.host_mem_bytes, pk.mps, gpus)
+            pack = _Pack(next_pack_id, node, pk.gpu_count, pk.alloc_cpus, pk.alloc_host_mem_bytes, pk.mps, gpus)
             next_pack_id += 1
             packs_made += 1
             whole = gpu_bytes(node)
