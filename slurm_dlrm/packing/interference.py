@@ -12,7 +12,8 @@ that a co-runner does not slow down. Its GPU part is stretched by
 
 where O_r,i is the co-runners' summed use of resource r and w_r,i = u_r,i / (s_i + b_i)
 is how much i itself leans on r (sensitivity x pressure), and by a common factor
-D >= 1 that keeps every resource within capacity: sum_j u_r,j * speed_j <= 1. Then
+D >= 1, the smallest that keeps every resource within capacity without contention,
+sum_j u_r,j / ((1 - g_j) + g_j * D) <= 1 (processor sharing once the GPU saturates). Then
 
     speed_i = 1 / ((1 - g_i) + g_i * I_i * D).
 
@@ -99,10 +100,14 @@ def predict_speeds_from_fractions(sm: Sequence[float], bw: Sequence[float],
         host.append(1.0 - g)
         base.append(g * stretch)
 
+    busy = [1.0 - h for h in host]
+
     def usage(d: float) -> tuple[float, float]:
+        # Saturation alone decides D (the contention stretch I_i only wastes capacity),
+        # so adding a member can never speed anyone up.
         u_sm = u_bw = 0.0
         for i in range(n):
-            sp = 1.0 / (host[i] + base[i] * d)
+            sp = 1.0 / (host[i] + busy[i] * d)
             u_sm += sm[i] * sp
             u_bw += bw[i] * sp
         return u_sm, u_bw
@@ -113,7 +118,7 @@ def predict_speeds_from_fractions(sm: Sequence[float], bw: Sequence[float],
         # Saturated: find the common stretch D in [1, n] that brings both resources
         # back to capacity (at D = n every resource is <= 1 by construction).
         lo, hi = 1.0, float(max(n, 1))
-        for _ in range(40):
+        for _ in range(30):
             mid = 0.5 * (lo + hi)
             a, c = usage(mid)
             if a > 1.0 or c > 1.0:

@@ -191,6 +191,24 @@ def _held(blocked: list[JobDemand]) -> str | None:
     return f"holding room for job {blocked[0].job_id}, which waited longest" if blocked else None
 
 
+def _defer_early(job: JobDemand, maxima: tuple[int, int, list[GpuModel]], limits: PackingLimits,
+                 memory_aware: bool, blocked: list[JobDemand], deferred: list[Deferred]) -> bool:
+    """Defer `job` if it cannot fit any free node now, or if room is held for an urgent
+    job. An urgent job that does not fit *this round* holds the room for itself."""
+    reason = _too_big_reason(job, maxima, limits, memory_aware)
+    if reason:
+        permanent = _is_permanent(reason)
+        deferred.append(Deferred(job.job_id, reason, permanent=permanent))
+        if not permanent:
+            _block_if_urgent(blocked, job)
+        return True
+    held = _held(blocked)
+    if held:
+        deferred.append(Deferred(job.job_id, held))
+        return True
+    return False
+
+
 def _block_if_urgent(blocked: list[JobDemand], job: JobDemand) -> None:
     if not blocked and job.priority >= URGENT_PRIORITY:
         blocked.append(job)
@@ -207,9 +225,7 @@ def _exclusive(request: PackingRequest, params: InterferenceParams) -> PackingPl
     deferred: list[Deferred] = []
     blocked: list[JobDemand] = []
     for job in sorted(request.jobs, key=_order_key):
-        reason = _too_big_reason(job, maxima, limits, memory_aware=True) or _held(blocked)
-        if reason:
-            deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
+        if _defer_early(job, maxima, limits, True, blocked, deferred):
             continue
         node = next((n for n in nodes if n.free_gpus > 0 and _host_fits(n, job, limits)
                      and member_fence_bytes(job, n.gpu, limits) <= usable_gpu_bytes(n.gpu)), None)
@@ -243,9 +259,7 @@ def _first_fit(request: PackingRequest, params: InterferenceParams) -> PackingPl
     deferred: list[Deferred] = []
     blocked: list[JobDemand] = []
     for job in sorted(request.jobs, key=_order_key):
-        reason = _too_big_reason(job, maxima, limits, memory_aware=False) or _held(blocked)
-        if reason:
-            deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
+        if _defer_early(job, maxima, limits, False, blocked, deferred):
             continue
         target = next((g for _, g in shared if len(g.members) < g.slots and _host_fits(g.node, job, limits)), None)
         if target is None:
@@ -281,9 +295,7 @@ def _mem_best_fit(request: PackingRequest, params: InterferenceParams) -> Packin
     deferred: list[Deferred] = []
     blocked: list[JobDemand] = []
     for job in sorted(request.jobs, key=_order_key):
-        reason = _too_big_reason(job, maxima, limits, memory_aware=True) or _held(blocked)
-        if reason:
-            deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
+        if _defer_early(job, maxima, limits, True, blocked, deferred):
             continue
         best: _Gpu | None = None
         best_left = 0
@@ -311,6 +323,9 @@ def _mem_best_fit(request: PackingRequest, params: InterferenceParams) -> Packin
 _WINDOW = 8  # candidates looked at per pick, in duration order (keeps plan() O(n))
 _SKIP_LIMIT = 64  # candidates that did not fit before a pack is closed
 _TOPUP_SCAN = 16
+_SWAP_BUDGET = 2000  # model evaluations the swap pass may spend per plan
+_EXACT_MAX = 12  # members + candidates up to which one GPU is solved by enumeration
+_EXACT_BUDGET = 20000  # model evaluations the exact step may spend per plan
 _DURATION_WEIGHT = 3.0  # weight of |ln(duration / seed duration)| against resource fill  # leftover candidates looked at per GPU in the top-up pass
 
 # Per job, for one GPU model: (SM fraction, bandwidth fraction, fence bytes, CPUs, host bytes).
@@ -335,11 +350,9 @@ def _complementary(request: PackingRequest, params: InterferenceParams) -> Packi
     # dispatcher's aging lifts long waiters into a higher priority band and, past the
     # wait bound, makes them urgent, so shortest-first cannot starve anyone.
     eligible: list[JobDemand] = []
+    blocked: list[JobDemand] = []
     for job in sorted(request.jobs, key=_seed_key):
-        reason = _too_big_reason(job, maxima, limits, memory_aware=True)
-        if reason:
-            deferred.append(Deferred(job.job_id, reason, permanent=_is_permanent(reason)))
-        else:
+        if not _defer_early(job, maxima, limits, True, blocked, deferred):
             eligible.append(job)
     vecs = {name: _vectors(eligible, gpu, limits) for name, gpu in sorted(models.items())}
 
@@ -427,35 +440,244 @@ def _complementary(request: PackingRequest, params: InterferenceParams) -> Packi
     # predicted aggregate speed grows by at least `min_gain` solo jobs. Lightest first.
     leftover = [eligible[k] for k in range(len(eligible)) if not removed[k]]
     if leftover and packs and held is None:
-        taken: set[int] = set()
-        light = sorted(leftover, key=lambda j: (max(_frac(j.sm_util_pct), _frac(j.membw_util_pct)), _order_key(j)))
-        head = 0
-        for gpus in packs:
-            for g in gpus:
-                vec = vecs[g.node.gpu.name]
-                scanned = 0
-                while head < len(light) and light[head].job_id in taken:
-                    head += 1
-                for job in light[head:head + 4 * _TOPUP_SCAN]:
-                    if scanned >= _TOPUP_SCAN or len(g.members) >= g.slots:
-                        break
-                    if job.job_id in taken:
-                        continue
-                    scanned += 1
-                    s, b, fence, cpus, host = vec[job.job_id]
-                    if g.used_bytes + fence > g.usable_bytes or cpus > g.node.free_cpus or host > g.node.free_mem_bytes:
-                        continue
-                    if _gain_if_added(g, s, b, params) < limits.min_gain:
-                        break  # the lightest fitting job does not pay: heavier ones will not
-                    _add(g, job, fence, limits)
-                    taken.add(job.job_id)
-        leftover = [j for j in leftover if j.job_id not in taken]
+        leftover = _top_up(packs, leftover, vecs, limits, params)
+        if leftover:
+            # Swapping may free memory that a leftover can then use: top up once more.
+            leftover = _top_up(packs, _swap_pass(packs, leftover, vecs, limits, params), vecs, limits, params)
+    polish_budget = [_SWAP_BUDGET]
+    exact_budget = [_EXACT_BUDGET]
+    for gpus in packs:
+        vec = vecs[gpus[0].node.gpu.name]
+        for g in gpus:
+            if held is None and exact_budget[0] > 0:
+                leftover = _exact_gpu(g, leftover, vec, limits, params, exact_budget)
+        if len(gpus) > 1:
+            _polish(gpus, vec, params, polish_budget)
     for job in leftover:
         if held is not None and job is not held and job.priority < held.priority:
             deferred.append(Deferred(job.job_id, f"holding room for job {held.job_id}, which waited longest"))
         else:
             deferred.append(Deferred(job.job_id, NO_FREE_GPU if not packs and left_budget == 0 else NO_ROOM))
     return _finish("complementary", packs, deferred, limits, params, fenced=True, thread_caps=True)
+
+
+def _top_up(packs: list[list[_Gpu]], leftover: list[JobDemand], vecs: dict[str, dict[int, _Vec]],
+            limits: PackingLimits, params: InterferenceParams) -> list[JobDemand]:
+    """Add leftover jobs (lightest first) to GPUs whose predicted summed speed grows by
+    at least `min_gain` solo jobs. Returns the jobs still left over."""
+    taken: set[int] = set()
+    light = sorted(leftover, key=lambda j: (max(_frac(j.sm_util_pct), _frac(j.membw_util_pct)), _order_key(j)))
+    head = 0
+    for gpus in packs:
+        for g in gpus:
+            vec = vecs[g.node.gpu.name]
+            scanned = 0
+            while head < len(light) and light[head].job_id in taken:
+                head += 1
+            for job in light[head:head + 4 * _TOPUP_SCAN]:
+                if scanned >= _TOPUP_SCAN or len(g.members) >= g.slots:
+                    break
+                if job.job_id in taken:
+                    continue
+                scanned += 1
+                s, b, fence, cpus, host = vec[job.job_id]
+                if g.used_bytes + fence > g.usable_bytes or cpus > g.node.free_cpus or host > g.node.free_mem_bytes:
+                    continue
+                if _gain_if_added(g, s, b, params) < limits.min_gain:
+                    break  # the lightest fitting job does not pay: heavier ones will not
+                _add(g, job, fence, limits)
+                taken.add(job.job_id)
+    return [j for j in leftover if j.job_id not in taken]
+
+
+def _exact_gpu(g: _Gpu, leftover: list[JobDemand], vec: dict[int, _Vec], limits: PackingLimits,
+               params: InterferenceParams, budget: list[int]) -> list[JobDemand]:
+    """Small cases solved exactly: when a GPU's members plus the leftovers that could join
+    it number at most `_EXACT_MAX`, try every subset that fits (memory, slots, the node's
+    CPUs and host memory) and keep the one with the highest predicted summed speed.
+    Urgent members stay. Spends at most `budget[0]` model evaluations over the plan, so
+    it refines small rounds and leaves large ones to the heuristics."""
+    if len(g.members) + len(leftover) > 4 * _EXACT_MAX:
+        return leftover  # a large round: not worth scanning the leftovers per GPU
+    fits_alone = [j for j in leftover if vec[j.job_id][2] <= g.usable_bytes]
+    cands = g.members + fits_alone
+    if len(cands) > _EXACT_MAX or not fits_alone or budget[0] < (1 << len(cands)):
+        return leftover
+    n = len(cands)
+    rows = [vec[j.job_id] for j in cands]
+    fixed = sum(1 << k for k, j in enumerate(cands) if j.priority >= URGENT_PRIORITY)
+    cpu_room = g.node.free_cpus + sum(vec[j.job_id][3] for j in g.members)
+    host_room = g.node.free_mem_bytes + sum(vec[j.job_id][4] for j in g.members)
+    best_mask = sum(1 << k for k in range(len(g.members)))
+    best_value = _gpu_value([r[0] for r in rows[:len(g.members)]], [r[1] for r in rows[:len(g.members)]], params)
+    for mask in range(1, 1 << n):
+        if mask & fixed != fixed:
+            continue
+        idx = [k for k in range(n) if mask >> k & 1]
+        if (len(idx) > g.slots or sum(rows[k][2] for k in idx) > g.usable_bytes
+                or sum(rows[k][3] for k in idx) > cpu_room or sum(rows[k][4] for k in idx) > host_room):
+            continue
+        budget[0] -= 1
+        value = _gpu_value([rows[k][0] for k in idx], [rows[k][1] for k in idx], params)
+        if value > best_value + 1e-9:
+            best_mask, best_value = mask, value
+    chosen = [cands[k] for k in range(n) if best_mask >> k & 1]
+    if {j.job_id for j in chosen} == {j.job_id for j in g.members}:
+        return leftover
+    for j in g.members:
+        g.node.free_cpus += vec[j.job_id][3]
+        g.node.free_mem_bytes += vec[j.job_id][4]
+    g.members, g.fences = [], []
+    g.used_bytes, g.sm, g.bw = 0, 0.0, 0.0
+    for j in chosen:
+        _add(g, j, vec[j.job_id][2], limits)
+    chosen_ids = {j.job_id for j in chosen}
+    dropped = [j for j in cands if j.job_id not in chosen_ids]
+    return [j for j in leftover if j.job_id not in chosen_ids] + [j for j in dropped if j not in leftover]
+
+
+def _gpu_value(sm: list[float], bw: list[float], params: InterferenceParams) -> float:
+    return sum(predict_speeds_from_fractions(sm, bw, params)) if len(sm) > 1 else float(len(sm))
+
+
+def _polish(gpus: list[_Gpu], vec: dict[int, _Vec], params: InterferenceParams, budget: list[int]) -> None:
+    """Moves and exchanges of members between the GPUs of one pack while they raise the
+    pack's predicted summed speed (bounded by `budget[0]` model evaluations)."""
+    for _sweep in range(3):
+        best: tuple[float, int, int, int, int] | None = None  # (gain, a, i, b, j or -1)
+        vals = [_gpu_value([vec[m.job_id][0] for m in g.members], [vec[m.job_id][1] for m in g.members], params)
+                for g in gpus]
+        for a, ga in enumerate(gpus):
+            for b, gb in enumerate(gpus):
+                if a == b:
+                    continue
+                for i, x in enumerate(ga.members):
+                    vx = vec[x.job_id]
+                    rest_a = [m for k, m in enumerate(ga.members) if k != i]
+                    options = [-1] + (list(range(len(gb.members))) if a < b else [])
+                    for j in options:
+                        if budget[0] <= 0:
+                            return
+                        if j < 0:
+                            if len(gb.members) >= gb.slots or gb.used_bytes + vx[2] > gb.usable_bytes or not rest_a:
+                                continue
+                            new_a, new_b = rest_a, gb.members + [x]
+                        else:
+                            y = gb.members[j]
+                            vy = vec[y.job_id]
+                            if (ga.used_bytes - vx[2] + vy[2] > ga.usable_bytes
+                                    or gb.used_bytes - vy[2] + vx[2] > gb.usable_bytes):
+                                continue
+                            new_a = rest_a + [y]
+                            new_b = [m for k, m in enumerate(gb.members) if k != j] + [x]
+                        budget[0] -= 1
+                        gain = (_gpu_value([vec[m.job_id][0] for m in new_a], [vec[m.job_id][1] for m in new_a], params)
+                                + _gpu_value([vec[m.job_id][0] for m in new_b], [vec[m.job_id][1] for m in new_b], params)
+                                - vals[a] - vals[b])
+                        if gain > 1e-6 and (best is None or gain > best[0]):
+                            best = (gain, a, i, b, j)
+        if best is None:
+            return
+        _gain, a, i, b, j = best
+        ga, gb = gpus[a], gpus[b]
+        x, fx = ga.members.pop(i), ga.fences.pop(i)
+        moved = [(x, fx)]
+        if j >= 0:
+            moved_back = (gb.members.pop(j), gb.fences.pop(j))
+            ga.members.append(moved_back[0])
+            ga.fences.append(moved_back[1])
+        gb.members.append(x)
+        gb.fences.append(fx)
+        del moved
+        for g in (ga, gb):
+            g.used_bytes = sum(g.fences)
+            g.sm = sum(vec[m.job_id][0] for m in g.members)
+            g.bw = sum(vec[m.job_id][1] for m in g.members)
+
+
+def _swap_pass(packs: list[list[_Gpu]], leftover: list[JobDemand], vecs: dict[str, dict[int, _Vec]],
+               limits: PackingLimits, params: InterferenceParams) -> list[JobDemand]:
+    """Local search: swap a member for a leftover job when that raises the GPU's predicted
+    summed speed (memory knapsacks the greedy fill got wrong). Bounded effort
+    (`_SWAP_BUDGET` model evaluations), so it refines small plans and costs large ones
+    little. Returns the leftovers after swapping."""
+    budget = _SWAP_BUDGET
+    pool = sorted(leftover, key=_order_key)[:_TOPUP_SCAN]
+    rest = [j for j in leftover if j not in pool]
+    for gpus in packs:
+        for g in gpus:
+            vec = vecs[g.node.gpu.name]
+            sm = [_frac(j.sm_util_pct) for j in g.members]
+            bw = [_frac(j.membw_util_pct) for j in g.members]
+            current = sum(predict_speeds_from_fractions(sm, bw, params)) if len(sm) > 1 else float(len(sm))
+            for ci in range(len(pool)):
+                cand = pool[ci]
+                cs, cb, cfence, ccpus, chost = vec[cand.job_id]
+                best: tuple[float, int] | None = None
+                for mi, member in enumerate(g.members):
+                    if budget <= 0:
+                        return pool + rest
+                    ms, mb, mfence, mcpus, mhost = vec[member.job_id]
+                    if (g.used_bytes - mfence + cfence > g.usable_bytes or ccpus - mcpus > g.node.free_cpus
+                            or chost - mhost > g.node.free_mem_bytes):
+                        continue
+                    budget -= 1
+                    sm2 = sm[:mi] + sm[mi + 1:] + [cs]
+                    bw2 = bw[:mi] + bw[mi + 1:] + [cb]
+                    value = sum(predict_speeds_from_fractions(sm2, bw2, params)) if len(sm2) > 1 else 1.0
+                    if value > current + 1e-6 and (best is None or value > best[0]):
+                        best = (value, mi)
+                if best is None:
+                    continue
+                value, mi = best
+                out = g.members[mi]
+                ms, mb, mfence, mcpus, mhost = vec[out.job_id]
+                g.members[mi], g.fences[mi] = cand, cfence
+                g.used_bytes += cfence - mfence
+                g.sm += cs - ms
+                g.bw += cb - mb
+                g.node.free_cpus -= ccpus - mcpus
+                g.node.free_mem_bytes -= chost - mhost
+                sm[mi], bw[mi] = cs, cb
+                current = value
+                pool[ci] = out
+            # One member out, two leftovers in (a big member blocking two smaller ones).
+            if len(g.members) >= g.slots:
+                continue
+            best2: tuple[float, int, int, int] | None = None
+            for mi, member in enumerate(g.members):
+                ms, mb, mfence, mcpus, mhost = vec[member.job_id]
+                for a in range(len(pool)):
+                    for c in range(a + 1, len(pool)):
+                        if budget <= 0:
+                            break
+                        va, vc = vec[pool[a].job_id], vec[pool[c].job_id]
+                        if (g.used_bytes - mfence + va[2] + vc[2] > g.usable_bytes
+                                or va[3] + vc[3] - mcpus > g.node.free_cpus or va[4] + vc[4] - mhost > g.node.free_mem_bytes):
+                            continue
+                        budget -= 1
+                        value = sum(predict_speeds_from_fractions(sm[:mi] + sm[mi + 1:] + [va[0], vc[0]],
+                                                                  bw[:mi] + bw[mi + 1:] + [va[1], vc[1]], params))
+                        if value > current + limits.min_gain and (best2 is None or value > best2[0]):
+                            best2 = (value, mi, a, c)
+            if best2 is not None:
+                value, mi, a, c = best2
+                out = g.members[mi]
+                ms, mb, mfence, mcpus, mhost = vec[out.job_id]
+                del g.members[mi], g.fences[mi], sm[mi], bw[mi]
+                g.used_bytes -= mfence
+                g.sm -= ms
+                g.bw -= mb
+                g.node.free_cpus += mcpus
+                g.node.free_mem_bytes += mhost
+                for job in (pool[a], pool[c]):
+                    v = vec[job.job_id]
+                    _add(g, job, v[2], limits)
+                    sm.append(v[0])
+                    bw.append(v[1])
+                current = value
+                pool = [j for k, j in enumerate(pool) if k not in (a, c)] + [out]
+    return pool + rest
 
 
 def _seed_key(job: JobDemand) -> tuple[float, float, float, int]:
@@ -561,19 +783,24 @@ def _balance(chunk: list[JobDemand], vec: dict[int, _Vec], node: _Node, g_max: i
                              len(chunk) / limits.members_per_gpu) - 1e-9))
     g = min(g, g_max)
     # The seed first (the pack exists for it), then heaviest first.
-    order = chunk[:1] + sorted(chunk[1:], key=lambda j: (-max(vec[j.job_id][0], vec[j.job_id][1]), -vec[j.job_id][2],
-                                                         j.job_id))
-    while True:
-        gpus = [_Gpu(node=node, usable_bytes=usable, slots=limits.members_per_gpu) for _ in range(g)]
+    by_load = chunk[:1] + sorted(chunk[1:], key=lambda j: (-max(vec[j.job_id][0], vec[j.job_id][1]),
+                                                           -vec[j.job_id][2], j.job_id))
+    by_mem = chunk[:1] + sorted(chunk[1:], key=lambda j: (-vec[j.job_id][2], j.job_id))
+
+    def assign(order: list[JobDemand], count: int, memory_first: bool) -> tuple[list[_Gpu], list[JobDemand]]:
+        gpus = [_Gpu(node=node, usable_bytes=usable, slots=limits.members_per_gpu) for _ in range(count)]
         rejected: list[JobDemand] = []
         for job in order:
             s, b, fence, _cpus, _host = vec[job.job_id]
             best: _Gpu | None = None
-            best_key = (math.inf, math.inf)
+            best_key: tuple[float, float] = (math.inf, math.inf)
             for cand in gpus:
                 if len(cand.members) >= cand.slots or cand.used_bytes + fence > cand.usable_bytes:
                     continue
-                key = (max(cand.sm + s, cand.bw + b), cand.sm + s + cand.bw + b)
+                if memory_first:  # best fit on memory when memory is what binds
+                    key = (float(cand.usable_bytes - cand.used_bytes - fence), max(cand.sm + s, cand.bw + b))
+                else:
+                    key = (max(cand.sm + s, cand.bw + b), cand.sm + s + cand.bw + b)
                 if key < best_key:
                     best, best_key = cand, key
             if best is None:
@@ -584,6 +811,14 @@ def _balance(chunk: list[JobDemand], vec: dict[int, _Vec], node: _Node, g_max: i
             best.used_bytes += fence
             best.sm += s
             best.bw += b
+        return gpus, rejected
+
+    while True:
+        gpus, rejected = assign(by_load, g, False)
+        if rejected:
+            alt = assign(by_mem, g, True)
+            if len(alt[1]) < len(rejected):
+                gpus, rejected = alt
         if not rejected or g >= g_max:
             break
         g += 1  # fragmentation: one more GPU and try again

@@ -1,0 +1,302 @@
+"""Packing policies, interference model and dispatch: unit tests (pure, fast)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from slurm_dlrm.errors import BadInput
+from slurm_dlrm.packing import (
+    URGENT_PRIORITY,
+    CoLocationSample,
+    DispatchConfig,
+    InterferenceParams,
+    JobDemand,
+    NodeShape,
+    PackingLimits,
+    PackingRequest,
+    SoloProfile,
+    after_round,
+    aged,
+    build_samples,
+    demand_from_estimate,
+    effective_priority,
+    interference_model,
+    member_fence_bytes,
+    plan,
+    predict_colocated_speeds,
+    prediction_error,
+    refit_interference,
+    should_run_round,
+)
+from slurm_dlrm.packing.interference import predict_speeds_from_fractions
+from slurm_dlrm.site import GIB, MIB, GpuModel
+
+H100 = GpuModel("h100", 80, 132, 3350, 67, 494, 520, 32)
+
+
+def job(i: int, sm: float = 15, bw: float = 10, mem_gib: float = 4, cpus: float = 2, host_gib: float = 8,
+        prio: float = 0.0, dur: float | None = None) -> JobDemand:
+    return JobDemand(job_id=i, user="alice", submit_time_s=float(i), priority=prio, gpu_mem_bytes=int(mem_gib * GIB),
+                     host_mem_bytes=int(host_gib * GIB), sm_util_pct=sm, membw_util_pct=bw, host_cpu_cores=cpus,
+                     est_duration_s=dur)
+
+
+def request(jobs: list[JobDemand], gpus: int = 1, count: int = 1, cpus: int = 64, limits: PackingLimits | None = None,
+            max_gpus: int | None = None) -> PackingRequest:
+    return PackingRequest(jobs=tuple(jobs), gpu_models=(H100,),
+                          nodes=(NodeShape("h100", gpus, cpus, 512 * GIB, count=count, name="n"),),
+                          limits=limits or PackingLimits(), max_gpus=max_gpus)
+
+
+# ---------------------------------------------------------------- interference model
+
+def test_lone_member_runs_at_solo_speed():
+    assert predict_colocated_speeds([SoloProfile(90, 80, GIB)]) == [1.0]
+
+
+def test_complementary_pair_beats_alike_pair():
+    compute = SoloProfile(60, 10)
+    memory = SoloProfile(10, 60)
+    mixed = sum(predict_colocated_speeds([compute, memory]))
+    alike = sum(predict_colocated_speeds([compute, SoloProfile(60, 10)]))
+    assert mixed > alike
+    assert all(0 < s <= 1 for s in predict_colocated_speeds([compute, memory]))
+
+
+def test_adding_a_corunner_never_speeds_anyone_up():
+    rng = random.Random(3)
+    for _ in range(200):
+        n = rng.randint(1, 7)
+        sm = [rng.uniform(0, 1) for _ in range(n)]
+        bw = [rng.uniform(0, 1) for _ in range(n)]
+        before = predict_speeds_from_fractions(sm, bw)
+        after = predict_speeds_from_fractions(sm + [rng.uniform(0, 1)], bw + [rng.uniform(0, 1)])
+        for b, a in zip(before, after[:n], strict=True):
+            assert a <= b + 1e-9
+
+
+def test_no_resource_used_beyond_capacity():
+    rng = random.Random(4)
+    for _ in range(200):
+        n = rng.randint(2, 9)
+        sm = [rng.uniform(0, 1) for _ in range(n)]
+        bw = [rng.uniform(0, 1) for _ in range(n)]
+        sp = predict_speeds_from_fractions(sm, bw)
+        assert sum(s * v for s, v in zip(sm, sp, strict=True)) <= 1 + 1e-6
+        assert sum(b * v for b, v in zip(bw, sp, strict=True)) <= 1 + 1e-6
+
+
+def test_accepts_mappings_and_objects_and_checks_memory():
+    as_dict = predict_colocated_speeds([{"sm_util_pct": 30, "membw_util_pct": 20, "gpu_mem_bytes": 10},
+                                        {"sm_util_pct": 40, "membw_util_pct": 5, "gpu_mem_bytes": 10}])
+    as_obj = interference_model([job(1, 30, 20), job(2, 40, 5)])
+    assert as_dict == pytest.approx(as_obj)
+    too_big = [SoloProfile(10, 10, 50 * GIB), SoloProfile(10, 10, 40 * GIB)]
+    assert predict_colocated_speeds(too_big, gpu_memory_bytes=80 * GIB) == [0.0, 0.0]
+    assert min(predict_colocated_speeds(too_big, gpu_memory_bytes=100 * GIB)) > 0
+
+
+def test_refit_recovers_known_constants():
+    truth = InterferenceParams(0.5, 1.1, 0.04)
+    rng = random.Random(5)
+    samples = []
+    for _ in range(60):
+        n = rng.randint(2, 6)
+        members = tuple(SoloProfile(rng.uniform(5, 50), rng.uniform(5, 50)) for _ in range(n))
+        speeds = predict_colocated_speeds(members, truth)
+        samples.append(CoLocationSample(members, tuple(s * (1 + rng.uniform(-0.01, 0.01)) for s in speeds)))
+    fit = refit_interference(samples)
+    assert fit.sm_contention == pytest.approx(0.5, abs=0.15)
+    assert fit.membw_contention == pytest.approx(1.1, abs=0.2)
+    assert fit.per_client_overhead == pytest.approx(0.04, abs=0.02)
+    assert prediction_error(samples, fit) < prediction_error(samples) / 2
+
+
+def test_refit_without_usable_samples_keeps_start():
+    start = InterferenceParams(0.1, 0.2, 0.3)
+    assert refit_interference([CoLocationSample((SoloProfile(10, 10),), (1.0,))], start) == start
+
+
+def test_build_samples_from_rates():
+    profiles = {1: SoloProfile(20, 10), 2: SoloProfile(10, 30), 3: SoloProfile(5, 5)}
+    samples = build_samples({1: 100.0, 2: 50.0}, profiles, [{1: 90.0, 2: 40.0}, {1: 80.0, 3: 10.0}])
+    assert len(samples) == 1  # job 3 has no solo rate
+    assert samples[0].speeds == pytest.approx((0.9, 0.8))
+
+
+# ---------------------------------------------------------------- policies
+
+def test_exclusive_one_job_per_gpu():
+    p = plan(request([job(i) for i in range(6)], gpus=4), "exclusive")
+    assert len(p.packs) == 4
+    assert all(len(pk.members) == 1 and pk.gpu_count == 1 and not pk.mps for pk in p.packs)
+    assert {d.reason for d in p.deferred} == {"no free GPU this round"}
+
+
+def test_first_fit_counts_slots_and_ignores_memory():
+    limits = PackingLimits(shards_per_gpu=4)
+    p = plan(request([job(i, mem_gib=30) for i in range(6)], limits=limits), "first-fit")
+    assert [len(pk.members) for pk in p.packs] == [4]  # 120 GiB on an 80 GiB GPU: it does not look
+    assert len(p.deferred) == 2
+
+
+def test_memory_aware_policies_keep_fences_within_the_gpu():
+    jobs = [job(i, mem_gib=30) for i in range(6)]
+    for policy in ("mem-best-fit", "complementary"):
+        p = plan(request(jobs, gpus=2), policy)
+        for pk in p.packs:
+            for g in range(pk.gpu_count):
+                fences = sum(m.gpu_mem_limit_mib for m in pk.members_on(g)) * MIB
+                assert fences <= H100.memory_bytes - H100.cuda_context_bytes
+        assert len(p.placed_job_ids) == 4, policy  # two 30 GiB members per 80 GiB GPU
+
+
+def test_fence_is_estimate_plus_margin_plus_context():
+    j = job(1, mem_gib=10)
+    limits = PackingLimits(memory_margin_pct=5)
+    p = plan(request([j], limits=limits))
+    m = p.packs[0].members[0]
+    expected = int(10 * GIB * 1.05) + H100.cuda_context_bytes + H100.cublas_workspace_bytes
+    assert m.gpu_mem_limit_mib == -(-expected // MIB)
+    assert member_fence_bytes(j, H100, limits) == expected
+
+
+def test_too_big_job_is_deferred_for_good():
+    p = plan(request([job(1, mem_gib=79)]))
+    assert not p.packs
+    assert "largest free GPU" in p.deferred[0].reason and p.deferred[0].permanent
+
+
+def test_complementary_pairs_compute_with_memory_bound():
+    jobs = [job(1, sm=60, bw=5), job(2, sm=60, bw=5), job(3, sm=5, bw=60), job(4, sm=5, bw=60)]
+    p = plan(request(jobs, gpus=2, limits=PackingLimits(max_members_per_gpu=2)))
+    assert len(p.packs) == 1 and p.packs[0].gpu_count == 2
+    for g in range(2):
+        ids = {m.job_id for m in p.packs[0].members_on(g)}
+        assert len(ids & {1, 2}) == 1 and len(ids & {3, 4}) == 1, ids
+
+
+def test_complementary_balances_load_over_the_gpus_of_a_pack():
+    rng = random.Random(9)
+    jobs = [job(i, sm=rng.uniform(5, 35), bw=rng.uniform(5, 35), mem_gib=rng.uniform(1, 8)) for i in range(20)]
+    p = plan(request(jobs, gpus=4, cpus=200))
+    pk = max(p.packs, key=lambda x: x.gpu_count)
+    assert pk.gpu_count >= 3
+    by_id = {j.job_id: j for j in jobs}
+    loads = [max(sum(by_id[m.job_id].sm_util_pct for m in pk.members_on(g)),
+                 sum(by_id[m.job_id].membw_util_pct for m in pk.members_on(g))) for g in range(pk.gpu_count)]
+    assert max(loads) - min(loads) < 40, loads
+
+
+def test_complementary_groups_by_expected_duration():
+    short = [job(i, sm=10, bw=10, dur=600) for i in range(5)]
+    long = [job(10 + i, sm=10, bw=10, dur=36000) for i in range(5)]
+    p = plan(request(short + long, gpus=2, limits=PackingLimits(max_members_per_gpu=5, max_gpus_per_pack=1)))
+    groups = [{m.job_id for m in pk.members} for pk in p.packs]
+    assert {0, 1, 2, 3, 4} in groups and {10, 11, 12, 13, 14} in groups
+
+
+def test_host_cpus_limit_members():
+    jobs = [job(i, sm=5, bw=5, cpus=8) for i in range(6)]
+    for policy in ("first-fit", "mem-best-fit", "complementary"):
+        p = plan(request(jobs, cpus=26), policy)
+        assert sum(m.cpus for pk in p.packs for m in pk.members) <= 26, policy
+        assert len(p.placed_job_ids) == 3, policy
+
+
+def test_max_gpus_bounds_the_round():
+    p = plan(request([job(i, sm=60) for i in range(8)], gpus=4, max_gpus=2))
+    assert sum(pk.gpu_count for pk in p.packs) <= 2
+
+
+def test_unknown_policy_and_duplicate_ids_are_bad_input():
+    with pytest.raises(BadInput, match="unknown policy"):
+        plan(request([job(1)]), "round-robin")
+    with pytest.raises(BadInput, match="unique"):
+        plan(request([job(1), job(1)]))
+
+
+def test_placement_fields_match_the_contract():
+    p = plan(request([job(1), job(2)]))
+    keys = set(p.packs[0].members[0].to_placement())
+    assert keys == {"job_id", "node_index", "gpu_index", "mps_thread_pct", "gpu_mem_limit_mib",
+                    "host_mem_limit_bytes", "cpus"}
+    assert p.to_dict()["packs"][0]["members"][0]["job_id"] in (1, 2)
+
+
+def test_thread_percentage_caps_only_when_sms_are_oversubscribed():
+    light = plan(request([job(i, sm=10, bw=5) for i in range(3)]))
+    assert {m.mps_thread_pct for m in light.packs[0].members} == {100}
+    heavy = plan(request([job(i, sm=45, bw=2) for i in range(3)],
+                         limits=PackingLimits(target_load=2.0)))
+    assert all(10 <= m.mps_thread_pct < 100 for m in heavy.packs[0].members)
+
+
+# ---------------------------------------------------------------- estimates
+
+def test_demand_from_estimate_dict_and_object():
+    est = {"gpu_peak_bytes": 6 * GIB, "host_peak_bytes": 3 * GIB,
+           "gpu_breakdown": {"tables": 5 * GIB, "cuda_context": GIB // 2, "cublas_workspace": GIB // 2},
+           "profile": {"sm_util_pct": 12.0, "membw_util_pct": 30.0, "host_cpu_cores": 3.0, "label": "memory-bound",
+                       "solo_samples_per_s": 1000.0}}
+    d = demand_from_estimate(est, job_id=4, user="bob", submit_time_s=1.0, samples_to_train=3.6e6)
+    assert d.gpu_mem_bytes == 5 * GIB
+    assert d.est_duration_s == pytest.approx(3600.0)
+    assert d.label == "memory-bound" and d.cpus == 3
+
+    class Obj:
+        gpu_peak_bytes = 6 * GIB
+        host_peak_bytes = 3 * GIB
+        gpu_breakdown = est["gpu_breakdown"]
+
+        class profile:  # noqa: N801 - mimics the Estimate attribute
+            sm_util_pct, membw_util_pct, host_cpu_cores, label, solo_samples_per_s = 12.0, 30.0, 3.0, "memory-bound", 0.0
+
+    d2 = demand_from_estimate(Obj(), job_id=4, user="bob", submit_time_s=1.0)
+    assert d2.gpu_mem_bytes == d.gpu_mem_bytes and d2.est_duration_s is None
+
+
+# ---------------------------------------------------------------- dispatch
+
+def test_round_triggers():
+    cfg = DispatchConfig(round_seconds=10, round_batch_size=4)
+    assert not should_run_round(100, 95, 0, 9, cfg)  # nothing pending
+    assert should_run_round(100, None, 1, 0, cfg)  # first round
+    assert not should_run_round(100, 95, 3, 3, cfg)
+    assert should_run_round(100, 95, 4, 4, cfg)  # batch full
+    assert should_run_round(105, 95, 1, 1, cfg)  # time window
+
+
+def test_aging_in_bands_then_urgent():
+    cfg = DispatchConfig(max_wait_rounds=30)
+    assert effective_priority(0, 9, cfg) == 0
+    assert effective_priority(0, 10, cfg) == 1
+    assert effective_priority(0, 29, cfg) == 2
+    assert effective_priority(0, 30, cfg) >= URGENT_PRIORITY
+    assert effective_priority(0, 31, cfg) > effective_priority(5, 30, cfg)
+
+
+def test_waited_rounds_count_only_rounds_that_placed_something():
+    jobs = [job(i, sm=60) for i in range(3)]
+    p = plan(request(jobs))
+    waited = after_round({}, p)
+    assert set(waited) == {d.job_id for d in p.deferred} and set(waited.values()) == {1}
+    empty = plan(request(jobs, max_gpus=0))
+    assert after_round(waited, empty) == {**waited, **{j.job_id: waited.get(j.job_id, 0) for j in jobs}}
+
+
+def test_urgent_job_holds_the_room_it_waits_for():
+    cfg = DispatchConfig(max_wait_rounds=3)
+    big = job(1, cpus=16)
+    small = [job(10 + i, cpus=2) for i in range(5)]
+    free_now = (NodeShape("h100", 1, 10, 512 * GIB, name="n"),)  # 10 CPUs free: big must wait
+    for waited, expect_small in ((0, True), (3, False)):
+        req = PackingRequest(jobs=aged([big, *small], {1: waited}, cfg), gpu_models=(H100,), nodes=free_now)
+        for policy in ("exclusive", "first-fit", "mem-best-fit", "complementary"):
+            p = plan(req, policy)
+            assert 1 not in p.placed_job_ids
+            assert bool(p.placed_job_ids) == expect_small, (policy, waited)
+            if not expect_small:
+                assert all("holding room for job 1" in d.reason for d in p.deferred if d.job_id != 1)

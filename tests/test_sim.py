@@ -1,0 +1,107 @@
+"""Simulator sanity: files, timing arithmetic, OOMs, determinism, ideal bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from slurm_dlrm.errors import BadInput
+from slurm_dlrm.packing import POLICY_NAMES
+from slurm_dlrm.sim import ideal_throughput_jobs_per_h, parse_cluster, parse_workload, simulate
+from slurm_dlrm.site import GIB
+
+CLUSTER = {"name": "c", "gpu_models": {"h100": {"memory_gib": 80, "cuda_context_mib": 512, "cublas_workspace_mib": 0}},
+           "nodes": [{"name": "n", "gpu_model": "h100", "gpus": 1, "cpus": 32, "memory_gib": 256}],
+           "slurm": {"submit_to_start_s": 2, "member_startup_s": 20}, "packing": {"round_seconds": 10}}
+
+
+def _job(name, arrival, solo, sm=10, bw=10, mem=4, true_mem=None, cpus=2):
+    j = {"name": name, "arrival_s": arrival, "solo_duration_s": solo,
+         "profile": {"sm_util_pct": sm, "membw_util_pct": bw, "gpu_mem_gib": mem, "host_mem_gib": 4, "host_cpu_cores": cpus}}
+    if true_mem is not None:
+        j["true"] = {"gpu_mem_gib": true_mem}
+    return j
+
+
+def _run(jobs, policy, cluster=CLUSTER):
+    c = parse_cluster(cluster)
+    w = parse_workload({"name": "w", "jobs": jobs}, {g.name: g for g in c.gpu_models})
+    return w, c, simulate(w, c, policy)
+
+
+def test_exclusive_runs_jobs_one_after_another():
+    _, _, r = _run([_job("a", 0, 1000), _job("b", 0, 500)], "exclusive")
+    ends = sorted(o.end_s for o in r.jobs)
+    # a: round at 0, +2 s start, +20 s startup, 1000 s; b: next round <= 10 s after a ends.
+    assert ends[0] == pytest.approx(1022)
+    assert 1022 + 522 <= ends[1] <= 1022 + 522 + 10
+    assert r.completion_rate == 1.0 and r.ooms == 0
+
+
+def test_packing_two_light_jobs_runs_them_together():
+    _, _, r = _run([_job("a", 0, 1000), _job("b", 0, 1000)], "complementary")
+    assert r.packs == 1
+    assert max(o.end_s for o in r.jobs) < 1022 + 1000 * 1.2  # both at near solo speed
+    assert r.mean_members_per_gpu > 1.5
+
+
+def test_underestimate_beyond_the_margin_ooms_and_retries():
+    jobs = [_job("a", 0, 1000, mem=10, true_mem=12)]
+    _, _, r = _run(jobs, "complementary")
+    assert r.ooms >= 1  # fenced at 10 GiB + 5%: 12 GiB is over
+    assert r.jobs[0].state == "COMPLETED"  # the estimate is raised by 25% per retry
+
+
+def test_first_fit_without_memory_awareness_ooms():
+    jobs = [_job(str(i), 0, 1000, mem=30) for i in range(3)]  # 90 GiB on an 80 GiB GPU
+    _, _, r = _run(jobs, "first-fit")
+    assert r.ooms >= 1
+    _, _, safe = _run(jobs, "mem-best-fit")
+    assert safe.ooms == 0 and safe.completion_rate == 1.0
+
+
+def test_deterministic_and_below_the_ideal_bound():
+    data = {"name": "g", "seed": 3, "generate": {
+        "jobs": 40, "arrival_rate_per_h": 30, "duration": {"dist": "lognormal", "median_s": 900, "sigma": 0.8},
+        "mem_noise_pct": 5, "util_noise_pct": 10, "duration_estimate_noise_pct": 20,
+        "classes": [{"weight": 1, "profile": {"sm_util_pct": [5, 35], "membw_util_pct": [5, 35], "gpu_mem_gib": [1, 20],
+                                              "host_mem_gib": [2, 8], "host_cpu_cores": [1, 6]}}]}}
+    c = parse_cluster(CLUSTER)
+    w = parse_workload(data, {g.name: g for g in c.gpu_models})
+    ideal = ideal_throughput_jobs_per_h(w, c)
+    for policy in POLICY_NAMES:
+        r = simulate(w, c, policy)
+        assert r.metrics() == simulate(w, c, policy).metrics()
+        assert r.throughput_jobs_per_h <= ideal * 1.0001, policy
+        if policy != "first-fit":
+            assert r.ooms == 0 and r.completion_rate == 1.0, policy
+
+
+def test_generator_poisson_and_heavy_tail():
+    data = {"generate": {"jobs": 3000, "arrival_rate_per_h": 60,
+                         "duration": {"dist": "pareto", "alpha": 1.5, "scale_s": 600, "min_s": 600, "max_s": 1e6},
+                         "classes": [{"profile": {"sm_util_pct": 10, "membw_util_pct": 10, "gpu_mem_gib": 1}}]}}
+    w = parse_workload(data, {})
+    gaps = [b.arrival_s - a.arrival_s for a, b in zip(w.jobs, w.jobs[1:], strict=False)]
+    assert sum(gaps) / len(gaps) == pytest.approx(60.0, rel=0.1)  # 60 jobs/h -> 60 s mean gap
+    durs = sorted(j.solo_duration_s for j in w.jobs)
+    assert durs[0] >= 600 and durs[-1] > 10 * durs[len(durs) // 2]  # a heavy tail
+    assert all(j.true_gpu_mem_bytes == j.gpu_mem_bytes == GIB for j in w.jobs)
+
+
+@pytest.mark.parametrize(("patch", "key"), [
+    ({"nodes": []}, "cluster.nodes"),
+    ({"nodes": [{"name": "n", "gpu_model": "v100", "gpus": 1, "cpus": 4, "memory_gib": 8}]}, "cluster.nodes[0].gpu_model"),
+    ({"packing": {"max_members_per_gpu": 0}}, "cluster.packing.max_members_per_gpu"),
+    ({"bogus": 1}, "cluster.bogus"),
+])
+def test_bad_cluster_files_name_the_key(patch, key):
+    with pytest.raises(BadInput, match=key.replace("[", r"\[").replace("]", r"\]")):
+        parse_cluster({**CLUSTER, **patch})
+
+
+def test_bad_workload_names_the_key():
+    with pytest.raises(BadInput, match=r"workload.jobs\[0\].profile.sm_util_pct"):
+        parse_workload({"jobs": [{"solo_duration_s": 10, "profile": {"sm_util_pct": 140, "membw_util_pct": 1,
+                                                                      "gpu_mem_gib": 1}}]}, {})
+    with pytest.raises(BadInput, match="no jobs"):
+        parse_workload({"jobs": []}, {})
