@@ -31,6 +31,7 @@ from slurm_dlrm.packing import (
     should_run_round,
 )
 from slurm_dlrm.packing.interference import predict_speeds_from_fractions
+from slurm_dlrm.packing.model import OpenGpu
 from slurm_dlrm.site import GIB, MIB, GpuModel
 
 H100 = GpuModel("h100", 80, 132, 3350, 67, 494, 520, 32)
@@ -300,3 +301,61 @@ def test_urgent_job_holds_the_room_it_waits_for():
             assert bool(p.placed_job_ids) == expect_small, (policy, waited)
             if not expect_small:
                 assert all("holding room for job 1" in d.reason for d in p.deferred if d.job_id != 1)
+
+
+# ---------------------------------------------------------------- refill
+
+def _demand(job_id: int, sm: float, bw: float, mem_gib: int = 4, cpus: float = 2, dur: float | None = 600.0) -> JobDemand:
+    return JobDemand(job_id=job_id, user="u", submit_time_s=float(job_id), priority=0.0, gpu_mem_bytes=mem_gib * GIB,
+                     host_mem_bytes=4 * GIB, sm_util_pct=sm, membw_util_pct=bw, host_cpu_cores=cpus,
+                     est_duration_s=dur)
+
+
+def _pack_gpu(live: tuple[JobDemand, ...], free_cpus: int = 16, remaining_s: float | None = None) -> OpenGpu:
+    return OpenGpu("7:0:1", "busy", len(live), pack=True, gpu_model="h100", live=live, free_cpus=free_cpus,
+                   free_host_mem_bytes=64 * GIB, remaining_s=remaining_s)
+
+
+def test_complementary_joins_the_job_that_complements_the_live_members():
+    live = (_demand(100, sm=80, bw=10),)
+    jobs = (_demand(1, sm=80, bw=10), _demand(2, sm=10, bw=80))  # 1 is first in the queue
+    req = PackingRequest(jobs=jobs, gpu_models=(H100,), nodes=(), limits=PackingLimits(max_members_per_gpu=2),
+                         open_gpus=(_pack_gpu(live),))
+    p = plan(req, "complementary")
+    assert [(j.gpu_key, j.member.job_id) for j in p.joins] == [("7:0:1", 2)]
+    assert (p.joins[0].member.node_index, p.joins[0].member.gpu_index) == (0, 1)
+    assert [d.job_id for d in p.deferred] == [1] and not p.packs
+    assert plan(req, "exclusive").joins == ()  # exclusive never joins
+
+
+def test_joins_respect_the_allocations_free_cpus_and_time_left():
+    live = (_demand(100, sm=10, bw=10),)
+    jobs = (_demand(1, sm=10, bw=10, cpus=6), _demand(2, sm=10, bw=10, cpus=2, dur=5000.0))
+    for policy in ("complementary", "mem-best-fit"):
+        req = PackingRequest(jobs=jobs, gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live, 4, 3600.0),))
+        assert plan(req, policy).joins == ()  # job 1: 6 CPUs > 4 free; job 2: 5000 s > 3600 s left
+        roomy = PackingRequest(jobs=jobs, gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live, 8, 7200.0),))
+        assert sorted(j.member.job_id for j in plan(roomy, policy).joins) == [1, 2]
+
+
+def test_an_urgent_job_that_cannot_join_holds_the_packs_room():
+    live = (_demand(100, sm=10, bw=10, mem_gib=30),)
+    urgent = JobDemand(**{**_demand(1, sm=10, bw=10, mem_gib=60).__dict__, "priority": URGENT_PRIORITY})
+    small = _demand(2, sm=10, bw=10)
+    for policy in ("complementary", "mem-best-fit"):
+        req = PackingRequest(jobs=(urgent, small), gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live),))
+        assert plan(req, policy).joins == ()  # the small job would keep the pack alive
+        calm = PackingRequest(jobs=(small,), gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live),))
+        assert [j.member.job_id for j in plan(calm, policy).joins] == [2]
+
+
+def test_refill_policies_give_a_pack_its_gpus_share_of_the_node_as_headroom():
+    node = NodeShape("h100", 2, 26, 200 * GIB, name="n")
+    req = PackingRequest(jobs=(_demand(1, sm=10, bw=10, cpus=2),), gpu_models=(H100,), nodes=(node,))
+    for policy in ("complementary", "mem-best-fit"):
+        (pk,) = plan(req, policy).packs
+        assert pk.gpu_count == 1 and pk.cpus == 2
+        assert pk.alloc_cpus == 13 and pk.alloc_host_mem_bytes == 100 * GIB  # half the node for one of 2 GPUs
+    for policy in ("exclusive", "first-fit"):
+        (pk,) = plan(req, policy).packs
+        assert (pk.alloc_cpus, pk.alloc_host_mem_bytes) == (pk.cpus, pk.host_mem_bytes)

@@ -70,14 +70,19 @@ def _check(req: PackingRequest, policy: str) -> None:
     lim = req.limits
     gpus_used = 0
     per_shape_cpus: dict[str, int] = defaultdict(int)
+    per_shape_mem: dict[str, int] = defaultdict(int)
     for pk in p.packs:
         gpu = MODELS[pk.gpu_model]
         gpus_used += pk.gpu_count
         shape = next(s for s in req.nodes if pk.node_name.split("#")[0] == s.name)
         assert pk.gpu_count <= shape.gpus and pk.node_count == 1
-        per_shape_cpus[pk.node_name] += pk.cpus
+        per_shape_cpus[pk.node_name] += pk.alloc_cpus  # members + refill headroom
+        per_shape_mem[pk.node_name] += pk.alloc_host_mem_bytes
         assert per_shape_cpus[pk.node_name] <= shape.cpus
-        assert sum(host_limit_bytes(by_id[m.job_id], lim) for m in pk.members) <= shape.memory_bytes
+        assert per_shape_mem[pk.node_name] <= shape.memory_bytes
+        assert pk.host_mem_bytes == sum(host_limit_bytes(by_id[m.job_id], lim) for m in pk.members)
+        if policy in ("exclusive", "first-fit"):
+            assert pk.reserve_cpus == pk.reserve_host_mem_bytes == 0
         for g in range(pk.gpu_count):
             members = pk.members_on(g)
             assert members, "a pack GPU without members"
@@ -165,3 +170,85 @@ def test_complementary_within_5pct_of_optimum_on_one_gpu(jobs: list[JobDemand]) 
 @given(small_instance(7))
 def test_complementary_within_5pct_of_optimum_on_two_gpus(jobs: list[JobDemand]) -> None:
     _within_5pct(jobs, gpus=2, cpus=24)
+
+
+# ---------------------------------------------------------------- refill (joins onto running packs)
+
+@st.composite
+def refill_request_st(draw: st.DrawFn) -> PackingRequest:
+    """A queue, maybe some free nodes, and 1-2 running packs of 1-3 GPUs with live members."""
+    from slurm_dlrm.packing.model import OpenGpu
+
+    jobs = draw(jobs_st(max_jobs=20))
+    live_jobs = draw(jobs_st(max_jobs=8))
+    live = [JobDemand(**{**j.__dict__, "job_id": 1000 + j.job_id, "gpu_mem_bytes": j.gpu_mem_bytes // 4})
+            for j in live_jobs]
+    shapes = [NodeShape("h100", draw(st.integers(0, 2)), 64, 512 * GIB, name="free")] if draw(st.booleans()) else []
+    open_gpus = []
+    for pack_id in range(draw(st.integers(1, 2))):
+        model = draw(st.sampled_from(sorted(MODELS)))
+        free_cpus = draw(st.integers(0, 24))
+        free_mem = draw(st.integers(0, 128)) * GIB
+        remaining = draw(st.one_of(st.none(), st.floats(0, 86400)))
+        for gpu_index in range(draw(st.integers(1, 3))):
+            on = [j for k, j in enumerate(live) if k % 3 == gpu_index and k % 2 == pack_id][:2]
+            open_gpus.append(OpenGpu(f"{pack_id}:0:{gpu_index}", f"busy{pack_id}", len(on), pack=True,
+                                     gpu_model=model, live=tuple(on), free_cpus=free_cpus,
+                                     free_host_mem_bytes=free_mem, remaining_s=remaining))
+    limits = PackingLimits(max_members_per_gpu=draw(st.integers(1, 8)), mps_client_limit=draw(st.integers(1, 48)),
+                           memory_margin_pct=draw(st.floats(0, 30)))
+    if draw(st.booleans()):
+        jobs = [JobDemand(**{**j.__dict__, "time_limit_s": draw(st.floats(60, 86400))}) for j in jobs]
+    return PackingRequest(jobs=tuple(jobs), gpu_models=(H100, A100), nodes=tuple(shapes), limits=limits,
+                          open_gpus=tuple(open_gpus))
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(refill_request_st(), st.sampled_from(POLICY_NAMES))
+def test_refill_joins_respect_live_members_and_the_allocation(req: PackingRequest, policy: str) -> None:
+    from slurm_dlrm.packing.interference import predict_speeds_from_fractions
+
+    p = plan(req, policy)
+    assert plan(req, policy) == p  # deterministic
+    placed = list(p.placed_job_ids)
+    assert sorted(placed + [d.job_id for d in p.deferred]) == sorted(j.job_id for j in req.jobs)
+    if policy in ("exclusive", "first-fit"):
+        assert not p.joins  # only our memory-aware policies refill packs
+        return
+    by_id = {j.job_id: j for j in req.jobs}
+    lim = req.limits
+    ogs = {o.key: o for o in req.open_gpus}
+    cpus_by_node: dict[str, int] = defaultdict(int)
+    host_by_node: dict[str, int] = defaultdict(int)
+    for key, og in ogs.items():
+        joined = [j for j in p.joins if j.gpu_key == key]
+        if not joined:
+            continue
+        gpu = MODELS[og.gpu_model]
+        jobs = [by_id[j.member.job_id] for j in joined]
+        members = list(og.live) + jobs
+        # No GPU memory or client limit exceeded, counting the live members.
+        assert sum(member_fence_bytes(j, gpu, lim) for j in members) <= usable_gpu_bytes(gpu)
+        assert len(members) <= min(lim.max_members_per_gpu, lim.mps_client_limit)
+        for jn, job in zip(joined, jobs, strict=True):
+            assert jn.member.gpu_mem_limit_mib * MIB >= member_fence_bytes(job, gpu, lim)
+            assert (jn.member.node_index, jn.member.gpu_index) == (0, int(key.split(":")[2]))
+        cpus_by_node[key.rsplit(":", 1)[0]] += sum(j.cpus for j in jobs)
+        host_by_node[key.rsplit(":", 1)[0]] += sum(host_limit_bytes(j, lim) for j in jobs)
+        # The joiners' time limits (or their expected run at the predicted speed) fit.
+        if og.remaining_s is not None:
+            speeds = (predict_speeds_from_fractions([min(1.0, j.sm_util_pct / 100) for j in members],
+                                                    [min(1.0, j.membw_util_pct / 100) for j in members])
+                      if len(members) > 1 else [1.0])
+            speed_of = dict(zip([j.job_id for j in members], speeds, strict=True))
+            for job in jobs:
+                need = job.time_limit_s if job.time_limit_s is not None else (
+                    job.est_duration_s / (speed_of[job.job_id] if policy == "complementary" else 1.0)
+                    if job.est_duration_s is not None else None)
+                assert need is not None and need <= og.remaining_s + 1e-6
+    # Joins respect the allocation's free CPUs and host memory on each pack node.
+    for group, cpus in cpus_by_node.items():
+        og = ogs[f"{group}:0"] if f"{group}:0" in ogs else next(o for k, o in ogs.items() if k.startswith(group + ":"))
+        assert og.free_cpus is not None and og.free_host_mem_bytes is not None
+        assert cpus <= og.free_cpus
+        assert host_by_node[group] <= og.free_host_mem_bytes

@@ -105,3 +105,24 @@ def test_bad_workload_names_the_key():
                                                                       "gpu_mem_gib": 1}}]}, {})
     with pytest.raises(BadInput, match="no jobs"):
         parse_workload({"jobs": []}, {})
+
+
+@pytest.mark.parametrize("policy", ["complementary", "mem-best-fit"])
+def test_a_running_pack_is_refilled_when_a_member_ends(policy):
+    # a and b fill most of the GPU's memory; c arrives later and does not fit beside
+    # them. When b ends, c joins the running pack (refill) instead of waiting for a.
+    jobs = [_job("a", 0, 1000, mem=35), _job("b", 0, 200, mem=35), _job("c", 50, 300, mem=35)]
+    _, _, r = _run(jobs, policy)
+    a, b, c = sorted(r.jobs, key=lambda o: o.job_id)
+    assert r.packs == 1 and r.ooms == 0 and r.completion_rate == 1.0
+    assert c.end_s < a.end_s  # c ran inside a's allocation, not after it
+    # c starts within a round of b's end, after its own start-up (no Slurm submission).
+    assert b.end_s + 20 + 300 <= c.end_s <= b.end_s + 10 + 20 + 300 * 1.2
+    # The allocation ends with its last member: one GPU from pack start to a's end.
+    assert r.alloc_gpu_s == pytest.approx(a.end_s - 2)
+
+
+def test_exclusive_never_joins_a_running_pack():
+    jobs = [_job("a", 0, 1000, mem=35), _job("b", 0, 200, mem=35), _job("c", 50, 300, mem=35)]
+    _, _, r = _run(jobs, "exclusive")
+    assert r.packs == 3

@@ -142,6 +142,11 @@ class Pack:
     members: tuple[MemberPlacement, ...]
     node_name: str = ""  # the NodeShape it was sized for (the simulator places it there)
     mps: bool = True
+    # Refill headroom (mem-best-fit, complementary): CPUs and host memory the allocation
+    # takes beyond its members, up to its GPUs' share of the node, so that joiners
+    # (OpenGpu.pack) find room when a small member ends. Allocate `alloc_*`.
+    reserve_cpus: int = 0
+    reserve_host_mem_bytes: int = 0
 
     @property
     def cpus(self) -> int:
@@ -150,6 +155,14 @@ class Pack:
     @property
     def host_mem_bytes(self) -> int:
         return sum(m.host_mem_limit_bytes for m in self.members)
+
+    @property
+    def alloc_cpus(self) -> int:
+        return self.cpus + self.reserve_cpus
+
+    @property
+    def alloc_host_mem_bytes(self) -> int:
+        return self.host_mem_bytes + self.reserve_host_mem_bytes
 
     def members_on(self, gpu_index: int, node_index: int = 0) -> tuple[MemberPlacement, ...]:
         return tuple(m for m in self.members if m.gpu_index == gpu_index and m.node_index == node_index)
@@ -197,6 +210,7 @@ class PackingPlan:
             "policy": self.policy,
             "packs": [{"gpu_model": p.gpu_model, "gpu_count": p.gpu_count, "node_count": p.node_count,
                        "node_name": p.node_name, "mps": p.mps, "cpus": p.cpus, "host_mem_bytes": p.host_mem_bytes,
+                       "reserve_cpus": p.reserve_cpus, "reserve_host_mem_bytes": p.reserve_host_mem_bytes,
                        "members": [dict(m.to_placement(), predicted_speed=round(m.predicted_speed, 4))
                                    for m in p.members]}
                       for p in self.packs],

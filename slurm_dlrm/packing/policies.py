@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from slurm_dlrm.errors import BadInput
 from slurm_dlrm.packing.interference import (
@@ -42,6 +42,8 @@ from slurm_dlrm.packing.model import (
 from slurm_dlrm.site import MIB, GpuModel
 
 POLICY_NAMES = ("exclusive", "first-fit", "mem-best-fit", "complementary")
+# Policies that refill running packs (OpenGpu.pack) and give packs refill headroom.
+REFILL_POLICIES = ("mem-best-fit", "complementary")
 # A priority at or above this marks a job that waited past the age bound: nothing of
 # lower priority is admitted ahead of it (see slurm_dlrm.packing.dispatch).
 URGENT_PRIORITY = 1e9
@@ -59,6 +61,10 @@ class _Node:
     free_gpus: int
     free_cpus: int
     free_mem_bytes: int
+    # What the request offered at round start (the refill headroom's share per GPU).
+    offered_gpus: int = 0
+    offered_cpus: int = 0
+    offered_mem_bytes: int = 0
 
 
 @dataclass
@@ -87,7 +93,8 @@ def _expand_nodes(request: PackingRequest) -> list[_Node]:
         base = shape.name or f"{shape.gpu_model}-{shape.gpus}gpu-{i}"
         for k in range(shape.count):
             name = base if shape.count == 1 else f"{base}#{k}"
-            nodes.append(_Node(name, gpu, shape.gpus, shape.cpus, shape.memory_bytes))
+            nodes.append(_Node(name, gpu, shape.gpus, shape.cpus, shape.memory_bytes,
+                               shape.gpus, shape.cpus, shape.memory_bytes))
     return nodes
 
 
@@ -159,8 +166,19 @@ def _finish(policy: str, packs: list[list[_Gpu]], deferred: list[Deferred], limi
                     gpu_mem_limit_mib=math.ceil(fence / MIB) if fenced else whole_gpu_mib,
                     host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus, predicted_speed=speed))
         node = gpus[0].node
+        reserve_cpus = reserve_mem = 0
+        if policy in REFILL_POLICIES and node.offered_gpus > 0:
+            # Refill headroom: up to the pack's GPUs' share of what the node offered,
+            # from what no member of this round took.
+            share_cpus = node.offered_cpus * len(gpus) // node.offered_gpus
+            share_mem = node.offered_mem_bytes * len(gpus) // node.offered_gpus
+            reserve_cpus = max(0, min(node.free_cpus, share_cpus - sum(m.cpus for m in members)))
+            reserve_mem = max(0, min(node.free_mem_bytes, share_mem - sum(m.host_mem_limit_bytes for m in members)))
+            node.free_cpus -= reserve_cpus
+            node.free_mem_bytes -= reserve_mem
         out.append(Pack(gpu_model=node.gpu.name, gpu_count=len(gpus), node_count=1, members=tuple(members),
-                        node_name=node.name, mps=policy != "exclusive"))
+                        node_name=node.name, mps=policy != "exclusive", reserve_cpus=reserve_cpus,
+                        reserve_host_mem_bytes=reserve_mem))
     return PackingPlan(policy=policy, packs=tuple(out), deferred=tuple(sorted(deferred, key=lambda d: d.job_id)))
 
 
@@ -248,6 +266,8 @@ def _first_fit(request: PackingRequest, params: InterferenceParams) -> PackingPl
     # Busy GPUs with free shards come first, as Slurm would fill them.
     shared: list[tuple[str, _Gpu]] = []
     for og in request.open_gpus:
+        if og.pack:
+            continue  # our packs' GPUs are not shards
         node = by_name.get(og.node_name)
         if node is None:
             raise BadInput(f"open_gpus: node {og.node_name!r} is not among the request's nodes")
@@ -855,6 +875,209 @@ def _gain_if_added(g: _Gpu, s: float, b: float, params: InterferenceParams) -> f
     return sum(predict_speeds_from_fractions(sm + [s], bw + [b], params)) - before
 
 
+# ---------------------------------------------------------------- refill (joins onto running packs)
+
+_JOIN_SCAN = 24  # pending jobs looked at per pick for one pack GPU (complementary)
+
+
+@dataclass
+class _PackGpu:
+    """A pack GPU (`OpenGpu` with `pack=True`) during a refill pass."""
+
+    key: str
+    gpu: GpuModel
+    node: _Node  # shared by the GPUs of one pack node: the allocation's free CPUs and host memory
+    live: list[JobDemand]
+    joined: list[JobDemand]
+    used_bytes: int
+    slots: int  # members that may still be added (client and member limits, counting live ones)
+    remaining_s: float | None
+
+    @property
+    def members(self) -> list[JobDemand]:
+        return self.live + self.joined
+
+
+def _pack_gpus(request: PackingRequest) -> list[_PackGpu]:
+    """The request's pack GPUs, in key order. GPUs whose keys agree up to the last ':'
+    (the service's f"{pack_id}:{node_index}:{gpu_index}") share one node's free CPUs and
+    host memory. A pack GPU without `free_cpus` / `free_host_mem_bytes` takes no joins."""
+    limits = request.limits
+    out: list[_PackGpu] = []
+    nodes: dict[str, _Node] = {}
+    for og in sorted((o for o in request.open_gpus if o.pack), key=lambda o: o.key):
+        try:
+            gpu = request.gpu_model(og.gpu_model)
+        except KeyError:
+            raise BadInput(f"open_gpus[{og.key!r}].gpu_model: unknown GPU model {og.gpu_model!r}") from None
+        if og.free_cpus is None or og.free_host_mem_bytes is None:
+            continue
+        group = og.key.rsplit(":", 1)[0] if og.key.count(":") >= 2 else og.key
+        node = nodes.setdefault(group, _Node(og.node_name, gpu, 0, og.free_cpus, og.free_host_mem_bytes))
+        used = sum(member_fence_bytes(j, gpu, limits) for j in og.live)
+        running = max(og.members, len(og.live))
+        out.append(_PackGpu(og.key, gpu, node, list(og.live), [], used,
+                            max(0, limits.members_per_gpu - running), og.remaining_s))
+    return out
+
+
+def _key_indices(key: str) -> tuple[int, int]:
+    """(node_index, gpu_index) from a service key f"{pack_id}:{node_index}:{gpu_index}"."""
+    parts = key.split(":")
+    try:
+        return (int(parts[-2]), int(parts[-1])) if len(parts) >= 3 else (0, 0)
+    except ValueError:
+        return (0, 0)
+
+
+def _join_speeds(members: list[JobDemand], params: InterferenceParams) -> list[float]:
+    if len(members) == 1:
+        return [1.0]
+    return predict_speeds_from_fractions([_frac(j.sm_util_pct) for j in members],
+                                         [_frac(j.membw_util_pct) for j in members], params)
+
+
+def _join_fits(pg: _PackGpu, job: JobDemand, limits: PackingLimits) -> bool:
+    """Memory (live members' fences count), client slots, the allocation's free CPUs and
+    host memory on that node."""
+    return (len(pg.joined) < pg.slots
+            and pg.used_bytes + member_fence_bytes(job, pg.gpu, limits) <= usable_gpu_bytes(pg.gpu)
+            and _host_fits(pg.node, job, limits))
+
+
+def _times_fit(pg: _PackGpu, members: list[JobDemand], speeds: list[float]) -> bool:
+    """With the allocation's time left known: every joiner's time limit (or, without one,
+    its expected run time at its predicted speed) and every live member's expected rest
+    at its new speed must fit in it. A joiner of unknown length does not fit."""
+    if pg.remaining_s is None:
+        return True
+    for j, speed in zip(members, speeds, strict=True):
+        joiner = j in pg.joined or j not in pg.live
+        if joiner and j.time_limit_s is not None:
+            need: float | None = j.time_limit_s
+        elif j.est_duration_s is not None:
+            need = j.est_duration_s / max(speed, 1e-6)
+        else:
+            need = None
+        if need is None:
+            if joiner:
+                return False
+            continue
+        if need > pg.remaining_s + 1e-9:
+            return False
+    return True
+
+
+def _refill(request: PackingRequest, policy: str, params: InterferenceParams) -> tuple[list[Join], list[JobDemand]]:
+    """Pending jobs placed onto the GPUs of running packs (`OpenGpu.pack`) before any new
+    pack is opened: those GPUs are held by their allocation anyway, so a joiner costs no
+    new GPU. `complementary` fills each pack GPU with the job (among the next
+    `_JOIN_SCAN` in queue order) that raises the GPU's predicted summed speed most, live
+    members included, while that gain is at least `min_gain`; `mem-best-fit` puts each
+    job in queue order onto the pack GPU its fence fills best. An urgent job (aging)
+    joins first; if it cannot, nothing of lower priority joins. Returns the joins and
+    the jobs still pending."""
+    limits = request.limits
+    pgs = _pack_gpus(request)
+    queue = sorted(request.jobs, key=_order_key)
+    if not pgs or not queue:
+        return [], queue
+    # An urgent job that cannot join holds the room (docs/packing.md, aging): nothing of
+    # lower priority joins, so no join keeps a pack alive that the urgent job waits for.
+    held: list[JobDemand] = []
+
+    def held_back(job: JobDemand) -> bool:
+        return bool(held) and job.priority < held[0].priority
+
+    placed: set[int] = set()
+    if policy == "mem-best-fit":
+        for job in queue:
+            if held_back(job):
+                break
+            best: _PackGpu | None = None
+            best_left = 0
+            for pg in pgs:
+                if not _join_fits(pg, job, limits):
+                    continue
+                members = pg.members + [job]
+                if not _times_fit(pg, members, [1.0] * len(members)):  # memory-only: no speed model
+                    continue
+                left = usable_gpu_bytes(pg.gpu) - pg.used_bytes - member_fence_bytes(job, pg.gpu, limits)
+                if best is None or left < best_left:
+                    best, best_left = pg, left
+            if best is not None:
+                _join(best, job, limits)
+                placed.add(job.job_id)
+            elif job.priority >= URGENT_PRIORITY:
+                held.append(job)
+    else:
+        # Urgent jobs first, each onto the pack GPU where it adds most.
+        for job in queue:
+            if job.priority < URGENT_PRIORITY:
+                break
+            best_gpu: _PackGpu | None = None
+            best_gain = -math.inf
+            for pg in pgs:
+                if not _join_fits(pg, job, limits):
+                    continue
+                members = pg.members + [job]
+                speeds = _join_speeds(members, params)
+                gain = sum(speeds) - (sum(_join_speeds(pg.members, params)) if pg.members else 0.0)
+                if gain > best_gain + 1e-12 and _times_fit(pg, members, speeds):
+                    best_gpu, best_gain = pg, gain
+            if best_gpu is None:
+                held.append(job)
+                break
+            _join(best_gpu, job, limits)
+            placed.add(job.job_id)
+        if held:
+            queue_for_gain: list[JobDemand] = []
+        else:
+            queue_for_gain = queue
+        for pg in pgs:
+            while len(pg.joined) < pg.slots:
+                current = sum(_join_speeds(pg.members, params)) if pg.members else 0.0
+                pick: JobDemand | None = None
+                pick_gain = limits.min_gain - 1e-12
+                scanned = 0
+                for job in queue_for_gain:
+                    if job.job_id in placed or not _join_fits(pg, job, limits):
+                        continue
+                    scanned += 1
+                    members = pg.members + [job]
+                    speeds = _join_speeds(members, params)
+                    gain = sum(speeds) - current
+                    if gain > pick_gain and _times_fit(pg, members, speeds):
+                        pick, pick_gain = job, gain
+                    if scanned >= _JOIN_SCAN:
+                        break
+                if pick is None:
+                    break
+                _join(pg, pick, limits)
+                placed.add(pick.job_id)
+    joins: list[Join] = []
+    for pg in pgs:
+        members = pg.members
+        speeds = _join_speeds(members, params) if members else []
+        pcts = _thread_pcts([_frac(j.sm_util_pct) for j in members]) if policy == "complementary" else [100] * len(members)
+        node_index, gpu_index = _key_indices(pg.key)
+        for j, speed, pct in zip(members, speeds, pcts, strict=True):
+            if j in pg.joined:
+                joins.append(Join(pg.key, MemberPlacement(
+                    job_id=j.job_id, node_index=node_index, gpu_index=gpu_index, mps_thread_pct=pct,
+                    gpu_mem_limit_mib=math.ceil(member_fence_bytes(j, pg.gpu, limits) / MIB),
+                    host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus,
+                    predicted_speed=speed)))
+    return joins, [j for j in queue if j.job_id not in placed]
+
+
+def _join(pg: _PackGpu, job: JobDemand, limits: PackingLimits) -> None:
+    pg.joined.append(job)
+    pg.used_bytes += member_fence_bytes(job, pg.gpu, limits)
+    pg.node.free_cpus -= job.cpus
+    pg.node.free_mem_bytes -= host_limit_bytes(job, limits)
+
+
 # ---------------------------------------------------------------- entry point
 
 _POLICIES: dict[str, Callable[[PackingRequest, InterferenceParams], PackingPlan]] = {
@@ -873,4 +1096,12 @@ def plan(request: PackingRequest, policy: str = "complementary", params: Interfe
     ids = [j.job_id for j in request.jobs]
     if len(set(ids)) != len(ids):
         raise BadInput("jobs: job ids must be unique")
-    return fn(request, params or DEFAULT_PARAMS)
+    params = params or DEFAULT_PARAMS
+    if policy not in REFILL_POLICIES or not any(o.pack for o in request.open_gpus):
+        return fn(request, params)
+    # Refill first (docs/packing.md "Refilling running packs"); the rest of the queue goes
+    # to the policy as usual, which sees no pack GPU. `exclusive` never joins.
+    joins, rest = _refill(request, policy, params)
+    rest_request = replace(request, jobs=tuple(rest), open_gpus=tuple(o for o in request.open_gpus if not o.pack))
+    result = fn(rest_request, params)
+    return PackingPlan(result.policy, result.packs, result.deferred, tuple(joins) + result.joins)

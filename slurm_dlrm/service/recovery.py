@@ -632,7 +632,11 @@ class Recovery:
             groups.append({jid: rate for jid, _, rate in members})
         samples = build_samples(solo_by_job, profiles, groups)
         before = prediction_error(samples, self.interference_params)
-        fitted = refit_interference(samples, start=self.interference_params)
+        try:
+            fitted = refit_interference(samples, start=self.interference_params)
+        except (ValueError, FloatingPointError) as exc:  # e.g. a non-finite rate in the samples
+            log.warning("interference refit on %d co-located GPU(s) failed: %s; model kept", len(samples), exc)
+            return False
         after = prediction_error(samples, fitted)
         old = self.interference_params
         names = ("alpha", "beta", "gamma")

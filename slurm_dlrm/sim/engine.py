@@ -31,7 +31,8 @@ from slurm_dlrm.packing.interference import (
     InterferenceParams,
     predict_speeds_from_fractions,
 )
-from slurm_dlrm.packing.model import JobDemand, NodeShape, OpenGpu, PackingRequest
+from slurm_dlrm.packing.model import JobDemand, Join, NodeShape, OpenGpu, PackingRequest
+from slurm_dlrm.packing.policies import REFILL_POLICIES
 from slurm_dlrm.packing.policies import plan as make_plan
 from slurm_dlrm.sim.faults import FaultRuntime, KillAction
 from slurm_dlrm.sim.files import SimCluster, SimJob, Workload
@@ -245,6 +246,9 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     # a busy GPU with a free shard takes new jobs (the other policies own whole GPUs).
     shard_mode = policy == "first-fit"
     shard_packs: dict[str, _Pack] = {}
+    # mem-best-fit and complementary refill their running packs: pending jobs join pack
+    # GPUs with room (OpenGpu.pack, docs/packing.md), as the live service does.
+    refill = policy in REFILL_POLICIES
 
     def gpu_bytes(node: _NodeState) -> int:
         return cluster.gpu_model(node.gpu_model).memory_bytes
@@ -339,6 +343,46 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         total += sum(ctx_bytes(node) for x in gpu.members if not x.ended and not x.peaked and x is not m)
         return total > gpu_bytes(node)
 
+    def pack_gpus() -> tuple[OpenGpu, ...]:
+        # Refill: every GPU of a running pack, with its live members and what the
+        # allocation holds beyond them (it never shrinks, docs/simulate.md).
+        out = []
+        for pk in sorted(running_packs, key=lambda p: p.pack_id):
+            if pk.live == 0 or pk.node.down:
+                continue
+            members = [m for gpu in pk.gpus for m in gpu.members if not m.ended]
+            free_cpus = pk.cpus - sum(m.cpus for m in members)
+            free_mem = pk.host_mem - sum(m.host_mem for m in members)
+            for gpu_index, gpu in enumerate(pk.gpus):
+                live = tuple(_demand(m.job, est_mem[m.job.job_id], est_left_s(m)) for m in gpu.members if not m.ended)
+                out.append(OpenGpu(f"{pk.pack_id}:0:{gpu_index}", pk.node.name, len(live), pack=True,
+                                   gpu_model=pk.node.gpu_model, live=live, free_cpus=free_cpus,
+                                   free_host_mem_bytes=free_mem, remaining_s=None))
+        return tuple(out)
+
+    def est_left_s(m: _Member) -> float:
+        job = m.job
+        return (job.est_duration_s or job.solo_duration_s) * max(0.0, job.solo_duration_s - m.progress) / job.solo_duration_s
+
+    def apply_join(jn: Join) -> None:
+        # The joiner starts inside the running allocation: no Slurm submission, only its
+        # own start-up; the allocation's CPUs and memory were taken when the pack started.
+        pack_id, _node_index, gpu_index = (int(x) for x in jn.gpu_key.split(":"))
+        pack = next(pk for pk in running_packs if pk.pack_id == pack_id)
+        job = jobs[jn.member.job_id]
+        start = progress_saved.get(job.job_id, 0.0)
+        fence: int | None = jn.member.gpu_mem_limit_mib * MIB
+        if fence is not None and fence >= gpu_bytes(pack.node):
+            fence = None
+        member = _Member(job, fence, start, start, ready_at=now + slurm.member_startup_s,
+                         cpus=jn.member.cpus, host_mem=jn.member.host_mem_limit_bytes)
+        pack.gpus[gpu_index].members.append(member)
+        pack.live += 1
+        if faults is not None:
+            faults.on_placed(pending[job.job_id], now)
+        del pending[job.job_id]
+        push(member.ready_at, _MEMBER_READY, pack)
+
     def run_round() -> None:
         nonlocal rounds, last_round, arrived_since, waited, next_pack_id, packs_made, dirty
         rounds += 1
@@ -347,6 +391,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         arrived_since = 0
         open_gpus = tuple(OpenGpu(key, pk.node.name, pk.live) for key, pk in sorted(shard_packs.items(), key=lambda kv: int(kv[0])))
         with_open = {o.node_name for o in open_gpus}
+        if refill:
+            open_gpus += pack_gpus()
         free = tuple(NodeShape(gpu_model=n.gpu_model, gpus=n.free_gpus, cpus=n.free_cpus, memory_bytes=n.free_mem,
                                count=1, name=n.name) for n in nodes
                      if (n.free_gpus > 0 or n.name in with_open) and not n.down)
@@ -355,6 +401,9 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         result = make_plan(request, policy, plan_params)
         waited = after_round(waited, result)
         for jn in result.joins:
+            if refill:
+                apply_join(jn)
+                continue
             pack = shard_packs[jn.gpu_key]
             job = jobs[jn.member.job_id]
             start = progress_saved.get(job.job_id, 0.0)
@@ -372,11 +421,13 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             push(member.ready_at, _MEMBER_READY, pack)
         for pk in result.packs:
             node = by_name[pk.node_name]
+            # The allocation takes the members' CPUs and memory plus the policy's refill
+            # headroom (Pack.reserve_*), and keeps them until its last member ends.
             node.free_gpus -= pk.gpu_count
-            node.free_cpus -= pk.cpus
-            node.free_mem -= pk.host_mem_bytes
+            node.free_cpus -= pk.alloc_cpus
+            node.free_mem -= pk.alloc_host_mem_bytes
             gpus = [_Gpu() for _ in range(pk.gpu_count)]
-            pack = _Pack(next_pack_id, node, pk.gpu_count, pk.cpus, pk.host_mem_bytes, pk.mps, gpus)
+            pack = _Pack(next_pack_id, node, pk.gpu_count, pk.alloc_cpus, pk.alloc_host_mem_bytes, pk.mps, gpus)
             next_pack_id += 1
             packs_made += 1
             whole = gpu_bytes(node)
@@ -538,7 +589,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                     push(now + faults.recovery.observe_s, _OBSERVE, None)
         # Dispatch.
         slots = max(1, min(limits.shards_per_gpu, limits.members_per_gpu))
-        any_free = any(n.free_gpus > 0 and not n.down for n in nodes) or any(pk.live < slots for pk in shard_packs.values())
+        any_free = (any(n.free_gpus > 0 and not n.down for n in nodes) or any(pk.live < slots for pk in shard_packs.values())
+                    or (refill and any(pk.live > 0 for pk in running_packs)))
         if dirty and any_free and should_run_round(now, last_round, len(pending), arrived_since, dispatch):
             run_round()
         if dirty and pending and tick_at is None and any_free:
