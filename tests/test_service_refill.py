@@ -105,7 +105,10 @@ def test_running_pack_gpus_offered_with_live_members_and_room(world):
     svc.run_round()
     offered = [g for g in requests[-1].open_gpus if g.pack]
     assert len(offered) == pack.n_gpus
-    cpus_per_node, mem_mib = pack_allocation(p["members"], pack.n_nodes, None, 512)
+    cpus_per_node, mem_mib = pack_allocation(p["members"], pack.n_nodes, *svc.node_limits(), 512,
+                                             p.get("reserve_cpus", 0), p.get("reserve_host_mem_bytes", 0))
+    script = slurm.job(int(pack.slurm_job_id)).script
+    assert f"--cpus-per-task={cpus_per_node}" in script and f"--mem={mem_mib}M" in script
     live = {d.job_id for g in offered for d in g.live}
     assert live == {b}  # a ended: its GPU share is free again
     gpu_b = next(m for m in p["members"] if m["job_id"] == b)
@@ -248,3 +251,24 @@ def test_join_grace_site_key_default_and_validation(world, tmp_path):
     data["agent"]["join_grace_s"] = -1
     with pytest.raises(ConfigError, match="agent.join_grace_s"):
         parse_site(data, "x")
+
+
+def test_a_job_is_not_offered_a_pack_it_left(world):
+    svc, store, slurm, clock, cluster, requests = world
+    pack, p, (a, b) = _running_pack(svc, store, cluster)
+    cluster.member(p, a, "PREEMPTED", 5)  # a left the pack (requeued); b still runs there
+    requests.clear()
+    svc.run_round()
+    assert store.get_job(a).attempt == 1
+    assert not any(g.pack for r in requests for g in r.open_gpus)  # a is planned elsewhere
+    assert store.get_job(a).pack_id != pack.id
+    # the store refuses a second placement on the same GPU of the same pack
+    (old,) = [pl for pl in store.placements(job_id=a) if pl.pack_id == pack.id]
+    c = add_job(store, "c")
+    store.add_join(pack.id, NewPlacement(c, old.node_index, old.gpu_index))
+    from slurm_dlrm.store import StoreError
+
+    store.transition_job(c, JobState.PENDING, "test")
+    with pytest.raises(StoreError, match="already had GPU"):
+        store.add_join(pack.id, NewPlacement(c, old.node_index, old.gpu_index))
+    assert store.get_job(c).state == JobState.PENDING  # nothing half-done

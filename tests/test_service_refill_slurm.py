@@ -2,9 +2,9 @@
 running pack after one of its members ended, trains to completion inside that same
 allocation (one Slurm job id), and `acct`/`queue` show it in that pack.
 
-The service runs in this process (rounds driven here) so that a small test policy can
-decide the join: `complementary` learns joins in the refill-sim work; what is under
-test here is the live mechanism (store, join file, agent, reports).
+The service runs in this process (rounds driven here, 0.5 s apart) with the site's
+policy (`complementary`), which decides the join; the mechanism alone, with a test
+policy, is in tests/test_service_refill.py.
 """
 
 from __future__ import annotations
@@ -16,27 +16,9 @@ from pathlib import Path
 import pytest
 from service_harness import make_site
 
-import slurm_dlrm.packing.policies as policies
-from slurm_dlrm.packing.model import Join, MemberPlacement, PackingPlan, fence_mib, host_limit_bytes
-
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "sweep"
 pytestmark = pytest.mark.slurm
-
-
-def _joining_plan(real_plan):
-    def plan(request, name=None, params=None):
-        pack_gpus = sorted((g for g in request.open_gpus if g.pack), key=lambda g: (g.members, g.key))
-        if not pack_gpus:
-            return real_plan(request, name, params)
-        joins = []
-        for job, gpu in zip(request.jobs, pack_gpus, strict=False):
-            model = request.gpu_model(gpu.gpu_model)
-            joins.append(Join(gpu.key, MemberPlacement(
-                job.job_id, 0, 0, mps_thread_pct=50, gpu_mem_limit_mib=fence_mib(job, model, request.limits),
-                host_mem_limit_bytes=host_limit_bytes(job, request.limits), cpus=job.cpus, predicted_speed=1.0)))
-        return PackingPlan(policy="test-join", packs=(), deferred=(), joins=tuple(joins))
-    return plan
 
 
 def test_pending_job_joins_a_running_pack_and_completes_in_its_allocation(slurm_cluster, tmp_path, monkeypatch):
@@ -48,7 +30,6 @@ def test_pending_job_joins_a_running_pack_and_completes_in_its_allocation(slurm_
     from slurm_dlrm.store.store import Store, current_user
 
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # sbatch exports it: the agents run this checkout
-    monkeypatch.setattr(policies, "plan", _joining_plan(policies.plan))
     site = make_site(tmp_path)
     user = current_user()
     long_spec = tmp_path / "long.yaml"
@@ -60,6 +41,7 @@ def test_pending_job_joins_a_running_pack_and_completes_in_its_allocation(slurm_
     slurm = slurm_cluster.client()
     store = Store.for_user(site, user)
     svc = PackingService(store, slurm, site, ServiceSettings(user=user, dispatch_window_s=0.0))
+    assert svc.policy == "complementary"
     joiner_id = None
     pack = None
     try:

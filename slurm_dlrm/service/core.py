@@ -500,7 +500,8 @@ class PackingService:
         cfg = DispatchConfig.from_site(self.site)
         busy = self._busy_gpus(partition)
         total = sum(n.gpus * n.count for n in nodes)
-        open_gpus, where = self.refill.open_gpus(options.pack_key())  # GPUs of running packs to refill
+        # GPUs of running packs to refill (not packs one of these jobs already ran in)
+        open_gpus, where = self.refill.open_gpus(options.pack_key(), {j.id for j in jobs})
         request = PackingRequest(jobs=aged(demands, self.waited_rounds, cfg),
                                  gpu_models=tuple(self.site.gpu_models.values()), nodes=nodes,
                                  limits=limits_from_site(self.site), max_gpus=max(0, total - busy),
@@ -589,7 +590,9 @@ class PackingService:
             name=name, user=self.settings.user, policy=self.policy, n_gpus=pack.gpu_count,
             n_nodes=pack.node_count, partition=options.partition or (partition.name if partition else None),
             gpu_model=pack.gpu_model, pack_dir=str(pack_dir), placements=placements,
-            reason=f"planned by {self.policy}: {len(members)} members on {pack.gpu_count} GPU(s)")
+            reason=f"planned by {self.policy}: {len(members)} members on {pack.gpu_count} GPU(s)",
+            data={k: v for k, v in (("reserve_cpus", getattr(pack, "reserve_cpus", 0)),
+                                    ("reserve_host_mem_bytes", getattr(pack, "reserve_host_mem_bytes", 0))) if v})
         stats.jobs_planned += len(members)
         self._submit_pack(self.store.get_pack(pack_id), stats)
 
@@ -649,14 +652,17 @@ class PackingService:
                 continue  # cancelled before submission
             out_members.append(self.member_entry(job, p))
         agent = self.site.agent
+        # the plan's refill headroom (Pack.reserve_*), kept with the pack's first event
+        plan_data = self.store.pack_plan_data(pack.id)
+        reserve = {k: int(plan_data.get(k) or 0) for k in ("reserve_cpus", "reserve_host_mem_bytes")}
         placement = {
             "pack_id": pack.id, "user": self.settings.user, "mps": bool(self.site.mps.enabled),
             "sample_interval_s": agent.sample_interval_s, "host_mem_tolerance_pct": agent.host_mem_tolerance_pct,
             "term_grace_s": agent.term_grace_s, "join_grace_s": self.join_grace_s, "pack_dir": str(pack_dir),
-            "members": out_members,
+            "members": out_members, **{k: v for k, v in reserve.items() if v},
         }
         write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
-        script = render_pack_script(self.pack_script(pack, out_members, [job_options(j) for j in members]))
+        script = render_pack_script(self.pack_script(pack, out_members, [job_options(j) for j in members], reserve))
         write_private(pack_dir / SCRIPT_FILE, script)
         return script
 
@@ -679,13 +685,22 @@ class PackingService:
             "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
         }
 
-    def pack_script(self, pack: Any, members: list[dict[str, Any]], options: list[SbatchOptions]) -> PackScript:
+    def node_limits(self) -> tuple[int | None, int | None]:
+        """(CPUs, MiB) of the smallest GPU node: a pack never asks for more per node."""
+        gpu_nodes = [g for g in self.site.nodes if g.gpus > 0]
+        return (min((g.cpus for g in gpu_nodes), default=None), min((g.memory_mib for g in gpu_nodes), default=None))
+
+    def pack_script(self, pack: Any, members: list[dict[str, Any]], options: list[SbatchOptions],
+                    reserve: dict[str, int] | None = None) -> PackScript:
+        reserve = reserve or {}
         from slurm_dlrm.service.refill import pack_allocation
 
         nodes = max(1, pack.n_nodes)
         gpus_per_node = max(1, -(-pack.n_gpus // nodes))
-        node_mem_mib = min((g.memory_mib for g in self.site.nodes if g.gpus > 0), default=None)
-        cpus_per_node, mem_mib = pack_allocation(members, nodes, node_mem_mib, AGENT_MEM_MIB)
+        node_cpus, node_mem_mib = self.node_limits()
+        cpus_per_node, mem_mib = pack_allocation(members, nodes, node_cpus, node_mem_mib, AGENT_MEM_MIB,
+                                                 reserve.get("reserve_cpus", 0),
+                                                 reserve.get("reserve_host_mem_bytes", 0))
         base = options[0]
         merged = SbatchOptions(
             partition=base.partition, account=base.account, qos=base.qos, constraint=base.constraint,

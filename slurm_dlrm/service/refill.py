@@ -51,21 +51,25 @@ class PackShape:
     key: tuple[tuple[str, str], ...]  # the members' pack key (sbatch options that must match)
 
 
-def pack_allocation(members: list[dict[str, Any]], n_nodes: int, node_mem_mib: int | None,
-                    agent_mem_mib: int) -> tuple[int, int]:
-    """(CPUs, MiB) per node the pack asks Slurm for, from its placement members: the
-    busiest node's members plus one CPU and `agent_mem_mib` for the agent, at most
-    the node's memory (the batch script and the refill both use this)."""
+def pack_allocation(members: list[dict[str, Any]], n_nodes: int, node_cpus: int | None, node_mem_mib: int | None,
+                    agent_mem_mib: int, reserve_cpus: int = 0, reserve_mem_bytes: int = 0) -> tuple[int, int]:
+    """(CPUs, MiB) per node the pack asks Slurm for: the busiest node's members, the
+    plan's refill headroom (`Pack.reserve_*`, so joiners find room) and one CPU and
+    `agent_mem_mib` for the agent, at most what a node has. The batch script and the
+    refill's offer both use this, from the placement file."""
     nodes = max(1, n_nodes)
     cpus = [0] * nodes
     mem = [0] * nodes
     for m in members:
         cpus[m["node_index"]] += int(m["cpus"])
         mem[m["node_index"]] += int(m["host_mem_limit_bytes"])
-    mem_mib = max(mem) // MIB + agent_mem_mib
+    cpu_count = max(1, max(cpus)) + max(0, reserve_cpus) + 1
+    if node_cpus is not None:
+        cpu_count = min(cpu_count, node_cpus)
+    mem_mib = (max(mem) + max(0, reserve_mem_bytes)) // MIB + agent_mem_mib
     if node_mem_mib is not None:
         mem_mib = min(mem_mib, node_mem_mib)
-    return max(1, max(cpus)) + 1, max(1, mem_mib)
+    return max(1, cpu_count), max(1, mem_mib)
 
 
 def join_path(pack_dir: str, job_id: int) -> Path:
@@ -98,8 +102,10 @@ class Refill:
             return None
         if not members:
             return None
-        node_mem_mib = min((g.memory_mib for g in self.svc.site.nodes if g.gpus > 0), default=None)
-        cpus, mem_mib = pack_allocation(members, pack.n_nodes, node_mem_mib, AGENT_MEM_MIB)
+        node_cpus, node_mem_mib = self.svc.node_limits()
+        cpus, mem_mib = pack_allocation(members, pack.n_nodes, node_cpus, node_mem_mib, AGENT_MEM_MIB,
+                                        int(data.get("reserve_cpus") or 0),
+                                        int(data.get("reserve_host_mem_bytes") or 0))
         nodes = max(1, pack.n_nodes)
         first = self.svc.store.get_job(int(members[0]["job_id"]))
         shape = PackShape(initial_job_ids=frozenset(int(m["job_id"]) for m in members), cpus_per_node=cpus,
@@ -122,8 +128,15 @@ class Refill:
 
     # ------------------------------------------------------------ offer
 
-    def open_gpus(self, key: tuple[tuple[str, str], ...]) -> tuple[tuple[Any, ...], dict[str, tuple[Any, int, int]]]:
-        """OpenGpus of the running packs with this pack key, and key -> (pack, node, GPU)."""
+    def open_gpus(self, key: tuple[tuple[str, str], ...], pending_ids: set[int] | frozenset[int] = frozenset(),
+                  ) -> tuple[tuple[Any, ...], dict[str, tuple[Any, int, int]]]:
+        """OpenGpus of the running packs with this pack key, and key -> (pack, node, GPU).
+
+        A pack that one of `pending_ids` was placed in before (moved out, requeued after
+        an OOM) is not offered this round: a job never joins a pack it left (its
+        placement there is history, and a move must not be undone), and the round
+        plans it elsewhere; the pack is offered again once no such job waits.
+        """
         from slurm_dlrm.packing.model import OpenGpu
         from slurm_dlrm.store.states import PackState
 
@@ -140,8 +153,11 @@ class Refill:
             if shape is None or shape.key != key:
                 continue
             hosts = expand_hostlist(pack.nodes)
-            live_ids = pack_member_ids(svc.store, pack.id, ("PLANNED", "RUNNING"))
-            by_job = {p.job_id: p for p in svc.store.placements(pack_id=pack.id) if p.job_id in set(live_ids)}
+            placements = svc.store.placements(pack_id=pack.id)
+            if any(p.job_id in pending_ids for p in placements):
+                continue
+            live_ids = set(pack_member_ids(svc.store, pack.id, ("PLANNED", "RUNNING")))
+            by_job = {p.job_id: p for p in placements if p.job_id in live_ids}
             demands = {j: svc._demand(svc.store.get_job(j)) for j in by_job}
             end_t = self.end_t.get(pack.id)
             remaining = None if end_t is None else max(0.0, end_t - now)
@@ -166,7 +182,7 @@ class Refill:
     def record_joins(self, joins: tuple[Any, ...], where: dict[str, tuple[Any, int, int]],
                      by_id: dict[int, Any], stats: Any) -> int:
         """Each join: into the store (PENDING -> PLANNED in the pack), then its join file."""
-        from slurm_dlrm.store.errors import StaleState
+        from slurm_dlrm.store.errors import StoreError
         from slurm_dlrm.store.store import NewPlacement
 
         done = 0
@@ -184,7 +200,7 @@ class Refill:
             try:
                 self.svc.store.add_join(pack.id, placement, reason=f"{self.svc.policy}, predicted speed "
                                         f"{m.predicted_speed:.2f}")
-            except StaleState as exc:  # the pack ended or the job moved since the round began
+            except StoreError as exc:  # the pack ended or the job moved since the round began (StaleState)
                 log.info("join of job %d into pack %s not recorded: %s", m.job_id, pack.name, exc)
                 continue
             self.svc.waited_rounds.pop(m.job_id, None)

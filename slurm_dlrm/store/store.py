@@ -548,8 +548,12 @@ class Store:
         self, *, name: str, user: str, policy: str, n_gpus: int, n_nodes: int = 1,
         partition: str | None = None, gpu_model: str | None = None, pack_dir: str | None = None,
         placements: Sequence[NewPlacement] = (), reason: str = "planned", t: float | None = None,
+        data: Mapping[str, Any] | None = None,
     ) -> int:
         """A SUBMITTING pack with its placements; its member jobs move PENDING -> PLANNED.
+
+        `data` goes with the pack's first event (the service keeps the plan's refill
+        headroom there: `pack_plan_data`), in the same transaction.
 
         All in one transaction: either the pack and all members are planned or nothing.
         Write this row *before* calling sbatch with `--job-name=name`, so a service
@@ -567,7 +571,8 @@ class Store:
             except sqlite3.IntegrityError as exc:
                 raise StoreError(f"pack name {name!r} already exists") from exc
             pack_id = int(cur.lastrowid or 0)
-            self.event_in_tx("pack_state", reason, pack_id=pack_id, dst=PackState.SUBMITTING.value, t=now)
+            self.event_in_tx("pack_state", reason, pack_id=pack_id, dst=PackState.SUBMITTING.value,
+                             data=dict(data) if data else None, t=now)
             seen: set[int] = set()
             for p in placements:
                 if p.job_id not in seen:
@@ -584,13 +589,22 @@ class Store:
                 )
         return pack_id
 
+    def pack_plan_data(self, pack_id: int) -> dict[str, Any]:
+        """The `data` given to `add_pack` (empty if none)."""
+        row = self.conn.execute(
+            "SELECT data_json FROM events WHERE pack_id = ? AND kind = 'pack_state' AND from_state IS NULL "
+            "AND to_state = ? ORDER BY id LIMIT 1", (pack_id, PackState.SUBMITTING.value)).fetchone()
+        return dict(json.loads(row[0])) if row and row[0] else {}
+
     def add_join(self, pack_id: int, placement: NewPlacement, *, reason: str = "", t: float | None = None) -> Job:
         """A PENDING job joins a GPU of a RUNNING pack (docs/interfaces.md section 3b).
 
         One transaction: the job moves PENDING -> PLANNED in that pack, its placement row
         is written (node name from the pack's allocation) and the event reads
         "joined pack N: ...". Refused (`StaleState`) unless the pack is RUNNING and the
-        job PENDING, so a join is recorded at most once and never into an ended pack.
+        job PENDING, so a join is recorded at most once and never into an ended pack;
+        `StoreError` if the job was placed on that GPU of the pack before (the service
+        never offers a job a pack it left).
         The service writes the join file only after this returns.
         """
         now = self.clock() if t is None else t
@@ -607,6 +621,11 @@ class Store:
                                       pack_id=pack_id, slurm_job_id=pack.slurm_job_id, data={"join": True}, t=now)
             hosts = expand_hostlist(pack.nodes) if pack.nodes else []
             node = placement.node or (hosts[placement.node_index] if placement.node_index < len(hosts) else None)
+            if self.conn.execute("SELECT 1 FROM placements WHERE pack_id = ? AND job_id = ? AND node_index = ? "
+                                 "AND gpu_index = ?", (pack_id, job.id, placement.node_index,
+                                                       placement.gpu_index)).fetchone():
+                raise StoreError(f"job {job.id} already had GPU {placement.gpu_index} of node "
+                                 f"{placement.node_index} in pack {pack_id}")
             self.conn.execute(
                 "INSERT INTO placements (pack_id, job_id, attempt, node_index, node, gpu_index, "
                 "mps_thread_pct, gpu_mem_limit_bytes, host_mem_limit_bytes, cpus, predicted_speed) "
