@@ -52,9 +52,9 @@ def world(tmp_path, monkeypatch):
     store.close()
 
 
-def _running_pack(svc, store, cluster, names=("a", "b")):
+def _running_pack(svc, store, cluster, names=("a", "b"), **est):
     """A pack of `names` that is RUNNING with live agents; returns (pack, placement dict, ids)."""
-    ids = [add_job(store, n) for n in names]
+    ids = [add_job(store, n, **est) for n in names]
     svc.run_round()
     (pack,) = store.packs()
     slurm_job = svc.slurm.job(int(pack.slurm_job_id))
@@ -98,9 +98,10 @@ def test_store_join_edge_is_checked_and_counts_no_attempt(tmp_path):
 
 def test_running_pack_gpus_offered_with_live_members_and_room(world):
     svc, store, slurm, clock, cluster, requests = world
-    pack, p, (a, b) = _running_pack(svc, store, cluster)
+    pack, p, (a, b) = _running_pack(svc, store, cluster, sps=100.0)  # 100 steps x 64 samples: 64 s solo
     cluster.member(p, a, "COMPLETED", 0)
     add_job(store, "c")
+    clock.advance(0.25)
     requests.clear()
     svc.run_round()
     offered = [g for g in requests[-1].open_gpus if g.pack]
@@ -113,6 +114,11 @@ def test_running_pack_gpus_offered_with_live_members_and_room(world):
     assert f"--cpus-per-task={cpus_per_node}" in script and f"--mem={mem_mib}M" in script
     live = {d.job_id for g in offered for d in g.live}
     assert live == {b}  # a ended: its GPU share is free again
+    (live_b,) = [d for g in offered for d in g.live]
+    full = svc._demand(store.get_job(b)).est_duration_s
+    ran = clock() - store.placements(job_id=b)[0].start_time
+    assert full == pytest.approx(64.0) and 0 < ran < full
+    assert live_b.est_duration_s == pytest.approx(full - ran)  # what is left of its run
     gpu_b = next(m for m in p["members"] if m["job_id"] == b)
     for g in offered:
         assert g.key.startswith(f"{pack.id}:0:") and g.node_name == "node1" and g.gpu_model == pack.gpu_model

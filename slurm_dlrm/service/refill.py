@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +158,7 @@ class Refill:
                 continue
             live_ids = set(pack_member_ids(svc.store, pack.id, ("PLANNED", "RUNNING")))
             by_job = {p.job_id: p for p in placements if p.job_id in live_ids}
-            demands = {j: svc._demand(svc.store.get_job(j)) for j in by_job}
+            demands = {j: self._live_demand(svc._demand(svc.store.get_job(j)), by_job[j], now) for j in by_job}
             end_t = self.end_t.get(pack.id)
             remaining = None if end_t is None else max(0.0, end_t - now)
             for node_index in range(max(1, pack.n_nodes)):
@@ -176,6 +176,15 @@ class Refill:
                                        free_host_mem_bytes=max(0, free_mem), remaining_s=remaining))
                     where[gpu_key] = (pack, node_index, gpu_index)
         return tuple(out), where
+
+    @staticmethod
+    def _live_demand(demand: Any, placement: Any, now: float) -> Any:
+        """A live member as the policy weighs it: its *remaining* expected run (as the
+        simulator offers it), here its solo estimate less the time it has run in this
+        pack (a resumed job's earlier progress and a shared GPU's slowdown not counted)."""
+        if demand.est_duration_s is None or placement.start_time is None:
+            return demand
+        return replace(demand, est_duration_s=max(0.0, demand.est_duration_s - (now - placement.start_time)))
 
     # ------------------------------------------------------------ act on a plan
 
