@@ -143,6 +143,11 @@ def test_join_recorded_then_written_and_runs_in_the_same_allocation(world):
     assert parsed.job_id == c and parsed.gpu_mem_limit_mib == 3000 and parsed.node_index == 0
     assert entry["command"][:4] == ["/venv/bin/python", "-m", "slurm_dlrm", "train"]
     assert oct(path.stat().st_mode & 0o777) == "0o600"
+    from slurm_dlrm.service.queue import queue_rows
+
+    row = next(r for r in queue_rows(store, user=USER, service={}) if r["job_id"] == c)
+    assert (row["pack"], row["slurm_job_id"], row["state"]) == (pack.name, pack.slurm_job_id, "PLANNED")
+    assert row["reason"] == "pack running; waiting for its agent to start it"
     # the agent starts it and it finishes inside the pack
     cluster.member(p, c, "RUNNING")
     svc.run_round()

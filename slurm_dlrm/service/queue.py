@@ -60,6 +60,8 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
                                                if slurm_reasons and pack.slurm_job_id in slurm_reasons else "")
         elif pack is not None and pack.pack_dir and (Path(pack.pack_dir) / "cancel" / str(j.id)).exists():
             reason = "cancel requested"
+        elif pack is not None and pack.state == PackState.RUNNING and j.state == JobState.PLANNED:
+            reason = "pack running; waiting for its agent to start it"  # also a joiner (refill)
         else:
             reason = ""
         rows.append({
