@@ -285,3 +285,19 @@ def test_a_job_is_not_offered_a_pack_it_left(world):
     with pytest.raises(StoreError, match="already had GPU"):
         store.add_join(pack.id, NewPlacement(c, old.node_index, old.gpu_index))
     assert store.get_job(c).state == JobState.PENDING  # nothing half-done
+
+
+def test_time_left_of_the_allocation_is_offered(world):
+    svc, store, slurm, clock, cluster, requests = world
+    pack, p, (a, b) = _running_pack(svc, store, cluster, sbatch={"time_minutes": 30})
+    cluster.member(p, a, "COMPLETED", 0)
+    add_job(store, "c", sbatch={"time_minutes": 10})
+    clock.advance(100.0)
+    cluster.report(p, [{"type": "heartbeat"}])
+    requests.clear()
+    svc.run_round()
+    (request,) = requests
+    offered = [g for g in request.open_gpus if g.pack]
+    assert offered and all(g.remaining_s == pytest.approx(1800.0 - 100.0) for g in offered)
+    (c,) = request.jobs
+    assert c.time_limit_s == 600.0  # its own -t, which must fit

@@ -30,6 +30,7 @@ from slurm_dlrm.service.core import (
     pack_member_ids,
 )
 from slurm_dlrm.service.daemon import ensure_private_dir
+from slurm_dlrm.service.sbatch_options import pack_time_minutes
 from slurm_dlrm.site import MIB, expand_hostlist
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class PackShape:
     mem_per_node_bytes: int  # likewise, the agent's own memory included
     gpus_per_node: int
     key: tuple[tuple[str, str], ...]  # the members' pack key (sbatch options that must match)
+    time_limit_s: float | None = None  # the batch script's --time (None: partition default or UNLIMITED)
 
 
 def pack_allocation(members: list[dict[str, Any]], n_nodes: int, node_cpus: int | None, node_mem_mib: int | None,
@@ -107,10 +109,12 @@ class Refill:
                                         int(data.get("reserve_cpus") or 0),
                                         int(data.get("reserve_host_mem_bytes") or 0))
         nodes = max(1, pack.n_nodes)
-        first = self.svc.store.get_job(int(members[0]["job_id"]))
+        options = [job_options(self.svc.store.get_job(int(m["job_id"]))) for m in members]
+        minutes = pack_time_minutes(o.time_minutes for o in options)  # as the batch script asked
         shape = PackShape(initial_job_ids=frozenset(int(m["job_id"]) for m in members), cpus_per_node=cpus,
                           mem_per_node_bytes=mem_mib * MIB, gpus_per_node=max(1, -(-pack.n_gpus // nodes)),
-                          key=job_options(first).pack_key())
+                          key=options[0].pack_key(),
+                          time_limit_s=minutes * 60.0 if minutes is not None and minutes > 0 else None)
         self.shapes[pack.id] = shape
         return shape
 
@@ -159,7 +163,9 @@ class Refill:
             live_ids = set(pack_member_ids(svc.store, pack.id, ("PLANNED", "RUNNING")))
             by_job = {p.job_id: p for p in placements if p.job_id in live_ids}
             demands = {j: self._live_demand(svc._demand(svc.store.get_job(j)), by_job[j], now) for j in by_job}
-            end_t = self.end_t.get(pack.id)
+            end_t = self.end_t.get(pack.id)  # squeue's EndTime, if the parser keeps it for running jobs
+            if end_t is None and shape.time_limit_s is not None and pack.start_time is not None:
+                end_t = pack.start_time + shape.time_limit_s
             remaining = None if end_t is None else max(0.0, end_t - now)
             for node_index in range(max(1, pack.n_nodes)):
                 if node_index >= len(hosts) or closed_path(pack.pack_dir, node_index).exists():
