@@ -34,6 +34,17 @@ def test_fresh_store_is_migrated_wal_and_private(tmp_path):
             assert mode(str(path) + suffix) == 0o600, suffix
 
 
+@pytest.mark.parametrize("shared_mode", [0o1777, 0o777, 0o1700])
+def test_a_shared_folder_is_refused_and_left_alone(tmp_path, shared_mode):
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, shared_mode)  # like /tmp: tightening it would lock out its other users
+    with pytest.raises(StoreError, match="shared"):
+        Store(d / "store.sqlite")
+    assert mode(d) == shared_mode
+    assert not (d / "store.sqlite").exists()
+
+
 def test_open_tightens_loose_folder_and_file(tmp_path):
     d = tmp_path / "loose"
     d.mkdir(mode=0o755)

@@ -46,7 +46,11 @@ def ensure_private_dir(path: Path) -> None:
     """Create `path` as 0700; tighten it if we own it and it is open to others."""
     path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     st = path.stat()
-    if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != DIR_MODE:
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & (stat.S_ISVTX | stat.S_IWOTH):
+        # A shared folder such as /tmp: tightening it would break every other user of it.
+        raise StoreError(f"store folder {path} is shared (mode {mode:o}); give the store a folder of its own")
+    if st.st_uid == os.geteuid() and mode != DIR_MODE:
         log.warning("store folder %s had mode %o; setting 0700", path, stat.S_IMODE(st.st_mode))
         os.chmod(path, DIR_MODE)
 
