@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from slurm_dlrm.site import SiteConfig, expand_hostlist
 from slurm_dlrm.store import queries
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+StateT = TypeVar("StateT", JobState, PackState)
 
 SAMPLE_FIELDS = (
     "t", "pack_id", "job_id", "node", "gpu_index", "sm_util_pct", "mem_util_pct",
@@ -474,6 +475,23 @@ class Store:
         st = None if states is None else json.dumps([JobState(s).value for s in states])
         return [Job.from_row(r) for r in self.query("jobs_by_state", {"states": st, "user": user})]
 
+    def _checked_move(
+        self, kind: str, query: str, entity_id: int, states: type[StateT],
+        allowed: Callable[[StateT, StateT], bool], to: str, expect: str | None,
+    ) -> tuple[Any, StateT, StateT]:
+        """The row and (from, to) of a legal move, or the typed refusal; inside `write()`."""
+        dst = states(to)
+        rows = self.query(query, {"id": entity_id})
+        if not rows:
+            raise UnknownEntity(kind, entity_id)
+        row = rows[0]
+        src = states(row["state"])
+        if expect is not None and src != states(expect):
+            raise StaleState(kind, entity_id, states(expect).value, src.value)
+        if not allowed(src, dst):
+            raise IllegalTransition(kind, entity_id, src.value, dst.value)
+        return row, src, dst
+
     def transition_job(
         self, job_id: int, to: JobState | str, reason: str, *, expect: JobState | str | None = None,
         pack_id: int | None = None, exit_code: int | None = None, slurm_job_id: str | None = None,
@@ -489,17 +507,9 @@ class Store:
         RUNNING or OOM counts a new attempt and clears end time and exit code.
         `expect` makes it a compare-and-set: `StaleState` if the job moved meanwhile.
         """
-        dst = JobState(to)
         with self.write():
-            rows = self.query("job_by_id", {"id": job_id})
-            if not rows:
-                raise UnknownEntity("job", job_id)
-            row = rows[0]
-            src = JobState(row["state"])
-            if expect is not None and src != JobState(expect):
-                raise StaleState("job", job_id, JobState(expect).value, src.value)
-            if not job_transition_allowed(src, dst):
-                raise IllegalTransition("job", job_id, src.value, dst.value)
+            row, src, dst = self._checked_move("job", "job_by_id", job_id, JobState, job_transition_allowed,
+                                               to, expect)
             now = self.clock() if t is None else t
             sets: dict[str, Any] = {"state": dst.value, "updated_time": now}
             cur_pack = row["pack_id"]
@@ -667,17 +677,9 @@ class Store:
         `nodes` (a Slurm hostlist; fills each placement's node name) are recorded when
         given. Member jobs are not moved: the caller decides what happens to them.
         """
-        dst = PackState(to)
         with self.write():
-            rows = self.query("pack_by_id", {"id": pack_id})
-            if not rows:
-                raise UnknownEntity("pack", pack_id)
-            row = rows[0]
-            src = PackState(row["state"])
-            if expect is not None and src != PackState(expect):
-                raise StaleState("pack", pack_id, PackState(expect).value, src.value)
-            if not pack_transition_allowed(src, dst):
-                raise IllegalTransition("pack", pack_id, src.value, dst.value)
+            row, src, dst = self._checked_move("pack", "pack_by_id", pack_id, PackState, pack_transition_allowed,
+                                               to, expect)
             now = self.clock() if t is None else t
             sets: dict[str, Any] = {"state": dst.value, "reason": reason, "updated_time": now}
             if dst in (PackState.QUEUED, PackState.RUNNING) and row["submit_time"] is None:
