@@ -107,3 +107,16 @@ class FakeCluster:
                     self.member(p, m["job_id"], state, 0 if state == "COMPLETED" else None)
                 self.slurm.finish(j.job_id)
         self.clock.advance(5.0)
+
+
+def start_pack(svc: Any, slurm: Any, cluster: FakeCluster) -> tuple[Any, int, dict[str, Any]]:
+    """One round, then Slurm starts the new pack and its members report RUNNING."""
+    svc.run_round()
+    pack = max(svc.store.packs(), key=lambda p: p.id)
+    sid = int(pack.slurm_job_id)
+    slurm.start(sid)
+    p = cluster.placement_of(sid)
+    for m in p["members"]:
+        cluster.member(p, m["job_id"], "RUNNING")
+    svc.run_round()
+    return svc.store.get_pack(pack.id), sid, p

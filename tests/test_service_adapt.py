@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from service_harness import FakeClock, FakeCluster, estimate_dict, make_site, spec_dict
+from service_harness import start_pack as start
 
 from slurm_dlrm.packing.interference import InterferenceParams, predict_speeds_from_fractions
 from slurm_dlrm.service.core import PackingService, ServiceSettings
@@ -46,16 +47,6 @@ def add(store, name: str, steps: int = LONG, fp: str | None = None, **est) -> in
                              estimate=estimate_dict(**est), gpu_model="h100"))
 
 
-def start(svc, slurm, cluster):
-    svc.run_round()
-    pack = max(svc.store.packs(), key=lambda p: p.id)
-    sid = int(pack.slurm_job_id)
-    slurm.start(sid)
-    p = cluster.placement_of(sid)
-    for m in p["members"]:
-        cluster.member(p, m["job_id"], "RUNNING")
-    svc.run_round()
-    return svc.store.get_pack(pack.id), sid, p
 
 
 def samples(p, job_id, t0, t1, sps, sm, every=10.0):

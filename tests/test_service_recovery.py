@@ -17,6 +17,9 @@ from service_harness import (
     make_site,
     spec_dict,
 )
+from service_harness import (
+    start_pack as start,
+)
 
 from slurm_dlrm.service.core import PackingService, ServiceSettings
 
@@ -44,17 +47,6 @@ def add_fp_job(store, name: str, fingerprint: str, **est) -> int:
                              estimate=estimate_dict(**est), gpu_model="h100"))
 
 
-def start(svc, slurm, cluster):
-    """One round, then Slurm starts the new pack and its members report RUNNING."""
-    svc.run_round()
-    pack = max(svc.store.packs(), key=lambda p: p.id)
-    sid = int(pack.slurm_job_id)
-    slurm.start(sid)
-    p = cluster.placement_of(sid)
-    for m in p["members"]:
-        cluster.member(p, m["job_id"], "RUNNING")
-    svc.run_round()
-    return svc.store.get_pack(pack.id), sid, p
 
 
 def events(store, job_id, kind=None):
