@@ -769,6 +769,7 @@ def _pick_chunk(candidates: list[JobDemand], vec: dict[int, _Vec], node: _Node, 
         best_score = math.inf
         for pos, k in enumerate(window):
             r = rows[k]
+            # max() over a tuple, unrolled: this loop is the plan's hot path (plan_scale.py).
             worst = n_fill
             v = u_sm + r[0]
             if v > worst:
