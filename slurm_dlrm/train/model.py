@@ -155,7 +155,9 @@ def build(spec: Any, device: torch.device, world_size: int, local_world_size: in
         lazy.append(dense)
     else:
         params = dict(model.named_parameters())
-        table_keys = {k for k in params if ".embedding_bags." in k}
+        # Model order, not set order: the optimizer's state (and so the peak memory and
+        # the checkpoint's key order) must not vary with string hashing between runs.
+        table_keys = [k for k in params if ".embedding_bags." in k]
         emb = KeyedOptimizerWrapper({k: params[k] for k in table_keys},
                                     lambda ps: _sparse_optimizer_cls(opt.type)(ps, lr=lr))
         dense = KeyedOptimizerWrapper({k: p for k, p in params.items() if k not in table_keys},
