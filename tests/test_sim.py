@@ -59,6 +59,24 @@ def test_first_fit_without_memory_awareness_ooms():
     assert safe.ooms == 0 and safe.completion_rate == 1.0
 
 
+def test_a_failed_job_is_resubmitted_by_its_user_when_asked():
+    # first-fit puts both 50 GiB jobs on one 80 GiB GPU: the second to peak dies each time
+    # while the first runs. Without user resubmission it ends FAILED; with it, it completes
+    # after the first and its JCT counts from its first submission.
+    jobs = [_job("a", 0, 1000, mem=50), _job("b", 0, 1000, mem=50)]
+    cluster = dict(CLUSTER, retry={"max_retries": 0})
+    _, _, once = _run(jobs, "first-fit", cluster)
+    assert sorted(o.state for o in once.jobs) == ["COMPLETED", "FAILED"]
+    cluster = dict(CLUSTER, retry={"max_retries": 0, "user_resubmits": 5, "user_resubmit_delay_s": 600})
+    _, _, again = _run(jobs, "first-fit", cluster)
+    assert [o.state for o in again.jobs] == ["COMPLETED", "COMPLETED"]
+    first, second = sorted(again.jobs, key=lambda o: o.end_s)
+    assert second.ooms >= 1 and second.arrival_s == 0
+    assert second.end_s >= first.end_s + 20 + 1000 * 0.9  # restarted, from a checkpoint at best
+    assert again.resubmits == second.ooms
+    assert again.avg_jct_s > once.avg_jct_s  # the failed job no longer drops out of the average
+
+
 def test_deterministic_and_below_the_ideal_bound():
     data = {"name": "g", "seed": 3, "generate": {
         "jobs": 40, "arrival_rate_per_h": 30, "duration": {"dist": "lognormal", "median_s": 900, "sigma": 0.8},

@@ -40,6 +40,7 @@ from slurm_dlrm.site import MIB
 
 _ARRIVAL, _TICK, _PACK_START, _MEMBER_READY = 0, 1, 2, 3
 _NODE_FAIL, _NODE_BACK, _OBSERVE = 4, 5, 6  # only with `faults` (sim/faults.py)
+_RESUBMIT = 7  # a user resubmits a failed job (retry.user_resubmits)
 _EPS = 1e-9
 
 
@@ -117,6 +118,7 @@ class SimResult:
     member_s: float = 0.0  # integral of running (started, not ended) members over time
     backlog_s: float = 0.0  # time during which jobs were waiting
     backlog_work_s: float = 0.0  # solo-seconds of training done during that time
+    resubmits: int = 0  # failed jobs submitted again by their users (retry.user_resubmits)
 
     @property
     def backlog_throughput_jobs_per_h(self) -> float:
@@ -180,7 +182,7 @@ class SimResult:
                 "makespan_s": round(self.makespan_s, 1), "gpu_hours": round(self.gpu_hours, 3),
                 "mean_gpu_util_pct": round(self.mean_gpu_util_pct, 2), "ooms": self.ooms,
                 "completion_rate": round(self.completion_rate, 4), "rounds": self.rounds, "packs": self.packs,
-                "mean_members_per_gpu": round(self.mean_members_per_gpu, 2)}
+                "mean_members_per_gpu": round(self.mean_members_per_gpu, 2), "resubmits": self.resubmits}
 
 
 def _demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -> JobDemand:
@@ -218,6 +220,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     waited: dict[int, int] = {}
     progress_saved: dict[int, float] = {}
     attempts: dict[int, int] = {}
+    resubmits: dict[int, int] = {}
     est_mem: dict[int, int] = {j.job_id: j.gpu_mem_bytes for j in workload.jobs}
     outcome_end: dict[int, float] = {}
     outcome_state: dict[int, str] = {}
@@ -332,6 +335,14 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             base = now if last_round is None else max(now, last_round + dispatch.round_seconds)
             tick_at = base
             push(base, _TICK, None)
+
+    def requeue(jid: int) -> None:
+        # Back to pending from its last checkpoint, with what is left of its run.
+        job = jobs[jid]
+        left = job.solo_duration_s - progress_saved.get(jid, 0.0)
+        est_left = (job.est_duration_s or job.solo_duration_s) * left / job.solo_duration_s
+        pending[jid] = _demand(job, est_mem[jid], est_left)
+        schedule_tick()
 
     def oom_check(pack: _Pack, gpu: _Gpu, m: _Member) -> bool:
         node = pack.node
@@ -512,14 +523,17 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                             progress_saved[jid] = math.floor(m.progress / every) * every if every > 0 else 0.0
                             est_mem[jid] = math.ceil(est_mem[jid] * (1.0 + retry.mem_bump_pct / 100.0))
                             end_member(pack, gpu, m)
-                            if attempts[jid] > retry.max_retries:
-                                outcome_state[jid] = "FAILED"
+                            if attempts[jid] <= retry.max_retries:
+                                requeue(jid)
+                            elif resubmits.get(jid, 0) < retry.user_resubmits:
+                                # Failed; its user submits it again (a fresh job: the
+                                # automatic retries start over), its JCT still counted
+                                # from the first submission.
+                                resubmits[jid] = resubmits.get(jid, 0) + 1
+                                attempts[jid] = 0
+                                push(now + retry.user_resubmit_delay_s, _RESUBMIT, jid)
                             else:
-                                job = m.job
-                                left = job.solo_duration_s - progress_saved[jid]
-                                est_left = (job.est_duration_s or job.solo_duration_s) * left / job.solo_duration_s
-                                pending[jid] = _demand(job, est_mem[jid], est_left)
-                                schedule_tick()
+                                outcome_state[jid] = "FAILED"
                             continue
                     if m.peaked and m.progress >= m.job.solo_duration_s - 1e-6:
                         outcome_end[m.job.job_id] = now
@@ -539,6 +553,9 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                     est_mem[payload] = pending[payload].gpu_mem_bytes
                 arrived_since += 1
                 schedule_tick()
+            elif kind == _RESUBMIT:
+                assert isinstance(payload, int)
+                requeue(payload)
             elif kind == _TICK:
                 tick_at = None
             elif kind == _PACK_START:
@@ -612,7 +629,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     return SimResult(policy=policy, workload=workload.name, cluster=cluster.name, gpus=cluster.gpu_count,
                      jobs=tuple(outcomes), first_arrival_s=first_arrival, end_s=now, alloc_gpu_s=alloc_gpu_s,
                      busy_gpu_s=busy_gpu_s, ooms=ooms, rounds=rounds, packs=packs_made, member_s=member_s,
-                     backlog_s=backlog_s, backlog_work_s=backlog_work_s)
+                     backlog_s=backlog_s, backlog_work_s=backlog_work_s, resubmits=sum(resubmits.values()))
 
 
 def _could_ever_fit(job: SimJob, gpu_mem_bytes: int, node: object, cluster: SimCluster) -> bool:

@@ -70,6 +70,10 @@ class RetryPolicy:
     max_retries: int = 3  # OOM-killed job resubmitted at most this many times
     mem_bump_pct: float = 25.0  # a retried job's GPU estimate grows by this (DLRover-RM)
     checkpoint_every_frac: float = 0.1  # progress since the last checkpoint is lost
+    # Past max_retries a job has failed; its user resubmits it (from its last checkpoint,
+    # this long after the failure) up to this many times. 0: a failed job stays failed.
+    user_resubmits: int = 0
+    user_resubmit_delay_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -228,7 +232,9 @@ def parse_cluster(data: Any, default_gpu_models: Mapping[str, GpuModel] | None =
     s.done()
     r = top.sub("retry")
     retry = RetryPolicy(max_retries=r.int_("max_retries", 3, lo=0, hi=100), mem_bump_pct=r.num("mem_bump_pct", 25.0, lo=0),
-                        checkpoint_every_frac=r.num("checkpoint_every_frac", 0.1, lo=0.001, hi=1.0))
+                        checkpoint_every_frac=r.num("checkpoint_every_frac", 0.1, lo=0.001, hi=1.0),
+                        user_resubmits=r.int_("user_resubmits", 0, lo=0, hi=1000),
+                        user_resubmit_delay_s=r.num("user_resubmit_delay_s", 0.0, lo=0))
     r.done()
     top.done()
     used = {n.gpu_model for n in nodes}

@@ -12,28 +12,34 @@ from slurm_dlrm.sim.files import SimCluster, Workload
 def ideal_makespan_s(workload: Workload, cluster: SimCluster, limits: PackingLimits | None = None) -> float:
     """A lower bound on the makespan: perfect packing, no interference, no start-up.
 
-    The largest of: the latest (arrival + solo duration); total SM work and total
-    memory-bandwidth work over the cluster's GPUs; member-slot time; GPU-memory-time over
-    the cluster's GPU memory; CPU-time over its CPUs (all with the *true* profiles).
-    """
+    The largest of `ideal_makespan_bounds_s`."""
+    return max(ideal_makespan_bounds_s(workload, cluster, limits).values(), default=0.0)
+
+
+def ideal_makespan_bounds_s(workload: Workload, cluster: SimCluster,
+                            limits: PackingLimits | None = None) -> dict[str, float]:
+    """The makespan lower bounds, one per resource (all with the *true* profiles):
+    `arrivals` the latest (arrival + solo duration); `sm` and `membw` total SM and
+    memory-bandwidth work over the cluster's GPUs; `slots` member-slot time;
+    `gpu_mem` GPU-memory-time over the cluster's GPU memory; `cpus` CPU-time over its
+    CPUs. The largest one binds: it says which resource caps any policy."""
     lim = limits or cluster.limits
     jobs = workload.jobs
     if not jobs:
-        return 0.0
+        return {}
     first = min(j.arrival_s for j in jobs)
     gpus = cluster.gpu_count
     gpu_mem = sum(n.gpus * cluster.gpu_model(n.gpu_model).memory_bytes for n in cluster.nodes)
     ctx = min(cluster.gpu_model(n.gpu_model).cuda_context_bytes for n in cluster.nodes)
     cpus = sum(n.cpus for n in cluster.nodes)
-    bounds = [
-        max(j.arrival_s + j.solo_duration_s for j in jobs) - first,
-        sum(j.true_sm_util_pct / 100.0 * j.solo_duration_s for j in jobs) / gpus,
-        sum(j.true_membw_util_pct / 100.0 * j.solo_duration_s for j in jobs) / gpus,
-        sum(j.solo_duration_s for j in jobs) / (gpus * lim.members_per_gpu),
-        sum((j.true_gpu_mem_bytes + ctx) * j.solo_duration_s for j in jobs) / gpu_mem,
-        sum(max(1.0, j.host_cpu_cores) * j.solo_duration_s for j in jobs) / cpus,
-    ]
-    return max(bounds)
+    return {
+        "arrivals": max(j.arrival_s + j.solo_duration_s for j in jobs) - first,
+        "sm": sum(j.true_sm_util_pct / 100.0 * j.solo_duration_s for j in jobs) / gpus,
+        "membw": sum(j.true_membw_util_pct / 100.0 * j.solo_duration_s for j in jobs) / gpus,
+        "slots": sum(j.solo_duration_s for j in jobs) / (gpus * lim.members_per_gpu),
+        "gpu_mem": sum((j.true_gpu_mem_bytes + ctx) * j.solo_duration_s for j in jobs) / gpu_mem,
+        "cpus": sum(max(1.0, j.host_cpu_cores) * j.solo_duration_s for j in jobs) / cpus,
+    }
 
 
 def ideal_throughput_jobs_per_h(workload: Workload, cluster: SimCluster) -> float:
