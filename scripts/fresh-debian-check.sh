@@ -22,6 +22,8 @@
 #
 # Stand-ins for the network of a real machine (nothing else enters the chroot):
 #   - /etc/resolv.conf and the host's /etc/hosts entries (mirrors resolved there).
+#   - The host's CA bundle, read-only in /opt/host-ca and given to pip only (PIP_CERT):
+#     where HTTPS goes through an intercepting proxy, its CA is in there.
 #   - If download.pytorch.org does not resolve (setup.sh then skips PyTorch's CPU index,
 #     and plain PyPI would pull the multi-GB CUDA torch), the host's /opt/wheels (the
 #     same torch==2.13.0+cpu wheel) is bind-mounted read-only and given as
@@ -48,7 +50,7 @@ for a in "$@"; do
 done
 [[ $(id -u) == 0 ]] || { echo "fresh-debian-check: run as root" >&2; exit 2; }
 
-mounts=(proc sys dev dev/pts dev/shm run root/.cache/pip opt/wheels)
+mounts=(proc sys dev dev/pts dev/shm run root/.cache/pip opt/wheels opt/host-ca)
 umount_all() {
   local m i
   for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
@@ -89,7 +91,8 @@ cleanup() {
 
 in_chroot() {
   local extra=()
-  [[ -d $root/opt/wheels ]] && mountpoint -q "$root/opt/wheels" && extra=(PIP_FIND_LINKS=/opt/wheels)
+  mountpoint -q "$root/opt/wheels" && extra+=(PIP_FIND_LINKS=/opt/wheels)
+  mountpoint -q "$root/opt/host-ca" && extra+=(PIP_CERT=/opt/host-ca/ca-certificates.crt)
   env -i HOME=/root TERM=dumb PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     "${extra[@]}" chroot "$root" "$@"
 }
@@ -141,6 +144,9 @@ mount -t tmpfs -o mode=1777 shm "$root/dev/shm"
 mount -t tmpfs -o mode=0755 run "$root/run"
 if [[ -d /root/.cache/pip ]]; then
   mkdir -p "$root/root/.cache/pip"; mount --bind /root/.cache/pip "$root/root/.cache/pip"
+fi
+if [[ -f /etc/ssl/certs/ca-certificates.crt ]]; then
+  mkdir -p "$root/opt/host-ca"; mount --bind -o ro /etc/ssl/certs "$root/opt/host-ca"
 fi
 if ! getent hosts download.pytorch.org >/dev/null && [[ -d /opt/wheels ]]; then
   mkdir -p "$root/opt/wheels"; mount --bind -o ro /opt/wheels "$root/opt/wheels"
