@@ -10,7 +10,7 @@
 #      --rebuild deletes it first. The finished root is copied once to $FRESH_ROOT.pristine
 #      and every run starts from a fresh copy of it, so no apt package or venv from an
 #      earlier run hides a missing install step.
-#   2. Mounts /proc, /sys, /dev, /dev/pts, a tmpfs on /dev/shm and /run (the daemons are
+#   2. Mounts /proc, /sys (with the host's /sys/fs/cgroup), /dev, /dev/pts, a tmpfs on /dev/shm and /run (the daemons are
 #      started by our code, not systemd).
 #   3. `git clone` of this checkout's HEAD into /root/repo (commit first: uncommitted
 #      changes are not checked).
@@ -50,12 +50,12 @@ for a in "$@"; do
 done
 [[ $(id -u) == 0 ]] || { echo "fresh-debian-check: run as root" >&2; exit 2; }
 
-mounts=(proc sys dev dev/pts dev/shm run root/.cache/pip opt/wheels opt/host-ca)
+mounts=(proc sys sys/fs/cgroup dev dev/pts dev/shm run root/.cache/pip opt/wheels opt/host-ca)
 umount_all() {
   local m i
   for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
     m=$root/${mounts[i]}
-    if mountpoint -q "$m"; then umount "$m" 2>/dev/null || umount -l "$m"; fi
+    if mountpoint -q "$m"; then umount -R "$m" 2>/dev/null || umount -R -l "$m"; fi
   done
 }
 
@@ -138,6 +138,9 @@ cp /etc/resolv.conf "$root/etc/resolv.conf"
 trap cleanup EXIT
 mount -t proc proc "$root/proc"
 mount -t sysfs sys "$root/sys"
+# A fresh sysfs has nothing on /sys/fs/cgroup; on a real machine systemd mounts it, and
+# slurmd 22.05 refuses to start without it even with proctrack/linuxproc and task/none.
+mount --rbind /sys/fs/cgroup "$root/sys/fs/cgroup"
 mount --bind /dev "$root/dev"
 mount --bind /dev/pts "$root/dev/pts"
 mount -t tmpfs -o mode=1777 shm "$root/dev/shm"
