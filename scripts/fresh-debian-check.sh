@@ -6,16 +6,19 @@
 #   sudo scripts/fresh-debian-check.sh [--rebuild] [--no-demo] [--keep-mounted]
 #
 # Steps (each safe to repeat):
-#   1. debootstrap --variant=minbase bookworm into $FRESH_ROOT (default /srv/deb12);
-#      --rebuild deletes it first. The finished root is copied once to $FRESH_ROOT.pristine
-#      and every run starts from a fresh copy of it, so no apt package or venv from an
-#      earlier run hides a missing install step.
-#   2. Mounts /proc, /sys (with the host's /sys/fs/cgroup), /dev, /dev/pts, a tmpfs on /dev/shm and /run (the daemons are
-#      started by our code, not systemd).
+#   1. debootstrap --variant=minbase --include=git bookworm into $FRESH_ROOT.pristine
+#      (default /srv/deb12.pristine), once; --rebuild builds it again. Every run starts
+#      from a new copy of it in $FRESH_ROOT (/srv/deb12), so no apt package or venv from
+#      an earlier run hides a missing install step.
+#   2. Mounts /proc, /sys (with the host's /sys/fs/cgroup), /dev, /dev/pts, and tmpfs on
+#      /dev/shm and /run (the daemons are started by our code, not systemd).
 #   3. `git clone` of this checkout's HEAD into /root/repo (commit first: uncommitted
 #      changes are not checked).
-#   4. In the chroot, as root with a clean environment: `bash .ci/run`, then `make demo`.
-#      Logs and wall times: $FRESH_ROOT.log/{ci.log,demo.log,times}.
+#   4. In the chroot, as root with a clean environment: `bash .ci/run` (it installs `make`,
+#      which a fresh Debian lacks; docs/install.md has `apt-get install git make` as the
+#      one step by hand), then `make demo`. Logs (each line prefixed with the seconds
+#      since the step began, so ci.log shows where set-up ends) and wall times:
+#      $FRESH_ROOT.log/{ci.log,demo.log,times}.
 #   5. Clean-up: `slurm-dlrm cluster down` in the chroot, then any process left whose
 #      root is the chroot (only those: the chroot shares the host's pid and network
 #      namespaces, so the host's own clusters are in the same process table), umount.
@@ -29,9 +32,12 @@
 #     same torch==2.13.0+cpu wheel) is bind-mounted read-only and given as
 #     PIP_FIND_LINKS. The host's pip cache is bind-mounted if present (same downloads).
 #
-# Limits of a chroot (not a real machine): same kernel, hostname, pid and network
-# namespace as the host; ports of the host's own clusters are busy and the chroot's
-# cluster moves to other ones (docs/cluster.md).
+# Limits of a chroot (not a real machine): same kernel, hostname, cgroups, pid and
+# network namespace as the host (ports of the host's own clusters are busy and the
+# chroot's cluster moves to other ones, docs/cluster.md); no systemd, so the system
+# services Debian enables for munge, MariaDB and Slurm never run here (setup.sh keeps
+# them from starting at install time with policy-rc.d; on a real machine they start at
+# the next boot, on their default sockets and ports, not ours).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 root=${FRESH_ROOT:-/srv/deb12}
@@ -123,7 +129,7 @@ deb $mirror bookworm main
 deb $mirror bookworm-updates main
 deb ${mirror%/debian}/debian-security bookworm-security main
 EOF
-  echo "debootstrap_s=$((SECONDS - t0))" >"$logs/times"
+  echo "debootstrap_s=$((SECONDS - t0))" >"$logs/debootstrap.time"
   touch "$pristine/.fresh-debian-ok"
 fi
 
@@ -157,7 +163,7 @@ fi
 
 # 3. The checkout, as CI gets it.
 git clone -q "$here" "$root/root/repo"
-echo "commit=$(git -C "$root/root/repo" rev-parse --short HEAD)" >>"$logs/times"
+echo "commit=$(git -C "$root/root/repo" rev-parse --short HEAD)" >"$logs/times"
 
 # 4. The README's commands.
 rc=0
