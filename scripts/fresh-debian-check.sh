@@ -36,8 +36,9 @@
 # network namespace as the host (ports of the host's own clusters are busy and the
 # chroot's cluster moves to other ones, docs/cluster.md); no systemd, so the system
 # services Debian enables for munge, MariaDB and Slurm never run here (setup.sh keeps
-# them from starting at install time with policy-rc.d; on a real machine they start at
-# the next boot, on their default sockets and ports, not ours).
+# them from starting at install time with policy-rc.d; on a real machine munge and
+# MariaDB start at the next boot, on their default socket and port 3306, not ours; the
+# Slurm units need /etc/slurm/slurm.conf, which Debian does not ship).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 root=${FRESH_ROOT:-/srv/deb12}
