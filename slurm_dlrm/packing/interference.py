@@ -24,7 +24,7 @@ GPU memory does not change speed; it only decides whether the members fit at all
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,14 +68,26 @@ def _frac(pct: float) -> float:
     return min(max(pct / 100.0, 0.0), 1.0)
 
 
+# GPU memory may come in any of these units (a validator's data may carry any of them);
+# the first one present wins, bytes first.
+_MEM_KEYS: tuple[tuple[str, int], ...] = (("gpu_mem_bytes", 1), ("gpu_mem_mib", 1 << 20), ("gpu_mem_gib", 1 << 30))
+
+
+def _mem_bytes_of(get: Callable[[str], Any]) -> int:
+    for key, scale in _MEM_KEYS:
+        value = get(key)
+        if value is not None and value != "":
+            return int(round(float(value) * scale))
+    return 0
+
+
 def _profile_of(member: Any) -> SoloProfile:
     if isinstance(member, SoloProfile):
         return member
     if isinstance(member, Mapping):
-        return SoloProfile(float(member["sm_util_pct"]), float(member["membw_util_pct"]),
-                           int(member.get("gpu_mem_bytes", 0) or 0))
+        return SoloProfile(float(member["sm_util_pct"]), float(member["membw_util_pct"]), _mem_bytes_of(member.get))
     return SoloProfile(float(member.sm_util_pct), float(member.membw_util_pct),
-                       int(getattr(member, "gpu_mem_bytes", 0) or 0))
+                       _mem_bytes_of(lambda key: getattr(member, key, None)))
 
 
 def predict_speeds_from_fractions(sm: Sequence[float], bw: Sequence[float],
@@ -134,8 +146,8 @@ def predict_colocated_speeds(members: Sequence[Any], params: InterferenceParams 
     """Each member's predicted speed relative to running alone on the GPU.
 
     `members`: solo profiles of the jobs sharing one GPU, as `SoloProfile`, any object
-    with `sm_util_pct`, `membw_util_pct` (and optionally `gpu_mem_bytes`) attributes, or
-    a mapping with those keys. Returns one float in (0, 1] per member, in order (a lone
+    with `sm_util_pct`, `membw_util_pct` (and optionally `gpu_mem_bytes`, `gpu_mem_mib`
+    or `gpu_mem_gib`) attributes, or a mapping with those keys. Returns one float in (0, 1] per member, in order (a lone
     member gets 1.0). If `gpu_memory_bytes` is given and the members' memory does not
     fit in it, nobody runs: every speed is 0.0.
     """
