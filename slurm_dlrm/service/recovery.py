@@ -619,7 +619,7 @@ class Recovery:
         if len(usable) < cfg.refit_min_samples or used == self._refit_key:
             return False
         self._refit_key = used
-        samples = [s for _, s in colocation_samples(self.store, solo, usable)]
+        samples = [s for _, _, s in colocation_samples(self.store, solo, usable)]
         before = prediction_error(samples, self.interference_params)
         try:
             fitted = refit_interference(samples, start=self.interference_params)

@@ -81,10 +81,11 @@ def usable_colocations(by_pack: Mapping[int, PackColocations]) -> tuple[dict[str
 
 
 def colocation_samples(store: Any, solo: Mapping[str, float],
-                       usable: Iterable[tuple[GpuKey, list[Member]]]) -> list[tuple[GpuKey, CoLocationSample]]:
-    """One sample per shared GPU (members in job-id order), through `build_samples`; a GPU
-    whose solo rate is not positive gives none."""
-    out: list[tuple[GpuKey, CoLocationSample]] = []
+                       usable: Iterable[tuple[GpuKey, list[Member]]]) -> list[tuple[GpuKey, tuple[int, ...],
+                                                                                    CoLocationSample]]:
+    """One sample per shared GPU, with its job ids in the sample's member order (by id),
+    through `build_samples`; a GPU whose solo rate is not positive gives none."""
+    out: list[tuple[GpuKey, tuple[int, ...], CoLocationSample]] = []
     for key, members in usable:
         profiles: dict[int, SoloProfile] = {}
         solo_by_job: dict[int, float] = {}
@@ -92,11 +93,13 @@ def colocation_samples(store: Any, solo: Mapping[str, float],
             prof = (store.get_job(jid).estimate or {}).get("profile") or {}
             profiles[jid] = SoloProfile(float(prof.get("sm_util_pct") or 0.0), float(prof.get("membw_util_pct") or 0.0))
             solo_by_job[jid] = solo[fp]
-        out.extend((key, s) for s in build_samples(solo_by_job, profiles, [{jid: rate for jid, _, rate in members}]))
+        ids = tuple(sorted(profiles))
+        out.extend((key, ids, s) for s in build_samples(solo_by_job, profiles, [{jid: rate for jid, _, rate in members}]))
     return out
 
 
-def store_colocation_samples(store: Any, max_packs: int | None = None) -> list[tuple[GpuKey, CoLocationSample]]:
+def store_colocation_samples(store: Any, max_packs: int | None = None) -> list[tuple[GpuKey, tuple[int, ...],
+                                                                                  CoLocationSample]]:
     """Every usable co-location of the store's ended packs (the newest `max_packs`)."""
     from slurm_dlrm.store.states import PACK_TERMINAL
 
