@@ -290,15 +290,20 @@ def parse_params(text: str) -> InterferenceParams:
 # ---------------------------------------------------------------- the store
 
 def read_store_groups(db_path: str) -> list[MeasuredGroup]:
-    """The co-locations the agents measured in a store, read-only, through the same code
-    the service's live refit uses (`slurm_dlrm.store.colocations`)."""
+    """The co-locations the agents measured in a store (its file, or the folder holding
+    store.sqlite), read-only, through the same code the service's live refit uses
+    (`slurm_dlrm.store.colocations`)."""
     from slurm_dlrm.store import Store, StoreError
     from slurm_dlrm.store.colocations import store_colocation_samples
+    from slurm_dlrm.store.db import DB_FILENAME
 
-    if not Path(db_path).is_file():
-        raise BadInput(f"--store: no such file: {db_path}")
+    path = Path(db_path).expanduser()
+    if path.is_dir():  # the store folder of a site config
+        path = path / DB_FILENAME
+    if not path.is_file():
+        raise BadInput(f"--store: no such file: {path}")
     try:
-        with Store(Path(db_path), readonly=True) as store:
+        with Store(path, readonly=True) as store:
             return [MeasuredGroup(f"pack {key[0]} node {key[1]} gpu {key[2]}", tuple(str(j) for j in ids),
                                   s.members, s.speeds) for key, ids, s in store_colocation_samples(store)]
     except (StoreError, sqlite3.Error) as exc:

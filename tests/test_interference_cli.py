@@ -133,11 +133,13 @@ def test_eval_json_shape_and_figures_match_the_library(tmp_path):
     groups = synthetic(12, seed=8)
     path = write_csv(tmp_path / "m.csv", groups)
     out = eval_json("--samples", str(path), "--params", "0.9,0.25,0.06")
-    assert set(out) == {"groups", "members", "params", "errors", "by_group_size", "source", "default_params"}
+    assert set(out) == {"groups", "members", "params", "errors", "throughput_errors", "by_group_size", "source",
+                        "default_params"}
     assert out["params"] == {"alpha": 0.9, "beta": 0.25, "gamma": 0.06} and out["default_params"] is False
     assert list(out["errors"]) == ["model", "baseline_speed_1", "baseline_inverse_load"]
-    stats_keys = {"members", "mae", "median_abs", "p90_abs", "bias", "max_abs"}
+    stats_keys = {"count", "mae", "median_abs", "p90_abs", "bias", "max_abs"}
     assert all(set(e) == stats_keys for e in out["errors"].values())
+    assert all(set(e) == stats_keys and e["count"] == 12 for e in out["throughput_errors"].values())
     # the figures are the library's, on the same samples
     samples = [CoLocationSample(tuple(m), tuple(s)) for m, s in groups]
     assert out["errors"]["model"]["mae"] == pytest.approx(prediction_error(samples, TRUTH))
@@ -146,9 +148,12 @@ def test_eval_json_shape_and_figures_match_the_library(tmp_path):
     assert out["errors"]["model"]["max_abs"] == pytest.approx(max(abs(e) for e in signed))
     ones = [1.0 - m for s in samples for m in s.speeds]
     assert out["errors"]["baseline_speed_1"]["bias"] == pytest.approx(sum(ones) / len(ones))
+    per_gpu = sorted(abs(sum(predict_colocated_speeds(s.members, TRUTH)) - sum(s.speeds)) for s in samples)
+    assert out["throughput_errors"]["model"]["mae"] == pytest.approx(sum(per_gpu) / 12)
+    assert out["throughput_errors"]["model"]["median_abs"] == pytest.approx((per_gpu[5] + per_gpu[6]) / 2)
     sizes = {str(len(m)) for m, _ in groups}
     assert set(out["by_group_size"]) == sizes
-    assert sum(v["model"]["members"] for v in out["by_group_size"].values()) == out["members"] == sum(
+    assert sum(v["model"]["count"] for v in out["by_group_size"].values()) == out["members"] == sum(
         len(m) for m, _ in groups)
 
 
@@ -192,7 +197,7 @@ def test_eval_table_names_every_predictor(tmp_path):
     result = run("eval", "--samples", str(EXAMPLES / "colocation_samples.csv"), "--refit", "--folds", "4")
     assert result.exit_code == 0, result.stderr
     for label in ("model ", "model refit, 4-fold CV", "baseline speed=1", "baseline 1/sum(max(sm,bw))",
-                  "MAE by group size", "refit on all 16 groups: alpha=", "fold 4 of 4 held out"):
+                  "MAE of the relative speed by group size", "summed speed", "refit on all 16 groups: alpha=", "fold 4 of 4 held out"):
         assert label in result.stdout
 
 
@@ -386,3 +391,13 @@ def test_eval_store_refuses_a_file_that_is_not_a_store(tmp_path):
     result = run("eval", "--store", str(junk))
     assert result.exit_code == 2 and result.stdout == ""
     assert result.stderr.startswith("slurm-dlrm: error: --store: ")
+
+
+def test_eval_store_takes_the_store_folder(tmp_path):
+    from slurm_dlrm.store import Store
+
+    with Store(tmp_path / "store.sqlite"):
+        pass
+    result = run("eval", "--store", str(tmp_path))
+    assert result.exit_code == 2  # an empty store: found, read, nothing to score
+    assert "no co-location group with two or more members" in result.stderr

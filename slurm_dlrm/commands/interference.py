@@ -112,8 +112,9 @@ def predict(members: tuple[str, ...], file_path: str | None, params_text: str | 
 @interference.command("eval", context_settings=CONTEXT)
 @click.option("-s", "--samples", "samples_path", type=click.Path(dir_okay=False), metavar="FILE",
               help="Measured co-locations: CSV (one row per member) or JSON lines (one group per line).")
-@click.option("--store", "store_path", type=click.Path(dir_okay=False), metavar="DB",
-              help="Or: a store file; its ended packs' agent samples, as the service's refit reads them.")
+@click.option("--store", "store_path", metavar="DB",
+              help="Or: a store (file, or its folder); its ended packs' agent samples, as the service's "
+                   "refit reads them.")
 @click.option("--params", "params_text", metavar="ALPHA,BETA,GAMMA",
               help="Model constants to score (default: the built-in ones); --refit starts from them.")
 @click.option("--refit", is_flag=True,
@@ -135,7 +136,7 @@ def eval_cmd(samples_path: str | None, store_path: str | None, params_text: str 
     Example:
       slurm-dlrm interference eval --samples docs/examples/colocation_samples.csv
       slurm-dlrm interference eval --samples measured.jsonl --refit --folds 10 --json
-      slurm-dlrm interference eval --store ~/.slurm-dlrm/store.db --refit
+      slurm-dlrm interference eval --store ~/.local/share/slurm-dlrm/store.sqlite --refit
     """
     from slurm_dlrm.interference_io import parse_params, read_groups, read_store_groups
     from slurm_dlrm.packing.interference import DEFAULT_PARAMS
@@ -174,7 +175,7 @@ def eval_cmd(samples_path: str | None, store_path: str | None, params_text: str 
         out["default_params"] = params == DEFAULT_PARAMS
         click.echo(json.dumps(out, indent=2))
         return
-    sizes = ", ".join(f"{size}: {per['model'].members // size}" for size, per in sorted(result.by_size.items()))
+    sizes = ", ".join(f"{size}: {per['model'].count // size}" for size, per in sorted(result.by_size.items()))
     click.echo(f"samples: {result.groups} co-location groups, {result.members} members "
                f"(groups by size {sizes}) from {source}")
     click.echo(f"constants: {_params_text(params)}" + (" (defaults)" if params == DEFAULT_PARAMS else " (given)"))
@@ -186,10 +187,16 @@ def eval_cmd(samples_path: str | None, store_path: str | None, params_text: str 
         click.echo(f"{LABELS[name].format(k=k):<30} {st.mae:>6.3f} {st.median_abs:>7.3f} {st.p90_abs:>6.3f} "
                    f"{st.bias:>+7.3f} {st.max_abs:>6.3f}")
     click.echo("")
-    click.echo("MAE by group size:")
+    click.echo("error of each group's summed speed (the GPU's throughput in solo jobs), over groups:")
+    for name in result.order:
+        st = result.throughput[name]
+        click.echo(f"{LABELS[name].format(k=k):<30} {st.mae:>6.3f} {st.median_abs:>7.3f} {st.p90_abs:>6.3f} "
+                   f"{st.bias:>+7.3f} {st.max_abs:>6.3f}")
+    click.echo("")
+    click.echo("MAE of the relative speed by group size:")
     click.echo(f"{'size':>4} {'groups':>6} {'members':>7} " + " ".join(f"{SHORT[n]:>8}" for n in result.order))
     for size, per in sorted(result.by_size.items()):
-        n = per["model"].members
+        n = per["model"].count
         click.echo(f"{size:>4} {n // size:>6} {n:>7} " + " ".join(f"{per[name].mae:>8.3f}" for name in result.order))
     if result.fitted is not None and result.fitted_in_sample is not None:
         click.echo("")

@@ -59,9 +59,10 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class ErrorStats:
-    """Errors of predicted relative speeds (predicted - measured), over members."""
+    """Errors of a predicted quantity (predicted - measured) over `count` items: members'
+    relative speeds, or groups' summed speeds (the GPU's throughput in solo jobs)."""
 
-    members: int
+    count: int
     mae: float  # mean absolute error
     median_abs: float
     p90_abs: float
@@ -79,7 +80,7 @@ class ErrorStats:
                           sum(signed) / n, absolute[-1])
 
     def as_dict(self) -> dict[str, float | int]:
-        return {"members": self.members, "mae": self.mae, "median_abs": self.median_abs,
+        return {"count": self.count, "mae": self.mae, "median_abs": self.median_abs,
                 "p90_abs": self.p90_abs, "bias": self.bias, "max_abs": self.max_abs}
 
 
@@ -122,6 +123,7 @@ class Evaluation:
     groups: int
     members: int
     overall: dict[str, ErrorStats]  # predictor name -> errors over all members
+    throughput: dict[str, ErrorStats]  # predictor name -> errors of each group's summed speed
     by_size: dict[int, dict[str, ErrorStats]]  # group size -> predictor name -> errors
     folds: int = 0  # 0: no refit asked
     fold_params: tuple[InterferenceParams, ...] = ()
@@ -136,6 +138,7 @@ class Evaluation:
         out: dict[str, Any] = {
             "groups": self.groups, "members": self.members, "params": p(self.params),
             "errors": {name: self.overall[name].as_dict() for name in self.order},
+            "throughput_errors": {name: self.throughput[name].as_dict() for name in self.order},
             "by_group_size": {str(size): {name: st.as_dict() for name, st in per.items()}
                               for size, per in sorted(self.by_size.items())},
         }
@@ -171,6 +174,8 @@ def evaluate(samples: Sequence[CoLocationSample], params: InterferenceParams = D
 
     everyone = range(len(usable))
     overall = {name: stats(name, everyone) for name in predictions}
+    throughput = {name: ErrorStats.of([sum(p) for p in predictions[name]], [sum(s.speeds) for s in usable])
+                  for name in predictions}
     by_size: dict[int, dict[str, ErrorStats]] = {}
     for size in sorted({len(s.members) for s in usable}):
         which = [i for i, s in enumerate(usable) if len(s.members) == size]
@@ -179,5 +184,5 @@ def evaluate(samples: Sequence[CoLocationSample], params: InterferenceParams = D
         fitted_stats = ErrorStats.of([v for s in usable for v in predict_colocated_speeds(s.members, fitted)],
                                      [v for s in usable for v in s.speeds])
     return Evaluation(params=params, groups=len(usable), members=sum(len(s.members) for s in usable),
-                      overall=overall, by_size=by_size, folds=folds, fold_params=tuple(fold_params),
+                      overall=overall, throughput=throughput, by_size=by_size, folds=folds, fold_params=tuple(fold_params),
                       fitted=fitted, fitted_in_sample=fitted_stats, order=tuple(predictions))
