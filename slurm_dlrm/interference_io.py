@@ -130,8 +130,7 @@ def parse_member(record: Mapping[str, Any], where: str, notes: ReadNotes,
     return SoloProfile(sm, bw, mem_bytes), speed
 
 
-def _group(name: str, rows: Sequence[tuple[str, SoloProfile, float | None]], where: str,
-           need_speed: bool) -> MeasuredGroup:
+def _group(name: str, rows: Sequence[tuple[str, SoloProfile, float | None]], where: str) -> MeasuredGroup:
     jobs = tuple(j for j, _, _ in rows)
     seen: set[str] = set()
     for j in jobs:
@@ -173,8 +172,11 @@ def _read_csv(path: str, lines: list[tuple[int, str]], notes: ReadNotes, need_sp
         profile, speed = parse_member(rec, where, notes, need_speed)
         rows = groups.setdefault(name, [])
         first_line.setdefault(name, no)
-        rows.append(((rec.get("job") or "").strip() or str(len(rows) + 1), profile, speed))
-    return [_group(name, rows, f"{path}: line {first_line[name]}", need_speed) for name, rows in groups.items()]
+        job = (rec.get("job") or "").strip() or str(len(rows) + 1)
+        if any(job == j for j, _, _ in rows):
+            raise BadInput(f"{where}: job: {job!r} appears twice in group {name!r}")
+        rows.append((job, profile, speed))
+    return [_group(name, rows, f"{path}: line {first_line[name]}") for name, rows in groups.items()]
 
 
 def _json_group(obj: Any, name: str, where: str, notes: ReadNotes, need_speed: bool) -> MeasuredGroup:
@@ -202,7 +204,7 @@ def _json_group(obj: Any, name: str, where: str, notes: ReadNotes, need_speed: b
         profile, speed = parse_member(own, at, notes, need_speed)
         rows.append((str(m.get("job", i + 1)), profile, speed))
     notes.ignored_fields.update(k for k in obj if k not in {"group", "members", "speeds"})
-    return _group(str(obj.get("group", name)), rows, where, need_speed)
+    return _group(str(obj.get("group", name)), rows, where)
 
 
 def _read_json(path: str, text: str, lines: list[tuple[int, str]], notes: ReadNotes,
