@@ -127,10 +127,12 @@ def eval_cmd(samples_path: str | None, store_path: str | None, params_text: str 
     """Score the interference model on measured co-located speeds.
 
     Prints the mean, median and p90 absolute error of the predicted relative speed, its
-    bias (mean of predicted - measured: > 0 is optimistic) and the errors per group
-    size, beside two naive baselines (speed 1.0 for everyone; min(1, 1/sum of each
+    bias (mean of predicted - measured: > 0 is optimistic), the same for each group's
+    summed speed (the GPU's throughput) and the errors per group size, beside two naive
+    baselines (speed 1.0 for everyone; min(1, 1/sum of each
     member's max(sm, bw) fraction)). With --refit, also the error of constants refitted
     on K-1 folds and scored on the held-out fold, and the constants fitted on all data.
+    File formats: docs/packing.md, "Validating the model on your measurements".
 
     \b
     Example:
