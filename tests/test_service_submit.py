@@ -114,7 +114,6 @@ def test_submit_imports_no_torch(env):
     code = textwrap.dedent(f"""
         import sys
         from slurm_dlrm.cli import cli
-from slurm_dlrm.errors import BadInput
         try:
             cli.main(["submit", "--no-service", {str(EXAMPLES / 'tiny-a.yaml')!r}], prog_name="slurm-dlrm")
         except SystemExit as e:
