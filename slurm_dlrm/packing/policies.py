@@ -973,14 +973,17 @@ def _refill(request: PackingRequest, policy: str, params: InterferenceParams) ->
     """Pending jobs placed onto the GPUs of running packs (`OpenGpu.pack`) before any new
     pack is opened: those GPUs are held by their allocation anyway, so a joiner costs no
     new GPU. `complementary` fills each pack GPU with the job (among the next
-    `_JOIN_SCAN` in queue order) that raises the GPU's predicted summed speed most, live
+    `_JOIN_SCAN` in seed order: priority band, then shortest expected run) that raises the GPU's predicted summed speed most, live
     members included, while that gain is at least `min_gain`; `mem-best-fit` puts each
     job in queue order onto the pack GPU its fence fills best. An urgent job (aging)
     joins first; if it cannot, nothing of lower priority joins. Returns the joins and
     the jobs still pending."""
     limits = request.limits
     pgs = _pack_gpus(request)
-    queue = sorted(request.jobs, key=_order_key)
+    # complementary takes joiners in its seeds' order (priority band, then shortest
+    # expected run first: aging keeps long jobs from starving), mem-best-fit first come,
+    # first served.
+    queue = sorted(request.jobs, key=_seed_key if policy == "complementary" else _order_key)
     if not pgs or not queue:
         return [], queue
     # An urgent job that cannot join holds the room (docs/packing.md, aging): nothing of
@@ -1052,7 +1055,7 @@ def _refill(request: PackingRequest, policy: str, params: InterferenceParams) ->
 def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int], limits: PackingLimits,
                   params: InterferenceParams) -> None:
     """complementary's refill: each pack GPU in turn takes the job, among the next
-    `_JOIN_SCAN` that fit in queue order, that raises its predicted summed speed most,
+    `_JOIN_SCAN` that fit in the given order, that raises its predicted summed speed most,
     while that gain is at least `min_gain`.
 
     A busy cluster offers many pack GPUs with little room: a scan stops as soon as no
