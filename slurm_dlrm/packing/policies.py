@@ -973,8 +973,9 @@ def _refill(request: PackingRequest, policy: str, params: InterferenceParams) ->
     """Pending jobs placed onto the GPUs of running packs (`OpenGpu.pack`) before any new
     pack is opened: those GPUs are held by their allocation anyway, so a joiner costs no
     new GPU. `complementary` fills each pack GPU with the job (among the next
-    `_JOIN_SCAN` in seed order: priority band, then shortest expected run) that raises the GPU's predicted summed speed most, live
-    members included, while that gain is at least `min_gain`; `mem-best-fit` puts each
+    `_JOIN_SCAN` in seed order: priority band, then shortest expected run) that raises
+    the GPU's predicted summed speed most, live members included, while that gain is at
+    least `min_gain` (`_fill_by_gain`); `mem-best-fit` puts each
     job in queue order onto the pack GPU its fence fills best. An urgent job (aging)
     joins first; if it cannot, nothing of lower priority joins. Returns the joins and
     the jobs still pending."""
