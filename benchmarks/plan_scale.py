@@ -5,8 +5,12 @@ GPU per 10 jobs, on 4-GPU nodes (104 cores, 800 GiB). Each size is planned 3 tim
 the best time is reported (the machine is shared). The baselines' times are printed
 beside for 10,000 jobs.
 
+A second table times the busy cluster, the service's steady state: every GPU belongs to
+a running pack with live members (1, 2, 4 or 6 per GPU) and the 10,000 pending jobs are
+offered to those GPUs first (refill, docs/packing.md), then to the free ones (none).
+
 Run:  /work/main/.venv/bin/python benchmarks/plan_scale.py
-Last line:  plan: jobs=10000 gpus=1000 seconds=X   (target < 1 s)
+Last line:  plan: jobs=10000 gpus=1000 seconds=X   (target < 1 s; idle GPUs)
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from slurm_dlrm.packing import NodeShape, PackingRequest, plan  # noqa: E402
+from slurm_dlrm.packing.model import OpenGpu  # noqa: E402
 from slurm_dlrm.sim import parse_cluster, parse_workload  # noqa: E402
 from slurm_dlrm.sim.engine import _demand  # noqa: E402
 from slurm_dlrm.site import GIB  # noqa: E402
@@ -36,6 +41,23 @@ def request(n_jobs: int, cluster_models: tuple) -> PackingRequest:  # type: igno
     gpus = max(1, n_jobs // 10)
     nodes = (NodeShape("h100", 4, 104, 800 * GIB, count=max(1, gpus // 4), name="n"),)
     return PackingRequest(jobs=jobs, gpu_models=cluster_models, nodes=nodes)
+
+
+def busy_request(n_jobs: int, live_per_gpu: int, cluster_models: tuple) -> PackingRequest:  # type: ignore[type-arg]
+    """`n_jobs` pending; n_jobs / 10 GPUs, all in running 4-GPU packs with
+    `live_per_gpu` members each and 40 CPUs / 200 GiB left in each allocation."""
+    gpus = max(1, n_jobs // 10)
+    data = yaml.safe_load((SIM / "dlrm_mix.yaml").read_text())
+    data["generate"]["jobs"] = n_jobs + gpus * live_per_gpu
+    workload = parse_workload(data, {g.name: g for g in cluster_models})
+    demands = [_demand(j, j.gpu_mem_bytes, j.est_duration_s) for j in workload.jobs]
+    live, pending = demands[:gpus * live_per_gpu], demands[gpus * live_per_gpu:]
+    open_gpus = tuple(
+        OpenGpu(f"{g // 4}:0:{g % 4}", f"n{g // 4}", live_per_gpu, pack=True, gpu_model=cluster_models[0].name,
+                live=tuple(live[g * live_per_gpu:(g + 1) * live_per_gpu]), free_cpus=40,
+                free_host_mem_bytes=200 * GIB, remaining_s=None)
+        for g in range(gpus))
+    return PackingRequest(jobs=tuple(pending), gpu_models=cluster_models, nodes=(), open_gpus=open_gpus)
 
 
 def best_of(req: PackingRequest, policy: str, repeat: int) -> tuple[float, int]:
@@ -61,6 +83,11 @@ def main() -> None:
             t10k = secs
             base = {p: best_of(req, p, 1)[0] for p in ("exclusive", "first-fit", "mem-best-fit")}
     print("baselines at 10,000 jobs: " + ", ".join(f"{p} {s:.3f} s" for p, s in base.items()))
+    print("\nbusy cluster (every GPU in a running pack; pending jobs join them):")
+    print(f"{'jobs':>8} {'gpus':>6} {'live/GPU':>8} {'joined':>7} {'seconds':>8}")
+    for n, live in ((1000, 4), (10000, 1), (10000, 2), (10000, 4), (10000, 6)):
+        secs, joined = best_of(busy_request(n, live, models), "complementary", 3)
+        print(f"{n:>8} {n // 10:>6} {live:>8} {joined:>7} {secs:>8.3f}")
     print(f"plan: jobs=10000 gpus=1000 seconds={t10k:.3f}")
 
 

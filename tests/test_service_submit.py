@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from click.testing import CliRunner
 from service_harness import make_site
 
 from slurm_dlrm.cli import cli
+from slurm_dlrm.errors import BadInput
 
 pytest.importorskip("slurm_dlrm.store.store")
 pytest.importorskip("slurm_dlrm.estimate")
@@ -170,3 +172,34 @@ def test_no_pack_script_is_sized_from_the_estimate(env):
     assert req.gres == "gpu:1" or req.gres.startswith("mps:")
     assert req.mem_mib * (1 << 20) >= sub.estimate.host_peak_bytes
     assert "exec /py -m slurm_dlrm train" in job.script
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_a_multi_gpu_job_is_not_packed_but_runs_on_whole_gpus_with_no_pack(env):
+    fake = pytest.importorskip("slurm_dlrm.slurm.fake")
+    from slurm_dlrm.service import submit as svc
+    from slurm_dlrm.service.sbatch_options import SbatchOptions
+
+    site, site_file, tmp = env
+    two = _spec(tmp, "two-ranks")
+    two.write_text(two.read_text() + "world_size: 2\n")
+    # The packing path refuses it with one line, and records nothing (not even the good spec).
+    r = CliRunner().invoke(cli, ["submit", "--no-service", str(EXAMPLES / "tiny-a.yaml"), str(two)])
+    assert r.exit_code == 2 and r.output.count("\n") == 1
+    assert "world_size 2" in r.output and "--no-pack" in r.output
+    assert json.loads(run("queue", "--json", "--no-slurm", "--all").output)["jobs"] == []
+    # --no-pack: one Slurm job, one node, two whole GPUs, two ranks' host memory and CPUs.
+    slurm = fake.FakeSlurm(user="root")
+    (sid, sub, req), = svc.submit_no_pack([str(two)], SbatchOptions(partition="dlrm"),
+                                          site=site, user="root", cwd=str(tmp), slurm=slurm, python="/py")
+    job = slurm.job(sid)
+    assert req.gres == "gpu:2" and "--gres=gpu:2" in job.script and "--nodes=1" in job.script
+    assert req.cpus == 2 * max(1, math.ceil(sub.estimate.profile.host_cpu_cores - 1e-9))
+    assert req.mem_mib * (1 << 20) >= 2 * sub.estimate.host_peak_bytes
+    # More ranks than any node has GPUs: refused before anything is submitted.
+    many = _spec(tmp, "many-ranks")
+    many.write_text(many.read_text() + "world_size: 64\n")
+    with pytest.raises(BadInput, match="world_size 64"):
+        svc.submit_no_pack([str(EXAMPLES / "tiny-a.yaml"), str(many)], SbatchOptions(partition="dlrm"),
+                           site=site, user="root", cwd=str(tmp), slurm=slurm, python="/py")
+    assert [j.job_id for j in slurm.squeue()] == [sid]

@@ -24,7 +24,7 @@ GPU memory does not change speed; it only decides whether the members fit at all
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,14 +68,26 @@ def _frac(pct: float) -> float:
     return min(max(pct / 100.0, 0.0), 1.0)
 
 
+# GPU memory may come in any of these units (a validator's data may carry any of them);
+# the first one present wins, bytes first.
+_MEM_KEYS: tuple[tuple[str, int], ...] = (("gpu_mem_bytes", 1), ("gpu_mem_mib", 1 << 20), ("gpu_mem_gib", 1 << 30))
+
+
+def _mem_bytes_of(get: Callable[[str], Any]) -> int:
+    for key, scale in _MEM_KEYS:
+        value = get(key)
+        if value is not None and value != "":
+            return int(round(float(value) * scale))
+    return 0
+
+
 def _profile_of(member: Any) -> SoloProfile:
     if isinstance(member, SoloProfile):
         return member
     if isinstance(member, Mapping):
-        return SoloProfile(float(member["sm_util_pct"]), float(member["membw_util_pct"]),
-                           int(member.get("gpu_mem_bytes", 0) or 0))
+        return SoloProfile(float(member["sm_util_pct"]), float(member["membw_util_pct"]), _mem_bytes_of(member.get))
     return SoloProfile(float(member.sm_util_pct), float(member.membw_util_pct),
-                       int(getattr(member, "gpu_mem_bytes", 0) or 0))
+                       _mem_bytes_of(lambda key: getattr(member, key, None)))
 
 
 def predict_speeds_from_fractions(sm: Sequence[float], bw: Sequence[float],
@@ -102,30 +114,31 @@ def predict_speeds_from_fractions(sm: Sequence[float], bw: Sequence[float],
 
     busy = [1.0 - h for h in host]
 
-    def usage(d: float) -> tuple[float, float]:
-        # Saturation alone decides D (the contention stretch I_i only wastes capacity),
-        # so adding a member can never speed anyone up.
-        u_sm = u_bw = 0.0
-        for i in range(n):
-            sp = 1.0 / (host[i] + busy[i] * d)
-            u_sm += sm[i] * sp
-            u_bw += bw[i] * sp
-        return u_sm, u_bw
+    def stretch_for(use: Sequence[float]) -> float:
+        # The smallest D >= 1 with sum_i use_i / (host_i + busy_i * D) <= 1. Saturation
+        # alone decides D (the contention stretch I_i only wastes capacity), so adding a
+        # member can never speed anyone up. The sum is convex and decreasing in D, so
+        # Newton's method from D = 1 climbs to the root without overshooting (a few
+        # steps, where bisection took 30: this is the plan's hot path, plan_scale.py).
+        d = 1.0
+        for _ in range(60):
+            f = -1.0
+            slope = 0.0
+            for i in range(n):
+                u = use[i]
+                if u > 0.0:
+                    t = 1.0 / (host[i] + busy[i] * d)
+                    f += u * t
+                    slope += u * busy[i] * t * t
+            if f <= 1e-12 or slope <= 0.0:
+                break
+            step = f / slope
+            d += step
+            if step <= 1e-12 * d:
+                break
+        return d
 
-    d = 1.0
-    u_sm, u_bw = usage(1.0)
-    if u_sm > 1.0 or u_bw > 1.0:
-        # Saturated: find the common stretch D in [1, n] that brings both resources
-        # back to capacity (at D = n every resource is <= 1 by construction).
-        lo, hi = 1.0, float(max(n, 1))
-        for _ in range(30):
-            mid = 0.5 * (lo + hi)
-            a, c = usage(mid)
-            if a > 1.0 or c > 1.0:
-                lo = mid
-            else:
-                hi = mid
-        d = hi
+    d = max(stretch_for(sm), stretch_for(bw))
     return [1.0 / (host[i] + base[i] * d) for i in range(n)]
 
 
@@ -134,8 +147,8 @@ def predict_colocated_speeds(members: Sequence[Any], params: InterferenceParams 
     """Each member's predicted speed relative to running alone on the GPU.
 
     `members`: solo profiles of the jobs sharing one GPU, as `SoloProfile`, any object
-    with `sm_util_pct`, `membw_util_pct` (and optionally `gpu_mem_bytes`) attributes, or
-    a mapping with those keys. Returns one float in (0, 1] per member, in order (a lone
+    with `sm_util_pct`, `membw_util_pct` (and optionally `gpu_mem_bytes`, `gpu_mem_mib`
+    or `gpu_mem_gib`) attributes, or a mapping with those keys. Returns one float in (0, 1] per member, in order (a lone
     member gets 1.0). If `gpu_memory_bytes` is given and the members' memory does not
     fit in it, nobody runs: every speed is 0.0.
     """

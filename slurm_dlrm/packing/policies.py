@@ -973,14 +973,18 @@ def _refill(request: PackingRequest, policy: str, params: InterferenceParams) ->
     """Pending jobs placed onto the GPUs of running packs (`OpenGpu.pack`) before any new
     pack is opened: those GPUs are held by their allocation anyway, so a joiner costs no
     new GPU. `complementary` fills each pack GPU with the job (among the next
-    `_JOIN_SCAN` in queue order) that raises the GPU's predicted summed speed most, live
-    members included, while that gain is at least `min_gain`; `mem-best-fit` puts each
+    `_JOIN_SCAN` in seed order: priority band, then shortest expected run) that raises
+    the GPU's predicted summed speed most, live members included, while that gain is at
+    least `min_gain` (`_fill_by_gain`); `mem-best-fit` puts each
     job in queue order onto the pack GPU its fence fills best. An urgent job (aging)
     joins first; if it cannot, nothing of lower priority joins. Returns the joins and
     the jobs still pending."""
     limits = request.limits
     pgs = _pack_gpus(request)
-    queue = sorted(request.jobs, key=_order_key)
+    # complementary takes joiners in its seeds' order (priority band, then shortest
+    # expected run first: aging keeps long jobs from starving), mem-best-fit first come,
+    # first served.
+    queue = sorted(request.jobs, key=_seed_key if policy == "complementary" else _order_key)
     if not pgs or not queue:
         return [], queue
     # An urgent job that cannot join holds the room (docs/packing.md, aging): nothing of
@@ -1031,31 +1035,8 @@ def _refill(request: PackingRequest, policy: str, params: InterferenceParams) ->
                 break
             _join(best_gpu, job, limits)
             placed.add(job.job_id)
-        if held:
-            queue_for_gain: list[JobDemand] = []
-        else:
-            queue_for_gain = queue
-        for pg in pgs:
-            while len(pg.joined) < pg.slots:
-                current = sum(_join_speeds(pg.members, params)) if pg.members else 0.0
-                pick: JobDemand | None = None
-                pick_gain = limits.min_gain - 1e-12
-                scanned = 0
-                for job in queue_for_gain:
-                    if job.job_id in placed or not _join_fits(pg, job, limits):
-                        continue
-                    scanned += 1
-                    members = pg.members + [job]
-                    speeds = _join_speeds(members, params)
-                    gain = sum(speeds) - current
-                    if gain > pick_gain and _times_fit(pg, members, speeds):
-                        pick, pick_gain = job, gain
-                    if scanned >= _JOIN_SCAN:
-                        break
-                if pick is None:
-                    break
-                _join(pg, pick, limits)
-                placed.add(pick.job_id)
+        if not held:
+            _fill_by_gain(pgs, queue, placed, limits, params)
     joins: list[Join] = []
     for pg in pgs:
         members = pg.members
@@ -1070,6 +1051,82 @@ def _refill(request: PackingRequest, policy: str, params: InterferenceParams) ->
                     host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus,
                     predicted_speed=speed)))
     return joins, [j for j in queue if j.job_id not in placed]
+
+
+def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int], limits: PackingLimits,
+                  params: InterferenceParams) -> None:
+    """complementary's refill: each pack GPU in turn takes the job, among the next
+    `_JOIN_SCAN` that fit in the given order, that raises its predicted summed speed most,
+    while that gain is at least `min_gain`.
+
+    A busy cluster offers many pack GPUs with little room: a scan stops as soon as no
+    later job of the queue can fit (suffix minima of fence, CPUs and host memory), so a
+    plan costs O(pack GPUs x jobs that fit), not O(pack GPUs x queue) (plan_scale.py)."""
+    rest = [j for j in queue if j.job_id not in placed]
+    n = len(rest)
+    if n == 0:
+        return
+    cpus = [j.cpus for j in rest]
+    host = [host_limit_bytes(j, limits) for j in rest]
+    sm = [_frac(j.sm_util_pct) for j in rest]
+    bw = [_frac(j.membw_util_pct) for j in rest]
+
+    def suffix_min(values: list[int]) -> list[int]:
+        out = values[:] + [1 << 62]
+        for i in range(n - 1, -1, -1):
+            out[i] = min(out[i], out[i + 1])
+        return out
+
+    min_cpus, min_host = suffix_min(cpus), suffix_min(host)
+    fences: dict[str, tuple[list[int], list[int]]] = {}
+    # skip[i] points at or before the first job not yet taken from index i on (union-find
+    # with path compression): a scan never walks over the jobs earlier GPUs took.
+    skip = list(range(n + 1))
+
+    def untaken(i: int) -> int:
+        root = i
+        while skip[root] != root:
+            root = skip[root]
+        while skip[i] != root:
+            skip[i], i = root, skip[i]
+        return root
+
+    for pg in pgs:
+        if pg.gpu.name not in fences:
+            f = [member_fence_bytes(j, pg.gpu, limits) for j in rest]
+            fences[pg.gpu.name] = (f, suffix_min(f))
+        fence, min_fence = fences[pg.gpu.name]
+        usable = usable_gpu_bytes(pg.gpu)
+        node = pg.node
+        while len(pg.joined) < pg.slots:
+            free_mem, free_cpus, free_host = usable - pg.used_bytes, node.free_cpus, node.free_mem_bytes
+            live_sm = [_frac(j.sm_util_pct) for j in pg.members]
+            live_bw = [_frac(j.membw_util_pct) for j in pg.members]
+            current = sum(predict_speeds_from_fractions(live_sm, live_bw, params)) if len(live_sm) > 1 else len(live_sm)
+            pick = -1
+            pick_gain = limits.min_gain - 1e-12
+            scanned = 0
+            i = untaken(0)
+            while i < n:
+                if min_fence[i] > free_mem or min_cpus[i] > free_cpus or min_host[i] > free_host:
+                    break  # nothing from here on fits
+                if fence[i] > free_mem or cpus[i] > free_cpus or host[i] > free_host:
+                    i = untaken(i + 1)
+                    continue
+                scanned += 1
+                speeds = (predict_speeds_from_fractions(live_sm + [sm[i]], live_bw + [bw[i]], params)
+                          if live_sm else [1.0])
+                gain = sum(speeds) - current
+                if gain > pick_gain and (pg.remaining_s is None or _times_fit(pg, pg.members + [rest[i]], speeds)):
+                    pick, pick_gain = i, gain
+                if scanned >= _JOIN_SCAN:
+                    break
+                i = untaken(i + 1)
+            if pick < 0:
+                break
+            _join(pg, rest[pick], limits)
+            skip[pick] = pick + 1
+            placed.add(rest[pick].job_id)
 
 
 def _join(pg: _PackGpu, job: JobDemand, limits: PackingLimits) -> None:

@@ -62,13 +62,17 @@ from slurm_dlrm.adapt.stragglers import choose_moves
 from slurm_dlrm.packing.interference import (
     DEFAULT_PARAMS,
     InterferenceParams,
-    SoloProfile,
-    build_samples,
     predict_speeds_from_fractions,
     prediction_error,
     refit_interference,
 )
 from slurm_dlrm.site import MIB
+from slurm_dlrm.store.colocations import (
+    PackColocations,
+    colocation_samples,
+    pack_colocations,
+    usable_colocations,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +120,7 @@ class Recovery:
         self._replan: set[tuple[int, int]] = set()  # warm-up said re-plan; not yet judged
         self._refit_key: tuple[tuple[int, int, int], ...] = ()  # the co-locations of the last refit
         self._judged: tuple[int, int] = (-1, 0)  # (round, re-pack judgements made in it)
-        self._colocations: dict[int, Any] = {}  # ended pack -> what it tells the refit (_pack_colocations)
+        self._colocations: dict[int, PackColocations] = {}  # ended pack -> what it tells the refit
         self.interference_params = self._last_refit_params()
 
     def _fresh(self) -> None:
@@ -607,30 +611,15 @@ class Recovery:
             (*sorted(str(x) for x in PACK_TERMINAL), REFIT_PACKS))]
         for pid in packs:
             if pid not in self._colocations:
-                self._colocations[pid] = self._pack_colocations(pid)
+                self._colocations[pid] = pack_colocations(self.store.conn, pid)
         for pid in set(self._colocations) - set(packs):
             del self._colocations[pid]
-        solo_by_fp: dict[str, list[float]] = {}
-        for pid in packs:
-            for fp, sps in self._colocations[pid][0]:
-                solo_by_fp.setdefault(fp, []).append(sps)
-        solo = {fp: statistics.median(v) for fp, v in solo_by_fp.items()}
-        usable = [(gpu_key, members) for pid in sorted(packs) for gpu_key, members in self._colocations[pid][1]
-                  if all(fp in solo for _, fp, _ in members)]
+        solo, usable = usable_colocations(self._colocations)
         used = tuple(gpu_key for gpu_key, _ in usable)
         if len(usable) < cfg.refit_min_samples or used == self._refit_key:
             return False
         self._refit_key = used
-        groups: list[dict[int, float]] = []
-        profiles: dict[int, SoloProfile] = {}  # as the policy sees them: the estimate's
-        solo_by_job: dict[int, float] = {}
-        for _, members in usable:
-            for jid, fp, _ in members:
-                prof = (self.store.get_job(jid).estimate or {}).get("profile") or {}
-                profiles[jid] = SoloProfile(float(prof.get("sm_util_pct") or 0.0), float(prof.get("membw_util_pct") or 0.0))
-                solo_by_job[jid] = solo[fp]
-            groups.append({jid: rate for jid, _, rate in members})
-        samples = build_samples(solo_by_job, profiles, groups)
+        samples = [s for _, _, s in colocation_samples(self.store, solo, usable)]
         before = prediction_error(samples, self.interference_params)
         try:
             fitted = refit_interference(samples, start=self.interference_params)
@@ -654,46 +643,6 @@ class Recovery:
         self.store.add_event(ADAPT, f"interference model kept: a refit on {len(samples)} co-located GPU(s) "
                              f"does not lower its mean error ({before:.3f} -> {after:.3f})", data=data)
         return False
-
-    def _pack_colocations(self, pack_id: int) -> tuple[list[tuple[str, float]],
-                                                     list[tuple[tuple[int, int, int], list[tuple[int, str, float]]]]]:
-        """What one ended pack tells the refit: solo rates [(fingerprint, samples/s)] of
-        members alone on a GPU without an MPS cap, and the co-located GPUs
-        [((pack, node, gpu), [(job, fingerprint, samples/s while all of them reported)])]."""
-        conn = self.store.conn
-        spans = {int(j): (float(a), float(b), float(s)) for j, a, b, s in conn.execute(
-            "SELECT job_id, min(t), max(t), avg(samples_per_s) FROM samples WHERE pack_id = ? "
-            "AND job_id IS NOT NULL AND samples_per_s IS NOT NULL GROUP BY job_id", (pack_id,))}
-        gpus: dict[tuple[int, int, int], list[tuple[int, str]]] = {}
-        capped: set[tuple[int, int, int]] = set()
-        for jid, node, gpu, fp, share in conn.execute(
-                "SELECT p.job_id, p.node_index, p.gpu_index, j.spec_fingerprint, p.mps_thread_pct "
-                "FROM placements p JOIN jobs j ON j.id = p.job_id WHERE p.pack_id = ?", (pack_id,)):
-            key = (pack_id, int(node), int(gpu))
-            gpus.setdefault(key, []).append((int(jid), str(fp)))
-            if share is not None and share < 100:
-                capped.add(key)
-        solo: list[tuple[str, float]] = []
-        groups: list[tuple[tuple[int, int, int], list[tuple[int, str, float]]]] = []
-        for key, members in sorted(gpus.items()):
-            if any(jid not in spans for jid, _ in members):
-                continue
-            if len(members) == 1:
-                if key not in capped:
-                    solo.append((members[0][1], spans[members[0][0]][2]))
-                continue
-            t0 = max(spans[jid][0] for jid, _ in members)
-            t1 = min(spans[jid][1] for jid, _ in members)
-            if t1 <= t0:
-                continue  # never all reporting at once
-            ids = [jid for jid, _ in members]
-            rates = {int(j): float(r) for j, r in conn.execute(
-                f"SELECT job_id, avg(samples_per_s) FROM samples WHERE pack_id = ? AND job_id IN "
-                f"({','.join('?' * len(ids))}) AND t BETWEEN ? AND ? AND samples_per_s IS NOT NULL GROUP BY job_id",
-                (pack_id, *ids, t0, t1))}
-            if len(rates) == len(ids):
-                groups.append((key, [(jid, fp, rates[jid]) for jid, fp in members]))
-        return solo, groups
 
     def on_member_cancelled(self, job: Any, t: float) -> bool:
         """The agent stopped a member: if the service had asked it to move, requeue it

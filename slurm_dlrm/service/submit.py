@@ -146,6 +146,13 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
     from slurm_dlrm.store.store import Store
 
     subs = prepare(paths, cli_options, site, cwd)
+    for sub in subs:
+        if sub.spec.world_size > 1:
+            # A pack member is one process group on one GPU share; its ranks would all
+            # land on that one GPU (and over its memory fence).
+            raise BadInput(f"{os.path.relpath(sub.path, cwd)}: world_size {sub.spec.world_size}: multi-GPU jobs are "
+                           f"not packed (a member runs on one GPU share); submit it with --no-pack "
+                           f"(one Slurm job on {sub.spec.world_size} whole GPUs)")
     ensure_private_dir(site.store_dir_for(user))
     with Store.for_user(site, user) as store:
         ids = record(store, subs, user, site.spool_dir_for(user))
@@ -174,7 +181,18 @@ def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
     cpus = max(1, math.ceil(float(est.profile.host_cpu_cores) - 1e-9))
     gpu_fence_mib = math.ceil(est.gpu_peak_bytes * margin / MIB)
     gres = "gpu:1"
-    if site.mps.enabled and site.mps.mps_per_gpu > 0:
+    ranks = sub.spec.world_size
+    if ranks > 1:
+        # One rank per whole GPU on one node (the runner launches the ranks itself); the
+        # estimate is for the fullest rank, each rank its own process.
+        node_gpus = max((g.gpus for g in site.nodes if g.gpu_model == sub.gpu.name), default=0)
+        if ranks > node_gpus:
+            raise BadInput(f"{sub.path}: world_size {ranks}: the largest {sub.gpu.name} node has {node_gpus} GPUs "
+                           "(the ranks run on one node)")
+        mem_mib = max(256, math.ceil(est.host_peak_bytes * margin * ranks / MIB) + 256)
+        cpus *= ranks
+        gres = f"gpu:{ranks}"
+    elif site.mps.enabled and site.mps.mps_per_gpu > 0:
         # An MPS share as large as its SM demand and its memory share (Slurm's MPS sets
         # only the thread percentage, so memory counts too), rounded up to a tenth.
         share_pct = max(float(est.profile.sm_util_pct), 100.0 * gpu_fence_mib * MIB / sub.gpu.memory_bytes)
@@ -199,6 +217,7 @@ def native_script(sub: Submission, req: NativeRequest, spec_path: str, python: s
     """A plain batch script: #SBATCH lines (quoted, sorted) and the training command."""
     flags = sorted([f"--comment={req.comment}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
                     f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
+                    *(["--nodes=1"] if sub.spec.world_size > 1 else []),
                     *sub.options.sbatch_flags(include_job_name=False)])
     command = list(sub.spec.command or [python, "-m", "slurm_dlrm", "train", spec_path])
     lines = ["#!/bin/bash", f"# slurm-dlrm --no-pack job {sub.name}: one job, sized from its estimate."]
@@ -212,9 +231,9 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
     """Each spec as its own Slurm job; returns (Slurm job id, submission, request)."""
     subs = prepare(paths, cli_options, site, cwd)
     spool = ensure_private_dir(site.spool_dir_for(user))
+    reqs = [native_request(sub, site) for sub in subs]  # all sized before any is submitted
     out = []
-    for sub in subs:
-        req = native_request(sub, site)
+    for sub, req in zip(subs, reqs, strict=True):
         job_dir = ensure_private_dir(spool / "native" / f"{sub.spec.name}-{time.time_ns()}")
         spec_path = job_dir / "spec.json"
         spec_path.write_text(json.dumps(sub.spec_data, sort_keys=True, indent=1) + "\n")

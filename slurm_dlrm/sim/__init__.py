@@ -20,5 +20,5 @@ from slurm_dlrm.sim.report import (
 )
 
 __all__ = ["JobOutcome", "SimCluster", "SimJob", "SimNode", "SimResult", "Workload", "comparison_table",
-           "generate_jobs", "ideal_makespan_bounds_s", "ideal_makespan_s", "ideal_throughput_jobs_per_h", "parse_cluster", "parse_workload",
-           "simulate", "workload_summary"]
+           "generate_jobs", "ideal_makespan_bounds_s", "ideal_makespan_s", "ideal_throughput_jobs_per_h",
+           "parse_cluster", "parse_workload", "simulate", "workload_summary"]

@@ -1,0 +1,208 @@
+"""`slurm-dlrm interference`: predict co-located speeds and score the model on measurements."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from slurm_dlrm.errors import BadInput
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+LABELS = {"model": "model", "model_refit_cv": "model refit, {k}-fold CV",
+          "baseline_speed_1": "baseline speed=1", "baseline_inverse_load": "baseline 1/sum(max(sm,bw))"}
+SHORT = {"model": "model", "model_refit_cv": "refit-cv", "baseline_speed_1": "speed=1",
+         "baseline_inverse_load": "1/sum"}
+
+
+def _params_text(p: Any) -> str:
+    return f"alpha={p.sm_contention:.3f} beta={p.membw_contention:.3f} gamma={p.per_client_overhead:.3f}"
+
+
+def _params_dict(p: Any) -> dict[str, float]:
+    return {"alpha": p.sm_contention, "beta": p.membw_contention, "gamma": p.per_client_overhead}
+
+
+def _warn(notes: Any) -> None:
+    for line in notes.warnings():
+        click.echo(f"slurm-dlrm: warning: {line}", err=True)
+
+
+@click.group(context_settings=CONTEXT)
+def interference() -> None:
+    """The co-location interference model: predict each member's speed relative to
+    running alone from the solo profiles of the jobs sharing a GPU, and score it on
+    measured co-locations (docs/packing.md, "Validating the model on your measurements").
+
+    \b
+    Example:
+      slurm-dlrm interference predict -m sm=70,bw=20 -m sm=15,bw=60
+      slurm-dlrm interference eval --samples docs/examples/colocation_samples.csv --refit
+    """
+
+
+@interference.command(context_settings=CONTEXT)
+@click.option("-m", "--member", "members", multiple=True, metavar="KEY=V,...",
+              help="One member sharing the GPU: sm=PCT,bw=PCT[,mem_gib=G|mem_mib=M|mem_bytes=B][,job=NAME]. "
+                   "Repeat per member.")
+@click.option("-f", "--file", "file_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Groups of members from a CSV or JSON(-lines) file (the eval format; speeds optional).")
+@click.option("--params", "params_text", metavar="ALPHA,BETA,GAMMA",
+              help="Model constants (default: the built-in ones).")
+@click.option("--gpu-mem-gib", type=float, default=None, metavar="GIB",
+              help="GPU memory: members whose memory does not fit all get speed 0.")
+@click.option("--json", "as_json", is_flag=True, help="Print the predictions as JSON.")
+def predict(members: tuple[str, ...], file_path: str | None, params_text: str | None, gpu_mem_gib: float | None,
+            as_json: bool) -> None:
+    """Predict each member's speed relative to running alone (1.0 = no slowdown).
+
+    Profiles are what each job does alone on the GPU: SM utilisation % and memory-
+    bandwidth utilisation % (and GPU memory, which only decides whether they fit).
+
+    \b
+    Example:
+      slurm-dlrm interference predict -m sm=70,bw=20,mem_gib=8 -m sm=15,bw=60,mem_gib=20
+      slurm-dlrm interference predict -f groups.csv --params 0.3,0.6,0.02 --json
+    """
+    from slurm_dlrm.interference_io import (
+        MeasuredGroup,
+        parse_member_arg,
+        parse_params,
+        read_groups,
+    )
+    from slurm_dlrm.packing.interference import DEFAULT_PARAMS, predict_colocated_speeds
+
+    if bool(members) == bool(file_path):
+        raise BadInput("give the members with --member (repeated) or --file, one of the two")
+    if gpu_mem_gib is not None and not gpu_mem_gib > 0:
+        raise BadInput(f"--gpu-mem-gib: must be > 0 (got {gpu_mem_gib})")
+    params = parse_params(params_text) if params_text else DEFAULT_PARAMS
+    if file_path:
+        groups, notes = read_groups(file_path, need_speed=False)
+        _warn(notes)
+    else:
+        parsed = [parse_member_arg(text, i) for i, text in enumerate(members)]
+        groups = [MeasuredGroup("1", tuple(j for j, _ in parsed), tuple(p for _, p in parsed), None)]
+    capacity = None if gpu_mem_gib is None else int(gpu_mem_gib * (1 << 30))
+    out: list[dict[str, Any]] = []
+    for g in groups:
+        speeds = predict_colocated_speeds(g.members, params, capacity)
+        out.append({"group": g.name, "members": [
+            {"job": job, "sm_util_pct": p.sm_util_pct, "membw_util_pct": p.membw_util_pct,
+             "gpu_mem_bytes": p.gpu_mem_bytes, "predicted_speed": s,
+             **({"measured_speed": g.speeds[i]} if g.speeds is not None else {})}
+            for i, (job, p, s) in enumerate(zip(g.jobs, g.members, speeds, strict=True))]})
+    if as_json:
+        click.echo(json.dumps({"params": _params_dict(params), "gpu_mem_bytes": capacity, "groups": out}, indent=2))
+        return
+    measured = any(g.speeds is not None for g in groups)
+    head = f"{'group':<10} {'job':<10} {'sm%':>6} {'bw%':>6} {'mem GiB':>8} {'predicted':>9}"
+    click.echo(head + (f" {'measured':>8}" if measured else ""))
+    for row in out:
+        for m in row["members"]:
+            line = (f"{str(row['group'])[:10]:<10} {str(m['job'])[:10]:<10} {m['sm_util_pct']:>6.1f} "
+                    f"{m['membw_util_pct']:>6.1f} {m['gpu_mem_bytes'] / (1 << 30):>8.2f} {m['predicted_speed']:>9.3f}")
+            if measured:
+                line += f" {m['measured_speed']:>8.3f}" if "measured_speed" in m else f" {'-':>8}"
+            click.echo(line)
+    click.echo(f"constants: {_params_text(params)}" + (" (defaults)" if params == DEFAULT_PARAMS else ""))
+
+
+@interference.command("eval", context_settings=CONTEXT)
+@click.option("-s", "--samples", "samples_path", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Measured co-locations: CSV (one row per member) or JSON lines (one group per line).")
+@click.option("--store", "store_path", metavar="DB",
+              help="Or: a store (file, or its folder); its ended packs' agent samples, as the service's "
+                   "refit reads them.")
+@click.option("--params", "params_text", metavar="ALPHA,BETA,GAMMA",
+              help="Model constants to score (default: the built-in ones); --refit starts from them.")
+@click.option("--refit", is_flag=True,
+              help="Also refit the constants: k-fold cross-validated error, and the constants fitted on all.")
+@click.option("--folds", type=int, default=None, metavar="K",
+              help="Folds for --refit (whole groups held out; default 5, fewer if there are fewer groups).")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON.")
+def eval_cmd(samples_path: str | None, store_path: str | None, params_text: str | None, refit: bool,
+             folds: int | None, as_json: bool) -> None:
+    """Score the interference model on measured co-located speeds.
+
+    Prints the mean, median and p90 absolute error of the predicted relative speed, its
+    bias (mean of predicted - measured: > 0 is optimistic), the same for each group's
+    summed speed (the GPU's throughput) and the errors per group size, beside two naive
+    baselines (speed 1.0 for everyone; min(1, 1/sum of each
+    member's max(sm, bw) fraction)). With --refit, also the error of constants refitted
+    on K-1 folds and scored on the held-out fold, and the constants fitted on all data.
+    File formats: docs/packing.md, "Validating the model on your measurements".
+
+    \b
+    Example:
+      slurm-dlrm interference eval --samples docs/examples/colocation_samples.csv
+      slurm-dlrm interference eval --samples measured.jsonl --refit --folds 10 --json
+      slurm-dlrm interference eval --store ~/.local/share/slurm-dlrm/store.sqlite --refit
+    """
+    from slurm_dlrm.interference_io import parse_params, read_groups, read_store_groups
+    from slurm_dlrm.packing.interference import DEFAULT_PARAMS
+    from slurm_dlrm.packing.interference_eval import evaluate
+
+    if bool(samples_path) == bool(store_path):
+        raise BadInput("give --samples FILE or --store DB, one of the two")
+    if folds is not None and not refit:
+        raise BadInput("--folds: only with --refit")
+    params = parse_params(params_text) if params_text else DEFAULT_PARAMS
+    if samples_path:
+        groups, notes = read_groups(samples_path)
+        _warn(notes)
+        source = samples_path
+    else:
+        assert store_path is not None
+        groups = read_store_groups(store_path)
+        source = f"store {store_path}"
+    multi = [g for g in groups if len(g.members) > 1]
+    if len(multi) < len(groups):
+        click.echo(f"slurm-dlrm: note: {len(groups) - len(multi)} single-member group(s) skipped "
+                   "(nothing to predict: alone is speed 1.0)", err=True)
+    if not multi:
+        raise BadInput(f"{source}: no co-location group with two or more members")
+    k = 0
+    if refit:
+        if folds is not None and not 2 <= folds <= len(multi):
+            raise BadInput(f"--folds: must be between 2 and the number of groups, {len(multi)} (got {folds})")
+        if folds is None and len(multi) < 2:
+            raise BadInput(f"{source}: --refit needs at least 2 co-location groups to cross-validate")
+        k = folds if folds is not None else min(5, len(multi))
+    result = evaluate([g.sample() for g in multi], params, k)
+    if as_json:
+        out = result.as_dict()
+        out["source"] = source
+        out["default_params"] = params == DEFAULT_PARAMS
+        click.echo(json.dumps(out, indent=2))
+        return
+    sizes = ", ".join(f"{size}: {per['model'].count // size}" for size, per in sorted(result.by_size.items()))
+    click.echo(f"samples: {result.groups} co-location groups, {result.members} members "
+               f"(groups by size {sizes}) from {source}")
+    click.echo(f"constants: {_params_text(params)}" + (" (defaults)" if params == DEFAULT_PARAMS else " (given)"))
+    click.echo("")
+    click.echo("error of the predicted relative speed (predicted - measured), over members:")
+    click.echo(f"{'predictor':<30} {'MAE':>6} {'median':>7} {'p90':>6} {'bias':>7} {'max':>6}")
+    for name in result.order:
+        st = result.overall[name]
+        click.echo(f"{LABELS[name].format(k=k):<30} {st.mae:>6.3f} {st.median_abs:>7.3f} {st.p90_abs:>6.3f} "
+                   f"{st.bias:>+7.3f} {st.max_abs:>6.3f}")
+    click.echo("")
+    click.echo("error of each group's summed speed (the GPU's throughput in solo jobs), over groups:")
+    for name in result.order:
+        st = result.throughput[name]
+        click.echo(f"{LABELS[name].format(k=k):<30} {st.mae:>6.3f} {st.median_abs:>7.3f} {st.p90_abs:>6.3f} "
+                   f"{st.bias:>+7.3f} {st.max_abs:>6.3f}")
+    click.echo("")
+    click.echo("MAE of the relative speed by group size:")
+    click.echo(f"{'size':>4} {'groups':>6} {'members':>7} " + " ".join(f"{SHORT[n]:>8}" for n in result.order))
+    for size, per in sorted(result.by_size.items()):
+        n = per["model"].count
+        click.echo(f"{size:>4} {n // size:>6} {n:>7} " + " ".join(f"{per[name].mae:>8.3f}" for name in result.order))
+    if result.fitted is not None and result.fitted_in_sample is not None:
+        click.echo("")
+        click.echo(f"refit on all {result.groups} groups: {_params_text(result.fitted)} "
+                   f"(in-sample MAE {result.fitted_in_sample.mae:.3f})")
+        for i, p in enumerate(result.fold_params):
+            click.echo(f"  fold {i + 1} of {k} held out: {_params_text(p)}")
