@@ -135,14 +135,19 @@ def _kill_node(cluster, node: str, slurm_job_id: str) -> None:
     """A node crash: its slurmd and every process of the pack's steps on it die at once."""
     import psutil
 
+    from slurm_dlrm.localcluster import _is_ours
+
     pid_file = cluster.config.run_dir / f"slurmd-{node}.pid"
     slurmd = int(pid_file.read_text().split()[0])
     victims = [psutil.Process(slurmd)]
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
-        if cmd.startswith(f"slurmstepd: [{slurm_job_id}."):
+        # Job ids restart at 1 in every cluster: another instance on this host (another
+        # checkout, a chroot) may run a job with the same id. Only this cluster's.
+        if cmd.startswith(f"slurmstepd: [{slurm_job_id}.") and _is_ours(p.pid, cluster.config.state_dir):
             victims.append(p)
             victims += p.children(recursive=True)
+    assert len(victims) > 1, f"no slurmstepd of job {slurm_job_id} found on {node}"
     for p in victims:
         try:
             p.send_signal(signal.SIGKILL)
