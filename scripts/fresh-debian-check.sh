@@ -165,6 +165,7 @@ fi
 # 3. The checkout, as CI gets it.
 git clone -q "$here" "$root/root/repo"
 echo "commit=$(git -C "$root/root/repo" rev-parse --short HEAD)" >"$logs/times"
+: >"$logs/cleanup.log"
 
 # 4. The README's commands.
 rc=0
