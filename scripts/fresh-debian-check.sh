@@ -14,9 +14,8 @@
 #      /dev/shm and /run (the daemons are started by our code, not systemd).
 #   3. `git clone` of this checkout's HEAD into /root/repo (commit first: uncommitted
 #      changes are not checked).
-#   4. In the chroot, as root with a clean environment: `bash .ci/run` (it installs `make`,
-#      which a fresh Debian lacks; docs/install.md has `apt-get install git make` as the
-#      one step by hand), then `make demo`. Logs (each line prefixed with the seconds
+#   4. In the chroot, as root with a clean environment: `bash .ci/run` (scripts/run.sh
+#      installs `make`, which a fresh Debian lacks), then `bash scripts/run.sh demo`. Logs (each line prefixed with the seconds
 #      since the step began, so ci.log shows where set-up ends) and wall times:
 #      $FRESH_ROOT.log/{ci.log,demo.log,times}.
 #   5. Clean-up: `slurm-dlrm cluster down` in the chroot, then any process left whose
@@ -174,7 +173,7 @@ in_chroot bash -c 'cd /root/repo && bash .ci/run' 2>&1 | stamp >"$logs/ci.log" |
 echo "ci_s=$((SECONDS - t0)) ci_rc=$rc" >>"$logs/times"
 if ((rc == 0 && demo)); then
   t0=$SECONDS
-  in_chroot bash -c 'cd /root/repo && make demo' 2>&1 | stamp >"$logs/demo.log" || rc=$?
+  in_chroot bash -c 'cd /root/repo && bash scripts/run.sh demo' 2>&1 | stamp >"$logs/demo.log" || rc=$?
   echo "demo_s=$((SECONDS - t0)) demo_rc=$rc" >>"$logs/times"
 fi
 tail -15 "$logs/ci.log"
