@@ -182,18 +182,18 @@ def eval_cmd(samples_path: str | None, store_path: str | None, params_text: str 
                f"(groups by size {sizes}) from {source}")
     click.echo(f"constants: {_params_text(params)}" + (" (defaults)" if params == DEFAULT_PARAMS else " (given)"))
     click.echo("")
+    def rows(stats: Any) -> None:
+        for name in result.order:
+            st = stats[name]
+            click.echo(f"{LABELS[name].format(k=k):<30} {st.mae:>6.3f} {st.median_abs:>7.3f} {st.p90_abs:>6.3f} "
+                       f"{st.bias:>+7.3f} {st.max_abs:>6.3f}")
+
     click.echo("error of the predicted relative speed (predicted - measured), over members:")
     click.echo(f"{'predictor':<30} {'MAE':>6} {'median':>7} {'p90':>6} {'bias':>7} {'max':>6}")
-    for name in result.order:
-        st = result.overall[name]
-        click.echo(f"{LABELS[name].format(k=k):<30} {st.mae:>6.3f} {st.median_abs:>7.3f} {st.p90_abs:>6.3f} "
-                   f"{st.bias:>+7.3f} {st.max_abs:>6.3f}")
+    rows(result.overall)
     click.echo("")
     click.echo("error of each group's summed speed (the GPU's throughput in solo jobs), over groups:")
-    for name in result.order:
-        st = result.throughput[name]
-        click.echo(f"{LABELS[name].format(k=k):<30} {st.mae:>6.3f} {st.median_abs:>7.3f} {st.p90_abs:>6.3f} "
-                   f"{st.bias:>+7.3f} {st.max_abs:>6.3f}")
+    rows(result.throughput)
     click.echo("")
     click.echo("MAE of the relative speed by group size:")
     click.echo(f"{'size':>4} {'groups':>6} {'members':>7} " + " ".join(f"{SHORT[n]:>8}" for n in result.order))
