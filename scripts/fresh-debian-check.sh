@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Check the README's promise on a fresh Debian 12: `make test` (through the CI entry
-# point .ci/run) and `make demo` on a minimal bookworm root with nothing installed
+# Check the README's promise on a fresh Debian 12: its test command (through the CI entry
+# point .ci/run) and its demo command on a minimal bookworm root with nothing installed
 # beyond what debootstrap's minbase variant brings and git (CI gets a clone).
 #
 #   sudo scripts/fresh-debian-check.sh [--rebuild] [--no-demo] [--keep-mounted]
