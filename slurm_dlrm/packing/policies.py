@@ -16,6 +16,7 @@ Deterministic: the same request gives the same plan (ties break on job id).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -312,29 +313,45 @@ def _mem_best_fit(request: PackingRequest, params: InterferenceParams) -> Packin
     maxima = _node_maxima([n for n in nodes if n.free_gpus > 0])
     slots = limits.members_per_gpu
     open_gpus: list[_Gpu] = []
+    # Per GPU model, the open GPUs with a free slot as (free bytes, opening order), sorted:
+    # the best fit is the first entry at or above the job's fence whose node has the
+    # CPUs and host memory (a bisection, not a scan of every open GPU: plan_scale.py).
+    by_free: dict[str, list[tuple[int, int]]] = {}
     deferred: list[Deferred] = []
     blocked: list[JobDemand] = []
     for job in sorted(request.jobs, key=_order_key):
         if _defer_early(job, maxima, limits, True, blocked, deferred):
             continue
-        best: _Gpu | None = None
-        best_left = 0
-        for g in open_gpus:
-            fence = member_fence_bytes(job, g.node.gpu, limits)
-            left = g.usable_bytes - g.used_bytes - fence
-            if left >= 0 and len(g.members) < g.slots and _host_fits(g.node, job, limits) and (best is None or left < best_left):
-                best, best_left = g, left
+        best: tuple[int, int] | None = None  # (bytes left after the job, opening order)
+        for entries in by_free.values():
+            if not entries:
+                continue
+            fence = member_fence_bytes(job, open_gpus[entries[0][1]].node.gpu, limits)
+            for k in range(bisect.bisect_left(entries, (fence, -1)), len(entries)):
+                free, index = entries[k]
+                if _host_fits(open_gpus[index].node, job, limits):
+                    if best is None or (free - fence, index) < best:
+                        best = (free - fence, index)
+                    break
         if best is None and len(open_gpus) < budget:
             node = next((n for n in nodes if n.free_gpus > 0 and _host_fits(n, job, limits)
                          and member_fence_bytes(job, n.gpu, limits) <= usable_gpu_bytes(n.gpu)), None)
             if node is not None:
-                best = _open_gpu(node, slots)
-                open_gpus.append(best)
+                gpu = _open_gpu(node, slots)
+                open_gpus.append(gpu)
+                bisect.insort(by_free.setdefault(node.gpu.name, []), (gpu.usable_bytes, len(open_gpus) - 1))
+                best = (0, len(open_gpus) - 1)
         if best is None:
             deferred.append(Deferred(job.job_id, NO_FREE_GPU if len(open_gpus) < budget else NO_ROOM))
             _block_if_urgent(blocked, job)
             continue
-        _add(best, job, member_fence_bytes(job, best.node.gpu, limits), limits)
+        index = best[1]
+        g = open_gpus[index]
+        entries = by_free[g.node.gpu.name]
+        entries.remove((g.usable_bytes - g.used_bytes, index))
+        _add(g, job, member_fence_bytes(job, g.node.gpu, limits), limits)
+        if len(g.members) < g.slots:
+            bisect.insort(entries, (g.usable_bytes - g.used_bytes, index))
     return _finish("mem-best-fit", [[g] for g in open_gpus], deferred, limits, params, fenced=True, thread_caps=False)
 
 
