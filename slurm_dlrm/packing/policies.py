@@ -277,24 +277,29 @@ def _first_fit(request: PackingRequest, params: InterferenceParams) -> PackingPl
     reachable = [n for n in nodes if n.free_gpus > 0 or any(g.node is n and g.slots > 0 for _, g in shared)]
     maxima = _node_maxima(reachable)
     open_gpus: list[_Gpu] = []
+    # The GPUs with a free shard, in the order first-fit tries them (busy shared GPUs,
+    # then the ones opened here); a GPU leaves when its shards are taken, so a plan does
+    # not walk over full GPUs for every job (plan_scale.py).
+    with_room = [g for _, g in shared if g.slots > 0]
     deferred: list[Deferred] = []
     blocked: list[JobDemand] = []
     for job in sorted(request.jobs, key=_order_key):
         if _defer_early(job, maxima, limits, False, blocked, deferred):
             continue
-        target = next((g for _, g in shared if len(g.members) < g.slots and _host_fits(g.node, job, limits)), None)
-        if target is None:
-            target = next((g for g in open_gpus if len(g.members) < g.slots and _host_fits(g.node, job, limits)), None)
+        target = next((g for g in with_room if _host_fits(g.node, job, limits)), None)
         if target is None and len(open_gpus) < budget:
             node = next((n for n in nodes if n.free_gpus > 0 and _host_fits(n, job, limits)), None)
             if node is not None:
                 target = _open_gpu(node, slots)
                 open_gpus.append(target)
+                with_room.append(target)
         if target is None:
             deferred.append(Deferred(job.job_id, NO_FREE_GPU if len(open_gpus) < budget else NO_ROOM))
             _block_if_urgent(blocked, job)
             continue
         _add(target, job, member_fence_bytes(job, target.node.gpu, limits), limits)
+        if len(target.members) >= target.slots:
+            with_room = [g for g in with_room if g is not target]
     result = _finish("first-fit", [[g] for g in open_gpus], deferred, limits, params, fenced=False, thread_caps=False)
     joins = []
     for key, g in shared:
