@@ -119,6 +119,17 @@ def test_running_pack_gpus_offered_with_live_members_and_room(world):
     ran = clock() - store.placements(job_id=b)[0].start_time
     assert full == pytest.approx(64.0) and 0 < ran < full
     assert live_b.est_duration_s == pytest.approx(full - ran)  # what is left of its run
+    # Once the runner reports its step (the metrics file counts the runs before a
+    # resume, and a slowed member's steps), what is left comes from it instead.
+    metrics = svc.site.spool_dir_for(svc.settings.user) / "jobs" / str(b) / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text(json.dumps({"step": 75, "samples_per_s": 80.0}) + "\n")
+    add_job(store, "d")  # something to plan, so the round asks the policy
+    clock.advance(0.25)
+    requests.clear()
+    svc.run_round()
+    (live_b,) = [d for g in requests[-1].open_gpus if g.pack for d in g.live if d.job_id == b]
+    assert live_b.est_duration_s == pytest.approx(full * 25 / 100)
     gpu_b = next(m for m in p["members"] if m["job_id"] == b)
     for g in offered:
         assert g.key.startswith(f"{pack.id}:0:") and g.node_name == "node1" and g.gpu_model == pack.gpu_model

@@ -162,7 +162,10 @@ class Refill:
                 continue
             live_ids = set(pack_member_ids(svc.store, pack.id, ("PLANNED", "RUNNING")))
             by_job = {p.job_id: p for p in placements if p.job_id in live_ids}
-            demands = {j: self._live_demand(svc._demand(svc.store.get_job(j)), by_job[j], now) for j in by_job}
+            demands = {}
+            for j in by_job:
+                job = svc.store.get_job(j)
+                demands[j] = self._live_demand(svc._demand(job), by_job[j], now, self._steps_done(job))
             end_t = self.end_t.get(pack.id)  # squeue's EndTime, if the parser keeps it for running jobs
             if end_t is None and shape.time_limit_s is not None and pack.start_time is not None:
                 end_t = pack.start_time + shape.time_limit_s
@@ -183,12 +186,28 @@ class Refill:
                     where[gpu_key] = (pack, node_index, gpu_index)
         return tuple(out), where
 
+    def _steps_done(self, job: Any) -> tuple[int, int] | None:
+        """(steps done, steps in all) from the runner's metrics file, if it reported."""
+        from slurm_dlrm.service.submit import job_progress
+
+        steps = (job.spec or {}).get("steps")
+        if not isinstance(steps, int) or steps <= 0:
+            return None
+        step = job_progress(self.svc.site, self.svc.settings.user, job.id)
+        return None if step is None else (step, steps)
+
     @staticmethod
-    def _live_demand(demand: Any, placement: Any, now: float) -> Any:
-        """A live member as the policy weighs it: its *remaining* expected run (as the
-        simulator offers it), here its solo estimate less the time it has run in this
-        pack (a resumed job's earlier progress and a shared GPU's slowdown not counted)."""
-        if demand.est_duration_s is None or placement.start_time is None:
+    def _live_demand(demand: Any, placement: Any, now: float, steps_done: tuple[int, int] | None = None) -> Any:
+        """A live member as the policy weighs it: its *remaining* expected solo run (as
+        the simulator offers it). From the runner's last reported step when there is one
+        (it counts the runs before a resume and is not fooled by a shared GPU's
+        slowdown), else its solo estimate less the time it has run in this pack."""
+        if demand.est_duration_s is None:
+            return demand
+        if steps_done is not None:
+            done, total = steps_done
+            return replace(demand, est_duration_s=demand.est_duration_s * max(0.0, 1.0 - done / total))
+        if placement.start_time is None:
             return demand
         return replace(demand, est_duration_s=max(0.0, demand.est_duration_s - (now - placement.start_time)))
 
