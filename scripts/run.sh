@@ -10,6 +10,10 @@ case "${1:-}" in
   *) echo "usage: bash scripts/run.sh demo|test|setup|lint" >&2; exit 2 ;;
 esac
 if ! command -v make >/dev/null; then
+  if [[ $(id -u) != 0 ]]; then
+    echo "run: make is not installed; as root: apt-get install make (set-up installs Slurm too, so run this as root)" >&2
+    exit 1
+  fi
   echo "run: apt-get install make" >&2
   DEBIAN_FRONTEND=noninteractive apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends make >/dev/null

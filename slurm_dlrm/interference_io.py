@@ -112,7 +112,10 @@ def parse_member(record: Mapping[str, Any], where: str, notes: ReadNotes,
     mem_bytes = 0
     for key, scale in MEM_SCALE.items():
         if _present(rec, key):
-            mem_bytes = int(round(_number(rec[key], where, key, 0.0) * scale))
+            value = _number(rec[key], where, key, 0.0) * scale
+            if not math.isfinite(value):
+                raise BadInput(f"{where}: {key}: {rec[key]!r} is too large")
+            mem_bytes = int(round(value))
             break
     speed: float | None = None
     has_rates = _present(rec, SOLO) or _present(rec, COLOCATED)

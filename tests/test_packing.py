@@ -359,3 +359,20 @@ def test_refill_policies_give_a_pack_its_gpus_share_of_the_node_as_headroom():
     for policy in ("exclusive", "first-fit"):
         (pk,) = plan(req, policy).packs
         assert (pk.alloc_cpus, pk.alloc_host_mem_bytes) == (pk.cpus, pk.host_mem_bytes)
+
+
+def test_refill_takes_a_known_length_joiner_behind_many_of_unknown_length():
+    # A time-limited pack refuses joiners of unknown length (no estimate, no --time).
+    # Shortest-first must not put them in front: 30 of them would use up the GPU's scan
+    # and the 600 s job that fits would never join.
+    def job(i: int, est: float | None) -> JobDemand:
+        return JobDemand(job_id=i, user="u", submit_time_s=float(i), priority=0, gpu_mem_bytes=2 * GIB,
+                         host_mem_bytes=GIB, sm_util_pct=20, membw_util_pct=10, host_cpu_cores=1,
+                         est_duration_s=est)
+
+    live = (job(1000, 600.0),)
+    og = OpenGpu("7:0:0", "n1", 1, pack=True, gpu_model="h100", live=live, free_cpus=32,
+                 free_host_mem_bytes=100 * GIB, remaining_s=3600.0)
+    jobs = tuple(job(i, None) for i in range(1, 31)) + (job(31, 600.0),)
+    p = plan(PackingRequest(jobs=jobs, gpu_models=(H100,), nodes=(), open_gpus=(og,)), "complementary")
+    assert [j.member.job_id for j in p.joins] == [31]

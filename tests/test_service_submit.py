@@ -203,3 +203,12 @@ def test_a_multi_gpu_job_is_not_packed_but_runs_on_whole_gpus_with_no_pack(env):
         svc.submit_no_pack([str(EXAMPLES / "tiny-a.yaml"), str(many)], SbatchOptions(partition="dlrm"),
                            site=site, user="root", cwd=str(tmp), slurm=slurm, python="/py")
     assert [j.job_id for j in slurm.squeue()] == [sid]
+    # The partition's max_gpus_per_job (job_submit.lua enforces it) counts as well.
+    import dataclasses
+
+    narrow = dataclasses.replace(site, partitions=tuple(dataclasses.replace(p, max_gpus_per_job=1)
+                                                        for p in site.partitions))
+    with pytest.raises(BadInput, match="at most 1 GPUs per job"):
+        svc.submit_no_pack([str(two)], SbatchOptions(partition="dlrm"), site=narrow, user="root", cwd=str(tmp),
+                           slurm=slurm, python="/py")
+    assert [j.job_id for j in slurm.squeue()] == [sid]

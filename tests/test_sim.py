@@ -144,3 +144,13 @@ def test_exclusive_never_joins_a_running_pack():
     jobs = [_job("a", 0, 1000, mem=35), _job("b", 0, 200, mem=35), _job("c", 50, 300, mem=35)]
     _, _, r = _run(jobs, "exclusive")
     assert r.packs == 3
+
+
+def test_resubmissions_start_the_estimate_over():
+    # Estimated at 10 GiB, it peaks at 90 on an 80 GiB GPU: it can never run. Each OOM
+    # raises the estimate by 25%; a user's resubmission starts from the spec's estimate
+    # again, so thousands of attempts do not compound it to infinity.
+    jobs = [_job("a", 0, 1000, mem=10, true_mem=90)]
+    cluster = dict(CLUSTER, retry={"max_retries": 100, "user_resubmits": 40})
+    _, _, r = _run(jobs, "first-fit", cluster)
+    assert r.jobs[0].state == "FAILED" and r.resubmits == 40 and r.ooms == 41 * 101

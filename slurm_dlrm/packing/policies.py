@@ -743,6 +743,14 @@ def _seed_key(job: JobDemand) -> tuple[float, float, float, int]:
     return (-job.priority, job.est_duration_s if job.est_duration_s is not None else 0.0, job.submit_time_s, job.job_id)
 
 
+def _join_key(job: JobDemand) -> tuple[float, bool, float, float, int]:
+    # As `_seed_key`, but a job of unknown length goes after the known ones of its band:
+    # a time-limited pack refuses such a joiner (`_times_fit`), and a front of them
+    # would use up every pack GPU's scan.
+    d = job.est_duration_s
+    return (-job.priority, d is None, d or 0.0, job.submit_time_s, job.job_id)
+
+
 def _log_duration(job: JobDemand) -> float:
     d = job.est_duration_s
     return math.log(d) if d is not None and d > 0 else 0.0
@@ -1006,7 +1014,7 @@ def _refill(request: PackingRequest, policy: str, params: InterferenceParams) ->
     # complementary takes joiners in its seeds' order (priority band, then shortest
     # expected run first: aging keeps long jobs from starving), mem-best-fit first come,
     # first served.
-    queue = sorted(request.jobs, key=_seed_key if policy == "complementary" else _order_key)
+    queue = sorted(request.jobs, key=_join_key if policy == "complementary" else _order_key)
     if not pgs or not queue:
         return [], queue
     # An urgent job that cannot join holds the room (docs/packing.md, aging): nothing of

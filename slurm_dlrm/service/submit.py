@@ -51,19 +51,28 @@ class Submission:
     estimate: Any  # slurm_dlrm.estimate.Estimate
 
 
-def gpu_for(site: SiteConfig, options: SbatchOptions) -> GpuModel:
-    """The GPU model the job will get: its partition's (the site default otherwise)."""
-    from slurm_dlrm.site import expand_hostlist
-
+def partition_for(site: SiteConfig, options: SbatchOptions) -> Any:
+    """The partition the job goes to: its first `-p` one if the site knows it, else the
+    site default."""
     part = site.default_partition
     if options.partition:
         wanted = options.partition.split(",")[0]
         part = next((p for p in site.partitions if p.name == wanted), part)
-    hosts = set(expand_hostlist(part.nodes))
-    for group in site.nodes:
-        if group.gpus > 0 and hosts.intersection(group.hostnames):
-            return site.gpu_model(group.gpu_model)
-    return next(iter(site.gpu_models.values()))
+    return part
+
+
+def partition_groups(site: SiteConfig, options: SbatchOptions) -> list[Any]:
+    """The GPU node groups of the job's partition."""
+    from slurm_dlrm.site import expand_hostlist
+
+    hosts = set(expand_hostlist(partition_for(site, options).nodes))
+    return [g for g in site.nodes if g.gpus > 0 and hosts.intersection(g.hostnames)]
+
+
+def gpu_for(site: SiteConfig, options: SbatchOptions) -> GpuModel:
+    """The GPU model the job will get: its partition's (the site default otherwise)."""
+    groups = partition_groups(site, options)
+    return site.gpu_model(groups[0].gpu_model) if groups else next(iter(site.gpu_models.values()))
 
 
 def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, cwd: str) -> list[Submission]:
@@ -185,10 +194,15 @@ def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
     if ranks > 1:
         # One rank per whole GPU on one node (the runner launches the ranks itself); the
         # estimate is for the fullest rank, each rank its own process.
-        node_gpus = max((g.gpus for g in site.nodes if g.gpu_model == sub.gpu.name), default=0)
+        part = partition_for(site, sub.options)
+        node_gpus = max((g.gpus for g in partition_groups(site, sub.options) if g.gpu_model == sub.gpu.name),
+                        default=0)
         if ranks > node_gpus:
-            raise BadInput(f"{sub.path}: world_size {ranks}: the largest {sub.gpu.name} node has {node_gpus} GPUs "
-                           "(the ranks run on one node)")
+            raise BadInput(f"{sub.path}: world_size {ranks}: the largest {sub.gpu.name} node of partition "
+                           f"{part.name} has {node_gpus} GPUs (the ranks run on one node)")
+        if ranks > part.max_gpus_per_job:
+            raise BadInput(f"{sub.path}: world_size {ranks}: partition {part.name} allows at most "
+                           f"{part.max_gpus_per_job} GPUs per job")
         mem_mib = max(256, math.ceil(est.host_peak_bytes * margin * ranks / MIB) + 256)
         cpus *= ranks
         gres = f"gpu:{ranks}"
@@ -208,9 +222,7 @@ def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
 
 def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
     """The partition's smallest accepted --gres=mps:N (job_submit.lua refuses less)."""
-    wanted = (options.partition or site.default_partition.name).split(",")[0]
-    part = next((p for p in site.partitions if p.name == wanted), site.default_partition)
-    return max(1, part.min_mps_share)
+    return max(1, partition_for(site, options).min_mps_share)
 
 
 def native_script(sub: Submission, req: NativeRequest, spec_path: str, python: str) -> str:

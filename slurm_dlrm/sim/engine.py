@@ -527,10 +527,12 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                                 requeue(jid)
                             elif resubmits.get(jid, 0) < retry.user_resubmits:
                                 # Failed; its user submits it again (a fresh job: the
-                                # automatic retries start over), its JCT still counted
-                                # from the first submission.
+                                # automatic retries and the memory bumps start over), its
+                                # JCT still counted from the first submission, and it
+                                # keeps its place in the queue (in the user's favour).
                                 resubmits[jid] = resubmits.get(jid, 0) + 1
                                 attempts[jid] = 0
+                                est_mem[jid] = m.job.gpu_mem_bytes  # the same spec, estimated again
                                 push(now + retry.user_resubmit_delay_s, _RESUBMIT, jid)
                             else:
                                 outcome_state[jid] = "FAILED"
