@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
@@ -32,6 +33,9 @@ def test_simulate_json_compares_the_policies(tmp_path):
     excl, comp = out["policies"]
     assert comp["throughput_jobs_per_h"] > excl["throughput_jobs_per_h"]
     assert out["ideal_throughput_jobs_per_h"] >= comp["throughput_jobs_per_h"]
+    bounds = out["ideal_bounds_jobs_per_h"]
+    assert {"sm", "membw", "gpu_mem", "cpus", "slots", "arrivals"} <= set(bounds)
+    assert min(bounds.values()) == pytest.approx(out["ideal_throughput_jobs_per_h"], rel=1e-3)
     assert comp["completed"] == 30 and comp["ooms"] == 0
 
 

@@ -105,6 +105,7 @@ def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...
     """
     from slurm_dlrm.sim import (
         comparison_table,
+        ideal_makespan_bounds_s,
         ideal_throughput_jobs_per_h,
         parse_cluster,
         parse_workload,
@@ -122,10 +123,13 @@ def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...
         log.info("simulating %s", policy)
         results.append(simulate(workload, cluster, policy))
     ideal = ideal_throughput_jobs_per_h(workload, cluster)
+    # The same bound per resource (jobs/h): the lowest is the ideal one, and says what binds.
+    bounds = {k: len(workload.jobs) / (v / 3600.0) for k, v in ideal_makespan_bounds_s(workload, cluster).items() if v > 0}
     paths = write_plots(results, Path(plot_dir)) if plot_dir else []
     if as_json:
         click.echo(json.dumps({"workload": workload_summary(workload), "cluster": cluster.name,
                                "gpus": cluster.gpu_count, "ideal_throughput_jobs_per_h": round(ideal, 4),
+                               "ideal_bounds_jobs_per_h": {k: round(v, 4) for k, v in bounds.items()},
                                "policies": [r.metrics() for r in results],
                                "plots": [str(p) for p in paths]}, indent=2))
         return
@@ -135,6 +139,8 @@ def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...
                f"{s['mean_host_cpu_cores']:.1f} cores, solo {s['mean_solo_duration_s'] / 3600:.2f} h")
     click.echo(f"cluster {cluster.name}: {cluster.gpu_count} GPUs on {len(cluster.nodes)} node(s)")
     click.echo(comparison_table(results, ideal, baseline=chosen[0] if "exclusive" not in chosen else "exclusive"))
+    click.echo("ideal bound per resource (jobs/h; the lowest binds): "
+               + ", ".join(f"{k} {v:.2f}" for k, v in sorted(bounds.items(), key=lambda kv: kv[1])))
     for p in paths:
         click.echo(f"plot: {p}", err=True)
     sys.stdout.flush()
