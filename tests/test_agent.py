@@ -17,7 +17,7 @@ from slurm_dlrm.agent import fake_mps_control, fake_nvml
 from slurm_dlrm.agent.loop import Agent, AgentOptions, classify_exit, member_env, step_argv
 from slurm_dlrm.agent.mps import MpsDaemon, MpsSetup
 from slurm_dlrm.agent.placement import parse_placement
-from slurm_dlrm.agent.procstat import MetricsTail
+from slurm_dlrm.agent.procstat import MetricsTail, TreeSampler
 from slurm_dlrm.agent.reports import ReportWriter, read_reports
 from slurm_dlrm.agent.standin import member_entry, placement_dict
 from slurm_dlrm.cli import cli
@@ -174,6 +174,28 @@ def test_a_failed_batch_is_kept_and_written_later(tmp_path, monkeypatch):
     assert w.flush() is True and w.pending == 0
     w.close()
     assert [r["type"] for r in read_reports(w.path)] == ["heartbeat", "member"]
+
+
+def test_a_zombie_member_is_not_sampled():
+    # Exited but not yet reaped, a process shows RSS 0 in /proc: a sample of it would
+    # report a member with no memory. The sampler treats it as gone.
+    import psutil
+
+    sampler = TreeSampler()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    try:
+        deadline = time.monotonic() + 10
+        live = sampler.sample(child.pid)
+        while live is None or live.rss_bytes <= 1 << 20:  # until the interpreter is up
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+            live = sampler.sample(child.pid)
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert sampler.sample(child.pid) is None
+    finally:
+        child.wait()
 
 
 # ------------------------------------------------------------------ the loop

@@ -70,6 +70,10 @@ class TreeSampler:
                 if proc is None:
                     proc = self._procs[pid] = psutil.Process(pid)
                 with proc.oneshot():
+                    if proc.status() == psutil.STATUS_ZOMBIE:
+                        # Exited, not yet reaped: /proc reports no memory (RSS 0), and it
+                        # is gone next round; counting it would report a bogus sample.
+                        continue
                     t = proc.cpu_times()
                     mem = proc.memory_info()
             except psutil.Error:
