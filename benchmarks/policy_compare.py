@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 from slurm_dlrm.packing import POLICY_NAMES  # noqa: E402
 from slurm_dlrm.sim import (  # noqa: E402
     comparison_table,
-    ideal_makespan_bounds_s,
+    ideal_throughput_bounds_jobs_per_h,
     ideal_throughput_jobs_per_h,
     parse_cluster,
     parse_workload,
@@ -75,10 +75,9 @@ def show(title: str, r: dict[str, object]) -> None:
     res = list(r["results"].values())  # type: ignore[attr-defined]
     print(comparison_table(res, r["ideal"]))  # type: ignore[arg-type]
     excl = r["results"]["exclusive"].throughput_jobs_per_h  # type: ignore[index]
-    n = len(w.jobs)  # type: ignore[attr-defined]
-    bounds = ideal_makespan_bounds_s(w, r["cluster"])  # type: ignore[arg-type]
+    bounds = ideal_throughput_bounds_jobs_per_h(w, r["cluster"])  # type: ignore[arg-type]
     print("ideal bound per resource (x exclusive; the lowest binds): "
-          + ", ".join(f"{k} {n / (v / 3600) / excl:.2f}x" for k, v in sorted(bounds.items(), key=lambda kv: -kv[1])))
+          + ", ".join(f"{k} {v / excl:.2f}x" for k, v in sorted(bounds.items(), key=lambda kv: kv[1])))
     print("backlog throughput (jobs/h while jobs wait): "
           + ", ".join(f"{x.policy} {x.backlog_throughput_jobs_per_h:.2f}" for x in res)
           + "; mean members per GPU: " + ", ".join(f"{x.policy} {x.mean_members_per_gpu:.2f}" for x in res))

@@ -105,7 +105,7 @@ def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...
     """
     from slurm_dlrm.sim import (
         comparison_table,
-        ideal_makespan_bounds_s,
+        ideal_throughput_bounds_jobs_per_h,
         ideal_throughput_jobs_per_h,
         parse_cluster,
         parse_workload,
@@ -123,8 +123,7 @@ def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...
         log.info("simulating %s", policy)
         results.append(simulate(workload, cluster, policy))
     ideal = ideal_throughput_jobs_per_h(workload, cluster)
-    # The same bound per resource (jobs/h): the lowest is the ideal one, and says what binds.
-    bounds = {k: len(workload.jobs) / (v / 3600.0) for k, v in ideal_makespan_bounds_s(workload, cluster).items() if v > 0}
+    bounds = ideal_throughput_bounds_jobs_per_h(workload, cluster)
     paths = write_plots(results, Path(plot_dir)) if plot_dir else []
     if as_json:
         click.echo(json.dumps({"workload": workload_summary(workload), "cluster": cluster.name,

@@ -16,9 +16,11 @@ from slurm_dlrm.sim.report import (
     comparison_table,
     ideal_makespan_bounds_s,
     ideal_makespan_s,
+    ideal_throughput_bounds_jobs_per_h,
     ideal_throughput_jobs_per_h,
 )
 
 __all__ = ["JobOutcome", "SimCluster", "SimJob", "SimNode", "SimResult", "Workload", "comparison_table",
-           "generate_jobs", "ideal_makespan_bounds_s", "ideal_makespan_s", "ideal_throughput_jobs_per_h",
+           "generate_jobs", "ideal_makespan_bounds_s", "ideal_makespan_s", "ideal_throughput_bounds_jobs_per_h",
+           "ideal_throughput_jobs_per_h",
            "parse_cluster", "parse_workload", "simulate", "workload_summary"]

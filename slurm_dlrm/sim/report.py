@@ -42,6 +42,13 @@ def ideal_makespan_bounds_s(workload: Workload, cluster: SimCluster,
     }
 
 
+def ideal_throughput_bounds_jobs_per_h(workload: Workload, cluster: SimCluster) -> dict[str, float]:
+    """`ideal_makespan_bounds_s` as throughputs (jobs/h): the lowest is the ideal bound
+    and names the resource that caps every policy."""
+    n = len(workload.jobs)
+    return {k: n / (v / 3600.0) for k, v in ideal_makespan_bounds_s(workload, cluster).items() if v > 0}
+
+
 def ideal_throughput_jobs_per_h(workload: Workload, cluster: SimCluster) -> float:
     t = ideal_makespan_s(workload, cluster)
     n = len(workload.jobs)
