@@ -292,20 +292,64 @@ def _read_pid(pid_file: Path) -> int | None:
         return None
 
 
+def _same_root(pid: int) -> bool:
+    """The process sees the same / as we do: not one of another chroot (a Slurm
+    release root of scripts/slurm-matrix.sh) that happens to use the same state path."""
+    try:
+        theirs, ours = os.stat(f"/proc/{pid}/root"), os.stat("/")
+    except OSError:
+        return False
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+def _inode(path: str | Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _stepd_is_ours(pid: int, state_dir: Path) -> bool:
+    """A slurmstepd of one of our slurmd: its working folder or an open file (slurmd's
+    log, which slurmstepd writes to) is in our state folder. Compared by inode, so a
+    look-alike path in another root does not match. Needed from Slurm 23.x: slurmstepd
+    no longer inherits slurmd's environment (24.11: no marker in its environ), and it
+    is double-forked (parent pid 1), so neither environ nor parentage names it."""
+    ours = {i for i in (_inode(state_dir), _inode(state_dir / "log"), _inode(state_dir / "spool")) if i}
+    spool = state_dir / "spool"
+    with contextlib.suppress(OSError):
+        ours |= {i for i in (_inode(d) for d in spool.iterdir()) if i}
+    if _inode(f"/proc/{pid}/cwd") in ours:
+        return True
+    log_files = set()
+    with contextlib.suppress(OSError):
+        log_files = {i for i in (_inode(f) for f in (state_dir / "log").iterdir()) if i}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    return any(_inode(f"/proc/{pid}/fd/{fd}") in log_files for fd in fds)
+
+
 def _is_ours(pid: int, state_dir: Path) -> bool:
-    """The process exists, is not a zombie, and is ours: a daemon carrying our marker,
-    or a task of a job of this cluster (slurmstepd gives every task SLURM_CONF and
-    SLURM_JOB_ID, even with --export=NONE)."""
+    """The process exists, is not a zombie, runs in our root, and is ours: a daemon
+    carrying our marker, a slurmstepd of our slurmd (see `_stepd_is_ours`), or a task
+    of a job of this cluster (slurmstepd gives every task SLURM_CONF and SLURM_JOB_ID,
+    even with --export=NONE)."""
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes()
         st = Path(f"/proc/{pid}/stat").read_text()
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return False
-    if st.rsplit(")", 1)[-1].split()[0] == "Z":
+    if st.rsplit(")", 1)[-1].split()[0] == "Z" or not _same_root(pid):
         return False
     entries = env.split(b"\0")
     if f"{MARKER}={state_dir}".encode() in entries:
         return True
+    if comm == "slurmstepd":
+        return _stepd_is_ours(pid, state_dir)
     conf = f"SLURM_CONF={state_dir / 'etc' / 'slurm.conf'}".encode()
     return conf in entries and any(e.startswith(b"SLURM_JOB_ID=") for e in entries)
 
@@ -483,9 +527,7 @@ class LocalCluster:
                      ["sacctmgr", "-i", "add", "user", "root", f"Account={ACCOUNT}",
                       f"Cluster={c.cluster_name}"]):
             proc = cl.run(argv, check=False)
-            # "Nothing new added" (exit 1) when it exists already: fine on a second `up`.
-            if proc.returncode != 0 and "already exists" not in proc.stdout + proc.stderr \
-                    and "Nothing new added" not in proc.stdout + proc.stderr:
+            if proc.returncode != 0 and not sacctmgr_already_there(proc.stdout + proc.stderr):
                 raise ClusterError(f"{' '.join(argv)} failed: {(proc.stderr or proc.stdout).strip()}")
 
     # ------------------------------------------------------------ files
@@ -580,20 +622,29 @@ class LocalCluster:
         t0 = time.monotonic()
         self.render()
         by_name = {d.name: d for d in self.daemons()}
-        if not by_name["munged"].running:
-            self._start_munged()
-        if c.accounting:
-            if not by_name["mariadbd"].running:
-                self._start_mariadb()
-            if not by_name["slurmdbd"].running:
-                self._start_slurmdbd()
-        if not by_name["slurmctld"].running:
-            self._spawn("slurmctld", ["slurmctld", "-f", str(c.slurm_conf)], daemonizes=True)
-        for name in c.node_names:
-            if not by_name[f"slurmd-{name}"].running:
-                self._spawn(f"slurmd-{name}", ["slurmd", "-f", str(c.slurm_conf), "-N", name],
-                            daemonizes=True)
-        self.wait_idle(wait_s)
+        try:
+            if not by_name["munged"].running:
+                self._start_munged()
+            if c.accounting:
+                if not by_name["mariadbd"].running:
+                    self._start_mariadb()
+                if not by_name["slurmdbd"].running:
+                    self._start_slurmdbd()
+            if not by_name["slurmctld"].running:
+                self._spawn("slurmctld", ["slurmctld", "-f", str(c.slurm_conf)], daemonizes=True)
+            for name in c.node_names:
+                if not by_name[f"slurmd-{name}"].running:
+                    self._spawn(f"slurmd-{name}", ["slurmd", "-f", str(c.slurm_conf), "-N", name],
+                                daemonizes=True)
+            self.wait_idle(wait_s)
+        except BaseException:
+            # Nothing half-up: stop what this call started (newest first), keep what ran before.
+            started = [d for d in self.daemons() if d.running and not by_name[d.name].running]
+            for d in reversed(started):
+                if d.pid is not None:
+                    _terminate(d.pid, c.state_dir, 10.0)
+                d.pid_file.unlink(missing_ok=True)
+            raise
         log.info("local cluster up in %.1f s", time.monotonic() - t0)
         return self.status()
 
@@ -705,6 +756,18 @@ def _terminate(pid: int, state_dir: Path, timeout_s: float) -> None:
     with contextlib.suppress(ProcessLookupError):
         if _is_ours(pid, state_dir):
             os.kill(pid, signal.SIGKILL)
+
+
+# What `sacctmgr -i add` prints (exit 1) when the cluster/account/user is there already,
+# e.g. on a second `up` with the same database (tests/data/slurm/*/sacctmgr_add_*_again.txt):
+# 22.05 "This cluster X already exists.  Not adding." / " Nothing new added.";
+# 24.11 and 26.05 "Already existing account ..." / "Nothing added.".
+_SACCTMGR_ALREADY = ("already exists", "already existing", "nothing new added", "nothing added")
+
+
+def sacctmgr_already_there(output: str) -> bool:
+    text = output.lower()
+    return any(s in text for s in _SACCTMGR_ALREADY)
 
 
 def _can_connect(port: int) -> bool:

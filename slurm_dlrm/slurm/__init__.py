@@ -15,12 +15,13 @@ from slurm_dlrm.slurm.base import (
     SlurmNotFound,
     SlurmTimeout,
 )
-from slurm_dlrm.slurm.client import SlurmClient
+from slurm_dlrm.slurm.client import SlurmClient, UnsupportedSlurm
 from slurm_dlrm.slurm.states import JobState, to_job_state
 
 __all__ = [
     "AccountingDisabled", "AcctRow", "JobInfo", "JobState", "NodeInfo", "PartitionRow", "SlurmBackend",
-    "SlurmClient", "SlurmError", "SlurmNotFound", "SlurmTimeout", "make_backend", "to_job_state",
+    "SlurmClient", "SlurmError", "SlurmNotFound", "SlurmTimeout", "UnsupportedSlurm", "make_backend",
+    "to_job_state",
 ]
 
 ENV_BACKEND = "SLURM_DLRM_SLURM_BACKEND"
