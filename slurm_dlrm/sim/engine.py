@@ -25,6 +25,7 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 
+from slurm_dlrm.packing.common import REFILL_POLICIES
 from slurm_dlrm.packing.dispatch import after_round, aged, should_run_round
 from slurm_dlrm.packing.interference import (
     DEFAULT_PARAMS,
@@ -32,7 +33,6 @@ from slurm_dlrm.packing.interference import (
     predict_speeds_from_fractions,
 )
 from slurm_dlrm.packing.model import JobDemand, Join, NodeShape, OpenGpu, PackingRequest
-from slurm_dlrm.packing.policies import REFILL_POLICIES
 from slurm_dlrm.packing.policies import plan as make_plan
 from slurm_dlrm.sim.faults import FaultRuntime, KillAction
 from slurm_dlrm.sim.files import SimCluster, SimJob, Workload
