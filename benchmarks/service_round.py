@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from slurm_dlrm.packing.model import PackingRequest, limits_from_site  # noqa: E402
 from slurm_dlrm.packing.policies import plan  # noqa: E402
-from slurm_dlrm.service.core import PackingService, ServiceSettings, write_job_spec  # noqa: E402
+from slurm_dlrm.service.core import PackingService, ServiceSettings  # noqa: E402
+from slurm_dlrm.service.spool import write_job_spec  # noqa: E402
 from slurm_dlrm.site import REPO_SITE_FILE, parse_site  # noqa: E402
 from slurm_dlrm.slurm.fake import FakeSlurm  # noqa: E402
 from slurm_dlrm.store.store import Store  # noqa: E402

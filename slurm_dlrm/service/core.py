@@ -34,6 +34,14 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.admin.marker import MODE_PACK, format_marker
+from slurm_dlrm.service.common import (
+    AGENT_MEM_MIB,
+    PLACEMENT_FILE,
+    SBATCH_MARKER,
+    SCRIPT_FILE,
+    job_options,
+    pack_member_ids,
+)
 from slurm_dlrm.service.daemon import ensure_private_dir
 from slurm_dlrm.service.sbatch_options import (
     PackScript,
@@ -59,11 +67,7 @@ UNREACHABLE_MARKERS = (
     "Could not establish a configuration source",
 )
 
-SBATCH_MARKER = "sbatch.started"
-PLACEMENT_FILE = "placement.json"
-SCRIPT_FILE = "pack.sbatch"
 MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
-AGENT_MEM_MIB = 512  # host memory the agent itself needs on each node, added to --mem
 
 
 @dataclass(frozen=True)
@@ -714,79 +718,7 @@ class PackingService:
             signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged)
 
 
-def job_options(job: Any) -> SbatchOptions:
-    raw = getattr(job, "sbatch_json", None)
-    if not raw:
-        return SbatchOptions()
-    return SbatchOptions.from_dict(json.loads(raw))
-
-
 def _never_fits(reason: str) -> bool:
     # The policy's "too big" reasons: the job exceeds what any node offers even when
     # empty. Room or GPUs lacking *this round* is not final.
     return "largest free GPU" in reason
-
-
-def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
-    """Cancel one job without disturbing the other members of its pack. Returns what was done.
-
-    PENDING: cancelled in the store. PLANNED or RUNNING: the agent is told through
-    `<pack_dir>/cancel/<job_id>` (docs/interfaces.md 3a) and reports the member
-    CANCELLED; a member not yet started is cancelled in the store at once. If it was
-    the pack's last live member, the whole Slurm job is cancelled too.
-    """
-    from slurm_dlrm.errors import BadInput
-    from slurm_dlrm.slurm import SlurmError
-    from slurm_dlrm.store.errors import StaleState, UnknownEntity
-    from slurm_dlrm.store.states import JOB_TERMINAL, JobState
-
-    try:
-        job = store.get_job(job_id)
-    except UnknownEntity:
-        raise BadInput(f"job {job_id}: no such job in your store") from None
-    if job.user != user:
-        raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
-    if job.state in JOB_TERMINAL:
-        return f"job {job_id} already ended ({job.state})"
-    if job.state == JobState.PENDING:
-        try:
-            store.transition_job(job_id, JobState.CANCELLED, "cancelled by the user", expect=JobState.PENDING)
-            return f"job {job_id} cancelled (was pending)"
-        except StaleState:
-            job = store.get_job(job_id)  # a round just planned it: cancel it in its pack
-    pack = store.get_pack(job.pack_id)
-    if pack.pack_dir:
-        cancel_dir = Path(pack.pack_dir) / "cancel"
-        ensure_private_dir(cancel_dir)
-        _write_atomic(cancel_dir / str(job_id), f"{time.time()}\n")
-    if job.state == JobState.PLANNED:
-        store.transition_job(job_id, JobState.CANCELLED, "cancelled by the user before it started",
-                             expect=JobState.PLANNED)
-    else:
-        store.add_event("note", "cancel requested; waiting for the agent", job_id=job_id, pack_id=pack.id)
-    live = [i for i in pack_member_ids(store, pack.id, ("PLANNED", "RUNNING")) if i != job_id]
-    if not live and pack.slurm_job_id:
-        try:
-            slurm.scancel([int(pack.slurm_job_id)])
-        except SlurmError as exc:
-            log.warning("scancel of pack %s: %s", pack.name, exc)
-        return f"job {job_id} cancelled; its pack {pack.name} (Slurm job {pack.slurm_job_id}) had no other member"
-    return f"job {job_id} cancel sent to its pack {pack.name}; {len(live)} other member(s) keep running"
-
-
-def pack_member_ids(store: Any, pack_id: int, states: Sequence[str]) -> list[int]:
-    """Ids of the jobs whose current pack is `pack_id`, in `states` (indexed by pack)."""
-    marks = ", ".join("?" * len(states))
-    rows = store.conn.execute(f"SELECT id FROM jobs WHERE pack_id = ? AND state IN ({marks}) ORDER BY id",
-                              (pack_id, *states)).fetchall()
-    return [int(r[0]) for r in rows]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)

@@ -527,7 +527,7 @@ class Recovery:
         return max(0.0, steps * batch - done) / samples_per_s
 
     def _pending_demands(self, pack_key: tuple[tuple[str, str], ...]) -> list[Any]:
-        from slurm_dlrm.service.core import job_options
+        from slurm_dlrm.service.common import job_options
         from slurm_dlrm.store.states import JobState
 
         self._fresh()
@@ -545,7 +545,7 @@ class Recovery:
         on it). (None, why) if the plan has no place for it."""
         from slurm_dlrm.packing.model import PackingRequest, limits_from_site
         from slurm_dlrm.packing.policies import plan
-        from slurm_dlrm.service.core import job_options
+        from slurm_dlrm.service.common import job_options
 
         svc = self.svc
         options = job_options(job)

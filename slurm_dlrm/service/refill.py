@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR
-from slurm_dlrm.service.core import (
+from slurm_dlrm.service.common import (
     AGENT_MEM_MIB,
     PLACEMENT_FILE,
-    _write_atomic,
     job_options,
     pack_member_ids,
+    write_atomic,
 )
 from slurm_dlrm.service.daemon import ensure_private_dir
 from slurm_dlrm.service.sbatch_options import pack_time_minutes
@@ -253,7 +253,7 @@ class Refill:
         joins = Path(pack.pack_dir) / JOINS_DIR
         if not joins.is_dir():
             ensure_private_dir(joins)
-        _write_atomic(joins / f"{job.id}.json", json.dumps(entry, sort_keys=True) + "\n")
+        write_atomic(joins / f"{job.id}.json", json.dumps(entry, sort_keys=True) + "\n")
 
     # ------------------------------------------------------------ each round
 
