@@ -16,7 +16,13 @@ from slurm_dlrm.store.errors import (
     StoreError,
     UnknownEntity,
 )
-from slurm_dlrm.store.ingest import IngestResult, OnRecord, ingest_pack_reports, record_as_event
+from slurm_dlrm.store.ingest import (
+    IngestResult,
+    OnRecord,
+    ingest_pack_reports,
+    ingest_spool_file,
+    record_as_event,
+)
 from slurm_dlrm.store.states import (
     JOB_TERMINAL,
     JOB_TRANSITIONS,
@@ -42,6 +48,6 @@ __all__ = [
     "JOB_TERMINAL", "JOB_TRANSITIONS", "PACK_ACTIVE", "PACK_TERMINAL", "PACK_TRANSITIONS",
     "CalibrationRow", "IllegalTransition", "IngestResult", "Job", "JobState", "JobUsage", "NewPlacement",
     "OnRecord", "Pack", "PackState", "Placement", "SchemaTooNew", "StaleState", "Store",
-    "StoreBusy", "StoreError", "UnknownEntity", "current_user", "ingest_pack_reports",
+    "StoreBusy", "StoreError", "UnknownEntity", "current_user", "ingest_pack_reports", "ingest_spool_file",
     "record_as_event", "store_path_for",
 ]

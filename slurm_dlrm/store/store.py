@@ -31,7 +31,6 @@ from slurm_dlrm.store.errors import (
     StoreError,
     UnknownEntity,
 )
-from slurm_dlrm.store.ingest import IngestResult, OnRecord, ingest_spool_file
 from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS, MIGRATIONS_TABLE
 from slurm_dlrm.store.states import (
     JOB_ATTEMPT_FROM,
@@ -815,15 +814,6 @@ class Store:
             self.add_event("store", f"pruned {deleted} samples older than {before:.0f}",
                            data={"before": before, "deleted": deleted})
         return deleted
-
-    # ------------------------------------------------------------ ingestion
-
-    def ingest_spool_file(self, path: str | os.PathLike[str], on_record: OnRecord | None = None,
-                          **kw: Any) -> IngestResult:
-        """Ingest an agent report file exactly once (see `slurm_dlrm.store.ingest`)."""
-        return ingest_spool_file(self, path, on_record, **kw)
-
-    # ------------------------------------------------------------ reads for others
 
     def calibration(self, spec_fingerprint: str, *, limit: int = 100) -> list[CalibrationRow]:
         """Finished jobs with this fingerprint: estimated vs measured GPU and host peaks, newest first."""
