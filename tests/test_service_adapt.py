@@ -218,7 +218,7 @@ SOLO_SPS = {"fp-c": 2000.0, "fp-m": 800.0, "fp-x": 1200.0, "fp-y": 3000.0}
 def _history(store, clock, solo_share=100):
     """Packs already run: each spec alone on a GPU, and pairs co-located, with samples/s
     from the TRUE interference constants."""
-    from slurm_dlrm.store.store import NewPlacement
+    from slurm_dlrm.store.records import NewPlacement
 
     n = 0
 

@@ -226,7 +226,7 @@ def test_the_member_using_more_than_planned_is_moved_not_its_slowed_neighbour(wo
 
 
 def test_perf_model_fitted_from_runs_at_different_shares(world):
-    from slurm_dlrm.store.store import NewPlacement
+    from slurm_dlrm.store.records import NewPlacement
 
     svc, store, slurm, clock, cluster = world
     # Truth: seconds/sample = 1e-3 * 100/share + 2e-3 / cpus; four runs of one spec.

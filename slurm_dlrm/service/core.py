@@ -581,7 +581,7 @@ class PackingService:
 
     def _create_and_submit(self, pack: Any, members: list[Any], options: SbatchOptions, partition: Any,
                            stats: RoundStats) -> None:
-        from slurm_dlrm.store.store import NewPlacement
+        from slurm_dlrm.store.records import NewPlacement
 
         name = new_pack_name()
         pack_dir = self.spool_dir / name

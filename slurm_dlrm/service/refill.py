@@ -217,7 +217,7 @@ class Refill:
                      by_id: dict[int, Any], stats: Any) -> int:
         """Each join: into the store (PENDING -> PLANNED in the pack), then its join file."""
         from slurm_dlrm.store.errors import StoreError
-        from slurm_dlrm.store.store import NewPlacement
+        from slurm_dlrm.store.records import NewPlacement
 
         done = 0
         for join in joins:

@@ -23,6 +23,7 @@ from slurm_dlrm.store.ingest import (
     ingest_spool_file,
     record_as_event,
 )
+from slurm_dlrm.store.records import CalibrationRow, Job, JobUsage, NewPlacement, Pack, Placement
 from slurm_dlrm.store.states import (
     JOB_TERMINAL,
     JOB_TRANSITIONS,
@@ -32,17 +33,7 @@ from slurm_dlrm.store.states import (
     JobState,
     PackState,
 )
-from slurm_dlrm.store.store import (
-    CalibrationRow,
-    Job,
-    JobUsage,
-    NewPlacement,
-    Pack,
-    Placement,
-    Store,
-    current_user,
-    store_path_for,
-)
+from slurm_dlrm.store.store import Store, current_user, store_path_for
 
 __all__ = [
     "JOB_TERMINAL", "JOB_TRANSITIONS", "PACK_ACTIVE", "PACK_TERMINAL", "PACK_TRANSITIONS",
