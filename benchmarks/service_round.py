@@ -89,8 +89,8 @@ def plan_only(tmp: Path, nodes: int, policy: str) -> float:
     with Store(tmp / "store.sqlite") as store:
         fill(store, JOBS, site.spool_dir_for("bench"))
         svc = PackingService(store, FakeSlurm(user="bench"), site, ServiceSettings(user="bench", policy=policy))
-        demands = tuple(svc._demand(j) for j in store.jobs(["PENDING"]))
-    request = PackingRequest(jobs=demands, gpu_models=tuple(site.gpu_models.values()), nodes=svc._node_shapes(
+        demands = tuple(svc.demand_of(j) for j in store.jobs(["PENDING"]))
+    request = PackingRequest(jobs=demands, gpu_models=tuple(site.gpu_models.values()), nodes=svc.node_shapes(
         site.default_partition), limits=limits_from_site(site))
     t0 = time.perf_counter()
     plan(request, policy)

@@ -201,7 +201,7 @@ def test_warmup_replan_kept_in_place_says_why(world):
 
 def test_warmup_replan_without_a_free_gpu_is_kept(world, monkeypatch):
     def cluster_full(svc):
-        monkeypatch.setattr(svc, "_busy_gpus", lambda partition: 8)  # every GPU of the site is held
+        monkeypatch.setattr(svc, "busy_gpus", lambda partition: 8)  # every GPU of the site is held
 
     svc, store, p, a, b = _warmup(world, measured_sm_a=100.0, before_judgement=cluster_full)
     assert not asked_to_move(p, a)

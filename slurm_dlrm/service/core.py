@@ -18,6 +18,11 @@ Crash safety (the service may be killed at any instant and restarted):
   transaction as the state changes they cause).
 - Nothing is kept only in memory that a restart needs: the in-memory heartbeat times and
   back-off are rebuilt from scratch without losing a job.
+
+Over 600 lines: one class, the round, whose observe and act halves share the service's
+state (store, Slurm client, back-off, heartbeats) in nearly every method; recovery,
+refill, cancel and the helpers they share already live apart (recovery.py, refill.py,
+cancel.py, common.py).
 """
 
 from __future__ import annotations
@@ -361,7 +366,7 @@ class PackingService:
                 stats.transitions += 1
             return
         if info.state.is_terminal:
-            self._pack_ended(pack, info.slurm_state.split(" ", 1)[0], info.reason or "", stats,
+            self.pack_ended(pack, info.slurm_state.split(" ", 1)[0], info.reason or "", stats,
                              exit_code=info.exit_code, nodes=info.nodes or None)
 
     def _may_resubmit(self, pack: Any) -> bool:
@@ -393,12 +398,12 @@ class PackingService:
                 log.warning("sacct for pack %s failed: %s", pack.name, exc)
         if ending is None:
             ending = "COMPLETED" if self._all_members_done(pack.id) else "LOST"
-        self._pack_ended(pack, ending, "no longer in squeue", stats)
+        self.pack_ended(pack, ending, "no longer in squeue", stats)
 
     def _all_members_done(self, pack_id: int) -> bool:
         return not pack_member_ids(self.store, pack_id, ("PLANNED", "RUNNING"))
 
-    def _pack_ended(self, pack: Any, slurm_state: str, reason: str, stats: RoundStats, *,
+    def pack_ended(self, pack: Any, slurm_state: str, reason: str, stats: RoundStats, *,
                     exit_code: int | None = None, nodes: str | None = None) -> None:
         """The allocation is over: record it, then settle members that did not report an end."""
         from slurm_dlrm.adapt.recovery import RECOVERABLE_PACK_ENDINGS
@@ -498,11 +503,11 @@ class PackingService:
         from slurm_dlrm.store.states import JobState
 
         options = job_options(jobs[0])
-        partition = self._partition(options)
-        nodes = self._node_shapes(partition)
-        demands = [self._demand(j) for j in jobs]
+        partition = self.partition_for(options)
+        nodes = self.node_shapes(partition)
+        demands = [self.demand_of(j) for j in jobs]
         cfg = DispatchConfig.from_site(self.site)
-        busy = self._busy_gpus(partition)
+        busy = self.busy_gpus(partition)
         total = sum(n.gpus * n.count for n in nodes)
         # GPUs of running packs to refill (not packs one of these jobs already ran in)
         open_gpus, where = self.refill.open_gpus(options.pack_key(), {j.id for j in jobs})
@@ -528,7 +533,7 @@ class PackingService:
                 self.waited_rounds.pop(m.job_id, None)
             self._create_and_submit(pack, members, options, partition, stats)
 
-    def _partition(self, options: SbatchOptions) -> Any:
+    def partition_for(self, options: SbatchOptions) -> Any:
         if options.partition:
             for p in self.site.partitions:
                 if p.name == options.partition.split(",")[0]:
@@ -536,7 +541,7 @@ class PackingService:
             return None  # unknown to the site: Slurm will judge (and refuse) it
         return self.site.default_partition
 
-    def _node_shapes(self, partition: Any) -> tuple[Any, ...]:
+    def node_shapes(self, partition: Any) -> tuple[Any, ...]:
         from slurm_dlrm.packing.model import NodeShape
         from slurm_dlrm.site import expand_hostlist
 
@@ -549,7 +554,7 @@ class PackingService:
                                         memory_bytes=g.memory_mib * MIB, count=len(hosts), name=g.names))
         return tuple(shapes)
 
-    def _busy_gpus(self, partition: Any) -> int:
+    def busy_gpus(self, partition: Any) -> int:
         """GPUs the user's packs already hold or wait for: the policy plans only the rest."""
         from slurm_dlrm.store.states import PACK_ACTIVE
 
@@ -557,7 +562,7 @@ class PackingService:
         return sum(p.n_gpus for p in self.store.packs(PACK_ACTIVE, user=self.settings.user)
                    if name is None or p.partition in (None, name))
 
-    def _demand(self, job: Any) -> Any:
+    def demand_of(self, job: Any) -> Any:
         from dataclasses import replace
 
         from slurm_dlrm.packing.model import demand_from_estimate

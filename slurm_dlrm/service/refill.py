@@ -165,7 +165,7 @@ class Refill:
             demands = {}
             for j in by_job:
                 job = svc.store.get_job(j)
-                demands[j] = self._live_demand(svc._demand(job), by_job[j], now, self._steps_done(job))
+                demands[j] = self._live_demand(svc.demand_of(job), by_job[j], now, self._steps_done(job))
             end_t = self.end_t.get(pack.id)  # squeue's EndTime, if the parser keeps it for running jobs
             if end_t is None and shape.time_limit_s is not None and pack.start_time is not None:
                 end_t = pack.start_time + shape.time_limit_s

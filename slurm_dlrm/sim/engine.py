@@ -17,6 +17,10 @@ The mechanism is the same for every policy, only `plan()` differs:
   peak passes its fence; without one (exclusive, first-fit) it dies if the GPU's
   members together pass the GPU's memory. A killed job resumes from its last checkpoint
   in a later round, its estimate raised by `mem_bump_pct`, at most `max_retries` times.
+
+Over 600 lines: `simulate` is one event loop whose handlers (arrival, tick, pack
+start, member ready, node faults, resubmission) share its local state; splitting them
+would pass that state around instead of reading it.
 """
 
 from __future__ import annotations

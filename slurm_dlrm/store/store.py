@@ -4,6 +4,11 @@ Every state change goes through `transition_job` / `transition_pack`, which chec
 lifecycle tables in `states.py` and write an event row in the same transaction.
 Writes nest: calling a store method inside `with store.write():` joins the outer
 transaction, so a caller can make several changes atomically.
+
+Over 600 lines: one class, the transactional API every read and write goes through
+(nested `write()`, the state machines, an event in the same transaction); the row types
+are in records.py, the SQL text in queries.py, the schema in migrations.py, ingestion
+in ingest.py.
 """
 
 from __future__ import annotations
