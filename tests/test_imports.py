@@ -179,3 +179,38 @@ def test_a_module_over_600_lines_says_why_at_its_top() -> None:
         if n_lines > 600 and "over 600 lines" not in doc.lower():
             bad.append(f"{path.relative_to(ROOT)}: {n_lines} lines")
     assert bad == []
+
+
+# The floors of docs/architecture.md: an area (a top-level module or sub-package of
+# slurm_dlrm) imports only areas on lower floors. `__main__` modules are entry points
+# (they start a command) and stand above every floor.
+FLOORS = {
+    "slurm_dlrm": 0, "errors": 0, "presets": 0,
+    "site": 1, "spec": 1,
+    "estimate": 2, "packing": 2, "adapt": 2, "slurm": 2, "agent": 2,
+    "store": 3, "sim": 3, "admin": 3, "localcluster": 3, "train": 3,
+    "interference_io": 4, "service": 4,
+    "commands": 5, "cli": 5,
+}
+
+
+def _area(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_every_area_has_a_floor() -> None:
+    assert sorted({_area(m) for m in MODULES if not m.endswith("__main__")} - set(FLOORS)) == []
+
+
+def test_areas_import_only_lower_floors() -> None:
+    bad = []
+    for mod, targets in _graph().items():
+        if mod.endswith("__main__"):
+            continue
+        a = _area(mod)
+        for target in targets:
+            b = _area(target)
+            if b != a and FLOORS.get(b, 99) >= FLOORS.get(a, -1):
+                bad.append(f"{mod} (floor {FLOORS.get(a)}) -> {target} (floor {FLOORS.get(b)})")
+    assert sorted(bad) == []
