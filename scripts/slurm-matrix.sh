@@ -110,7 +110,13 @@ in_root() {
   [[ -f /etc/ssl/certs/ca-certificates.crt ]] && envs+=(PIP_CERT=/opt/host-ca/ca-certificates.crt)
   unshare "${ns[@]}" env ROOT="$root" REPO="$repo" ISOLATED="$isolated" bash -c '
     set -e
-    [[ $ISOLATED == 1 ]] && ip link set lo up
+    if [[ $ISOLATED == 1 ]]; then
+      # Only loopback. glibc getaddrinfo(AI_ADDRCONFIG), which slurmdbd and slurmctld use,
+      # ignores 127.0.0.1 when it looks for a configured IPv4 address ("Address family not
+      # supported by protocol"), so loopback gets a second one.
+      ip link set lo up
+      ip addr add 127.0.0.2/32 dev lo
+    fi
     mount -t proc proc "$ROOT/proc"
     mount -t sysfs sys "$ROOT/sys"
     # slurmd 22.05 does not start without a cgroup mount (systemd makes one on a real machine).
