@@ -6,7 +6,9 @@ node (each on its own port on 127.0.0.1), and with accounting also MariaDB and
 slurmdbd. Everything is private to the state folder and the base port, so several
 instances run side by side (one per git worktree). `down()` stops only processes this
 instance started: it finds them through pid files and checks that each carries the
-instance's marker in its environment before signalling it; nothing is killed by name.
+instance's marker in its environment (a slurmstepd, which from Slurm 23.x no longer
+inherits it: its working folder or open log file in the state folder) and runs in the
+same root before signalling it; nothing is killed by name.
 
 Over 600 lines: one class, `LocalCluster`, owns one instance's whole lifecycle (config,
 daemons, pid files, the marker check); the helpers beside it serve only it.

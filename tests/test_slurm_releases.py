@@ -262,3 +262,21 @@ def test_the_recorded_files_are_real_output():
     for folder in RELEASES:
         assert {p.name for p in folder.iterdir()} == names, folder.name
         assert os.path.getsize(folder / "squeue.json") > 1000
+
+
+def test_fake_slurm_answers_like_every_release(rec):
+    """FakeSlurm's refusals and no-ops are the ones each release really gives."""
+    from slurm_dlrm.slurm import SlurmError
+    from slurm_dlrm.slurm.fake import FakeSlurm
+
+    fake = FakeSlurm()
+    job_id = fake.sbatch("#!/bin/sh\n")
+    with pytest.raises(SlurmError) as info:
+        fake.requeue(job_id)
+    real = rec.call("scontrol_requeue_pending.txt")
+    assert real["returncode"] == info.value.returncode == 1
+    assert info.value.stderr.strip().replace(str(job_id), "N") == \
+        real["stderr"].strip().replace(str(rec.ids["big"]), "N")
+    real = rec.call("scancel_unknown.txt")
+    assert real["returncode"] == 0 and not real["stderr"]
+    fake.scancel([999999])  # silent, like the real scancel
