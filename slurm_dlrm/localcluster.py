@@ -506,7 +506,12 @@ class LocalCluster:
             "--bind-address=127.0.0.1", f"--socket={c.mysql_socket}", "--user=root",
             f"--pid-file={c.run_dir / 'mariadbd.pid.own'}", f"--log-error={c.log_dir / 'mariadb.log'}",
             "--skip-name-resolve", "--innodb-buffer-pool-size=32M", "--innodb-log-file-size=16M",
-            "--performance-schema=OFF", "--skip-log-bin"], daemonizes=False, wait_s=5)
+            "--performance-schema=OFF", "--skip-log-bin",
+            # Slurm's advice: slurmdbd 26.05 warns that MariaDB 11.8's (trixie, sid) default
+            # snapshot isolation makes it die on a write conflict. `loose-`: MariaDB 10.11
+            # (bookworm) has no such option and would otherwise refuse to start.
+            "--loose-innodb-snapshot-isolation=OFF", "--innodb-lock-wait-timeout=900"],
+            daemonizes=False, wait_s=5)
         _wait_for(lambda: c.mysql_socket.exists() and _can_connect(c.port(PORT_MYSQL)), 60,
                   "mariadbd to accept connections", c.log_dir / "mariadb.log")
         pw_file = c.etc_dir / "mysql.password"
@@ -540,8 +545,10 @@ class LocalCluster:
     def render(self) -> None:
         """Write slurm.conf, gres.conf (and slurmdbd.conf) and the fake GPU devices."""
         c = self.config
+        # slurmd's spool folder (SlurmdSpoolDir=<state>/spool/slurmd-%n) holds its domain
+        # sockets; 24.11+ log an error at start when it does not exist yet.
         for d in (c.etc_dir, c.run_dir, c.log_dir, c.state_dir / "ctld", c.state_dir / "spool",
-                  c.state_dir / "dev"):
+                  c.state_dir / "dev", *(c.state_dir / "spool" / f"slurmd-{n}" for n in c.node_names)):
             d.mkdir(parents=True, exist_ok=True)
         c.state_dir.chmod(0o755)  # munged refuses group/other-writable socket folders
         c.run_dir.chmod(0o755)
