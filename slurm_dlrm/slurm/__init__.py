@@ -31,7 +31,8 @@ def make_backend(slurm_conf: str | None = None, kind: str | None = None,
                  timeout_s: float = 30.0) -> SlurmBackend:
     """The backend to use: `kind` or $SLURM_DLRM_SLURM_BACKEND, default "cli".
 
-    "cli" runs the Slurm commands (works with any Slurm that has `squeue --json`).
+    "cli" runs the Slurm commands (Slurm 22.05 to 26.05; an older release is refused
+    in one line at the first command).
     "pyslurm" is reserved for a backend on pyslurm (which builds only against the
     matching Slurm release); it is not written yet.
     """
