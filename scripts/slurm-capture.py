@@ -18,6 +18,8 @@ the end. Roles:
   shard  --gres=shard:2, running
   big    -N 2 --gres=gpu:4, pending on Resources
 then: gpu and big cancelled, multi requeued (squeue_after.json, scontrol_show_job_*_after.txt).
+Best run right after `cluster up` on a fresh state folder: `squeue --states=all` also
+lists every job that ended less than MinJobAge (300 s) ago, e.g. a whole test run's.
 """
 
 from __future__ import annotations
