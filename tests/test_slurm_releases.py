@@ -280,3 +280,9 @@ def test_fake_slurm_answers_like_every_release(rec):
     real = rec.call("scancel_unknown.txt")
     assert real["returncode"] == 0 and not real["stderr"]
     fake.scancel([999999])  # silent, like the real scancel
+
+
+def test_client_ping(rec, client):
+    cl, bin_dir = client
+    _replay(bin_dir, "scontrol", rec.text("scontrol_ping.txt"))
+    assert cl.ping() is True
