@@ -42,7 +42,7 @@ def test_spec_with_a_duplicate_key_is_refused(tmp_path, suffix):
         line = len(text.splitlines())
     else:
         body = json.dumps(good, indent=1)
-        text = body[:-1].rstrip() + f',\n "name": "other"\n}}'
+        text = body[:-1].rstrip() + ',\n "name": "other"\n}'
         line = len(text.splitlines()) - 1
     path = tmp_path / f"spec{suffix}"
     path.write_text(text)
@@ -51,7 +51,7 @@ def test_spec_with_a_duplicate_key_is_refused(tmp_path, suffix):
         load_spec(path)
     # the CLI: one line, exit 2, for estimate and for submit (nothing recorded)
     for argv in (["estimate", str(path)], ["submit", "--parsable", str(path)]):
-        proc = subprocess.run([sys.executable, "-m", "slurm_dlrm", *argv], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "slurm_dlrm", *argv], capture_output=True, text=True,  # noqa: S603
                               env={"PATH": "/usr/bin:/bin", "SLURM_DLRM_SITE": _site(tmp_path)}, timeout=120)
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.count("\n") == 1 and f"duplicate key '{key}' at line {line}" in proc.stderr
