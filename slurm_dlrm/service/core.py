@@ -470,6 +470,7 @@ class PackingService:
         if not self._slurm_available():
             return
         pending = self.store.jobs([JobState.PENDING], user=self.settings.user)
+        pending = self.trace_custom_estimates(pending, stats)
         if not pending or not self._dispatch_due(pending):
             return
         self.last_dispatch_t = self.clock()
@@ -480,6 +481,31 @@ class PackingService:
             if not self._slurm_available():
                 break
             self._dispatch_group(groups[key], stats)
+
+    def trace_custom_estimates(self, pending: list[Any], stats: RoundStats) -> list[Any]:
+        """Custom-module jobs wait for their traced estimate (service/custom_trace.py):
+        traced here, one child process per spec and GPU model; a factory that fails
+        fails its job with `estimate`'s line. Returns the jobs ready to plan."""
+        from slurm_dlrm.service.custom_trace import needs_trace, trace_job
+        from slurm_dlrm.store.states import JobState
+
+        ready, done = [], {}
+        for job in pending:
+            if not needs_trace(job):
+                ready.append(job)
+                continue
+            key = (job.spec_fingerprint, job.gpu_model, str(job.spec.get("custom_module")))
+            if key not in done:
+                done[key] = trace_job(job, self.site.gpu_model(str(job.gpu_model)), self.settings.python)
+            est, error = done[key]
+            if est is None:
+                self.store.transition_job(job.id, JobState.FAILED, error, exit_code=2)
+            else:
+                self.store.set_job_estimate(job.id, est, f"traced {job.spec.get('custom_module')}: GPU peak "
+                                            f"{int(est['gpu_peak_bytes']) / (1 << 30):.2f} GiB on {job.gpu_model}")
+                ready.append(self.store.get_job(job.id))
+            stats.transitions += 1
+        return ready
 
     @property
     def join_grace_s(self) -> float:
