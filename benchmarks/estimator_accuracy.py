@@ -120,6 +120,12 @@ CONFIGS: list[dict[str, Any]] = [
         interaction={"type": "dcn", "layers": 2, "low_rank": 32}),
     cfg("ws3-sgd", tables=_t([100000, 1000, 3000, 60000, 500, 8000], 32), bottom_mlp=[128, 32], top_mlp=[128, 1],
         batch_size=256, world_size=3),
+    # large batches (issue 17): a step frees tens of MiB of activations per layer, which
+    # glibc's dynamic mmap threshold used to keep in the heap (slurm_dlrm/train/hostmem.py)
+    cfg("big-batch-16k", tables=_t([500] * 8, 16, pooling_factor=2.0), bottom_mlp=[256, 16], top_mlp=[256, 128, 1],
+        batch_size=16384, prefetch_batches=1),
+    cfg("big-batch-8k-dcn-adagrad", tables=_t([2000] * 12, 32), bottom_mlp=[512, 256, 32], top_mlp=[512, 256, 1],
+        interaction={"type": "dcn", "layers": 2, "low_rank": 64}, batch_size=8192, optimizer={"type": "adagrad"}),
     {"name": "kaggle-scaled", "preset": "criteo-kaggle", "scale": {"max_rows_per_table": 20000}, "batch_size": 1024,
      "prefetch_batches": 1, "loader_workers": 0, "optimizer": {"type": "adagrad"}, "checkpoint_every_steps": 0},
     {"name": "dcnv2-scaled", "preset": "mlperf-dcnv2", "scale": {"max_rows_per_table": 5000, "dim": 16},
@@ -165,7 +171,8 @@ def p95(xs: list[float]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", action="append", help="run only the config(s) with this name")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5,
+                    help="steps per config (host memory settles after the first 2-3)")
     ap.add_argument("--spec", action="append", default=[], metavar="FILE",
                     help="also run this spec file (YAML/JSON); repeatable")
     ap.add_argument("--specs-only", action="store_true", help="run only the --spec files")
