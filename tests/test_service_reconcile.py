@@ -29,7 +29,7 @@ def _gpu_hours(store, ids, now):
     return sum(r["gpu_hours"] for r in acct_rows(store, AcctFilter(job_ids=tuple(ids)), now=now))
 
 
-def _run_until_slurm_ends(tmp_path, accounting=True):
+def _run_until_slurm_ends(tmp_path, accounting=True, end=True):
     """A service packs 3 jobs, the members run and report their ends, then the service
     stops (its last round saw the members end, not the pack); then Slurm ends the job."""
     clock = FakeClock()
@@ -51,8 +51,9 @@ def _run_until_slurm_ends(tmp_path, accounting=True):
     svc.run_round()  # members COMPLETED; the pack still runs in Slurm (its agent is exiting)
     assert {store.get_job(i).state for i in ids} == {JobState.COMPLETED}
     assert store.get_pack(pack.id).state == PackState.RUNNING
-    clock.advance(2.0)
-    slurm.finish(int(pack.slurm_job_id))  # ... and ends: no service round sees it
+    if end:
+        clock.advance(2.0)
+        slurm.finish(int(pack.slurm_job_id))  # ... and ends: no service round sees it
     return site, store, slurm, clock, ids, pack
 
 
@@ -106,6 +107,32 @@ def test_a_pack_still_running_in_slurm_stays_running(tmp_path):
     slurm.job(int(pack.slurm_job_id)).end_time = None
     assert reconcile_orphan_packs(site, USER, slurm=slurm) == 0
     assert store.get_pack(pack.id).state == PackState.RUNNING
+
+
+def test_an_idle_service_does_not_exit_while_its_pack_runs_in_slurm(tmp_path):
+    """Every member ended, nothing pending: idle, but the pack's Slurm job still runs.
+    The idle exit waits until a round saw it end."""
+    import threading
+
+    from slurm_dlrm.service.loop import LoopControl
+    from slurm_dlrm.service.run import serve_forever
+
+    site, store, slurm, clock, ids, pack = _run_until_slurm_ends(tmp_path, end=False)
+    control = LoopControl()
+    t = threading.Thread(target=serve_forever, args=(site, USER),
+                         kwargs={"round_seconds": 0.1, "idle_exit_s": 0.2, "slurm": slurm, "control": control},
+                         daemon=True)
+    t.start()
+    try:
+        time.sleep(1.5)
+        assert t.is_alive(), "the service exited with a pack still running in Slurm"
+        slurm.finish(int(pack.slurm_job_id))
+        t.join(timeout=10)
+        assert not t.is_alive()
+    finally:
+        control.stop = True
+        t.join(timeout=10)
+    assert store.get_pack(pack.id).state == PackState.COMPLETED
 
 
 # ---------------------------------------------------------------- on the local cluster
