@@ -142,3 +142,31 @@ def test_the_service_traces_then_packs_on_the_traced_estimate(tmp_path, mods, mo
     assert bad.state == JobState.FAILED
     assert f"slurm-dlrm: error: {bad.exit_reason}\n" == est.stderr
     store.close()
+
+
+@pytest.mark.torch
+def test_no_pack_sizes_a_custom_model_from_its_trace(tmp_path, mods, monkeypatch):
+    pytest.importorskip("torch")
+    from slurm_dlrm.errors import BadInput
+    from slurm_dlrm.estimate.traced import estimate_traced
+    from slurm_dlrm.service.submit import native_request, submit_no_pack
+    from slurm_dlrm.spec import load_spec
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(mods))
+    (tmp_path / "good.yaml").write_text(SPEC.format(name="good", module="mypkg.good:factory"))
+    (tmp_path / "broken.yaml").write_text(SPEC.format(name="broken", module="mypkg.broken:factory"))
+    site = make_site(tmp_path)
+    slurm = FakeSlurm(user="root")
+    with pytest.raises(BadInput, match="broken.yaml: custom_module: tracing mypkg.broken:factory"):
+        submit_no_pack(["good.yaml", "broken.yaml"], SbatchOptions(), site=site, user="root", cwd=str(tmp_path),
+                       slurm=slurm)
+    assert slurm.submitted == []  # nothing half-done
+    ((_, sub, req),) = submit_no_pack(["good.yaml"], SbatchOptions(), site=site, user="root", cwd=str(tmp_path),
+                                      slurm=slurm)
+    traced = estimate_traced(load_spec(tmp_path / "good.yaml"), sub.gpu)
+    assert sub.estimate.gpu_peak_bytes == traced.gpu_peak_bytes and sub.estimate.method == "traced"
+    assert req == native_request(sub, site)  # --mem, the share and the comment from the trace
+    analytic = prepare(["good.yaml"], SbatchOptions(), site, str(tmp_path))[0]
+    assert analytic.estimate.gpu_peak_bytes != traced.gpu_peak_bytes  # which would have sized it before
+    assert native_request(analytic, site) != req

@@ -9,7 +9,7 @@ profile used by the packing policy. See docs/estimator.md for every term's sourc
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from slurm_dlrm.estimate.timeline import (
@@ -111,6 +111,15 @@ class Estimate:
         d = asdict(self)
         d["notes"] = list(self.notes)
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Estimate:
+        """The inverse of `to_dict` (e.g. a traced estimate read back from a child process)."""
+        names = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["profile"] = ComputeProfile(**d["profile"])
+        kw["notes"] = tuple(d.get("notes") or ())
+        return cls(**kw)
 
 
 def device_tables(spec: JobSpec, all_placements: bool = False) -> list[int]:

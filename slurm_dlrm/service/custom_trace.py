@@ -125,14 +125,20 @@ def needs_trace(job: Any) -> bool:
 
 
 def trace_job(job: Any, gpu: Any, python: str = sys.executable) -> tuple[dict[str, Any] | None, str]:
-    """Trace one job for `gpu` (a site GpuModel) in a child process. Returns (estimate
-    dict, "") or (None, the error line)."""
+    """Trace one recorded job for `gpu` (a site GpuModel) in a child process. Returns
+    (estimate dict, "") or (None, the error line)."""
+    info = (job.estimate or {})[PENDING_TRACE]
+    return trace_spec(job.spec, info.get("source"), gpu, info.get("sys_path") or [], python)
+
+
+def trace_spec(spec_data: dict[str, Any], source: str | None, gpu: Any, search_path: Sequence[str],
+               python: str = sys.executable) -> tuple[dict[str, Any] | None, str]:
+    """Trace a spec in a child process with `search_path` as its import path."""
     import dataclasses
 
-    info = (job.estimate or {})[PENDING_TRACE]
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(info.get("sys_path") or [])
-    payload = json.dumps({"spec": job.spec, "source": info.get("source"), "gpu": dataclasses.asdict(gpu)})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in search_path if p)
+    payload = json.dumps({"spec": spec_data, "source": source, "gpu": dataclasses.asdict(gpu)})
     try:
         proc = subprocess.run(  # noqa: S603 - our own interpreter and module, no shell
             [python, "-m", "slurm_dlrm.service.custom_trace"], input=payload, capture_output=True, text=True,

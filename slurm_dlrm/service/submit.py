@@ -253,7 +253,7 @@ def native_script(sub: Submission, req: NativeRequest, spec_path: str, python: s
 def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
                    slurm: Any, python: str = sys.executable) -> list[tuple[int, Submission, NativeRequest]]:
     """Each spec as its own Slurm job; returns (Slurm job id, submission, request)."""
-    subs = prepare(paths, cli_options, site, cwd)
+    subs = [_traced(sub, python) if sub.spec.custom_module else sub for sub in prepare(paths, cli_options, site, cwd)]
     spool = ensure_private_dir(site.spool_dir_for(user))
     reqs = [native_request(sub, site) for sub in subs]  # all sized before any is submitted
     out = []
@@ -266,6 +266,20 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
         opts = [] if sub.options.output else [f"--output={job_dir}/slurm-%j.out"]
         out.append((slurm.sbatch(script, [*opts, f"--chdir={job_dir}"]), sub, req))
     return out
+
+
+def _traced(sub: Submission, python: str) -> Submission:
+    """A custom module's estimate, traced now (a child process with torch): --no-pack has
+    no service to do it later, and `--mem`/the MPS share come from it."""
+    import dataclasses
+
+    from slurm_dlrm.estimate import Estimate
+    from slurm_dlrm.service.custom_trace import submit_search_path, trace_spec
+
+    est, error = trace_spec(sub.spec_data, sub.source, sub.gpu, submit_search_path(os.getcwd()), python)
+    if est is None:
+        raise BadInput(error)
+    return dataclasses.replace(sub, estimate=Estimate.from_dict(est))
 
 
 # ---------------------------------------------------------------- --wait
