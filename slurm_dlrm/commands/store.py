@@ -15,10 +15,16 @@ from slurm_dlrm.errors import BadInput
 def _store_path(db: str | None, site_path: str | None) -> Path:
     if db is not None:
         return Path(db)
+    from slurm_dlrm.service.reconcile import reconcile_orphan_packs
     from slurm_dlrm.site import load_site
     from slurm_dlrm.store import store_path_for
+    from slurm_dlrm.store.store import current_user
 
-    return store_path_for(load_site(site_path))
+    site = load_site(site_path)
+    # your own store: settle packs a stopped or killed service left open, so they are
+    # not charged up to now (issue 17); --db names a file to read as it is
+    reconcile_orphan_packs(site, current_user())
+    return store_path_for(site)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
