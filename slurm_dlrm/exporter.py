@@ -283,9 +283,9 @@ class StoreCollector:
                 acc = ev[ek]
                 for i, v in enumerate((e.ooms, e.requeues, e.recovered_oom, e.recovered_pack, e.repacks)):
                     acc[i] += v
-        for gk in sorted(gpu_s):
-            charged.add_metric(gk, self._counter("charged", gk, gpu_s[gk][0]))
-            exclusive.add_metric(gk, self._counter("exclusive", gk, gpu_s[gk][1]))
+        for lk in sorted(gpu_s):
+            charged.add_metric(lk, self._counter("charged", lk, gpu_s[lk][0]))
+            exclusive.add_metric(lk, self._counter("exclusive", lk, gpu_s[lk][1]))
         for k in sorted(ev):
             o, r, ro, rp, mv = ev[k]
             ooms.add_metric(k, self._counter("ooms", k, o))
