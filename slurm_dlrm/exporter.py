@@ -45,6 +45,7 @@ from slurm_dlrm.site import SiteConfig
 from slurm_dlrm.store.acct import discover_user_stores
 from slurm_dlrm.store.errors import SchemaTooNew, StoreBusy, StoreError
 from slurm_dlrm.store.metrics import StoreCursor, StoreMetrics, read_store
+from slurm_dlrm.store.migrations import LATEST_VERSION
 from slurm_dlrm.store.states import JobState, PackState
 from slurm_dlrm.store.store import Store, current_user, store_path_for
 
@@ -55,6 +56,11 @@ DEFAULT_PORT = 9867
 EST_ERROR_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 WAIT_BUCKETS_S = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
 STORE_ERROR_REASONS = ("permission", "owner", "corrupt", "locked", "schema", "missing", "other")
+
+# Connections kept open between scrapes (file descriptors: 3 each with -wal and -shm),
+# and the page cache each may hold.
+MAX_OPEN = 256
+CACHE_KIB_PER_STORE = 512
 
 USER_LABELS = ("user", "partition", "gpu_model")
 GPU_LABELS = ("user", "partition", "gpu_model", "node", "gpu", "slurm_job_id")
@@ -87,6 +93,7 @@ class StoreCollector:
         self.store_errors: dict[str, int] = {r: 0 for r in STORE_ERROR_REASONS}
         self._failing: dict[str, str] = {}  # path -> reason, to log once per failure spell
         self._floor: dict[tuple[str, tuple[str, ...]], float] = {}
+        self._open: dict[str, tuple[Store, tuple[int, int]]] = {}
         self._lock = threading.Lock()
         self.last_stores_read = 0
         self.last_scrape_s = 0.0
@@ -121,9 +128,11 @@ class StoreCollector:
                 read.append((ref, m, self.cursors[key]))
         for gone in set(self.cursors) - seen:
             del self.cursors[gone]  # its user left: its series go stale
+        for gone in set(self._open) - seen:
+            self._drop(gone, self._open[gone][0])
         self.last_stores_read = len(read)
 
-        yield from self._gauges(read, now)
+        yield from self._gauges(read)
         yield from self._counters(read)
         yield from self._histograms(read)
         yield from self._services(read, now)
@@ -140,17 +149,22 @@ class StoreCollector:
 
     def _read_one(self, ref: StoreRef, now: float, default_partition: str) -> StoreMetrics | None:
         key = str(ref.path)
-        reason, detail = self._refuse(ref)
+        reason, detail, ident = self._refuse(ref)
         if reason is None:
             try:
-                with Store(ref.path, readonly=True, busy_timeout_s=self.busy_timeout_s,
-                           retry_s=self.busy_timeout_s) as st:
+                st = self._store(key, ref.path, ident)
+                try:
                     cursor = self.cursors.setdefault(key, StoreCursor())
                     m = read_store(st, cursor, user=ref.user, default_partition=default_partition,
                                    now=now, sample_window_s=self.sample_window_s,
                                    slow_every_s=self.slow_every_s,
                                    stagger_s=self.slow_every_s * (zlib.crc32(key.encode()) % 1000) / 1000,
                                    monotonic=self.monotonic())
+                except BaseException:
+                    self._drop(key, st)
+                    raise
+                if key not in self._open:
+                    st.close()
             except (StoreError, sqlite3.Error, OSError) as exc:
                 reason, detail = _classify(exc), str(exc).splitlines()[0] if str(exc) else type(exc).__name__
             else:
@@ -158,22 +172,54 @@ class StoreCollector:
                     log.info("store %s (%s) readable again", ref.path, ref.user)
                     del self._failing[key]
                 return m
+        assert reason is not None
         self.store_errors[reason] += 1
         if self._failing.get(key) != reason:
             log.warning("store %s (%s) skipped: %s: %s", ref.path, ref.user, reason, detail)
             self._failing[key] = reason
         return None
 
-    def _refuse(self, ref: StoreRef) -> tuple[str | None, str]:
+    def _store(self, key: str, path: Path, ident: tuple[int, int]) -> Store:
+        """The store's read-only connection, kept open between scrapes (up to MAX_OPEN).
+
+        A fresh connection parses the schema and starts with a cold page cache: with 50
+        stores that was most of a scrape's cost. Reopened when the file was replaced
+        (another inode) or migrated (another schema version, checked again on open).
+        """
+        held = self._open.get(key)
+        if held is not None:
+            st, held_ident = held
+            if held_ident == ident and st.schema_version == LATEST_VERSION:
+                return st
+            self._drop(key, st)
+        st = Store(path, readonly=True, busy_timeout_s=self.busy_timeout_s, retry_s=self.busy_timeout_s)
+        st.conn.execute(f"PRAGMA cache_size = -{CACHE_KIB_PER_STORE}")
+        if len(self._open) < MAX_OPEN:
+            self._open[key] = (st, ident)
+        return st
+
+    def _drop(self, key: str, st: Store) -> None:
+        self._open.pop(key, None)
+        try:
+            st.close()
+        except sqlite3.Error:
+            pass
+
+    def close(self) -> None:
+        for key, (st, _) in list(self._open.items()):
+            self._drop(key, st)
+
+    def _refuse(self, ref: StoreRef) -> tuple[str | None, str, tuple[int, int]]:
         """Checks before opening: the file exists, we may read it, its owner is its user."""
         try:
             st = os.stat(ref.path)
         except FileNotFoundError:
-            return "missing", "no store file"
+            return "missing", "no store file", (0, 0)
         except OSError as exc:
-            return "permission", str(exc)
+            return "permission", str(exc), (0, 0)
+        ident = (st.st_dev, st.st_ino)
         if not os.access(ref.path, os.R_OK):
-            return "permission", "not readable by the exporter"
+            return "permission", "not readable by the exporter", ident
         if self.all_users and ref.user != "*":
             try:
                 uid = pwd.getpwnam(ref.user).pw_uid
@@ -181,12 +227,12 @@ class StoreCollector:
                 uid = None  # no such account (e.g. a folder named by hand): nothing to compare
             if uid is not None and st.st_uid != uid:
                 # someone else's file in a user's store folder: not that user's figures
-                return "owner", f"owned by uid {st.st_uid}, not {ref.user} ({uid})"
-        return None, ""
+                return "owner", f"owned by uid {st.st_uid}, not {ref.user} ({uid})", ident
+        return None, "", ident
 
     # ------------------------------------------------------------ families
 
-    def _gauges(self, read: Sequence[tuple[StoreRef, StoreMetrics, StoreCursor]], now: float) -> Iterator[Metric]:
+    def _gauges(self, read: Sequence[tuple[StoreRef, StoreMetrics, StoreCursor]]) -> Iterator[Metric]:
         jobs = GaugeMetricFamily("slurm_dlrm_jobs", "Jobs in the stores, by state.", labels=(*USER_LABELS, "state"))
         packs = GaugeMetricFamily("slurm_dlrm_packs", "Packs (Slurm jobs of packed members), by state.",
                                   labels=(*USER_LABELS, "state"))
@@ -215,12 +261,11 @@ class StoreCollector:
                                  "GPU memory in use (NVML), latest sample.", labels=GPU_LABELS)
         total = GaugeMetricFamily("slurm_dlrm_gpu_memory_total_bytes",
                                   "GPU memory of the GPU model (site config).", labels=GPU_LABELS)
+        # the latest GPU sample, while it is recent (sample_window_s); none: no series
         sm = GaugeMetricFamily("slurm_dlrm_gpu_sm_utilization_ratio",
                                "SM utilisation (0-1), latest sample.", labels=GPU_LABELS)
         bw = GaugeMetricFamily("slurm_dlrm_gpu_memory_bandwidth_utilization_ratio",
                                "Memory-controller (bandwidth) utilisation (0-1), latest sample.", labels=GPU_LABELS)
-        age = GaugeMetricFamily("slurm_dlrm_gpu_sample_age_seconds",
-                                "Age of the GPU's latest sample.", labels=GPU_LABELS)
         seen: set[tuple[str, ...]] = set()
         for _, m, _ in read:
             for g in m.gpus:
@@ -242,8 +287,7 @@ class StoreCollector:
                     sm.add_metric(labels, g.sm_util_pct / 100.0)
                 if g.mem_util_pct is not None:
                     bw.add_metric(labels, g.mem_util_pct / 100.0)
-                age.add_metric(labels, max(0.0, now - g.sample_t))
-        yield from (members, fenced, used, total, sm, bw, age)
+        yield from (members, fenced, used, total, sm, bw)
 
     def _counter(self, name: str, labels: tuple[str, ...], value: float) -> float:
         """Never less than reported before for the same series (see the module doc)."""
