@@ -203,7 +203,7 @@ def main() -> None:
     print(f"stores: {N_STORES} under {root}, {samples:,} samples (built/reused in {time.perf_counter() - t:.1f} s)")
     out = subprocess.run(  # noqa: S603 - fixed argv, this script as the child
         [sys.executable, __file__, "--measure", str(root), "--scrapes", str(args.scrapes)],
-                         check=True, capture_output=True, text=True)
+        check=True, capture_output=True, text=True)
     r = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"active jobs: {r['active']:.0f} ({r['running']:.0f} running as {r['members']:.0f} GPU members), "
           f"{r['series']} series per scrape")
