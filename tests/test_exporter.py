@@ -240,19 +240,27 @@ def test_bad_stores_are_skipped_counted_and_logged_once(alice, caplog):
 
 
 def test_dashboard_references_only_served_metrics(alice):
-    _, _, col = alice
-    served = set()
+    tmp_path, _, col = alice
+    write_status(ServicePaths(tmp_path / "alice"), {"user": "alice", "last_round_t": NOW - 1, "round_seconds": 0.1})
+    served: dict[str, set[str]] = {}  # sample name (and family name) -> its label names
     for name, samples in scrape(col).items():
-        served.add(name)
-        served.update(s.name for s in samples)
-    # counters: the family is named without _total, the samples with it
+        served.setdefault(name, set())
+        for s in samples:
+            served.setdefault(s.name, set()).update(s.labels)
+            served[name].update(s.labels)
     dashboards = sorted((REPO / "site-config" / "grafana").glob("*.json"))
     assert dashboards
     for path in dashboards:
-        exprs = [t["expr"] for p in json.loads(path.read_text())["panels"] for t in p.get("targets", [])]
-        assert exprs, path
-        used = {m for e in exprs for m in re.findall(r"\bslurm_dlrm_[a-z_]+", e)}
-        assert used and used <= served, (path.name, sorted(used - served))
+        dash = json.loads(path.read_text())
+        targets = [t for p in dash["panels"] for t in p.get("targets", [])]
+        assert targets, path
+        # every metric named anywhere in the file (panels, variables), not only in targets
+        used = set(re.findall(r"\bslurm_dlrm_[a-z_]+", path.read_text()))
+        assert used and used <= set(served), (path.name, sorted(used - set(served)))
+        for t in targets:  # a legend names only labels its metrics carry
+            metrics = set(re.findall(r"\bslurm_dlrm_[a-z_]+", t["expr"]))
+            labels = set().union(*(served[m] for m in metrics)) | {"le"}
+            assert set(re.findall(r"{{(\w+)}}", t["legendFormat"])) <= labels, (path.name, t)
 
 
 def test_cli_once_json_and_port_in_use(tmp_path):
