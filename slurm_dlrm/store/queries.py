@@ -178,6 +178,18 @@ GROUP BY k.id, p.job_id
 ORDER BY k.start_time, k.id, min(p.start_time)
 """
 
+# `acct --totals` / `--all-users`: ACCT's rows summed per user and partition (a job's
+# partition: its current pack's, else the one its sbatch options name).
+ACCT_TOTALS = (
+    "SELECT a.user, coalesce(k.partition, (SELECT json_extract(s.sbatch_json, '$.partition') "
+    "FROM job_specs s WHERE s.job_id = a.job_id)) AS partition, count(*) AS jobs, "
+    "sum(a.state IN ('PENDING', 'PLANNED')) AS pending, sum(a.state = 'RUNNING') AS running, "
+    "sum(a.state = 'COMPLETED') AS completed, sum(a.state = 'FAILED') AS failed, sum(a.state = 'OOM') AS oom, "
+    "sum(a.state = 'CANCELLED') AS cancelled, sum(a.gpu_hours) AS gpu_hours, "
+    "sum(a.excl_gpu_hours) AS excl_gpu_hours, sum(a.gpu_hours_saved) AS gpu_hours_saved "
+    "FROM (" + ACCT + ") a LEFT JOIN packs k ON k.id = a.pack_id GROUP BY 1, 2"
+)
+
 # ---------------------------------------------------------------- the exporter's reads
 # (slurm_dlrm/store/metrics.py; docs/admin.md "Prometheus"). Each one is an indexed
 # lookup or a grouping over small tables: a scrape must stay cheap with 1,000 active jobs.
@@ -288,6 +300,7 @@ QUERIES: dict[str, str] = {
     "gpu_timeline": GPU_TIMELINE,
     "sample_span": SAMPLE_SPAN,
     "gantt": GANTT,
+    "acct_totals": ACCT_TOTALS,
     "metric_jobs": METRIC_JOBS,
     "metric_packs": METRIC_PACKS,
     "metric_gpus": METRIC_GPUS,
