@@ -19,6 +19,7 @@ collector therefore never reports less than it reported before for the same seri
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import os
 import pwd
@@ -40,7 +41,6 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import CollectorRegistry
 
-from slurm_dlrm.service.daemon import ServicePaths, read_status
 from slurm_dlrm.site import SiteConfig
 from slurm_dlrm.store.acct import discover_user_stores
 from slurm_dlrm.store.errors import SchemaTooNew, StoreBusy, StoreError
@@ -367,7 +367,7 @@ class StoreCollector:
                                "1 if the service's last round reached Slurm, 0 if Slurm was unreachable.",
                                labels=("user",))
         for ref, _, _ in read:
-            st = read_status(ServicePaths(ref.path.parent))
+            st = read_service_status(ref.path.parent)
             if not st.get("last_round_t"):
                 continue  # this user never ran a service
             u = (str(st.get("user") or ref.user),)
@@ -376,6 +376,19 @@ class StoreCollector:
                 dur.add_metric(u, float(st["round_seconds"]))
             ok.add_metric(u, 1.0 if st.get("slurm_ok", True) else 0.0)
         yield from (age, dur, ok)
+
+
+# What each user's packing service writes after every round, in its store folder
+# (`service.daemon.ServicePaths.status`; the exporter sits beside `service/`, not above it).
+SERVICE_STATUS_FILE = "service.status.json"
+
+
+def read_service_status(store_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((store_dir / SERVICE_STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _le(b: float) -> str:

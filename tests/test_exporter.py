@@ -198,6 +198,7 @@ def test_service_status_becomes_round_age_duration_and_slurm_reachability(alice)
     assert value(f, "slurm_dlrm_service_last_round_age_seconds", user="alice") == pytest.approx(7)
     assert value(f, "slurm_dlrm_service_round_duration_seconds", user="alice") == 0.25
     assert value(f, "slurm_dlrm_service_slurm_reachable", user="alice") == 0
+    assert ServicePaths(tmp_path).status.name == E.SERVICE_STATUS_FILE  # the file the service writes
 
 
 def test_bad_stores_are_skipped_counted_and_logged_once(alice, caplog):
