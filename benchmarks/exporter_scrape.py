@@ -127,11 +127,10 @@ def measure(root: Path, scrapes: int) -> dict[str, float]:
 
     site = dataclasses.replace(load_site(str(REPO / "site-config" / "site.toml")), store_dir=str(root / "{user}"))
     fake_mono = [1000.0]
-    # the stores were built at a fixed time; a scrape's "now" is the real clock, so
-    # the GPU sample window is widened to reach the build's samples
+    # The stores' active samples run up to the moment they were built: the scrapes see
+    # them as if made right then (the default GPU sample window, 60 s at 2 s sampling)
     built = float(json.loads((root / "built.json").read_text())["built"])
-    window = max(120.0, time.time() - built + 120.0)
-    col = StoreCollector(site, all_users=True, slow_every_s=60.0, sample_window_s=window,
+    col = StoreCollector(site, all_users=True, slow_every_s=60.0, clock=lambda: built + 2.0,
                          monotonic=lambda: fake_mono[0])
     reg = make_registry(col)
 
@@ -161,7 +160,7 @@ def measure(root: Path, scrapes: int) -> dict[str, float]:
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     # baselines: every figure recomputed each scrape; acct --all-users
-    full = StoreCollector(site, all_users=True, slow_every_s=0.0, sample_window_s=window)
+    full = StoreCollector(site, all_users=True, slow_every_s=0.0, clock=lambda: built + 2.0)
     freg = make_registry(full)
     generate_latest(freg)
     full_ms = []
@@ -172,7 +171,7 @@ def measure(root: Path, scrapes: int) -> dict[str, float]:
     acct_ms = []
     for _ in range(3):
         t = time.perf_counter()
-        rows, _w = acct_all_users(site, lambda st: acct_rows(st, AcctFilter()))
+        rows, _w = acct_all_users(site, lambda st: acct_rows(st, AcctFilter(), built + 2.0))
         acct_ms.append((time.perf_counter() - t) * 1000)
     return {"stores": stores, "cold_ms": cold_ms, "steady_max_ms": max(steady),
             "steady_median_ms": statistics.median(steady), "cold_cpu_ms": cpu[0],

@@ -94,6 +94,7 @@ class StoreCollector:
         self._failing: dict[str, str] = {}  # path -> reason, to log once per failure spell
         self._floor: dict[tuple[str, tuple[str, ...]], float] = {}
         self._open: dict[str, tuple[Store, tuple[int, int]]] = {}
+        self._uids: dict[str, tuple[int | None, float]] = {}
         self._lock = threading.Lock()
         self.last_stores_read = 0
         self.last_scrape_s = 0.0
@@ -209,6 +210,19 @@ class StoreCollector:
         for key, (st, _) in list(self._open.items()):
             self._drop(key, st)
 
+    def _uid(self, user: str) -> int | None:
+        """The account's uid (None: no such account, e.g. a folder named by hand), looked
+        up at most every 5 minutes (a miss reads the whole passwd database)."""
+        now = self.monotonic()
+        hit = self._uids.get(user)
+        if hit is None or now - hit[1] > 300:
+            try:
+                hit = (pwd.getpwnam(user).pw_uid, now)
+            except KeyError:
+                hit = (None, now)
+            self._uids[user] = hit
+        return hit[0]
+
     def _refuse(self, ref: StoreRef) -> tuple[str | None, str, tuple[int, int]]:
         """Checks before opening: the file exists, we may read it, its owner is its user."""
         try:
@@ -221,10 +235,7 @@ class StoreCollector:
         if not os.access(ref.path, os.R_OK):
             return "permission", "not readable by the exporter", ident
         if self.all_users and ref.user != "*":
-            try:
-                uid = pwd.getpwnam(ref.user).pw_uid
-            except KeyError:
-                uid = None  # no such account (e.g. a folder named by hand): nothing to compare
+            uid = self._uid(ref.user)
             if uid is not None and st.st_uid != uid:
                 # someone else's file in a user's store folder: not that user's figures
                 return "owner", f"owned by uid {st.st_uid}, not {ref.user} ({uid})", ident
