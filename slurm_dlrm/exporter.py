@@ -112,8 +112,10 @@ class StoreCollector:
     # ------------------------------------------------------------ one scrape
 
     def collect(self) -> Iterator[Metric]:
+        # whole, under the lock: two scrapes at once would share the cursors and connections
         with self._lock:
-            yield from self._collect()
+            families = list(self._collect())
+        return iter(families)
 
     def _collect(self) -> Iterator[Metric]:
         t0 = time.perf_counter()
