@@ -280,4 +280,8 @@ def test_cli_once_json_and_port_in_use(tmp_path):
         res = CliRunner().invoke(cli, ["exporter", "--site", str(site), "--addr", "127.0.0.1", "--port", str(port)])
     assert res.exit_code == 1
     assert res.stderr.strip() == f"slurm-dlrm: error: exporter: cannot listen on 127.0.0.1:{port}: port in use"
+    for args, what in ((["--json"], "--json:"), (["--addr", "no.such.host.invalid"], "--addr:")):
+        res = CliRunner().invoke(cli, ["exporter", "--site", str(site), *args])
+        assert res.exit_code == 2 and res.stderr.startswith(f"slurm-dlrm: error: {what}"), res.output
+        assert len(res.stderr.strip().splitlines()) == 1
     assert E.DEFAULT_PORT == 9867 and "9867" in CliRunner().invoke(cli, ["exporter", "--help"]).output

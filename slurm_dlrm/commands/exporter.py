@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import errno
 import json
+import socket
 import threading
 
 import click
 
 from slurm_dlrm.commands.submit import site_option
-from slurm_dlrm.errors import DlrmError
+from slurm_dlrm.errors import BadInput, DlrmError
 
 DEFAULT_PORT = 9867  # slurm_dlrm.exporter.DEFAULT_PORT (not imported: --help stays light)
 
@@ -45,7 +46,7 @@ def exporter(port: int, addr: str, all_users: bool, once: bool, as_json: bool, s
     from slurm_dlrm.site import load_site
 
     if as_json and not once:
-        raise click.UsageError("--json needs --once")
+        raise BadInput("--json: prints one scrape, give --once too")
     site = load_site(site_path)
     collector = E.StoreCollector(site, all_users=all_users, slow_every_s=slow_every_s)
     registry = E.make_registry(collector)
@@ -64,6 +65,8 @@ def exporter(port: int, addr: str, all_users: bool, once: bool, as_json: bool, s
         return
     try:
         E.serve(registry, port, addr)
+    except socket.gaierror as exc:
+        raise BadInput(f"--addr: cannot listen on {addr!r}: {exc.strerror or exc}") from None
     except OSError as exc:
         why = "port in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
         raise DlrmError(f"exporter: cannot listen on {addr}:{port}: {why}") from None
