@@ -7,27 +7,35 @@ are the exporter's.
 
 Cost (a scrape every 15 s, 1,000 active jobs over 50 stores, benchmarks/exporter_scrape.py):
 
-- gauges (jobs and packs per state, the GPUs of running packs, their latest GPU
-  sample) are read on every scrape: groupings over `jobs`/`packs`, the placements of
-  RUNNING packs, and a range seek on `samples_job_t` over the last window of GPU
-  samples only (never a scan of `samples`);
+- gauges of what is active (jobs and packs in an active state, the GPUs of running
+  packs, their latest GPU sample) are read on every scrape: the `jobs_state` and
+  `packs_state` indexes, the placements of RUNNING packs, and a range seek on
+  `samples_job_t` over the last window of GPU samples only (never a scan of `samples`);
+  so a scrape costs what is active, not the store's history;
 - lifecycle counters (OOMs, requeues, recoveries, re-packs) are counted incrementally:
   each store's cursor keeps the last `events.id` it counted, so a scrape reads only
   the events written since the previous one;
-- GPU-seconds (acct's definition, `queries.ACCT`) and the per-job histogram figures
-  scale with the store's whole history, so they are recomputed at most every
+- GPU-seconds (acct's definition, `queries.ACCT`), the per-job histogram figures and
+  the counts of jobs and packs in terminal states scale with the store's whole history, so they are recomputed at most every
   `slow_every_s` per store (default 60 s: they move slowly, and dashboards rate them
   over minutes).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from slurm_dlrm.store.states import JOB_TERMINAL, PACK_TERMINAL, JobState, PackState
 from slurm_dlrm.store.store import Store
+
+_JOB_ACTIVE = json.dumps(sorted(s.value for s in JobState if s not in JOB_TERMINAL))
+_JOB_DONE = json.dumps(sorted(s.value for s in JOB_TERMINAL))
+_PACK_ACTIVE = json.dumps(sorted(s.value for s in PackState if s not in PACK_TERMINAL))
+_PACK_DONE = json.dumps(sorted(s.value for s in PACK_TERMINAL))
 
 # (user, partition, gpu_model): the label set of the per-user counters and histograms
 Key = tuple[str, str, str]
@@ -70,6 +78,8 @@ class StoreCursor:
     gpu_seconds: dict[Key, tuple[float, float]] = field(default_factory=dict)  # charged, exclusive
     est_error_ratios: dict[Key, list[float]] = field(default_factory=dict)
     wait_s: dict[Key, list[float]] = field(default_factory=dict)
+    jobs_done: dict[tuple[str, str, str, str], int] = field(default_factory=dict)  # terminal states
+    packs_done: dict[tuple[str, str, str, str], int] = field(default_factory=dict)
 
 
 @dataclass
@@ -96,21 +106,24 @@ def read_store(store: Store, cursor: StoreCursor, *, user: str, default_partitio
     """
     mono = time.monotonic() if monotonic is None else monotonic
     with store.read():
-        jobs: dict[tuple[str, str, str, str], int] = {}
-        for r in store.query("metric_jobs"):
-            k = _key(r, user, default_partition)
-            jobs[(*k, str(r["state"]))] = jobs.get((*k, str(r["state"])), 0) + int(r["n"])
-        packs: dict[tuple[str, str, str, str], int] = {}
-        for r in store.query("metric_packs"):
-            k = _key(r, user, default_partition)
-            packs[(*k, str(r["state"]))] = packs.get((*k, str(r["state"])), 0) + int(r["n"])
-        gpus = _gpus(store, user, default_partition, now - sample_window_s)
-        _count_events(store, cursor, user, default_partition)
         if cursor.slow_t is None or mono - cursor.slow_t >= slow_every_s:
             first = cursor.slow_t is None
             _slow_refresh(store, cursor, user, default_partition, now)
             cursor.slow_t = mono - (stagger_s if first else 0.0)
+        jobs = dict(cursor.jobs_done)
+        _count_by_state(store, "metric_jobs", _JOB_ACTIVE, jobs, user, default_partition)
+        packs = dict(cursor.packs_done)
+        _count_by_state(store, "metric_packs", _PACK_ACTIVE, packs, user, default_partition)
+        gpus = _gpus(store, user, default_partition, now - sample_window_s)
+        _count_events(store, cursor, user, default_partition)
     return StoreMetrics(jobs, packs, gpus)
+
+
+def _count_by_state(store: Store, query: str, states: str, into: dict[tuple[str, str, str, str], int],
+                    user: str, default_partition: str) -> None:
+    for r in store.query(query, {"states": states}):
+        k = (*_key(r, user, default_partition), str(r["state"]))
+        into[k] = into.get(k, 0) + int(r["n"])
 
 
 def _gpus(store: Store, user: str, default_partition: str, since: float) -> list[GpuRow]:
@@ -182,3 +195,7 @@ def _slow_refresh(store: Store, cursor: StoreCursor, user: str, default_partitio
     cursor.gpu_seconds = gpu_s
     cursor.est_error_ratios = dict(ratios)
     cursor.wait_s = dict(waits)
+    cursor.jobs_done = {}
+    _count_by_state(store, "metric_jobs", _JOB_DONE, cursor.jobs_done, user, default_partition)
+    cursor.packs_done = {}
+    _count_by_state(store, "metric_packs", _PACK_DONE, cursor.packs_done, user, default_partition)

@@ -194,17 +194,23 @@ ACCT_TOTALS = (
 # (slurm_dlrm/store/metrics.py; docs/admin.md "Prometheus"). Each one is an indexed
 # lookup or a grouping over small tables: a scrape must stay cheap with 1,000 active jobs.
 
-# Jobs per state. A job's partition and GPU model are those of its current pack; a job
-# never packed takes the partition its sbatch options name (looked up for those only).
+# Jobs per state, of the states in :states (the exporter asks for the active ones every
+# scrape, through the jobs_state index, and for the rest at its slow refresh). A job's
+# partition and GPU model are those of its current pack; a job never packed takes the
+# partition its sbatch options name (looked up for those only).
 METRIC_JOBS = """
 SELECT j.user, coalesce(k.partition, (SELECT json_extract(s.sbatch_json, '$.partition')
                                       FROM job_specs s WHERE s.job_id = j.id)) AS partition,
        coalesce(k.gpu_model, j.gpu_model) AS gpu_model, j.state, count(*) AS n
 FROM jobs j LEFT JOIN packs k ON k.id = j.pack_id
+WHERE j.state IN (SELECT value FROM json_each(:states))
 GROUP BY 1, 2, 3, 4
 """
 
-METRIC_PACKS = "SELECT user, partition, gpu_model, state, count(*) AS n FROM packs GROUP BY 1, 2, 3, 4"
+METRIC_PACKS = (
+    "SELECT user, partition, gpu_model, state, count(*) AS n FROM packs "
+    "WHERE state IN (SELECT value FROM json_each(:states)) GROUP BY 1, 2, 3, 4"
+)
 
 # Every GPU of a RUNNING pack that has a placement: its running members and their fences.
 METRIC_GPUS = """
