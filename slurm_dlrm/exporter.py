@@ -60,6 +60,7 @@ STORE_ERROR_REASONS = ("permission", "owner", "corrupt", "locked", "schema", "mi
 # Connections kept open between scrapes (file descriptors: 3 each with -wal and -shm),
 # and the page cache each may hold.
 MAX_OPEN = 256
+DISCOVER_EVERY_S = 60.0  # a new user's store is scraped within this
 CACHE_KIB_PER_STORE = 512
 
 USER_LABELS = ("user", "partition", "gpu_model")
@@ -95,6 +96,7 @@ class StoreCollector:
         self._floor: dict[tuple[str, tuple[str, ...]], float] = {}
         self._open: dict[str, tuple[Store, tuple[int, int]]] = {}
         self._uids: dict[str, tuple[int | None, float]] = {}
+        self._found: tuple[list[StoreRef], float] | None = None
         self._lock = threading.Lock()
         self.last_stores_read = 0
         self.last_scrape_s = 0.0
@@ -102,9 +104,14 @@ class StoreCollector:
     # ------------------------------------------------------------ which stores
 
     def stores(self) -> list[StoreRef]:
-        if self.all_users:
-            return [StoreRef(u, p) for u, p in discover_user_stores(self.site)]
-        return [StoreRef(self.user, store_path_for(self.site, self.user))]
+        if not self.all_users:
+            return [StoreRef(self.user, store_path_for(self.site, self.user))]
+        # Found again at most every DISCOVER_EVERY_S: with a store_dir under `~`, finding
+        # them walks every account (getpwall), which on a large site is not per-scrape work.
+        now = self.monotonic()
+        if self._found is None or now - self._found[1] >= DISCOVER_EVERY_S:
+            self._found = ([StoreRef(u, p) for u, p in discover_user_stores(self.site)], now)
+        return self._found[0]
 
     def describe(self) -> Iterable[Metric]:
         return []  # no collect() at registration: it would read every store
