@@ -15,6 +15,7 @@ import pwd
 import re
 import socket
 import sqlite3
+import zlib
 from pathlib import Path
 
 import pytest
@@ -285,3 +286,25 @@ def test_cli_once_json_and_port_in_use(tmp_path):
         assert res.exit_code == 2 and res.stderr.startswith(f"slurm-dlrm: error: {what}"), res.output
         assert len(res.stderr.strip().splitlines()) == 1
     assert E.DEFAULT_PORT == 9867 and "9867" in CliRunner().invoke(cli, ["exporter", "--help"]).output
+
+
+def test_history_figures_refresh_at_most_every_slow_every_s_active_ones_every_scrape(tmp_path):
+    ids = make_store(tmp_path / "alice" / "store.sqlite")
+    mono = [1000.0]
+    col = E.StoreCollector(site_for(tmp_path), all_users=True, clock=lambda: NOW, slow_every_s=60.0,
+                           monotonic=lambda: mono[0])
+    u = {"user": "alice", "partition": "dlrm", "gpu_model": "h100"}
+    f = scrape(col)
+    assert value(f, "slurm_dlrm_jobs", state="COMPLETED", **u) == 1
+    with Store(tmp_path / "alice" / "store.sqlite", clock=lambda: NOW) as s:
+        s.transition_job(ids["a"], JobState.COMPLETED, "exit 0", exit_code=0, t=NOW + 1)
+    stagger = 60.0 * (zlib.crc32(str(tmp_path / "alice" / "store.sqlite").encode()) % 1000) / 1000
+    due = 1000.0 + 60.0 - stagger  # the first refresh was moved back by the store's stagger
+    mono[0] = due - 1
+    f = scrape(col)
+    assert value(f, "slurm_dlrm_jobs", state="RUNNING", **u) == 2  # at once
+    assert value(f, "slurm_dlrm_jobs", state="COMPLETED", **u) == 1  # not yet
+    assert value(f, "slurm_dlrm_queue_wait_seconds_count", **u) == 5
+    mono[0] = due
+    f = scrape(col)
+    assert value(f, "slurm_dlrm_jobs", state="COMPLETED", **u) == 2
