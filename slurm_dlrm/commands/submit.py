@@ -93,7 +93,10 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
         return
     if not no_service:
         from slurm_dlrm.slurm import SlurmClient
+        from slurm_dlrm.spec import load_spec
 
+        for p in specs:  # a bad spec is bad input (exit 2) whatever Slurm says
+            load_spec(p)
         # An unsupported Slurm release is one line here, before anything is recorded.
         SlurmClient(timeout_s=15.0).release()
     ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service)
