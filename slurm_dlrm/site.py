@@ -122,9 +122,10 @@ class SlurmAdminConfig:
     mps_stop_timeout_s: float = 10.0
     shm_dir: str = "/dev/shm"
     accounting_tres: bool = True
-    # The job's cgroup v2 folder as slurmd's cgroup/v2 plugin makes it ({job_id} replaced);
-    # the prolog writes the job's dmem limits there.
-    job_cgroup: str = "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_{job_id}"
+    # cgroup v2 mount, and the job's cgroup under it as slurmd's cgroup/v2 plugin makes it
+    # ({job_id} replaced): the prolog writes a --no-pack job's dmem limits there.
+    cgroup_root: str = "/sys/fs/cgroup"
+    job_cgroup: str = "system.slice/slurmstepd.scope/job_{job_id}"
 
 
 @dataclass(frozen=True)
@@ -416,16 +417,17 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         mps_stop_timeout_s=sl.get("mps_stop_timeout_s", float, 10.0, min_value=0.5, max_value=600),
         shm_dir=_abs_path(sl, "shm_dir", "/dev/shm"),
         accounting_tres=sl.get("accounting_tres", bool, True),
-        job_cgroup=sl.get("job_cgroup", str, "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_{job_id}"),
+        cgroup_root=_abs_path(sl, "cgroup_root", "/sys/fs/cgroup"),
+        job_cgroup=sl.get("job_cgroup", str, "system.slice/slurmstepd.scope/job_{job_id}"),
     )
     sl.done()
     if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", slurm.slurm_user):
         raise ConfigError("slurm.slurm_user", "not a valid user name", path)
     if not slurm.mps_control_command or any(c.isspace() for c in slurm.mps_control_command):
         raise ConfigError("slurm.mps_control_command", "one command name or absolute path, no spaces", path)
-    if not slurm.job_cgroup.startswith("/") or "{job_id}" not in slurm.job_cgroup \
-            or any(c.isspace() or c in "'\"$`\\" for c in slurm.job_cgroup):
-        raise ConfigError("slurm.job_cgroup", "an absolute path with {job_id}, no spaces or quotes", path)
+    if slurm.job_cgroup.startswith("/") or "{job_id}" not in slurm.job_cgroup or ".." in slurm.job_cgroup \
+            or not re.fullmatch(r"[A-Za-z0-9_.@:/{}-]+", slurm.job_cgroup):
+        raise ConfigError("slurm.job_cgroup", "a path under cgroup_root with {job_id} (letters, digits, _.@:-/)", path)
     max_gpu_index = max(max(n.gpus for n in nodes) - 1, 0)
     for key in ("mps_pipe_root", "mps_log_root"):
         longest = f"{getattr(slurm, key)}/gpu{max_gpu_index}/pipe"

@@ -134,6 +134,7 @@ def _bind(path: Path) -> socket.socket:
     finally:
         os.chdir(cwd)
     sock.listen(8)
+    os.chmod(path, 0o666)  # clients of every user connect (connect(2) needs write permission)
     return sock
 
 
@@ -362,8 +363,10 @@ class _Daemon:
         for s in self.state["servers"].values():
             if s["uid"] == int(uid):
                 return "", False
+        # A server runs as its user (what `stat /proc/<pid>` shows); only root can do that here.
         proc = subprocess.Popen(["sleep", "infinity"], stdin=subprocess.DEVNULL,  # noqa: S603
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                user=int(uid) if os.getuid() == 0 else None)
         self.servers[proc.pid] = proc
         self.state["servers"][str(proc.pid)] = {
             "uid": int(uid),
