@@ -259,3 +259,33 @@ def test_mode_choice_and_region_lookup():
         fences.use_dmem("on", caps)
     assert fences.region_for_gpu(REGIONS, 0, "00000000:5E:00.0") == "nvidia/0000:5e:00.0/vidmem"
     assert fences.region_for_gpu(REGIONS, 0) == "nvidia/0000:3b:00.0/vidmem"
+
+
+def test_admin_check_fences_reports_what_the_site_requires_and_the_host_lacks(tmp_path, monkeypatch):
+    import tomllib
+
+    from click.testing import CliRunner
+
+    from slurm_dlrm.cli import cli
+    from slurm_dlrm.commands import admin as admin_cmd
+    from slurm_dlrm.site import REPO_SITE_FILE
+
+    exe = fake_mps_control.install_launcher(tmp_path / "bin")  # a driver before r615
+    croot = tmp_path / "cg"
+    fences.make_fake_cgroup_tree(croot, REGIONS, dmem=False)
+    text = REPO_SITE_FILE.read_text().replace('mode = "auto"', 'mode = "v3"').replace('dmem = "auto" ', 'dmem = "on" ')
+    text = text.replace('mps_control_command = "nvidia-cuda-mps-control"', f'mps_control_command = "{exe}"')
+    text = text.replace('cgroup_root = "/sys/fs/cgroup"', f'cgroup_root = "{croot}"')
+    site = tmp_path / "site.toml"
+    site.write_text(text)
+    assert tomllib.loads(text)["mps"]["mode"] == "v3"
+    monkeypatch.setattr(admin_cmd, "_live_records", lambda: ([], [], {}))
+    monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, str(tmp_path / "nvml.json"))
+    (tmp_path / "nvml.json").write_text(json.dumps({"gpu_count": 1}))
+    result = CliRunner().invoke(cli, ["admin", "check", "--site", str(site), "--fences", "--json"])
+    assert result.exit_code == 1
+    out = json.loads(result.stdout)
+    gaps = {d["field"]: d for d in out["differences"] if d["subject"].startswith("host ")}
+    assert gaps["mps.mode"]["site"] == "v3" and "Unrecognized option: -p" in gaps["mps.mode"]["cluster"]
+    assert gaps["mps.dmem"]["site"] == "on" and "no dmem controller" in gaps["mps.dmem"]["cluster"]
+    assert out["fences"]["mps_v3"] is False and out["fences"]["driver_version"] == "550.54.15"

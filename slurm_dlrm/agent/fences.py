@@ -171,6 +171,17 @@ def choose_mode(site_mode: str, caps: FenceCaps) -> str:
     return "v2"
 
 
+def site_gaps(site_mode: str, dmem_mode: str, caps: FenceCaps) -> list[tuple[str, str, str]]:
+    """(field, what the site asks, what this node has) for each fence the site requires and
+    the node cannot set; `admin check --fences` prints them."""
+    gaps = []
+    if site_mode == "v3" and not caps.mps_v3:
+        gaps.append(("mps.mode", "v3", caps.mps_v3_detail))
+    if dmem_mode == "on" and not caps.dmem:
+        gaps.append(("mps.dmem", "on", caps.dmem_detail))
+    return gaps
+
+
 def use_dmem(dmem_mode: str, caps: FenceCaps) -> bool:
     """Whether to set dmem limits; FenceError when the site asks for dmem the node lacks."""
     if dmem_mode not in DMEM_MODES:
