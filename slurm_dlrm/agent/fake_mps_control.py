@@ -49,6 +49,10 @@ removed when the agent quits its daemon).
 
 `install_launcher(bin_dir)` writes a small `nvidia-cuda-mps-control` script that runs this
 module; put `bin_dir` first on PATH and the agent runs its real code path against it.
+
+Over 600 lines: it is one executable playing one program (the v2 shell, the v3 module
+verbs and configuration check, the daemon's sockets and the client side share the
+daemon's state); the launcher runs this one module.
 """
 
 from __future__ import annotations

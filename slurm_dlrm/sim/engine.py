@@ -22,6 +22,10 @@ The mechanism is the same for every policy, only `plan()` differs:
   soft limit (dmem.min). A member dies past its hard limit; when the GPU's members
   together pass its memory, the member furthest above its soft limit is evicted (the
   kernel protects usage below dmem.min and reclaims from those above it).
+
+Over 600 lines: `simulate` is one event loop whose handlers (arrival, tick, pack
+start, member ready, node faults, resubmission) share its local state; splitting them
+would pass that state around instead of reading it.
 """
 
 from __future__ import annotations
@@ -30,14 +34,21 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 
+from slurm_dlrm.packing.common import REFILL_POLICIES
 from slurm_dlrm.packing.dispatch import after_round, aged, should_run_round
 from slurm_dlrm.packing.interference import (
     DEFAULT_PARAMS,
     InterferenceParams,
     predict_speeds_from_fractions,
 )
-from slurm_dlrm.packing.model import JobDemand, Join, NodeShape, OpenGpu, PackingRequest
-from slurm_dlrm.packing.policies import REFILL_POLICIES
+from slurm_dlrm.packing.model import (
+    JobDemand,
+    Join,
+    NodeShape,
+    OpenGpu,
+    PackingRequest,
+    member_fence_bytes,
+)
 from slurm_dlrm.packing.policies import plan as make_plan
 from slurm_dlrm.sim.faults import FaultRuntime, KillAction
 from slurm_dlrm.sim.files import SimCluster, SimJob, Workload
@@ -269,8 +280,6 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         if not dmem:
             fence = planned_mib * MIB
             return (None if fence >= whole else fence), None
-        from slurm_dlrm.packing.model import member_fence_bytes
-
         hard = member_fence_bytes(pending[jid], cluster.gpu_model(node.gpu_model), limits)
         return (None if hard >= whole else hard), planned_mib * MIB
 
