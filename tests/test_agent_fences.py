@@ -289,3 +289,16 @@ def test_admin_check_fences_reports_what_the_site_requires_and_the_host_lacks(tm
     assert gaps["mps.mode"]["site"] == "v3" and "Unrecognized option: -p" in gaps["mps.mode"]["cluster"]
     assert gaps["mps.dmem"]["site"] == "on" and "no dmem controller" in gaps["mps.dmem"]["cluster"]
     assert out["fences"]["mps_v3"] is False and out["fences"]["driver_version"] == "550.54.15"
+
+
+def test_a_cgroup_the_agent_may_not_divide_skips_dmem_with_auto(tmp_path, monkeypatch):
+    world = _world(tmp_path, monkeypatch, v3=False, cgroup="dmem")
+    own = fences.own_cgroup(world / "cgroup")
+    (own / "agent").write_text("")  # a file where the leaf must go: mkdir fails like a root-owned cgroup
+    agent, recs = _run(world, [_member(world, 1, 0)])
+    assert agent.members[0].state == "COMPLETED" and agent.dmem is None
+    (event,) = [r for r in recs if r["type"] == "agent" and r["event"] == "dmem_not_applied"]
+    assert event["detail"].startswith("dmem: cannot create ") and "going on without dmem" in event["detail"]
+    assert "fence_env_only" in _events(recs)  # nothing else holds it on this v2 node
+    agent, _ = _run(world, [_member(world, 2, 0)], dmem_mode="on")
+    assert agent.members[0].state == "FAILED" and agent.members[0].reason.startswith("dmem: cannot create ")

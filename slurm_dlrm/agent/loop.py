@@ -319,7 +319,14 @@ class Agent:
                     self.reports.agent("dmem_not_applied", "dmem limits need --launch process: a step's cgroup "
                                        "is made by slurmstepd, not by the agent")
                 else:
-                    self.dmem = fences.DmemTree.for_self(Path(caps.cgroup_root), caps.dmem_regions)
+                    tree = fences.DmemTree.for_self(Path(caps.cgroup_root), caps.dmem_regions)
+                    try:
+                        tree.prepare()  # our own cgroup must be ours to divide (delegated)
+                        self.dmem = tree
+                    except fences.FenceError as exc:
+                        if o.dmem_mode == "on":
+                            raise
+                        self.reports.agent("dmem_not_applied", f"{exc} (mps.dmem = auto: going on without dmem)")
         except fences.FenceError as exc:
             errors.append(str(exc))
         self.fence_error = "; ".join(errors) or None
