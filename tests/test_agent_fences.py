@@ -302,3 +302,22 @@ def test_a_cgroup_the_agent_may_not_divide_skips_dmem_with_auto(tmp_path, monkey
     assert "fence_env_only" in _events(recs)  # nothing else holds it on this v2 node
     agent, _ = _run(world, [_member(world, 2, 0)], dmem_mode="on")
     assert agent.members[0].state == "FAILED" and agent.members[0].reason.startswith("dmem: cannot create ")
+
+
+def test_sm_partition_for_a_member_that_asks_for_isolation_on_r620(tmp_path, monkeypatch):
+    world = _world(tmp_path, monkeypatch, v3=True)
+    (world / "nvml.json").write_text(json.dumps({"gpu_count": 2, "driver_version": "620.3"}))
+    isolated = _member(world, 1, 1)
+    isolated["sm_chunks"] = 4
+    agent, _ = _run(world, [isolated, _member(world, 2, 1)])
+    assert [m.state for m in agent.members] == ["COMPLETED", "COMPLETED"]
+    server = _daemon_state(world)["v3_servers"]["pack"]
+    (part,) = server["sm_partitions"].values()
+    assert part["chunks"] == 4 and part["uuid"] == agent._gpu_uuid[1]
+    assert server["namespaces"]["job1"]["sm_partition"] == "job1" and "sm_partition" not in server["namespaces"]["job2"]
+    # on r615 the namespace schema has no devices key: no partition is asked for
+    world2 = _world(tmp_path / "r615", monkeypatch, v3=True)
+    isolated = _member(world2, 3, 1)
+    isolated["sm_chunks"] = 4
+    agent, _ = _run(world2, [isolated])
+    assert agent.members[0].state == "COMPLETED" and _daemon_state(world2)["v3_servers"]["pack"]["sm_partitions"] == {}
