@@ -101,8 +101,9 @@ def probe_mps_v3(binary: str, env: dict[str, str] | None = None) -> tuple[bool, 
     run_env = dict(os.environ if env is None else env)
     run_env.pop("CUDA_MPS_PROTOCOL_VERSION", None)  # it would win over -p (NVIDIA docs)
     try:
+        # stdin /dev/null: a pre-v3 binary may ignore the options and read commands from it.
         proc = subprocess.run([binary, "-p", "3", "-h"], capture_output=True, text=True,  # noqa: S603
-                              env=run_env, timeout=PROBE_TIMEOUT_S, check=False)
+                              stdin=subprocess.DEVNULL, env=run_env, timeout=PROBE_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, f"{binary} -p 3 -h: {exc}"
     text = proc.stdout + proc.stderr

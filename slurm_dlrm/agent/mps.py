@@ -68,8 +68,11 @@ class MpsDaemon:
         env.update(self.env())
         env.update(extra_env or {})
         try:
+            # No command input: stdin is /dev/null, never the agent's own (a client waits on it).
+            feed: dict[str, object] = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
             proc = subprocess.run(  # noqa: S603 - argv list, no shell
-                argv, input=stdin, capture_output=True, text=True, env=env, timeout=COMMAND_TIMEOUT_S, check=False)
+                argv, capture_output=True, text=True, env=env, timeout=COMMAND_TIMEOUT_S, check=False,
+                **feed)  # type: ignore[call-overload]
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise MpsError(f"{' '.join(argv)}: {exc}") from None
         if proc.returncode != 0:
