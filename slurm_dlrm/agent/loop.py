@@ -453,8 +453,8 @@ class Agent:
 
     def _configure_mps(self) -> None:
         daemon = self.mps.daemon
-        if daemon is None or self.mps.mode != "own":
-            return  # a site daemon is configured by its owner (the prolog)
+        if daemon is None or self.mps.mode != "own" or daemon.protocol == 3:
+            return  # a site daemon is configured by its owner (the prolog); v3: the namespaces hold the limits
         try:
             # Daemon-wide defaults as a backstop; each member's own variables are tighter.
             for dev in range(len(self.opts.gpus)):
