@@ -303,8 +303,9 @@ class Agent:
     # ------------------------------------------------------------ fences (issue 22)
 
     def _detect_fences(self) -> None:
-        """Which fences this node can set; `fences` event; strict site keys it cannot honour
-        leave `fence_error` (members are then not started, docs/agent.md "Fences")."""
+        """Which fences this node can set (reported with mps_started/mps_unavailable); strict
+        site keys it cannot honour leave `fence_error` (members are then not started,
+        docs/agent.md "Fences")."""
         o = self.opts
         caps = fences.detect_capabilities(env=self.base_env, driver_version=self.nvml.driver_version)
         self.fence_caps = caps
@@ -319,8 +320,8 @@ class Agent:
                     self.reports.agent("dmem_not_applied", "dmem limits need --launch process: a step's cgroup "
                                        "is made by slurmstepd, not by the agent")
                 else:
-                    tree = fences.DmemTree.for_self(Path(caps.cgroup_root), caps.dmem_regions)
                     try:
+                        tree = fences.DmemTree.for_self(Path(caps.cgroup_root), caps.dmem_regions)
                         tree.prepare()  # our own cgroup must be ours to divide (delegated)
                         self.dmem = tree
                     except fences.FenceError as exc:
