@@ -269,7 +269,11 @@ def refused_namespace(message: str) -> str | None:
 
 def own_cgroup(root: Path, proc_cgroup: str = "/proc/self/cgroup") -> Path:
     """This process's cgroup v2 folder under `root` (the "0::<path>" line)."""
-    for line in Path(proc_cgroup).read_text().splitlines():
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError as exc:
+        raise FenceError(f"{proc_cgroup}: {exc.strerror or exc}") from None
+    for line in lines:
         if line.startswith("0::"):
             return root / line[3:].strip().lstrip("/")
     raise FenceError(f"{proc_cgroup}: no cgroup v2 entry (0::)")
