@@ -7,7 +7,7 @@ benchmarks/sim/cluster_1gpu.yaml and cluster_4gpu.yaml (the 4-GPU run has 4x the
 and 4x the arrival rate). Every policy runs on the same jobs; the ideal bound (perfect
 packing, no interference, no start-up) is printed beside them.
 
-Run:  /work/main/.venv/bin/python benchmarks/policy_compare.py
+Run:  /work/main/.venv/bin/python benchmarks/policy_compare.py [--dmem]
 Last line:  policy: tput_vs_exclusive_1gpu=X tput_vs_exclusive_4gpu=X tput_vs_firstfit=X
             jct_cut_vs_firstfit_pct=X ooms=N
 (tput_vs_firstfit and jct_cut_vs_firstfit_pct: mean over the two clusters; ooms:
@@ -17,10 +17,17 @@ A job that fails (OOM-killed past `retry.max_retries`) is submitted again by its
 once (`retry.user_resubmits: 10`, `user_resubmit_delay_s: 0`, the cluster files), so
 every policy does the same work and a failed attempt costs its JCT; first-fit is also
 shown as it was measured before (failed jobs dropped, JCT over its survivors only).
+
+--dmem (issue 22): the fenced policies run again with cgroup dmem fences (simulate(...,
+dmem=True)): they pack on the estimates (margin 0), each member keeps its usual fence
+(estimate + margin) as its hard limit (dmem.max) and its estimate as its soft limit
+(dmem.min); under GPU memory pressure the member furthest above its soft limit is
+evicted. The figures print side by side with the fence-only runs, above the last line.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import sys
 import time
@@ -46,7 +53,8 @@ SIM = ROOT / "benchmarks" / "sim"
 
 
 def run(cluster_file: str, scale: int, mem_noise_pct: float | None = None,
-        policies: tuple[str, ...] = POLICY_NAMES, user_resubmits: int | None = None) -> dict[str, object]:
+        policies: tuple[str, ...] = POLICY_NAMES, user_resubmits: int | None = None,
+        dmem: bool = False) -> dict[str, object]:
     cluster_data = yaml.safe_load((SIM / cluster_file).read_text())
     if user_resubmits is not None:
         cluster_data["retry"]["user_resubmits"] = user_resubmits
@@ -60,7 +68,7 @@ def run(cluster_file: str, scale: int, mem_noise_pct: float | None = None,
     results = {}
     for policy in policies:
         t0 = time.perf_counter()
-        results[policy] = simulate(workload, cluster, policy)
+        results[policy] = simulate(workload, cluster, policy, dmem=dmem)
         print(f"  simulated {policy} on {cluster.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return {"cluster": cluster, "workload": workload, "results": results,
             "ideal": ideal_throughput_jobs_per_h(workload, cluster)}
@@ -83,7 +91,27 @@ def show(title: str, r: dict[str, object]) -> None:
           + "; mean members per GPU: " + ", ".join(f"{x.policy} {x.mean_members_per_gpu:.2f}" for x in res))
 
 
+DMEM_POLICIES = ("mem-best-fit", "complementary")
+
+
+def show_dmem(cases: list[tuple[str, dict[str, object], dict[str, object]]]) -> None:
+    """Fence-only vs dmem runs of the fenced policies, side by side."""
+    print("\n== dmem fences (pack on estimates; hard limit = fence, soft limit = estimate) vs fences alone")
+    print(f"{'case':<34} {'policy':<14} {'tput fence':>10} {'tput dmem':>10} {'x':>6} {'JCT fence h':>11} "
+          f"{'JCT dmem h':>10} {'mem/GPU f':>9} {'mem/GPU d':>9} {'OOMs f':>6} {'OOMs d':>6} {'evict':>5}")
+    for name, base, dm in cases:
+        for p in DMEM_POLICIES:
+            a, b = base["results"][p], dm["results"][p]  # type: ignore[index]
+            print(f"{name:<34} {p:<14} {a.throughput_jobs_per_h:>10.2f} {b.throughput_jobs_per_h:>10.2f} "
+                  f"{b.throughput_jobs_per_h / a.throughput_jobs_per_h:>6.3f} {a.avg_jct_s / 3600:>11.2f} "
+                  f"{b.avg_jct_s / 3600:>10.2f} {a.mean_members_per_gpu:>9.2f} {b.mean_members_per_gpu:>9.2f} "
+                  f"{a.ooms:>6d} {b.ooms:>6d} {b.evictions:>5d}")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dmem", action="store_true", help="also run the fenced policies with cgroup dmem fences")
+    args = ap.parse_args()
     one = run("cluster_1gpu.yaml", 1)
     four = run("cluster_4gpu.yaml", 4)
     show("1 GPU", one)
@@ -117,6 +145,13 @@ def main() -> None:
     ideal_1 = one["ideal"] / tput(one, "exclusive")  # type: ignore[operator]
     ideal_4 = four["ideal"] / tput(four, "exclusive")  # type: ignore[operator]
     ooms = one["results"]["complementary"].ooms + four["results"]["complementary"].ooms  # type: ignore[index]
+    if args.dmem:
+        show_dmem([
+            ("1 GPU", one, run("cluster_1gpu.yaml", 1, policies=DMEM_POLICIES, dmem=True)),
+            ("4 GPUs", four, run("cluster_4gpu.yaml", 4, policies=DMEM_POLICIES, dmem=True)),
+            ("1 GPU, estimates +-20% off", noisy,
+             run("cluster_1gpu.yaml", 1, mem_noise_pct=20.0, policies=DMEM_POLICIES, dmem=True)),
+        ])
     print(f"\nideal bound vs exclusive: 1 GPU {ideal_1:.2f}x, 4 GPUs {ideal_4:.2f}x "
           f"(targets for complementary: >= 4x and >= 6x; >= 1.25x first-fit; JCT >= 30% below first-fit; 0 OOMs)")
     print(f"policy: tput_vs_exclusive_1gpu={vs_excl_1:.2f} tput_vs_exclusive_4gpu={vs_excl_4:.2f} "

@@ -99,6 +99,12 @@ class MpsConfig:
     mps_per_gpu: int
     shards_per_gpu: int
     client_limit: int
+    # Who holds a member to its memory fence (docs/admin.md "Fences"): "v3" MPS v3
+    # namespaces/servers (driver r615+), "v2" the client's own environment (legacy),
+    # "auto" v3 where the node has it. dmem: cgroup v2 dmem limits "auto" where the kernel
+    # has the controller, "on" required, "off" never.
+    mode: str = "auto"
+    dmem: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,10 @@ class SlurmAdminConfig:
     mps_stop_timeout_s: float = 10.0
     shm_dir: str = "/dev/shm"
     accounting_tres: bool = True
+    # cgroup v2 mount, and the job's cgroup under it as slurmd's cgroup/v2 plugin makes it
+    # ({job_id} replaced): the prolog writes a --no-pack job's dmem limits there.
+    cgroup_root: str = "/sys/fs/cgroup"
+    job_cgroup: str = "system.slice/slurmstepd.scope/job_{job_id}"
 
 
 @dataclass(frozen=True)
@@ -385,6 +395,8 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         mps_per_gpu=m.get("mps_per_gpu", int, 100, min_value=1),
         shards_per_gpu=m.get("shards_per_gpu", int, 0, min_value=0),
         client_limit=m.get("client_limit", int, 48, min_value=1, max_value=48),
+        mode=m.get("mode", str, "auto", choices=("auto", "v3", "v2")),
+        dmem=m.get("dmem", str, "auto", choices=("auto", "on", "off")),
     )
     m.done()
     for i, part in enumerate(partitions):
@@ -405,12 +417,17 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         mps_stop_timeout_s=sl.get("mps_stop_timeout_s", float, 10.0, min_value=0.5, max_value=600),
         shm_dir=_abs_path(sl, "shm_dir", "/dev/shm"),
         accounting_tres=sl.get("accounting_tres", bool, True),
+        cgroup_root=_abs_path(sl, "cgroup_root", "/sys/fs/cgroup"),
+        job_cgroup=sl.get("job_cgroup", str, "system.slice/slurmstepd.scope/job_{job_id}"),
     )
     sl.done()
     if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", slurm.slurm_user):
         raise ConfigError("slurm.slurm_user", "not a valid user name", path)
     if not slurm.mps_control_command or any(c.isspace() for c in slurm.mps_control_command):
         raise ConfigError("slurm.mps_control_command", "one command name or absolute path, no spaces", path)
+    if slurm.job_cgroup.startswith("/") or "{job_id}" not in slurm.job_cgroup or ".." in slurm.job_cgroup \
+            or not re.fullmatch(r"[A-Za-z0-9_.@:/{}-]+", slurm.job_cgroup):
+        raise ConfigError("slurm.job_cgroup", "a path under cgroup_root with {job_id} (letters, digits, _.@:-/)", path)
     max_gpu_index = max(max(n.gpus for n in nodes) - 1, 0)
     for key in ("mps_pipe_root", "mps_log_root"):
         longest = f"{getattr(slurm, key)}/gpu{max_gpu_index}/pipe"
