@@ -94,7 +94,9 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
     if not no_service:
         from slurm_dlrm.slurm import SlurmClient
 
-        # An unsupported Slurm release is one line here, before anything is recorded.
+        # Bad input first (exit 2, whatever Slurm's state), then an unsupported Slurm
+        # release is one line here, before anything is recorded.
+        svc.prepare(specs, cli_options, site, cwd)
         SlurmClient(timeout_s=15.0).release()
     ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service)
     if as_json:
