@@ -14,17 +14,29 @@ Every problem is a `BadInput` naming the file, the line and the field.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
+import os
 import sqlite3
+import stat
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slurm_dlrm.errors import BadInput
-from slurm_dlrm.packing.interference import CoLocationSample, InterferenceParams, SoloProfile
+from slurm_dlrm.packing.interference import (
+    DEFAULT_PARAMS,
+    CoLocationSample,
+    InterferenceParams,
+    SoloProfile,
+)
+
+if TYPE_CHECKING:
+    from slurm_dlrm.packing.learned import LearnedInterference
 
 SM = "sm_util_pct"
 BW = "membw_util_pct"
@@ -33,7 +45,8 @@ BW = "membw_util_pct"
 ALIASES = {"sm_pct": SM, "bw_pct": BW}
 MEM_SCALE = {"gpu_mem_bytes": 1, "gpu_mem_mib": 1 << 20, "gpu_mem_gib": 1 << 30}  # first present wins
 SPEED, SOLO, COLOCATED = "speed", "solo_rate", "colocated_rate"
-KNOWN = {"group", "job", SM, BW, SPEED, SOLO, COLOCATED, *MEM_SCALE, *ALIASES}
+CORES, MPS = "host_cpu_cores", "mps_thread_pct"  # optional: the learned model uses them when all rows have them
+KNOWN = {"group", "job", SM, BW, SPEED, SOLO, COLOCATED, CORES, MPS, *MEM_SCALE, *ALIASES}
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,8 @@ def parse_member(record: Mapping[str, Any], where: str, notes: ReadNotes,
                 raise BadInput(f"{where}: {key}: {rec[key]!r} is too large")
             mem_bytes = int(round(value))
             break
+    cores = _number(rec[CORES], where, CORES, 0.0) if _present(rec, CORES) else 0.0
+    mps = _number(rec[MPS], where, MPS, 0.0, 100.0) if _present(rec, MPS) else 0.0
     speed: float | None = None
     has_rates = _present(rec, SOLO) or _present(rec, COLOCATED)
     if _present(rec, SPEED):
@@ -130,7 +145,7 @@ def parse_member(record: Mapping[str, Any], where: str, notes: ReadNotes,
         raise BadInput(f"{where}: {SPEED}: missing (give {SPEED}, or {SOLO} and {COLOCATED})")
     if speed is not None and speed > 1.5:
         notes.high_speeds += 1
-    return SoloProfile(sm, bw, mem_bytes), speed
+    return SoloProfile(sm, bw, mem_bytes, cores, mps), speed
 
 
 def _group(name: str, rows: Sequence[tuple[str, SoloProfile, float | None]], where: str) -> MeasuredGroup:
@@ -313,3 +328,87 @@ def read_store_groups(db_path: str) -> list[MeasuredGroup]:
                                   s.members, s.speeds) for key, ids, s in store_colocation_samples(store)]
     except (StoreError, sqlite3.Error) as exc:
         raise BadInput(f"--store: {exc}") from None
+
+
+# ---------------------------------------------------------------- learned model files
+
+MODEL_MAX_BYTES = 64 << 20  # a model of 100 trees is ~0.5 MB; anything far larger is not ours
+
+
+def model_file_problem(st: os.stat_result, uid: int) -> str | None:
+    """Why a model file with this status must not be loaded (None: it may).
+
+    Ours (uid) or root's, and writable by no one else: the trees steer every pack of
+    the service, so a file another user can change would let them steer ours."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid not in (uid, 0):
+        return f"owned by uid {st.st_uid}, not by you (uid {uid}) or root"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it"
+    return None
+
+
+def load_model(path: str | os.PathLike[str], uid: int | None = None) -> LearnedInterference:
+    """Read a model file written by `save_model` (BadInput naming the file and the problem)."""
+    from slurm_dlrm.packing.learned import LearnedInterference
+
+    where = str(path)
+    try:
+        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise BadInput(f"{where}: cannot read: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as fh:
+        problem = model_file_problem(os.fstat(fh.fileno()), os.geteuid() if uid is None else uid)
+        if problem:
+            raise BadInput(f"{where}: refused: {problem}")
+        raw = fh.read(MODEL_MAX_BYTES + 1)
+    if len(raw) > MODEL_MAX_BYTES:
+        raise BadInput(f"{where}: larger than {MODEL_MAX_BYTES >> 20} MiB: not a model file")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(f"{where}: corrupt model file (not JSON: {exc})") from None
+    try:
+        return LearnedInterference.from_dict(data)
+    except (ValueError, RecursionError) as exc:
+        raise BadInput(f"{where}: {exc}") from None
+
+
+def save_model(model: LearnedInterference, path: str | os.PathLike[str]) -> None:
+    """Write atomically (a temporary file in the same folder, fsync, rename), mode 0600."""
+    target = Path(path)
+    text = json.dumps(model.as_dict(), separators=(",", ":"))
+    folder = target.parent if str(target.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def parse_truth(text: str, what: str = "--truth") -> InterferenceParams:
+    """``analytic[:A,B,G]`` | ``learned:FILE`` | ``table:FILE`` | ``synthetic[:SEED]`` ->
+    the InterferenceParams the simulator uses (the speed model attached)."""
+    from slurm_dlrm.sim.truth import NearestTable, SyntheticColocation
+
+    kind, _, arg = text.partition(":")
+    kind = kind.strip().lower()
+    if kind == "analytic":
+        return parse_params(arg) if arg else DEFAULT_PARAMS
+    if kind == "learned" and arg:
+        return load_model(arg).params()
+    if kind == "table" and arg:
+        groups, _ = read_groups(arg)
+        return InterferenceParams(speed_model=NearestTable(tuple(g.sample() for g in groups if len(g.members) > 1)))
+    if kind == "synthetic":
+        seed = int(_number(arg, what, "seed", 0.0)) if arg else 0
+        return InterferenceParams(speed_model=SyntheticColocation(seed=seed))
+    raise BadInput(f"{what}: {text!r}: one of analytic[:A,B,G], learned:FILE, table:FILE, synthetic[:SEED]")
