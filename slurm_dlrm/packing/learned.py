@@ -14,9 +14,10 @@ for any group size. The trees learn the measured speed itself with the analytic 
 one feature (learning the prior's *residual* instead needs no monotone constraint to be
 wrong: the residual of a monotone prior is not monotone; on the synthetic generator the
 residual fit under constraints stalled at 3x the error). The prediction is clipped to
-(0, 1]. Monotone constraints where the physics is clear: more co-runner SM or bandwidth,
-more co-runners or more group load never makes a member faster (constraining the maxima
-and the prior too cost 30% more error and twice the fit time for no gain in sign). Two tree sets when the optional features are present: the full one (used by
+(0, 1]. Monotone constraints where the physics is clear: more co-runner SM or bandwidth
+(sum or max), more co-runners or more group load never makes a member faster, a higher
+analytic prior never makes it slower; since the prior itself never rises with co-runner
+load, adding load to a group never speeds a member up (tested). Two tree sets when the optional features are present: the full one (used by
 `predict_profiles`, i.e. `interference predict/eval`) and a core one on SM and bandwidth
 alone (used by the policies, which see only those).
 
@@ -51,7 +52,7 @@ KIND = "slurm-dlrm-interference-model"
 CORE_FEATURES = ("sm", "bw", "others_sm_sum", "others_bw_sum", "others_sm_max", "others_bw_max",
                  "others_count", "group_load", "prior_speed")
 # +1: the speed never falls as the feature grows; -1: never rises; 0: free.
-CORE_MONOTONE = (0, 0, -1, -1, 0, 0, -1, -1, 0)
+CORE_MONOTONE = (0, 0, -1, -1, -1, -1, -1, -1, 1)
 OPTIONAL_FEATURES = ("gpu_mem_gib", "others_gpu_mem_gib", "host_cpu_cores", "mps_thread_pct")
 OPTIONAL_MONOTONE = (0, 0, 0, 1)
 
@@ -85,8 +86,10 @@ def core_rows(sm: Sequence[float], bw: Sequence[float], prior: InterferenceParam
     for i in range(n):
         max_sm = max((sm[j] for j in range(n) if j != i), default=0.0)
         max_bw = max((bw[j] for j in range(n) if j != i), default=0.0)
-        rows.append((sm[i], bw[i], total_sm - sm[i], total_bw - bw[i], max_sm, max_bw, float(n - 1), load,
-                     speeds[i]))
+        # Rounded: sums in another member order differ in the last bits, and a tree
+        # threshold (a quantile of the training values) may sit exactly on a value.
+        rows.append((round(sm[i], 9), round(bw[i], 9), round(total_sm - sm[i], 9), round(total_bw - bw[i], 9),
+                     round(max_sm, 9), round(max_bw, 9), float(n - 1), round(load, 9), round(speeds[i], 9)))
     return rows
 
 
@@ -253,6 +256,8 @@ class LearnedInterference:
         try:
             pr = data["prior"]
             prior = InterferenceParams(float(pr["alpha"]), float(pr["beta"]), float(pr["gamma"]))
+            if list(data["core"]["features"]) != list(CORE_FEATURES):
+                raise ValueError(f"core features {data['core']['features']}, expected {list(CORE_FEATURES)}")
             core = TreeSet.from_dict(data["core"])
             full = TreeSet.from_dict(data["full"]) if data.get("full") is not None else None
         except (KeyError, TypeError) as exc:
