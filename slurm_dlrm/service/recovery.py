@@ -663,23 +663,29 @@ class Recovery:
             return False
         self._refit_key = used
         samples = [s for _, _, s in colocation_samples(self.store, solo, usable)]
-        self.maybe_refit_learned(samples)
-        if self.interference_params.speed_model is not None:
-            return False  # a learned model plans: the constants are only its prior
-        before = prediction_error(samples, self.interference_params)
+        refitted = self._refit_analytic(samples)
+        learned = self.maybe_refit_learned(samples)
+        return refitted or learned
+
+    def _refit_analytic(self, samples: list[Any]) -> bool:
+        """Refit the constants (the formula's, or the learned model's prior) on `samples`;
+        adopted when they lower the mean error there. An event either way."""
+        current = self.interference_params
+        analytic = current.analytic()
+        before = prediction_error(samples, analytic)
         try:
-            fitted = refit_interference(samples, start=self.interference_params)
+            fitted = refit_interference(samples, start=analytic)
         except (ValueError, FloatingPointError) as exc:  # e.g. a non-finite rate in the samples
             log.warning("interference refit on %d co-located GPU(s) failed: %s; model kept", len(samples), exc)
             return False
         after = prediction_error(samples, fitted)
-        old = self.interference_params
         names = ("alpha", "beta", "gamma")
-        change = ", ".join(f"{n} {a:.3f} -> {b:.3f}" for n, a, b in zip(names, old.as_tuple(), fitted.as_tuple(),
+        change = ", ".join(f"{n} {a:.3f} -> {b:.3f}" for n, a, b in zip(names, analytic.as_tuple(), fitted.as_tuple(),
                                                                        strict=True))
         data: dict[str, Any] = {"samples": len(samples), "error_before": before, "error_after": after}
         if after < before:
-            self.interference_params = fitted
+            # A learned model keeps planning; the refitted constants become its prior's.
+            self.interference_params = replace(fitted, speed_model=current.speed_model)
             data["interference"] = {"sm_contention": fitted.sm_contention, "membw_contention": fitted.membw_contention,
                                     "per_client_overhead": fitted.per_client_overhead}
             self.store.add_event(ADAPT, f"interference model refit from {len(samples)} co-located GPU(s): {change}; "
