@@ -10,7 +10,8 @@ packing, no interference, no start-up) is printed beside them.
 Robustness (docs/simulate.md "When the truth is not the planner's model"): the four
 policies on 1 GPU when what really happens differs from what the planner predicts:
 the synthetic roofline/queuing generator as the truth with the planner on the analytic
-defaults; the analytic model with constants 2x the defaults as the truth; and the
+defaults; the analytic model with constants (0.60, 1.20, 0.04), twice the former priors,
+as the truth (the defaults are 0, so "2x the defaults" would be no change); and the
 synthetic truth with the planner on a learned model fit on simulated agent samples
 (groups of the workload's jobs as the agents would measure them: the estimates'
 profiles, the truth's speeds). Line: `robust: min_tput_vs_firstfit=X ooms=N` (the worst
@@ -89,10 +90,11 @@ def agent_sample_model(workload: Workload, truth: InterferenceParams, groups: in
 def robustness() -> tuple[float, int]:
     """The four policies on 1 GPU with truth and planner disagreeing; prints each case."""
     synthetic = InterferenceParams(speed_model=SyntheticColocation())
-    off = InterferenceParams(2 * DEFAULT_PARAMS.sm_contention, 2 * DEFAULT_PARAMS.membw_contention,
-                             2 * DEFAULT_PARAMS.per_client_overhead)
+    # The defaults are 0 (docs/packing.md): "2x off" is taken from the former priors
+    # (0.30, 0.60, 0.02), doubled: a GPU with far more contention than the planner expects.
+    off = InterferenceParams(0.60, 1.20, 0.04)
     cases = (("truth synthetic, planner analytic defaults", synthetic, None, False),
-             ("truth analytic 2x the default constants, planner defaults", off, None, False),
+             ("truth analytic (0.60, 1.20, 0.04): 2x the former priors, planner defaults (0, 0, 0)", off, None, False),
              ("truth synthetic, planner learned from simulated agent samples", synthetic, None, True))
     gains, ooms = [], 0
     print("\n== robustness: truth and planner disagree (1 GPU, the four policies)")
