@@ -293,3 +293,16 @@ def test_simulate_with_a_mismatched_truth(tmp_path):
     r3 = CliRunner().invoke(cli, ["simulate", "-w", "benchmarks/sim/dlrm_mix.yaml", "-c",
                                   "benchmarks/sim/cluster_1gpu.yaml", "--plan-model", "synthetic"])
     assert r3.exit_code == 2 and "--plan-model" in r3.output
+
+
+def test_predict_with_a_model_file(tmp_path, model):
+    path = tmp_path / "m.json"
+    save_model(model, path)
+    r = CliRunner().invoke(cli, ["interference", "predict", "-m", "sm=70,bw=20", "-m", "sm=55,bw=60",
+                                 "--model", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    got = [m["predicted_speed"] for m in json.loads(r.output)["groups"][0]["members"]]
+    assert got == pytest.approx(model.predict_profiles([SoloProfile(70, 20), SoloProfile(55, 60)]))
+    both = CliRunner().invoke(cli, ["interference", "predict", "-m", "sm=70,bw=20", "--model", str(path),
+                                    "--params", "0,0,0"])
+    assert both.exit_code == 2 and "not both" in both.output

@@ -54,11 +54,13 @@ def interference() -> None:
               help="Groups of members from a CSV or JSON(-lines) file (the eval format; speeds optional).")
 @click.option("--params", "params_text", metavar="ALPHA,BETA,GAMMA",
               help="Model constants (default: the built-in ones).")
+@click.option("--model", "model_path", type=click.Path(dir_okay=False), metavar="MODEL",
+              help="Predict with a learned model file (`interference fit`) instead of the formula.")
 @click.option("--gpu-mem-gib", type=float, default=None, metavar="GIB",
               help="GPU memory: members whose memory does not fit all get speed 0.")
 @click.option("--json", "as_json", is_flag=True, help="Print the predictions as JSON.")
-def predict(members: tuple[str, ...], file_path: str | None, params_text: str | None, gpu_mem_gib: float | None,
-            as_json: bool) -> None:
+def predict(members: tuple[str, ...], file_path: str | None, params_text: str | None, model_path: str | None,
+            gpu_mem_gib: float | None, as_json: bool) -> None:
     """Predict each member's speed relative to running alone (1.0 = no slowdown).
 
     Profiles are what each job does alone on the GPU: SM utilisation % and memory-
@@ -68,6 +70,7 @@ def predict(members: tuple[str, ...], file_path: str | None, params_text: str | 
     Example:
       slurm-dlrm interference predict -m sm=70,bw=20,mem_gib=8 -m sm=15,bw=60,mem_gib=20
       slurm-dlrm interference predict -f groups.csv --params 0.3,0.6,0.02 --json
+      slurm-dlrm interference predict -f groups.csv --model model.json
     """
     from slurm_dlrm.interference_io import (
         MeasuredGroup,
@@ -81,7 +84,15 @@ def predict(members: tuple[str, ...], file_path: str | None, params_text: str | 
         raise BadInput("give the members with --member (repeated) or --file, one of the two")
     if gpu_mem_gib is not None and not gpu_mem_gib > 0:
         raise BadInput(f"--gpu-mem-gib: must be > 0 (got {gpu_mem_gib})")
+    if model_path and params_text:
+        raise BadInput("give --params or --model, not both")
     params = parse_params(params_text) if params_text else DEFAULT_PARAMS
+    model = None
+    if model_path:
+        from slurm_dlrm.interference_io import load_model
+
+        model = load_model(model_path)
+        params = model.params()
     if file_path:
         groups, notes = read_groups(file_path, need_speed=False)
         _warn(notes)
@@ -92,13 +103,16 @@ def predict(members: tuple[str, ...], file_path: str | None, params_text: str | 
     out: list[dict[str, Any]] = []
     for g in groups:
         speeds = predict_colocated_speeds(g.members, params, capacity)
+        if model is not None and all(v > 0 for v in speeds):
+            speeds = model.predict_profiles(g.members)  # the full tree set when the profiles allow
         out.append({"group": g.name, "members": [
             {"job": job, "sm_util_pct": p.sm_util_pct, "membw_util_pct": p.membw_util_pct,
              "gpu_mem_bytes": p.gpu_mem_bytes, "predicted_speed": s,
              **({"measured_speed": g.speeds[i]} if g.speeds is not None else {})}
             for i, (job, p, s) in enumerate(zip(g.jobs, g.members, speeds, strict=True))]})
     if as_json:
-        click.echo(json.dumps({"params": _params_dict(params), "gpu_mem_bytes": capacity, "groups": out}, indent=2))
+        click.echo(json.dumps({"params": _params_dict(params), "model": model_path, "gpu_mem_bytes": capacity,
+                               "groups": out}, indent=2))
         return
     measured = any(g.speeds is not None for g in groups)
     head = f"{'group':<10} {'job':<10} {'sm%':>6} {'bw%':>6} {'mem GiB':>8} {'predicted':>9}"
@@ -110,7 +124,10 @@ def predict(members: tuple[str, ...], file_path: str | None, params_text: str | 
             if measured:
                 line += f" {m['measured_speed']:>8.3f}" if "measured_speed" in m else f" {'-':>8}"
             click.echo(line)
-    click.echo(f"constants: {_params_text(params)}" + (" (defaults)" if params == DEFAULT_PARAMS else ""))
+    if model_path:
+        click.echo(f"model: {model_path} (learned; prior {_params_text(params)})")
+    else:
+        click.echo(f"constants: {_params_text(params)}" + (" (defaults)" if params == DEFAULT_PARAMS else ""))
 
 
 @interference.command("eval", context_settings=CONTEXT)
