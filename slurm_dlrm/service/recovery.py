@@ -595,7 +595,7 @@ class Recovery:
         file that cannot be used is logged (and an event says why); planning goes on
         with the next in that order."""
         from slurm_dlrm.errors import BadInput
-        from slurm_dlrm.interference_io import load_model
+        from slurm_dlrm.store.model_file import load_model
 
         analytic = self._last_refit_params()
         candidates = [(self.learned_model_path(), "learned by this service")]
@@ -703,9 +703,9 @@ class Recovery:
         them. An event records both figures either way. True if it switched."""
         import time
 
-        from slurm_dlrm.interference_io import save_model
         from slurm_dlrm.packing.interference_eval import learned_cross_validation
         from slurm_dlrm.packing.learned import fit_learned
+        from slurm_dlrm.store.model_file import save_model
 
         cfg = self.svc.site.adapt
         n = len(samples)
