@@ -229,12 +229,12 @@ class LearnedInterference:
         """Speeds of one group from full profiles (the optional features when the model has them)."""
         if len(members) <= 1:
             return [1.0] * len(members)
-        sample = CoLocationSample(tuple(members), tuple(1.0 for _ in members))
-        opt = self.optional_features
-        if self._full_fn is not None and all(v > 0 for row in sample_rows(sample, self.prior, opt)
-                                             for v in row[len(CORE_FEATURES):]):
-            fn = self._full_fn
-            return [_clip(fn(*row)) for row in sample_rows(sample, self.prior, opt)]
+        if self._full_fn is not None:
+            sample = CoLocationSample(tuple(members), tuple(1.0 for _ in members))
+            rows = sample_rows(sample, self.prior, self.optional_features)
+            if all(v > 0 for row in rows for v in row[len(CORE_FEATURES):]):  # every optional feature known
+                fn = self._full_fn
+                return [_clip(fn(*row)) for row in rows]
         return self.speeds_from_fractions([util_fraction(p.sm_util_pct) for p in members],
                                           [util_fraction(p.membw_util_pct) for p in members])
 
