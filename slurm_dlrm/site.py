@@ -160,6 +160,11 @@ class AdaptConfig:
     repack_interval_s: float = 300.0  # a running member is reconsidered at most this often
     refit_every_rounds: int = 30  # refit the interference model at most once per this many rounds
     refit_min_samples: int = 3  # co-located GPUs with solo rates needed before a refit
+    # A learned model file (`slurm-dlrm interference fit`) to plan with; yours or root's,
+    # writable by no one else ("" = none). A model the service learnt itself wins.
+    interference_model: str = ""
+    learned_refit_every_groups: int = 50  # refit the learned model every N new co-located GPUs (0: never)
+    learned_min_groups: int = 30  # co-located GPUs before the first learned fit
 
 
 @dataclass(frozen=True)
@@ -466,6 +471,10 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         repack_interval_s=r.get("repack_interval_s", float, d.repack_interval_s, min_value=1),
         refit_every_rounds=r.get("refit_every_rounds", int, d.refit_every_rounds, min_value=1),
         refit_min_samples=r.get("refit_min_samples", int, d.refit_min_samples, min_value=1),
+        interference_model=r.get("interference_model", str, d.interference_model),
+        learned_refit_every_groups=r.get("learned_refit_every_groups", int, d.learned_refit_every_groups,
+                                         min_value=0),
+        learned_min_groups=r.get("learned_min_groups", int, d.learned_min_groups, min_value=5),
     )
     r.done()
     top.done()

@@ -202,6 +202,7 @@ class PackingService:
         now = self.clock()
         return {
             "pid": os.getpid(), "user": self.settings.user, "policy": self.policy, "rounds": self.rounds,
+            "interference_model": self.recovery.interference_source,
             "last_round_t": now, "slurm_ok": self.slurm_error is None, "slurm_error": self.slurm_error,
             "slurm_retry_in_s": None if self.slurm_error is None else round(max(0.0, self.slurm_retry_at - now), 1),
             "next_dispatch_in_s": 0.0 if self.last_dispatch_t is None else

@@ -10,8 +10,9 @@ The mechanism is the same for every policy, only `plan()` differs:
   it starts `submit_to_start_s` later (scheduler pass + prolog); every member then
   spends `member_startup_s` (imports, CUDA context) before it trains. A pack gives its
   GPUs back only when its last member has ended (a Slurm allocation does not shrink).
-- Members of one GPU progress at the speeds the interference model gives for their
-  *true* profiles (`true_params`, by default the documented model itself).
+- Members of one GPU progress at the speeds the *truth* gives for their true profiles
+  (`true_params`: the analytic model by default, or any `speed_model` such as the
+  synthetic generator of sim/truth.py); the policies plan with `plan_params`.
 - At `peak_at_frac` of its run a member reaches its true peak memory. With a fence
   (mem-best-fit, complementary: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) it dies if its own
   peak passes its fence; without one (exclusive, first-fit) it dies if the GPU's
