@@ -254,10 +254,9 @@ class Selftest:
             if not is_fake_mps_control(shutil.which(MPS_CONTROL, path=self.env.get("PATH")) or ""):
                 fake_mps_control.install_launcher(self.work / "bin")
                 self.env["PATH"] = f"{self.work / 'bin'}:{self.env.get('PATH', '')}"
-        # The agent's seam reads the fake's location from os.environ.
-        os.environ[fake_nvml.ENV_FAKE_NVML] = self.env.get(fake_nvml.ENV_FAKE_NVML, "")
-        if not os.environ[fake_nvml.ENV_FAKE_NVML]:
-            del os.environ[fake_nvml.ENV_FAKE_NVML]
+        # The NVML seam reads the fake's location from os.environ; run() puts it back.
+        if self.env.get(fake_nvml.ENV_FAKE_NVML):
+            os.environ[fake_nvml.ENV_FAKE_NVML] = self.env[fake_nvml.ENV_FAKE_NVML]
         self.nvml = Nvml()
         nvml_ok = self.nvml.init()
         self.ctx.nvml = ("fake" if self.nvml.is_fake else "driver") if nvml_ok else f"unavailable: {self.nvml.reason}"
@@ -398,7 +397,7 @@ class Selftest:
         status = DRY if fake else PASS
         fake_note = "against the fake nvidia-cuda-mps-control: the agent's code path, no GPU" if fake else ""
         self.add("mps.daemon_start", status, f"pid {daemon.pid()} answered after {time.monotonic() - t0:.2f} s, "
-                 f"pipe {daemon.pipe_dir}", fake_note)
+                 f"pipe {daemon.pipe_dir}", fake_note, daemon_pid=daemon.pid(), root_dir=str(daemon.root_dir))
         try:
             # The agent's backstop defaults (loop._configure_mps): the largest limit and share.
             daemon.set_default_device_pinned_mem_limit(0, STEADY_LIMIT_MIB)
@@ -640,6 +639,7 @@ class Selftest:
     # -------------------------------------------------- all
 
     def run(self) -> tuple[list[Check], dict[str, Any]]:
+        saved_fake = os.environ.get(fake_nvml.ENV_FAKE_NVML)
         try:
             site = self.prepare()
             self.check_nvml(site)
@@ -655,6 +655,10 @@ class Selftest:
             self._stop_daemon()
             self.nvml.shutdown()
             shutil.rmtree(self.work, ignore_errors=True)
+            if saved_fake is None:
+                os.environ.pop(fake_nvml.ENV_FAKE_NVML, None)
+            else:
+                os.environ[fake_nvml.ENV_FAKE_NVML] = saved_fake
         return self.checks, self.ctx.to_dict()
 
 
