@@ -123,7 +123,7 @@ def _print_table(data: dict[str, Any]) -> None:
 
     console = Console(width=max(120, int(os.environ.get("COLUMNS", "0") or 0)))
     ctx = data.get("context", {})
-    title = (f"slurm-dlrm selftest on {ctx.get('host')} GPU {ctx.get('gpu_name')} "
+    title = (f"slurm-dlrm selftest on {ctx.get('node') or ctx.get('host')} GPU {ctx.get('gpu_name')} "
              f"(model {ctx.get('model') or '?'}, NVML {ctx.get('nvml')})")
     table = Table(title=title, show_lines=False)
     table.add_column("check")

@@ -85,6 +85,7 @@ class Context:
     """What the run found out about where it runs (printed with the verdict)."""
 
     host: str
+    node: str = ""  # $SLURMD_NODENAME inside an allocation, else the host name
     gpu_name: str = ""
     nvml_index: int | None = None
     nvml: str = ""  # "driver" | "fake" | "unavailable: ..."
@@ -217,7 +218,8 @@ class Selftest:
     def __init__(self, opts: Options) -> None:
         self.opts = opts
         self.checks: list[Check] = []
-        self.ctx = Context(host=socket.gethostname())
+        host = socket.gethostname()
+        self.ctx = Context(host=host, node=os.environ.get("SLURMD_NODENAME") or host.split(".")[0])
         self.children: list[Child] = []
         self.mps: MpsSetup | None = None
         self.env = dict(os.environ)
