@@ -11,9 +11,11 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -345,3 +347,48 @@ def test_batch_script_quotes_every_value(tmp_path):
     subprocess.run(["bash", "-c", stub], env={"SLURM_JOB_ID": "7", "PATH": os.environ["PATH"]}, check=True)  # noqa: S603
     lines = (weird / "selftest-root-7.json").read_text().splitlines()
     assert lines[-1] == str(weird / "site.toml")
+
+
+_SIGTERM_DRIVER = """
+import sys
+from slurm_dlrm.selftest import run as run_mod
+# a GPU node whose first CUDA client hangs: the selftest waits in the MPS step
+run_mod.probe_argv = lambda role, *a: ["sh", "-c", "exec sleep 600", "probe"]
+run_mod.is_fake_mps_control = lambda path: False
+run_mod.Nvml.is_fake = property(lambda self: False)
+run_mod.Selftest.check_calibration = lambda self: None
+try:
+    run_mod.run_selftest(run_mod.Options(fake=True))
+except run_mod.Stopped as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(1)
+"""
+
+
+def test_sigterm_stops_the_daemon_and_the_clients(clean_env):
+    env = dict(os.environ)
+    proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_DRIVER], env=env, stderr=subprocess.PIPE, text=True)  # noqa: S603
+    ours = f"{tempfile.gettempdir()}/mps-st{proc.pid}-".encode()
+    daemon, sleeper = None, None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and (daemon is None or sleeper is None):
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                argv = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
+                environ = Path(f"/proc/{d}/environ").read_bytes()
+            except OSError:
+                continue
+            if b"CUDA_MPS_PIPE_DIRECTORY=" + ours in environ:
+                if b"-d" in argv and b"slurm_dlrm.agent.fake_mps_control" in argv:
+                    daemon = int(d)
+                elif argv[:2] == [b"sleep", b"600"]:
+                    sleeper = int(d)  # the hanging client, in the agent's member environment
+        time.sleep(0.1)
+    assert daemon and sleeper, "the selftest never reached its MPS clients"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "stopped by SIGTERM" in err
+    assert not _alive(daemon) and not _alive(sleeper)
+    assert not list(Path(tempfile.gettempdir()).glob(f"mps-st{proc.pid}-*"))

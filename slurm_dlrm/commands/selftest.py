@@ -56,8 +56,8 @@ file you cannot write).
 @click.option("--submit", is_flag=True, help="Submit this selftest as a Slurm job (needs -p), wait, print its verdict.")
 @click.option("-p", "--partition", default=None, help="With --submit: the partition (it must have GPUs).")
 @click.option("--gres", default=None, help="With --submit: sbatch --gres (default gpu:1).")
-@click.option("-t", "--time-limit", "wait_s", type=click.IntRange(30), default=1200, show_default=True,
-              help="With --submit: seconds to wait for the job.")
+@click.option("--timeout", "wait_s", type=click.IntRange(30), default=1200, show_default=True, metavar="SECONDS",
+              help="With --submit: how long to wait for the job (queueing included).")
 @click.option("--slurm-conf", type=click.Path(dir_okay=False), default=None, envvar="SLURM_CONF",
               help="With --submit: slurm.conf (default: $SLURM_CONF).")
 def selftest(gpu_index: int, as_json: bool, write_site: str | None, site_path: str | None, model: str | None,

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -486,10 +487,12 @@ class Selftest:
         self.add("mps.neighbour_runs_on", status, figure, "" if status == PASS else _child_error(steady), fix)
 
     def _stop_children(self) -> None:
-        (self.work / "stop").touch()
+        with contextlib.suppress(OSError):
+            (self.work / "stop").touch()  # clients that can, end on their own (greedy frees its memory)
+        deadline = time.monotonic() + 5
         for c in self.children:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                c.proc.wait(timeout=5)
+                c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             c.kill()
         self.children = []
 
@@ -642,6 +645,12 @@ class Selftest:
 
     def run(self) -> tuple[list[Check], dict[str, Any]]:
         saved_fake = os.environ.get(fake_nvml.ENV_FAKE_NVML)
+        # scancel, a time limit or a closed terminal must not leave the daemon running:
+        # turn SIGTERM/SIGHUP into an exception, so the finally below runs.
+        old_handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                old_handlers[sig] = signal.signal(sig, _on_signal)
         try:
             site = self.prepare()
             self.check_nvml(site)
@@ -661,7 +670,18 @@ class Selftest:
                 os.environ.pop(fake_nvml.ENV_FAKE_NVML, None)
             else:
                 os.environ[fake_nvml.ENV_FAKE_NVML] = saved_fake
+            for sig, handler in old_handlers.items():
+                signal.signal(sig, handler)
         return self.checks, self.ctx.to_dict()
+
+
+class Stopped(DlrmError):
+    """The selftest got SIGTERM/SIGHUP; what it started has been stopped."""
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    raise Stopped(f"selftest: stopped by {signal.Signals(signum).name}; the MPS daemon and clients it started "
+                  "were stopped")
 
 
 def _alive(pid: int) -> bool:
