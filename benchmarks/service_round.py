@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from slurm_dlrm.packing.model import PackingRequest, limits_from_site  # noqa: E402
 from slurm_dlrm.packing.policies import plan  # noqa: E402
-from slurm_dlrm.service.core import PackingService, ServiceSettings, write_job_spec  # noqa: E402
+from slurm_dlrm.service.core import PackingService, ServiceSettings  # noqa: E402
+from slurm_dlrm.service.spool import write_job_spec  # noqa: E402
 from slurm_dlrm.site import REPO_SITE_FILE, parse_site  # noqa: E402
 from slurm_dlrm.slurm.fake import FakeSlurm  # noqa: E402
 from slurm_dlrm.store.store import Store  # noqa: E402
@@ -88,8 +89,8 @@ def plan_only(tmp: Path, nodes: int, policy: str) -> float:
     with Store(tmp / "store.sqlite") as store:
         fill(store, JOBS, site.spool_dir_for("bench"))
         svc = PackingService(store, FakeSlurm(user="bench"), site, ServiceSettings(user="bench", policy=policy))
-        demands = tuple(svc._demand(j) for j in store.jobs(["PENDING"]))
-    request = PackingRequest(jobs=demands, gpu_models=tuple(site.gpu_models.values()), nodes=svc._node_shapes(
+        demands = tuple(svc.demand_of(j) for j in store.jobs(["PENDING"]))
+    request = PackingRequest(jobs=demands, gpu_models=tuple(site.gpu_models.values()), nodes=svc.node_shapes(
         site.default_partition), limits=limits_from_site(site))
     t0 = time.perf_counter()
     plan(request, policy)

@@ -25,7 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from slurm_dlrm.store import JobState, NewPlacement, PackState, Store  # noqa: E402
+from slurm_dlrm.store import JobState, NewPlacement, PackState, Store, ingest_spool_file  # noqa: E402
 from slurm_dlrm.store.acct import DEFAULT_FORMAT, AcctFilter, acct_table, parse_format  # noqa: E402
 from slurm_dlrm.store.synthetic import sample_line_dicts  # noqa: E402
 
@@ -65,10 +65,10 @@ def _spool_writer(db: str, spool: str, pack_id: int, job_id: int, seconds: float
                 cut = len(blob) // 2
                 f.write(blob[:cut])
                 f.flush()
-                r1 = store.ingest_spool_file(spool, on_record)
+                r1 = ingest_spool_file(store, spool, on_record)
                 f.write(blob[cut:])
                 f.flush()
-                r2 = store.ingest_spool_file(spool, on_record)
+                r2 = ingest_spool_file(store, spool, on_record)
                 res["committed"] += r1.samples + r2.samples
                 res["written"] += batch
                 i += 1
@@ -123,7 +123,7 @@ def run(seconds: float, db: str, batch: int = 500) -> dict[str, Any]:
             "SELECT job_id, count(*) FROM samples GROUP BY job_id")}
         problems = store.check()
         # Whatever the spool writer wrote but had not ingested yet (none: it ingests last).
-        store.ingest_spool_file(spool)
+        ingest_spool_file(store, spool)
         stored_after = store.conn.execute("SELECT count(*) FROM samples WHERE job_id = ?", (b,)).fetchone()[0]
     errors = [f"{r['role']}: {r['error']}" for r in results if r["error"]]
     ok = (not errors and not problems and stored.get(a, 0) == by_role["direct"]["committed"]

@@ -7,6 +7,9 @@ slurmdbd. Everything is private to the state folder and the base port, so severa
 instances run side by side (one per git worktree). `down()` stops only processes this
 instance started: it finds them through pid files and checks that each carries the
 instance's marker in its environment before signalling it; nothing is killed by name.
+
+Over 600 lines: one class, `LocalCluster`, owns one instance's whole lifecycle (config,
+daemons, pid files, the marker check); the helpers beside it serve only it.
 """
 
 from __future__ import annotations

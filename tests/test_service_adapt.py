@@ -201,7 +201,7 @@ def test_warmup_replan_kept_in_place_says_why(world):
 
 def test_warmup_replan_without_a_free_gpu_is_kept(world, monkeypatch):
     def cluster_full(svc):
-        monkeypatch.setattr(svc, "_busy_gpus", lambda partition: 8)  # every GPU of the site is held
+        monkeypatch.setattr(svc, "busy_gpus", lambda partition: 8)  # every GPU of the site is held
 
     svc, store, p, a, b = _warmup(world, measured_sm_a=100.0, before_judgement=cluster_full)
     assert not asked_to_move(p, a)
@@ -218,7 +218,7 @@ SOLO_SPS = {"fp-c": 2000.0, "fp-m": 800.0, "fp-x": 1200.0, "fp-y": 3000.0}
 def _history(store, clock, solo_share=100):
     """Packs already run: each spec alone on a GPU, and pairs co-located, with samples/s
     from the TRUE interference constants."""
-    from slurm_dlrm.store.store import NewPlacement
+    from slurm_dlrm.store.records import NewPlacement
 
     n = 0
 

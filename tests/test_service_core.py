@@ -11,12 +11,12 @@ import pytest
 from service_harness import FakeClock, FakeCluster, add_job, make_site
 
 from slurm_dlrm.admin.marker import parse_marker
+from slurm_dlrm.service.cancel import cancel_job
 from slurm_dlrm.service.core import (
     PRUNE_EVERY_S,
     PackingService,
     RoundStats,
     ServiceSettings,
-    cancel_job,
     is_unreachable,
 )
 

@@ -72,8 +72,8 @@ def test_oom_requeues_with_measured_raise_and_learns_for_the_fingerprint(world):
     # A later job of the same spec starts with the learned figure; another spec does not.
     b = add_fp_job(store, "b", "fp-x", gpu_gib=4)
     c = add_fp_job(store, "c", "fp-other", gpu_gib=4)
-    db = svc._demand(store.get_job(b))
-    dc = svc._demand(store.get_job(c))
+    db = svc.demand_of(store.get_job(b))
+    dc = svc.demand_of(store.get_job(c))
     assert db.gpu_mem_bytes > dc.gpu_mem_bytes
     assert any(r.startswith("warm start") and "GPU x" in r for r in events(store, b, "adapt"))
     assert not events(store, c, "adapt")
@@ -187,7 +187,7 @@ def test_similar_finished_jobs_warm_start_the_profile(world):
     svc.run_round()
     assert store.get_job(a).state == JobState.COMPLETED
     b = add_fp_job(store, "b", "fp-z", sm=60, cores=1.0)
-    d = svc._demand(store.get_job(b))
+    d = svc.demand_of(store.get_job(b))
     assert d.sm_util_pct == pytest.approx(15.0)  # measured, not the analytic 60%
     assert any("similar finished job" in r for r in events(store, b, "adapt"))
 
@@ -226,7 +226,7 @@ def test_the_member_using_more_than_planned_is_moved_not_its_slowed_neighbour(wo
 
 
 def test_perf_model_fitted_from_runs_at_different_shares(world):
-    from slurm_dlrm.store.store import NewPlacement
+    from slurm_dlrm.store.records import NewPlacement
 
     svc, store, slurm, clock, cluster = world
     # Truth: seconds/sample = 1e-3 * 100/share + 2e-3 / cpus; four runs of one spec.

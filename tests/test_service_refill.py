@@ -115,7 +115,7 @@ def test_running_pack_gpus_offered_with_live_members_and_room(world):
     live = {d.job_id for g in offered for d in g.live}
     assert live == {b}  # a ended: its GPU share is free again
     (live_b,) = [d for g in offered for d in g.live]
-    full = svc._demand(store.get_job(b)).est_duration_s
+    full = svc.demand_of(store.get_job(b)).est_duration_s
     ran = clock() - store.placements(job_id=b)[0].start_time
     assert full == pytest.approx(64.0) and 0 < ran < full
     assert live_b.est_duration_s == pytest.approx(full - ran)  # what is left of its run

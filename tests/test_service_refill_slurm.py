@@ -79,7 +79,7 @@ def test_pending_job_joins_a_running_pack_and_completes_in_its_allocation(slurm_
                              text=True, timeout=30, check=False).stdout.strip()
         assert out in ("RUNNING", "COMPLETING"), out  # the long member still holds it
     finally:
-        from slurm_dlrm.service.core import cancel_job
+        from slurm_dlrm.service.cancel import cancel_job
 
         if store.get_job(long_id).state in ("PENDING", "PLANNED", "RUNNING"):
             cancel_job(store, slurm, long_id, user=user)

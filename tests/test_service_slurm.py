@@ -76,7 +76,7 @@ def _sacct_names(since: str) -> list[str]:
 
 
 def test_sweep_survives_kill_9_and_a_cancel(live, tmp_path):
-    from slurm_dlrm.service.core import cancel_job
+    from slurm_dlrm.service.cancel import cancel_job
     from slurm_dlrm.service.daemon import running_pid
     from slurm_dlrm.service.sbatch_options import SbatchOptions
     from slurm_dlrm.service.submit import submit, wait_for_jobs

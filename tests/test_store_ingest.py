@@ -19,6 +19,7 @@ from slurm_dlrm.store import (
     NewPlacement,
     PackState,
     Store,
+    ingest_spool_file,
     record_as_event,
 )
 from slurm_dlrm.store.synthetic import sample_line_dicts
@@ -56,15 +57,15 @@ def test_partial_lines_wait_and_nothing_is_read_twice(setup):
     store, p, j, f = setup
     ls = lines(p, j, 30)
     append(f, b"".join(ls[:10]) + ls[10][:17])
-    r = store.ingest_spool_file(f)
+    r = ingest_spool_file(store, f)
     assert (r.samples, count(store)) == (10, 10)
     assert r.offset_bytes == sum(map(len, ls[:10]))
-    assert store.ingest_spool_file(f).samples == 0  # still only a partial line
+    assert ingest_spool_file(store, f).samples == 0  # still only a partial line
     append(f, ls[10][17:] + b"".join(ls[11:30]))
-    assert store.ingest_spool_file(f).samples == 20
+    assert ingest_spool_file(store, f).samples == 20
     # A restart (new connection) reads nothing again.
     with Store(store.path) as again:
-        assert again.ingest_spool_file(f).samples == 0
+        assert ingest_spool_file(again, f).samples == 0
     assert count(store) == 30
     ts = [r[0] for r in store.conn.execute("SELECT t FROM samples ORDER BY t")]
     assert ts == sorted({json.loads(x)["t"] for x in ls})
@@ -74,15 +75,15 @@ def test_a_symlinked_path_is_the_same_file(setup, tmp_path):
     store, p, j, f = setup
     append(f, b"".join(lines(p, j, 7)))
     (tmp_path / "alias").symlink_to(f.parent)
-    assert store.ingest_spool_file(f).samples == 7
-    assert store.ingest_spool_file(tmp_path / "alias" / f.name).samples == 0
+    assert ingest_spool_file(store, f).samples == 7
+    assert ingest_spool_file(store, tmp_path / "alias" / f.name).samples == 0
     assert count(store) == 7
 
 
 def test_small_chunks_give_the_same_result(setup):
     store, p, j, f = setup
     append(f, b"".join(lines(p, j, 500)))
-    r = store.ingest_spool_file(f, chunk_bytes=1000)
+    r = ingest_spool_file(store, f, chunk_bytes=1000)
     assert r.samples == 500 == count(store)
     assert store.conn.execute("SELECT lines FROM ingest_offsets").fetchone()[0] == 500
 
@@ -99,7 +100,7 @@ def test_records_go_to_the_callback_in_order_and_in_the_same_transaction(setup):
         seen.append(count(st))  # the samples before it are already visible
         st.transition_job(rec["job_id"], JobState(rec["state"]), rec["reason"], exit_code=rec["exit_code"])
 
-    r = store.ingest_spool_file(f, on_record)
+    r = ingest_spool_file(store, f, on_record)
     assert (r.samples, r.records, seen) == (5, 1, [5])
     assert store.get_job(j).state == JobState.COMPLETED
 
@@ -114,11 +115,11 @@ def test_a_failing_callback_rolls_back_the_chunk_and_the_offset(setup):
         raise RuntimeError("service bug")
 
     with pytest.raises(RuntimeError):
-        store.ingest_spool_file(f, boom)
+        ingest_spool_file(store, f, boom)
     assert count(store) == 0
     assert store.events(kind="note") == []
     assert store.conn.execute("SELECT count(*) FROM ingest_offsets").fetchone()[0] == 0
-    r = store.ingest_spool_file(f, record_as_event)
+    r = ingest_spool_file(store, f, record_as_event)
     assert (r.samples, r.records) == (5, 1)
     assert [e["reason"] for e in store.events(kind="agent")] == ["mps_started"]
 
@@ -133,7 +134,7 @@ def test_a_rejected_record_is_logged_and_skipped(setup):
         st.add_event("note", "partial work of the rejected record")
         st.transition_job(rec["job_id"], JobState(rec["state"]), "report")
 
-    r = store.ingest_spool_file(f, on_record)
+    r = ingest_spool_file(store, f, on_record)
     assert (r.rejected, r.samples) == (1, 3)
     assert store.events(kind="note") == []  # undone by the savepoint
     assert "illegal transition" in store.events(kind="ingest")[0]["reason"]
@@ -146,13 +147,13 @@ def test_bad_lines_unknown_ids_and_replaced_files(setup):
     good = lines(p, j, 4)
     unknown_job = lines(p, 999, 2)
     append(f, good[0] + b"not json\n" + b"[1,2]\n" + b"\n" + good[1] + unknown_job[0] + good[2] + good[3])
-    r = store.ingest_spool_file(f)
+    r = ingest_spool_file(store, f)
     assert (r.samples, r.bad_lines) == (4, 2)
     assert store.conn.execute("SELECT bad_lines FROM ingest_offsets").fetchone()[0] == 2
     # The agent's file is replaced by a new one (another inode): read from its start.
     f.unlink()
     append(f, b"".join(lines(p, j, 3, t0=5e9)))
-    assert store.ingest_spool_file(f).samples == 3
+    assert ingest_spool_file(store, f).samples == 3
     assert any("replaced" in e["reason"] for e in store.events(kind="ingest"))
 
 
@@ -216,10 +217,10 @@ def test_sigkill_mid_batch_loses_at_most_the_batch_in_flight(setup):
 
 _INGESTER = """
 import sys
-from slurm_dlrm.store import Store
+from slurm_dlrm.store import Store, ingest_spool_file
 store = Store(sys.argv[1])
 while True:
-    store.ingest_spool_file(sys.argv[2], chunk_bytes=20000)
+    ingest_spool_file(store, sys.argv[2], chunk_bytes=20000)
 """
 
 
@@ -244,7 +245,7 @@ def test_sigkill_during_ingestion_then_resume_is_exactly_once(setup):
         before = count(s)
         assert before < total, "ingestion finished before the kill; make the file bigger"
         assert s.check() == []
-        s.ingest_spool_file(f)
+        ingest_spool_file(s, f)
         assert count(s) == total
         assert s.conn.execute("SELECT count(DISTINCT t) FROM samples").fetchone()[0] == total
         assert s.check() == []
@@ -267,8 +268,8 @@ def test_prune_samples_keeps_the_aggregates(setup):
 
 _ONCE = """
 import sys
-from slurm_dlrm.store import Store
-Store(sys.argv[1]).ingest_spool_file(sys.argv[2], chunk_bytes=8000)
+from slurm_dlrm.store import Store, ingest_spool_file
+ingest_spool_file(Store(sys.argv[1]), sys.argv[2], chunk_bytes=8000)
 """
 
 

@@ -3,6 +3,10 @@
 One agent per node of a pack allocation. It is single-threaded: it sleeps in `select`
 on a signal wake-up pipe, so SIGTERM and child exits are handled at once and sampling
 happens every `sample_interval_s` otherwise.
+
+Over 600 lines: one class, `Agent`, a single-threaded loop whose launch, sampling,
+enforcement and reporting steps share the members' state; the NVML, MPS, /proc and
+report seams already live apart (nvml.py, mps.py, procstat.py, reports.py).
 """
 
 from __future__ import annotations

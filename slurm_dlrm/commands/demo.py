@@ -87,8 +87,10 @@ def run_demo(state_dir: Path | None = None, nodes: int | None = None, timeout_s:
 @click.option("--no-report", is_flag=True, help="Skip the HTML report.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--smoke", is_flag=True, help="Only check the cluster: one GPU job with an srun step per node.")
+@click.option("--standin", is_flag=True,
+              help="Members run a stand-in (no torch) for the spec's steps; the rest of the path is real.")
 def demo(count: int | None, specs: tuple[str, ...], workdir: str | None, round_seconds: float, timeout_s: float,
-         no_report: bool, as_json: bool, smoke: bool) -> None:
+         no_report: bool, as_json: bool, smoke: bool, standin: bool) -> None:
     """Run the whole path on the local cluster: pack a sweep of tiny DLRMs onto shared GPUs.
 
     Brings up the local Slurm cluster (2 nodes x 4 fake GPUs, with accounting; reused
@@ -101,6 +103,7 @@ def demo(count: int | None, specs: tuple[str, ...], workdir: str | None, round_s
       slurm-dlrm demo
       slurm-dlrm demo -n 6 --json
       slurm-dlrm demo --smoke      # just check the cluster: a GPU step on every node
+      slurm-dlrm demo --standin    # the Slurm path without torch (stand-in members)
       slurm-dlrm cluster down      # afterwards, to stop the local cluster
 
     Exit code 0 if every job completed, 1 otherwise.
@@ -116,12 +119,14 @@ def demo(count: int | None, specs: tuple[str, ...], workdir: str | None, round_s
         if check["state"] != "COMPLETED":
             raise DlrmError(f"demo job {check['job_id']} ended {check['state']} (output: {check['output']})")
         return
-    from slurm_dlrm.service.demo import default_specs, fresh_workdir
+    from slurm_dlrm.service.demo import default_specs, fresh_workdir, standin_specs
     from slurm_dlrm.service.demo import run_demo as run_sweep
     from slurm_dlrm.service.progress import follow_jobs
 
     chosen = [Path(s).resolve() for s in specs] if specs else default_specs(count)
     work = Path(workdir).resolve() if workdir else fresh_workdir(Path(tempfile.gettempdir()) / "slurm-dlrm-demo")
+    if standin:
+        chosen = standin_specs(chosen, work, sys.executable)
 
     def say(text: str) -> None:
         click.echo(f"demo: {text}", err=True)

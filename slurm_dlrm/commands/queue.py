@@ -138,7 +138,7 @@ def cancel(job_ids: tuple[int, ...], site_path: str | None) -> None:
     Example:
       slurm-dlrm cancel 12 15
     """
-    from slurm_dlrm.service.core import cancel_job
+    from slurm_dlrm.service.cancel import cancel_job
     from slurm_dlrm.service.daemon import wake
     from slurm_dlrm.service.submit import service_paths
     from slurm_dlrm.slurm import SlurmClient

@@ -6,6 +6,7 @@ relative to running alone; `slurm_dlrm.packing.dispatch` decides when to run a r
 and ages waiting jobs. See docs/packing.md.
 """
 
+from slurm_dlrm.packing.common import POLICY_NAMES, URGENT_PRIORITY
 from slurm_dlrm.packing.dispatch import (
     DispatchConfig,
     after_round,
@@ -37,7 +38,7 @@ from slurm_dlrm.packing.model import (
     member_fence_bytes,
     nodes_from_site,
 )
-from slurm_dlrm.packing.policies import POLICY_NAMES, URGENT_PRIORITY, plan
+from slurm_dlrm.packing.policies import plan
 
 # The interference model under the name the issue gives it.
 interference_model = predict_colocated_speeds

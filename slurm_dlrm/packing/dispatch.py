@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from slurm_dlrm.packing.common import URGENT_PRIORITY
 from slurm_dlrm.packing.model import JobDemand, PackingPlan
-from slurm_dlrm.packing.policies import URGENT_PRIORITY
 from slurm_dlrm.site import SiteConfig
 
 

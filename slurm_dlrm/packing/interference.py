@@ -62,7 +62,7 @@ class CoLocationSample:
     speeds: tuple[float, ...]
 
 
-def _frac(pct: float) -> float:
+def util_fraction(pct: float) -> float:
     if not math.isfinite(pct):
         return 0.0
     return min(max(pct / 100.0, 0.0), 1.0)
@@ -157,8 +157,8 @@ def predict_colocated_speeds(members: Sequence[Any], params: InterferenceParams 
         return [0.0] * len(profiles)
     if len(profiles) == 1:
         return [1.0]
-    return predict_speeds_from_fractions([_frac(p.sm_util_pct) for p in profiles],
-                                         [_frac(p.membw_util_pct) for p in profiles],
+    return predict_speeds_from_fractions([util_fraction(p.sm_util_pct) for p in profiles],
+                                         [util_fraction(p.membw_util_pct) for p in profiles],
                                          params or DEFAULT_PARAMS)
 
 
@@ -194,7 +194,7 @@ def refit_interference(samples: Sequence[CoLocationSample],
         return first
     from scipy.optimize import least_squares  # lazy: scipy is slow to import, pure otherwise
 
-    fracs = [([_frac(p.sm_util_pct) for p in s.members], [_frac(p.membw_util_pct) for p in s.members], s.speeds)
+    fracs = [([util_fraction(p.sm_util_pct) for p in s.members], [util_fraction(p.membw_util_pct) for p in s.members], s.speeds)
              for s in usable]
 
     def residuals(x: Any) -> list[float]:

@@ -19,9 +19,9 @@ from slurm_dlrm.packing.interference import (
     DEFAULT_PARAMS,
     CoLocationSample,
     InterferenceParams,
-    _frac,
     predict_colocated_speeds,
     refit_interference,
+    util_fraction,
 )
 
 Predictor = Callable[[CoLocationSample], list[float]]
@@ -36,7 +36,7 @@ def no_slowdown(sample: CoLocationSample) -> list[float]:
 
 def inverse_load(sample: CoLocationSample) -> list[float]:
     """Baseline: everyone slows by the GPU's oversubscription, min(1, 1 / sum_j max(s_j, b_j))."""
-    load = sum(max(_frac(p.sm_util_pct), _frac(p.membw_util_pct)) for p in sample.members)
+    load = sum(max(util_fraction(p.sm_util_pct), util_fraction(p.membw_util_pct)) for p in sample.members)
     return [min(1.0, 1.0 / load) if load > 0 else 1.0] * len(sample.members)
 
 

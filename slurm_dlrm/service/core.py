@@ -18,6 +18,11 @@ Crash safety (the service may be killed at any instant and restarted):
   transaction as the state changes they cause).
 - Nothing is kept only in memory that a restart needs: the in-memory heartbeat times and
   back-off are rebuilt from scratch without losing a job.
+
+Over 600 lines: one class, the round, whose observe and act halves share the service's
+state (store, Slurm client, back-off, heartbeats) in nearly every method; recovery,
+refill, cancel and the helpers they share already live apart (recovery.py, refill.py,
+cancel.py, common.py).
 """
 
 from __future__ import annotations
@@ -34,6 +39,14 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.admin.marker import MODE_PACK, format_marker
+from slurm_dlrm.service.common import (
+    AGENT_MEM_MIB,
+    PLACEMENT_FILE,
+    SBATCH_MARKER,
+    SCRIPT_FILE,
+    job_options,
+    pack_member_ids,
+)
 from slurm_dlrm.service.daemon import ensure_private_dir
 from slurm_dlrm.service.sbatch_options import (
     PackScript,
@@ -59,11 +72,7 @@ UNREACHABLE_MARKERS = (
     "Could not establish a configuration source",
 )
 
-SBATCH_MARKER = "sbatch.started"
-PLACEMENT_FILE = "placement.json"
-SCRIPT_FILE = "pack.sbatch"
 MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
-AGENT_MEM_MIB = 512  # host memory the agent itself needs on each node, added to --mem
 
 
 @dataclass(frozen=True)
@@ -357,7 +366,7 @@ class PackingService:
                 stats.transitions += 1
             return
         if info.state.is_terminal:
-            self._pack_ended(pack, info.slurm_state.split(" ", 1)[0], info.reason or "", stats,
+            self.pack_ended(pack, info.slurm_state.split(" ", 1)[0], info.reason or "", stats,
                              exit_code=info.exit_code, nodes=info.nodes or None)
 
     def _may_resubmit(self, pack: Any) -> bool:
@@ -389,12 +398,12 @@ class PackingService:
                 log.warning("sacct for pack %s failed: %s", pack.name, exc)
         if ending is None:
             ending = "COMPLETED" if self._all_members_done(pack.id) else "LOST"
-        self._pack_ended(pack, ending, "no longer in squeue", stats)
+        self.pack_ended(pack, ending, "no longer in squeue", stats)
 
     def _all_members_done(self, pack_id: int) -> bool:
         return not pack_member_ids(self.store, pack_id, ("PLANNED", "RUNNING"))
 
-    def _pack_ended(self, pack: Any, slurm_state: str, reason: str, stats: RoundStats, *,
+    def pack_ended(self, pack: Any, slurm_state: str, reason: str, stats: RoundStats, *,
                     exit_code: int | None = None, nodes: str | None = None) -> None:
         """The allocation is over: record it, then settle members that did not report an end."""
         from slurm_dlrm.adapt.recovery import RECOVERABLE_PACK_ENDINGS
@@ -494,11 +503,11 @@ class PackingService:
         from slurm_dlrm.store.states import JobState
 
         options = job_options(jobs[0])
-        partition = self._partition(options)
-        nodes = self._node_shapes(partition)
-        demands = [self._demand(j) for j in jobs]
+        partition = self.partition_for(options)
+        nodes = self.node_shapes(partition)
+        demands = [self.demand_of(j) for j in jobs]
         cfg = DispatchConfig.from_site(self.site)
-        busy = self._busy_gpus(partition)
+        busy = self.busy_gpus(partition)
         total = sum(n.gpus * n.count for n in nodes)
         # GPUs of running packs to refill (not packs one of these jobs already ran in)
         open_gpus, where = self.refill.open_gpus(options.pack_key(), {j.id for j in jobs})
@@ -524,7 +533,7 @@ class PackingService:
                 self.waited_rounds.pop(m.job_id, None)
             self._create_and_submit(pack, members, options, partition, stats)
 
-    def _partition(self, options: SbatchOptions) -> Any:
+    def partition_for(self, options: SbatchOptions) -> Any:
         if options.partition:
             for p in self.site.partitions:
                 if p.name == options.partition.split(",")[0]:
@@ -532,7 +541,7 @@ class PackingService:
             return None  # unknown to the site: Slurm will judge (and refuse) it
         return self.site.default_partition
 
-    def _node_shapes(self, partition: Any) -> tuple[Any, ...]:
+    def node_shapes(self, partition: Any) -> tuple[Any, ...]:
         from slurm_dlrm.packing.model import NodeShape
         from slurm_dlrm.site import expand_hostlist
 
@@ -545,7 +554,7 @@ class PackingService:
                                         memory_bytes=g.memory_mib * MIB, count=len(hosts), name=g.names))
         return tuple(shapes)
 
-    def _busy_gpus(self, partition: Any) -> int:
+    def busy_gpus(self, partition: Any) -> int:
         """GPUs the user's packs already hold or wait for: the policy plans only the rest."""
         from slurm_dlrm.store.states import PACK_ACTIVE
 
@@ -553,7 +562,7 @@ class PackingService:
         return sum(p.n_gpus for p in self.store.packs(PACK_ACTIVE, user=self.settings.user)
                    if name is None or p.partition in (None, name))
 
-    def _demand(self, job: Any) -> Any:
+    def demand_of(self, job: Any) -> Any:
         from dataclasses import replace
 
         from slurm_dlrm.packing.model import demand_from_estimate
@@ -577,7 +586,7 @@ class PackingService:
 
     def _create_and_submit(self, pack: Any, members: list[Any], options: SbatchOptions, partition: Any,
                            stats: RoundStats) -> None:
-        from slurm_dlrm.store.store import NewPlacement
+        from slurm_dlrm.store.records import NewPlacement
 
         name = new_pack_name()
         pack_dir = self.spool_dir / name
@@ -714,79 +723,7 @@ class PackingService:
             signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged)
 
 
-def job_options(job: Any) -> SbatchOptions:
-    raw = getattr(job, "sbatch_json", None)
-    if not raw:
-        return SbatchOptions()
-    return SbatchOptions.from_dict(json.loads(raw))
-
-
 def _never_fits(reason: str) -> bool:
     # The policy's "too big" reasons: the job exceeds what any node offers even when
     # empty. Room or GPUs lacking *this round* is not final.
     return "largest free GPU" in reason
-
-
-def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
-    """Cancel one job without disturbing the other members of its pack. Returns what was done.
-
-    PENDING: cancelled in the store. PLANNED or RUNNING: the agent is told through
-    `<pack_dir>/cancel/<job_id>` (docs/interfaces.md 3a) and reports the member
-    CANCELLED; a member not yet started is cancelled in the store at once. If it was
-    the pack's last live member, the whole Slurm job is cancelled too.
-    """
-    from slurm_dlrm.errors import BadInput
-    from slurm_dlrm.slurm import SlurmError
-    from slurm_dlrm.store.errors import StaleState, UnknownEntity
-    from slurm_dlrm.store.states import JOB_TERMINAL, JobState
-
-    try:
-        job = store.get_job(job_id)
-    except UnknownEntity:
-        raise BadInput(f"job {job_id}: no such job in your store") from None
-    if job.user != user:
-        raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
-    if job.state in JOB_TERMINAL:
-        return f"job {job_id} already ended ({job.state})"
-    if job.state == JobState.PENDING:
-        try:
-            store.transition_job(job_id, JobState.CANCELLED, "cancelled by the user", expect=JobState.PENDING)
-            return f"job {job_id} cancelled (was pending)"
-        except StaleState:
-            job = store.get_job(job_id)  # a round just planned it: cancel it in its pack
-    pack = store.get_pack(job.pack_id)
-    if pack.pack_dir:
-        cancel_dir = Path(pack.pack_dir) / "cancel"
-        ensure_private_dir(cancel_dir)
-        _write_atomic(cancel_dir / str(job_id), f"{time.time()}\n")
-    if job.state == JobState.PLANNED:
-        store.transition_job(job_id, JobState.CANCELLED, "cancelled by the user before it started",
-                             expect=JobState.PLANNED)
-    else:
-        store.add_event("note", "cancel requested; waiting for the agent", job_id=job_id, pack_id=pack.id)
-    live = [i for i in pack_member_ids(store, pack.id, ("PLANNED", "RUNNING")) if i != job_id]
-    if not live and pack.slurm_job_id:
-        try:
-            slurm.scancel([int(pack.slurm_job_id)])
-        except SlurmError as exc:
-            log.warning("scancel of pack %s: %s", pack.name, exc)
-        return f"job {job_id} cancelled; its pack {pack.name} (Slurm job {pack.slurm_job_id}) had no other member"
-    return f"job {job_id} cancel sent to its pack {pack.name}; {len(live)} other member(s) keep running"
-
-
-def pack_member_ids(store: Any, pack_id: int, states: Sequence[str]) -> list[int]:
-    """Ids of the jobs whose current pack is `pack_id`, in `states` (indexed by pack)."""
-    marks = ", ".join("?" * len(states))
-    rows = store.conn.execute(f"SELECT id FROM jobs WHERE pack_id = ? AND state IN ({marks}) ORDER BY id",
-                              (pack_id, *states)).fetchall()
-    return [int(r[0]) for r in rows]
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)

@@ -147,6 +147,34 @@ def default_specs(count: int | None = None) -> list[Path]:
     return specs[:count] if count else specs
 
 
+def standin_specs(specs: Sequence[Path], workdir: Path, python: str, step_s: float = 0.1) -> list[Path]:
+    """Copies of `specs` whose members run the stand-in (slurm_dlrm/agent/standin.py, no
+    torch) for the same steps, so the demo's Slurm path runs where torch is not installed
+    (scripts/slurm-matrix.sh on Python 3.13+). Everything else, estimate, packing, fences,
+    the agent, accounting, is the real path."""
+    import json
+
+    import yaml
+
+    workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    out_dir = workdir / "standin-specs"
+    out_dir.mkdir(exist_ok=True)
+    out = []
+    for path in specs:
+        text = path.read_text()
+        spec = yaml.safe_load(text)
+        steps = int(spec.get("steps") or 50)
+        every = int(spec.get("checkpoint_every_steps") or 10)
+        argv = [python, "-m", "slurm_dlrm.agent.standin", "--steps", str(steps), "--step-s", str(step_s),
+                "--checkpoint-every", str(every)]
+        # JSON is YAML: appended as one flow line after the original (its #SBATCH lines stay).
+        copy = out_dir / path.name
+        copy.write_text(text.rstrip("\n") + "\n# demo --standin: the member is a stand-in\n"
+                        f"command: {json.dumps(argv)}\n")
+        out.append(copy)
+    return out
+
+
 def fresh_workdir(root: Path) -> Path:
     """`<root>/run-<time>`; older runs beyond the last 3 are removed."""
     root.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -133,6 +133,6 @@ def job_details(store: Any, job_id: int, *, user: str, service: dict[str, Any]) 
 
 
 def _options(job: Any) -> dict[str, Any]:
-    from slurm_dlrm.service.core import job_options
+    from slurm_dlrm.service.common import job_options
 
     return job_options(job).to_dict()

@@ -36,6 +36,11 @@ Predicted co-located speed: the speed measured during the member's warm-up, scal
 the interference model's relative speed now over its relative speed then (members
 that ended since make it faster). The analytic solo samples/s of the estimate is not
 used: it describes the GPU the spec was estimated for, not the node it runs on.
+
+Over 600 lines: one class, `Recovery`, the live path of every decision listed above;
+they share its per-service memory (notes made once, the re-pack budget, the refitted
+model, pending demands) and each is one short section; the decisions themselves are
+`slurm_dlrm.adapt`'s.
 """
 
 from __future__ import annotations
@@ -291,7 +296,7 @@ class Recovery:
                     self.svc.slurm.scancel([int(pack.slurm_job_id)])
                 except SlurmError as exc:
                     log.warning("scancel of lost pack %s: %s", pack.name, exc)
-            self.svc._pack_ended(pack, "LOST", reason, stats)
+            self.svc.pack_ended(pack, "LOST", reason, stats)
 
     def fence_old_run(self, pack: Any, jobs: list[Any]) -> None:
         """Before members of an ended pack are rerun, tell any agent of it that still
@@ -527,7 +532,7 @@ class Recovery:
         return max(0.0, steps * batch - done) / samples_per_s
 
     def _pending_demands(self, pack_key: tuple[tuple[str, str], ...]) -> list[Any]:
-        from slurm_dlrm.service.core import job_options
+        from slurm_dlrm.service.common import job_options
         from slurm_dlrm.store.states import JobState
 
         self._fresh()
@@ -537,7 +542,7 @@ class Recovery:
                 group = self._pending.setdefault(job_options(j).pack_key(), [])
                 if len(group) < FRESH_PLAN_PENDING:
                     group.append(j)
-        return [self.svc._demand(j) for j in self._pending.get(pack_key, [])]
+        return [self.svc.demand_of(j) for j in self._pending.get(pack_key, [])]
 
     def _fresh_placement(self, job: Any, measured_sm: float | None, alone: bool) -> tuple[Any, str]:
         """The member's placement in a fresh plan of it (with its measured SM use) and the
@@ -545,20 +550,20 @@ class Recovery:
         on it). (None, why) if the plan has no place for it."""
         from slurm_dlrm.packing.model import PackingRequest, limits_from_site
         from slurm_dlrm.packing.policies import plan
-        from slurm_dlrm.service.core import job_options
+        from slurm_dlrm.service.common import job_options
 
         svc = self.svc
         options = job_options(job)
-        partition = svc._partition(options)
-        nodes = svc._node_shapes(partition)
+        partition = svc.partition_for(options)
+        nodes = svc.node_shapes(partition)
         name = partition.name if partition is not None else None
         self._fresh()
         if name not in self._busy:
-            self._busy[name] = svc._busy_gpus(partition)
+            self._busy[name] = svc.busy_gpus(partition)
         free = sum(n.gpus * n.count for n in nodes) - self._busy[name] + (1 if alone else 0)
         if free <= 0:
             return None, "no free GPU for a fresh plan"
-        demand = svc._demand(job)
+        demand = svc.demand_of(job)
         if measured_sm:
             demand = replace(demand, sm_util_pct=measured_sm)
         request = PackingRequest(jobs=(demand, *self._pending_demands(options.pack_key())),

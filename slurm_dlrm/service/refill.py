@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR
-from slurm_dlrm.service.core import (
+from slurm_dlrm.service.common import (
     AGENT_MEM_MIB,
     PLACEMENT_FILE,
-    _write_atomic,
     job_options,
     pack_member_ids,
+    write_atomic,
 )
 from slurm_dlrm.service.daemon import ensure_private_dir
 from slurm_dlrm.service.sbatch_options import pack_time_minutes
@@ -165,7 +165,7 @@ class Refill:
             demands = {}
             for j in by_job:
                 job = svc.store.get_job(j)
-                demands[j] = self._live_demand(svc._demand(job), by_job[j], now, self._steps_done(job))
+                demands[j] = self._live_demand(svc.demand_of(job), by_job[j], now, self._steps_done(job))
             end_t = self.end_t.get(pack.id)  # squeue's EndTime, if the parser keeps it for running jobs
             if end_t is None and shape.time_limit_s is not None and pack.start_time is not None:
                 end_t = pack.start_time + shape.time_limit_s
@@ -217,7 +217,7 @@ class Refill:
                      by_id: dict[int, Any], stats: Any) -> int:
         """Each join: into the store (PENDING -> PLANNED in the pack), then its join file."""
         from slurm_dlrm.store.errors import StoreError
-        from slurm_dlrm.store.store import NewPlacement
+        from slurm_dlrm.store.records import NewPlacement
 
         done = 0
         for join in joins:
@@ -253,7 +253,7 @@ class Refill:
         joins = Path(pack.pack_dir) / JOINS_DIR
         if not joins.is_dir():
             ensure_private_dir(joins)
-        _write_atomic(joins / f"{job.id}.json", json.dumps(entry, sort_keys=True) + "\n")
+        write_atomic(joins / f"{job.id}.json", json.dumps(entry, sort_keys=True) + "\n")
 
     # ------------------------------------------------------------ each round
 

@@ -17,6 +17,10 @@ The mechanism is the same for every policy, only `plan()` differs:
   peak passes its fence; without one (exclusive, first-fit) it dies if the GPU's
   members together pass the GPU's memory. A killed job resumes from its last checkpoint
   in a later round, its estimate raised by `mem_bump_pct`, at most `max_retries` times.
+
+Over 600 lines: `simulate` is one event loop whose handlers (arrival, tick, pack
+start, member ready, node faults, resubmission) share its local state; splitting them
+would pass that state around instead of reading it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 
+from slurm_dlrm.packing.common import REFILL_POLICIES
 from slurm_dlrm.packing.dispatch import after_round, aged, should_run_round
 from slurm_dlrm.packing.interference import (
     DEFAULT_PARAMS,
@@ -32,7 +37,6 @@ from slurm_dlrm.packing.interference import (
     predict_speeds_from_fractions,
 )
 from slurm_dlrm.packing.model import JobDemand, Join, NodeShape, OpenGpu, PackingRequest
-from slurm_dlrm.packing.policies import REFILL_POLICIES
 from slurm_dlrm.packing.policies import plan as make_plan
 from slurm_dlrm.sim.faults import FaultRuntime, KillAction
 from slurm_dlrm.sim.files import SimCluster, SimJob, Workload

@@ -16,7 +16,14 @@ from slurm_dlrm.store.errors import (
     StoreError,
     UnknownEntity,
 )
-from slurm_dlrm.store.ingest import IngestResult, OnRecord, ingest_pack_reports, record_as_event
+from slurm_dlrm.store.ingest import (
+    IngestResult,
+    OnRecord,
+    ingest_pack_reports,
+    ingest_spool_file,
+    record_as_event,
+)
+from slurm_dlrm.store.records import CalibrationRow, Job, JobUsage, NewPlacement, Pack, Placement
 from slurm_dlrm.store.states import (
     JOB_TERMINAL,
     JOB_TRANSITIONS,
@@ -26,22 +33,12 @@ from slurm_dlrm.store.states import (
     JobState,
     PackState,
 )
-from slurm_dlrm.store.store import (
-    CalibrationRow,
-    Job,
-    JobUsage,
-    NewPlacement,
-    Pack,
-    Placement,
-    Store,
-    current_user,
-    store_path_for,
-)
+from slurm_dlrm.store.store import Store, current_user, store_path_for
 
 __all__ = [
     "JOB_TERMINAL", "JOB_TRANSITIONS", "PACK_ACTIVE", "PACK_TERMINAL", "PACK_TRANSITIONS",
     "CalibrationRow", "IllegalTransition", "IngestResult", "Job", "JobState", "JobUsage", "NewPlacement",
     "OnRecord", "Pack", "PackState", "Placement", "SchemaTooNew", "StaleState", "Store",
-    "StoreBusy", "StoreError", "UnknownEntity", "current_user", "ingest_pack_reports",
+    "StoreBusy", "StoreError", "UnknownEntity", "current_user", "ingest_pack_reports", "ingest_spool_file",
     "record_as_event", "store_path_for",
 ]

@@ -4,6 +4,11 @@ Every state change goes through `transition_job` / `transition_pack`, which chec
 lifecycle tables in `states.py` and write an event row in the same transaction.
 Writes nest: calling a store method inside `with store.write():` joins the outer
 transaction, so a caller can make several changes atomically.
+
+Over 600 lines: one class, the transactional API every read and write goes through
+(nested `write()`, the state machines, an event in the same transaction); the row types
+are in records.py, the SQL text in queries.py, the schema in migrations.py, ingestion
+in ingest.py.
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -31,8 +35,8 @@ from slurm_dlrm.store.errors import (
     StoreError,
     UnknownEntity,
 )
-from slurm_dlrm.store.ingest import IngestResult, OnRecord, ingest_spool_file
 from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS, MIGRATIONS_TABLE
+from slurm_dlrm.store.records import CalibrationRow, Job, JobUsage, NewPlacement, Pack, Placement
 from slurm_dlrm.store.states import (
     JOB_ATTEMPT_FROM,
     JOB_TERMINAL,
@@ -68,156 +72,6 @@ def current_user() -> str:
 def store_path_for(site: SiteConfig, user: str | None = None) -> Path:
     """Where `user`'s store lives: ``<site.store_dir_for(user)>/store.sqlite``."""
     return site.store_dir_for(user or current_user()) / DB_FILENAME
-
-
-# ---------------------------------------------------------------- row types
-
-def _row_fields(cls: type, row: Mapping[str, Any]) -> dict[str, Any]:
-    return {f.name: row.get(f.name) for f in fields(cls)}
-
-
-@dataclass(frozen=True)
-class Job:
-    id: int
-    user: str
-    name: str
-    state: JobState
-    attempt: int
-    spec_fingerprint: str
-    spec_json: str
-    estimate_json: str | None
-    sbatch_json: str | None
-    gpu_model: str | None
-    est_gpu_peak_bytes: int | None
-    est_host_peak_bytes: int | None
-    est_profile_label: str | None
-    est_solo_samples_per_s: float | None
-    gpu_mem_request_bytes: int | None
-    host_mem_request_bytes: int | None
-    submit_time: float
-    start_time: float | None
-    end_time: float | None
-    pack_id: int | None
-    slurm_job_id: str | None
-    slurm_step: str | None
-    exit_code: int | None
-    exit_reason: str | None
-    updated_time: float
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> Job:
-        d = _row_fields(cls, row)
-        d["state"] = JobState(d["state"])
-        return cls(**d)
-
-    @property
-    def spec(self) -> dict[str, Any]:
-        return dict(json.loads(self.spec_json))
-
-    @property
-    def estimate(self) -> dict[str, Any] | None:
-        return None if self.estimate_json is None else dict(json.loads(self.estimate_json))
-
-    @property
-    def sbatch(self) -> dict[str, Any] | None:
-        return None if self.sbatch_json is None else dict(json.loads(self.sbatch_json))
-
-
-@dataclass(frozen=True)
-class Pack:
-    id: int
-    name: str
-    user: str
-    state: PackState
-    policy: str
-    partition: str | None
-    gpu_model: str | None
-    n_nodes: int
-    n_gpus: int
-    nodes: str | None
-    slurm_job_id: str | None
-    pack_dir: str | None
-    create_time: float
-    submit_time: float | None
-    start_time: float | None
-    end_time: float | None
-    reason: str | None
-    updated_time: float
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> Pack:
-        d = _row_fields(cls, row)
-        d["state"] = PackState(d["state"])
-        return cls(**d)
-
-
-@dataclass(frozen=True)
-class Placement:
-    id: int
-    pack_id: int
-    job_id: int
-    attempt: int
-    node_index: int
-    node: str | None
-    gpu_index: int
-    mps_thread_pct: int | None
-    gpu_mem_limit_bytes: int | None
-    host_mem_limit_bytes: int | None
-    cpus: int | None
-    start_time: float | None
-    end_time: float | None
-    predicted_speed: float | None = None  # relative to solo, from the packing plan
-
-    @classmethod
-    def from_row(cls, row: Mapping[str, Any]) -> Placement:
-        return cls(**_row_fields(cls, row))
-
-
-@dataclass(frozen=True)
-class NewPlacement:
-    """One member on one GPU, as the policy planned it (a job with world_size > 1 has several)."""
-
-    job_id: int
-    node_index: int
-    gpu_index: int
-    mps_thread_pct: int | None = None
-    gpu_mem_limit_bytes: int | None = None
-    host_mem_limit_bytes: int | None = None
-    cpus: int | None = None
-    node: str | None = None
-    # MemberPlacement.predicted_speed: the member's speed on this GPU relative to running
-    # alone, from the interference model (acct's GPU-hours saved, docs/store.md)
-    predicted_speed: float | None = None
-
-
-@dataclass(frozen=True)
-class CalibrationRow:
-    """A finished job's estimated vs measured peaks, for the estimator's calibration."""
-
-    job_id: int
-    state: JobState
-    end_time: float | None
-    est_gpu_peak_bytes: int | None
-    meas_gpu_peak_bytes: int | None
-    est_host_peak_bytes: int | None
-    meas_host_peak_bytes: int | None
-    n_samples: int
-
-
-@dataclass(frozen=True)
-class JobUsage:
-    """What the samples of one job measured so far (all attempts), from `job_usage`."""
-
-    job_id: int
-    n_samples: int
-    gpu_mem_peak_bytes: int | None
-    rss_peak_bytes: int | None
-    sm_util_mean: float | None
-    sm_util_max: float | None
-    host_cpu_mean: float | None
-    samples_per_s_mean: float | None
-    first_t: float | None
-    last_t: float | None
 
 
 # ---------------------------------------------------------------- the store
@@ -815,15 +669,6 @@ class Store:
             self.add_event("store", f"pruned {deleted} samples older than {before:.0f}",
                            data={"before": before, "deleted": deleted})
         return deleted
-
-    # ------------------------------------------------------------ ingestion
-
-    def ingest_spool_file(self, path: str | os.PathLike[str], on_record: OnRecord | None = None,
-                          **kw: Any) -> IngestResult:
-        """Ingest an agent report file exactly once (see `slurm_dlrm.store.ingest`)."""
-        return ingest_spool_file(self, path, on_record, **kw)
-
-    # ------------------------------------------------------------ reads for others
 
     def calibration(self, spec_fingerprint: str, *, limit: int = 100) -> list[CalibrationRow]:
         """Finished jobs with this fingerprint: estimated vs measured GPU and host peaks, newest first."""

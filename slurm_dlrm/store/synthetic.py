@@ -12,8 +12,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from slurm_dlrm.store.records import NewPlacement
 from slurm_dlrm.store.states import JobState, PackState
-from slurm_dlrm.store.store import NewPlacement, Store
+from slurm_dlrm.store.store import Store
 
 GIB = 1 << 30
 

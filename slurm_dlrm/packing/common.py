@@ -1,0 +1,221 @@
+"""The machinery every packing policy shares: the round's nodes and GPUs as the policies
+fill them (`Node`, `Gpu`), the fit checks (host room, the early deferrals, the urgent
+block), and `finish_plan`, which turns filled GPUs into the plan's packs (thread
+shares, memory limits, CPUs and the refill headroom).
+
+The policies themselves live one per module (`exclusive`, `first_fit`, `mem_best_fit`,
+`complementary`), refill in `refill`; `slurm_dlrm.packing.policies.plan` is the entry
+point. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from slurm_dlrm.errors import BadInput
+from slurm_dlrm.packing.interference import (
+    InterferenceParams,
+    predict_speeds_from_fractions,
+    util_fraction,
+)
+from slurm_dlrm.packing.model import (
+    Deferred,
+    JobDemand,
+    MemberPlacement,
+    Pack,
+    PackingLimits,
+    PackingPlan,
+    PackingRequest,
+    host_limit_bytes,
+    member_fence_bytes,
+    usable_gpu_bytes,
+)
+from slurm_dlrm.site import MIB, GpuModel
+
+POLICY_NAMES = ("exclusive", "first-fit", "mem-best-fit", "complementary")
+# Policies that refill running packs (OpenGpu.pack) and give packs refill headroom.
+REFILL_POLICIES = ("mem-best-fit", "complementary")
+# A priority at or above this marks a job that waited past the age bound: nothing of
+# lower priority is admitted ahead of it (see slurm_dlrm.packing.dispatch).
+URGENT_PRIORITY = 1e9
+
+NO_FREE_GPU = "no free GPU this round"
+NO_ROOM = "no room left this round"
+
+
+# ---------------------------------------------------------------- shared plumbing
+
+@dataclass
+class Node:
+    name: str
+    gpu: GpuModel
+    free_gpus: int
+    free_cpus: int
+    free_mem_bytes: int
+    # What the request offered at round start (the refill headroom's share per GPU).
+    offered_gpus: int = 0
+    offered_cpus: int = 0
+    offered_mem_bytes: int = 0
+
+
+@dataclass
+class Gpu:
+    node: Node
+    usable_bytes: int
+    slots: int
+    members: list[JobDemand] = field(default_factory=list)
+    fences: list[int] = field(default_factory=list)
+    used_bytes: int = 0
+    sm: float = 0.0
+    bw: float = 0.0
+
+
+def order_key(job: JobDemand) -> tuple[float, float, int]:
+    return (-job.priority, job.submit_time_s, job.job_id)
+
+
+def expand_nodes(request: PackingRequest) -> list[Node]:
+    nodes: list[Node] = []
+    for i, shape in enumerate(request.nodes):
+        try:
+            gpu = request.gpu_model(shape.gpu_model)
+        except KeyError:
+            raise BadInput(f"nodes[{i}].gpu_model: unknown GPU model {shape.gpu_model!r}") from None
+        base = shape.name or f"{shape.gpu_model}-{shape.gpus}gpu-{i}"
+        for k in range(shape.count):
+            name = base if shape.count == 1 else f"{base}#{k}"
+            nodes.append(Node(name, gpu, shape.gpus, shape.cpus, shape.memory_bytes,
+                               shape.gpus, shape.cpus, shape.memory_bytes))
+    return nodes
+
+
+def too_big_reason(job: JobDemand, maxima: tuple[int, int, list[GpuModel]], limits: PackingLimits,
+                    memory_aware: bool) -> str | None:
+    """Why no free node could take this job even alone, or None."""
+    max_cpus, max_mem, gpus = maxima
+    if not gpus:
+        return NO_FREE_GPU
+    if job.cpus > max_cpus:
+        return f"needs {job.cpus} CPUs; no free node has that many this round"
+    if host_limit_bytes(job, limits) > max_mem:
+        return f"needs {host_limit_bytes(job, limits) // MIB} MiB of host memory; no free node has that much this round"
+    if memory_aware and all(member_fence_bytes(job, g, limits) > usable_gpu_bytes(g) for g in gpus):
+        fence = min(member_fence_bytes(job, g, limits) for g in gpus)
+        biggest = max(usable_gpu_bytes(g) for g in gpus)
+        return (f"needs {math.ceil(fence / MIB)} MiB of GPU memory (estimate + margin + context); "
+                f"the largest free GPU offers {biggest // MIB} MiB")
+    return None
+
+
+def node_maxima(nodes: list[Node]) -> tuple[int, int, list[GpuModel]]:
+    """Largest free CPUs and host memory, and the GPU models, over `nodes` at round start."""
+    models = {n.gpu.name: n.gpu for n in nodes}
+    if not nodes:
+        return 0, 0, []
+    return (max(n.free_cpus for n in nodes), max(n.free_mem_bytes for n in nodes),
+            [models[k] for k in sorted(models)])
+
+
+def is_permanent(reason: str) -> bool:
+    """A "too big" reason about GPU memory: no GPU of the request's nodes can ever hold it
+    (CPU and host memory reasons depend on what is free this round)."""
+    return "largest free GPU" in reason
+
+
+def gpu_budget(request: PackingRequest, nodes: list[Node]) -> int:
+    total = sum(n.free_gpus for n in nodes)
+    return total if request.max_gpus is None else max(0, min(total, request.max_gpus))
+
+
+def thread_pcts(sm: list[float]) -> list[int]:
+    """MPS active-thread percentage per member.
+
+    While the members' summed solo SM use fits the GPU, nobody is capped (a cap below a
+    member's burst need would slow it). When it does not, each gets 1.5x its share of the
+    demand, so one compute-heavy member cannot take every SM from the rest.
+    """
+    total = sum(sm)
+    if total <= 1.0:
+        return [100] * len(sm)
+    return [min(100, max(10, math.ceil(150.0 * s / total))) for s in sm]
+
+
+def finish_plan(policy: str, packs: list[list[Gpu]], deferred: list[Deferred], limits: PackingLimits,
+            params: InterferenceParams, fenced: bool, thread_caps: bool) -> PackingPlan:
+    out: list[Pack] = []
+    for gpus in packs:
+        members: list[MemberPlacement] = []
+        for gpu_index, g in enumerate(gpus):
+            sm = [util_fraction(j.sm_util_pct) for j in g.members]
+            bw = [util_fraction(j.membw_util_pct) for j in g.members]
+            speeds = [1.0] if len(g.members) == 1 else predict_speeds_from_fractions(sm, bw, params)
+            pcts = thread_pcts(sm) if thread_caps else [100] * len(sm)
+            whole_gpu_mib = usable_gpu_bytes(g.node.gpu) // MIB
+            for j, fence, speed, pct in zip(g.members, g.fences, speeds, pcts, strict=True):
+                members.append(MemberPlacement(
+                    job_id=j.job_id, node_index=0, gpu_index=gpu_index, mps_thread_pct=pct,
+                    gpu_mem_limit_mib=math.ceil(fence / MIB) if fenced else whole_gpu_mib,
+                    host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus, predicted_speed=speed))
+        node = gpus[0].node
+        reserve_cpus = reserve_mem = 0
+        if policy in REFILL_POLICIES and node.offered_gpus > 0:
+            # Refill headroom: up to the pack's GPUs' share of what the node offered,
+            # from what no member of this round took.
+            share_cpus = node.offered_cpus * len(gpus) // node.offered_gpus
+            share_mem = node.offered_mem_bytes * len(gpus) // node.offered_gpus
+            reserve_cpus = max(0, min(node.free_cpus, share_cpus - sum(m.cpus for m in members)))
+            reserve_mem = max(0, min(node.free_mem_bytes, share_mem - sum(m.host_mem_limit_bytes for m in members)))
+            node.free_cpus -= reserve_cpus
+            node.free_mem_bytes -= reserve_mem
+        out.append(Pack(gpu_model=node.gpu.name, gpu_count=len(gpus), node_count=1, members=tuple(members),
+                        node_name=node.name, mps=policy != "exclusive", reserve_cpus=reserve_cpus,
+                        reserve_host_mem_bytes=reserve_mem))
+    return PackingPlan(policy=policy, packs=tuple(out), deferred=tuple(sorted(deferred, key=lambda d: d.job_id)))
+
+
+
+def add_member(g: Gpu, job: JobDemand, fence: int, limits: PackingLimits) -> None:
+    g.members.append(job)
+    g.fences.append(fence)
+    g.used_bytes += fence
+    g.sm += util_fraction(job.sm_util_pct)
+    g.bw += util_fraction(job.membw_util_pct)
+    g.node.free_cpus -= job.cpus
+    g.node.free_mem_bytes -= host_limit_bytes(job, limits)
+
+
+def host_fits(node: Node, job: JobDemand, limits: PackingLimits) -> bool:
+    return job.cpus <= node.free_cpus and host_limit_bytes(job, limits) <= node.free_mem_bytes
+
+
+def open_gpu(node: Node, slots: int) -> Gpu:
+    node.free_gpus -= 1
+    return Gpu(node=node, usable_bytes=usable_gpu_bytes(node.gpu), slots=slots)
+
+
+def held_reason(blocked: list[JobDemand]) -> str | None:
+    return f"holding room for job {blocked[0].job_id}, which waited longest" if blocked else None
+
+
+def defer_early(job: JobDemand, maxima: tuple[int, int, list[GpuModel]], limits: PackingLimits,
+                 memory_aware: bool, blocked: list[JobDemand], deferred: list[Deferred]) -> bool:
+    """Defer `job` if it cannot fit any free node now, or if room is held for an urgent
+    job. An urgent job that does not fit *this round* holds the room for itself."""
+    reason = too_big_reason(job, maxima, limits, memory_aware)
+    if reason:
+        permanent = is_permanent(reason)
+        deferred.append(Deferred(job.job_id, reason, permanent=permanent))
+        if not permanent:
+            block_if_urgent(blocked, job)
+        return True
+    held = held_reason(blocked)
+    if held:
+        deferred.append(Deferred(job.job_id, held))
+        return True
+    return False
+
+
+def block_if_urgent(blocked: list[JobDemand], job: JobDemand) -> None:
+    if not blocked and job.priority >= URGENT_PRIORITY:
+        blocked.append(job)

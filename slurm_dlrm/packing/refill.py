@@ -1,0 +1,298 @@
+"""Refill: pending jobs join the GPUs of running packs (`OpenGpu` with `pack=True`)
+before the policy packs the rest (docs/packing.md "Refilling running packs").
+Used by `mem-best-fit` and `complementary`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from slurm_dlrm.errors import BadInput
+from slurm_dlrm.packing.common import (
+    URGENT_PRIORITY,
+    Node,
+    host_fits,
+    order_key,
+    thread_pcts,
+)
+from slurm_dlrm.packing.interference import (
+    InterferenceParams,
+    predict_speeds_from_fractions,
+    util_fraction,
+)
+from slurm_dlrm.packing.model import (
+    JobDemand,
+    Join,
+    MemberPlacement,
+    PackingLimits,
+    PackingRequest,
+    host_limit_bytes,
+    member_fence_bytes,
+    usable_gpu_bytes,
+)
+from slurm_dlrm.site import MIB, GpuModel
+
+_JOIN_SCAN = 24  # pending jobs looked at per pick for one pack GPU (complementary)
+
+
+def _join_key(job: JobDemand) -> tuple[float, bool, float, float, int]:
+    # As complementary's seed order (priority, then expected duration), but a job of
+    # unknown length goes after the known ones of its band: a time-limited pack refuses
+    # such a joiner (`_times_fit`), and a front of them would use up every pack GPU's scan.
+    d = job.est_duration_s
+    return (-job.priority, d is None, d or 0.0, job.submit_time_s, job.job_id)
+
+
+@dataclass
+class _PackGpu:
+    """A pack GPU (`OpenGpu` with `pack=True`) during a refill pass."""
+
+    key: str
+    gpu: GpuModel
+    node: Node  # shared by the GPUs of one pack node: the allocation's free CPUs and host memory
+    live: list[JobDemand]
+    joined: list[JobDemand]
+    used_bytes: int
+    slots: int  # members that may still be added (client and member limits, counting live ones)
+    remaining_s: float | None
+
+    @property
+    def members(self) -> list[JobDemand]:
+        return self.live + self.joined
+
+
+def _pack_gpus(request: PackingRequest) -> list[_PackGpu]:
+    """The request's pack GPUs, in key order. GPUs whose keys agree up to the last ':'
+    (the service's f"{pack_id}:{node_index}:{gpu_index}") share one node's free CPUs and
+    host memory. A pack GPU without `free_cpus` / `free_host_mem_bytes` takes no joins."""
+    limits = request.limits
+    out: list[_PackGpu] = []
+    nodes: dict[str, Node] = {}
+    for og in sorted((o for o in request.open_gpus if o.pack), key=lambda o: o.key):
+        try:
+            gpu = request.gpu_model(og.gpu_model)
+        except KeyError:
+            raise BadInput(f"open_gpus[{og.key!r}].gpu_model: unknown GPU model {og.gpu_model!r}") from None
+        if og.free_cpus is None or og.free_host_mem_bytes is None:
+            continue
+        group = og.key.rsplit(":", 1)[0] if og.key.count(":") >= 2 else og.key
+        node = nodes.setdefault(group, Node(og.node_name, gpu, 0, og.free_cpus, og.free_host_mem_bytes))
+        used = sum(member_fence_bytes(j, gpu, limits) for j in og.live)
+        running = max(og.members, len(og.live))
+        out.append(_PackGpu(og.key, gpu, node, list(og.live), [], used,
+                            max(0, limits.members_per_gpu - running), og.remaining_s))
+    return out
+
+
+def _key_indices(key: str) -> tuple[int, int]:
+    """(node_index, gpu_index) from a service key f"{pack_id}:{node_index}:{gpu_index}"."""
+    parts = key.split(":")
+    try:
+        return (int(parts[-2]), int(parts[-1])) if len(parts) >= 3 else (0, 0)
+    except ValueError:
+        return (0, 0)
+
+
+def _join_speeds(members: list[JobDemand], params: InterferenceParams) -> list[float]:
+    if len(members) == 1:
+        return [1.0]
+    return predict_speeds_from_fractions([util_fraction(j.sm_util_pct) for j in members],
+                                         [util_fraction(j.membw_util_pct) for j in members], params)
+
+
+def _join_fits(pg: _PackGpu, job: JobDemand, limits: PackingLimits) -> bool:
+    """Memory (live members' fences count), client slots, the allocation's free CPUs and
+    host memory on that node."""
+    return (len(pg.joined) < pg.slots
+            and pg.used_bytes + member_fence_bytes(job, pg.gpu, limits) <= usable_gpu_bytes(pg.gpu)
+            and host_fits(pg.node, job, limits))
+
+
+def _times_fit(pg: _PackGpu, members: list[JobDemand], speeds: list[float]) -> bool:
+    """With the allocation's time left known: every joiner's time limit (or, without one,
+    its expected run time at its predicted speed) and every live member's expected rest
+    at its new speed must fit in it. A joiner of unknown length does not fit."""
+    if pg.remaining_s is None:
+        return True
+    for j, speed in zip(members, speeds, strict=True):
+        joiner = j in pg.joined or j not in pg.live
+        if joiner and j.time_limit_s is not None:
+            need: float | None = j.time_limit_s
+        elif j.est_duration_s is not None:
+            need = j.est_duration_s / max(speed, 1e-6)
+        else:
+            need = None
+        if need is None:
+            if joiner:
+                return False
+            continue
+        if need > pg.remaining_s + 1e-9:
+            return False
+    return True
+
+
+def refill_joins(request: PackingRequest, policy: str, params: InterferenceParams) -> tuple[list[Join], list[JobDemand]]:
+    """Pending jobs placed onto the GPUs of running packs (`OpenGpu.pack`) before any new
+    pack is opened: those GPUs are held by their allocation anyway, so a joiner costs no
+    new GPU. `complementary` fills each pack GPU with the job (among the next
+    `_JOIN_SCAN` in seed order: priority band, then shortest expected run) that raises
+    the GPU's predicted summed speed most, live members included, while that gain is at
+    least `min_gain` (`_fill_by_gain`); `mem-best-fit` puts each
+    job in queue order onto the pack GPU its fence fills best. An urgent job (aging)
+    joins first; if it cannot, nothing of lower priority joins. Returns the joins and
+    the jobs still pending."""
+    limits = request.limits
+    pgs = _pack_gpus(request)
+    # complementary takes joiners in its seeds' order (priority band, then shortest
+    # expected run first: aging keeps long jobs from starving), mem-best-fit first come,
+    # first served.
+    queue = sorted(request.jobs, key=_join_key if policy == "complementary" else order_key)
+    if not pgs or not queue:
+        return [], queue
+    # An urgent job that cannot join holds the room (docs/packing.md, aging): nothing of
+    # lower priority joins, so no join keeps a pack alive that the urgent job waits for.
+    held: list[JobDemand] = []
+
+    def held_back(job: JobDemand) -> bool:
+        return bool(held) and job.priority < held[0].priority
+
+    placed: set[int] = set()
+    if policy == "mem-best-fit":
+        for job in queue:
+            if held_back(job):
+                break
+            best: _PackGpu | None = None
+            best_left = 0
+            for pg in pgs:
+                if not _join_fits(pg, job, limits):
+                    continue
+                members = pg.members + [job]
+                if not _times_fit(pg, members, [1.0] * len(members)):  # memory-only: no speed model
+                    continue
+                left = usable_gpu_bytes(pg.gpu) - pg.used_bytes - member_fence_bytes(job, pg.gpu, limits)
+                if best is None or left < best_left:
+                    best, best_left = pg, left
+            if best is not None:
+                _join(best, job, limits)
+                placed.add(job.job_id)
+            elif job.priority >= URGENT_PRIORITY:
+                held.append(job)
+    else:
+        # Urgent jobs first, each onto the pack GPU where it adds most.
+        for job in queue:
+            if job.priority < URGENT_PRIORITY:
+                break
+            best_gpu: _PackGpu | None = None
+            best_gain = -math.inf
+            for pg in pgs:
+                if not _join_fits(pg, job, limits):
+                    continue
+                members = pg.members + [job]
+                speeds = _join_speeds(members, params)
+                gain = sum(speeds) - (sum(_join_speeds(pg.members, params)) if pg.members else 0.0)
+                if gain > best_gain + 1e-12 and _times_fit(pg, members, speeds):
+                    best_gpu, best_gain = pg, gain
+            if best_gpu is None:
+                held.append(job)
+                break
+            _join(best_gpu, job, limits)
+            placed.add(job.job_id)
+        if not held:
+            _fill_by_gain(pgs, queue, placed, limits, params)
+    joins: list[Join] = []
+    for pg in pgs:
+        members = pg.members
+        speeds = _join_speeds(members, params) if members else []
+        pcts = thread_pcts([util_fraction(j.sm_util_pct) for j in members]) if policy == "complementary" else [100] * len(members)
+        node_index, gpu_index = _key_indices(pg.key)
+        for j, speed, pct in zip(members, speeds, pcts, strict=True):
+            if j in pg.joined:
+                joins.append(Join(pg.key, MemberPlacement(
+                    job_id=j.job_id, node_index=node_index, gpu_index=gpu_index, mps_thread_pct=pct,
+                    gpu_mem_limit_mib=math.ceil(member_fence_bytes(j, pg.gpu, limits) / MIB),
+                    host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus,
+                    predicted_speed=speed)))
+    return joins, [j for j in queue if j.job_id not in placed]
+
+
+def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int], limits: PackingLimits,
+                  params: InterferenceParams) -> None:
+    """complementary's refill: each pack GPU in turn takes the job, among the next
+    `_JOIN_SCAN` that fit in the given order, that raises its predicted summed speed most,
+    while that gain is at least `min_gain`.
+
+    A busy cluster offers many pack GPUs with little room: a scan stops as soon as no
+    later job of the queue can fit (suffix minima of fence, CPUs and host memory), so a
+    plan costs O(pack GPUs x jobs that fit), not O(pack GPUs x queue) (plan_scale.py)."""
+    rest = [j for j in queue if j.job_id not in placed]
+    n = len(rest)
+    if n == 0:
+        return
+    cpus = [j.cpus for j in rest]
+    host = [host_limit_bytes(j, limits) for j in rest]
+    sm = [util_fraction(j.sm_util_pct) for j in rest]
+    bw = [util_fraction(j.membw_util_pct) for j in rest]
+
+    def suffix_min(values: list[int]) -> list[int]:
+        out = values[:] + [1 << 62]
+        for i in range(n - 1, -1, -1):
+            out[i] = min(out[i], out[i + 1])
+        return out
+
+    min_cpus, min_host = suffix_min(cpus), suffix_min(host)
+    fences: dict[str, tuple[list[int], list[int]]] = {}
+    # skip[i] points at or before the first job not yet taken from index i on (union-find
+    # with path compression): a scan never walks over the jobs earlier GPUs took.
+    skip = list(range(n + 1))
+
+    def untaken(i: int) -> int:
+        root = i
+        while skip[root] != root:
+            root = skip[root]
+        while skip[i] != root:
+            skip[i], i = root, skip[i]
+        return root
+
+    for pg in pgs:
+        if pg.gpu.name not in fences:
+            f = [member_fence_bytes(j, pg.gpu, limits) for j in rest]
+            fences[pg.gpu.name] = (f, suffix_min(f))
+        fence, min_fence = fences[pg.gpu.name]
+        usable = usable_gpu_bytes(pg.gpu)
+        node = pg.node
+        while len(pg.joined) < pg.slots:
+            free_mem, free_cpus, free_host = usable - pg.used_bytes, node.free_cpus, node.free_mem_bytes
+            live_sm = [util_fraction(j.sm_util_pct) for j in pg.members]
+            live_bw = [util_fraction(j.membw_util_pct) for j in pg.members]
+            current = sum(predict_speeds_from_fractions(live_sm, live_bw, params)) if len(live_sm) > 1 else len(live_sm)
+            pick = -1
+            pick_gain = limits.min_gain - 1e-12
+            scanned = 0
+            i = untaken(0)
+            while i < n:
+                if min_fence[i] > free_mem or min_cpus[i] > free_cpus or min_host[i] > free_host:
+                    break  # nothing from here on fits
+                if fence[i] > free_mem or cpus[i] > free_cpus or host[i] > free_host:
+                    i = untaken(i + 1)
+                    continue
+                scanned += 1
+                speeds = (predict_speeds_from_fractions(live_sm + [sm[i]], live_bw + [bw[i]], params)
+                          if live_sm else [1.0])
+                gain = sum(speeds) - current
+                if gain > pick_gain and (pg.remaining_s is None or _times_fit(pg, pg.members + [rest[i]], speeds)):
+                    pick, pick_gain = i, gain
+                if scanned >= _JOIN_SCAN:
+                    break
+                i = untaken(i + 1)
+            if pick < 0:
+                break
+            _join(pg, rest[pick], limits)
+            skip[pick] = pick + 1
+            placed.add(rest[pick].job_id)
+
+
+def _join(pg: _PackGpu, job: JobDemand, limits: PackingLimits) -> None:
+    pg.joined.append(job)
+    pg.used_bytes += member_fence_bytes(job, pg.gpu, limits)
+    pg.node.free_cpus -= job.cpus
+    pg.node.free_mem_bytes -= host_limit_bytes(job, limits)

@@ -1,0 +1,61 @@
+"""`slurm-dlrm cancel`'s service side: cancel one job without disturbing the other
+members of its pack."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.service.common import pack_member_ids, write_atomic
+from slurm_dlrm.service.daemon import ensure_private_dir
+
+log = logging.getLogger(__name__)
+
+
+def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
+    """Cancel one job without disturbing the other members of its pack. Returns what was done.
+
+    PENDING: cancelled in the store. PLANNED or RUNNING: the agent is told through
+    `<pack_dir>/cancel/<job_id>` (docs/interfaces.md 3a) and reports the member
+    CANCELLED; a member not yet started is cancelled in the store at once. If it was
+    the pack's last live member, the whole Slurm job is cancelled too.
+    """
+    from slurm_dlrm.errors import BadInput
+    from slurm_dlrm.slurm import SlurmError
+    from slurm_dlrm.store.errors import StaleState, UnknownEntity
+    from slurm_dlrm.store.states import JOB_TERMINAL, JobState
+
+    try:
+        job = store.get_job(job_id)
+    except UnknownEntity:
+        raise BadInput(f"job {job_id}: no such job in your store") from None
+    if job.user != user:
+        raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
+    if job.state in JOB_TERMINAL:
+        return f"job {job_id} already ended ({job.state})"
+    if job.state == JobState.PENDING:
+        try:
+            store.transition_job(job_id, JobState.CANCELLED, "cancelled by the user", expect=JobState.PENDING)
+            return f"job {job_id} cancelled (was pending)"
+        except StaleState:
+            job = store.get_job(job_id)  # a round just planned it: cancel it in its pack
+    pack = store.get_pack(job.pack_id)
+    if pack.pack_dir:
+        cancel_dir = Path(pack.pack_dir) / "cancel"
+        ensure_private_dir(cancel_dir)
+        write_atomic(cancel_dir / str(job_id), f"{time.time()}\n")
+    if job.state == JobState.PLANNED:
+        store.transition_job(job_id, JobState.CANCELLED, "cancelled by the user before it started",
+                             expect=JobState.PLANNED)
+    else:
+        store.add_event("note", "cancel requested; waiting for the agent", job_id=job_id, pack_id=pack.id)
+    live = [i for i in pack_member_ids(store, pack.id, ("PLANNED", "RUNNING")) if i != job_id]
+    if not live and pack.slurm_job_id:
+        try:
+            slurm.scancel([int(pack.slurm_job_id)])
+        except SlurmError as exc:
+            log.warning("scancel of pack %s: %s", pack.name, exc)
+        return f"job {job_id} cancelled; its pack {pack.name} (Slurm job {pack.slurm_job_id}) had no other member"
+    return f"job {job_id} cancel sent to its pack {pack.name}; {len(live)} other member(s) keep running"

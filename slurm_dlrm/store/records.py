@@ -1,0 +1,160 @@
+"""The store's row types: what `Store` reads back (`Job`, `Pack`, `Placement`,
+`CalibrationRow`, `JobUsage`) and what a caller hands it to place a job (`NewPlacement`).
+Plain frozen dataclasses, no SQL: `slurm_dlrm.store.store` fills them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from slurm_dlrm.store.states import JobState, PackState
+
+
+def _row_fields(cls: type, row: Mapping[str, Any]) -> dict[str, Any]:
+    return {f.name: row.get(f.name) for f in fields(cls)}
+
+
+@dataclass(frozen=True)
+class Job:
+    id: int
+    user: str
+    name: str
+    state: JobState
+    attempt: int
+    spec_fingerprint: str
+    spec_json: str
+    estimate_json: str | None
+    sbatch_json: str | None
+    gpu_model: str | None
+    est_gpu_peak_bytes: int | None
+    est_host_peak_bytes: int | None
+    est_profile_label: str | None
+    est_solo_samples_per_s: float | None
+    gpu_mem_request_bytes: int | None
+    host_mem_request_bytes: int | None
+    submit_time: float
+    start_time: float | None
+    end_time: float | None
+    pack_id: int | None
+    slurm_job_id: str | None
+    slurm_step: str | None
+    exit_code: int | None
+    exit_reason: str | None
+    updated_time: float
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Job:
+        d = _row_fields(cls, row)
+        d["state"] = JobState(d["state"])
+        return cls(**d)
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        return dict(json.loads(self.spec_json))
+
+    @property
+    def estimate(self) -> dict[str, Any] | None:
+        return None if self.estimate_json is None else dict(json.loads(self.estimate_json))
+
+    @property
+    def sbatch(self) -> dict[str, Any] | None:
+        return None if self.sbatch_json is None else dict(json.loads(self.sbatch_json))
+
+
+@dataclass(frozen=True)
+class Pack:
+    id: int
+    name: str
+    user: str
+    state: PackState
+    policy: str
+    partition: str | None
+    gpu_model: str | None
+    n_nodes: int
+    n_gpus: int
+    nodes: str | None
+    slurm_job_id: str | None
+    pack_dir: str | None
+    create_time: float
+    submit_time: float | None
+    start_time: float | None
+    end_time: float | None
+    reason: str | None
+    updated_time: float
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Pack:
+        d = _row_fields(cls, row)
+        d["state"] = PackState(d["state"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Placement:
+    id: int
+    pack_id: int
+    job_id: int
+    attempt: int
+    node_index: int
+    node: str | None
+    gpu_index: int
+    mps_thread_pct: int | None
+    gpu_mem_limit_bytes: int | None
+    host_mem_limit_bytes: int | None
+    cpus: int | None
+    start_time: float | None
+    end_time: float | None
+    predicted_speed: float | None = None  # relative to solo, from the packing plan
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> Placement:
+        return cls(**_row_fields(cls, row))
+
+
+@dataclass(frozen=True)
+class NewPlacement:
+    """One member on one GPU, as the policy planned it (a job with world_size > 1 has several)."""
+
+    job_id: int
+    node_index: int
+    gpu_index: int
+    mps_thread_pct: int | None = None
+    gpu_mem_limit_bytes: int | None = None
+    host_mem_limit_bytes: int | None = None
+    cpus: int | None = None
+    node: str | None = None
+    # MemberPlacement.predicted_speed: the member's speed on this GPU relative to running
+    # alone, from the interference model (acct's GPU-hours saved, docs/store.md)
+    predicted_speed: float | None = None
+
+
+@dataclass(frozen=True)
+class CalibrationRow:
+    """A finished job's estimated vs measured peaks, for the estimator's calibration."""
+
+    job_id: int
+    state: JobState
+    end_time: float | None
+    est_gpu_peak_bytes: int | None
+    meas_gpu_peak_bytes: int | None
+    est_host_peak_bytes: int | None
+    meas_host_peak_bytes: int | None
+    n_samples: int
+
+
+@dataclass(frozen=True)
+class JobUsage:
+    """What the samples of one job measured so far (all attempts), from `job_usage`."""
+
+    job_id: int
+    n_samples: int
+    gpu_mem_peak_bytes: int | None
+    rss_peak_bytes: int | None
+    sm_util_mean: float | None
+    sm_util_max: float | None
+    host_cpu_mean: float | None
+    samples_per_s_mean: float | None
+    first_t: float | None
+    last_t: float | None
