@@ -10,6 +10,10 @@ context here would be a non-MPS client holding an EXCLUSIVE_PROCESS GPU.
 Every hardware figure needs the driver's NVML and a CUDA device. Against the fake NVML
 ($SLURM_DLRM_FAKE_NVML, or `--fake`, which also puts the fake `nvidia-cuda-mps-control`
 first on PATH) the steps that can run do run, and are reported DRY, not PASS.
+
+Over 600 lines on purpose: the four steps share one state (the daemon, the child
+processes, the NVML handle, what was measured) and one cleanup path that must run on
+every exit; split, that state would travel through every call.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from slurm_dlrm.agent import fake_mps_control, fake_nvml
 from slurm_dlrm.agent.loop import member_env
 from slurm_dlrm.agent.mps import MPS_CONTROL, MpsSetup, open_mps
 from slurm_dlrm.agent.nvml import Nvml
-from slurm_dlrm.agent.placement import MemberPlacement
+from slurm_dlrm.agent.placement import MemberPlacement, allocation_gpus
 from slurm_dlrm.errors import BadInput, DlrmError
 from slurm_dlrm.selftest import verdict as V
 from slurm_dlrm.selftest.verdict import DRY, FAIL, PASS, SKIP, Check
@@ -98,12 +102,6 @@ class Context:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
-
-
-def allocation_gpus(env: dict[str, str]) -> list[str] | None:
-    from slurm_dlrm.commands.agent import allocation_gpus as agent_gpus
-
-    return agent_gpus(env)
 
 
 def is_fake_mps_control(path: str) -> bool:
