@@ -392,3 +392,15 @@ def test_sigterm_stops_the_daemon_and_the_clients(clean_env):
     assert proc.returncode == 1 and "stopped by SIGTERM" in err
     assert not _alive(daemon) and not _alive(sleeper)
     assert not list(Path(tempfile.gettempdir()).glob(f"mps-st{proc.pid}-*"))
+
+
+def test_gpus_requested_and_a_gpu_the_job_will_not_have():
+    from slurm_dlrm.selftest.submit import gpus_requested
+
+    assert gpus_requested(None) == 1 and gpus_requested("gpu:h100:2") == 2 and gpus_requested("gpu:3,mps:50") == 3
+    assert gpus_requested("gpu") == 1
+    with pytest.raises(BadInput, match="asks for no GPU"):
+        gpus_requested("mps:50")
+    result = CliRunner().invoke(cli, ["selftest", "--submit", "-p", "dlrm", "--gpu", "1"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "slurm-dlrm: error: --gpu 1: the job asks for 1 GPU(s) (--gres gpu:1)"

@@ -88,12 +88,14 @@ def _submit(gpu_index: int, write_site: str | None, site_path: str | None, model
             steps: int, partition: str | None, gres: str | None, wait_s: int, slurm_conf: str | None) -> Any:
     import getpass
 
-    from slurm_dlrm.selftest.submit import submit_and_wait
+    from slurm_dlrm.selftest.submit import gpus_requested, submit_and_wait
     from slurm_dlrm.site import load_site
     from slurm_dlrm.slurm import make_backend
 
     if not partition:
         raise BadInput("--submit: -p PARTITION is required")
+    if gpu_index >= gpus_requested(gres):
+        raise BadInput(f"--gpu {gpu_index}: the job asks for {gpus_requested(gres)} GPU(s) (--gres {gres or 'gpu:1'})")
     site = load_site(site_path)
     inner = ["--gpu", str(gpu_index), "--steps", str(steps)]
     if write_site:

@@ -628,7 +628,9 @@ class Selftest:
         self.measured.update({k: round(v, 4) for k, v in figures.items()})
         if ev.get("cublas_workspace_bytes") is not None:
             self.measured["cublas_workspace_mib"] = round(max(0, int(ev["cublas_workspace_bytes"])) / MIB, 1)
-        self.add("calibration.compute", PASS, figure, f"{self.sm_count} SMs", **figures)
+        workspace = ev.get("cublas_workspace_bytes")
+        ws_text = f", cuBLAS workspace {int(workspace) / MIB:.0f} MiB" if workspace is not None else ""
+        self.add("calibration.compute", PASS, figure, f"{self.sm_count} SMs{ws_text}", **figures)
 
     def write_site(self) -> None:
         if not self.opts.write_site:

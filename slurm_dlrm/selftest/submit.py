@@ -37,6 +37,15 @@ def partition_gpu_gres(backend: SlurmBackend, partition: str) -> str:
     return gres
 
 
+def gpus_requested(gres: str | None) -> int:
+    """GPUs per node a --gres value asks for ("gpu:1", "gpu:h100:2", "gpu:h100:2,mps:50"); 1 by default."""
+    for part in (gres or "gpu:1").split(","):
+        fields = part.strip().split(":")
+        if fields[0] == "gpu":
+            return int(fields[-1]) if len(fields) > 1 and fields[-1].isdigit() else 1
+    raise BadInput(f"--gres {gres}: asks for no GPU (selftest needs gpu:N)")
+
+
 def batch_script(inner_args: list[str], stem: Path, python: str | None = None) -> str:
     """The job script: `<stem><jobid>.json` gets the verdict (--output is an sbatch argument)."""
     q = shlex.quote
