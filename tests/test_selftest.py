@@ -404,3 +404,40 @@ def test_gpus_requested_and_a_gpu_the_job_will_not_have():
     result = CliRunner().invoke(cli, ["selftest", "--submit", "-p", "dlrm", "--gpu", "1"])
     assert result.exit_code == 2
     assert result.output.strip() == "slurm-dlrm: error: --gpu 1: the job asks for 1 GPU(s) (--gres gpu:1)"
+
+
+def test_probe_runs_the_runner_and_reports_cuda_errors_as_events(tmp_path):
+    """The real probe, without a GPU: the estimate role drives the runner (on the CPU), and a
+    CUDA role reports CUDA's absence as an `error` event the parent shows, not a traceback."""
+    pytest.importorskip("torchrec")
+    data = run_mod.estimator_spec(dict(run_mod.ESTIMATOR_SPECS[1]), steps=2)
+    data["tables"] = [{"rows": 1000, "dim": 64}]
+    data["batch_size"] = 64
+    (tmp_path / "spec.json").write_text(json.dumps(data))
+    status = tmp_path / "events.jsonl"
+    base = [sys.executable, "-m", "slurm_dlrm.selftest.probe"]
+    out = subprocess.run([*base, "estimate", "--device", "cpu", "--spec", str(tmp_path / "spec.json"),  # noqa: S603
+                          "--workdir", str(tmp_path), "--steps", "2", "--status", str(status)],
+                         capture_output=True, text=True, timeout=300, check=False)
+    events = [json.loads(x) for x in status.read_text().splitlines()]
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert events[-1]["event"] == "estimate" and events[-1]["exit_code"] == 0 and events[-1]["steps"] == 2
+    assert events[-1]["spec"] == "st-dcn-rowwise"
+    if not subprocess.run([sys.executable, "-c", "import torch,sys; sys.exit(torch.cuda.is_available())"],  # noqa: S603
+                          check=False).returncode:
+        bench = subprocess.run([*base, "bench", "--seconds", "0.1"], capture_output=True, text=True,  # noqa: S603
+                               timeout=120, check=False)
+        (event,) = [json.loads(x) for x in bench.stdout.splitlines() if '"error"' in x]
+        assert bench.returncode == 1 and event["event"] == "error" and event["error"]
+
+
+def test_the_estimator_specs_cover_what_the_issue_asks():
+    specs = [parse_spec(run_mod.estimator_spec(o, 5)) for o in run_mod.ESTIMATOR_SPECS]
+    assert {s.interaction.type for s in specs} == {"dot", "dcn"}
+    assert any(s.optimizer.type == "adam" and s.optimizer.fused for s in specs)
+    assert any(s.optimizer.type == "rowwise_adagrad" for s in specs)
+    assert any(s.mixed_precision == "bf16" for s in specs)
+    h100 = load_site().gpu_model("h100")
+    for s in specs:  # small: each fits one GPU many times over, and runs in seconds
+        assert estimate(s, h100).gpu_peak_bytes < 2 * (1 << 30)
+        assert s.checkpoint_every_steps == 0 and s.steps == 5

@@ -151,15 +151,17 @@ def role_estimate(args: argparse.Namespace, out: TextIO) -> int:
     spec = parse_spec(json.loads(Path(args.spec).read_text()), args.spec)
     work = Path(args.workdir)
     opts = RunOptions(metrics_file=work / "metrics.jsonl", checkpoint_dir=work / "ckpt", steps=args.steps,
-                      device="cuda", resume=False, tty=False, final_checkpoint=False)
+                      device=args.device, resume=False, tty=False, final_checkpoint=False)
     trainer = setup(spec, opts, StopFlag())
+    cuda = trainer.device.type == "cuda"  # --device cpu: the plumbing only (tests without a GPU)
     try:
         code = trainer.run()
-        torch.cuda.synchronize()
-        emit(out, "estimate", exit_code=code, spec=spec.name,
-             max_memory_allocated_bytes=int(torch.cuda.max_memory_allocated()),
-             max_memory_reserved_bytes=int(torch.cuda.max_memory_reserved()),
-             nvml_process_bytes=_nvml_process_bytes(args.nvml_index))
+        if cuda:
+            torch.cuda.synchronize()
+        emit(out, "estimate", exit_code=code, spec=spec.name, steps=trainer.total_steps,
+             max_memory_allocated_bytes=int(torch.cuda.max_memory_allocated()) if cuda else None,
+             max_memory_reserved_bytes=int(torch.cuda.max_memory_reserved()) if cuda else None,
+             nvml_process_bytes=_nvml_process_bytes(args.nvml_index) if cuda else None)
     finally:
         teardown(trainer)
     return 0 if code == 0 else 1
@@ -253,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--workdir", default=".")
     p.add_argument("--nvml-index", type=int, default=None)
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="estimate: cpu runs the plumbing only")
     args = p.parse_args(argv)
     out = _emitter(args.status)
     try:
