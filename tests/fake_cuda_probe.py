@@ -6,7 +6,7 @@ a CUDA client under MPS does, from the variables the agent's `member_env` set:
 `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` ("0=<MiB>M") ends the allocation loop with an
 out-of-memory event. `FAKE_CUDA_BROKEN` names what a broken node would do instead:
 "share" (no throttling), "fence" (no memory limit), "neighbour" (the steady client dies),
-"estimate" (the run peaks far above any estimate).
+"estimate" (the run peaks far above any estimate), "cuda" (no CUDA client starts).
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ def main() -> int:
             time.sleep(0.05)
 
     pct = float(os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "100"))
+    if "cuda" in BROKEN and a.role != "idle":
+        emit("error", error="RuntimeError: CUDA error: all CUDA-capable devices are busy or unavailable")
+        return 1
     emit("ready", cuda=True)
     if a.role == "bench":
         emit("bench", tflops=PEAK_TFLOPS * (1.0 if "share" in BROKEN else pct / 100), iterations=10)

@@ -441,3 +441,18 @@ def test_the_estimator_specs_cover_what_the_issue_asks():
     for s in specs:  # small: each fits one GPU many times over, and runs in seconds
         assert estimate(s, h100).gpu_peak_bytes < 2 * (1 << 30)
         assert s.checkpoint_every_steps == 0 and s.steps == 5
+
+
+def test_gpu_path_when_cuda_does_not_start_says_why(gpu_node, monkeypatch):
+    monkeypatch.setenv("FAKE_CUDA_BROKEN", "cuda")
+    code, data = _run_json("--fake")
+    checks = {c["name"]: c for c in data["checks"]}
+    assert code == 1
+    busy = "all CUDA-capable devices are busy"
+    assert checks["calibration.compute"]["status"] == V.FAIL and busy in checks["calibration.compute"]["detail"]
+    assert checks["mps.thread_share_scaling"]["status"] == V.FAIL
+    assert busy in checks["mps.thread_share_scaling"]["detail"]
+    assert checks["mps.memory_fence"]["status"] == V.FAIL and busy in checks["mps.memory_fence"]["detail"]
+    assert checks["estimator.st-dot-adam"]["status"] == V.FAIL and busy in checks["estimator.st-dot-adam"]["detail"]
+    assert checks["mps.daemon_shutdown"]["status"] == V.PASS
+    assert _fake_daemons() == set()

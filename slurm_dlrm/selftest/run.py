@@ -456,13 +456,16 @@ class Selftest:
     def _mps_on_gpu(self) -> None:
         # Thread share: the same kernel solo at two shares.
         tflops: dict[int, float | None] = {}
+        errors = []
         for pct in (LOW_PCT, HIGH_PCT):
             c = self._client(f"bench-{pct}", "bench", pct, STEADY_LIMIT_MIB, "--seconds", str(BENCH_SECONDS))
             ev = c.wait_for(("bench",), 60 + BENCH_SECONDS)
             tflops[pct] = float(ev["tflops"]) if ev and ev.get("event") == "bench" else None
+            if tflops[pct] is None:
+                errors.append(f"{pct}%: {_child_error(c)}")
             c.kill()
         status, figure, fix = V.judge_scaling(tflops[LOW_PCT], tflops[HIGH_PCT], LOW_PCT, HIGH_PCT, self.sm_count)
-        self.add("mps.thread_share_scaling", status, figure, fix=fix,
+        self.add("mps.thread_share_scaling", status, figure, "; ".join(errors), fix=fix,
                  tflops_low=tflops[LOW_PCT], tflops_high=tflops[HIGH_PCT])
         # Fence: the greedy client (low share, 1 GiB) allocates past its limit while the
         # steady one (high share, 2 GiB) computes on.
@@ -473,7 +476,7 @@ class Selftest:
                               "--chunk-mib", str(V.FENCE_BLOCK_MIB), "--max-mib", str(4 * GREEDY_LIMIT_MIB))
         oom = greedy.wait_for(("oom", "no_oom"), 60)
         status, figure, fix = V.judge_fence(oom, GREEDY_LIMIT_MIB)
-        detail = "" if oom is None or oom.get("event") != "error" else _child_error(greedy)
+        detail = _child_error(greedy) if oom is None or oom.get("event") == "error" else ""
         self.add("mps.memory_fence", status, figure, detail, fix, limit_mib=GREEDY_LIMIT_MIB,
                  allocated_mib=(oom or {}).get("allocated_mib"))
         self._judge_nvml_clients([steady, greedy], dry=False)
