@@ -125,8 +125,9 @@ def _print_table(data: dict[str, Any]) -> None:
 
     console = Console(width=max(120, int(os.environ.get("COLUMNS", "0") or 0)))
     ctx = data.get("context", {})
+    job = f", Slurm job {ctx['slurm_job_id']}" if ctx.get("slurm_job_id") else ""
     title = (f"slurm-dlrm selftest on {ctx.get('node') or ctx.get('host')} GPU {ctx.get('gpu_name')} "
-             f"(model {ctx.get('model') or '?'}, NVML {ctx.get('nvml')})")
+             f"(model {ctx.get('model') or '?'}, NVML {ctx.get('nvml')}{job})")
     table = Table(title=title, show_lines=False)
     table.add_column("check")
     table.add_column("status")

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +98,6 @@ class Context:
     mps_control: str = ""  # path, "(fake)" noted
     model: str | None = None
     hardware: bool = False
-    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
