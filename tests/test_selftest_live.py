@@ -47,3 +47,12 @@ def test_submit_bad_input_is_one_line(slurm_cluster):
         f"slurm-dlrm: error: -p nosuch: no such partition (Slurm has: {slurm_cluster.config.partition})"]
     out = _selftest("--submit", "--fake")
     assert out.returncode == 2 and "-p PARTITION is required" in out.stderr
+
+
+def test_submit_to_a_chosen_node_whole(slurm_cluster):
+    node = slurm_cluster.config.node_names[-1]
+    out = _selftest("--submit", "-p", slurm_cluster.config.partition, "-w", node, "--exclusive", "--gres", "gpu:2",
+                    "--gpu", "1", "--fake", "--json")
+    assert out.returncode == 0, out.stderr + out.stdout
+    ctx = json.loads(out.stdout)["context"]
+    assert ctx["node"] == node and ctx["nvml_index"] == int(ctx["gpu_name"])

@@ -15,8 +15,8 @@ HELP = """The acceptance test of a GPU node: NVML, MPS fences, the estimator on 
 
 \b
 Example:
-  salloc -p gpu --gres=gpu:1 --exclusive slurm-dlrm selftest
-  slurm-dlrm selftest --submit -p gpu              # submits itself, waits, prints the verdict
+  srun -p gpu --gres=gpu:1 --exclusive slurm-dlrm selftest
+  slurm-dlrm selftest --submit -p gpu -w gpu07 --exclusive   # submits itself, waits, prints the verdict
   slurm-dlrm selftest --write-site /etc/slurm-dlrm/site.toml --json
   slurm-dlrm selftest --fake                       # no GPU: the agent's code paths against the fakes
 
@@ -56,22 +56,26 @@ file you cannot write).
 @click.option("--submit", is_flag=True, help="Submit this selftest as a Slurm job (needs -p), wait, print its verdict.")
 @click.option("-p", "--partition", default=None, help="With --submit: the partition (it must have GPUs).")
 @click.option("--gres", default=None, help="With --submit: sbatch --gres (default gpu:1).")
+@click.option("-w", "--nodelist", default=None, metavar="NODE", help="With --submit: the node to test (sbatch -w).")
+@click.option("--exclusive", is_flag=True, help="With --submit: the whole node (no other job, no other user's MPS).")
 @click.option("--timeout", "wait_s", type=click.IntRange(30), default=1200, show_default=True, metavar="SECONDS",
               help="With --submit: how long to wait for the job (queueing included).")
 @click.option("--slurm-conf", type=click.Path(dir_okay=False), default=None, envvar="SLURM_CONF",
               help="With --submit: slurm.conf (default: $SLURM_CONF).")
 def selftest(gpu_index: int, as_json: bool, write_site: str | None, site_path: str | None, model: str | None,
-             fake: bool, steps: int, submit: bool, partition: str | None, gres: str | None, wait_s: int,
-             slurm_conf: str | None) -> None:
+             fake: bool, steps: int, submit: bool, partition: str | None, gres: str | None, nodelist: str | None,
+             exclusive: bool, wait_s: int, slurm_conf: str | None) -> None:
     from slurm_dlrm.selftest import verdict as V
 
     if gpu_index < 0:
         raise BadInput(f"--gpu {gpu_index}: must be >= 0")
     if submit:
-        data = _submit(gpu_index, write_site, site_path, model, fake, steps, partition, gres, wait_s, slurm_conf)
+        extra = ([f"--nodelist={nodelist}"] if nodelist else []) + (["--exclusive"] if exclusive else [])
+        data = _submit(gpu_index, write_site, site_path, model, fake, steps, partition, gres, extra, wait_s,
+                       slurm_conf)
     else:
-        if partition or gres:
-            raise BadInput("-p/--gres: only with --submit")
+        if partition or gres or nodelist or exclusive:
+            raise BadInput("-p/--gres/-w/--exclusive: only with --submit")
         from slurm_dlrm.selftest.run import Options, run_selftest
 
         checks, context = run_selftest(Options(gpu=gpu_index, site_path=site_path, write_site=write_site,
@@ -85,7 +89,8 @@ def selftest(gpu_index: int, as_json: bool, write_site: str | None, site_path: s
 
 
 def _submit(gpu_index: int, write_site: str | None, site_path: str | None, model: str | None, fake: bool,
-            steps: int, partition: str | None, gres: str | None, wait_s: int, slurm_conf: str | None) -> Any:
+            steps: int, partition: str | None, gres: str | None, extra: list[str], wait_s: int,
+            slurm_conf: str | None) -> Any:
     import getpass
 
     from slurm_dlrm.selftest.submit import gpus_requested, submit_and_wait
@@ -111,7 +116,7 @@ def _submit(gpu_index: int, write_site: str | None, site_path: str | None, model
         inner.append("--fake")
     out_dir = site.spool_dir_for(getpass.getuser()) / "selftest"
     backend = make_backend(slurm_conf)
-    job_id, data = submit_and_wait(backend, partition, gres, inner, out_dir, [], float(wait_s))
+    job_id, data = submit_and_wait(backend, partition, gres, inner, out_dir, extra, float(wait_s))
     data.setdefault("context", {})["slurm_job_id"] = job_id
     return data
 
