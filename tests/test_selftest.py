@@ -224,7 +224,8 @@ def test_fake_run_is_dry_never_pass_and_leaves_nothing(clean_env):
     assert code == 0, data
     status = {c["name"]: c["status"] for c in data["checks"]}
     assert V.PASS not in status.values()  # nothing measured on hardware
-    for name in ("nvml.driver", "nvml.gpu_model", "nvml.compute_mode", "mps.daemon_start", "mps.nvml_sees_clients",
+    for name in ("nvml.driver", "nvml.gpu_model", "nvml.gpu_idle", "nvml.compute_mode", "mps.daemon_start",
+                 "mps.nvml_sees_clients",
                  "mps.daemon_shutdown"):
         assert status[name] == V.DRY, name
     for name in ("mps.memory_fence", "mps.neighbour_runs_on", "mps.thread_share_scaling", "calibration.compute",
@@ -456,3 +457,23 @@ def test_gpu_path_when_cuda_does_not_start_says_why(gpu_node, monkeypatch):
     assert checks["estimator.st-dot-adam"]["status"] == V.FAIL and busy in checks["estimator.st-dot-adam"]["detail"]
     assert checks["mps.daemon_shutdown"]["status"] == V.PASS
     assert _fake_daemons() == set()
+
+
+def test_a_busy_gpu_fails_before_anything_is_measured_on_it(clean_env, tmp_path, monkeypatch):
+    scenario = tmp_path / "nvml.json"
+    gpu = {"name": "NVIDIA H100 80GB HBM3", "memory_total_bytes": 80 << 30, "compute_mode": 3}
+    scenario.write_text(json.dumps({"gpus": [gpu, gpu], "processes": [
+        {"pid": 4242, "gpu_index": 1, "used_gpu_memory_bytes": 3 << 30, "sm_util_pct": 80}]}))
+    monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, str(scenario))
+    code, data = _run_json("--fake", "--gpu", "1")
+    checks = {c["name"]: c for c in data["checks"]}
+    assert code == 1
+    assert checks["nvml.gpu_idle"]["status"] == V.FAIL and "pids 4242" in checks["nvml.gpu_idle"]["figure"]
+    assert "--exclusive" in checks["nvml.gpu_idle"]["fix"]
+    code, data = _run_json("--fake", "--gpu", "0")  # its neighbour GPU is idle
+    assert code == 0 and {c["name"]: c for c in data["checks"]}["nvml.gpu_idle"]["status"] == V.DRY
+    gpu["compute_mode"] = 0  # DEFAULT: what MPS does not want
+    scenario.write_text(json.dumps({"gpus": [gpu]}))
+    code, data = _run_json("--fake")
+    mode = {c["name"]: c for c in data["checks"]}["nvml.compute_mode"]
+    assert code == 1 and mode["status"] == V.FAIL and "-c EXCLUSIVE_PROCESS" in mode["fix"]

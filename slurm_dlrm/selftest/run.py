@@ -308,7 +308,7 @@ class Selftest:
             self.add("nvml.driver", FAIL, f"NVML: {self.nvml.reason}",
                      fix="run on a GPU node with the NVIDIA driver loaded (nvidia-smi must work); on a machine "
                          "without a GPU use --fake")
-            for name in ("nvml.gpu_model", "nvml.compute_mode"):
+            for name in ("nvml.gpu_model", "nvml.gpu_idle", "nvml.compute_mode"):
                 self.add(name, SKIP, "not measured", "NVML is unavailable")
             self.model = self._pick_model(site, None)
             return
@@ -335,6 +335,16 @@ class Selftest:
                 self.add("nvml.gpu_model", FAIL, figure,
                          fix=f"set [gpu_models.{self.model.name}] memory_gib to {mem_gib:.0f}, or point this node "
                              "at the model it has (its [[nodes]] gpu_model)")
+        snap = self.nvml.sample([self.ctx.nvml_index])
+        busy = [p for p in snap.processes if p.pid != os.getpid()]
+        used = snap.gpus[0].memory_used_bytes if snap.gpus else None
+        figure = (f"{len(busy)} compute process(es) on the GPU, "
+                  f"{'?' if used is None else f'{used / MIB:.0f} MiB'} in use")
+        if busy:
+            self.add("nvml.gpu_idle", FAIL, figure + ": pids " + ",".join(str(p.pid) for p in busy[:5]),
+                     fix="run on an idle GPU (sbatch/srun --exclusive): other processes skew every figure below")
+        else:
+            self.add("nvml.gpu_idle", hw, figure, fake_note)
         mode = info.compute_mode
         names = {0: "DEFAULT", 1: "EXCLUSIVE_THREAD", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
         figure = f"compute mode {names.get(mode, mode) if mode is not None else 'unknown'}"
