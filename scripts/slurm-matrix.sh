@@ -166,7 +166,12 @@ run_leg() {
     ".venv-$code/bin/slurm-dlrm" >"$logs/$code-demo.log" 2>&1 || demo_rc=$?
   if ((demo_rc)); then failed=$((failed + 1)); else passed=$((passed + 1)); fi
   failed=$((failed + errors + skipped))
-  ((failed == 0 && passed > 0)) || bad=1
+  if ((failed || !passed)); then
+    bad=1
+    # Enough to see what failed where only this output is kept (CI).
+    grep -E '^(FAILED|ERROR|SKIPPED) ' "$logs/$code-pytest.log" | cut -c1-300 | sed "s/^/  $rel: /" >&2 || true
+    ((demo_rc == 0)) || tail -n 15 "$logs/$code-demo.log" | sed "s/^/  $rel demo: /" >&2
+  fi
   echo "slurm-matrix: $rel ($code): ${last:-no pytest summary} | demo rc=$demo_rc | $((SECONDS - t0)) s" >&2
   result+=("$rel=$passed/$failed")
 }
