@@ -477,3 +477,12 @@ def test_a_busy_gpu_fails_before_anything_is_measured_on_it(clean_env, tmp_path,
     code, data = _run_json("--fake")
     mode = {c["name"]: c for c in data["checks"]}["nvml.compute_mode"]
     assert code == 1 and mode["status"] == V.FAIL and "-c EXCLUSIVE_PROCESS" in mode["fix"]
+
+
+def test_write_site_without_a_gpu_writes_nothing(clean_env, tmp_path):
+    site_file = tmp_path / "site.toml"
+    site_file.write_text(SITE_TEXT)
+    code, data = _run_json("--fake", "--write-site", str(site_file))
+    row = {c["name"]: c for c in data["checks"]}["calibration.write_site"]
+    assert code == 0 and row["status"] == V.SKIP and "nothing was measured" in row["detail"]
+    assert site_file.read_text() == SITE_TEXT
