@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "admin": "slurm_dlrm.commands.admin:admin",
     "cancel": "slurm_dlrm.commands.queue:cancel",
     "queue": "slurm_dlrm.commands.queue:queue",
+    "selftest": "slurm_dlrm.commands.selftest:selftest",
     "serve": "slurm_dlrm.commands.serve:serve",
     "show": "slurm_dlrm.commands.queue:show",
     "submit": "slurm_dlrm.commands.submit:submit",

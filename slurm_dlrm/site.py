@@ -39,6 +39,13 @@ class GpuModel:
     tf32_tflops: float
     cuda_context_mib: float
     cublas_workspace_mib: float
+    # Measured by `slurm-dlrm selftest --write-site` on this model (None: the estimator's
+    # assumptions in slurm_dlrm/estimate/analytic.py apply; docs/estimator.md).
+    gemm_efficiency: float | None = None  # MLP-sized FP32 GEMM FLOP/s over fp32_tflops
+    bf16_gemm_efficiency: float | None = None  # bf16 GEMM FLOP/s over 2 x tf32_tflops
+    stream_bandwidth_gbps: float | None = None  # device-to-device copy, GB/s
+    gather_bandwidth_gbps: float | None = None  # embedding-like random row gather, GB/s
+    kernel_launch_us: float | None = None  # per small kernel, launch + tail
 
     @property
     def memory_bytes(self) -> int:
@@ -325,6 +332,11 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
             tf32_tflops=g.get("tf32_tflops", float, min_value=0.1),
             cuda_context_mib=g.get("cuda_context_mib", float, min_value=0),
             cublas_workspace_mib=g.get("cublas_workspace_mib", float, min_value=0),
+            gemm_efficiency=g.get("gemm_efficiency", float, None, min_value=0.001, max_value=1.5),
+            bf16_gemm_efficiency=g.get("bf16_gemm_efficiency", float, None, min_value=0.001, max_value=1.5),
+            stream_bandwidth_gbps=g.get("stream_bandwidth_gbps", float, None, min_value=0.001),
+            gather_bandwidth_gbps=g.get("gather_bandwidth_gbps", float, None, min_value=0.001),
+            kernel_launch_us=g.get("kernel_launch_us", float, None, min_value=0.01, max_value=10000),
         )
         g.done()
     models_t.done()

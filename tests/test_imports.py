@@ -189,7 +189,7 @@ FLOORS = {
     "site": 1, "spec": 1,
     "estimate": 2, "packing": 2, "adapt": 2, "slurm": 2, "agent": 2,
     "store": 3, "sim": 3, "admin": 3, "localcluster": 3, "train": 3,
-    "interference_io": 4, "service": 4, "exporter": 4,
+    "interference_io": 4, "service": 4, "exporter": 4, "selftest": 4,
     "commands": 5, "cli": 5,
 }
 

@@ -13,9 +13,10 @@ the world while an agent samples it):
 
     {"gpus": [{"name": "NVIDIA H100 80GB HBM3", "memory_total_bytes": 85899345920,
                "uuid": "GPU-...", "reserved_bytes": 536870912,
-               "lost": false, "lost_after_calls": null,
+               "lost": false, "lost_after_calls": null, "compute_mode": 3,
                "not_supported": ["nvmlDeviceGetProcessUtilization"]}],
      "gpu_count": 4,                       # shorthand for 4 default H100s
+     "driver_version": "550.54.15", "cuda_driver_version": 12040,
      "processes": [{"pid": 123, "gpu_index": 0, "used_gpu_memory_bytes": 1000,
                     "sm_util_pct": 30, "mem_util_pct": 10, "mps": true}],
      "discover_members": true}
@@ -69,6 +70,12 @@ NVML_ERROR_IN_USE = 19
 NVML_ERROR_MEMORY = 20
 NVML_ERROR_NO_DATA = 21
 NVML_ERROR_UNKNOWN = 999
+
+# nvmlComputeMode_t (nvml.h); a scenario GPU's "compute_mode" takes these numbers.
+NVML_COMPUTEMODE_DEFAULT = 0
+NVML_COMPUTEMODE_EXCLUSIVE_THREAD = 1  # support removed
+NVML_COMPUTEMODE_PROHIBITED = 2
+NVML_COMPUTEMODE_EXCLUSIVE_PROCESS = 3
 
 _MESSAGES = {  # pynvml's NVMLError._errcode_to_string
     NVML_ERROR_UNINITIALIZED: "Uninitialized",
@@ -268,6 +275,19 @@ class FakeNvml:
     def nvmlSystemGetDriverVersion(self) -> str:
         self._call("nvmlSystemGetDriverVersion")
         return str(self._scenario.get("driver_version", "550.54.15"))
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        # nvml.h: major * 1000 + minor * 10, e.g. 12040 for CUDA 12.4
+        self._call("nvmlSystemGetCudaDriverVersion")
+        return int(self._scenario.get("cuda_driver_version", 12040))
+
+    def nvmlSystemGetCudaDriverVersion_v2(self) -> int:
+        self._call("nvmlSystemGetCudaDriverVersion_v2")
+        return int(self._scenario.get("cuda_driver_version", 12040))
+
+    def nvmlDeviceGetComputeMode(self, handle: _Handle) -> int:
+        gpu = self._device("nvmlDeviceGetComputeMode", handle)
+        return int(gpu.get("compute_mode", NVML_COMPUTEMODE_DEFAULT))
 
     def nvmlDeviceGetCount(self) -> int:
         self._call("nvmlDeviceGetCount")

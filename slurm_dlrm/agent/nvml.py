@@ -52,6 +52,17 @@ class NvmlSnapshot:
         return {p.pid: p for p in self.processes}
 
 
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What a GPU is (for `slurm-dlrm selftest`); None where NVML could not tell."""
+
+    index: int
+    name: str | None
+    uuid: str | None
+    memory_total_bytes: int | None
+    compute_mode: int | None  # nvmlComputeMode_t: 0 default, 2 prohibited, 3 exclusive process
+
+
 class Nvml:
     """Samples GPUs and their compute processes; `available` is False without NVML."""
 
@@ -105,6 +116,39 @@ class Nvml:
                 pass
         self.available = False
         self._handles.clear()
+
+    @property
+    def is_fake(self) -> bool:
+        """True when the binding is the fake NVML ($SLURM_DLRM_FAKE_NVML), not the driver's."""
+        return isinstance(self._nv, fake_nvml.FakeNvml)
+
+    def cuda_driver_version(self) -> int | None:
+        """The CUDA version the driver supports, as nvml.h encodes it (12040 = 12.4)."""
+        if not self.init():
+            return None
+        for fn_name in ("nvmlSystemGetCudaDriverVersion_v2", "nvmlSystemGetCudaDriverVersion"):
+            fn = getattr(self._nv, fn_name, None)
+            if fn is None:
+                continue
+            try:
+                return int(fn())
+            except self._nv.NVMLError:
+                continue
+        return None
+
+    def device_info(self, index: int) -> DeviceInfo:
+        """Name, UUID, total memory and compute mode of one device; NVMLError for a bad index."""
+        nv = self._nv
+        if not self.init():
+            raise RuntimeError(self.reason or "NVML unavailable")
+        handle = self._handle(index)
+        mem = self._optional(index, nv.nvmlDeviceGetMemoryInfo, handle)
+        mode_fn = getattr(nv, "nvmlDeviceGetComputeMode", None)
+        mode = self._optional(index, mode_fn, handle) if mode_fn is not None else None
+        name = self._optional(index, nv.nvmlDeviceGetName, handle)
+        uuid = self._optional(index, nv.nvmlDeviceGetUUID, handle)
+        return DeviceInfo(index, str(name) if name is not None else None, str(uuid) if uuid is not None else None,
+                          int(mem.total) if mem is not None else None, int(mode) if mode is not None else None)
 
     def device_count(self) -> int:
         if not self.init():

@@ -146,3 +146,13 @@ def write_placement(placement_dict: dict[str, Any], path: str | os.PathLike[str]
     tmp = p.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(placement_dict, indent=1))
     os.replace(tmp, p)
+
+
+def allocation_gpus(env: dict[str, str]) -> list[str] | None:
+    """The GPUs Slurm gave this node of the allocation, as CUDA names them (the agent's and
+    the selftest's `--gpus` default)."""
+    for key in ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "GPU_DEVICE_ORDINAL"):
+        value = env.get(key, "").strip()
+        if value and value != "NoDevFiles":
+            return [g.strip() for g in value.split(",") if g.strip()]
+    return None

@@ -12,16 +12,8 @@ from pathlib import Path
 
 import click
 
+from slurm_dlrm.agent.placement import allocation_gpus
 from slurm_dlrm.errors import BadInput, DlrmError
-
-
-def allocation_gpus(env: dict[str, str]) -> list[str] | None:
-    """The GPUs Slurm gave this node of the allocation, as CUDA names them."""
-    for key in ("CUDA_VISIBLE_DEVICES", "SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "GPU_DEVICE_ORDINAL"):
-        value = env.get(key, "").strip()
-        if value and value != "NoDevFiles":
-            return [g.strip() for g in value.split(",") if g.strip()]
-    return None
 
 
 def find_pack_file(spool: Path, pack_id: int | None, name: str) -> Path:

@@ -361,17 +361,27 @@ def compute_profile(spec: JobSpec, gpu: GpuModel | None) -> ComputeProfile:
     flops = dense_flops_per_sample(spec)
     emb_bytes = emb_bytes_per_sample(spec)
     B = spec.batch_size
+    half = spec.mixed_precision != "none"
+    gemm_eff, launch_s = GEMM_EFFICIENCY, KERNEL_LAUNCH_S
     if gpu is not None:
-        peak_flops = (gpu.tf32_tflops * 2 if spec.mixed_precision != "none" else gpu.fp32_tflops) * 1e12
+        peak_flops = (gpu.tf32_tflops * 2 if half else gpu.fp32_tflops) * 1e12
         bw = gpu.mem_bandwidth_gbps * 1e9
+        gather_bw, stream_bw = bw * EMB_BW_EFFICIENCY, bw
+        # Figures `slurm-dlrm selftest --write-site` measured on this model replace the assumptions.
+        measured_eff = gpu.bf16_gemm_efficiency if half else gpu.gemm_efficiency
+        gemm_eff = measured_eff if measured_eff is not None else gemm_eff
+        gather_bw = gpu.gather_bandwidth_gbps * 1e9 if gpu.gather_bandwidth_gbps is not None else gather_bw
+        stream_bw = gpu.stream_bandwidth_gbps * 1e9 if gpu.stream_bandwidth_gbps is not None else stream_bw
+        launch_s = gpu.kernel_launch_us * 1e-6 if gpu.kernel_launch_us is not None else launch_s
     else:  # a CPU run: a few cores' worth of vector FLOP/s and DRAM bandwidth
         peak_flops = 0.2e12
         bw = 20e9
+        gather_bw, stream_bw = bw * EMB_BW_EFFICIENCY, bw
     # dense activations also stream through memory once forward and twice backward
     act_bytes = 3 * 2 * sum(Shapes.of(spec).bottom + Shapes.of(spec).top) * F32
-    t_compute = B * flops / (peak_flops * GEMM_EFFICIENCY)
-    t_memory = B * (emb_bytes / (bw * EMB_BW_EFFICIENCY) + act_bytes / bw)
-    t_launch = _kernels_per_step(spec) * KERNEL_LAUNCH_S
+    t_compute = B * flops / (peak_flops * gemm_eff)
+    t_memory = B * (emb_bytes / gather_bw + act_bytes / stream_bw)
+    t_launch = _kernels_per_step(spec) * launch_s
     t_gpu = t_compute + t_memory + t_launch
     ids_per_sample = sum(t.ids_per_sample for t in spec.tables)
     per_sample_host = HOST_SECONDS_PER_SAMPLE.get(spec.data.type, 1e-6) + ids_per_sample * HOST_SECONDS_PER_ID
