@@ -28,6 +28,7 @@ from typing import Any
 
 from slurm_dlrm.agent.mps import MpsSetup, open_mps
 from slurm_dlrm.agent.nvml import Nvml, NvmlSnapshot
+from slurm_dlrm.agent.outlog import error_line, short_reason, tail_lines
 from slurm_dlrm.agent.placement import (
     CLOSED_DIR,
     JOINS_DIR,
@@ -95,6 +96,7 @@ class Member:
     tree: TreeSampler = field(default_factory=TreeSampler)
     metrics: MetricsTail | None = None
     last_tree: TreeSample | None = None
+    output_path: Path | None = None  # the runner's stdout+stderr on this node
 
     @property
     def done(self) -> bool:
@@ -313,7 +315,8 @@ class Agent:
             m.env = member_env(self.base_env, p, self.opts.gpus, self.mps)
             for d in (Path(p.checkpoint_dir), Path(p.metrics_path).parent):
                 d.mkdir(parents=True, exist_ok=True)
-            out = open(Path(p.metrics_path).parent / f"output-{self.opts.node_name}.log", "ab")  # noqa: SIM115
+            m.output_path = Path(p.metrics_path).parent / f"output-{self.opts.node_name}.log"
+            out = open(m.output_path, "ab")  # noqa: SIM115
             if self.opts.launch == "step":
                 m.pid_file = self.run_dir / f"member-{p.job_id}.pid"
                 m.pid_file.unlink(missing_ok=True)
@@ -517,9 +520,25 @@ class Agent:
             state, code, reason = classify_exit(rc, m.stop_reason, via_srun=self.opts.launch == "step")
             if state == m.stop_reason and m.stop_detail:
                 reason = m.stop_detail
+            reason = self._explain(m, state, code, reason)
             m.state, m.exit_code, m.reason = state, code, reason
             self.reports.member(m.placement.job_id, state, code, reason)
             log.info("%s (job %d) ended: %s %s", m.placement.name, m.placement.job_id, state, reason)
+
+    def _explain(self, m: Member, state: str, code: int, reason: str) -> str:
+        """The runner's own words where ours are generic: its one-line error for a
+        failure, the step it checkpointed at for a cancel (docs/agent.md)."""
+        if state == "FAILED" and m.output_path is not None:
+            cause = error_line(tail_lines(m.output_path, 40))
+            if cause:
+                return short_reason(f"{cause} (exit code {code})")
+        if state == "CANCELLED" and code == TRAIN_EXIT_PREEMPTED:
+            if m.metrics is not None:
+                m.metrics.poll()
+            step = m.metrics.last.get("step") if m.metrics is not None and m.metrics.last else None
+            at = f" at step {step}" if isinstance(step, int) else ""
+            return f"cancelled; stopped{at} with a checkpoint (exit 5); `slurm-dlrm requeue {m.placement.job_id}` resumes it"
+        return reason
 
     # ------------------------------------------------------------ sampling and enforcement
 
