@@ -27,6 +27,8 @@ COMMANDS: dict[str, str] = {
     "agent": "slurm_dlrm.commands.agent:agent",
     "admin": "slurm_dlrm.commands.admin:admin",
     "cancel": "slurm_dlrm.commands.queue:cancel",
+    "log": "slurm_dlrm.commands.queue:log",
+    "requeue": "slurm_dlrm.commands.queue:requeue",
     "queue": "slurm_dlrm.commands.queue:queue",
     "serve": "slurm_dlrm.commands.serve:serve",
     "show": "slurm_dlrm.commands.queue:show",

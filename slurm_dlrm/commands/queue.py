@@ -78,16 +78,31 @@ def queue(include_ended: bool, no_slurm: bool, as_json: bool, site_path: str | N
     click.echo(format_table(rows))
 
 
+def job_files(spool_dir: Any, job_id: int, tail: int) -> dict[str, Any]:
+    """The job's files `show` points at: its output logs (with their last lines), its
+    last metrics line and its newest checkpoint."""
+    from slurm_dlrm.agent.outlog import tail_lines
+    from slurm_dlrm.service.joblog import last_checkpoint_step, last_metrics, log_paths
+
+    return {"logs": [{"path": str(p), "tail": tail_lines(p, tail)} for p in log_paths(spool_dir, job_id)],
+            "last_metrics": last_metrics(spool_dir, job_id),
+            "checkpoint_step": last_checkpoint_step(spool_dir, job_id)}
+
+
 @click.command("show", context_settings=CTX)
 @click.argument("job_id", type=int)
+@click.option("-n", "--lines", "tail", type=click.IntRange(0, 1000), default=10, show_default=True,
+              help="Last lines of the job's log to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
 @site_option
-def show(job_id: int, as_json: bool, site_path: str | None) -> None:
-    """Show one job: state, reason, estimate, placements (packs, GPUs) and its events.
+def show(job_id: int, tail: int, as_json: bool, site_path: str | None) -> None:
+    """Show one job: state, reason, estimate, placements (packs, GPUs), its events, its
+    progress (last step, loss, samples/s), and its log's path and last lines.
 
     \b
     Example:
       slurm-dlrm show 12
+      slurm-dlrm show 12 -n 40
       slurm-dlrm show 12 --json | jq .estimate
     """
     from slurm_dlrm.service.queue import job_details
@@ -98,6 +113,7 @@ def show(job_id: int, as_json: bool, site_path: str | None) -> None:
         raise BadInput(f"job {job_id}: no such job (you have no store yet)")
     with store:
         d = job_details(store, job_id, user=user, service=service)
+    d.update(job_files(site.spool_dir_for(user), job_id, tail))
     if as_json:
         click.echo(json.dumps(d, indent=1, sort_keys=True, default=str))
         return
@@ -122,6 +138,20 @@ def show(job_id: int, as_json: bool, site_path: str | None) -> None:
         when = time.strftime("%H:%M:%S", time.localtime(e["t"]))
         move = f"{e['from'] or ''}->{e['to']} " if e["to"] else ""
         lines.append(f"    {when} {e['kind']:<9} {move}{e['reason']}")
+    m = d.get("last_metrics")
+    if m:
+        sps = m.get("samples_per_s")
+        lines.append(f"  progress: step {m.get('step')}" + (f", loss {m['loss']:.4g}" if isinstance(m.get("loss"), (int, float)) else "")
+                     + (f", {sps:,.0f} samples/s" if isinstance(sps, (int, float)) else "")
+                     + (f" ({time.strftime('%H:%M:%S', time.localtime(m['t']))})" if isinstance(m.get("t"), (int, float)) else ""))
+    if d.get("checkpoint_step") is not None:
+        lines.append(f"  checkpoint: step {d['checkpoint_step']}")
+    if d["logs"]:
+        for log in d["logs"]:
+            lines.append(f"  log: {log['path']}   (slurm-dlrm log {d['job_id']} [-f])")
+            lines.extend(f"    | {line}" for line in log["tail"])
+    else:
+        lines.append("  log: none yet (the runner writes <spool>/jobs/<id>/output-<node>.log once it starts)")
     click.echo("\n".join(lines))
 
 
@@ -160,3 +190,116 @@ def cancel(job_ids: tuple[int, ...], site_path: str | None) -> None:
         for jid in job_ids:
             click.echo(cancel_job(store, slurm, jid, user=user))
     wake(service_paths(site, user))
+
+
+@click.command("log", context_settings=CTX)
+@click.argument("job_id", type=int)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing what the job writes until it ends (like tail -f).")
+@click.option("-n", "--lines", "tail", type=click.IntRange(0, 10**6), default=None,
+              help="Only the last N lines (default: the whole log).")
+@site_option
+def log(job_id: int, follow: bool, tail: int | None, site_path: str | None) -> None:
+    """Print a job's output: what the runner wrote on every node it ran on (like `hq job cat`).
+
+    The files are `<spool>/jobs/<id>/output-<node>.log`, appended over the job's runs;
+    `show ID` prints their paths and last lines.
+
+    \b
+    Example:
+      slurm-dlrm log 12
+      slurm-dlrm log 12 -f          # follow until the job ends
+    """
+    from slurm_dlrm.agent.outlog import tail_lines
+    from slurm_dlrm.service.joblog import log_paths
+    from slurm_dlrm.store.states import JOB_TERMINAL
+
+    site, user, _service = _context(site_path)
+    store = _open_store(site, user)
+    if store is None:
+        raise BadInput(f"job {job_id}: no such job (you have no store yet)")
+    spool = site.spool_dir_for(user)
+
+    def state() -> Any:
+        from slurm_dlrm.store.errors import UnknownEntity
+
+        try:
+            with store.read():
+                job = store.get_job(job_id)
+        except UnknownEntity:
+            raise BadInput(f"job {job_id}: no such job in your store") from None
+        if job.user != user:
+            raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
+        return job.state
+
+    with store:
+        st = state()
+        paths = log_paths(spool, job_id)
+        offsets: dict[str, int] = {}
+        for p in paths:
+            prefix = f"==> {p.name} <==\n" if len(paths) > 1 else ""
+            if tail is not None:
+                text = "\n".join(tail_lines(p, tail, max_bytes=max(16384, tail * 400)))
+                text += "\n" if text else ""
+                offsets[str(p)] = p.stat().st_size
+            else:
+                data = p.read_bytes()
+                offsets[str(p)] = len(data)
+                text = data.decode(errors="replace")
+            click.echo(prefix + text, nl=False)
+        if not paths and not follow:
+            click.echo(f"slurm-dlrm log: job {job_id} ({st}) has no output yet", err=True)
+        while follow:
+            ended = st in JOB_TERMINAL
+            for p in log_paths(spool, job_id):
+                off = offsets.get(str(p), 0)
+                with open(p, "rb") as f:
+                    f.seek(off)
+                    new = f.read()
+                if new:
+                    offsets[str(p)] = off + len(new)
+                    click.echo(new.decode(errors="replace"), nl=False)
+            if ended:
+                break
+            time.sleep(0.5)
+            st = state()
+
+
+@click.command("requeue", context_settings=CTX)
+@click.argument("job_ids", type=int, nargs=-1, required=True, metavar="JOBID...")
+@click.option("--no-service", is_flag=True, hidden=True, help="Record only; do not start or wake the service.")
+@site_option
+def requeue(job_ids: tuple[int, ...], no_service: bool, site_path: str | None) -> None:
+    """Run cancelled or failed jobs again, from their last checkpoint (like scontrol requeue).
+
+    A cancelled member stops with a checkpoint (runner exit 5); requeued, it goes back
+    to PENDING and its next run, in whatever pack, resumes at that step. A failed job
+    (say, a missing data file, now fixed) runs again the same way.
+
+    \b
+    Example:
+      slurm-dlrm cancel 12 && slurm-dlrm requeue 12
+    """
+    from slurm_dlrm.service.cancel import requeue_job
+    from slurm_dlrm.service.submit import ensure_service
+
+    site, user, _service = _context(site_path)
+    store = _open_store(site, user, readonly=False)
+    if store is None:
+        raise BadInput(f"job {job_ids[0]}: no such job (you have no store yet)")
+    from slurm_dlrm.store.errors import UnknownEntity
+    from slurm_dlrm.store.states import JobState
+
+    with store:
+        for jid in job_ids:  # check all first: nothing half-done on a bad id
+            try:
+                job = store.get_job(jid)
+            except UnknownEntity:
+                raise BadInput(f"job {jid}: no such job in your store") from None
+            if job.user != user:
+                raise BadInput(f"job {jid}: belongs to {job.user}, not {user}")
+            if job.state not in (JobState.CANCELLED, JobState.FAILED):
+                raise BadInput(f"job {jid}: is {job.state}; only CANCELLED or FAILED jobs can be requeued")
+        for jid in job_ids:
+            click.echo(requeue_job(store, site.spool_dir_for(user), jid, user=user))
+    if not no_service:
+        ensure_service(site, user)

@@ -38,3 +38,16 @@ def last_metrics(spool_dir: Path, job_id: int) -> dict[str, Any] | None:
         if isinstance(rec, dict) and isinstance(rec.get("step"), int):
             return rec
     return None
+
+
+def last_checkpoint_step(spool_dir: Path, job_id: int) -> int | None:
+    """The newest complete checkpoint of the job (`ckpt/step-N/` with its manifest,
+    written last by slurm_dlrm.train.checkpoint), or None."""
+    ckpt = job_dir(spool_dir, job_id) / "ckpt"
+    try:
+        names = os.listdir(ckpt)
+    except OSError:
+        return None
+    steps = [int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit()
+             and (ckpt / n / "manifest.json").exists()]
+    return max(steps) if steps else None

@@ -100,9 +100,24 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
         ds = data.get("data") or {}
         if ds.get("path") and not os.path.isabs(ds["path"]):
             ds["path"] = os.path.normpath(os.path.join(os.path.dirname(path), ds["path"]))
+        if ds.get("path"):
+            check_data_path(raw, ds["path"])
         out.append(Submission(path=path, name=options.job_name or spec.name, spec=spec, spec_data=data,
                               fingerprint=spec_fingerprint(spec), options=options, gpu=gpu, estimate=est))
     return out
+
+
+def check_data_path(raw: str, data_path: str) -> None:
+    """A data file the runner would not find fails here, not minutes later in a pack
+    (the spool and data are on a file system the nodes share, as sbatch --chdir assumes)."""
+    p = Path(data_path)
+    if p.is_dir():
+        if not any(not c.name.startswith(".") and c.is_file() for c in p.iterdir()):
+            raise BadInput(f"{raw}: data.path: no data file in the folder {data_path}")
+    elif not p.is_file():
+        raise BadInput(f"{raw}: data.path: no such file or folder: {data_path}")
+    elif not os.access(p, os.R_OK):
+        raise BadInput(f"{raw}: data.path: not readable: {data_path}")
 
 
 def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | None = None) -> list[int]:
