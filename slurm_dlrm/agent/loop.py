@@ -28,7 +28,7 @@ from typing import Any
 
 from slurm_dlrm.agent.mps import MpsSetup, open_mps
 from slurm_dlrm.agent.nvml import Nvml, NvmlSnapshot
-from slurm_dlrm.agent.outlog import error_line, short_reason, tail_lines
+from slurm_dlrm.agent.outlog import REASON_MAX_CHARS, error_line, short_reason, tail_lines
 from slurm_dlrm.agent.placement import (
     CLOSED_DIR,
     JOINS_DIR,
@@ -531,7 +531,7 @@ class Agent:
         if state == "FAILED" and m.output_path is not None:
             cause = error_line(tail_lines(m.output_path, 40))
             if cause:
-                return short_reason(f"{cause} (exit code {code})")
+                return f"{short_reason(cause, REASON_MAX_CHARS - 20)} (exit code {code})"
         if state == "CANCELLED" and code == TRAIN_EXIT_PREEMPTED:
             if m.metrics is not None:
                 m.metrics.poll()
