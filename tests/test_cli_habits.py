@@ -53,3 +53,77 @@ def test_slurm_clock_and_date_forms():
     assert parse_time("14:30", "-S", T0) == day.replace(hour=14, minute=30).timestamp()
     assert parse_time("1121", "-S", T0) == day.replace(month=11, day=21).timestamp()
     assert parse_time("11/21/25", "-S", T0) == day.replace(year=2025, month=11, day=21).timestamp()
+
+
+# ------------------------------------------------------------------ usage errors
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    site_file = tmp_path / "site.toml"
+    text = (repo / "site-config" / "site.toml").read_text()
+    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
+    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
+    site_file.write_text(text)
+    monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def run(*args: str):
+    from click.testing import CliRunner
+
+    from slurm_dlrm.cli import cli
+
+    return CliRunner().invoke(cli, list(args))
+
+
+@pytest.mark.parametrize("args, line", [
+    (["queue", "--bogus"], "slurm-dlrm: error: queue: No such option '--bogus' (see slurm-dlrm queue --help)"),
+    (["show", "abc"], "slurm-dlrm: error: show: Invalid value for 'JOB_ID': 'abc' is not a valid integer "
+                      "(see slurm-dlrm show --help)"),
+    (["submit"], "slurm-dlrm: error: submit: Missing argument 'SPEC...' (see slurm-dlrm submit --help)"),
+    (["frobnicate"], "slurm-dlrm: error: No such command 'frobnicate' (see slurm-dlrm --help)"),
+    (["submit", "--mem=4G", "x.yaml"], "slurm-dlrm: error: command line: --mem: sized by slurm-dlrm from the "
+                                       "estimate; remove it"),
+    (["submit", "-c", "4", "x.yaml"], "slurm-dlrm: error: command line: -c: sized by slurm-dlrm from the "
+                                      "estimate; remove it"),
+])
+def test_usage_errors_are_one_documented_line(env, args, line):
+    r = run(*args)
+    assert (r.exit_code, r.output) == (2, line + "\n")
+
+
+def test_mem_on_the_command_line_and_in_the_spec_say_the_same(env):
+    spec = env / "x.yaml"
+    spec.write_text("#SBATCH --mem=4G\nname: x\n")
+    in_spec = run("submit", str(spec)).output
+    on_line = run("submit", "--mem=4G", str(spec)).output
+    assert in_spec == f"slurm-dlrm: error: {spec}:1: --mem: sized by slurm-dlrm from the estimate; remove it\n"
+    assert on_line == "slurm-dlrm: error: command line: --mem: sized by slurm-dlrm from the estimate; remove it\n"
+
+
+def test_ctrl_c_during_wait_says_the_jobs_go_on(env):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    spec = Path(__file__).resolve().parent.parent / "examples" / "sweep" / "tiny-a.yaml"
+    proc = subprocess.Popen([sys.executable, "-m", "slurm_dlrm", "submit", "--no-service", "--wait", str(spec)],  # noqa: S603
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
+                            # a background job's SIGINT is ignored, and Python then keeps it so
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.stdout is not None
+    first = proc.stdout.readline()  # recorded; no service: it stays pending, --wait waits
+    assert first.startswith("Submitted job ")
+    job_id = int(first.split()[2])
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1] == (f"slurm-dlrm: interrupted; job(s) {job_id} go on "
+                                            f"(slurm-dlrm queue to see them, slurm-dlrm cancel ID to stop one)")
+    assert run("show", str(job_id), "--json").output.count('"state": "PENDING"') == 1

@@ -107,7 +107,13 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
 
 def wait_with_progress(site: Any, user: str, ids: list[int]) -> int:
     """Follow jobs until they end (a live table on a terminal, state changes otherwise)."""
-    from slurm_dlrm.service.progress import follow_jobs
+    try:
+        from slurm_dlrm.service.progress import follow_jobs
 
-    jobs = follow_jobs(site, user, ids)
+        jobs = follow_jobs(site, user, ids)
+    except KeyboardInterrupt:
+        # Only the waiting stops: the jobs are the service's, as sbatch --wait's are Slurm's.
+        click.echo(f"\nslurm-dlrm: interrupted; job(s) {','.join(map(str, ids))} go on "
+                   f"(slurm-dlrm queue to see them, slurm-dlrm cancel ID to stop one)", err=True)
+        return EXIT_RUNTIME
     return EXIT_OK if all(j.state == "COMPLETED" for j in jobs) else EXIT_RUNTIME
