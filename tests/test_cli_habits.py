@@ -121,9 +121,70 @@ def test_ctrl_c_during_wait_says_the_jobs_go_on(env):
     first = proc.stdout.readline()  # recorded; no service: it stays pending, --wait waits
     assert first.startswith("Submitted job ")
     job_id = int(first.split()[2])
+    assert proc.stderr is not None
+    assert f"job {job_id} (tiny-a) PENDING" in proc.stderr.readline()  # --wait's first line: it waits
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 1
     assert err.strip().splitlines()[-1] == (f"slurm-dlrm: interrupted; job(s) {job_id} go on "
                                             f"(slurm-dlrm queue to see them, slurm-dlrm cancel ID to stop one)")
     assert run("show", str(job_id), "--json").output.count('"state": "PENDING"') == 1
+
+
+# ------------------------------------------------------------------ estimate of a misfit
+
+BIG = """name: big
+tables:
+  - {name: t0, rows: 100000000, dim: 64, pooling_factor: 1.0}
+  - {name: t1, rows: 100000000, dim: 64, pooling_factor: 1.0}
+  - {name: t2, rows: 100000, dim: 64}
+dense_features: 13
+bottom_mlp: [64, 64]
+top_mlp: [64, 1]
+interaction: {type: dot}
+batch_size: 1024
+optimizer: {type: adagrad, lr: 0.01}
+"""
+
+
+def test_estimate_of_a_spec_no_gpu_holds_exits_2_and_says_what_would_fit(tmp_path):
+    import json
+    from dataclasses import replace
+
+    from slurm_dlrm.estimate import copies_per_gpu, estimate
+    from slurm_dlrm.site import REPO_SITE_FILE, load_site
+    from slurm_dlrm.spec import load_spec
+
+    spec_file = tmp_path / "big.yaml"
+    spec_file.write_text(BIG)
+    r = run("estimate", "--site", str(REPO_SITE_FILE), "--json", str(spec_file))
+    assert r.exit_code == 2
+    *body, last = r.output.strip().splitlines()
+    assert last.startswith(f"slurm-dlrm: error: {spec_file}: fits no GPU: needs ") and "it would fit with " in last
+    advice = json.loads("\n".join(body))[0]["advice"]
+    assert [a.split(" ")[0] for a in advice] == ["world_size:", "half", "placement:", "smaller"]
+    # Each piece of advice is true: the changed spec fits an H100, and the cap is the largest that does.
+    site = load_site(REPO_SITE_FILE)
+    gpu = site.gpu_model("h100")
+    margin = site.packing.memory_margin_pct
+    spec = load_spec(spec_file)
+
+    def fits(s):
+        return copies_per_gpu(estimate(s, gpu), gpu, margin).fits
+
+    assert not fits(spec)
+    assert fits(replace(spec, world_size=int(advice[0].split()[1])))
+    assert fits(replace(spec, mixed_precision="bf16", tables=tuple(replace(t, dtype="fp16") for t in spec.tables)))
+    assert fits(replace(spec, tables=(replace(spec.tables[0], placement="uvm"), *spec.tables[1:])))
+    cap = int(advice[3].split("max_rows_per_table: ")[1].split("}")[0])
+    assert fits(replace(spec, tables=tuple(replace(t, rows=min(t.rows, cap)) for t in spec.tables)))
+    assert not fits(replace(spec, tables=tuple(replace(t, rows=min(t.rows, cap + 1)) for t in spec.tables)))
+    # A spec that fits is exit 0, no advice.
+    r = run("estimate", "--site", str(REPO_SITE_FILE), "--json", str(Path_examples() / "tiny-a.yaml"))
+    assert r.exit_code == 0 and "advice" not in json.loads(r.output)[0]
+
+
+def Path_examples():  # noqa: N802
+    from pathlib import Path
+
+    return Path(__file__).resolve().parent.parent / "examples" / "sweep"

@@ -122,3 +122,68 @@ def test_a_failure_you_can_find_and_a_cancel_you_can_resume(live, tmp_path):
     assert "resumed from" in run("log", str(long_id), "-n", "200").output
     run("cancel", str(long_id))
     _until(lambda: _job(long_id)["state"] == "CANCELLED")
+
+
+def test_an_unreachable_slurm_is_said_at_once_and_the_service_follows_slurm_conf(slurm_cluster, tmp_path,
+                                                                                  monkeypatch):
+    from slurm_dlrm.service.daemon import (
+        read_status,
+        running_pid,
+        spawn_service,
+        stop,
+        wait_until_running,
+    )
+    from slurm_dlrm.service.submit import service_paths
+    from slurm_dlrm.store.store import current_user
+
+    site = make_site(tmp_path)
+    site_file = tmp_path / "site.toml"
+    text = (REPO / "site-config" / "site.toml").read_text()
+    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
+    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
+    site_file.write_text(text)
+    monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
+    monkeypatch.chdir(tmp_path)
+    paths = service_paths(site, current_user())
+    spec = str(EXAMPLES / "tiny-a.yaml")
+
+    # No Slurm configuration: submit fails like sbatch, one line, exit 1, nothing recorded.
+    monkeypatch.delenv("SLURM_CONF", raising=False)
+    r = run("submit", spec)
+    assert r.exit_code == 1 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith("slurm-dlrm: error: Slurm cannot be reached: ")
+    assert "Could not establish a configuration source" in r.output and "is SLURM_CONF set?" in r.output
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "nope.conf"))
+    r = run("submit", spec)
+    assert r.output == (f"slurm-dlrm: error: Slurm cannot be reached: SLURM_CONF={tmp_path / 'nope.conf'}: "
+                        "no such file; nothing recorded\n")
+    assert not list(tmp_path.glob("store-*/*.db")) and running_pid(paths) is None
+
+    # A service started without it says so in one short line, and show has the rest.
+    monkeypatch.delenv("SLURM_CONF")
+    r = run("submit", "--no-service", "--parsable", spec)
+    job_id = int(r.output)
+    spawn_service(paths, ["--round-seconds", "1"])
+    try:
+        assert wait_until_running(paths, timeout_s=30) is not None
+        st = _until(lambda: (s := read_status(paths)).get("slurm_ok") is False and s, timeout_s=60)
+        assert st["slurm_conf"] is None
+        row = {r["job_id"]: r for r in json.loads(run("queue", "--json").output)["jobs"]}[job_id]
+        assert re.fullmatch(r"(submitting the pack; )?waiting for Slurm: Could not establish a configuration source \(retry in [\d.]+ s\)",
+                            row["reason"]), row["reason"]
+        shown = run("show", str(job_id)).output
+        assert re.search(r"^  Slurm: \w+ failed \(exit 1\): .*Could not establish a configuration source", shown, re.M)
+        assert "runs with SLURM_CONF=(unset)" in shown
+
+        # Exporting SLURM_CONF and submitting again restarts the service with it.
+        old_pid = running_pid(paths)
+        monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.slurm_conf))
+        r = run("submit", "--parsable", spec)
+        assert r.exit_code == 0, r.output
+        new_pid = wait_until_running(paths, timeout_s=30)
+        assert new_pid not in (None, old_pid)
+        _until(lambda: read_status(paths).get("slurm_conf") == str(slurm_cluster.slurm_conf), timeout_s=60)
+        job = _until(lambda: (j := _job(job_id))["state"] in ("COMPLETED", "FAILED") and j, timeout_s=240)
+        assert job["state"] == "COMPLETED", job
+    finally:
+        stop(paths, timeout_s=30)

@@ -74,7 +74,10 @@ def queue(include_ended: bool, no_slurm: bool, as_json: bool, site_path: str | N
         click.echo("note: your packing service is not running (it starts with `slurm-dlrm submit`, "
                    "or run `slurm-dlrm serve --daemon`)", err=True)
     elif service.get("slurm_ok") is False:
-        click.echo(f"note: waiting for Slurm: {service.get('slurm_error')}", err=True)
+        from slurm_dlrm.service.queue import slurm_error_line
+
+        click.echo(f"note: waiting for Slurm: {slurm_error_line(service.get('slurm_error'), 200)} "
+                   f"(slurm-dlrm serve status has the whole error)", err=True)
     click.echo(format_table(rows))
 
 
@@ -120,8 +123,16 @@ def show(job_id: int, tail: int, as_json: bool, site_path: str | None) -> None:
     est = d.get("estimate") or {}
     prof = est.get("profile") or {}
     gib = float(1 << 30)
+    slurm_note = []
+    if d["state"] in ("PENDING", "PLANNED") and service.get("slurm_ok") is False:
+        err = str(service.get("slurm_error"))
+        slurm_note = [f"  Slurm: {err}"]
+        if "configuration source" in err or "slurm.conf" in err:
+            slurm_note.append(f"  your packing service runs with SLURM_CONF={service.get('slurm_conf') or '(unset)'}: "
+                              "export SLURM_CONF and submit again (it restarts the service), or slurm-dlrm serve stop")
     lines = [
         f"job {d['job_id']} ({d['name']}): {d['state']}" + (f" - {d['reason']}" if d["reason"] else ""),
+        *slurm_note,
         f"  pack {d['pack'] or '-'}  Slurm job {d['slurm_job_id'] or '-'}  node {d['node'] or '-'}  "
         f"GPU {d['gpu'] if d['gpu'] is not None else '-'}  MPS {d['mps_pct'] or '-'}%  attempt {d['attempt']}",
         f"  estimate on {d['gpu_model']}: GPU peak {float(est.get('gpu_peak_bytes') or 0) / gib:.2f} GiB, "

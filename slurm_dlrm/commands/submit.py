@@ -91,7 +91,13 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
                 click.echo(f"Submitted batch job {sid} ({sub.name}: --mem={req.mem_mib} "
                            f"--cpus-per-task={req.cpus} --gres={req.gres})")
         return
-    ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service)
+    slurm = None
+    if not no_service:  # as sbatch: no Slurm, no job (one line, exit 1, nothing recorded)
+        from slurm_dlrm.slurm import SlurmClient
+
+        slurm = SlurmClient(timeout_s=10.0)
+    ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service,
+                           slurm=slurm)
     if as_json:
         click.echo(json.dumps([{"job_id": i, "name": s.name, "spec": s.path, "gpu_model": s.gpu.name,
                                 "options": s.options.to_dict(), "estimate": s.estimate.to_dict()}

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from slurm_dlrm.agent.outlog import short_reason
 from slurm_dlrm.site import MIB
 
 log = logging.getLogger(__name__)
@@ -22,10 +24,21 @@ def pending_reason(service: dict[str, Any]) -> str:
     if not service.get("running"):
         return "the packing service is not running (slurm-dlrm serve --daemon)"
     if service.get("slurm_ok") is False:
-        return (f"waiting for Slurm: {service.get('slurm_error')} "
+        # one short line in the table; `show` and `serve status` carry the whole error
+        return (f"waiting for Slurm: {slurm_error_line(service.get('slurm_error'))} "
                 f"(retry in {service.get('slurm_retry_in_s')} s)")
     nxt = service.get("next_dispatch_in_s")
     return "waiting for a dispatch round" + (f" (in {nxt:.0f} s)" if nxt else "")
+
+
+def slurm_error_line(error: str | None, limit: int = 60) -> str:
+    """The gist of a Slurm command's error for a REASON cell: its last stderr line
+    without the `squeue: fatal:` prefix (`Could not establish a configuration source`)."""
+    text = (error or "").split(" | ")[-1]
+    if "): " in text and " failed (exit " in text:
+        text = text.split("): ", 1)[1]
+    text = re.sub(r"^\w+: (?:fatal|error): ", "", text.strip())
+    return short_reason(text, limit) or "no answer"
 
 
 def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended: bool = False,

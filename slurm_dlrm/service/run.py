@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -59,7 +60,9 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
             if busy:
                 idle_since = now
             write_status(paths, {**svc.status(), "round_seconds": round(stats.seconds, 4),
-                                 "packs_submitted": stats.packs_submitted, "idle": not busy})
+                                 "packs_submitted": stats.packs_submitted, "idle": not busy,
+                                 # which Slurm it talks to: `submit` restarts a service whose differs
+                                 "slurm_conf": os.environ.get("SLURM_CONF")})
             if stats.packs_submitted or stats.transitions or stats.ingested_lines:
                 log.info("round %d: %d packs submitted, %d jobs planned, %d transitions, %d report lines "
                          "(%.3f s)", svc.rounds, stats.packs_submitted, stats.jobs_planned, stats.transitions,

@@ -153,23 +153,79 @@ AUTO_IDLE_EXIT_S = 600.0
 
 def ensure_service(site: SiteConfig, user: str,
                    serve_args: Sequence[str] = ("--idle-exit", str(AUTO_IDLE_EXIT_S))) -> str:
-    """Wake the user's service, or start it if none runs. Returns what was done."""
+    """Wake the user's service, or start it if none runs. Returns what was done.
+
+    A service started with another SLURM_CONF than this command's (say, before `export
+    SLURM_CONF`) would go on talking to the wrong Slurm, or none: it is stopped (it is
+    crash-safe; SIGTERM ends it after its round) and started again with this environment."""
+    from slurm_dlrm.service.daemon import read_status, stop
+
     paths = service_paths(site, user)
+    restarted = False
     if running_pid(paths) is not None:
-        wake(paths)
-        return "woken"
+        status = read_status(paths)
+        if "slurm_conf" not in status or status.get("slurm_conf") == os.environ.get("SLURM_CONF"):
+            wake(paths)
+            return "woken"
+        try:
+            stop(paths, timeout_s=30)
+        except TimeoutError as exc:
+            raise DlrmError(f"packing service: it runs with SLURM_CONF={status.get('slurm_conf') or '(unset)'}, "
+                            f"not {os.environ.get('SLURM_CONF') or '(unset)'}, and {exc}; "
+                            f"run `slurm-dlrm serve stop`") from None
+        restarted = True
     env = dict(os.environ)
     if site.path:
         env["SLURM_DLRM_SITE"] = os.path.abspath(site.path)
     spawn_service(paths, list(serve_args), env=env)
-    return "started"
+    return "restarted with this SLURM_CONF" if restarted else "started"
+
+
+def check_slurm(slurm: Any, site: SiteConfig, user: str) -> None:
+    """Fail at once, as sbatch would, when Slurm cannot be reached (nothing recorded).
+
+    Skipped when this user's service answered Slurm in its last round with the same
+    SLURM_CONF (a fresh status file): `submit` stays one sbatch's worth of time."""
+    from slurm_dlrm.service.daemon import read_status
+    from slurm_dlrm.slurm import SlurmError
+
+    paths = service_paths(site, user)
+    status = read_status(paths) if running_pid(paths) is not None else {}
+    fresh = time.time() - float(status.get("last_round_t") or 0) < 3 * max(site.packing.round_seconds, 5.0)
+    if (status.get("slurm_ok") and fresh and "slurm_conf" in status
+            and status.get("slurm_conf") == os.environ.get("SLURM_CONF")):
+        return
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):  # Slurm itself retries that for 60 s
+        raise DlrmError(f"Slurm cannot be reached: SLURM_CONF={conf}: no such file; nothing recorded")
+    try:
+        proc = slurm.run(["scontrol", "ping"], check=False, timeout_s=10.0)
+    except SlurmError as exc:
+        raise DlrmError(f"Slurm cannot be reached: {short_error(str(exc))}; nothing recorded") from None
+    if proc.returncode == 0 and "UP" in proc.stdout:
+        return
+    detail = short_error(proc.stderr or proc.stdout or f"scontrol ping exit code {proc.returncode}")
+    hint = ""
+    if "configuration source" in detail or "slurm.conf" in detail:
+        hint = f" (SLURM_CONF is {os.environ['SLURM_CONF']})" if os.environ.get("SLURM_CONF") else \
+            " (is SLURM_CONF set? the local cluster's: export SLURM_CONF=$(slurm-dlrm cluster status --conf))"
+    raise DlrmError(f"Slurm cannot be reached: {detail}{hint}; nothing recorded")
+
+
+def short_error(text: str, limit: int = 160) -> str:
+    """A Slurm command's error as one line: its last non-empty line (the fatal one)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    line = lines[-1] if lines else text.strip()
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
-           start_service: bool = True) -> tuple[list[int], list[Submission]]:
+           start_service: bool = True, slurm: Any = None) -> tuple[list[int], list[Submission]]:
     from slurm_dlrm.store.store import Store
 
     subs = prepare(paths, cli_options, site, cwd)
+    if slurm is not None:
+        check_slurm(slurm, site, user)
     for sub in subs:
         if sub.spec.world_size > 1:
             # A pack member is one process group on one GPU share; its ranks would all
