@@ -21,6 +21,7 @@ from slurm_dlrm.errors import EXIT_RUNTIME, EXIT_USAGE, DlrmError
 COMMANDS: dict[str, str] = {
     "acct": "slurm_dlrm.commands.store:acct",
     "cluster": "slurm_dlrm.commands.cluster:cluster",
+    "completion": "slurm_dlrm.commands.completion:completion",
     "demo": "slurm_dlrm.commands.demo:demo",
     "report": "slurm_dlrm.commands.store:report",
     "train": "slurm_dlrm.commands.train:train",
@@ -33,6 +34,7 @@ COMMANDS: dict[str, str] = {
     "serve": "slurm_dlrm.commands.serve:serve",
     "show": "slurm_dlrm.commands.queue:show",
     "submit": "slurm_dlrm.commands.submit:submit",
+    "spec": "slurm_dlrm.commands.spec:spec",
     "estimate": "slurm_dlrm.commands.estimate:estimate",
     "interference": "slurm_dlrm.commands.interference:interference",
     "simulate": "slurm_dlrm.commands.simulate:simulate_cmd",

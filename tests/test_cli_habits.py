@@ -3,6 +3,7 @@ types without thinking, on our commands."""
 
 from __future__ import annotations
 
+import os
 from datetime import datetime
 
 import pytest
@@ -81,7 +82,7 @@ def run(*args: str):
 
 
 @pytest.mark.parametrize("args, line", [
-    (["queue", "--bogus"], "slurm-dlrm: error: queue: No such option '--bogus' (see slurm-dlrm queue --help)"),
+    (["queue", "--zzzz"], "slurm-dlrm: error: queue: No such option '--zzzz' (see slurm-dlrm queue --help)"),
     (["show", "abc"], "slurm-dlrm: error: show: Invalid value for 'JOB_ID': 'abc' is not a valid integer "
                       "(see slurm-dlrm show --help)"),
     (["submit"], "slurm-dlrm: error: submit: Missing argument 'SPEC...' (see slurm-dlrm submit --help)"),
@@ -188,3 +189,93 @@ def Path_examples():  # noqa: N802
     from pathlib import Path
 
     return Path(__file__).resolve().parent.parent / "examples" / "sweep"
+
+
+# ------------------------------------------------------------------ queue, cancel, completion, spec
+
+def _submit(*specs: str) -> list[int]:
+    r = run("submit", "--no-service", "--parsable", *specs)
+    assert r.exit_code == 0, r.output
+    return [int(x) for x in r.output.split()]
+
+
+def test_queue_takes_squeues_filters_and_columns(env):
+    ex = Path_examples()
+    a, b, c = _submit(str(ex / "tiny-a.yaml"), str(ex / "tiny-b.yaml"), str(ex / "tiny-a.yaml"))
+    run("cancel", str(c))
+    r = run("queue", "--me", "-n", "tiny-a", "-o", "jobid,name,STATE", "--no-slurm")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.split("\n")[:2] == ["JOBID  NAME    STATE", f"{a}      tiny-a  PENDING"]
+    r = run("queue", "-t", "CA", "-o", "JOBID,STATE", "--noheader", "--no-slurm")  # an ended state implies --all
+    assert r.stdout == f"{c}      CANCELLED\n"
+    r = run("queue", "-j", f"{b},{c}", "-u", os.environ.get("USER") or _me(), "-o", "JOBID", "--noheader", "--no-slurm")
+    assert r.stdout.split() == [str(b), str(c)]
+    assert run("queue", "-u", "someone-else").output.startswith("slurm-dlrm: error: -u/--user: your store holds only ")
+    r = run("queue", "-o", "JOBID,COLOUR")
+    assert r.exit_code == 2 and "unknown column 'COLOUR'" in r.output
+
+
+def _me() -> str:
+    from slurm_dlrm.store.store import current_user
+
+    return current_user()
+
+
+def test_cancel_by_name_state_and_pack(env):
+    ex = Path_examples()
+    a, b, c = _submit(str(ex / "tiny-a.yaml"), str(ex / "tiny-b.yaml"), str(ex / "tiny-a.yaml"))
+    r = run("cancel", "-n", "tiny-a", "-t", "PD")
+    assert r.exit_code == 0 and r.output.splitlines() == [f"job {a} cancelled (was pending)",
+                                                          f"job {c} cancelled (was pending)"]
+    r = run("cancel", "-n", "tiny-a")
+    assert r.exit_code == 0 and r.output == "slurm-dlrm cancel: no active job of yours matches\n"
+    assert run("cancel", "--pack", "dlrm-nope").output == "slurm-dlrm: error: --pack: no pack dlrm-nope of yours\n"
+    assert run("cancel", "-t", "CD").exit_code == 2
+    assert run("cancel").output.startswith("slurm-dlrm: error: give job ids, or -n NAME")
+    assert json_state(b) == "PENDING"
+
+
+def json_state(job_id: int) -> str:
+    import json
+
+    return json.loads(run("show", str(job_id), "--json").output)["state"]
+
+
+def test_completion_scripts_complete_job_ids_and_columns(env):
+    import subprocess
+    import sys
+
+    ex = Path_examples()
+    a, b = _submit(str(ex / "tiny-a.yaml"), str(ex / "tiny-b.yaml"))
+    for shell in ("bash", "zsh"):
+        r = run("completion", shell)
+        assert r.exit_code == 0 and "_SLURM_DLRM_COMPLETE" in r.output
+    script = run("completion", "bash").output
+    # bash itself loads the script and registers the function
+    out = subprocess.run(["bash", "-c", script + "\ncomplete -p slurm-dlrm"], capture_output=True, text=True,  # noqa: S603, S607
+                         timeout=30).stdout
+    assert "_slurm_dlrm_completion" in out
+
+    def complete(words: str, cword: int) -> list[str]:
+        env_ = {**os.environ, "COMP_WORDS": words, "COMP_CWORD": str(cword), "_SLURM_DLRM_COMPLETE": "bash_complete"}
+        p = subprocess.run([sys.executable, "-c", "from slurm_dlrm.cli import main; main()"], env=env_,  # noqa: S603
+                           capture_output=True, text=True, timeout=60)
+        return [line.split(",", 1)[1] for line in p.stdout.splitlines()]
+
+    assert complete("slurm-dlrm show ", 2) == [str(b), str(a)]
+    assert complete("slurm-dlrm cancel ", 2) == [str(b), str(a)]
+    assert complete("slurm-dlrm queue -o JOBID,ST", 3) == ["JOBID,STATE"]
+    assert "requeue" in complete("slurm-dlrm re", 1)
+
+
+def test_spec_example_is_a_valid_spec_and_submit_help_shows_the_format(env):
+    from slurm_dlrm.spec import load_spec
+
+    r = run("spec", "--example")
+    assert r.exit_code == 0
+    (env / "ex.yaml").write_text(r.output)
+    spec = load_spec(env / "ex.yaml")
+    assert spec.name == "my-dlrm" and len(spec.tables) == 2
+    assert run("estimate", str(env / "ex.yaml")).exit_code == 0
+    help_text = run("submit", "--help").output
+    assert "Spec format (all fields: slurm-dlrm spec --example):" in help_text and "bottom_mlp:" in help_text

@@ -36,12 +36,81 @@ def _open_store(site: Any, user: str, readonly: bool = True) -> Any:
     return Store.for_user(site, user, readonly=readonly)
 
 
+def parse_queue_filters(jobs: str | None, states: str | None, names: str | None, users: str | None,
+                        user: str) -> dict[str, Any]:
+    """squeue's -j/-t/-n/-u as sets (None: no filter); -u names only you (your store)."""
+    from slurm_dlrm.store.acct import parse_job_ids, parse_states
+
+    if users and {u.strip() for u in users.split(",") if u.strip()} - {user}:
+        raise BadInput(f"-u/--user: your store holds only {user}'s jobs (admins: slurm-dlrm acct --all-users)")
+    return {"job_ids": set(parse_job_ids(jobs)) if jobs else None,
+            "states": {str(st) for st in parse_states(states)} if states else None,
+            "names": {n.strip() for n in names.split(",") if n.strip()} if names else None}
+
+
+def parse_columns(fmt: str | None) -> list[str]:
+    """`-o JOBID,NAME,STATE,REASON` (our headers, any case) -> row keys."""
+    from slurm_dlrm.service.queue import HEADERS, QUEUE_COLUMNS
+
+    if not fmt:
+        return list(QUEUE_COLUMNS)
+    by_header = {h.lower(): k for k, h in HEADERS.items()} | {k.lower(): k for k in HEADERS}
+    cols = []
+    for item in fmt.split(","):
+        key = by_header.get(item.strip().lower())
+        if key is None:
+            raise BadInput(f"-o/--format: unknown column {item.strip()!r} (one of {','.join(HEADERS.values())})")
+        cols.append(key)
+    return cols
+
+
+def complete_columns(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+    """Shell completion of `-o A,B,C`: the columns, after what is typed already."""
+    from slurm_dlrm.service.queue import HEADERS
+
+    head, _, last = incomplete.rpartition(",")
+    prefix = f"{head}," if head else ""
+    return [prefix + h for h in HEADERS.values() if h.lower().startswith(last.lower())]
+
+
+def complete_job_ids(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+    """Shell completion of job ids: your jobs in the store (active ones first), with names."""
+    from click.shell_completion import CompletionItem
+
+    try:
+        from slurm_dlrm.site import load_site
+        from slurm_dlrm.store.store import current_user
+
+        site = load_site(ctx.params.get("site_path"))
+        user = current_user()
+        store = _open_store(site, user)
+        if store is None:
+            return []
+        with store, store.read():
+            jobs = store.jobs(user=user)
+    except Exception:  # noqa: BLE001 - completion must never print a traceback into the shell
+        return []
+    jobs.sort(key=lambda j: (str(j.state) not in ("PENDING", "PLANNED", "RUNNING"), -j.id))
+    return [CompletionItem(str(j.id), help=f"{j.name} {j.state}") for j in jobs if str(j.id).startswith(incomplete)]
+
+
 @click.command("queue", context_settings=CTX)
 @click.option("-a", "--all", "include_ended", is_flag=True, help="Also list jobs that ended.")
+@click.option("-j", "--jobs", metavar="ID[,ID...]", help="Only these jobs (like squeue -j).")
+@click.option("-t", "--states", metavar="STATE[,STATE...]",
+              help="Only jobs in these states, names or squeue's abbreviations (PD,R,CD,F,CA,OOM,PL); "
+                   "ended states imply --all.")
+@click.option("-n", "--name", "names", metavar="NAME[,NAME...]", help="Only jobs with these names.")
+@click.option("-u", "--user", "users", metavar="USER", help="Accepted for your own user (the store is yours).")
+@click.option("--me", is_flag=True, help="Accepted: your jobs are the only ones listed.")
+@click.option("-o", "--format", "fmt", metavar="COL[,COL...]", shell_complete=complete_columns,
+              help="Columns: JOBID,NAME,STATE,PACK,SLURMID,NODE,GPU,MPS%,GPU_MiB,TRY,REASON (any case).")
+@click.option("--noheader", is_flag=True, help="No header line (like squeue -h).")
 @click.option("--no-slurm", is_flag=True, help="Do not ask Slurm for the reasons queued packs wait.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 @site_option
-def queue(include_ended: bool, no_slurm: bool, as_json: bool, site_path: str | None) -> None:
+def queue(include_ended: bool, jobs: str | None, states: str | None, names: str | None, users: str | None,
+          me: bool, fmt: str | None, noheader: bool, no_slurm: bool, as_json: bool, site_path: str | None) -> None:
     """List your DLRM jobs, like squeue: pack, node, GPU, MPS share, state, reason.
 
     A job's REASON says what it waits for: a dispatch round, Slurm (when slurmctld
@@ -51,11 +120,19 @@ def queue(include_ended: bool, no_slurm: bool, as_json: bool, site_path: str | N
     \b
     Example:
       slurm-dlrm queue
+      slurm-dlrm queue --me -t PD,R -o JOBID,NAME,STATE,REASON
       slurm-dlrm queue --all --json
     """
     from slurm_dlrm.service.queue import format_table, queue_rows, slurm_pending_reasons
+    from slurm_dlrm.store.states import JOB_TERMINAL
 
     site, user, service = _context(site_path)
+    wanted = parse_queue_filters(jobs, states, names, users, user)
+    columns = parse_columns(fmt)
+    if wanted["states"] and wanted["states"] & {str(st) for st in JOB_TERMINAL}:
+        include_ended = True
+    if wanted["job_ids"]:
+        include_ended = True  # squeue -j shows a job however it is
     store = _open_store(site, user)
     rows: list[dict[str, Any]] = []
     if store is not None:
@@ -67,6 +144,9 @@ def queue(include_ended: bool, no_slurm: bool, as_json: bool, site_path: str | N
                 reasons = slurm_pending_reasons(SlurmClient(timeout_s=10.0), user)
             rows = queue_rows(store, user=user, service=service, include_ended=include_ended,
                               slurm_reasons=reasons)
+    rows = [r for r in rows if (wanted["job_ids"] is None or r["job_id"] in wanted["job_ids"])
+            and (wanted["states"] is None or r["state"] in wanted["states"])
+            and (wanted["names"] is None or r["name"] in wanted["names"])]
     if as_json:
         click.echo(json.dumps({"service": service, "jobs": rows}, indent=1, sort_keys=True, default=str))
         return
@@ -78,7 +158,9 @@ def queue(include_ended: bool, no_slurm: bool, as_json: bool, site_path: str | N
 
         click.echo(f"note: waiting for Slurm: {slurm_error_line(service.get('slurm_error'), 200)} "
                    f"(slurm-dlrm serve status has the whole error)", err=True)
-    click.echo(format_table(rows))
+    table = format_table(rows, columns)
+    click.echo(table.split("\n", 1)[1] if noheader and "\n" in table else "" if noheader else table,
+               nl=bool(rows) or not noheader)
 
 
 def job_files(spool_dir: Any, job_id: int, tail: int) -> dict[str, Any]:
@@ -93,7 +175,7 @@ def job_files(spool_dir: Any, job_id: int, tail: int) -> dict[str, Any]:
 
 
 @click.command("show", context_settings=CTX)
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=int, shell_complete=complete_job_ids)
 @click.option("-n", "--lines", "tail", type=click.IntRange(0, 1000), default=10, show_default=True,
               help="Last lines of the job's log to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
@@ -167,17 +249,28 @@ def show(job_id: int, tail: int, as_json: bool, site_path: str | None) -> None:
 
 
 @click.command("cancel", context_settings=CTX)
-@click.argument("job_ids", type=int, nargs=-1, required=True, metavar="JOBID...")
+@click.argument("job_ids", type=int, nargs=-1, metavar="[JOBID...]", shell_complete=complete_job_ids)
+@click.option("-n", "--name", "names", metavar="NAME[,NAME...]", help="Your active jobs with these names.")
+@click.option("-t", "--state", "states", metavar="STATE[,STATE...]",
+              help="Your active jobs in these states (PENDING/PD, PLANNED/PL, RUNNING/R).")
+@click.option("--pack", metavar="ID|NAME", help="Your active jobs in this pack (the PACK of queue).")
+@click.option("-u", "--user", "users", metavar="USER", help="Accepted for your own user.")
+@click.option("--me", is_flag=True, help="Accepted: you cancel only your own jobs.")
 @site_option
-def cancel(job_ids: tuple[int, ...], site_path: str | None) -> None:
+def cancel(job_ids: tuple[int, ...], names: str | None, states: str | None, pack: str | None,
+           users: str | None, me: bool, site_path: str | None) -> None:
     """Cancel jobs; a member of a running pack stops without disturbing its neighbours.
 
-    The pack's agent is told to stop that member only; the pack's Slurm job ends
-    when its last member does. You can cancel only your own jobs.
+    The pack's agent is told to stop that member only; it checkpoints and exits, and
+    `slurm-dlrm requeue ID` runs it again from there. Like scancel, filters select your
+    active jobs (all of the filters, and the ids if given). You can cancel only your
+    own jobs.
 
     \b
     Example:
       slurm-dlrm cancel 12 15
+      slurm-dlrm cancel -n tiny-a -t PD        # pending jobs named tiny-a
+      slurm-dlrm cancel --pack dlrm-1a2b3c4d   # every member of a pack
     """
     from slurm_dlrm.service.cancel import cancel_job
     from slurm_dlrm.service.daemon import wake
@@ -186,9 +279,16 @@ def cancel(job_ids: tuple[int, ...], site_path: str | None) -> None:
     from slurm_dlrm.store.errors import UnknownEntity
 
     site, user, _service = _context(site_path)
+    filtered = bool(names or states or pack)
+    if not job_ids and not filtered:
+        raise BadInput("give job ids, or -n NAME, -t STATE or --pack to select your jobs")
+    wanted = parse_queue_filters(None, states, names, users, user)
+    if wanted["states"] and wanted["states"] - {"PENDING", "PLANNED", "RUNNING"}:
+        raise BadInput(f"-t/--state: only active jobs can be cancelled, not {sorted(wanted['states'])[0]}")
     store = _open_store(site, user, readonly=False)
     if store is None:
-        raise BadInput(f"job {job_ids[0]}: no such job (you have no store yet)")
+        raise BadInput(f"job {job_ids[0]}: no such job (you have no store yet)" if job_ids
+                       else "no such job (you have no store yet)")
     with store:
         for jid in job_ids:  # check all first: nothing half-done on a bad id
             try:
@@ -197,14 +297,34 @@ def cancel(job_ids: tuple[int, ...], site_path: str | None) -> None:
                 raise BadInput(f"job {jid}: no such job in your store") from None
             if job.user != user:
                 raise BadInput(f"job {jid}: belongs to {job.user}, not {user}")
+        selected = list(job_ids)
+        if filtered:
+            pack_id = None
+            if pack:
+                try:
+                    p = store.get_pack(int(pack)) if pack.isdigit() else store.find_pack_by_name(pack)
+                except UnknownEntity:
+                    p = None
+                if p is None or p.user != user:
+                    raise BadInput(f"--pack: no pack {pack} of yours")
+                pack_id = p.id
+            active = store.jobs(["PENDING", "PLANNED", "RUNNING"], user=user)
+            selected = [j.id for j in active
+                        if (not job_ids or j.id in job_ids)
+                        and (wanted["names"] is None or j.name in wanted["names"])
+                        and (wanted["states"] is None or str(j.state) in wanted["states"])
+                        and (pack_id is None or (j.pack_id == pack_id and str(j.state) != "PENDING"))]
+            if not selected:
+                click.echo("slurm-dlrm cancel: no active job of yours matches", err=True)
+                return
         slurm = SlurmClient(timeout_s=15.0)
-        for jid in job_ids:
+        for jid in selected:
             click.echo(cancel_job(store, slurm, jid, user=user))
     wake(service_paths(site, user))
 
 
 @click.command("log", context_settings=CTX)
-@click.argument("job_id", type=int)
+@click.argument("job_id", type=int, shell_complete=complete_job_ids)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing what the job writes until it ends (like tail -f).")
 @click.option("-n", "--lines", "tail", type=click.IntRange(0, 10**6), default=None,
               help="Only the last N lines (default: the whole log).")
@@ -276,7 +396,7 @@ def log(job_id: int, follow: bool, tail: int | None, site_path: str | None) -> N
 
 
 @click.command("requeue", context_settings=CTX)
-@click.argument("job_ids", type=int, nargs=-1, required=True, metavar="JOBID...")
+@click.argument("job_ids", type=int, nargs=-1, required=True, metavar="JOBID...", shell_complete=complete_job_ids)
 @click.option("--no-service", is_flag=True, hidden=True, help="Record only; do not start or wake the service.")
 @site_option
 def requeue(job_ids: tuple[int, ...], no_service: bool, site_path: str | None) -> None:

@@ -67,6 +67,18 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
 
     Exit codes: 0 recorded (with --wait: all jobs completed), 1 a job failed or
     Slurm refused, 2 bad spec or option.
+
+    \b
+    Spec format (all fields: slurm-dlrm spec --example):
+      name: my-dlrm
+      tables: [{name: t0, rows: 100000, dim: 16}]    # or preset: criteo-kaggle
+      dense_features: 13
+      bottom_mlp: [128, 16]                          # last width = dim
+      top_mlp: [128, 1]
+      batch_size: 512
+      optimizer: {type: adagrad, lr: 0.01}
+      steps: 200
+      data: {type: synthetic}                        # or {type: criteo-tsv, path: day_0.tsv}
     """
     from slurm_dlrm.service import submit as svc
     from slurm_dlrm.service.sbatch_options import options_from_mapping
