@@ -279,3 +279,47 @@ def test_spec_example_is_a_valid_spec_and_submit_help_shows_the_format(env):
     assert run("estimate", str(env / "ex.yaml")).exit_code == 0
     help_text = run("submit", "--help").output
     assert "Spec format (all fields: slurm-dlrm spec --example):" in help_text and "bottom_mlp:" in help_text
+
+
+# ------------------------------------------------------------------ sweeps and --test-only
+
+def test_a_sweep_over_one_spec_records_one_job_per_variant(env):
+    import json
+
+    ex = Path_examples()
+    r = run("submit", "--no-service", "--json", str(ex / "tiny-a.yaml"), "--set", "optimizer.lr=0.01,0.1",
+            "--set", "bottom_mlp=[32,8],[64,8]", "--array", "0-1")
+    assert r.exit_code == 0, r.output
+    jobs = json.loads(r.output)
+    assert len(jobs) == 8
+    assert jobs[0]["name"] == "tiny-a-lr0.01-bottom_mlp_32__8_-0" and jobs[-1]["name"] == "tiny-a-lr0.1-bottom_mlp_64__8_-1"
+    specs = {j["name"]: json.loads(run("show", str(i), "--json").output)["spec"]
+             for i, j in zip(range(1, 9), jobs, strict=True)}
+    s0, s7 = specs[jobs[0]["name"]], specs[jobs[-1]["name"]]
+    assert (s0["optimizer"]["lr"], s0["bottom_mlp"], s0["seed"]) == (0.01, [32, 8], 0)
+    assert (s7["optimizer"]["lr"], s7["bottom_mlp"], s7["seed"]) == (0.1, [64, 8], 1)
+    # a variant that does not validate names its values, and nothing is recorded
+    before = run("queue", "--no-slurm", "--json").output
+    r = run("submit", "--no-service", str(ex / "tiny-a.yaml"), "--set", "optimizer.lr=0.1,-1")
+    assert r.exit_code == 2 and "[optimizer.lr=-1]" in r.output and r.output.count("\n") == 1, r.output
+    assert run("queue", "--no-slurm", "--json").output == before
+    for bad in (["--set", "lr"], ["--array", "3-1"], ["--set", "tables.9.rows=5"]):
+        r = run("submit", "--no-service", str(ex / "tiny-a.yaml"), *bad)
+        assert r.exit_code == 2 and r.output.startswith("slurm-dlrm: error: "), r.output
+
+
+def test_test_only_prints_the_sbatch_line_and_records_nothing(env):
+    ex = Path_examples()
+    r = run("submit", "--test-only", "--no-pack", "-p", "dlrm", "-o", "my out/%j.txt", str(ex / "tiny-a.yaml"))
+    assert r.exit_code == 0, r.output
+    line = r.output.strip()
+    assert line.startswith("tiny-a: sbatch --parsable ") and line.endswith(" job.sbatch")
+    import shlex
+
+    argv = shlex.split(line.split(": ", 1)[1])  # quoted for a shell: it splits back into the flags
+    assert "--partition=dlrm" in argv and f"--output={env}/my out/%j.txt" in argv
+    assert any(a.startswith("--gres=") for a in argv) and any(a.startswith("--mem=") for a in argv)
+    r = run("submit", "--test-only", str(ex / "tiny-a.yaml"), "--array", "0-2")
+    assert [ln.split(":")[0] for ln in r.output.splitlines()] == ["tiny-a-0", "tiny-a-1", "tiny-a-2"]
+    assert "--time=00:30:00" in r.output and "--no-requeue" in r.output
+    assert not list(env.glob("store-*/*.db")) and not list(env.glob("spool-*"))

@@ -46,11 +46,19 @@ def site_option(fn: Any) -> Any:
               "exit 0 only if every job completed.")
 @click.option("--no-pack", is_flag=True, help="Submit each spec as one ordinary Slurm job sized from its "
               "estimate (--mem, --cpus-per-task, --gres=gpu:1 or an MPS share); prints Slurm job ids.")
+@click.option("--set", "sets", metavar="KEY=V1[,V2...]", multiple=True,
+              help="A sweep: one job per value of a dotted spec field (e.g. optimizer.lr=0.01,0.1); "
+                   "several --set give their product.")
+@click.option("-a", "--array", metavar="INDEXES", help="Copies of each spec like sbatch --array (0-3, 1,3,5, "
+              "0-15:4): job <name>-<i> with seed + i.")
+@click.option("--test-only", is_flag=True, help="Validate and estimate, record and submit nothing; print the "
+              "sbatch command each job would use (like sbatch --test-only).")
 @click.option("--no-service", is_flag=True, hidden=True, help="Record only; do not start or wake the service.")
 @click.option("--json", "as_json", is_flag=True, help="Print the recorded jobs and their estimates as JSON.")
 @site_option
-def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, no_service: bool,
-           as_json: bool, site_path: str | None, **sbatch: str | None) -> None:
+def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, sets: tuple[str, ...],
+           array: str | None, test_only: bool, no_service: bool, as_json: bool, site_path: str | None,
+           **sbatch: str | None) -> None:
     """Submit DLRM job specs to the packing service, like sbatch.
 
     Each SPEC is validated and its memory and compute are estimated; the jobs are
@@ -64,6 +72,8 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
       slurm-dlrm submit examples/sweep/*.yaml -p dlrm -t 30
       slurm-dlrm submit --parsable --wait tiny.yaml
       slurm-dlrm submit --no-pack tiny.yaml      # one plain Slurm job, sized from the estimate
+      slurm-dlrm submit tiny.yaml --set optimizer.lr=0.01,0.1 --set batch_size=128,256   # 4 jobs
+      slurm-dlrm submit tiny.yaml --array 0-3 --test-only
 
     Exit codes: 0 recorded (with --wait: all jobs completed), 1 a job failed or
     Slurm refused, 2 bad spec or option.
@@ -89,10 +99,21 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
     user = current_user()
     cli_options = options_from_mapping(sbatch)
     cwd = os.getcwd()
+    if test_only:
+        subs = svc.prepare(specs, cli_options, site, cwd, sets, array)
+        lines = svc.test_only_lines(subs, site, no_pack=no_pack)
+        if as_json:
+            click.echo(json.dumps([{"name": s.name, "sbatch": line} for s, line in zip(subs, lines, strict=True)],
+                                  indent=1))
+        else:
+            for s, line in zip(subs, lines, strict=True):
+                click.echo(f"{s.name}: {line}")
+        return
     if no_pack:
         from slurm_dlrm.slurm import SlurmClient
 
-        results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=SlurmClient())
+        results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=SlurmClient(),
+                                     sets=sets, array=array)
         if as_json:
             click.echo(json.dumps([{"slurm_job_id": sid, "name": sub.name, "mem_mib": req.mem_mib,
                                     "cpus": req.cpus, "gres": req.gres} for sid, sub, req in results], indent=1))
@@ -109,7 +130,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
 
         slurm = SlurmClient(timeout_s=10.0)
     ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service,
-                           slurm=slurm)
+                           slurm=slurm, sets=sets, array=array)
     if as_json:
         click.echo(json.dumps([{"job_id": i, "name": s.name, "spec": s.path, "gpu_model": s.gpu.name,
                                 "options": s.options.to_dict(), "estimate": s.estimate.to_dict()}

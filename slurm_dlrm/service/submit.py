@@ -75,10 +75,16 @@ def gpu_for(site: SiteConfig, options: SbatchOptions) -> GpuModel:
     return site.gpu_model(groups[0].gpu_model) if groups else next(iter(site.gpu_models.values()))
 
 
-def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, cwd: str) -> list[Submission]:
-    """Validate and estimate every spec; raise BadInput naming the first bad one."""
+def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, cwd: str,
+            sets: Sequence[str] = (), array: str | None = None) -> list[Submission]:
+    """Validate and estimate every spec (each variant of a `--set`/`--array` sweep);
+    raise BadInput naming the first bad one."""
     from slurm_dlrm.estimate import estimate
+    from slurm_dlrm.service.sweep import expand, parse_array, parse_sets
     from slurm_dlrm.spec import load_spec, spec_fingerprint
+
+    sweep_sets = parse_sets(sets)
+    sweep_array = parse_array(array) if array else None
 
     if not paths:
         raise BadInput("SPEC: give at least one spec file")
@@ -90,20 +96,21 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
         except (OSError, UnicodeDecodeError) as exc:
             raise BadInput(f"{raw}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
         options = cli_options.merged_over(parse_sbatch_script(text, raw)).with_paths_from(cwd)
-        spec = load_spec(path)
         gpu = gpu_for(site, options)
-        est = estimate(spec, gpu)
-        if est.gpu_peak_bytes > gpu.memory_bytes:
-            raise BadInput(f"{raw}: needs {est.gpu_peak_bytes / GIB:.1f} GiB of GPU memory (estimate); "
-                           f"a {gpu.name} has {gpu.memory_bytes / GIB:.0f} GiB")
-        data = spec.to_dict()
-        ds = data.get("data") or {}
-        if ds.get("path") and not os.path.isabs(ds["path"]):
-            ds["path"] = os.path.normpath(os.path.join(os.path.dirname(path), ds["path"]))
-        if ds.get("path"):
-            check_data_path(raw, ds["path"])
-        out.append(Submission(path=path, name=options.job_name or spec.name, spec=spec, spec_data=data,
-                              fingerprint=spec_fingerprint(spec), options=options, gpu=gpu, estimate=est))
+        for spec in expand(load_spec(path), sweep_sets, sweep_array):
+            est = estimate(spec, gpu)
+            if est.gpu_peak_bytes > gpu.memory_bytes:
+                raise BadInput(f"{spec.source if spec.source != path else raw}: needs {est.gpu_peak_bytes / GIB:.1f} "
+                               f"GiB of GPU memory (estimate); a {gpu.name} has {gpu.memory_bytes / GIB:.0f} GiB "
+                               f"(slurm-dlrm estimate says what would make it fit)")
+            data = spec.to_dict()
+            ds = data.get("data") or {}
+            if ds.get("path") and not os.path.isabs(ds["path"]):
+                ds["path"] = os.path.normpath(os.path.join(os.path.dirname(path), ds["path"]))
+            if ds.get("path"):
+                check_data_path(raw, ds["path"])
+            out.append(Submission(path=path, name=options.job_name or spec.name, spec=spec, spec_data=data,
+                                  fingerprint=spec_fingerprint(spec), options=options, gpu=gpu, estimate=est))
     return out
 
 
@@ -220,10 +227,11 @@ def short_error(text: str, limit: int = 160) -> str:
 
 
 def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
-           start_service: bool = True, slurm: Any = None) -> tuple[list[int], list[Submission]]:
+           start_service: bool = True, slurm: Any = None, sets: Sequence[str] = (),
+           array: str | None = None) -> tuple[list[int], list[Submission]]:
     from slurm_dlrm.store.store import Store
 
-    subs = prepare(paths, cli_options, site, cwd)
+    subs = prepare(paths, cli_options, site, cwd, sets, array)
     if slurm is not None:
         check_slurm(slurm, site, user)
     for sub in subs:
@@ -296,12 +304,17 @@ def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
     return max(1, partition_for(site, options).min_mps_share)
 
 
+def native_flags(sub: Submission, req: NativeRequest) -> list[str]:
+    """The --no-pack job's sbatch flags (unquoted), sorted."""
+    return sorted([f"--comment={req.comment}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
+                   f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
+                   *(["--nodes=1"] if sub.spec.world_size > 1 else []),
+                   *sub.options.sbatch_flags(include_job_name=False)])
+
+
 def native_script(sub: Submission, req: NativeRequest, spec_path: str, python: str) -> str:
     """A plain batch script: #SBATCH lines (quoted, sorted) and the training command."""
-    flags = sorted([f"--comment={req.comment}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
-                    f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
-                    *(["--nodes=1"] if sub.spec.world_size > 1 else []),
-                    *sub.options.sbatch_flags(include_job_name=False)])
+    flags = native_flags(sub, req)
     command = list(sub.spec.command or [python, "-m", "slurm_dlrm", "train", spec_path])
     lines = ["#!/bin/bash", f"# slurm-dlrm --no-pack job {sub.name}: one job, sized from its estimate."]
     lines += [f"#SBATCH {sbatch_line(f)}" for f in flags]
@@ -310,9 +323,10 @@ def native_script(sub: Submission, req: NativeRequest, spec_path: str, python: s
 
 
 def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
-                   slurm: Any, python: str = sys.executable) -> list[tuple[int, Submission, NativeRequest]]:
+                   slurm: Any, python: str = sys.executable, sets: Sequence[str] = (),
+                   array: str | None = None) -> list[tuple[int, Submission, NativeRequest]]:
     """Each spec as its own Slurm job; returns (Slurm job id, submission, request)."""
-    subs = prepare(paths, cli_options, site, cwd)
+    subs = prepare(paths, cli_options, site, cwd, sets, array)
     spool = ensure_private_dir(site.spool_dir_for(user))
     reqs = [native_request(sub, site) for sub in subs]  # all sized before any is submitted
     out = []
@@ -324,6 +338,28 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
         (job_dir / "job.sbatch").write_text(script)
         opts = [] if sub.options.output else [f"--output={job_dir}/slurm-%j.out"]
         out.append((slurm.sbatch(script, [*opts, f"--chdir={job_dir}"]), sub, req))
+    return out
+
+
+def test_only_lines(subs: Sequence[Submission], site: SiteConfig, *, no_pack: bool) -> list[str]:
+    """`submit --test-only`: the sbatch command each job would use, quoted for a shell.
+
+    --no-pack: the job's own sbatch, exactly. Packed: the options its pack carries; the
+    pack's --nodes/--gres/--cpus-per-task/--mem are the plan's, sized when a round packs it
+    (at least the job's own share, shown)."""
+    out = []
+    for sub in subs:
+        if no_pack:
+            flags = native_flags(sub, native_request(sub, site))
+            out.append("sbatch --parsable " + " ".join(shlex.quote(f) for f in flags) + " job.sbatch")
+            continue
+        margin = 1.0 + site.packing.memory_margin_pct / 100.0
+        flags = ["--parsable", "--job-name=PACK", "--no-requeue", "--ntasks-per-node=1",
+                 *sorted(sub.options.sbatch_flags(include_job_name=False))]
+        out.append(f"sbatch {' '.join(shlex.quote(f) for f in flags)} pack.sbatch   # + the plan's --nodes, "
+                   f"--gres=gpu:N, --cpus-per-task, --mem; this job's share: a {sub.gpu.name} GPU share, "
+                   f"{max(1, math.ceil(float(sub.estimate.profile.host_cpu_cores) - 1e-9))} CPU, "
+                   f"{math.ceil(sub.estimate.host_peak_bytes * margin / MIB)}M")
     return out
 
 
