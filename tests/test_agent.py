@@ -338,6 +338,20 @@ def test_a_failed_member_reports_the_runners_own_error(world):
     assert (pack / "job-1" / "output-n1.log").read_text().startswith("loading")
 
 
+def test_the_agent_writes_the_nodes_real_gpu_indexes(world):
+    # Device cgroups renumber CUDA_VISIBLE_DEVICES to 0..n-1; SLURM_JOB_GPUS keeps the
+    # node's own indexes (Slurm's IDX), which is what `queue` shows.
+    pack = world / "pack"
+    members = [member_entry(pack, 1, 1, args=["--steps", "1"])]
+    env = {**os.environ, "SLURM_JOB_GPUS": "1,3", "CUDA_VISIBLE_DEVICES": "0,1"}
+    Agent(parse_placement(placement_dict(pack, members, mps=False)), _opts(world), env=env).run()
+    assert json.loads((pack / "nodes" / "0.json").read_text()) == {
+        "node": "n1", "gpus": ["1", "3"], "cuda_visible_devices": ["0", "1"]}
+    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")}
+    Agent(parse_placement(placement_dict(pack, members, mps=False)), _opts(world, gpus=["2", "5"]), env=env).run()
+    assert json.loads((pack / "nodes" / "0.json").read_text())["gpus"] == ["2", "5"]
+
+
 def test_pack_id_finds_the_placement(tmp_path):
     from slurm_dlrm.commands.agent import find_pack_file
 

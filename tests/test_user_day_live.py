@@ -101,6 +101,16 @@ def test_a_failure_you_can_find_and_a_cancel_you_can_resume(live, tmp_path):
 
     # Cancel a running member after its first checkpoint: exit 5 everywhere.
     _until(lambda: (_job(long_id).get("checkpoint_step") or 0) >= 20)
+    # queue's GPU is one Slurm gave the pack on that node (its IDX), not a position.
+    row = {r["job_id"]: r for r in json.loads(run("queue", "--json").output)["jobs"]}[long_id]
+    detail = subprocess.run(["scontrol", "show", "job", "-d", str(row["slurm_job_id"])], capture_output=True,  # noqa: S603, S607
+                            text=True, timeout=30, check=True).stdout
+    idx: set[int] = set()
+    for spec in re.findall(r"IDX:([\d,-]+)", detail):
+        for part in spec.split(","):
+            lo, _, hi = part.partition("-")
+            idx.update(range(int(lo), int(hi or lo) + 1))
+    assert idx and row["gpu"] in idx, (row, detail)
     r = run("cancel", str(long_id))
     assert r.exit_code == 0 and "checkpoints and stops" in r.output, r.output
     job = _until(lambda: (j := _job(long_id))["state"] == "CANCELLED" and j)

@@ -28,7 +28,13 @@ from typing import Any
 
 from slurm_dlrm.agent.mps import MpsSetup, open_mps
 from slurm_dlrm.agent.nvml import Nvml, NvmlSnapshot
-from slurm_dlrm.agent.outlog import REASON_MAX_CHARS, error_line, short_reason, tail_lines
+from slurm_dlrm.agent.outlog import (
+    REASON_MAX_CHARS,
+    error_line,
+    newest_checkpoint_step,
+    short_reason,
+    tail_lines,
+)
 from slurm_dlrm.agent.placement import (
     CLOSED_DIR,
     JOINS_DIR,
@@ -51,6 +57,7 @@ from slurm_dlrm.errors import (
 )
 
 log = logging.getLogger(__name__)
+NODES_DIR = "nodes"  # <pack_dir>/nodes/<node_index>.json: the node's real GPU indexes
 
 MIB = 1 << 20
 PID_FILE_TIMEOUT_S = 120.0
@@ -253,6 +260,7 @@ class Agent:
                            members=[m.placement.job_id for m in self.members])
         self.reports.heartbeat()
         self._last_heartbeat = time.monotonic()
+        self._write_node_gpus()
         self._setup_nvml()
         wanted = self.placement.mps and o.site_mps_enabled and o.mps_mode != "off"
         if not self.members:
@@ -525,6 +533,29 @@ class Agent:
             self.reports.member(m.placement.job_id, state, code, reason)
             log.info("%s (job %d) ended: %s %s", m.placement.name, m.placement.job_id, state, reason)
 
+    def _write_node_gpus(self) -> None:
+        """`<pack_dir>/nodes/<node_index>.json`: the node and its GPUs as the node numbers
+        them (Slurm's IDX, from SLURM_STEP_GPUS/SLURM_JOB_GPUS, which device cgroups do
+        not renumber; else the CUDA names), so `queue` shows the GPU a member really
+        has, not its position in the allocation (docs/interfaces.md 3a)."""
+        o = self.opts
+        real = None
+        for key in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+            value = self.base_env.get(key, "").strip()
+            if value and value != "NoDevFiles":
+                real = [g.strip() for g in value.split(",") if g.strip()]
+                break
+        if real is None or len(real) != len(o.gpus):
+            real = list(o.gpus)
+        d = Path(self.placement.pack_dir) / NODES_DIR
+        try:
+            d.mkdir(mode=0o700, exist_ok=True)
+            tmp = d / f".{o.node_index}.tmp"
+            tmp.write_text(json.dumps({"node": o.node_name, "gpus": real, "cuda_visible_devices": list(o.gpus)}))
+            os.replace(tmp, d / f"{o.node_index}.json")
+        except OSError as exc:  # only `queue`'s GPU column depends on it
+            log.warning("could not write %s: %s", d, exc)
+
     def _explain(self, m: Member, state: str, code: int, reason: str) -> str:
         """The runner's own words where ours are generic: its one-line error for a
         failure, the step it checkpointed at for a cancel (docs/agent.md)."""
@@ -533,9 +564,11 @@ class Agent:
             if cause:
                 return f"{short_reason(cause, REASON_MAX_CHARS - 20)} (exit code {code})"
         if state == "CANCELLED" and code == TRAIN_EXIT_PREEMPTED:
-            if m.metrics is not None:
+            # the checkpoint it stopped with (a metrics line may be a few steps older)
+            step = newest_checkpoint_step(Path(m.placement.checkpoint_dir))
+            if step is None and m.metrics is not None:
                 m.metrics.poll()
-            step = m.metrics.last.get("step") if m.metrics is not None and m.metrics.last else None
+                step = m.metrics.last.get("step") if m.metrics.last else None
             at = f" at step {step}" if isinstance(step, int) else ""
             return f"cancelled; stopped{at} with a checkpoint (exit 5); `slurm-dlrm requeue {m.placement.job_id}` resumes it"
         return reason

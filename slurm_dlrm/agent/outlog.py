@@ -50,3 +50,15 @@ def short_reason(text: str | None, limit: int = REASON_MAX_CHARS) -> str:
         return ""
     first = text.strip().splitlines()[0].strip() if text.strip() else ""
     return first if len(first) <= limit else first[: limit - 3].rstrip() + "..."
+
+
+def newest_checkpoint_step(ckpt_dir: Path) -> int | None:
+    """The newest complete checkpoint in a runner's checkpoint folder (`step-N/` with its
+    manifest, which slurm_dlrm.train.checkpoint writes last), or None."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except OSError:
+        return None
+    steps = [int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit()
+             and (ckpt_dir / n / "manifest.json").exists()]
+    return max(steps) if steps else None

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.agent.outlog import tail_lines
+from slurm_dlrm.agent.outlog import newest_checkpoint_step, tail_lines
 
 
 def job_dir(spool_dir: Path, job_id: int) -> Path:
@@ -41,13 +41,5 @@ def last_metrics(spool_dir: Path, job_id: int) -> dict[str, Any] | None:
 
 
 def last_checkpoint_step(spool_dir: Path, job_id: int) -> int | None:
-    """The newest complete checkpoint of the job (`ckpt/step-N/` with its manifest,
-    written last by slurm_dlrm.train.checkpoint), or None."""
-    ckpt = job_dir(spool_dir, job_id) / "ckpt"
-    try:
-        names = os.listdir(ckpt)
-    except OSError:
-        return None
-    steps = [int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit()
-             and (ckpt / n / "manifest.json").exists()]
-    return max(steps) if steps else None
+    """The newest complete checkpoint of the job (`<spool>/jobs/<id>/ckpt`), or None."""
+    return newest_checkpoint_step(job_dir(spool_dir, job_id) / "ckpt")

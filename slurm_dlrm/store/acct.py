@@ -56,8 +56,10 @@ COLUMNS: tuple[Column, ...] = (
     Column("User", "user", "str", "owner"),
     Column("State", "state", "str", "PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED"),
     Column("Attempt", "attempt", "int", "times requeued after running"),
-    Column("Pack", "pack_id", "int", "current or last pack id"),
-    Column("PackName", "pack_name", "str", "its Slurm job name"),
+    # one pack label everywhere: the name queue, show and cancel --pack use (its Slurm job name)
+    Column("Pack", "pack_name", "str", "current or last pack, by the name queue and show print"),
+    Column("PackID", "pack_id", "int", "that pack's number in the store"),
+    Column("PackName", "pack_name", "str", "the same as Pack (kept for old -o lists)"),
     Column("SlurmJobID", "slurm_job_id", "str", "Slurm job id (and step) of the member"),
     Column("NodeList", "nodes", "str", "nodes of the last attempt"),
     Column("GPUs", "n_gpus", "int", "GPUs of the last attempt (shared or not)"),
