@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from slurm_dlrm.errors import EXIT_OK, EXIT_RUNTIME
+from slurm_dlrm.errors import EXIT_OK, EXIT_RUNTIME, BadInput
 
 # sbatch options that apply to a pack; the same names as sbatch's.
 _SBATCH_OPTIONS = (
@@ -51,13 +51,16 @@ def site_option(fn: Any) -> Any:
                    "several --set give their product.")
 @click.option("-a", "--array", metavar="INDEXES", help="Copies of each spec like sbatch --array (0-3, 1,3,5, "
               "0-15:4): job <name>-<i> with seed + i.")
+@click.option("-d", "--dependency", metavar="TYPE:ID[:ID...]",
+              help="Start only after these jobs of yours (slurm-dlrm ids): after, afterok, afternotok, "
+                   "afterany, as sbatch -d.")
 @click.option("--test-only", is_flag=True, help="Validate and estimate, record and submit nothing; print the "
               "sbatch command each job would use (like sbatch --test-only).")
 @click.option("--no-service", is_flag=True, hidden=True, help="Record only; do not start or wake the service.")
 @click.option("--json", "as_json", is_flag=True, help="Print the recorded jobs and their estimates as JSON.")
 @site_option
 def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, sets: tuple[str, ...],
-           array: str | None, test_only: bool, no_service: bool, as_json: bool, site_path: str | None,
+           array: str | None, dependency: str | None, test_only: bool, no_service: bool, as_json: bool, site_path: str | None,
            **sbatch: str | None) -> None:
     """Submit DLRM job specs to the packing service, like sbatch.
 
@@ -109,6 +112,8 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
             for s, line in zip(subs, lines, strict=True):
                 click.echo(f"{s.name}: {line}")
         return
+    if no_pack and dependency:
+        raise BadInput("--dependency: with --no-pack, use sbatch's own -d with Slurm job ids")
     if no_pack:
         from slurm_dlrm.slurm import SlurmClient
 
@@ -130,7 +135,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
 
         slurm = SlurmClient(timeout_s=10.0)
     ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service,
-                           slurm=slurm, sets=sets, array=array)
+                           slurm=slurm, sets=sets, array=array, dependency=dependency)
     if as_json:
         click.echo(json.dumps([{"job_id": i, "name": s.name, "spec": s.path, "gpu_model": s.gpu.name,
                                 "options": s.options.to_dict(), "estimate": s.estimate.to_dict()}

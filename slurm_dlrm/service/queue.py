@@ -65,6 +65,8 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
         pl = placements.get((j.pack_id, j.id)) if pack is not None else None
         if j.state == JobState.PENDING:
             reason = pending_reason(service)
+            if getattr(j, "sbatch_json", None) and '"dependency"' in j.sbatch_json:
+                reason = _dependency_reason(store, j) or reason
         elif j.state in JOB_TERMINAL:
             reason = j.exit_reason or ""
         elif pack is not None and pack.state == PackState.SUBMITTING:
@@ -111,6 +113,20 @@ def node_gpu(pack_dir: str | None, node_index: int, gpu_index: int,
         return gpu_index
     g = gpus[gpu_index]
     return int(g) if g.isdigit() else g
+
+
+def _dependency_reason(store: Any, job: Any) -> str:
+    from slurm_dlrm.service.depend import dependency_state
+    from slurm_dlrm.store.errors import UnknownEntity
+
+    def state_of(jid: int) -> str | None:
+        try:
+            return str(store.get_job(jid).state)
+        except UnknownEntity:
+            return None
+
+    verdict, why = dependency_state(job, state_of)
+    return why if verdict != "ready" else ""
 
 
 def slurm_pending_reasons(slurm: Any, user: str) -> dict[str, str]:

@@ -127,7 +127,8 @@ def check_data_path(raw: str, data_path: str) -> None:
         raise BadInput(f"{raw}: data.path: not readable: {data_path}")
 
 
-def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | None = None) -> list[int]:
+def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | None = None,
+           dependency: str | None = None) -> list[int]:
     """All jobs in one transaction: either every spec is recorded or none.
 
     With `spool_dir`, each job's spec file for its runner is written right after (a
@@ -136,11 +137,18 @@ def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | 
     """
     ids = []
     with store.write():
+        if dependency:
+            from slurm_dlrm.service.depend import check_known, parse_dependency
+
+            check_known(parse_dependency(dependency), store, user)  # in the transaction: nothing half-done
         for s in subs:
+            sbatch = s.options.to_dict()
+            if dependency:
+                sbatch["dependency"] = dependency  # ours, not the pack's: depend.py reads it
             ids.append(int(store.add_job(
                 user=user, name=s.name, spec=s.spec_data, spec_fingerprint=s.fingerprint,
-                estimate=s.estimate.to_dict(), gpu_model=s.gpu.name, sbatch=s.options.to_dict(),
-                reason=f"submitted from {s.path}")))
+                estimate=s.estimate.to_dict(), gpu_model=s.gpu.name, sbatch=sbatch,
+                reason=f"submitted from {s.path}" + (f"; --dependency={dependency}" if dependency else ""))))
     if spool_dir is not None:
         from slurm_dlrm.service.spool import write_job_spec
 
@@ -228,9 +236,13 @@ def short_error(text: str, limit: int = 160) -> str:
 
 def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
            start_service: bool = True, slurm: Any = None, sets: Sequence[str] = (),
-           array: str | None = None) -> tuple[list[int], list[Submission]]:
+           array: str | None = None, dependency: str | None = None) -> tuple[list[int], list[Submission]]:
     from slurm_dlrm.store.store import Store
 
+    if dependency:
+        from slurm_dlrm.service.depend import parse_dependency
+
+        parse_dependency(dependency)  # the form first: a usage error before anything else
     subs = prepare(paths, cli_options, site, cwd, sets, array)
     if slurm is not None:
         check_slurm(slurm, site, user)
@@ -243,7 +255,7 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
                            f"(one Slurm job on {sub.spec.world_size} whole GPUs)")
     ensure_private_dir(site.store_dir_for(user))
     with Store.for_user(site, user) as store:
-        ids = record(store, subs, user, site.spool_dir_for(user))
+        ids = record(store, subs, user, site.spool_dir_for(user), dependency=dependency)
     if start_service:
         what = ensure_service(site, user)
         log.info("packing service %s", what)
