@@ -98,3 +98,28 @@ def test_requeue_runs_a_cancelled_job_again_from_its_checkpoint(env):
     d = json.loads(run("show", str(job_id), "--json").output)
     assert d["state"] == "PENDING" and d["attempt"] == before + 1
     assert d["events"][-1]["reason"] == "requeued by the user; resumes from its checkpoint at step 30"
+
+
+def test_log_follow_prints_what_comes_until_the_job_ends(env):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    job_id = int(run("submit", "--no-service", "--parsable", str(EXAMPLES / "tiny-a.yaml")).output)
+    log = _user_spool(env) / "jobs" / str(job_id) / "output-node1.log"
+    log.write_text("first\n")
+    proc = subprocess.Popen([sys.executable, "-m", "slurm_dlrm", "log", "-f", str(job_id)],  # noqa: S603
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "first\n"
+    with open(log, "a") as f:
+        f.write("second\n")
+    assert proc.stdout.readline() == "second\n"  # followed, not read once
+    time.sleep(0.2)
+    assert proc.poll() is None  # still pending: it keeps following
+    with open(log, "a") as f:
+        f.write("last words\n")
+    assert run("cancel", str(job_id)).exit_code == 0
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and out == "last words\n"
