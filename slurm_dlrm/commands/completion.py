@@ -9,7 +9,8 @@ COMPLETE_VAR = "_SLURM_DLRM_COMPLETE"
 
 @click.command("completion", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("shell", type=click.Choice(["bash", "zsh", "fish"]))
-def completion(shell: str) -> None:
+@click.pass_context
+def completion(ctx: click.Context, shell: str) -> None:
     """Print the shell completion script: commands, options, your job ids (show, log,
     cancel, requeue) and the columns of `queue -o`.
 
@@ -21,8 +22,7 @@ def completion(shell: str) -> None:
     """
     from click.shell_completion import get_completion_class
 
-    from slurm_dlrm.cli import cli
-
     cls = get_completion_class(shell)
     assert cls is not None  # the Choice above names only shells click knows
-    click.echo(cls(cli, {}, "slurm-dlrm", COMPLETE_VAR).source())
+    root = ctx.find_root().command  # the `slurm-dlrm` group (commands sit below cli.py)
+    click.echo(cls(root, {}, "slurm-dlrm", COMPLETE_VAR).source())
