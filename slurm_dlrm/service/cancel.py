@@ -54,8 +54,10 @@ def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
                              expect=JobState.PLANNED)
     else:
         store.add_event("note", "cancel requested; waiting for the agent", job_id=job_id, pack_id=pack.id)
-        return f"job {job_id} cancel sent to its pack {pack.name}; it checkpoints and stops"
     live = [i for i in pack_member_ids(store, pack.id, ("PLANNED", "RUNNING")) if i != job_id]
+    if job.state == JobState.RUNNING:
+        return (f"job {job_id} cancel sent to its pack {pack.name}; it checkpoints and stops; "
+                f"{len(live)} other member(s) keep running")
     if not live and pack.slurm_job_id and str(pack.state) != "RUNNING":
         try:
             slurm.scancel([int(pack.slurm_job_id)])
