@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "submit": "slurm_dlrm.commands.submit:submit",
     "spec": "slurm_dlrm.commands.spec:spec",
     "estimate": "slurm_dlrm.commands.estimate:estimate",
+    "exporter": "slurm_dlrm.commands.exporter:exporter",
     "interference": "slurm_dlrm.commands.interference:interference",
     "simulate": "slurm_dlrm.commands.simulate:simulate_cmd",
 }

@@ -42,7 +42,7 @@ def _user_spool(tmp: Path) -> Path:
 def test_a_missing_data_file_is_refused_at_submit(env):
     spec = env / "criteo.yaml"
     text = (EXAMPLES / "tiny-a.yaml").read_text()
-    spec.write_text(text + "\ndata:\n  type: criteo-tsv\n  path: day_0.tsv\n")
+    spec.write_text(text.replace("data: {type: synthetic, zipf_alpha: 1.05}", "data: {type: criteo-tsv, path: day_0.tsv}"))
     r = run("submit", "--no-service", str(spec))
     assert r.exit_code == 2
     assert r.output.strip() == f"slurm-dlrm: error: {spec}: data.path: no such file or folder: {env / 'day_0.tsv'}"

@@ -82,7 +82,7 @@ def test_a_failure_you_can_find_and_a_cancel_you_can_resume(live, tmp_path):
     data.write_text("0\t1\n")
     bad_spec = tmp_path / "criteo.yaml"
     bad_spec.write_text((EXAMPLES / "tiny-b.yaml").read_text().replace("name: tiny-b", "name: lost-data")
-                        + "\ndata:\n  type: criteo-tsv\n  path: day_0.tsv\n")
+                        .replace("data: {type: synthetic, zipf_alpha: 1.05}", "data: {type: criteo-tsv, path: day_0.tsv}"))
     r = run("submit", "--parsable", str(long_spec), str(bad_spec))
     assert r.exit_code == 0, r.output
     long_id, bad_id = map(int, r.output.split())

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.agent.outlog import short_reason
+from slurm_dlrm.service.custom_trace import ESTIMATING_REASON, PENDING_TRACE
 from slurm_dlrm.site import MIB
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,9 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
     for j in jobs:
         pack = packs.get(j.pack_id) if j.pack_id is not None and j.state != JobState.PENDING else None
         pl = placements.get((j.pack_id, j.id)) if pack is not None else None
-        if j.state == JobState.PENDING:
+        if j.state == JobState.PENDING and PENDING_TRACE in (j.estimate or {}):
+            reason = ESTIMATING_REASON + f": the service traces {j.spec.get('custom_module')}"
+        elif j.state == JobState.PENDING:
             reason = pending_reason(service)
             if getattr(j, "sbatch_json", None) and '"dependency"' in j.sbatch_json:
                 reason = _dependency_reason(store, j) or reason

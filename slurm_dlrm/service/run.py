@@ -39,9 +39,18 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         return 0
     with lock:
         if slurm is None:
-            from slurm_dlrm.slurm import SlurmClient
+            from slurm_dlrm.slurm import SlurmClient, SlurmError
+            from slurm_dlrm.slurm.client import UnsupportedSlurm
 
             slurm = SlurmClient()
+            try:
+                slurm.release()  # an unsupported Slurm release stops the service at once, in one line
+            except UnsupportedSlurm:
+                raise
+            except SlurmError as exc:
+                # Unreachable is not unsupported: the rounds back off and retry, and
+                # `queue`/`show` say why jobs wait (docs/service.md, failures are visible).
+                log.warning("Slurm not reachable at start (%s); retrying in the rounds", exc)
         store = Store.for_user(site, user)
         period = round_seconds if round_seconds is not None else site.packing.round_seconds
         # A little under the period, so a timer round never just misses its window.

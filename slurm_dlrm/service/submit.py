@@ -49,6 +49,7 @@ class Submission:
     options: SbatchOptions
     gpu: GpuModel
     estimate: Any  # slurm_dlrm.estimate.Estimate
+    source: str = ""  # the path as given (errors name it so, as `estimate` does)
 
 
 def partition_for(site: SiteConfig, options: SbatchOptions) -> Any:
@@ -99,7 +100,12 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
         gpu = gpu_for(site, options)
         for spec in expand(load_spec(path), sweep_sets, sweep_array):
             est = estimate(spec, gpu)
-            if est.gpu_peak_bytes > gpu.memory_bytes:
+            if spec.custom_module:
+                # traced by the service (torch), after the checks that need no import (custom_trace.py)
+                from slurm_dlrm.service.custom_trace import check_custom_module
+
+                check_custom_module(spec, source=raw)
+            elif est.gpu_peak_bytes > gpu.memory_bytes:
                 raise BadInput(f"{spec.source if spec.source != path else raw}: needs {est.gpu_peak_bytes / GIB:.1f} "
                                f"GiB of GPU memory (estimate); a {gpu.name} has {gpu.memory_bytes / GIB:.0f} GiB "
                                f"(slurm-dlrm estimate says what would make it fit)")
@@ -110,7 +116,8 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
             if ds.get("path"):
                 check_data_path(raw, ds["path"])
             out.append(Submission(path=path, name=options.job_name or spec.name, spec=spec, spec_data=data,
-                                  fingerprint=spec_fingerprint(spec), options=options, gpu=gpu, estimate=est))
+                                  fingerprint=spec_fingerprint(spec), options=options, gpu=gpu, estimate=est,
+                                  source=raw))
     return out
 
 
@@ -135,6 +142,8 @@ def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | 
     millisecond here instead of in the service's round; the service writes any that
     a crash left missing, from the store).
     """
+    from slurm_dlrm.service.custom_trace import pending_trace_estimate, submit_search_path
+
     ids = []
     with store.write():
         if dependency:
@@ -145,9 +154,12 @@ def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | 
             sbatch = s.options.to_dict()
             if dependency:
                 sbatch["dependency"] = dependency  # ours, not the pack's: depend.py reads it
+            est = s.estimate.to_dict()
+            if s.spec.custom_module:  # its analytic figures are placeholders until the service traced it
+                est = pending_trace_estimate(est, s.source, submit_search_path(os.getcwd()))
             ids.append(int(store.add_job(
                 user=user, name=s.name, spec=s.spec_data, spec_fingerprint=s.fingerprint,
-                estimate=s.estimate.to_dict(), gpu_model=s.gpu.name, sbatch=sbatch,
+                estimate=est, gpu_model=s.gpu.name, sbatch=sbatch,
                 reason=f"submitted from {s.path}" + (f"; --dependency={dependency}" if dependency else ""))))
     if spool_dir is not None:
         from slurm_dlrm.service.spool import write_job_spec
@@ -213,23 +225,33 @@ def check_slurm(slurm: Any, site: SiteConfig, user: str) -> None:
     conf = os.environ.get("SLURM_CONF")
     if conf and not os.path.isfile(conf):  # Slurm itself retries that for 60 s
         raise DlrmError(f"Slurm cannot be reached: SLURM_CONF={conf}: no such file; nothing recorded")
+    from slurm_dlrm.slurm.client import UnsupportedSlurm
+
     try:
+        slurm.release()  # an unsupported release is its own one line
         proc = slurm.run(["scontrol", "ping"], check=False, timeout_s=10.0)
+    except UnsupportedSlurm:
+        raise
     except SlurmError as exc:
-        raise DlrmError(f"Slurm cannot be reached: {short_error(str(exc))}; nothing recorded") from None
+        detail = short_error(exc.stderr or str(exc))
+        raise DlrmError(f"Slurm cannot be reached: {detail}{_conf_hint(detail)}; nothing recorded") from None
     if proc.returncode == 0 and "UP" in proc.stdout:
         return
     detail = short_error(proc.stderr or proc.stdout or f"scontrol ping exit code {proc.returncode}")
-    hint = ""
-    if "configuration source" in detail or "slurm.conf" in detail:
-        hint = f" (SLURM_CONF is {os.environ['SLURM_CONF']})" if os.environ.get("SLURM_CONF") else \
-            " (is SLURM_CONF set? the local cluster's: export SLURM_CONF=$(slurm-dlrm cluster status --conf))"
-    raise DlrmError(f"Slurm cannot be reached: {detail}{hint}; nothing recorded")
+    raise DlrmError(f"Slurm cannot be reached: {detail}{_conf_hint(detail)}; nothing recorded")
+
+
+def _conf_hint(detail: str) -> str:
+    if "configuration source" not in detail and "slurm.conf" not in detail:
+        return ""
+    if os.environ.get("SLURM_CONF"):
+        return f" (SLURM_CONF is {os.environ['SLURM_CONF']})"
+    return " (is SLURM_CONF set? the local cluster's: export SLURM_CONF=$(slurm-dlrm cluster status --conf))"
 
 
 def short_error(text: str, limit: int = 160) -> str:
     """A Slurm command's error as one line: its last non-empty line (the fatal one)."""
-    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    lines = [ln.strip() for ln in text.strip().replace(" | ", "\n").splitlines() if ln.strip()]
     line = lines[-1] if lines else text.strip()
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
@@ -338,7 +360,8 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
                    slurm: Any, python: str = sys.executable, sets: Sequence[str] = (),
                    array: str | None = None) -> list[tuple[int, Submission, NativeRequest]]:
     """Each spec as its own Slurm job; returns (Slurm job id, submission, request)."""
-    subs = prepare(paths, cli_options, site, cwd, sets, array)
+    subs = [_traced(sub, python) if sub.spec.custom_module else sub
+            for sub in prepare(paths, cli_options, site, cwd, sets, array)]
     spool = ensure_private_dir(site.spool_dir_for(user))
     reqs = [native_request(sub, site) for sub in subs]  # all sized before any is submitted
     out = []
@@ -373,6 +396,20 @@ def test_only_lines(subs: Sequence[Submission], site: SiteConfig, *, no_pack: bo
                    f"{max(1, math.ceil(float(sub.estimate.profile.host_cpu_cores) - 1e-9))} CPU, "
                    f"{math.ceil(sub.estimate.host_peak_bytes * margin / MIB)}M")
     return out
+
+
+def _traced(sub: Submission, python: str) -> Submission:
+    """A custom module's estimate, traced now (a child process with torch): --no-pack has
+    no service to do it later, and `--mem`/the MPS share come from it."""
+    import dataclasses
+
+    from slurm_dlrm.estimate import Estimate
+    from slurm_dlrm.service.custom_trace import submit_search_path, trace_spec
+
+    est, error = trace_spec(sub.spec_data, sub.source, sub.gpu, submit_search_path(os.getcwd()), python)
+    if est is None:
+        raise BadInput(error)
+    return dataclasses.replace(sub, estimate=Estimate.from_dict(est))
 
 
 # ---------------------------------------------------------------- --wait
