@@ -196,4 +196,5 @@ def test_an_unreachable_slurm_is_said_at_once_and_the_service_follows_slurm_conf
         job = _until(lambda: (j := _job(job_id))["state"] in ("COMPLETED", "FAILED") and j, timeout_s=240)
         assert job["state"] == "COMPLETED", job
     finally:
+        wait_until_running(paths, timeout_s=5)  # a service submit just spawned takes its lock first
         stop(paths, timeout_s=30)
