@@ -134,7 +134,8 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         from slurm_dlrm.slurm import SlurmClient
 
         # Asked after the specs validate (bad input first): an unreachable Slurm or an
-        # unsupported release is one line, before anything is recorded (svc.check_slurm).
+        # unsupported release is one line, before anything is recorded
+        # (svc.check_slurm_reachable).
         slurm = SlurmClient(timeout_s=10.0)
     ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service,
                            slurm=slurm, sets=sets, array=array, dependency=dependency)

@@ -208,7 +208,7 @@ def ensure_service(site: SiteConfig, user: str,
     return "restarted with this SLURM_CONF" if restarted else "started"
 
 
-def check_slurm(slurm: Any, site: SiteConfig, user: str) -> None:
+def check_slurm_reachable(slurm: Any, site: SiteConfig, user: str) -> None:
     """Fail at once, as sbatch would, when Slurm cannot be reached (nothing recorded).
 
     Skipped when this user's service answered Slurm in its last round with the same
@@ -258,7 +258,11 @@ def short_error(text: str, limit: int = 160) -> str:
 
 def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
            start_service: bool = True, slurm: Any = None, sets: Sequence[str] = (),
-           array: str | None = None, dependency: str | None = None) -> tuple[list[int], list[Submission]]:
+           array: str | None = None, dependency: str | None = None,
+           check_slurm: Callable[[], Any] | None = None) -> tuple[list[int], list[Submission]]:
+    """Validate and estimate every spec, then ask Slurm (`slurm`: reachable and a
+    supported release, svc.check_slurm_reachable; `check_slurm()`: the release check
+    alone) so bad input is named first, then record them all."""
     from slurm_dlrm.store.store import Store
 
     if dependency:
@@ -266,8 +270,6 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
 
         parse_dependency(dependency)  # the form first: a usage error before anything else
     subs = prepare(paths, cli_options, site, cwd, sets, array)
-    if slurm is not None:
-        check_slurm(slurm, site, user)
     for sub in subs:
         if sub.spec.world_size > 1:
             # A pack member is one process group on one GPU share; its ranks would all
@@ -275,6 +277,10 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
             raise BadInput(f"{os.path.relpath(sub.path, cwd)}: world_size {sub.spec.world_size}: multi-GPU jobs are "
                            f"not packed (a member runs on one GPU share); submit it with --no-pack "
                            f"(one Slurm job on {sub.spec.world_size} whole GPUs)")
+    if check_slurm is not None:
+        check_slurm()
+    if slurm is not None:
+        check_slurm_reachable(slurm, site, user)
     ensure_private_dir(site.store_dir_for(user))
     with Store.for_user(site, user) as store:
         ids = record(store, subs, user, site.spool_dir_for(user), dependency=dependency)
