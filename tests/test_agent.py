@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -297,7 +298,10 @@ def test_cancel_files_stop_one_member(world):
 
     def cancel_soon():
         deadline = time.monotonic() + 10
-        while not Path(members[1]["metrics_path"]).exists() and time.monotonic() < deadline:
+        # both running (a metrics line means the stand-in's SIGTERM handler is set: on a
+        # loaded machine the first one may still be starting when the second writes)
+        while (not all(Path(members[i]["metrics_path"]).exists() for i in (0, 1))
+               and time.monotonic() < deadline):
             time.sleep(0.05)
         for job in ("1", "2"):
             (pack / "cancel" / f".{job}.tmp").touch()
@@ -310,7 +314,46 @@ def test_cancel_files_stop_one_member(world):
     assert [m.state for m in agent.members] == ["CANCELLED", "CANCELLED", "COMPLETED", "CANCELLED"]
     assert agent.members[1].exit_code == 137  # ignored SIGTERM: killed after term_grace_s
     assert agent.members[0].exit_code == 5  # checkpointed on SIGTERM, still reported CANCELLED
+    # The reason says what the runner did (it kept a checkpoint) and how to go on.
+    assert re.fullmatch(r"cancelled; stopped at step \d+ with a checkpoint \(exit 5\); "
+                        r"`slurm-dlrm requeue 1` resumes it", agent.members[0].reason), agent.members[0].reason
+    assert "checkpoint" not in agent.members[1].reason
     assert not Path(members[3]["metrics_path"]).exists()
+
+
+def test_a_failed_member_reports_the_runners_own_error(world):
+    # The runner logs its cause (`ERROR slurm_dlrm.train.runner: bad spec: ...`) into the
+    # member's output file; the agent reports that line, not "the spec did not validate".
+    pack = world / "pack"
+    fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    say = (f"import logging, sys; logging.basicConfig(format={fmt!r}); print('loading'); "
+           "logging.getLogger('slurm_dlrm.train.runner').error('bad spec: data.path: no Criteo TSV file at /d/x.tsv'); "
+           "sys.exit(2)")
+    crash = "print('step 1'); raise RuntimeError('CUDA error: an illegal memory access')"
+    members = [{**member_entry(pack, 1, 0), "command": [sys.executable, "-c", say]},
+               {**member_entry(pack, 2, 1), "command": [sys.executable, "-c", crash]},
+               {**member_entry(pack, 3, 1), "command": [sys.executable, "-c", "import sys; sys.exit(1)"]}]
+    agent = Agent(parse_placement(placement_dict(pack, members, sample_interval_s=0.1, mps=False)), _opts(world))
+    agent.run()
+    reasons = [m.reason for m in agent.members]
+    assert reasons == ["bad spec: data.path: no Criteo TSV file at /d/x.tsv (exit code 2)",
+                       "RuntimeError: CUDA error: an illegal memory access (exit code 1)",
+                       "exit code 1"]
+    assert (pack / "job-1" / "output-n1.log").read_text().startswith("loading")
+
+
+def test_the_agent_writes_the_nodes_real_gpu_indexes(world):
+    # Device cgroups renumber CUDA_VISIBLE_DEVICES to 0..n-1; SLURM_JOB_GPUS keeps the
+    # node's own indexes (Slurm's IDX), which is what `queue` shows.
+    pack = world / "pack"
+    members = [member_entry(pack, 1, 1, args=["--steps", "1"])]
+    env = {**os.environ, "SLURM_JOB_GPUS": "1,3", "CUDA_VISIBLE_DEVICES": "0,1"}
+    Agent(parse_placement(placement_dict(pack, members, mps=False)), _opts(world), env=env).run()
+    assert json.loads((pack / "nodes" / "0.json").read_text()) == {
+        "node": "n1", "gpus": ["1", "3"], "cuda_visible_devices": ["0", "1"]}
+    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")}
+    Agent(parse_placement(placement_dict(pack, members, mps=False)), _opts(world, gpus=["2", "5"]), env=env).run()
+    assert json.loads((pack / "nodes" / "0.json").read_text())["gpus"] == ["2", "5"]
 
 
 def test_pack_id_finds_the_placement(tmp_path):

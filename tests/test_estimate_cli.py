@@ -94,8 +94,11 @@ def test_human_output_and_gpu_filter(good_spec):
 def test_preset_without_scale_does_not_fit_smaller_gpu(tmp_path):
     p = tmp_path / "dcn.yaml"
     p.write_text("name: big\npreset: mlperf-dcnv2\nbatch_size: 8192\n")
-    data = json.loads(_run(str(p), "--json", "--no-history").output)
+    r = _run(str(p), "--json", "--no-history")
+    assert r.exit_code == 2  # fits no GPU: bad input, said with what would make it fit
+    data = json.loads(r.output[: r.output.rindex("\nslurm-dlrm: error: ")])
     assert not data[0]["fits"]["a100"]["fits"] and not data[0]["fits"]["h100"]["fits"]
+    assert any(a.startswith("placement: uvm for tables ") for a in data[0]["advice"])
     # the embedding part is exactly the reference's 204.2 M rows x 128 x 4 B, plus Adagrad state of the same size
     h = data[0]["estimates"]["h100"]["gpu_breakdown"]
     assert h["embedding_weights"] == 204184588 * 128 * 4 == h["embedding_optimizer_state"]

@@ -30,6 +30,13 @@ from typing import Any
 from slurm_dlrm.agent import fences
 from slurm_dlrm.agent.mps import MpsError, MpsSetup, open_mps
 from slurm_dlrm.agent.nvml import Nvml, NvmlSnapshot
+from slurm_dlrm.agent.outlog import (
+    REASON_MAX_CHARS,
+    error_line,
+    newest_checkpoint_step,
+    short_reason,
+    tail_lines,
+)
 from slurm_dlrm.agent.placement import (
     CLOSED_DIR,
     JOINS_DIR,
@@ -52,6 +59,7 @@ from slurm_dlrm.errors import (
 )
 
 log = logging.getLogger(__name__)
+NODES_DIR = "nodes"  # <pack_dir>/nodes/<node_index>.json: the node's real GPU indexes
 
 MIB = 1 << 20
 PID_FILE_TIMEOUT_S = 120.0
@@ -99,6 +107,7 @@ class Member:
     tree: TreeSampler = field(default_factory=TreeSampler)
     metrics: MetricsTail | None = None
     last_tree: TreeSample | None = None
+    output_path: Path | None = None  # the runner's stdout+stderr on this node
     fence: dict[str, Any] = field(default_factory=dict)  # what holds it to its memory limit
     cgroup: Path | None = None  # its dmem cgroup, joined before exec
 
@@ -268,6 +277,7 @@ class Agent:
                            members=[m.placement.job_id for m in self.members])
         self.reports.heartbeat()
         self._last_heartbeat = time.monotonic()
+        self._write_node_gpus()
         self._setup_nvml()
         wanted = self.placement.mps and o.site_mps_enabled and o.mps_mode != "off"
         if not self.members:
@@ -491,7 +501,8 @@ class Agent:
             m.env = member_env(self.base_env, p, self.opts.gpus, self.mps, pipe_dir=pipe_dir)
             for d in (Path(p.checkpoint_dir), Path(p.metrics_path).parent):
                 d.mkdir(parents=True, exist_ok=True)
-            out = open(Path(p.metrics_path).parent / f"output-{self.opts.node_name}.log", "ab")  # noqa: SIM115
+            m.output_path = Path(p.metrics_path).parent / f"output-{self.opts.node_name}.log"
+            out = open(m.output_path, "ab")  # noqa: SIM115
             if self.opts.launch == "step":
                 m.pid_file = self.run_dir / f"member-{p.job_id}.pid"
                 m.pid_file.unlink(missing_ok=True)
@@ -698,9 +709,50 @@ class Agent:
             state, code, reason = classify_exit(rc, m.stop_reason, via_srun=self.opts.launch == "step")
             if state == m.stop_reason and m.stop_detail:
                 reason = m.stop_detail
+            reason = self._explain(m, state, code, reason)
             m.state, m.exit_code, m.reason = state, code, reason
             self.reports.member(m.placement.job_id, state, code, reason)
             log.info("%s (job %d) ended: %s %s", m.placement.name, m.placement.job_id, state, reason)
+
+    def _write_node_gpus(self) -> None:
+        """`<pack_dir>/nodes/<node_index>.json`: the node and its GPUs as the node numbers
+        them (Slurm's IDX, from SLURM_STEP_GPUS/SLURM_JOB_GPUS, which device cgroups do
+        not renumber; else the CUDA names), so `queue` shows the GPU a member really
+        has, not its position in the allocation (docs/interfaces.md 3a)."""
+        o = self.opts
+        real = None
+        for key in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
+            value = self.base_env.get(key, "").strip()
+            if value and value != "NoDevFiles":
+                real = [g.strip() for g in value.split(",") if g.strip()]
+                break
+        if real is None or len(real) != len(o.gpus):
+            real = list(o.gpus)
+        d = Path(self.placement.pack_dir) / NODES_DIR
+        try:
+            d.mkdir(mode=0o700, exist_ok=True)
+            tmp = d / f".{o.node_index}.tmp"
+            tmp.write_text(json.dumps({"node": o.node_name, "gpus": real, "cuda_visible_devices": list(o.gpus)}))
+            os.replace(tmp, d / f"{o.node_index}.json")
+        except OSError as exc:  # only `queue`'s GPU column depends on it
+            log.warning("could not write %s: %s", d, exc)
+
+    def _explain(self, m: Member, state: str, code: int, reason: str) -> str:
+        """The runner's own words where ours are generic: its one-line error for a
+        failure, the step it checkpointed at for a cancel (docs/agent.md)."""
+        if state == "FAILED" and m.output_path is not None:
+            cause = error_line(tail_lines(m.output_path, 40))
+            if cause:
+                return f"{short_reason(cause, REASON_MAX_CHARS - 20)} (exit code {code})"
+        if state == "CANCELLED" and code == TRAIN_EXIT_PREEMPTED:
+            # the checkpoint it stopped with (a metrics line may be a few steps older)
+            step = newest_checkpoint_step(Path(m.placement.checkpoint_dir))
+            if step is None and m.metrics is not None:
+                m.metrics.poll()
+                step = m.metrics.last.get("step") if m.metrics.last else None
+            at = f" at step {step}" if isinstance(step, int) else ""
+            return f"cancelled; stopped{at} with a checkpoint (exit 5); `slurm-dlrm requeue {m.placement.job_id}` resumes it"
+        return reason
 
     # ------------------------------------------------------------ sampling and enforcement
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from slurm_dlrm.errors import DlrmError
+from slurm_dlrm.errors import BadInput, DlrmError
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,35 @@ def estimate_cmd(spec_paths: tuple[str, ...], gpu_name: str | None, site_path: s
         check_tables_fit(spec, site)
         specs.append(spec)
     results = [_estimate_one(spec, models, site, use_history=not no_history) for spec in specs]
+    misfits = _advise(results, specs, models, site)
     if as_json:
         click.echo(json.dumps(results, indent=2))
-        return
-    _print_human(results)
+    else:
+        _print_human(results)
+    if misfits:
+        # as submit would: a job no GPU holds is bad input (exit 2), said with what would fix it
+        for line in misfits[1:]:
+            click.echo(f"slurm-dlrm: error: {line}", err=True)
+        raise BadInput(misfits[0])
+
+
+def _advise(results: list[dict[str, Any]], specs: list[Any], models: list[Any], site: Any) -> list[str]:
+    """One line per spec that fits none of `models`, with what would make it fit the
+    largest of them (also under `advice` in its result)."""
+    from slurm_dlrm.estimate.fit import fit_advice
+
+    lines = []
+    for r, spec in zip(results, specs, strict=True):
+        if any(f["fits"] for f in r["fits"].values()):
+            continue
+        gpu = max(models, key=lambda g: g.memory_bytes)
+        need = r["fits"][gpu.name]["gpu_peak_bytes_with_margin"]
+        r["advice"] = fit_advice(spec, gpu, site.packing.memory_margin_pct,
+                                 max_gpus=max((g.gpus for g in site.nodes if g.gpu_model == gpu.name), default=8))
+        fix = "; ".join(r["advice"]) or "nothing short of a smaller model"
+        lines.append(f"{spec.source}: fits no GPU: needs {human_bytes(need)} with the packing margin, "
+                     f"a {gpu.name} has {human_bytes(gpu.memory_bytes)}; it would fit with {fix}")
+    return lines
 
 
 def _estimate_one(spec: Any, models: list[Any], site: Any, use_history: bool) -> dict[str, Any]:

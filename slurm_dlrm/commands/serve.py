@@ -103,7 +103,8 @@ def status(as_json: bool, site_path: str | None) -> None:
         slurm = "ok" if st.get("slurm_ok", True) else (
             f"unreachable ({st.get('slurm_error')}); retry in {st.get('slurm_retry_in_s')} s")
         click.echo(f"packing service: running (pid {pid}), policy {st.get('policy', '?')}, "
-                   f"{st.get('rounds', 0)} rounds, last {age:.0f} s ago; Slurm {slurm}")
+                   f"{st.get('rounds', 0)} rounds, last {age:.0f} s ago; Slurm {slurm}"
+                   + (f"; SLURM_CONF={st.get('slurm_conf') or '(unset)'}" if "slurm_conf" in st else ""))
         click.echo(f"interference model: {st.get('interference_model', 'analytic defaults')}")
     if pid is None:
         raise SystemExit(1)

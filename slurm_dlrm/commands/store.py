@@ -31,16 +31,22 @@ def _store_path(db: str | None, site_path: str | None) -> Path:
 @click.option("-j", "--jobs", "jobs", metavar="ID[,ID...]", help="Only these job ids.")
 @click.option("-u", "--user", "users", metavar="USER[,USER...]", help="Only these users' jobs.")
 @click.option("-s", "--state", "states", metavar="STATE[,STATE...]",
-              help="Only jobs in these states (PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED).")
+              help="Only jobs in these states (PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED, "
+                   "or sacct's PD PL R CD F OOM CA).")
 @click.option("--pack", metavar="ID|NAME", help="Only members of this pack (any attempt).")
-@click.option("-S", "--since", metavar="TIME", help="Jobs not finished before TIME (2026-11-21, 3h, 2d, @EPOCH).")
-@click.option("-E", "--until", metavar="TIME", help="Jobs submitted up to TIME.")
+@click.option("-S", "--since", "--starttime", "since", metavar="TIME",
+              help="Jobs not finished before TIME (2026-11-21, 2026-11-21T14:00, 14:00, 3h, now-1hours, today, @EPOCH).")
+@click.option("-E", "--until", "--endtime", "until", metavar="TIME", help="Jobs submitted up to TIME.")
+@click.option("-X", "--allocations", is_flag=True,
+              help="Accepted for sacct's habit: a DLRM job is one row already (no steps).")
 @click.option("-o", "--format", "fmt", metavar="COL[%W],...", default=None,
               help="Columns to show, comma-separated, optional width (see --helpformat).")
 @click.option("--helpformat", is_flag=True, help="List the columns and exit.")
 @click.option("--json", "as_json", is_flag=True, help="JSON array of objects (raw values).")
 @click.option("--csv", "as_csv", is_flag=True, help="CSV with a header (raw values).")
-@click.option("-P", "--parsable", is_flag=True, help="'|'-separated raw values, like sacct --parsable2.")
+@click.option("-P", "--parsable", "--parsable2", "parsable", is_flag=True,
+              help="'|'-separated, formatted like the table (sacct --parsable2).")
+@click.option("--raw", is_flag=True, help="With -P: raw values (bytes, seconds, ISO times) instead.")
 @click.option("-n", "--noheader", is_flag=True, help="No header line.")
 @click.option("-a", "--all-users", is_flag=True,
               help="Every user's store under the site's store folder, read-only, where readable; "
@@ -49,18 +55,22 @@ def _store_path(db: str | None, site_path: str | None) -> Path:
 @click.option("--db", type=click.Path(dir_okay=False), help="Store file (default: your store from the site config).")
 @click.option("--site", "site_path", type=click.Path(dir_okay=False), help="Site config (default: $SLURM_DLRM_SITE, ...).")
 def acct(jobs: str | None, users: str | None, states: str | None, pack: str | None, since: str | None,
-         until: str | None, fmt: str | None, helpformat: bool, as_json: bool, as_csv: bool, parsable: bool,
-         noheader: bool, all_users: bool, totals: bool, db: str | None, site_path: str | None) -> None:
+         until: str | None, allocations: bool, fmt: str | None, helpformat: bool, as_json: bool, as_csv: bool,
+         parsable: bool, raw: bool, noheader: bool, all_users: bool, totals: bool, db: str | None,
+         site_path: str | None) -> None:
     """Accounting of DLRM jobs, like sacct: estimates vs measurements and GPU-hours.
 
     GPU-hours charged split a shared GPU's allocated hours among its members by
     their run time on it; GPU-hours saved compare with one job per GPU (docs/store.md).
-    Times are local; --json/--csv/--parsable print raw values (bytes, seconds, ISO times).
+    Times are local; -P prints the table's values '|'-separated (like sacct -P);
+    --json, --csv and -P --raw print raw values (bytes, seconds, ISO times). ExitCode is
+    code:signal as in sacct.
 
     \b
     Example:
       slurm-dlrm acct                                  # your jobs
       slurm-dlrm acct -s RUNNING,PENDING -S 2h
+      slurm-dlrm acct -X -s CD --starttime now-1hours -P
       slurm-dlrm acct --pack 7 -o JobID,State,MaxGPUMem,GPUHours --json
       slurm-dlrm acct -a -S 2026-11-01 -P              # admin: every user's store
       slurm-dlrm acct -a --totals -S 30d --json        # admin: totals per user and partition
@@ -72,6 +82,8 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
         return
     if sum((as_json, as_csv, parsable)) > 1:
         raise BadInput("choose one of --json, --csv, --parsable")
+    if raw and not parsable:
+        raise BadInput("--raw: goes with -P/--parsable (--json and --csv are raw already)")
     now = time.time()
     cols = A.parse_format(fmt or (("User," if all_users else "") + A.DEFAULT_FORMAT))
     f = A.AcctFilter(
@@ -82,7 +94,7 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
         since=A.parse_time(since, "--since", now) if since else None,
         until=A.parse_time(until, "--until", now) if until else None,
     )
-    out_fmt = "json" if as_json else "csv" if as_csv else "parsable" if parsable else "table"
+    out_fmt = "json" if as_json else "csv" if as_csv else "parsable" if parsable and raw else "table"
     if totals:
         def fetch(st: Any) -> list[Any]:
             return A.acct_totals(st, f, now)
@@ -124,7 +136,11 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
         if totals:
             tot.add(rows, default_partition)
     if totals:
-        click.echo(A.render_totals(tot, out_fmt, header=not noheader), nl=out_fmt == "json")
+        tot_fmt = "parsable" if parsable else out_fmt
+        click.echo(A.render_totals(tot, tot_fmt, header=not noheader), nl=tot_fmt == "json")
+        return
+    if out_fmt == "table" and parsable:  # sacct -P: the table's values, '|'-separated
+        click.echo(A.render_parsable([r[3:] for r in rows], cols, header=not noheader), nl=False)
         return
     if out_fmt == "table":
         click.echo(A.render_table([r[3:] for r in rows], cols, header=not noheader), nl=False)

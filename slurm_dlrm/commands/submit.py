@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from slurm_dlrm.errors import EXIT_OK, EXIT_RUNTIME
+from slurm_dlrm.errors import EXIT_OK, EXIT_RUNTIME, BadInput
 
 # sbatch options that apply to a pack; the same names as sbatch's.
 _SBATCH_OPTIONS = (
@@ -46,11 +46,22 @@ def site_option(fn: Any) -> Any:
               "exit 0 only if every job completed.")
 @click.option("--no-pack", is_flag=True, help="Submit each spec as one ordinary Slurm job sized from its "
               "estimate (--mem, --cpus-per-task, --gres=gpu:1 or an MPS share); prints Slurm job ids.")
+@click.option("--set", "sets", metavar="KEY=V1[,V2...]", multiple=True,
+              help="A sweep: one job per value of a dotted spec field (e.g. optimizer.lr=0.01,0.1); "
+                   "several --set give their product.")
+@click.option("-a", "--array", metavar="INDEXES", help="Copies of each spec like sbatch --array (0-3, 1,3,5, "
+              "0-15:4): job <name>-<i> with seed + i.")
+@click.option("-d", "--dependency", metavar="TYPE:ID[:ID...]",
+              help="Start only after these jobs of yours (slurm-dlrm ids): after, afterok, afternotok, "
+                   "afterany, as sbatch -d.")
+@click.option("--test-only", is_flag=True, help="Validate and estimate, record and submit nothing; print the "
+              "sbatch command each job would use (like sbatch --test-only).")
 @click.option("--no-service", is_flag=True, hidden=True, help="Record only; do not start or wake the service.")
 @click.option("--json", "as_json", is_flag=True, help="Print the recorded jobs and their estimates as JSON.")
 @site_option
-def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, no_service: bool,
-           as_json: bool, site_path: str | None, **sbatch: str | None) -> None:
+def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, sets: tuple[str, ...],
+           array: str | None, dependency: str | None, test_only: bool, no_service: bool, as_json: bool, site_path: str | None,
+           **sbatch: str | None) -> None:
     """Submit DLRM job specs to the packing service, like sbatch.
 
     Each SPEC is validated and its memory and compute are estimated; the jobs are
@@ -64,9 +75,23 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
       slurm-dlrm submit examples/sweep/*.yaml -p dlrm -t 30
       slurm-dlrm submit --parsable --wait tiny.yaml
       slurm-dlrm submit --no-pack tiny.yaml      # one plain Slurm job, sized from the estimate
+      slurm-dlrm submit tiny.yaml --set optimizer.lr=0.01,0.1 --set batch_size=128,256   # 4 jobs
+      slurm-dlrm submit tiny.yaml --array 0-3 --test-only
 
     Exit codes: 0 recorded (with --wait: all jobs completed), 1 a job failed or
     Slurm refused, 2 bad spec or option.
+
+    \b
+    Spec format (all fields: slurm-dlrm spec --example):
+      name: my-dlrm
+      tables: [{name: t0, rows: 100000, dim: 16}]    # or preset: criteo-kaggle
+      dense_features: 13
+      bottom_mlp: [128, 16]                          # last width = dim
+      top_mlp: [128, 1]
+      batch_size: 512
+      optimizer: {type: adagrad, lr: 0.01}
+      steps: 200
+      data: {type: synthetic}                        # or {type: criteo-tsv, path: day_0.tsv}
     """
     from slurm_dlrm.service import submit as svc
     from slurm_dlrm.service.sbatch_options import options_from_mapping
@@ -77,10 +102,23 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
     user = current_user()
     cli_options = options_from_mapping(sbatch)
     cwd = os.getcwd()
+    if test_only:
+        subs = svc.prepare(specs, cli_options, site, cwd, sets, array)
+        lines = svc.test_only_lines(subs, site, no_pack=no_pack)
+        if as_json:
+            click.echo(json.dumps([{"name": s.name, "sbatch": line} for s, line in zip(subs, lines, strict=True)],
+                                  indent=1))
+        else:
+            for s, line in zip(subs, lines, strict=True):
+                click.echo(f"{s.name}: {line}")
+        return
+    if no_pack and dependency:
+        raise BadInput("--dependency: with --no-pack, use sbatch's own -d with Slurm job ids")
     if no_pack:
         from slurm_dlrm.slurm import SlurmClient
 
-        results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=SlurmClient())
+        results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=SlurmClient(),
+                                     sets=sets, array=array)
         if as_json:
             click.echo(json.dumps([{"slurm_job_id": sid, "name": sub.name, "mem_mib": req.mem_mib,
                                     "cpus": req.cpus, "gres": req.gres} for sid, sub, req in results], indent=1))
@@ -91,15 +129,16 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
                 click.echo(f"Submitted batch job {sid} ({sub.name}: --mem={req.mem_mib} "
                            f"--cpus-per-task={req.cpus} --gres={req.gres})")
         return
-    check_slurm = None
-    if not no_service:
+    slurm = None
+    if not no_service:  # as sbatch: no Slurm, no job (one line, exit 1, nothing recorded)
         from slurm_dlrm.slurm import SlurmClient
 
-        # An unsupported Slurm release is one line, after the specs are checked and
-        # before anything is recorded.
-        check_slurm = SlurmClient(timeout_s=15.0).release
+        # Asked after the specs validate (bad input first): an unreachable Slurm or an
+        # unsupported release is one line, before anything is recorded
+        # (svc.check_slurm_reachable).
+        slurm = SlurmClient(timeout_s=10.0)
     ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service,
-                           check_slurm=check_slurm)
+                           slurm=slurm, sets=sets, array=array, dependency=dependency)
     if as_json:
         click.echo(json.dumps([{"job_id": i, "name": s.name, "spec": s.path, "gpu_model": s.gpu.name,
                                 "options": s.options.to_dict(), "estimate": s.estimate.to_dict()}
@@ -115,7 +154,13 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
 
 def wait_with_progress(site: Any, user: str, ids: list[int]) -> int:
     """Follow jobs until they end (a live table on a terminal, state changes otherwise)."""
-    from slurm_dlrm.service.progress import follow_jobs
+    try:
+        from slurm_dlrm.service.progress import follow_jobs
 
-    jobs = follow_jobs(site, user, ids)
+        jobs = follow_jobs(site, user, ids)
+    except KeyboardInterrupt:
+        # Only the waiting stops: the jobs are the service's, as sbatch --wait's are Slurm's.
+        click.echo(f"\nslurm-dlrm: interrupted; job(s) {','.join(map(str, ids))} go on "
+                   f"(slurm-dlrm queue to see them, slurm-dlrm cancel ID to stop one)", err=True)
+        return EXIT_RUNTIME
     return EXIT_OK if all(j.state == "COMPLETED" for j in jobs) else EXIT_RUNTIME

@@ -50,3 +50,48 @@ def check_tables_fit(spec: JobSpec, site: SiteConfig) -> None:
                 f"({best.name}) has {room / GIB:.1f} GiB after the CUDA context (shrink it, or place it uvm/host)",
                 spec.source,
             )
+
+
+def fit_advice(spec: JobSpec, gpu: GpuModel, margin_pct: float = 0.0, max_gpus: int = 8) -> list[str]:
+    """What would make a job that fits no `gpu` fit one: each change alone, the least
+    first found (more GPUs, half precision, tables off the GPU, smaller tables)."""
+    from dataclasses import replace
+
+    from slurm_dlrm.estimate.analytic import estimate
+
+    def fits(s: JobSpec) -> bool:
+        return copies_per_gpu(estimate(s, gpu), gpu, margin_pct).fits
+
+    out: list[str] = []
+    w = 2
+    while w <= max_gpus and spec.world_size < w:
+        if fits(replace(spec, world_size=w)):
+            out.append(f"world_size: {w} (tables sharded over {w} {gpu.name} GPUs of one node; submit --no-pack)")
+            break
+        w *= 2
+    if spec.mixed_precision == "none" or any(t.dtype == "fp32" for t in spec.tables):
+        half = replace(spec, mixed_precision="bf16" if spec.mixed_precision == "none" else spec.mixed_precision,
+                       tables=tuple(replace(t, dtype="fp16") if t.dtype == "fp32" else t for t in spec.tables))
+        if fits(half):
+            out.append("half precision (dtype: fp16 on the tables, mixed_precision: bf16)")
+    hbm = sorted((i for i, t in enumerate(spec.tables) if t.placement == "hbm"),
+                 key=lambda i: -spec.tables[i].rows * spec.tables[i].dim)
+    moved = list(spec.tables)
+    for k, i in enumerate(hbm):
+        moved[i] = replace(moved[i], placement="uvm")
+        if fits(replace(spec, tables=tuple(moved))):
+            names = ", ".join(spec.tables[j].name for j in hbm[: k + 1])
+            out.append(f"placement: uvm for table{'s' if k else ''} {names} (in host memory, cached on the GPU)")
+            break
+    biggest = max((t.rows for t in spec.tables), default=0)
+
+    def capped(cap: int) -> JobSpec:
+        return replace(spec, tables=tuple(replace(t, rows=min(t.rows, cap)) for t in spec.tables))
+
+    if biggest > 1 and fits(capped(1)):
+        lo, hi = 1, biggest
+        while lo < hi:  # the largest cap that fits
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(capped(mid)) else (lo, mid - 1)
+        out.append(f"smaller tables (scale: {{max_rows_per_table: {lo}}}; the largest has {biggest} rows)")
+    return out

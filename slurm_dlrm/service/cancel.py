@@ -19,8 +19,11 @@ def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
 
     PENDING: cancelled in the store. PLANNED or RUNNING: the agent is told through
     `<pack_dir>/cancel/<job_id>` (docs/interfaces.md 3a) and reports the member
-    CANCELLED; a member not yet started is cancelled in the store at once. If it was
-    the pack's last live member, the whole Slurm job is cancelled too.
+    CANCELLED; a member not yet started is cancelled in the store at once. A running
+    member is left to its agent (it checkpoints and exits 5; its pack's Slurm job then
+    ends when the agent does): an `scancel` would signal its srun step as well, which
+    then reports 143 for a runner that exited 5. Only a pack none of whose members ever
+    started is scancel'ed when its last member goes.
     """
     from slurm_dlrm.errors import BadInput
     from slurm_dlrm.slurm import SlurmError
@@ -52,10 +55,40 @@ def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
     else:
         store.add_event("note", "cancel requested; waiting for the agent", job_id=job_id, pack_id=pack.id)
     live = [i for i in pack_member_ids(store, pack.id, ("PLANNED", "RUNNING")) if i != job_id]
-    if not live and pack.slurm_job_id:
+    if job.state == JobState.RUNNING:
+        return (f"job {job_id} cancel sent to its pack {pack.name}; it checkpoints and stops; "
+                f"{len(live)} other member(s) keep running")
+    if not live and pack.slurm_job_id and str(pack.state) != "RUNNING":
         try:
             slurm.scancel([int(pack.slurm_job_id)])
         except SlurmError as exc:
             log.warning("scancel of pack %s: %s", pack.name, exc)
         return f"job {job_id} cancelled; its pack {pack.name} (Slurm job {pack.slurm_job_id}) had no other member"
     return f"job {job_id} cancel sent to its pack {pack.name}; {len(live)} other member(s) keep running"
+
+
+def requeue_job(store: Any, spool_dir: Path, job_id: int, *, user: str) -> str:
+    """Put an ended job (CANCELLED or FAILED) back in the queue, like `scontrol requeue`.
+
+    Its next run resumes from the checkpoint its last run left in `<spool>/jobs/<id>/ckpt`
+    (per job, not per pack). Returns what was done."""
+    from slurm_dlrm.errors import BadInput
+    from slurm_dlrm.service.joblog import last_checkpoint_step
+    from slurm_dlrm.store.errors import StaleState, UnknownEntity
+    from slurm_dlrm.store.states import JobState
+
+    try:
+        job = store.get_job(job_id)
+    except UnknownEntity:
+        raise BadInput(f"job {job_id}: no such job in your store") from None
+    if job.user != user:
+        raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
+    if job.state not in (JobState.CANCELLED, JobState.FAILED):
+        raise BadInput(f"job {job_id}: is {job.state}; only CANCELLED or FAILED jobs can be requeued")
+    step = last_checkpoint_step(spool_dir, job_id)
+    how = f"resumes from its checkpoint at step {step}" if step is not None else "starts from step 0 (no checkpoint)"
+    try:
+        store.transition_job(job_id, JobState.PENDING, f"requeued by the user; {how}", expect=job.state)
+    except StaleState:
+        raise BadInput(f"job {job_id}: changed state meanwhile; try again") from None
+    return f"job {job_id} requeued; it {how}"

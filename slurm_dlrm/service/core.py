@@ -476,11 +476,16 @@ class PackingService:
     # ------------------------------------------------------------ act
 
     def act(self, stats: RoundStats) -> None:
+        from slurm_dlrm.service.depend import ready_jobs
         from slurm_dlrm.store.states import JobState
 
         if not self._slurm_available():
             return
         pending = self.store.jobs([JobState.PENDING], user=self.settings.user)
+        pending, never = ready_jobs(self.store, pending)  # submit --dependency
+        for job, why in never:
+            self.store.transition_job(job.id, JobState.FAILED, why, expect=JobState.PENDING)
+            stats.transitions += 1
         pending = self.trace_custom_estimates(pending, stats)
         if not pending or not self._dispatch_due(pending):
             return

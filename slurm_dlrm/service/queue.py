@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from slurm_dlrm.agent.outlog import short_reason
 from slurm_dlrm.service.custom_trace import ESTIMATING_REASON, PENDING_TRACE
 from slurm_dlrm.site import MIB
 
@@ -23,10 +25,21 @@ def pending_reason(service: dict[str, Any]) -> str:
     if not service.get("running"):
         return "the packing service is not running (slurm-dlrm serve --daemon)"
     if service.get("slurm_ok") is False:
-        return (f"waiting for Slurm: {service.get('slurm_error')} "
+        # one short line in the table; `show` and `serve status` carry the whole error
+        return (f"waiting for Slurm: {slurm_error_line(service.get('slurm_error'))} "
                 f"(retry in {service.get('slurm_retry_in_s')} s)")
     nxt = service.get("next_dispatch_in_s")
     return "waiting for a dispatch round" + (f" (in {nxt:.0f} s)" if nxt else "")
+
+
+def slurm_error_line(error: str | None, limit: int = 60) -> str:
+    """The gist of a Slurm command's error for a REASON cell: its last stderr line
+    without the `squeue: fatal:` prefix (`Could not establish a configuration source`)."""
+    text = (error or "").split(" | ")[-1]
+    if "): " in text and " failed (exit " in text:
+        text = text.split("): ", 1)[1]
+    text = re.sub(r"^\w+: (?:fatal|error): ", "", text.strip())
+    return short_reason(text, limit) or "no answer"
 
 
 def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended: bool = False,
@@ -47,6 +60,7 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
             for pl in store.placements(pack_id=pid):
                 placements[(pl.pack_id, pl.job_id)] = pl
     rows = []
+    node_gpus: dict[tuple[str, int], list[str] | None] = {}
     for j in jobs:
         pack = packs.get(j.pack_id) if j.pack_id is not None and j.state != JobState.PENDING else None
         pl = placements.get((j.pack_id, j.id)) if pack is not None else None
@@ -54,6 +68,8 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
             reason = ESTIMATING_REASON + f": the service traces {j.spec.get('custom_module')}"
         elif j.state == JobState.PENDING:
             reason = pending_reason(service)
+            if getattr(j, "sbatch_json", None) and '"dependency"' in j.sbatch_json:
+                reason = _dependency_reason(store, j) or reason
         elif j.state in JOB_TERMINAL:
             reason = j.exit_reason or ""
         elif pack is not None and pack.state == PackState.SUBMITTING:
@@ -71,11 +87,49 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
             "job_id": j.id, "name": j.name, "state": str(j.state), "pack": pack.name if pack else None,
             "slurm_job_id": pack.slurm_job_id if pack else None,
             "node": (pl.node or (f"#{pl.node_index}" if pl else None)) if pl else None,
-            "gpu": pl.gpu_index if pl else None, "mps_pct": pl.mps_thread_pct if pl else None,
+            "gpu": node_gpu(pack.pack_dir, pl.node_index, pl.gpu_index, node_gpus) if pl and pack else None,
+            "mps_pct": pl.mps_thread_pct if pl else None,
             "gpu_mem_mib": (pl.gpu_mem_limit_bytes // MIB) if pl and pl.gpu_mem_limit_bytes else None,
             "attempt": j.attempt, "reason": reason,
         })
     return rows
+
+
+def node_gpu(pack_dir: str | None, node_index: int, gpu_index: int,
+             cache: dict[tuple[str, int], list[str] | None]) -> int | str:
+    """The GPU as its node numbers it (Slurm's IDX), from the agent's
+    `<pack_dir>/nodes/<node_index>.json`; the position in the allocation until an
+    agent has written it."""
+    import json
+
+    if not pack_dir:
+        return gpu_index
+    key = (pack_dir, node_index)
+    if key not in cache:
+        try:
+            gpus = json.loads((Path(pack_dir) / "nodes" / f"{node_index}.json").read_text()).get("gpus")
+            cache[key] = [str(g) for g in gpus] if isinstance(gpus, list) else None
+        except (OSError, ValueError, AttributeError):
+            cache[key] = None
+    gpus = cache[key]
+    if gpus is None or not 0 <= gpu_index < len(gpus):
+        return gpu_index
+    g = gpus[gpu_index]
+    return int(g) if g.isdigit() else g
+
+
+def _dependency_reason(store: Any, job: Any) -> str:
+    from slurm_dlrm.service.depend import dependency_state
+    from slurm_dlrm.store.errors import UnknownEntity
+
+    def state_of(jid: int) -> str | None:
+        try:
+            return str(store.get_job(jid).state)
+        except UnknownEntity:
+            return None
+
+    verdict, why = dependency_state(job, state_of)
+    return why if verdict != "ready" else ""
 
 
 def slurm_pending_reasons(slurm: Any, user: str) -> dict[str, str]:
@@ -116,11 +170,13 @@ def job_details(store: Any, job_id: int, *, user: str, service: dict[str, Any]) 
     (row,) = queue_rows(store, user=user, service=service, include_ended=True, job_ids=[job_id])
     packs = {p.id: p for p in store.packs(user=user)}
     history = []
+    node_gpus: dict[tuple[str, int], list[str] | None] = {}
     for pl in store.placements(job_id=job_id):
         p = packs.get(pl.pack_id)
         history.append({"pack": p.name if p else pl.pack_id, "pack_state": str(p.state) if p else None,
                         "slurm_job_id": p.slurm_job_id if p else None, "attempt": pl.attempt, "node": pl.node,
-                        "gpu": pl.gpu_index, "mps_pct": pl.mps_thread_pct,
+                        "gpu": node_gpu(p.pack_dir if p else None, pl.node_index, pl.gpu_index, node_gpus),
+                        "mps_pct": pl.mps_thread_pct,
                         "gpu_mem_limit_mib": (pl.gpu_mem_limit_bytes or 0) // MIB,
                         "host_mem_limit_mib": (pl.host_mem_limit_bytes or 0) // MIB, "cpus": pl.cpus,
                         "start_time": pl.start_time, "end_time": pl.end_time})

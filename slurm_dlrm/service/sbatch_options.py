@@ -233,6 +233,15 @@ _SIZED_BY_US = ("--mem", "--mem-per-cpu", "--mem-per-gpu", "--gres", "--gpus", "
                 "--cpus-per-task", "-c", "--nodes", "-N", "--ntasks", "-n", "--ntasks-per-node")
 
 
+def refused_option(name: str, where: str = "command line") -> SbatchOptionError | None:
+    """The error for a resource option sbatch knows and slurm-dlrm sizes itself (`submit
+    --mem=4G` says what `#SBATCH --mem` says), or None for any other name."""
+    name = name.partition("=")[0]
+    if name in _SIZED_BY_US:
+        return SbatchOptionError(where, name, "sized by slurm-dlrm from the estimate; remove it")
+    return None
+
+
 def check_option(attr: str, value: str, where: str = "") -> Any:
     """Validate one option value given by attribute name; returns what is stored."""
     spec = _BY_ATTR[attr]

@@ -76,10 +76,16 @@ def gpu_for(site: SiteConfig, options: SbatchOptions) -> GpuModel:
     return site.gpu_model(groups[0].gpu_model) if groups else next(iter(site.gpu_models.values()))
 
 
-def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, cwd: str) -> list[Submission]:
-    """Validate and estimate every spec; raise BadInput naming the first bad one."""
+def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, cwd: str,
+            sets: Sequence[str] = (), array: str | None = None) -> list[Submission]:
+    """Validate and estimate every spec (each variant of a `--set`/`--array` sweep);
+    raise BadInput naming the first bad one."""
     from slurm_dlrm.estimate import estimate
+    from slurm_dlrm.service.sweep import expand, parse_array, parse_sets
     from slurm_dlrm.spec import load_spec, spec_fingerprint
+
+    sweep_sets = parse_sets(sets)
+    sweep_array = parse_array(array) if array else None
 
     if not paths:
         raise BadInput("SPEC: give at least one spec file")
@@ -91,28 +97,45 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
         except (OSError, UnicodeDecodeError) as exc:
             raise BadInput(f"{raw}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
         options = cli_options.merged_over(parse_sbatch_script(text, raw)).with_paths_from(cwd)
-        spec = load_spec(path)
         gpu = gpu_for(site, options)
-        est = estimate(spec, gpu)
-        if spec.custom_module:
-            # traced by the service (torch), after the checks that need no import (custom_trace.py)
-            from slurm_dlrm.service.custom_trace import check_custom_module
+        for spec in expand(load_spec(path), sweep_sets, sweep_array):
+            est = estimate(spec, gpu)
+            if spec.custom_module:
+                # traced by the service (torch), after the checks that need no import (custom_trace.py)
+                from slurm_dlrm.service.custom_trace import check_custom_module
 
-            check_custom_module(spec, source=raw)
-        elif est.gpu_peak_bytes > gpu.memory_bytes:
-            raise BadInput(f"{raw}: needs {est.gpu_peak_bytes / GIB:.1f} GiB of GPU memory (estimate); "
-                           f"a {gpu.name} has {gpu.memory_bytes / GIB:.0f} GiB")
-        data = spec.to_dict()
-        ds = data.get("data") or {}
-        if ds.get("path") and not os.path.isabs(ds["path"]):
-            ds["path"] = os.path.normpath(os.path.join(os.path.dirname(path), ds["path"]))
-        out.append(Submission(path=path, name=options.job_name or spec.name, spec=spec, spec_data=data,
-                              fingerprint=spec_fingerprint(spec), options=options, gpu=gpu, estimate=est,
-                              source=raw))
+                check_custom_module(spec, source=raw)
+            elif est.gpu_peak_bytes > gpu.memory_bytes:
+                raise BadInput(f"{spec.source if spec.source != path else raw}: needs {est.gpu_peak_bytes / GIB:.1f} "
+                               f"GiB of GPU memory (estimate); a {gpu.name} has {gpu.memory_bytes / GIB:.0f} GiB "
+                               f"(slurm-dlrm estimate says what would make it fit)")
+            data = spec.to_dict()
+            ds = data.get("data") or {}
+            if ds.get("path") and not os.path.isabs(ds["path"]):
+                ds["path"] = os.path.normpath(os.path.join(os.path.dirname(path), ds["path"]))
+            if ds.get("path"):
+                check_data_path(raw, ds["path"])
+            out.append(Submission(path=path, name=options.job_name or spec.name, spec=spec, spec_data=data,
+                                  fingerprint=spec_fingerprint(spec), options=options, gpu=gpu, estimate=est,
+                                  source=raw))
     return out
 
 
-def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | None = None) -> list[int]:
+def check_data_path(raw: str, data_path: str) -> None:
+    """A data file the runner would not find fails here, not minutes later in a pack
+    (the spool and data are on a file system the nodes share, as sbatch --chdir assumes)."""
+    p = Path(data_path)
+    if p.is_dir():
+        if not any(not c.name.startswith(".") and c.is_file() for c in p.iterdir()):
+            raise BadInput(f"{raw}: data.path: no data file in the folder {data_path}")
+    elif not p.is_file():
+        raise BadInput(f"{raw}: data.path: no such file or folder: {data_path}")
+    elif not os.access(p, os.R_OK):
+        raise BadInput(f"{raw}: data.path: not readable: {data_path}")
+
+
+def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | None = None,
+           dependency: str | None = None) -> list[int]:
     """All jobs in one transaction: either every spec is recorded or none.
 
     With `spool_dir`, each job's spec file for its runner is written right after (a
@@ -123,14 +146,21 @@ def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | 
 
     ids = []
     with store.write():
+        if dependency:
+            from slurm_dlrm.service.depend import check_known, parse_dependency
+
+            check_known(parse_dependency(dependency), store, user)  # in the transaction: nothing half-done
         for s in subs:
+            sbatch = s.options.to_dict()
+            if dependency:
+                sbatch["dependency"] = dependency  # ours, not the pack's: depend.py reads it
             est = s.estimate.to_dict()
             if s.spec.custom_module:  # its analytic figures are placeholders until the service traced it
                 est = pending_trace_estimate(est, s.source, submit_search_path(os.getcwd()))
             ids.append(int(store.add_job(
                 user=user, name=s.name, spec=s.spec_data, spec_fingerprint=s.fingerprint,
-                estimate=est, gpu_model=s.gpu.name, sbatch=s.options.to_dict(),
-                reason=f"submitted from {s.path}")))
+                estimate=est, gpu_model=s.gpu.name, sbatch=sbatch,
+                reason=f"submitted from {s.path}" + (f"; --dependency={dependency}" if dependency else ""))))
     if spool_dir is not None:
         from slurm_dlrm.service.spool import write_job_spec
 
@@ -150,26 +180,96 @@ AUTO_IDLE_EXIT_S = 600.0
 
 def ensure_service(site: SiteConfig, user: str,
                    serve_args: Sequence[str] = ("--idle-exit", str(AUTO_IDLE_EXIT_S))) -> str:
-    """Wake the user's service, or start it if none runs. Returns what was done."""
+    """Wake the user's service, or start it if none runs. Returns what was done.
+
+    A service started with another SLURM_CONF than this command's (say, before `export
+    SLURM_CONF`) would go on talking to the wrong Slurm, or none: it is stopped (it is
+    crash-safe; SIGTERM ends it after its round) and started again with this environment."""
+    from slurm_dlrm.service.daemon import read_status, stop
+
     paths = service_paths(site, user)
+    restarted = False
     if running_pid(paths) is not None:
-        wake(paths)
-        return "woken"
+        status = read_status(paths)
+        if "slurm_conf" not in status or status.get("slurm_conf") == os.environ.get("SLURM_CONF"):
+            wake(paths)
+            return "woken"
+        try:
+            stop(paths, timeout_s=30)
+        except TimeoutError as exc:
+            raise DlrmError(f"packing service: it runs with SLURM_CONF={status.get('slurm_conf') or '(unset)'}, "
+                            f"not {os.environ.get('SLURM_CONF') or '(unset)'}, and {exc}; "
+                            f"run `slurm-dlrm serve stop`") from None
+        restarted = True
     env = dict(os.environ)
     if site.path:
         env["SLURM_DLRM_SITE"] = os.path.abspath(site.path)
     spawn_service(paths, list(serve_args), env=env)
-    return "started"
+    return "restarted with this SLURM_CONF" if restarted else "started"
+
+
+def check_slurm_reachable(slurm: Any, site: SiteConfig, user: str) -> None:
+    """Fail at once, as sbatch would, when Slurm cannot be reached (nothing recorded).
+
+    Skipped when this user's service answered Slurm in its last round with the same
+    SLURM_CONF (a fresh status file): `submit` stays one sbatch's worth of time."""
+    from slurm_dlrm.service.daemon import read_status
+    from slurm_dlrm.slurm import SlurmError
+
+    paths = service_paths(site, user)
+    status = read_status(paths) if running_pid(paths) is not None else {}
+    fresh = time.time() - float(status.get("last_round_t") or 0) < 3 * max(site.packing.round_seconds, 5.0)
+    if (status.get("slurm_ok") and fresh and "slurm_conf" in status
+            and status.get("slurm_conf") == os.environ.get("SLURM_CONF")):
+        return
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not os.path.isfile(conf):  # Slurm itself retries that for 60 s
+        raise DlrmError(f"Slurm cannot be reached: SLURM_CONF={conf}: no such file; nothing recorded")
+    from slurm_dlrm.slurm.client import UnsupportedSlurm
+
+    try:
+        slurm.release()  # an unsupported release is its own one line
+        proc = slurm.run(["scontrol", "ping"], check=False, timeout_s=10.0)
+    except UnsupportedSlurm:
+        raise
+    except SlurmError as exc:
+        detail = short_error(exc.stderr or str(exc))
+        raise DlrmError(f"Slurm cannot be reached: {detail}{_conf_hint(detail)}; nothing recorded") from None
+    if proc.returncode == 0 and "UP" in proc.stdout:
+        return
+    detail = short_error(proc.stderr or proc.stdout or f"scontrol ping exit code {proc.returncode}")
+    raise DlrmError(f"Slurm cannot be reached: {detail}{_conf_hint(detail)}; nothing recorded")
+
+
+def _conf_hint(detail: str) -> str:
+    if "configuration source" not in detail and "slurm.conf" not in detail:
+        return ""
+    if os.environ.get("SLURM_CONF"):
+        return f" (SLURM_CONF is {os.environ['SLURM_CONF']})"
+    return " (is SLURM_CONF set? the local cluster's: export SLURM_CONF=$(slurm-dlrm cluster status --conf))"
+
+
+def short_error(text: str, limit: int = 160) -> str:
+    """A Slurm command's error as one line: its last non-empty line (the fatal one)."""
+    lines = [ln.strip() for ln in text.strip().replace(" | ", "\n").splitlines() if ln.strip()]
+    line = lines[-1] if lines else text.strip()
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
-           start_service: bool = True, check_slurm: Callable[[], Any] | None = None
-           ) -> tuple[list[int], list[Submission]]:
-    """Validate and estimate every spec, then `check_slurm()` (the release check: bad
-    input is named before Slurm is asked anything), then record them all."""
+           start_service: bool = True, slurm: Any = None, sets: Sequence[str] = (),
+           array: str | None = None, dependency: str | None = None,
+           check_slurm: Callable[[], Any] | None = None) -> tuple[list[int], list[Submission]]:
+    """Validate and estimate every spec, then ask Slurm (`slurm`: reachable and a
+    supported release, svc.check_slurm_reachable; `check_slurm()`: the release check
+    alone) so bad input is named first, then record them all."""
     from slurm_dlrm.store.store import Store
 
-    subs = prepare(paths, cli_options, site, cwd)
+    if dependency:
+        from slurm_dlrm.service.depend import parse_dependency
+
+        parse_dependency(dependency)  # the form first: a usage error before anything else
+    subs = prepare(paths, cli_options, site, cwd, sets, array)
     for sub in subs:
         if sub.spec.world_size > 1:
             # A pack member is one process group on one GPU share; its ranks would all
@@ -179,9 +279,11 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
                            f"(one Slurm job on {sub.spec.world_size} whole GPUs)")
     if check_slurm is not None:
         check_slurm()
+    if slurm is not None:
+        check_slurm_reachable(slurm, site, user)
     ensure_private_dir(site.store_dir_for(user))
     with Store.for_user(site, user) as store:
-        ids = record(store, subs, user, site.spool_dir_for(user))
+        ids = record(store, subs, user, site.spool_dir_for(user), dependency=dependency)
     if start_service:
         what = ensure_service(site, user)
         log.info("packing service %s", what)
@@ -242,12 +344,17 @@ def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
     return max(1, partition_for(site, options).min_mps_share)
 
 
+def native_flags(sub: Submission, req: NativeRequest) -> list[str]:
+    """The --no-pack job's sbatch flags (unquoted), sorted."""
+    return sorted([f"--comment={req.comment}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
+                   f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
+                   *(["--nodes=1"] if sub.spec.world_size > 1 else []),
+                   *sub.options.sbatch_flags(include_job_name=False)])
+
+
 def native_script(sub: Submission, req: NativeRequest, spec_path: str, python: str) -> str:
     """A plain batch script: #SBATCH lines (quoted, sorted) and the training command."""
-    flags = sorted([f"--comment={req.comment}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
-                    f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
-                    *(["--nodes=1"] if sub.spec.world_size > 1 else []),
-                    *sub.options.sbatch_flags(include_job_name=False)])
+    flags = native_flags(sub, req)
     command = list(sub.spec.command or [python, "-m", "slurm_dlrm", "train", spec_path])
     lines = ["#!/bin/bash", f"# slurm-dlrm --no-pack job {sub.name}: one job, sized from its estimate."]
     lines += [f"#SBATCH {sbatch_line(f)}" for f in flags]
@@ -256,9 +363,11 @@ def native_script(sub: Submission, req: NativeRequest, spec_path: str, python: s
 
 
 def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
-                   slurm: Any, python: str = sys.executable) -> list[tuple[int, Submission, NativeRequest]]:
+                   slurm: Any, python: str = sys.executable, sets: Sequence[str] = (),
+                   array: str | None = None) -> list[tuple[int, Submission, NativeRequest]]:
     """Each spec as its own Slurm job; returns (Slurm job id, submission, request)."""
-    subs = [_traced(sub, python) if sub.spec.custom_module else sub for sub in prepare(paths, cli_options, site, cwd)]
+    subs = [_traced(sub, python) if sub.spec.custom_module else sub
+            for sub in prepare(paths, cli_options, site, cwd, sets, array)]
     spool = ensure_private_dir(site.spool_dir_for(user))
     reqs = [native_request(sub, site) for sub in subs]  # all sized before any is submitted
     out = []
@@ -270,6 +379,28 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
         (job_dir / "job.sbatch").write_text(script)
         opts = [] if sub.options.output else [f"--output={job_dir}/slurm-%j.out"]
         out.append((slurm.sbatch(script, [*opts, f"--chdir={job_dir}"]), sub, req))
+    return out
+
+
+def test_only_lines(subs: Sequence[Submission], site: SiteConfig, *, no_pack: bool) -> list[str]:
+    """`submit --test-only`: the sbatch command each job would use, quoted for a shell.
+
+    --no-pack: the job's own sbatch, exactly. Packed: the options its pack carries; the
+    pack's --nodes/--gres/--cpus-per-task/--mem are the plan's, sized when a round packs it
+    (at least the job's own share, shown)."""
+    out = []
+    for sub in subs:
+        if no_pack:
+            flags = native_flags(sub, native_request(sub, site))
+            out.append("sbatch --parsable " + " ".join(shlex.quote(f) for f in flags) + " job.sbatch")
+            continue
+        margin = 1.0 + site.packing.memory_margin_pct / 100.0
+        flags = ["--parsable", "--job-name=PACK", "--no-requeue", "--ntasks-per-node=1",
+                 *sorted(sub.options.sbatch_flags(include_job_name=False))]
+        out.append(f"sbatch {' '.join(shlex.quote(f) for f in flags)} pack.sbatch   # + the plan's --nodes, "
+                   f"--gres=gpu:N, --cpus-per-task, --mem; this job's share: a {sub.gpu.name} GPU share, "
+                   f"{max(1, math.ceil(float(sub.estimate.profile.host_cpu_cores) - 1e-9))} CPU, "
+                   f"{math.ceil(sub.estimate.host_peak_bytes * margin / MIB)}M")
     return out
 
 

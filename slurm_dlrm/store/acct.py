@@ -56,8 +56,10 @@ COLUMNS: tuple[Column, ...] = (
     Column("User", "user", "str", "owner"),
     Column("State", "state", "str", "PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED"),
     Column("Attempt", "attempt", "int", "times requeued after running"),
-    Column("Pack", "pack_id", "int", "current or last pack id"),
-    Column("PackName", "pack_name", "str", "its Slurm job name"),
+    # one pack label everywhere: the name queue, show and cancel --pack use (its Slurm job name)
+    Column("Pack", "pack_name", "str", "current or last pack, by the name queue and show print"),
+    Column("PackID", "pack_id", "int", "that pack's number in the store"),
+    Column("PackName", "pack_name", "str", "the same as Pack (kept for old -o lists)"),
     Column("SlurmJobID", "slurm_job_id", "str", "Slurm job id (and step) of the member"),
     Column("NodeList", "nodes", "str", "nodes of the last attempt"),
     Column("GPUs", "n_gpus", "int", "GPUs of the last attempt (shared or not)"),
@@ -81,7 +83,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("GPUHoursSaved", "gpu_hours_saved", "hours", "ExclGPUHours - GPUHours"),
     Column("SpeedBasis", "speed_basis", "str",
            "ExclGPUHours' slowdown: solo | measured (vs solo runs) | predicted (plan) | none"),
-    Column("ExitCode", "exit_code", "int", "member exit code"),
+    Column("ExitCode", "exit_code", "exit", "member exit code as code:signal, like sacct (143 is 0:15)"),
     Column("Reason", "exit_reason", "str", "reason of the terminal state"),
     Column("Fingerprint", "spec_fingerprint", "str", "spec fingerprint"),
     Column("Profile", "est_profile_label", "str", "compute-bound | memory-bound | host-bound"),
@@ -97,6 +99,11 @@ DEFAULT_FORMAT = (
 
 _REL = re.compile(r"^(?:now)?-?(\d+(?:\.\d+)?)([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+# Slurm's own relative form (sacct -S now-1hours): now[+-]COUNT[seconds|minutes|hours|days|weeks]
+_SLURM_REL = re.compile(r"^now([+-])(\d+)(seconds|minutes|hours|days|weeks)?$")
+_SLURM_UNIT_S = {"seconds": 1, "minutes": 60, "hours": 3600, "days": 86400, "weeks": 604800}
+_CLOCK = re.compile(r"^(\d{1,2}):(\d{2})(?::(\d{2}))?$")
+_MMDDYY = re.compile(r"^(\d{2})/?(\d{2})(?:/?(\d{2}))?$")
 
 
 def parse_time(text: str, option: str, now: float | None = None) -> float:
@@ -108,6 +115,9 @@ def parse_time(text: str, option: str, now: float | None = None) -> float:
     m = _REL.match(s)
     if m:
         return now - float(m.group(1)) * _UNIT_S[m.group(2)]
+    slurm_time = _slurm_time(s, now)
+    if slurm_time is not None:
+        return slurm_time
     if s.startswith("@"):
         try:
             return float(s[1:])
@@ -117,8 +127,34 @@ def parse_time(text: str, option: str, now: float | None = None) -> float:
         return datetime.fromisoformat(text.strip()).timestamp()
     except ValueError:
         raise BadInput(
-            f"{option}: cannot read {text!r} as a time (use 2026-11-21, 2026-11-21T14:00, 3h, 2d, now or @EPOCH)"
+            f"{option}: cannot read {text!r} as a time (use 2026-11-21, 2026-11-21T14:00, 14:00, 3h, now-1hours, "
+            f"today, midnight or @EPOCH)"
         ) from None
+
+
+def _slurm_time(s: str, now: float) -> float | None:
+    """sacct's other time forms: now-1hours, today/midnight/noon, HH:MM[:SS] (today),
+    MMDD[YY] and MM/DD[/YY] (local midnight)."""
+    m = _SLURM_REL.match(s)
+    if m:
+        delta = int(m.group(2)) * _SLURM_UNIT_S[m.group(3) or "seconds"]
+        return now - delta if m.group(1) == "-" else now + delta
+    day = datetime.fromtimestamp(now).replace(hour=0, minute=0, second=0, microsecond=0)
+    if s in ("today", "midnight"):
+        return day.timestamp()
+    if s == "noon":
+        return day.replace(hour=12).timestamp()
+    m = _CLOCK.match(s)
+    if m and int(m.group(1)) < 24 and int(m.group(2)) < 60:
+        return day.replace(hour=int(m.group(1)), minute=int(m.group(2)), second=int(m.group(3) or 0)).timestamp()
+    m = _MMDDYY.match(s)
+    if m:
+        try:
+            year = 2000 + int(m.group(3)) if m.group(3) else day.year
+            return day.replace(year=year, month=int(m.group(1)), day=int(m.group(2))).timestamp()
+        except ValueError:
+            return None
+    return None
 
 
 def parse_format(text: str) -> list[tuple[Column, int | None]]:
@@ -140,9 +176,15 @@ def parse_format(text: str) -> list[tuple[Column, int | None]]:
     return out
 
 
+# sacct's state abbreviations (sacct -s CD,F); PL is ours (PLANNED, no Slurm twin).
+STATE_ABBREVIATIONS = {"PD": "PENDING", "PL": "PLANNED", "R": "RUNNING", "CD": "COMPLETED", "F": "FAILED",
+                       "OOM": "OOM", "CA": "CANCELLED"}
+
+
 def parse_states(text: str) -> tuple[JobState, ...]:
     try:
-        return tuple(parse_job_state(s) for s in text.split(",") if s.strip())
+        return tuple(parse_job_state(STATE_ABBREVIATIONS.get(s.strip().upper(), s)) for s in text.split(",")
+                     if s.strip())
     except ValueError as exc:
         raise BadInput(f"--state: {exc}") from None
 
@@ -196,6 +238,8 @@ def _sql_dur(s: str) -> str:
 _SQL_HUMAN: dict[str, Callable[[str], str]] = {
     "str": lambda x: f"CAST({x} AS TEXT)",
     "int": lambda x: f"CAST({x} AS TEXT)",
+    # code:signal like sacct; the agent records a death by signal N as 128+N
+    "exit": lambda x: f"CASE WHEN {x} > 128 THEN '0:' || ({x} - 128) ELSE {x} || ':0' END",
     "bytes": lambda x: (
         f"CASE WHEN abs({x}) >= 1099511627776 THEN printf('%.1fT', {x} / 1099511627776.0) "
         f"WHEN abs({x}) >= 1073741824 THEN printf('%.1fG', {x} / 1073741824.0) "
@@ -406,6 +450,14 @@ def raw_value(col: Column, v: Any) -> Any:
     if col.kind == "hours":
         return round(float(v), 4)
     return v
+
+
+def render_parsable(cell_rows: Sequence[Sequence[str]], cols: Sequence[tuple[Column, int | None]],
+                    header: bool = True) -> str:
+    """`acct -P`: the table's formatted cells, '|'-separated, like sacct -P (--raw: `render`)."""
+    lines = ["|".join(c.name for c, _ in cols)] if header else []
+    lines += ["|".join(r) for r in cell_rows]
+    return "\n".join(lines) + ("\n" if lines else "")
 
 
 def render(rows: Sequence[dict[str, Any]], cols: Sequence[tuple[Column, int | None]], fmt: str,

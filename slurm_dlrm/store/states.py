@@ -64,11 +64,15 @@ JOB_TRANSITIONS: dict[tuple[JobState, JobState], str] = {
     # the service retries an OOM with a larger memory request; attempt += 1.
     # An OOM job that is not requeued stays OOM (terminal).
     (J.OOM, J.PENDING): "requeued after OOM",
+    # the user asked for another run (`slurm-dlrm requeue`, like `scontrol requeue`):
+    # it resumes from the checkpoint its last run left; attempt += 1
+    (J.CANCELLED, J.PENDING): "requeued by the user",
+    (J.FAILED, J.PENDING): "requeued by the user",
 }
 
 JOB_TERMINAL = frozenset({J.COMPLETED, J.FAILED, J.OOM, J.CANCELLED})
 # Leaving these states for PENDING counts as a new attempt (the job had run).
-JOB_ATTEMPT_FROM = frozenset({J.RUNNING, J.OOM})
+JOB_ATTEMPT_FROM = frozenset({J.RUNNING, J.OOM, J.CANCELLED, J.FAILED})
 
 PACK_TRANSITIONS: dict[tuple[PackState, PackState], str] = {
     # sbatch answered with a Slurm job id (or reconciliation found it by name)
