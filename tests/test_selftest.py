@@ -239,6 +239,22 @@ def test_fake_run_is_dry_never_pass_and_leaves_nothing(clean_env):
     assert table.exit_code == 0 and "DRY" in table.output and "NOT accepted" in table.output
 
 
+def test_fences_capabilities_are_detected_and_a_required_one_missing_fails(clean_env, monkeypatch):
+    from slurm_dlrm.site import REPO_SITE_FILE
+
+    code, data = _run_json("--fake")
+    fences = next(c for c in data["checks"] if c["name"] == "fences.capabilities")
+    # the default fake control daemon is a pre-r615 driver: no v3; no GPU: nothing said of a node
+    assert fences["status"] == V.DRY and fences["values"]["mps_v3"] is False and "MPS v3: no" in fences["figure"]
+    site = clean_env / "site.toml"
+    site.write_text(REPO_SITE_FILE.read_text().replace('mode = "auto"', 'mode = "v3"', 1))
+    monkeypatch.setenv("SLURM_DLRM_SITE", str(site))
+    code, data = _run_json("--fake")
+    fences = next(c for c in data["checks"] if c["name"] == "fences.capabilities")
+    assert code == 1 and fences["status"] == V.FAIL and "mps.mode = v3" in fences["fix"]
+    assert _fake_daemons() == set()
+
+
 def test_without_nvml_and_mps_it_fails_and_says_what_to_fix(clean_env, monkeypatch):
     pynvml = pytest.importorskip("pynvml")
     try:

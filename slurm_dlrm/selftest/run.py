@@ -383,6 +383,29 @@ class Selftest:
         self.children.append(child)
         return child
 
+    def check_fences(self, site: SiteConfig) -> None:
+        """Which fences this node can enforce (issue 22: MPS v3 namespaces, cgroup dmem),
+        through the same detection the agent and `admin check --fences` use; FAIL when the
+        site requires one the node lacks."""
+        from slurm_dlrm.agent.fences import detect_capabilities, site_gaps
+
+        caps = detect_capabilities(env=self.env, driver_version=self.nvml.driver_version)
+        figure = (f"MPS v3: {'yes' if caps.mps_v3 else 'no'} ({caps.mps_v3_detail}); cgroup dmem: "
+                  f"{'yes' if caps.dmem else 'no'} ({caps.dmem_detail}); driver {caps.driver_version or 'unknown'}")
+        gaps = site_gaps(site.mps.mode, site.mps.dmem, caps)
+        values: dict[str, Any] = {"mps_v3": caps.mps_v3, "dmem": caps.dmem, "dmem_regions": caps.dmem_regions}
+        if gaps:
+            self.add("fences.capabilities", FAIL, figure,
+                     fix="; ".join(f"the site sets {f} = {want} but this node has {has}" for f, want, has in gaps)
+                     + ": upgrade the driver (MPS v3 needs r615+) / kernel (dmem needs 6.14+), or set "
+                       "mps.mode = auto and mps.dmem = auto in the site file", **values)
+        elif self.ctx.hardware:
+            self.add("fences.capabilities", PASS, figure,
+                     detail="fences without v3 or dmem are the clients' own environment (docs/admin.md)", **values)
+        else:
+            self.add("fences.capabilities", DRY, figure,
+                     detail="detected against this machine without a GPU driver: says nothing of a GPU node", **values)
+
     def check_mps(self, site: SiteConfig) -> None:
         names = ("mps.daemon_start", "mps.memory_fence", "mps.neighbour_runs_on", "mps.thread_share_scaling",
                  "mps.nvml_sees_clients", "mps.daemon_shutdown")
@@ -676,6 +699,7 @@ class Selftest:
         try:
             site = self.prepare()
             self.check_nvml(site)
+            self.check_fences(site)
             if self.ctx.hardware and self.model is not None:
                 self.check_calibration()  # first: the SM count it reads sharpens the share check
             self.check_mps(site)
