@@ -45,6 +45,9 @@ _MIN_EFFICIENCY = 0.3
 # A pending job expected to run >= this share of the time the whole backlog needs is a
 # drain-tail job: it goes first and gets a reservation (`drain_tail`, `_reserve`).
 _TAIL_FACTOR = 0.5
+# Switches for benchmarks/bound_ablation.py (what each mechanism contributes).
+_PRICED = True
+_RESERVE = True
 
 
 def _join_key(job: JobDemand) -> tuple[float, bool, float, float, int]:
@@ -272,7 +275,7 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
 
     # The first drain-tail job that fits no pack GPU now gets the GPU where it can start
     # soonest (EASY backfill): only joiners that end before then, or leave it room, join it.
-    reservation = _reserve(pgs, [j for j in rest if j.job_id in tail], limits) if tail else None
+    reservation = _reserve(pgs, [j for j in rest if j.job_id in tail], limits) if tail and _RESERVE else None
     # Prices of GPU memory, CPUs, SMs and bandwidth: how much of each the pending work
     # still needs (duration-weighted), the largest 1. A GPU's value is its members'
     # predicted speeds weighted by what they take of the priced resources, so joins
@@ -299,6 +302,7 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
         dem[3] += d * bw[k]
     top = max(dem) or 1.0
     price = [x / top for x in dem]
+    flat = not _PRICED  # ablation: every member weighs 1 (summed speed), `min_gain` floor
     for pg in pgs:
         if pg.gpu.name not in fences:
             f = [member_fence_bytes(j, pg.gpu, limits) for j in rest]
@@ -312,7 +316,7 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
             live_sm = [util_fraction(j.sm_util_pct) for j in pg.members]
             live_bw = [util_fraction(j.membw_util_pct) for j in pg.members]
             cpu_cap = cpu_per_gpu[id(node)]
-            live_w = [price[0] * (live_gpu_bytes(j, pg.gpu, limits) if j in pg.live else member_fence_bytes(j, pg.gpu, limits)) / usable
+            live_w = [1.0 if flat else price[0] * (live_gpu_bytes(j, pg.gpu, limits) if j in pg.live else member_fence_bytes(j, pg.gpu, limits)) / usable
                       + price[1] * j.cpus / cpu_cap + price[2] * util_fraction(j.sm_util_pct) + price[3] * util_fraction(j.membw_util_pct)
                       for j in pg.members]
             live_sp = predict_speeds_from_fractions(live_sm, live_bw, params) if len(live_sm) > 1 else [1.0] * len(live_sm)
@@ -331,9 +335,11 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
                 scanned += 1
                 speeds = (predict_speeds_from_fractions(live_sm + [sm[i]], live_bw + [bw[i]], params)
                           if live_sm else [1.0])
-                weight = price[0] * fence[i] / usable + price[1] * cpus[i] / cpu_cap + price[2] * sm[i] + price[3] * bw[i]
+                weight = (1.0 if flat else
+                          price[0] * fence[i] / usable + price[1] * cpus[i] / cpu_cap + price[2] * sm[i] + price[3] * bw[i])
                 gain = sum(w * x for w, x in zip(live_w + [weight], speeds, strict=True)) - current
-                if (gain >= _MIN_EFFICIENCY * weight - 1e-12 and gain > pick_gain
+                floor = limits.min_gain if flat else _MIN_EFFICIENCY * weight
+                if (gain >= floor - 1e-12 and gain > pick_gain
                         and (pg.remaining_s is None or _times_fit(pg, pg.members + [rest[i]], speeds))):
                     pick, pick_gain = i, gain
                 if scanned >= _JOIN_SCAN:

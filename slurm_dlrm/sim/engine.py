@@ -205,11 +205,14 @@ def _demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -> J
 
 def simulate(workload: Workload, cluster: SimCluster, policy: str,
              true_params: InterferenceParams | None = None, plan_params: InterferenceParams | None = None,
-             max_sim_s: float = 365 * 86400.0, faults: FaultRuntime | None = None) -> SimResult:
+             max_sim_s: float = 365 * 86400.0, faults: FaultRuntime | None = None,
+             margin_from_errors: bool = True) -> SimResult:
     """Replay `workload` on `cluster` through `policy`; see the module docstring.
 
     With `faults`, node failures and straggler checks are injected and OOMs, node
-    failures and stragglers are handled by its recovery decisions (sim/faults.py)."""
+    failures and stragglers are handled by its recovery decisions (sim/faults.py).
+    `margin_from_errors` (fenced policies): each round's memory margin is the larger of
+    the configured one and the estimate's error observed at members' peaks so far."""
     truth = true_params or DEFAULT_PARAMS
     limits, dispatch, slurm, retry = cluster.limits, cluster.dispatch, cluster.slurm, cluster.retry
     nodes = [_NodeState(n.name, n.gpu_model, n.gpus, n.cpus, n.memory_bytes, n.gpus, n.cpus, n.memory_bytes)
@@ -264,7 +267,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     # GPUs with room (OpenGpu.pack, docs/packing.md), as the live service does.
     refill = policy in REFILL_POLICIES
     mem_errors: list[float] = []
-    learn_margin = fenced  # fences follow the estimate's observed error (round_limits)
+    learn_margin = fenced and margin_from_errors  # fences follow the estimate's observed error (round_limits)
 
     def gpu_bytes(node: _NodeState) -> int:
         return cluster.gpu_model(node.gpu_model).memory_bytes
