@@ -41,10 +41,10 @@ _JOIN_SCAN = 24  # pending jobs looked at per pick for one pack GPU (complementa
 # A joiner must add at least this much priced work per unit of the priced resources it
 # takes (its own speed, net of what it costs the live members): below it, the room is
 # better left to a later joiner (docs/packing.md "Refilling running packs").
-_MIN_EFFICIENCY = 0.3
+_MIN_EFFICIENCY = 0.4
 # A pending job expected to run >= this share of the time the whole backlog needs is a
 # drain-tail job: it goes first and gets a reservation (`drain_tail`, `_reserve`).
-_TAIL_FACTOR = 0.5
+_TAIL_FACTOR = 0.15
 # Switches for benchmarks/bound_ablation.py (what each mechanism contributes).
 _PRICED = True
 _RESERVE = True
