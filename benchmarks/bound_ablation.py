@@ -10,7 +10,7 @@ Mechanisms (the switch each row turns off):
 - priced: a joiner is chosen by its priced gain (predicted speeds weighted by the
   GPU memory, CPUs, SMs and bandwidth each member takes, priced by the backlog's
   demand), not by summed speed with the `min_gain` floor (`refill._PRICED`);
-- tail: drain-tail jobs (expected run >= 0.15 of the time the backlog needs) go first,
+- tail: drain-tail jobs (expected run >= 0.25 of the time the backlog needs) go first,
   longest first (`refill._TAIL_FACTOR`, `complementary._TAIL_FACTOR`);
 - reserve: the first drain-tail job that fits no pack GPU gets an EASY-backfill
   reservation on the one that frees its room soonest (`refill._RESERVE`);

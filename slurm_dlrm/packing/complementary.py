@@ -47,7 +47,7 @@ _SWAP_BUDGET = 2000  # model evaluations the swap pass may spend per plan
 _EXACT_LOG_SPREAD = math.log(1.25)  # duration ratio to the GPU's first member for exact candidates
 _EXACT_MAX = 12  # members + candidates up to which one GPU is solved by enumeration
 _EXACT_BUDGET = 20000  # model evaluations the exact step may spend per plan
-_TAIL_FACTOR = 0.15  # as refill's: drain-tail jobs seed first, longest first
+_TAIL_FACTOR = 0.25  # as refill's: drain-tail jobs seed first, longest first
 _DURATION_WEIGHT = 3.0  # weight of |ln(duration / seed duration)| against resource fill  # leftover candidates looked at per GPU in the top-up pass
 
 # Per job, for one GPU model: (SM fraction, bandwidth fraction, fence bytes, CPUs, host bytes).

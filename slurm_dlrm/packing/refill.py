@@ -44,7 +44,7 @@ _JOIN_SCAN = 24  # pending jobs looked at per pick for one pack GPU (complementa
 _MIN_EFFICIENCY = 0.4
 # A pending job expected to run >= this share of the time the whole backlog needs is a
 # drain-tail job: it goes first and gets a reservation (`drain_tail`, `_reserve`).
-_TAIL_FACTOR = 0.15
+_TAIL_FACTOR = 0.25
 # Switches for benchmarks/bound_ablation.py (what each mechanism contributes).
 _PRICED = True
 _RESERVE = True
