@@ -169,9 +169,11 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
     """Train like `slurm-dlrm train` does (slurm_dlrm/train/runner.py: Trainer.run):
     the runner's model build, data source and prefetcher, and its step loop."""
     from slurm_dlrm.train.data import Prefetcher, make_source
+    from slurm_dlrm.train.hostmem import fix_malloc_mmap_threshold
     from slurm_dlrm.train.model import build
 
     t0 = time.time()
+    fix_malloc_mmap_threshold()  # as the runner's run() does
     cpu = torch.device("cpu")
     if world == 1:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

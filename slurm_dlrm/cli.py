@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "show": "slurm_dlrm.commands.queue:show",
     "submit": "slurm_dlrm.commands.submit:submit",
     "estimate": "slurm_dlrm.commands.estimate:estimate",
+    "exporter": "slurm_dlrm.commands.exporter:exporter",
     "interference": "slurm_dlrm.commands.interference:interference",
     "simulate": "slurm_dlrm.commands.simulate:simulate_cmd",
 }

@@ -212,10 +212,17 @@ def _json_group(obj: Any, name: str, where: str, notes: ReadNotes, need_speed: b
 
 def _read_json(path: str, text: str, lines: list[tuple[int, str]], notes: ReadNotes,
                need_speed: bool) -> list[MeasuredGroup]:
+    from slurm_dlrm.strict_load import DuplicateKeyError, load_json
+
     try:
         whole = json.loads(text)
     except json.JSONDecodeError:
         whole = None  # JSON lines: one group per line
+    if whole is not None:
+        try:
+            load_json(text)  # again, refusing a key given twice
+        except DuplicateKeyError as exc:
+            raise BadInput(f"{path}: {exc}") from None
     if isinstance(whole, list):
         if whole and all(isinstance(x, Mapping) and "members" not in x for x in whole):
             return [_json_group({"members": whole}, "1", path, notes, need_speed)]  # one group's members
@@ -226,7 +233,9 @@ def _read_json(path: str, text: str, lines: list[tuple[int, str]], notes: ReadNo
     for no, line in lines:
         where = f"{path}: line {no}"
         try:
-            obj = json.loads(line)
+            obj = load_json(line, line=no)
+        except DuplicateKeyError as exc:
+            raise BadInput(f"{path}: {exc}") from None
         except json.JSONDecodeError as exc:
             raise BadInput(f"{where}: not valid JSON: {exc.msg} (column {exc.colno})") from None
         out.append(_json_group(obj, f"line {no}", where, notes, need_speed))

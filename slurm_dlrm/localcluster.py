@@ -6,7 +6,9 @@ node (each on its own port on 127.0.0.1), and with accounting also MariaDB and
 slurmdbd. Everything is private to the state folder and the base port, so several
 instances run side by side (one per git worktree). `down()` stops only processes this
 instance started: it finds them through pid files and checks that each carries the
-instance's marker in its environment before signalling it; nothing is killed by name.
+instance's marker in its environment (a slurmstepd, which from Slurm 23.x no longer
+inherits it: its working folder or open log file in the state folder) and runs in the
+same root before signalling it; nothing is killed by name.
 
 Over 600 lines: one class, `LocalCluster`, owns one instance's whole lifecycle (config,
 daemons, pid files, the marker check); the helpers beside it serve only it.
@@ -295,20 +297,64 @@ def _read_pid(pid_file: Path) -> int | None:
         return None
 
 
+def _same_root(pid: int) -> bool:
+    """The process sees the same / as we do: not one of another chroot (a Slurm
+    release root of scripts/slurm-matrix.sh) that happens to use the same state path."""
+    try:
+        theirs, ours = os.stat(f"/proc/{pid}/root"), os.stat("/")
+    except OSError:
+        return False
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+def _inode(path: str | Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _stepd_is_ours(pid: int, state_dir: Path) -> bool:
+    """A slurmstepd of one of our slurmd: its working folder or an open file (slurmd's
+    log, which slurmstepd writes to) is in our state folder. Compared by inode, so a
+    look-alike path in another root does not match. Needed from Slurm 23.x: slurmstepd
+    no longer inherits slurmd's environment (24.11: no marker in its environ), and it
+    is double-forked (parent pid 1), so neither environ nor parentage names it."""
+    ours = {i for i in (_inode(state_dir), _inode(state_dir / "log"), _inode(state_dir / "spool")) if i}
+    spool = state_dir / "spool"
+    with contextlib.suppress(OSError):
+        ours |= {i for i in (_inode(d) for d in spool.iterdir()) if i}
+    if _inode(f"/proc/{pid}/cwd") in ours:
+        return True
+    log_files = set()
+    with contextlib.suppress(OSError):
+        log_files = {i for i in (_inode(f) for f in (state_dir / "log").iterdir()) if i}
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    return any(_inode(f"/proc/{pid}/fd/{fd}") in log_files for fd in fds)
+
+
 def _is_ours(pid: int, state_dir: Path) -> bool:
-    """The process exists, is not a zombie, and is ours: a daemon carrying our marker,
-    or a task of a job of this cluster (slurmstepd gives every task SLURM_CONF and
-    SLURM_JOB_ID, even with --export=NONE)."""
+    """The process exists, is not a zombie, runs in our root, and is ours: a daemon
+    carrying our marker, a slurmstepd of our slurmd (see `_stepd_is_ours`), or a task
+    of a job of this cluster (slurmstepd gives every task SLURM_CONF and SLURM_JOB_ID,
+    even with --export=NONE)."""
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes()
         st = Path(f"/proc/{pid}/stat").read_text()
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return False
-    if st.rsplit(")", 1)[-1].split()[0] == "Z":
+    if st.rsplit(")", 1)[-1].split()[0] == "Z" or not _same_root(pid):
         return False
     entries = env.split(b"\0")
     if f"{MARKER}={state_dir}".encode() in entries:
         return True
+    if comm == "slurmstepd":
+        return _stepd_is_ours(pid, state_dir)
     conf = f"SLURM_CONF={state_dir / 'etc' / 'slurm.conf'}".encode()
     return conf in entries and any(e.startswith(b"SLURM_JOB_ID=") for e in entries)
 
@@ -460,7 +506,12 @@ class LocalCluster:
             "--bind-address=127.0.0.1", f"--socket={c.mysql_socket}", "--user=root",
             f"--pid-file={c.run_dir / 'mariadbd.pid.own'}", f"--log-error={c.log_dir / 'mariadb.log'}",
             "--skip-name-resolve", "--innodb-buffer-pool-size=32M", "--innodb-log-file-size=16M",
-            "--performance-schema=OFF", "--skip-log-bin"], daemonizes=False, wait_s=5)
+            "--performance-schema=OFF", "--skip-log-bin",
+            # Slurm's advice: slurmdbd 26.05 warns that MariaDB 11.8's (trixie, sid) default
+            # snapshot isolation makes it die on a write conflict. `loose-`: MariaDB 10.11
+            # (bookworm) has no such option and would otherwise refuse to start.
+            "--loose-innodb-snapshot-isolation=OFF", "--innodb-lock-wait-timeout=900"],
+            daemonizes=False, wait_s=5)
         _wait_for(lambda: c.mysql_socket.exists() and _can_connect(c.port(PORT_MYSQL)), 60,
                   "mariadbd to accept connections", c.log_dir / "mariadb.log")
         pw_file = c.etc_dir / "mysql.password"
@@ -486,9 +537,7 @@ class LocalCluster:
                      ["sacctmgr", "-i", "add", "user", "root", f"Account={ACCOUNT}",
                       f"Cluster={c.cluster_name}"]):
             proc = cl.run(argv, check=False)
-            # "Nothing new added" (exit 1) when it exists already: fine on a second `up`.
-            if proc.returncode != 0 and "already exists" not in proc.stdout + proc.stderr \
-                    and "Nothing new added" not in proc.stdout + proc.stderr:
+            if proc.returncode != 0 and not sacctmgr_already_there(proc.stdout + proc.stderr):
                 raise ClusterError(f"{' '.join(argv)} failed: {(proc.stderr or proc.stdout).strip()}")
 
     # ------------------------------------------------------------ files
@@ -496,8 +545,10 @@ class LocalCluster:
     def render(self) -> None:
         """Write slurm.conf, gres.conf (and slurmdbd.conf) and the fake GPU devices."""
         c = self.config
+        # slurmd's spool folder (SlurmdSpoolDir=<state>/spool/slurmd-%n) holds its domain
+        # sockets; 24.11+ log an error at start when it does not exist yet.
         for d in (c.etc_dir, c.run_dir, c.log_dir, c.state_dir / "ctld", c.state_dir / "spool",
-                  c.state_dir / "dev"):
+                  c.state_dir / "dev", *(c.state_dir / "spool" / f"slurmd-{n}" for n in c.node_names)):
             d.mkdir(parents=True, exist_ok=True)
         c.state_dir.chmod(0o755)  # munged refuses group/other-writable socket folders
         c.run_dir.chmod(0o755)
@@ -583,20 +634,29 @@ class LocalCluster:
         t0 = time.monotonic()
         self.render()
         by_name = {d.name: d for d in self.daemons()}
-        if not by_name["munged"].running:
-            self._start_munged()
-        if c.accounting:
-            if not by_name["mariadbd"].running:
-                self._start_mariadb()
-            if not by_name["slurmdbd"].running:
-                self._start_slurmdbd()
-        if not by_name["slurmctld"].running:
-            self._spawn("slurmctld", ["slurmctld", "-f", str(c.slurm_conf)], daemonizes=True)
-        for name in c.node_names:
-            if not by_name[f"slurmd-{name}"].running:
-                self._spawn(f"slurmd-{name}", ["slurmd", "-f", str(c.slurm_conf), "-N", name],
-                            daemonizes=True)
-        self.wait_idle(wait_s)
+        try:
+            if not by_name["munged"].running:
+                self._start_munged()
+            if c.accounting:
+                if not by_name["mariadbd"].running:
+                    self._start_mariadb()
+                if not by_name["slurmdbd"].running:
+                    self._start_slurmdbd()
+            if not by_name["slurmctld"].running:
+                self._spawn("slurmctld", ["slurmctld", "-f", str(c.slurm_conf)], daemonizes=True)
+            for name in c.node_names:
+                if not by_name[f"slurmd-{name}"].running:
+                    self._spawn(f"slurmd-{name}", ["slurmd", "-f", str(c.slurm_conf), "-N", name],
+                                daemonizes=True)
+            self.wait_idle(wait_s)
+        except BaseException:
+            # Nothing half-up: stop what this call started (newest first), keep what ran before.
+            started = [d for d in self.daemons() if d.running and not by_name[d.name].running]
+            for d in reversed(started):
+                if d.pid is not None:
+                    _terminate(d.pid, c.state_dir, 10.0)
+                d.pid_file.unlink(missing_ok=True)
+            raise
         log.info("local cluster up in %.1f s", time.monotonic() - t0)
         return self.status()
 
@@ -708,6 +768,18 @@ def _terminate(pid: int, state_dir: Path, timeout_s: float) -> None:
     with contextlib.suppress(ProcessLookupError):
         if _is_ours(pid, state_dir):
             os.kill(pid, signal.SIGKILL)
+
+
+# What `sacctmgr -i add` prints (exit 1) when the cluster/account/user is there already,
+# e.g. on a second `up` with the same database (tests/data/slurm/*/sacctmgr_add_*_again.txt):
+# 22.05 "This cluster X already exists.  Not adding." / " Nothing new added.";
+# 24.11 and 26.05 "Already existing account ..." / "Nothing added.".
+_SACCTMGR_ALREADY = ("already exists", "already existing", "nothing new added", "nothing added")
+
+
+def sacctmgr_already_there(output: str) -> bool:
+    text = output.lower()
+    return any(s in text for s in _SACCTMGR_ALREADY)
 
 
 def _can_connect(port: int) -> bool:

@@ -494,7 +494,27 @@ def load_site(path: str | os.PathLike[str] | None = None) -> SiteConfig:
     except OSError as exc:
         raise ConfigError("site", f"cannot read {p}: {exc.strerror}") from None
     try:
-        data = tomllib.loads(raw.decode())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        text = raw.decode()
+        data = tomllib.loads(text)
+    except UnicodeDecodeError as exc:
         raise ConfigError("site", f"not valid TOML: {exc}", str(p)) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("site", _toml_error(text, exc), str(p)) from None
     return parse_site(data, str(p))
+
+
+def _toml_error(text: str, exc: tomllib.TOMLDecodeError) -> str:
+    """tomllib refuses a key or table given twice ("Cannot overwrite a value", "Cannot
+    declare ... twice") but names only the position (Python 3.11-3.13): add the key."""
+    import re
+
+    msg = str(exc)
+    m = re.search(r"at line (\d+)", msg)
+    if m and ("overwrite" in msg or "twice" in msg):
+        lines = text.splitlines()
+        no = int(m.group(1))
+        src = lines[no - 1].strip() if 0 < no <= len(lines) else ""
+        key = src.strip("[] ").strip() if src.startswith("[") else src.split("=", 1)[0].strip()
+        if key:
+            return f"duplicate key {key!r} at line {no}: {msg}"
+    return f"not valid TOML: {msg}"

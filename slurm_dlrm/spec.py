@@ -468,6 +468,8 @@ def load_spec(path: str | Path) -> JobSpec:
     """Read a spec file (YAML; JSON accepted) and validate it."""
     import yaml  # parsing only; kept local so `import slurm_dlrm.spec` stays cheap
 
+    from slurm_dlrm.strict_load import DuplicateKeyError, load_json, load_yaml
+
     p = Path(path)
     try:
         text = p.read_text()
@@ -475,10 +477,9 @@ def load_spec(path: str | Path) -> JobSpec:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise SpecError("spec", f"cannot read {p}: {reason}") from None
     try:
-        if p.suffix.lower() == ".json":
-            data = json.loads(text)
-        else:
-            data = yaml.safe_load(text)
+        data = load_json(text) if p.suffix.lower() == ".json" else load_yaml(text)
+    except DuplicateKeyError as exc:
+        raise SpecError("spec", str(exc), str(p)) from None
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         first = " ".join(str(exc).split())[:200]
         raise SpecError("spec", f"not valid {'JSON' if p.suffix.lower() == '.json' else 'YAML'}: {first}", str(p)) from None

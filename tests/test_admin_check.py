@@ -20,7 +20,7 @@ from slurm_dlrm.admin.check import (
     partitions_from_sinfo,
 )
 from slurm_dlrm.site import parse_site
-from slurm_dlrm.slurm.parse import parse_nodes_json, parse_sinfo
+from slurm_dlrm.slurm.parse import parse_scontrol_nodes, parse_sinfo
 
 SITE = """
 [site]
@@ -132,136 +132,13 @@ def test_parsers():
 
 
 # `sinfo --json` and `sinfo --format ...` of the same cluster (what SlurmClient parses).
-SINFO_JSON = r"""{
-  "meta": {
-    "plugin": {
-      "type": "openapi\/v0.0.38",
-      "name": "Slurm OpenAPI v0.0.38"
-    },
-    "Slurm": {
-      "version": {
-        "major": 22,
-        "micro": 8,
-        "minor": 5
-      },
-      "release": "22.05.8"
-    }
-  },
-  "errors": [
-  ],
-  "nodes": [
-    {
-      "architecture": "x86_64",
-      "burstbuffer_network_address": "",
-      "boards": 1,
-      "boot_time": 1795306406,
-      "comment": "",
-      "cores": 1,
-      "cpu_binding": 0,
-      "cpu_load": 462,
-      "extra": "",
-      "free_memory": 20751,
-      "cpus": 4,
-      "last_busy": 1795307601,
-      "features": "",
-      "active_features": "",
-      "gres": "gpu:h100:2,mps:h100:200,shard:h100:16",
-      "gres_drained": "N\/A",
-      "gres_used": "gpu:h100:0(IDX:N\/A),mps:h100:0(IDX:N\/A),shard:h100:0(IDX:N\/A)",
-      "mcs_label": "",
-      "name": "node1",
-      "next_state_after_reboot": "invalid",
-      "address": "127.0.0.1",
-      "hostname": "node1",
-      "state": "idle",
-      "state_flags": [
-      ],
-      "next_state_after_reboot_flags": [
-      ],
-      "operating_system": "Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0",
-      "owner": null,
-      "partitions": [
-        "dlrm"
-      ],
-      "port": 27821,
-      "real_memory": 4000,
-      "reason": "",
-      "reason_changed_at": 0,
-      "reason_set_by_user": null,
-      "slurmd_start_time": 1795307578,
-      "sockets": 4,
-      "threads": 1,
-      "temporary_disk": 0,
-      "weight": 1,
-      "tres": "cpu=4,mem=4000M,billing=4",
-      "slurmd_version": "22.05.8",
-      "alloc_memory": 0,
-      "alloc_cpus": 0,
-      "idle_cpus": 4,
-      "tres_used": null,
-      "tres_weighted": 0.0
-    },
-    {
-      "architecture": "x86_64",
-      "burstbuffer_network_address": "",
-      "boards": 1,
-      "boot_time": 1795306406,
-      "comment": "",
-      "cores": 1,
-      "cpu_binding": 0,
-      "cpu_load": 611,
-      "extra": "",
-      "free_memory": 20801,
-      "cpus": 4,
-      "last_busy": 1795307578,
-      "features": "",
-      "active_features": "",
-      "gres": "gpu:h100:2,mps:h100:200,shard:h100:16",
-      "gres_drained": "N\/A",
-      "gres_used": "gpu:h100:0(IDX:N\/A),mps:h100:0(IDX:N\/A),shard:h100:0(IDX:N\/A)",
-      "mcs_label": "",
-      "name": "node2",
-      "next_state_after_reboot": "invalid",
-      "address": "127.0.0.1",
-      "hostname": "node2",
-      "state": "idle",
-      "state_flags": [
-      ],
-      "next_state_after_reboot_flags": [
-      ],
-      "operating_system": "Linux 6.18.44-fc-v657 #1 SMP PREEMPT_DYNAMIC @0",
-      "owner": null,
-      "partitions": [
-        "dlrm"
-      ],
-      "port": 27822,
-      "real_memory": 4000,
-      "reason": "",
-      "reason_changed_at": 0,
-      "reason_set_by_user": null,
-      "slurmd_start_time": 1795307578,
-      "sockets": 4,
-      "threads": 1,
-      "temporary_disk": 0,
-      "weight": 1,
-      "tres": "cpu=4,mem=4000M,billing=4",
-      "slurmd_version": "22.05.8",
-      "alloc_memory": 0,
-      "alloc_cpus": 0,
-      "idle_cpus": 4,
-      "tres_used": null,
-      "tres_weighted": 0.0
-    }
-  ]
-}"""
-
 SINFO = """\
 dlrm*|up|idle|node[1-2]|2|4|4000|gpu:h100:2,mps:h100:200,shard:h100:16|1:00:00
 """
 
 
 def test_seam_records_compare_like_scontrol_records():
-    nodes = nodes_from_seam(parse_nodes_json(SINFO_JSON))
+    nodes = nodes_from_seam(parse_scontrol_nodes(NODES))
     partitions = partitions_from_sinfo(parse_sinfo(SINFO))
     assert compare(site(), nodes, partitions) == []
     changed = [str(d) for d in compare(site(**{"mps.mps_per_gpu": 50}), nodes, partitions)]
@@ -296,6 +173,17 @@ TaskProlog              = /tmp/admin-exp/scripts/task_prolog.sh
 
 def test_config_that_made_the_cluster_matches():
     assert compare_config(site(), parse_scontrol_config(CONFIG)) == []
+
+
+def test_indexed_prolog_epilog_of_newer_releases():
+    # 23.11+ print `Prolog[0] = ...` (one line per script) where 22.05 printed `Prolog = ...`.
+    indexed = CONFIG.replace("Prolog                  =", "Prolog[0]               =") \
+        .replace("Epilog                  =", "Epilog[0]               =")
+    assert "Prolog[0]" in indexed and "Epilog[0]" in indexed
+    assert parse_scontrol_config(indexed)["Prolog"] == parse_scontrol_config(CONFIG)["Prolog"]
+    assert compare_config(site(), parse_scontrol_config(indexed)) == []
+    two = parse_scontrol_config(indexed + "Prolog[1]               = /etc/slurm/other.sh\n")
+    assert two["Prolog"] == parse_scontrol_config(CONFIG)["Prolog"] + ",/etc/slurm/other.sh"
 
 
 @pytest.mark.parametrize("change, expected", [

@@ -34,6 +34,7 @@ from slurm_dlrm.localcluster import (
 )
 from slurm_dlrm.site import REPO_SITE_FILE, load_site
 from slurm_dlrm.slurm.client import SlurmClient
+from slurm_dlrm.slurm.parse import tres_items
 from slurm_dlrm.slurm.wait import wait_for_jobs
 from tests.test_admin_scripts import write_fake_mps
 
@@ -254,7 +255,9 @@ def test_scontrol_update_that_breaks_the_rules_is_refused(admin_cluster):
         ok = admin_cluster.as_user("scontrol", "update", f"JobId={job_id}", "TresPerNode=gres:mps:60")
         assert ok.returncode == 0, ok.stderr
         rec = admin_cluster.client().show_job_raw(int(job_id))
-        assert rec["TresPerNode"] == "gres:mps:60" and rec["Comment"].startswith("slurm-dlrm:mode=no-pack")
+        # Printed gres:mps:60 by 22.05, gres/mps:60 by 24.11 and 26.05.
+        assert tres_items(rec["TresPerNode"]) == {"gres/mps": "60"}
+        assert rec["Comment"].startswith("slurm-dlrm:mode=no-pack")
         # Root is never refused.
         admin_cluster.client().run(["scontrol", "update", f"JobId={job_id}", "Comment=root-may"])
         assert admin_cluster.client().show_job_raw(int(job_id))["Comment"] == "root-may"

@@ -78,6 +78,7 @@ def _slurm_out(tmp_path: Path) -> str:
     return "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
 
 
+@pytest.mark.torch  # one member (tiny-a) is a real `slurm-dlrm train`
 def test_pack_of_four_on_two_gpus(slurm_cluster, tmp_path):
     pack_members = _members(tmp_path / "pack", tmp_path, steps=30, step_s=0.1, grow_job=3)
     # Member 4 is the real runner: `slurm-dlrm train` on a tiny spec (CPU torch here).

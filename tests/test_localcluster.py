@@ -240,6 +240,10 @@ def test_down_stops_only_what_it_started(slurm_cluster, tmp_path):
             time.sleep(0.2)
         tasks = [pid for pid in lc._ours_by_environ(state_dir) if pid not in pids]
         assert tasks, "the job's processes (slurmstepd, bash, sleep) should be visible as ours"
+        # From 23.x slurmstepd carries no marker (it no longer inherits slurmd's environment):
+        # it must still be recognised, by its working folder / open log in the state folder.
+        comms = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in tasks if Path(f"/proc/{pid}").exists()}
+        assert "slurmstepd" in comms, comms
         stopped = cluster.down()
         assert "slurmctld" in stopped and "munged" in stopped
         assert not [pid for pid in tasks if Path(f"/proc/{pid}").exists() and lc._is_ours(pid, state_dir)]
@@ -253,6 +257,27 @@ def test_down_stops_only_what_it_started(slurm_cluster, tmp_path):
         cluster.down()
         decoy.send_signal(signal.SIGTERM)
         decoy.wait(timeout=10)
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(120)
+def test_failed_up_leaves_nothing_running(slurm_cluster, tmp_path):
+    """slurmctld refuses the configuration: `up` fails in one error and stops the munged
+    it had started (nothing half-up)."""
+    state_dir = Path("/tmp") / f"sdlrm-f-{os.getpid()}"
+    extra = tmp_path / "bad.conf"
+    extra.write_text("NoSuchSlurmOption=1\n")
+    cfg = lc.config_from_site(state_dir=state_dir, nodes=1, gpus_per_node=1, slurm_conf_extra=extra,
+                              base_port=lc.pick_base_port(state_dir, nodes=1))
+    cluster = lc.LocalCluster(cfg)
+    try:
+        with pytest.raises(lc.ClusterError, match="slurmctld"):
+            cluster.up(wait_s=30)
+        assert not any(d.running for d in cluster.daemons())
+        assert list(lc._ours_by_environ(state_dir)) == []
+    finally:
+        cluster.down()
         shutil.rmtree(state_dir, ignore_errors=True)
 
 

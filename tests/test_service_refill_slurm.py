@@ -21,6 +21,7 @@ EXAMPLES = REPO / "examples" / "sweep"
 pytestmark = pytest.mark.slurm
 
 
+@pytest.mark.torch  # its members really train (tiny-a/tiny-b specs)
 def test_pending_job_joins_a_running_pack_and_completes_in_its_allocation(slurm_cluster, tmp_path, monkeypatch):
     from slurm_dlrm.service.core import PackingService, ServiceSettings
     from slurm_dlrm.service.queue import queue_rows

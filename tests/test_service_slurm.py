@@ -75,6 +75,7 @@ def _sacct_names(since: str) -> list[str]:
     return [n for n in out.splitlines() if n.startswith("dlrm-")]
 
 
+@pytest.mark.torch  # its members really train (tiny-a specs)
 def test_sweep_survives_kill_9_and_a_cancel(live, tmp_path):
     from slurm_dlrm.service.cancel import cancel_job
     from slurm_dlrm.service.daemon import running_pid

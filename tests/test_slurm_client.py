@@ -32,6 +32,9 @@ def make_bin(bin_dir: Path, name: str, body: str) -> None:
 def bin_dir(tmp_path):
     d = tmp_path / "bin with space"
     d.mkdir()
+    # Every client asks `sinfo --version` once before its first command.
+    (d / "sinfo").write_text(f'#!/bin/sh\ncat "{DATA / "22.05.8" / "sinfo_version.txt"}"\n')
+    (d / "sinfo").chmod(0o755)
     return d
 
 
@@ -43,7 +46,7 @@ def test_sbatch_passes_script_on_stdin_and_args_verbatim(bin_dir):
     assert job_id == 4242
     assert (bin_dir / "sbatch.stdin").read_text() == script
     calls = (bin_dir / "calls.log").read_text().splitlines()
-    assert calls[0].endswith("sbatch --parsable --job-name=x; rm -rf / --gres=gpu:1")
+    assert calls[0].endswith("sbatch --parsable --job-name=x; rm -rf / --gres=gpu:1")  # (sinfo logs nothing)
     assert calls[1] == "conf=/etc/x/slurm.conf"
 
 
@@ -138,3 +141,46 @@ def test_make_backend_defaults_to_the_commands(monkeypatch):
         make_backend()
     with pytest.raises(BadInput, match="unknown backend"):
         make_backend(kind="rest")
+
+
+@pytest.mark.parametrize("answer", ["slurm 21.08.8\n", "slurm-wlm 17.11.2\n", "something else\n", ""])
+def test_unsupported_release_is_refused_before_the_first_command(bin_dir, answer):
+    from slurm_dlrm.slurm import UnsupportedSlurm
+
+    (bin_dir / "sinfo").write_text(f"#!/bin/sh\nprintf '%s' '{answer}'\n")
+    make_bin(bin_dir, "sbatch", 'echo 42')
+    with pytest.raises(UnsupportedSlurm) as info:
+        SlurmClient(bin_dir=bin_dir).sbatch("#!/bin/sh\n")
+    assert not (bin_dir / "calls.log").exists()  # sbatch never ran
+    msg = str(info.value)
+    assert "\n" not in msg and "supports Slurm 22.05 to 26.05" in msg and info.value.exit_code == EXIT_RUNTIME
+
+
+def test_release_is_asked_once_per_process(bin_dir):
+    from slurm_dlrm.slurm import client as client_mod
+
+    client_mod._RELEASES.clear()
+    (bin_dir / "sinfo").write_text(f'#!/bin/sh\necho asked >> "{bin_dir}/asked"\necho "slurm 24.11.5"\n')
+    make_bin(bin_dir, "scancel", "true")
+    for _ in range(3):
+        SlurmClient(bin_dir=bin_dir).scancel([1])
+    assert (bin_dir / "asked").read_text() == "asked\n"
+    assert SlurmClient(bin_dir=bin_dir).version() == "24.11.5"
+
+
+def test_cli_names_an_unsupported_release_in_one_line(bin_dir, monkeypatch, tmp_path):
+    from click.testing import CliRunner
+
+    from slurm_dlrm.cli import cli
+
+    (bin_dir / "sinfo").write_text("#!/bin/sh\necho 'slurm 21.08.8'\n")
+    make_bin(bin_dir, "sbatch", 'echo 42')
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    spec = Path(__file__).parent.parent / "examples" / "sweep" / "tiny-a.yaml"
+    r = CliRunner().invoke(cli, ["submit", "--no-pack", str(spec)])
+    assert r.exit_code == 1, r.output
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert lines == ["slurm-dlrm: error: Slurm release 'slurm 21.08.8': older than 22.05, not supported "
+                     "(slurm-dlrm supports Slurm 22.05 to 26.05)"]
+    assert not (bin_dir / "calls.log").exists()  # nothing submitted

@@ -85,16 +85,45 @@ def test_scontrol_values_with_spaces_and_slashes_stay_whole():
     assert cancelled.signal == 15  # ExitCode=0:15
 
 
-def test_nodes_json_idle_mixed_and_drained():
-    nodes = {n.name: n for n in parse.parse_nodes_json(read("sinfo.json"))}
-    n1 = nodes["node1"]
-    assert (n1.state, n1.cpus, n1.real_memory_mib, n1.port) == ("mixed", 32, 256000, 31010)
-    assert n1.gres == "gpu:h100:4,mps:h100:400,shard:h100:32"
-    assert n1.gres_used.startswith("gpu:h100:3(IDX:0-2)")
-    assert n1.usable and n1.partitions == ("dlrm",)
-    drained = {n.name: n for n in parse.parse_nodes_json(read("sinfo_drain.json"))}["node2"]
-    assert drained.flags == ("DRAIN",) and drained.reason == "test drain"
-    assert not drained.usable
+def test_parse_error_is_one_line_for_the_cli():
+    from slurm_dlrm.errors import EXIT_RUNTIME, DlrmError
+
+    assert issubclass(parse.ParseError, DlrmError) and parse.ParseError("x").exit_code == EXIT_RUNTIME
+
+
+@pytest.mark.parametrize("value", [
+    "x", {"set": True}, {"set": True, "infinite": False, "number": "7"}, [1], True])
+def test_squeue_json_unknown_number_shapes_are_refused(value):
+    job = {"job_id": 1, "job_state": "RUNNING", "node_count": value}
+    with pytest.raises(parse.ParseError, match="node_count"):
+        parse.job_from_json(job)
+
+
+def test_squeue_json_number_objects_not_set_or_infinite_are_none():
+    job = parse.job_from_json({"job_id": 1, "job_state": ["PENDING"],
+                               "start_time": {"set": False, "infinite": False, "number": 0},
+                               "end_time": {"set": True, "infinite": True, "number": 0},
+                               "exit_code": {"status": ["PENDING"], "return_code": {"set": False, "infinite": False,
+                                                                                     "number": 0}}})
+    assert (job.start_time, job.end_time, job.exit_code, job.signal) == (None, None, None, None)
+    with pytest.raises(parse.ParseError, match="exit_code"):
+        parse.job_from_json({"job_id": 1, "job_state": "FAILED", "exit_code": {"status": ["NEWTHING"]}})
+    with pytest.raises(parse.ParseError, match="job_state"):
+        parse.job_from_json({"job_id": 1, "job_state": {"current": ["RUNNING"]}})
+
+
+@pytest.mark.parametrize(("raw", "state", "flags"), [
+    ("IDLE", "idle", ()), ("MIXED+DRAIN", "mixed", ("DRAIN",)), ("IDLE*", "idle", ("NOT_RESPONDING",)),
+    ("DOWN+NOT_RESPONDING", "down", ("NOT_RESPONDING",)), ("IDLE+DRAIN+DYNAMIC_NORM", "idle", ("DRAIN", "DYNAMIC_NORM")),
+])
+def test_node_states(raw, state, flags):
+    node = parse.node_from_scontrol({"NodeName": "n1", "State": raw})
+    assert (node.state, node.flags) == (state, flags)
+
+
+def test_unknown_node_state_is_refused():
+    with pytest.raises(parse.ParseError, match="unknown State"):
+        parse.node_from_scontrol({"NodeName": "n1", "State": "SLEEPY"})
 
 
 def test_sinfo_rows():

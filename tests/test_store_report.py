@@ -42,7 +42,92 @@ def test_report_of_an_empty_window(tmp_path):
     out = tmp_path / "empty.html"
     res = CliRunner().invoke(cli, ["report", "--db", str(db), "-o", str(out)])
     assert res.exit_code == 0, res.output
-    assert "no samples in this window" not in out.read_text()  # text is in the PNG, not the HTML
-    assert out.read_text().count("data:image/png;base64,") == 3
+    # nothing to draw: each section says why in the page, no empty plot (issue 17)
+    assert "no monitoring samples in this window" in out.read_text()
+    assert out.read_text().count("data:image/png;base64,") == 0
     res = CliRunner().invoke(cli, ["report", "--db", str(db), "-S", "1h", "-E", "2h"])
     assert res.exit_code == 2 and "--since" in res.output
+
+
+def _fake_gpu_store(tmp_path):
+    """A store like the demo's: packs ran, the agents sampled host figures, but the fake
+    GPUs gave no SM utilisation (no NVML)."""
+    db = tmp_path / "s" / "store.sqlite"
+    now = time.time()
+    with Store(db) as s:
+        populate(s, n_jobs=6, samples_per_job=20, t0=now - 1800, seed=2)
+        with s.write():
+            s.conn.execute("UPDATE samples SET sm_util_pct = NULL, mem_util_pct = NULL")
+    return db
+
+
+def test_report_without_gpu_samples_says_why_instead_of_empty_1970_plots(tmp_path):
+    db = _fake_gpu_store(tmp_path)
+    out = tmp_path / "rep.html"
+    res = CliRunner().invoke(cli, ["report", "--db", str(db), "-S", "2h", "-o", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    html = out.read_text()
+    assert "Nothing to plot:" in html and "none has an SM utilisation" in html
+    assert not (tmp_path / "rep-gpu-util.png").exists()
+    assert html.count("data:image/png;base64,") == 2  # the Gantt chart and memory still drawn
+    assert "1970" not in html
+
+    empty = tmp_path / "s2" / "store.sqlite"
+    Store(empty).close()
+    out2 = tmp_path / "empty.html"
+    assert CliRunner().invoke(cli, ["report", "--db", str(empty), "-o", str(out2)]).exit_code == 0
+    text = out2.read_text()
+    assert text.count("Nothing to plot:") == 3 and "data:image/png" not in text
+
+
+def _png_size(path):
+    import struct
+
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    return struct.unpack(">II", data[16:24])
+
+
+def test_report_in_headless_chromium(tmp_path):
+    """The page users open, in a real browser (Debian's chromium, scripts/setup.sh):
+    a screenshot of the right size with content, and every image decoded."""
+    import shutil
+    import subprocess
+
+    import pytest
+
+    browser = shutil.which("chromium")
+    if browser is None:
+        pytest.skip("chromium is not installed (scripts/setup.sh installs it)")
+    db = tmp_path / "s" / "store.sqlite"
+    with Store(db) as s:
+        populate(s, n_jobs=8, samples_per_job=30, t0=time.time() - 3600, seed=3)
+    report = tmp_path / "rep.html"
+    assert CliRunner().invoke(cli, ["report", "--db", str(db), "-S", "2h", "-o", str(report)]).exit_code == 0
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", "--hide-scrollbars"]
+
+    def chromium(*args, profile):
+        return subprocess.run([browser, *flags, f"--user-data-dir={tmp_path / profile}", *args],  # noqa: S603
+                              capture_output=True, text=True, timeout=120)
+
+    shot = tmp_path / "shot.png"
+    r = chromium(f"--screenshot={shot}", "--window-size=1280,2400", report.as_uri(), profile="p1")
+    assert shot.exists(), r.stderr[-2000:]
+    assert _png_size(shot) == (1280, 2400)
+    assert shot.stat().st_size > 50_000  # plots and tables, not a blank page
+    # Every <img> decoded: a page frames the report and writes what it sees into its DOM.
+    probe = tmp_path / "probe.html"
+    probe.write_text(
+        f'<html><body><iframe id="f" src="{report.name}" style="width:1200px;height:3000px"></iframe><script>'
+        "document.getElementById('f').onload = function () {"
+        " var imgs = Array.from(this.contentDocument.images);"
+        " document.body.setAttribute('data-images', JSON.stringify(imgs.map(function (i) {"
+        "  return [i.complete, i.naturalWidth, i.naturalHeight]; })));"
+        "};</script></body></html>")
+    r = chromium("--allow-file-access-from-files", "--virtual-time-budget=10000", "--dump-dom", probe.as_uri(),
+                 profile="p2")
+    m = re.search(r'data-images="([^"]*)"', r.stdout)
+    assert m, r.stdout[-2000:] + r.stderr[-2000:]
+    images = json.loads(m.group(1).replace("&quot;", '"'))
+    assert len(images) == 3 and all(ok and w > 300 and h > 100 for ok, w, h in images), images

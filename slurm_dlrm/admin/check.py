@@ -216,8 +216,18 @@ def parse_scontrol_config(text: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for line in text.splitlines():
         key, sep, value = line.partition("=")
-        if sep and key.strip() and " " not in key.strip():
-            out[key.strip()] = value.strip()
+        key = key.strip()
+        if not (sep and key and " " not in key):
+            continue
+        # 23.11+ lists several Prolog/Epilog scripts as `Prolog[0] = ...`, `Prolog[1] = ...`
+        # (22.05: one `Prolog = ...`): join them into one comma-separated value.
+        m = re.fullmatch(r"(\w+)\[(\d+)\]", key)
+        if m is not None:
+            key = m.group(1)
+            if key in out and out[key] not in ("", "(null)"):
+                out[key] = f"{out[key]},{value.strip()}"
+                continue
+        out[key] = value.strip()
     return out
 
 

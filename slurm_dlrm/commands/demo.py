@@ -23,6 +23,13 @@ _STEP = ('printf "%s|%s|%s|%s|%s\\n" "$SLURMD_NODENAME" "$(hostname)" '
          '"${CUDA_VISIBLE_DEVICES:-unset}" "$SLURM_JOB_ID" "$SLURM_STEP_ID"')
 
 
+# The demo leaves the local cluster running (issue 17): it may have been up before the
+# demo (reused, perhaps the test suite's or yours), `queue`/`acct`/`show` and the next
+# demo use it, and it takes 30-60 s to start. So the last line says so, and how to stop it.
+STOP_CLUSTER = "slurm-dlrm cluster down"
+CLUSTER_NOTE = ("the local Slurm cluster is still running (slurmctld, slurmd, munged, MariaDB, slurmdbd); "
+                f"stop it with: {STOP_CLUSTER}")
+
 _SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "NodeList", "AllocTRES")
 
 
@@ -106,16 +113,18 @@ def demo(count: int | None, specs: tuple[str, ...], workdir: str | None, round_s
       slurm-dlrm demo --standin    # the Slurm path without torch (stand-in members)
       slurm-dlrm cluster down      # afterwards, to stop the local cluster
 
-    Exit code 0 if every job completed, 1 otherwise.
+    The local cluster is left running (the last line says so): `slurm-dlrm cluster
+    down` stops it. Exit code 0 if every job completed, 1 otherwise.
     """
     if smoke:
         from slurm_dlrm.errors import DlrmError
 
         check = run_demo()
         if as_json:
-            click.echo(json.dumps(check, indent=1))
+            click.echo(json.dumps({**check, "cluster_running": True, "stop_cluster": STOP_CLUSTER}, indent=1))
         else:
             _show(check)
+            click.echo(CLUSTER_NOTE)
         if check["state"] != "COMPLETED":
             raise DlrmError(f"demo job {check['job_id']} ended {check['state']} (output: {check['output']})")
         return
@@ -144,6 +153,8 @@ def demo(count: int | None, specs: tuple[str, ...], workdir: str | None, round_s
         "gpu_hours_saved": round(saved, 5),
         "seconds": round(result.seconds, 1), "workdir": str(result.workdir),
         "report": str(result.report_path) if result.report_path else None,
+        # The cluster stays up (see CLUSTER_NOTE); say so and how to stop it.
+        "cluster_running": True, "stop_cluster": STOP_CLUSTER,
     }
     if as_json:
         click.echo(json.dumps(summary, indent=1, sort_keys=True))
@@ -157,6 +168,7 @@ def demo(count: int | None, specs: tuple[str, ...], workdir: str | None, round_s
             " (acct's GPUHours and ExclGPUHours, summed)",
             f"took {result.seconds:.0f} s; details: slurm-dlrm acct (SLURM_DLRM_SITE={result.workdir}/site.toml)",
             f"report: {result.report_path}" if result.report_path else "report: skipped",
+            CLUSTER_NOTE,
         ]))
     sys.exit(EXIT_OK if result.ok else EXIT_RUNTIME)
 

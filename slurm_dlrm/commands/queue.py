@@ -16,6 +16,7 @@ CTX = {"help_option_names": ["-h", "--help"]}
 
 def _context(site_path: str | None) -> tuple[Any, str, dict[str, Any]]:
     from slurm_dlrm.service.daemon import read_status, running_pid
+    from slurm_dlrm.service.reconcile import reconcile_orphan_packs
     from slurm_dlrm.service.submit import service_paths
     from slurm_dlrm.site import load_site
     from slurm_dlrm.store.store import current_user
@@ -23,6 +24,7 @@ def _context(site_path: str | None) -> tuple[Any, str, dict[str, Any]]:
     site = load_site(site_path)
     user = current_user()
     paths = service_paths(site, user)
+    reconcile_orphan_packs(site, user)  # packs a stopped or killed service left open
     pid = running_pid(paths)
     service = {**read_status(paths), "running": pid is not None} if pid is not None else {"running": False}
     return site, user, service

@@ -21,12 +21,16 @@ def read_data_file(path: str, what: str) -> Any:
     """A YAML or JSON file (YAML is a superset of JSON) as plain data."""
     import yaml
 
+    from slurm_dlrm.strict_load import DuplicateKeyError, load_yaml
+
     try:
         text = Path(path).read_text()
     except OSError as exc:
         raise BadInput(f"{what}: cannot read {path}: {exc.strerror}") from None
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
+    except DuplicateKeyError as exc:
+        raise BadInput(f"{what}: {path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise BadInput(f"{what}: {path} is not valid YAML/JSON: {str(exc).splitlines()[0]}") from None
 

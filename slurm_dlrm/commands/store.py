@@ -15,10 +15,16 @@ from slurm_dlrm.errors import BadInput
 def _store_path(db: str | None, site_path: str | None) -> Path:
     if db is not None:
         return Path(db)
+    from slurm_dlrm.service.reconcile import reconcile_orphan_packs
     from slurm_dlrm.site import load_site
     from slurm_dlrm.store import store_path_for
+    from slurm_dlrm.store.store import current_user
 
-    return store_path_for(load_site(site_path))
+    site = load_site(site_path)
+    # your own store: settle packs a stopped or killed service left open, so they are
+    # not charged up to now (issue 17); --db names a file to read as it is
+    reconcile_orphan_packs(site, current_user())
+    return store_path_for(site)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -37,12 +43,14 @@ def _store_path(db: str | None, site_path: str | None) -> Path:
 @click.option("-P", "--parsable", is_flag=True, help="'|'-separated raw values, like sacct --parsable2.")
 @click.option("-n", "--noheader", is_flag=True, help="No header line.")
 @click.option("-a", "--all-users", is_flag=True,
-              help="Every user's store under the site's store folder, read-only, where readable.")
+              help="Every user's store under the site's store folder, read-only, where readable; "
+                   "the table ends with totals per user and per partition.")
+@click.option("--totals", is_flag=True, help="Only the totals per user and per partition (any output format).")
 @click.option("--db", type=click.Path(dir_okay=False), help="Store file (default: your store from the site config).")
 @click.option("--site", "site_path", type=click.Path(dir_okay=False), help="Site config (default: $SLURM_DLRM_SITE, ...).")
 def acct(jobs: str | None, users: str | None, states: str | None, pack: str | None, since: str | None,
          until: str | None, fmt: str | None, helpformat: bool, as_json: bool, as_csv: bool, parsable: bool,
-         noheader: bool, all_users: bool, db: str | None, site_path: str | None) -> None:
+         noheader: bool, all_users: bool, totals: bool, db: str | None, site_path: str | None) -> None:
     """Accounting of DLRM jobs, like sacct: estimates vs measurements and GPU-hours.
 
     GPU-hours charged split a shared GPU's allocated hours among its members by
@@ -55,6 +63,7 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
       slurm-dlrm acct -s RUNNING,PENDING -S 2h
       slurm-dlrm acct --pack 7 -o JobID,State,MaxGPUMem,GPUHours --json
       slurm-dlrm acct -a -S 2026-11-01 -P              # admin: every user's store
+      slurm-dlrm acct -a --totals -S 30d --json        # admin: totals per user and partition
     """
     from slurm_dlrm.store import acct as A
 
@@ -74,18 +83,34 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
         until=A.parse_time(until, "--until", now) if until else None,
     )
     out_fmt = "json" if as_json else "csv" if as_csv else "parsable" if parsable else "table"
-    if out_fmt == "table":
+    if totals:
+        def fetch(st: Any) -> list[Any]:
+            return A.acct_totals(st, f, now)
+    elif out_fmt == "table":
         def fetch(st: Any) -> list[Any]:
             return A.acct_table_cells(st, f, cols, now)
     else:
         def fetch(st: Any) -> list[Any]:
             return A.acct_rows(st, f, now)
-    if all_users:
-        from slurm_dlrm.site import load_site
+    from slurm_dlrm.site import load_site
 
+    site = load_site(site_path) if (all_users or db is None) else None
+    default_partition = site.default_partition.name if site is not None and site.partitions else ""
+    tot = A.Totals({}, {}, [])
+    if all_users:
         if db is not None:
             raise BadInput("--all-users reads the site's store folder; do not combine it with --db")
-        rows, warnings = A.acct_all_users(load_site(site_path), fetch)
+        assert site is not None
+        with_totals = totals or out_fmt == "table"
+
+        def fetch_all(st: Any) -> list[Any]:
+            got = fetch(st)
+            if with_totals:
+                tot.add(got if totals else A.acct_totals(st, f, now), default_partition)
+            return [] if totals else got
+
+        rows, warnings = A.acct_all_users(site, fetch_all)
+        tot.skipped.extend(warnings)
         for w in warnings:
             click.echo(f"slurm-dlrm acct: warning: {w}", err=True)
         # by submit time across stores (cells rows start with submit_time, user, job_id)
@@ -96,8 +121,16 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
 
         with Store(_store_path(db, site_path)) as store:
             rows = fetch(store)
+        if totals:
+            tot.add(rows, default_partition)
+    if totals:
+        click.echo(A.render_totals(tot, out_fmt, header=not noheader), nl=out_fmt == "json")
+        return
     if out_fmt == "table":
         click.echo(A.render_table([r[3:] for r in rows], cols, header=not noheader), nl=False)
+        if all_users:
+            click.echo()
+            click.echo(A.render_totals(tot, "table", header=not noheader), nl=False)
         return
     click.echo(A.render(rows, cols, out_fmt, header=not noheader), nl=False)
     if out_fmt == "json":
@@ -114,10 +147,13 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
 @click.option("--max-packs", type=click.IntRange(1, 1000), default=40, show_default=True,
               help="At most this many packs in the Gantt chart (the latest).")
 @click.option("--json", "as_json", is_flag=True, help="Print the files written as JSON.")
+@click.option("-a", "--all-users", is_flag=True,
+              help="Admins: one page across every user's store (read-only, where readable): totals per "
+                   "user and per partition, the stores not read, the jobs of all.")
 @click.option("--db", type=click.Path(dir_okay=False), help="Store file (default: your store from the site config).")
 @click.option("--site", "site_path", type=click.Path(dir_okay=False), help="Site config (default: $SLURM_DLRM_SITE, ...).")
 def report(since: str | None, until: str | None, output: str, max_gpus: int, max_packs: int,
-           as_json: bool, db: str | None, site_path: str | None) -> None:
+           as_json: bool, all_users: bool, db: str | None, site_path: str | None) -> None:
     """Write a self-contained HTML report with plots (matplotlib) of a time window.
 
     Utilisation timelines per GPU, a Gantt chart of packs and their members,
@@ -128,6 +164,7 @@ def report(since: str | None, until: str | None, output: str, max_gpus: int, max
     Example:
       slurm-dlrm report -o report.html                 # the last day
       slurm-dlrm report --since 2026-11-20 --until 2026-11-21 -o nov20.html
+      slurm-dlrm report --all-users -S 7d -o cluster.html   # admin: every user's store
     """
     from slurm_dlrm.store import Store
     from slurm_dlrm.store import acct as A
@@ -138,6 +175,21 @@ def report(since: str | None, until: str | None, output: str, max_gpus: int, max
     t_since = A.parse_time(since, "--since", now) if since else t_until - 86400
     if t_since >= t_until:
         raise BadInput("--since must be before --until")
+    if all_users:
+        from slurm_dlrm.site import load_site
+        from slurm_dlrm.store.cluster_report import write_cluster_report
+
+        if db is not None:
+            raise BadInput("--all-users reads the site's store folder; do not combine it with --db")
+        cw = write_cluster_report(load_site(site_path), Path(output), since=t_since, until=t_until, now=now)
+        for w in cw.skipped:
+            click.echo(f"slurm-dlrm report: warning: {w}", err=True)
+        if as_json:
+            click.echo(json.dumps({"html": str(cw.html), "png": [str(p) for p in cw.pngs],
+                                   "stores_read": cw.stores_read, "skipped": cw.skipped}))
+        else:
+            click.echo(str(cw.html))
+        return
     with Store(_store_path(db, site_path)) as store:
         written = write_report(store, Path(output), since=t_since, until=t_until,
                                max_gpus=max_gpus, max_packs=max_packs, now=now)

@@ -100,6 +100,10 @@ def load_factory(spec: JobSpec) -> Callable[[JobSpec], torch.nn.Module]:
         mod = importlib.import_module(mod_name)
     except ImportError as exc:
         raise SpecError("custom_module", f"cannot import {mod_name}: {exc}", spec.source) from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failing as it loads is bad input
+        first = " ".join(str(exc).split())[:200]
+        raise SpecError("custom_module", f"cannot import {mod_name}: {type(exc).__name__}: {first}",
+                        spec.source) from None
     factory = getattr(mod, attr, None)
     if not callable(factory):
         raise SpecError("custom_module", f"{mod_name} has no callable {attr}", spec.source)
@@ -201,7 +205,7 @@ def estimate_traced(spec: JobSpec, gpu: GpuModel | None,
         factory = load_factory(spec)
     try:
         r = trace_step(spec, factory, "meta", foreach=gpu is not None)
-    except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError, IndexError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any error of the user's factory or forward
         # user code failing on meta tensors is bad input about this spec, not a crash of ours
         first = " ".join(str(exc).split())[:200]
         raise SpecError("custom_module", f"tracing {spec.custom_module} on meta tensors failed: "

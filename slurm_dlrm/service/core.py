@@ -249,7 +249,7 @@ class PackingService:
             info = by_name.get(pack.name)
             if info is None and pack.slurm_job_id:
                 info = next((i for i in infos if str(i.job_id) == pack.slurm_job_id), None)
-            self._observe_pack(pack, info, stats)
+            self.observe_pack(pack, info, stats)
         self.recovery.check_heartbeats(stats)
         self.recovery.check_warmup_and_stragglers()  # also run-time re-pack and warm-up re-plan
         self.refill.check_joiners(stats)  # rewrite lost join files, requeue joiners of closed nodes
@@ -338,7 +338,7 @@ class PackingService:
             return
         self.store.transition_job(job.id, JobState.PENDING, reason, t=t)
 
-    def _observe_pack(self, pack: Any, info: Any, stats: RoundStats) -> None:
+    def observe_pack(self, pack: Any, info: Any, stats: RoundStats) -> None:
         from slurm_dlrm.slurm import JobState as SJ
         from slurm_dlrm.store.states import PackState
 
@@ -367,7 +367,8 @@ class PackingService:
             return
         if info.state.is_terminal:
             self.pack_ended(pack, info.slurm_state.split(" ", 1)[0], info.reason or "", stats,
-                             exit_code=info.exit_code, nodes=info.nodes or None)
+                            exit_code=info.exit_code, nodes=info.nodes or None,
+                            end_time=float(info.end_time) if info.end_time else None)
 
     def _may_resubmit(self, pack: Any) -> bool:
         """sbatch for this SUBMITTING pack either never ran or cannot still be running."""
@@ -383,12 +384,14 @@ class PackingService:
         from slurm_dlrm.slurm import AccountingDisabled, SlurmError
 
         ending: str | None = None
+        end_time: float | None = None
         if pack.slurm_job_id:
             try:
-                rows = self.slurm.sacct([int(pack.slurm_job_id)], ["JobID", "State", "ExitCode", "NodeList"])
+                rows = self.slurm.sacct([int(pack.slurm_job_id)], ["JobID", "State", "ExitCode", "NodeList", "End"])
                 line = next((r for r in rows if r.step is None), None)
                 if line is not None and line.state.is_terminal:
                     ending = line.get("State").split(" ", 1)[0]
+                    end_time = _sacct_time(line.get("End"))
             except AccountingDisabled:
                 pass
             except SlurmError as exc:
@@ -398,14 +401,29 @@ class PackingService:
                 log.warning("sacct for pack %s failed: %s", pack.name, exc)
         if ending is None:
             ending = "COMPLETED" if self._all_members_done(pack.id) else "LOST"
-        self.pack_ended(pack, ending, "no longer in squeue", stats)
+        if end_time is None:
+            # Slurm forgot it (no accounting): it ended after the agents' last words and
+            # before now; charging up to the last one is closer than up to now (issue 17)
+            end_time = self.last_sign_of_life(pack)
+        self.pack_ended(pack, ending, "no longer in squeue", stats, end_time=end_time)
+
+    def last_sign_of_life(self, pack: Any) -> float | None:
+        """When the pack's agents were last heard of: heartbeats, samples, member ends."""
+        row = self.store.conn.execute(
+            "SELECT max(t) FROM (SELECT max(t) AS t FROM samples WHERE pack_id = ? "
+            "UNION ALL SELECT max(end_time) FROM placements WHERE pack_id = ?)", (pack.id, pack.id)).fetchone()
+        times = [t for t in (self.heartbeats.get(pack.id), row[0] if row else None) if t]
+        return float(max(times)) if times else None
 
     def _all_members_done(self, pack_id: int) -> bool:
         return not pack_member_ids(self.store, pack_id, ("PLANNED", "RUNNING"))
 
     def pack_ended(self, pack: Any, slurm_state: str, reason: str, stats: RoundStats, *,
-                    exit_code: int | None = None, nodes: str | None = None) -> None:
-        """The allocation is over: record it, then settle members that did not report an end."""
+                   exit_code: int | None = None, nodes: str | None = None, end_time: float | None = None) -> None:
+        """The allocation is over: record it, then settle members that did not report an end.
+
+        `end_time`: when Slurm says it ended. The pack's end (what `acct` charges up to) is
+        that, not when this round noticed, which may be long after (a stopped service)."""
         from slurm_dlrm.adapt.recovery import RECOVERABLE_PACK_ENDINGS
         from slurm_dlrm.service.refill import JOINER_NOT_STARTED
         from slurm_dlrm.store.states import JobState, PackState
@@ -414,7 +432,9 @@ class PackingService:
         to = {"COMPLETED": PackState.COMPLETED, "CANCELLED": PackState.CANCELLED,
               "LOST": PackState.LOST}.get(slurm_state, PackState.FAILED)
         why = f"Slurm: {slurm_state}" + (f" ({reason})" if reason else "")
-        self.store.transition_pack(pack.id, to, why, nodes=nodes)
+        now = self.clock()
+        ended = None if end_time is None else max(min(end_time, now), pack.start_time or 0.0)
+        self.store.transition_pack(pack.id, to, why, nodes=nodes, t=ended)
         stats.transitions += 1
         self.heartbeats.pop(pack.id, None)
         live = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED", "RUNNING"))]
@@ -459,6 +479,7 @@ class PackingService:
         if not self._slurm_available():
             return
         pending = self.store.jobs([JobState.PENDING], user=self.settings.user)
+        pending = self.trace_custom_estimates(pending, stats)
         if not pending or not self._dispatch_due(pending):
             return
         self.last_dispatch_t = self.clock()
@@ -469,6 +490,31 @@ class PackingService:
             if not self._slurm_available():
                 break
             self._dispatch_group(groups[key], stats)
+
+    def trace_custom_estimates(self, pending: list[Any], stats: RoundStats) -> list[Any]:
+        """Custom-module jobs wait for their traced estimate (service/custom_trace.py):
+        traced here, one child process per spec and GPU model; a factory that fails
+        fails its job with `estimate`'s line. Returns the jobs ready to plan."""
+        from slurm_dlrm.service.custom_trace import needs_trace, trace_job
+        from slurm_dlrm.store.states import JobState
+
+        ready, done = [], {}
+        for job in pending:
+            if not needs_trace(job):
+                ready.append(job)
+                continue
+            key = (job.spec_fingerprint, job.gpu_model, str(job.spec.get("custom_module")))
+            if key not in done:
+                done[key] = trace_job(job, self.site.gpu_model(str(job.gpu_model)), self.settings.python)
+            est, error = done[key]
+            if est is None:
+                self.store.transition_job(job.id, JobState.FAILED, error, exit_code=2)
+            else:
+                self.store.set_job_estimate(job.id, est, f"traced {job.spec.get('custom_module')}: GPU peak "
+                                            f"{int(est['gpu_peak_bytes']) / (1 << 30):.2f} GiB on {job.gpu_model}")
+                ready.append(self.store.get_job(job.id))
+            stats.transitions += 1
+        return ready
 
     @property
     def join_grace_s(self) -> float:
@@ -721,6 +767,16 @@ class PackingService:
             mem_per_node_mib=mem_mib, python=self.settings.python,
             placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,
             signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged)
+
+
+def _sacct_time(value: str) -> float | None:
+    """sacct prints local time without a zone (2026-11-24T14:05:03), or Unknown."""
+    import datetime
+
+    try:
+        return datetime.datetime.fromisoformat(value).timestamp() if value[:1].isdigit() else None
+    except ValueError:
+        return None
 
 
 def _never_fits(reason: str) -> bool:

@@ -105,12 +105,32 @@ def run_demo(specs: Sequence[Path], workdir: Path, *, say: Callable[[str], None]
                            start_service=True)
         say(f"submitted {len(ids)} jobs: " + ", ".join(f"{i}:{s.name}" for i, s in zip(ids, subs, strict=True)))
         jobs = follow(site, user, ids, timeout_s)
+        # The members reported their ends; the pack (the Slurm job) ends a moment later.
+        # Stopping the service before it saw that would leave the pack open in the store
+        # (and charged up to "now" by acct, issue 17): wait for it, a few rounds at most.
+        wait_packs_final(site, user, timeout_s=max(30.0, 15 * round_seconds))
     finally:
         try:
             stop(paths, timeout_s=60)
         except TimeoutError as exc:
             log.warning("%s", exc)
     return summarize(site, user, ids, [str(j.state) for j in jobs], workdir, time.monotonic() - t0, report)
+
+
+def wait_packs_final(site: SiteConfig, user: str, timeout_s: float) -> bool:
+    """Until the user's store has no SUBMITTING/QUEUED/RUNNING pack; False on timeout."""
+    from slurm_dlrm.store.states import PACK_ACTIVE
+    from slurm_dlrm.store.store import Store
+
+    deadline = time.monotonic() + timeout_s
+    with Store.for_user(site, user, readonly=True) as store:
+        while store.packs(PACK_ACTIVE, user=user):
+            if time.monotonic() > deadline:
+                log.warning("packs still active after %.0f s; stopping the service anyway "
+                            "(queue/acct settle them from Slurm later)", timeout_s)
+                return False
+            time.sleep(0.5)
+    return True
 
 
 def summarize(site: SiteConfig, user: str, ids: list[int], states: list[str], workdir: Path, seconds: float,

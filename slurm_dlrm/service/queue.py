@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from slurm_dlrm.service.custom_trace import ESTIMATING_REASON, PENDING_TRACE
 from slurm_dlrm.site import MIB
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,9 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
     for j in jobs:
         pack = packs.get(j.pack_id) if j.pack_id is not None and j.state != JobState.PENDING else None
         pl = placements.get((j.pack_id, j.id)) if pack is not None else None
-        if j.state == JobState.PENDING:
+        if j.state == JobState.PENDING and PENDING_TRACE in (j.estimate or {}):
+            reason = ESTIMATING_REASON + f": the service traces {j.spec.get('custom_module')}"
+        elif j.state == JobState.PENDING:
             reason = pending_reason(service)
         elif j.state in JOB_TERMINAL:
             reason = j.exit_reason or ""

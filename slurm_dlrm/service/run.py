@@ -41,6 +41,7 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
             from slurm_dlrm.slurm import SlurmClient
 
             slurm = SlurmClient()
+            slurm.release()  # an unsupported Slurm release stops the service at once, in one line
         store = Store.for_user(site, user)
         period = round_seconds if round_seconds is not None else site.packing.round_seconds
         # A little under the period, so a timer round never just misses its window.

@@ -49,6 +49,7 @@ class Submission:
     options: SbatchOptions
     gpu: GpuModel
     estimate: Any  # slurm_dlrm.estimate.Estimate
+    source: str = ""  # the path as given (errors name it so, as `estimate` does)
 
 
 def partition_for(site: SiteConfig, options: SbatchOptions) -> Any:
@@ -93,7 +94,12 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
         spec = load_spec(path)
         gpu = gpu_for(site, options)
         est = estimate(spec, gpu)
-        if est.gpu_peak_bytes > gpu.memory_bytes:
+        if spec.custom_module:
+            # traced by the service (torch), after the checks that need no import (custom_trace.py)
+            from slurm_dlrm.service.custom_trace import check_custom_module
+
+            check_custom_module(spec, source=raw)
+        elif est.gpu_peak_bytes > gpu.memory_bytes:
             raise BadInput(f"{raw}: needs {est.gpu_peak_bytes / GIB:.1f} GiB of GPU memory (estimate); "
                            f"a {gpu.name} has {gpu.memory_bytes / GIB:.0f} GiB")
         data = spec.to_dict()
@@ -101,7 +107,8 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
         if ds.get("path") and not os.path.isabs(ds["path"]):
             ds["path"] = os.path.normpath(os.path.join(os.path.dirname(path), ds["path"]))
         out.append(Submission(path=path, name=options.job_name or spec.name, spec=spec, spec_data=data,
-                              fingerprint=spec_fingerprint(spec), options=options, gpu=gpu, estimate=est))
+                              fingerprint=spec_fingerprint(spec), options=options, gpu=gpu, estimate=est,
+                              source=raw))
     return out
 
 
@@ -112,12 +119,17 @@ def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | 
     millisecond here instead of in the service's round; the service writes any that
     a crash left missing, from the store).
     """
+    from slurm_dlrm.service.custom_trace import pending_trace_estimate, submit_search_path
+
     ids = []
     with store.write():
         for s in subs:
+            est = s.estimate.to_dict()
+            if s.spec.custom_module:  # its analytic figures are placeholders until the service traced it
+                est = pending_trace_estimate(est, s.source, submit_search_path(os.getcwd()))
             ids.append(int(store.add_job(
                 user=user, name=s.name, spec=s.spec_data, spec_fingerprint=s.fingerprint,
-                estimate=s.estimate.to_dict(), gpu_model=s.gpu.name, sbatch=s.options.to_dict(),
+                estimate=est, gpu_model=s.gpu.name, sbatch=s.options.to_dict(),
                 reason=f"submitted from {s.path}")))
     if spool_dir is not None:
         from slurm_dlrm.service.spool import write_job_spec
@@ -241,7 +253,7 @@ def native_script(sub: Submission, req: NativeRequest, spec_path: str, python: s
 def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
                    slurm: Any, python: str = sys.executable) -> list[tuple[int, Submission, NativeRequest]]:
     """Each spec as its own Slurm job; returns (Slurm job id, submission, request)."""
-    subs = prepare(paths, cli_options, site, cwd)
+    subs = [_traced(sub, python) if sub.spec.custom_module else sub for sub in prepare(paths, cli_options, site, cwd)]
     spool = ensure_private_dir(site.spool_dir_for(user))
     reqs = [native_request(sub, site) for sub in subs]  # all sized before any is submitted
     out = []
@@ -254,6 +266,20 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
         opts = [] if sub.options.output else [f"--output={job_dir}/slurm-%j.out"]
         out.append((slurm.sbatch(script, [*opts, f"--chdir={job_dir}"]), sub, req))
     return out
+
+
+def _traced(sub: Submission, python: str) -> Submission:
+    """A custom module's estimate, traced now (a child process with torch): --no-pack has
+    no service to do it later, and `--mem`/the MPS share come from it."""
+    import dataclasses
+
+    from slurm_dlrm.estimate import Estimate
+    from slurm_dlrm.service.custom_trace import submit_search_path, trace_spec
+
+    est, error = trace_spec(sub.spec_data, sub.source, sub.gpu, submit_search_path(os.getcwd()), python)
+    if est is None:
+        raise BadInput(error)
+    return dataclasses.replace(sub, estimate=Estimate.from_dict(est))
 
 
 # ---------------------------------------------------------------- --wait

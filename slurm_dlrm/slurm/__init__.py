@@ -15,12 +15,13 @@ from slurm_dlrm.slurm.base import (
     SlurmNotFound,
     SlurmTimeout,
 )
-from slurm_dlrm.slurm.client import SlurmClient
+from slurm_dlrm.slurm.client import SlurmClient, UnsupportedSlurm
 from slurm_dlrm.slurm.states import JobState, to_job_state
 
 __all__ = [
     "AccountingDisabled", "AcctRow", "JobInfo", "JobState", "NodeInfo", "PartitionRow", "SlurmBackend",
-    "SlurmClient", "SlurmError", "SlurmNotFound", "SlurmTimeout", "make_backend", "to_job_state",
+    "SlurmClient", "SlurmError", "SlurmNotFound", "SlurmTimeout", "UnsupportedSlurm", "make_backend",
+    "to_job_state",
 ]
 
 ENV_BACKEND = "SLURM_DLRM_SLURM_BACKEND"
@@ -30,7 +31,8 @@ def make_backend(slurm_conf: str | None = None, kind: str | None = None,
                  timeout_s: float = 30.0) -> SlurmBackend:
     """The backend to use: `kind` or $SLURM_DLRM_SLURM_BACKEND, default "cli".
 
-    "cli" runs the Slurm commands (works with any Slurm that has `squeue --json`).
+    "cli" runs the Slurm commands (Slurm 22.05 to 26.05; an older release is refused
+    in one line at the first command).
     "pyslurm" is reserved for a backend on pyslurm (which builds only against the
     matching Slurm release); it is not written yet.
     """

@@ -34,6 +34,30 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_SACCT_FIELDS = ("JobID", "JobName", "State", "ExitCode", "Start", "End", "Elapsed",
                         "NodeList", "AllocTRES")
 
+# `--states=all`: from 23.02 `squeue --json` honours squeue's default state filter and
+# omits ended jobs (22.05 listed them until MinJobAge, and ignores the flag). A pack
+# that ended between two polls must still be seen as ended, not "not found".
+SQUEUE_ARGV = ("squeue", "--json", "--states=all")
+# `-d` adds GresUsed (allocated GPUs/MPS/shards) to each node record.
+NODES_ARGV = ("scontrol", "-d", "-o", "show", "node")
+
+
+class UnsupportedSlurm(SlurmError):
+    """A Slurm release older than 22.05, or one whose version cannot be read."""
+
+    def __init__(self, command: Sequence[str], stdout: str, reason: str) -> None:
+        super().__init__(command, 0, "", reason)
+        # Not "sinfo failed (exit 0)": sinfo answered, we refuse the release.
+        self.args = (f"Slurm release {stdout.strip()[:60]!r}: {reason}",)
+
+
+# The newest release the parsers are tested on (tests/data/slurm/26.05.*).
+MAX_TESTED_RELEASE = (26, 5)
+
+
+# `sinfo --version` answers per (bin folder, SLURM_CONF, PATH), asked once per process.
+_RELEASES: dict[tuple[str, str, str], tuple[int, int, int]] = {}
+
 
 class SlurmClient:
     """Runs Slurm commands. `slurm_conf` becomes SLURM_CONF in the child environment."""
@@ -45,6 +69,7 @@ class SlurmClient:
         self.timeout_s = timeout_s
         self.bin_dir = Path(bin_dir) if bin_dir is not None else None
         self.extra_env = dict(env or {})
+        self._release: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------ plumbing
 
@@ -59,6 +84,8 @@ class SlurmClient:
             timeout_s: float | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run one Slurm command; raise `SlurmError` (or a subclass) if it fails."""
         argv = list(argv)
+        if self._release is None:
+            self.release()  # the first command to Slurm checks the release (once per process)
         if self.bin_dir is not None and "/" not in argv[0]:
             argv[0] = str(self.bin_dir / argv[0])
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -89,7 +116,7 @@ class SlurmClient:
             return []
         # Slurm 22.05.8 `squeue --json` ignores --jobs/--user/--name and prints every
         # job, so filter here; the flags still go along for newer releases that honour them.
-        argv = ["squeue", "--json"]
+        argv = list(SQUEUE_ARGV)
         if user is not None:
             argv += ["--user", user]
         if name is not None:
@@ -159,9 +186,10 @@ class SlurmClient:
     # ------------------------------------------------------------ cluster
 
     def show_nodes(self) -> list[NodeInfo]:
-        # scontrol has no --json in 22.05; sinfo --json lists the same node records.
-        proc = self.run(["sinfo", "--json"])
-        return parse.parse_nodes_json(proc.stdout)
+        # `scontrol show node -o`: the same Key=value text on 22.05 .. 26.05. (scontrol has
+        # no --json in 22.05, and 24.11's `sinfo --json` groups nodes instead of listing them.)
+        proc = self.run(list(NODES_ARGV))
+        return parse.parse_scontrol_nodes(proc.stdout)
 
     def sinfo(self) -> list[PartitionRow]:
         proc = self.run(["sinfo", "--noheader", "--format", parse.SINFO_FORMAT])
@@ -176,4 +204,40 @@ class SlurmClient:
         return proc.returncode == 0 and "UP" in proc.stdout
 
     def version(self) -> str:
-        return self.run(["sinfo", "--version"]).stdout.strip()
+        """``YY.MM.P`` of the Slurm commands this client runs, as Slurm spells it (22.05.8)."""
+        major, minor, patch = self.release()
+        return f"{major}.{minor:02d}.{patch}"
+
+    def release(self) -> tuple[int, int, int]:
+        """(major, minor, patch) from `sinfo --version`, asked once per process and
+        setting; `UnsupportedSlurm` below 22.05 or when the answer cannot be read.
+
+        Every Slurm call goes through here first, so an unsupported release is one
+        line at the first command, before anything is submitted.
+        """
+        if self._release is not None:
+            return self._release
+        key = (str(self.bin_dir or ""), self.slurm_conf or os.environ.get("SLURM_CONF", ""),
+               os.environ.get("PATH", ""))
+        release = _RELEASES.get(key)
+        if release is None:
+            argv = ["sinfo", "--version"]
+            self._release = (0, 0, 0)  # run() must not recurse into this check
+            try:
+                proc = self.run(argv)
+            finally:
+                self._release = None
+            try:
+                release = parse.parse_version(proc.stdout)
+            except parse.ParseError:
+                raise UnsupportedSlurm(argv, proc.stdout, "`sinfo --version` does not name a release "
+                                       "(slurm-dlrm supports Slurm 22.05 to 26.05)") from None
+            if release[:2] < parse.MIN_RELEASE:
+                raise UnsupportedSlurm(argv, proc.stdout, "older than 22.05, not supported "
+                                       "(slurm-dlrm supports Slurm 22.05 to 26.05)")
+            if release[:2] > MAX_TESTED_RELEASE:
+                log.warning("Slurm %s is newer than the newest release slurm-dlrm is tested on (26.05); "
+                            "output it cannot read stops the command with an error", proc.stdout.strip())
+            _RELEASES[key] = release
+        self._release = release
+        return release

@@ -8,14 +8,31 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from slurm_dlrm.errors import DlrmError
 from slurm_dlrm.slurm.base import AcctRow, JobInfo, NodeInfo, PartitionRow
 from slurm_dlrm.slurm.states import to_job_state
 
 log = logging.getLogger(__name__)
 
 
-class ParseError(ValueError):
-    """Slurm printed something we cannot read."""
+class ParseError(DlrmError, ValueError):
+    """Slurm printed something we cannot read (exit 1, one line: never a traceback).
+
+    Most likely a Slurm release whose output differs from the ones recorded under
+    tests/data/slurm/; the message names what was expected.
+    """
+
+
+# The oldest release whose output the parsers are tested on (tests/data/slurm/22.05.8).
+MIN_RELEASE = (22, 5)
+
+
+def parse_version(stdout: str) -> tuple[int, int, int]:
+    """`sinfo --version`: ``slurm 24.11.5`` or ``slurm-wlm 22.05.8`` -> (24, 11, 5)."""
+    m = re.fullmatch(r"\s*slurm(?:-wlm)?\s+(\d+)\.(\d+)(?:\.(\d+))?\S*\s*", stdout)
+    if m is None:
+        raise ParseError(f"sinfo --version printed {stdout.strip()[:80]!r}, not 'slurm X.Y.Z'")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
 
 
 def parse_sbatch_parsable(stdout: str) -> int:
@@ -37,20 +54,60 @@ def _none_if(value: Any, *nulls: str) -> str:
     return "" if s in ("(null)", "None", "N/A", "n/a", "Unknown", *nulls) else s
 
 
-def _epoch(value: Any) -> int | None:
-    """squeue --json gives unix seconds, 0 for 'not yet'."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+def _number(value: Any, what: str) -> int | None:
+    """A number of `squeue --json` in either shape; None for 'not set' / 'infinite'.
+
+    22.05 (data parser v0.0.38) prints plain integers; 23.02+ (v0.0.39 and later, seen
+    on 24.11 and 26.05) prints ``{"set": bool, "infinite": bool, "number": int}``.
+    Anything else is a shape we do not know: refuse rather than guess.
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ParseError(f"squeue --json: {what}: a boolean where a number was expected")
+    if isinstance(value, int):
         return value
-    return None
+    if isinstance(value, dict) and {"set", "number"} <= value.keys():
+        if not value["set"] or value.get("infinite"):
+            return None
+        n = value["number"]
+        if isinstance(n, int) and not isinstance(n, bool):
+            return n
+    raise ParseError(f"squeue --json: {what}: unknown shape {json.dumps(value)[:80]}")
 
 
-def _wait_status(code: Any) -> tuple[int | None, int | None]:
-    """squeue --json `exit_code` is a wait(2) status: 768 = exit 3, 15 = killed by SIGTERM."""
-    if not isinstance(code, int) or isinstance(code, bool):
+def _epoch(value: Any, what: str) -> int | None:
+    """Unix seconds; 0 means 'not yet'."""
+    n = _number(value, what)
+    return n if n is not None and n > 0 else None
+
+
+def _exit_code(code: Any) -> tuple[int | None, int | None]:
+    """`squeue --json` exit_code -> (exit code, signal); (None, None) while unknown.
+
+    22.05: a wait(2) status (768 = exit 3, 15 = killed by SIGTERM). 23.02+: an object
+    ``{"status": ["EXITED"|"SIGNALED"|"PENDING"|...], "return_code": N, "signal":
+    {"id": N, "name": "TERM"}}`` whose numbers are themselves set/number objects.
+    """
+    if code is None:
         return None, None
-    if code & 0x7F:
-        return None, code & 0x7F
-    return (code >> 8) & 0xFF, None
+    if isinstance(code, int) and not isinstance(code, bool):
+        if code & 0x7F:
+            return None, code & 0x7F
+        return (code >> 8) & 0xFF, None
+    if isinstance(code, dict) and "status" in code:
+        status = code["status"]
+        status = set(status) if isinstance(status, list) else {status}
+        signal_obj = code.get("signal")
+        sig = _number(signal_obj.get("id") if isinstance(signal_obj, dict) else signal_obj, "exit_code.signal")
+        if "SIGNALED" in status or "CORE_DUMPED" in status:
+            return None, sig or None
+        if "EXITED" in status or "SUCCESS" in status or "ERROR" in status:
+            return _number(code.get("return_code"), "exit_code.return_code"), None
+        if status <= {"PENDING", "INVALID", "INVALID_ID", "UNKNOWN"}:
+            return None, None
+        raise ParseError(f"squeue --json: exit_code: unknown status {sorted(status)}")
+    raise ParseError(f"squeue --json: exit_code: unknown shape {json.dumps(code)[:80]}")
 
 
 def _load_json(stdout: str, what: str) -> dict[str, Any]:
@@ -68,35 +125,56 @@ def _load_json(stdout: str, what: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- jobs
 
+def _text(value: Any, what: str) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    raise ParseError(f"squeue --json: {what}: expected text, got {json.dumps(value)[:80]}")
+
+
 def job_from_json(j: dict[str, Any]) -> JobInfo:
-    """One element of `squeue --json` .jobs (Slurm 22.05 openapi v0.0.38 layout)."""
+    """One element of `squeue --json` .jobs: 22.05 (v0.0.38) or 23.02+ (v0.0.39..v0.0.44)."""
+    if not isinstance(j, dict) or not isinstance(j.get("job_id"), int):
+        raise ParseError(f"squeue --json: a job without a numeric job_id: {json.dumps(j)[:80]}")
     raw_state = j.get("job_state")
-    exit_code, sig = _wait_status(j.get("exit_code"))
-    array_job = j.get("array_job_id")
-    array_task = j.get("array_task_id")
+    if not (isinstance(raw_state, str) or (isinstance(raw_state, list) and raw_state)):
+        raise ParseError(f"squeue --json: job {j['job_id']}: job_state {raw_state!r} is not a state")
+    state = to_job_state(raw_state)
+    exit_code, sig = _exit_code(j.get("exit_code"))
+    array_job = _number(j.get("array_job_id"), "array_job_id")
+    array_task = _number(j.get("array_task_id"), "array_task_id")
     return JobInfo(
         job_id=int(j["job_id"]),
         name=str(j.get("name") or ""),
-        state=to_job_state(raw_state),
-        slurm_state=(" ".join(raw_state) if isinstance(raw_state, list) else str(raw_state or "")),
-        user=str(j.get("user_name") or ""),
-        partition=str(j.get("partition") or ""),
-        nodes=_none_if(j.get("nodes")),
-        num_nodes=int(j.get("node_count") or 0),
-        reason=_none_if(j.get("state_reason")),
+        state=state,
+        slurm_state=(" ".join(raw_state) if isinstance(raw_state, list) else raw_state),
+        user=_text(j.get("user_name"), "user_name"),
+        partition=_text(j.get("partition"), "partition"),
+        nodes=_none_if(_text(j.get("nodes"), "nodes")),
+        num_nodes=_number(j.get("node_count"), "node_count") or 0,
+        reason=_none_if(_text(j.get("state_reason"), "state_reason")),
         exit_code=exit_code,
         signal=sig,
-        tres=str(j.get("tres_alloc_str") or j.get("tres_req_str") or ""),
-        restart_count=int(j.get("restart_cnt") or 0),
-        submit_time=_epoch(j.get("submit_time")),
-        start_time=_epoch(j.get("start_time")),
-        end_time=_epoch(j.get("end_time")) if to_job_state(raw_state).is_terminal else None,
-        work_dir=str(j.get("current_working_directory") or ""),
-        std_out=str(j.get("standard_output") or ""),
-        comment=str(j.get("comment") or ""),
-        array_job_id=int(array_job) if isinstance(array_job, int) and array_job > 0 else None,
-        array_task_id=int(array_task) if isinstance(array_task, int) else None,
+        tres=_text(j.get("tres_alloc_str") or j.get("tres_req_str"), "tres_alloc_str"),
+        restart_count=_number(j.get("restart_cnt"), "restart_cnt") or 0,
+        submit_time=_epoch(j.get("submit_time"), "submit_time"),
+        start_time=_epoch(j.get("start_time"), "start_time"),
+        end_time=_epoch(j.get("end_time"), "end_time") if state.is_terminal else None,
+        work_dir=_text(j.get("current_working_directory"), "current_working_directory"),
+        std_out=_text(j.get("standard_output"), "standard_output"),
+        comment=_comment(j.get("comment")),
+        array_job_id=array_job if array_job is not None and array_job > 0 else None,
+        array_task_id=array_task,
     )
+
+
+def _comment(value: Any) -> str:
+    """22.05: `comment` is the job's --comment; 23.02+: ``{"job": ..., "administrator": ...,
+    "system": ...}`` (the --comment is "job")."""
+    if isinstance(value, dict):
+        return _text(value.get("job"), "comment.job")
+    return _text(value, "comment")
 
 
 def parse_squeue_json(stdout: str) -> list[JobInfo]:
@@ -177,34 +255,88 @@ def job_from_scontrol(rec: dict[str, str]) -> JobInfo:
 
 # ---------------------------------------------------------------- nodes and partitions
 
-def node_from_json(n: dict[str, Any]) -> NodeInfo:
-    """One element of `sinfo --json` .nodes (22.05: state is a lower-case word)."""
-    state = str(n.get("state") or "unknown").lower()
-    flags = tuple(str(f).upper() for f in n.get("state_flags") or [])
-    port = n.get("port")
+# Base node states (slurm.h node_state_string); anything after '+' is a flag.
+NODE_BASE_STATES = frozenset({"idle", "mixed", "allocated", "down", "error", "future", "unknown",
+                              "completing", "planned"})
+
+
+def _int_field(rec: dict[str, str], key: str, what: str) -> int:
+    raw = rec.get(key)
+    if raw is None or raw in ("", "N/A", "(null)"):
+        return 0
+    if not raw.isdigit():
+        raise ParseError(f"{what}: {key}={raw!r} is not a number")
+    return int(raw)
+
+
+def node_from_scontrol(rec: dict[str, str]) -> NodeInfo:
+    """One record of `scontrol show node -o` (the same Key=value text on 22.05 .. 26.05).
+
+    State is ``BASE[*][+FLAG...]``: ``IDLE``, ``MIXED+DRAIN``, ``DOWN*+NOT_RESPONDING``
+    (a trailing ``*`` on the base also means not responding), ``IDLE+DRAIN+DYNAMIC_NORM``.
+    """
+    name = rec.get("NodeName")
+    if not name:
+        raise ParseError("scontrol show node: a record without NodeName")
+    raw_state = rec.get("State", "")
+    base, *flags = raw_state.split("+")
+    base = base.strip()
+    if base.endswith("*"):
+        base = base.rstrip("*")
+        flags.append("NOT_RESPONDING")
+    # Old releases print the flag forms (DRAINED/DRAINING) in some paths: a drain word
+    # as base means idle/mixed + DRAIN.
+    if base.upper() in ("DRAIN", "DRAINED", "DRAINING"):
+        flags.append("DRAIN")
+        base = "idle" if base.upper() != "DRAINING" else "mixed"
+    state = base.lower()
+    if state not in NODE_BASE_STATES:
+        raise ParseError(f"scontrol show node {name}: unknown State={raw_state!r}")
+    what = f"scontrol show node {name}"
+    port = rec.get("Port", "")
     return NodeInfo(
-        name=str(n["name"]),
+        name=name,
         state=state,
-        flags=flags,
-        cpus=int(n.get("cpus") or 0),
-        cpus_alloc=int(n.get("alloc_cpus") or 0),
-        real_memory_mib=int(n.get("real_memory") or 0),
-        alloc_memory_mib=int(n.get("alloc_memory") or 0),
-        gres=_none_if(n.get("gres")),
-        gres_used=_none_if(n.get("gres_used")),
-        partitions=tuple(str(p) for p in n.get("partitions") or []),
-        address=str(n.get("address") or ""),
-        port=int(port) if isinstance(port, int) else None,
-        reason=str(n.get("reason") or ""),
+        flags=tuple(dict.fromkeys(f.strip().upper() for f in flags if f.strip())),
+        cpus=_int_field(rec, "CPUTot", what),
+        cpus_alloc=_int_field(rec, "CPUAlloc", what),
+        real_memory_mib=_int_field(rec, "RealMemory", what),
+        alloc_memory_mib=_int_field(rec, "AllocMem", what),
+        gres=_none_if(rec.get("Gres")),
+        gres_used=_none_if(rec.get("GresUsed")),
+        partitions=tuple(p for p in _none_if(rec.get("Partitions")).split(",") if p),
+        address=_none_if(rec.get("NodeAddr")),
+        port=int(port) if port.isdigit() else None,
+        reason=_none_if(rec.get("Reason")),
     )
 
 
-def parse_nodes_json(stdout: str) -> list[NodeInfo]:
-    data = _load_json(stdout, "sinfo --json")
-    nodes = data.get("nodes")
-    if not isinstance(nodes, list):
-        raise ParseError("sinfo --json: no 'nodes' list")
-    return [node_from_json(n) for n in nodes]
+def parse_scontrol_nodes(stdout: str) -> list[NodeInfo]:
+    """`scontrol show node -o` (one node per line)."""
+    return [node_from_scontrol(r) for r in parse_scontrol_oneliner(stdout)]
+
+
+def tres_items(value: str) -> dict[str, str]:
+    """A TRES list in either spelling -> {"gres/mps": "60", "gres/gpu:h100": "2", ...}.
+
+    `scontrol show job` prints TresPerNode as ``gres:mps:60`` up to 23.02 and as
+    ``gres/mps:60`` from 23.11 (seen on 24.11 and 26.05); AllocTRES uses ``gres/gpu=1``.
+    """
+    out: dict[str, str] = {}
+    for item in _none_if(value).split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if "=" in item:
+            key, _, count = item.partition("=")
+        else:
+            key, _, count = item.rpartition(":")
+            if not count.isdigit():
+                key, count = item, "1"
+        if key.startswith("gres:"):
+            key = "gres/" + key[len("gres:"):]
+        out[key] = count
+    return out
 
 
 # `sinfo --format`: partition (with * on the default), availability, long state,

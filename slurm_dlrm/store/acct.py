@@ -300,6 +300,97 @@ def acct_all_users(site: SiteConfig, fetch: Callable[[Store], list[Any]]) -> tup
     return rows, warnings
 
 
+# ---------------------------------------------------------------- totals per user and partition
+
+@dataclass(frozen=True)
+class TotalColumn:
+    name: str
+    key: str
+    kind: str  # int | hours
+
+
+TOTAL_COLUMNS: tuple[TotalColumn, ...] = (
+    TotalColumn("Jobs", "jobs", "int"), TotalColumn("Pending", "pending", "int"),
+    TotalColumn("Running", "running", "int"), TotalColumn("Completed", "completed", "int"),
+    TotalColumn("Failed", "failed", "int"), TotalColumn("OOM", "oom", "int"),
+    TotalColumn("Cancelled", "cancelled", "int"), TotalColumn("GPUHours", "gpu_hours", "hours"),
+    TotalColumn("ExclGPUHours", "excl_gpu_hours", "hours"), TotalColumn("GPUHoursSaved", "gpu_hours_saved", "hours"),
+)
+
+
+@dataclass
+class Totals:
+    """acct's figures summed per user and per partition, over one or many stores."""
+
+    by_user: dict[str, dict[str, float]]
+    by_partition: dict[str, dict[str, float]]
+    skipped: list[str]  # one line per store that could not be read
+
+    def add(self, rows: Sequence[dict[str, Any]], default_partition: str = "") -> None:
+        for r in rows:
+            for table, name in ((self.by_user, str(r["user"])),
+                                (self.by_partition, str(r["partition"] or default_partition or "-"))):
+                acc = table.setdefault(name, {c.key: 0.0 for c in TOTAL_COLUMNS})
+                for c in TOTAL_COLUMNS:
+                    acc[c.key] += float(r[c.key] or 0.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        def rows(table: dict[str, dict[str, float]], label: str) -> list[dict[str, Any]]:
+            return [{label: k, **{c.name: (int(v[c.key]) if c.kind == "int" else round(v[c.key], 4))
+                                  for c in TOTAL_COLUMNS}} for k, v in sorted(table.items())]
+
+        return {"users": rows(self.by_user, "User"), "partitions": rows(self.by_partition, "Partition"),
+                "skipped": list(self.skipped)}
+
+
+def acct_totals(store: Store, f: AcctFilter, now: float | None = None) -> list[dict[str, Any]]:
+    """ACCT's rows of `store` (filtered by `f`) summed per (user, partition)."""
+    now = store.clock() if now is None else now
+    with store.read():
+        params = _params(store, f, now)
+        return [] if params is None else store.query("acct_totals", params)
+
+
+def render_totals(totals: Totals, fmt: str, header: bool = True) -> str:
+    """Per-user and per-partition totals: two tables (table), or rows with a `Group` column."""
+    if fmt == "json":
+        return json.dumps(totals.as_dict(), indent=1)
+    d = totals.as_dict()
+    rows = [("user", r["User"], r) for r in d["users"]] + [("partition", r["Partition"], r) for r in d["partitions"]]
+    names = [c.name for c in TOTAL_COLUMNS]
+    if fmt in ("csv", "parsable"):
+        buf = io.StringIO()
+        if fmt == "csv":
+            w = csv.writer(buf, lineterminator="\n")
+            if header:
+                w.writerow(["Group", "Name", *names])
+            for g, n, r in rows:
+                w.writerow([g, n, *(r[k] for k in names)])
+        else:
+            if header:
+                buf.write("|".join(["Group", "Name", *names]) + "\n")
+            for g, n, r in rows:
+                buf.write("|".join([g, n, *(str(r[k]) for k in names)]) + "\n")
+        return buf.getvalue()
+    out: list[str] = []
+    for title, label, items in (("Per user", "User", d["users"]), ("Per partition", "Partition", d["partitions"])):
+        cells = [[str(r[label]), *(str(r[c.name]) if c.kind == "int" else f"{r[c.name]:.3f}" for c in TOTAL_COLUMNS)]
+                 for r in items]
+        heads = [label, *names]
+        widths = [max([len(h), *(len(row[i]) for row in cells)]) for i, h in enumerate(heads)]
+        out.append(f"{title}:")
+        if header:
+            out.append(" ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)))
+            out.append(" ".join("-" * w for w in widths))
+        out += [" ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+        out.append("")
+    if totals.skipped:
+        out.append("Stores not read:")
+        out += [f"  {s}" for s in totals.skipped]
+        out.append("")
+    return "\n".join(out)
+
+
 # ---------------------------------------------------------------- rendering
 
 def raw_value(col: Column, v: Any) -> Any:

@@ -178,6 +178,96 @@ GROUP BY k.id, p.job_id
 ORDER BY k.start_time, k.id, min(p.start_time)
 """
 
+# `acct --totals` / `--all-users`: ACCT's rows summed per user and partition (a job's
+# partition: its current pack's, else the one its sbatch options name).
+ACCT_TOTALS = (
+    "SELECT a.user, coalesce(k.partition, (SELECT json_extract(s.sbatch_json, '$.partition') "
+    "FROM job_specs s WHERE s.job_id = a.job_id)) AS partition, count(*) AS jobs, "
+    "sum(a.state IN ('PENDING', 'PLANNED')) AS pending, sum(a.state = 'RUNNING') AS running, "
+    "sum(a.state = 'COMPLETED') AS completed, sum(a.state = 'FAILED') AS failed, sum(a.state = 'OOM') AS oom, "
+    "sum(a.state = 'CANCELLED') AS cancelled, sum(a.gpu_hours) AS gpu_hours, "
+    "sum(a.excl_gpu_hours) AS excl_gpu_hours, sum(a.gpu_hours_saved) AS gpu_hours_saved "
+    "FROM (" + ACCT + ") a LEFT JOIN packs k ON k.id = a.pack_id GROUP BY 1, 2"
+)
+
+# ---------------------------------------------------------------- the exporter's reads
+# (slurm_dlrm/store/metrics.py; docs/admin.md "Prometheus"). Each one is an indexed
+# lookup or a grouping over small tables: a scrape must stay cheap with 1,000 active jobs.
+
+# Jobs per state, of the states in :states (the exporter asks for the active ones every
+# scrape, through the jobs_state index, and for the rest at its slow refresh). A job's
+# partition and GPU model are those of its current pack; a job never packed takes the
+# partition its sbatch options name (looked up for those only).
+METRIC_JOBS = """
+SELECT j.user, coalesce(k.partition, (SELECT json_extract(s.sbatch_json, '$.partition')
+                                      FROM job_specs s WHERE s.job_id = j.id)) AS partition,
+       coalesce(k.gpu_model, j.gpu_model) AS gpu_model, j.state, count(*) AS n
+FROM jobs j LEFT JOIN packs k ON k.id = j.pack_id
+WHERE j.state IN (SELECT value FROM json_each(:states))
+GROUP BY 1, 2, 3, 4
+"""
+
+METRIC_PACKS = (
+    "SELECT user, partition, gpu_model, state, count(*) AS n FROM packs "
+    "WHERE state IN (SELECT value FROM json_each(:states)) GROUP BY 1, 2, 3, 4"
+)
+
+# Every GPU of a RUNNING pack that has a placement: its running members and their fences.
+METRIC_GPUS = """
+SELECT k.id AS pack_id, k.user, k.partition, k.gpu_model, k.slurm_job_id, p.node_index,
+       coalesce(p.node, '') AS node, p.gpu_index,
+       sum(p.start_time IS NOT NULL AND p.end_time IS NULL) AS members,
+       sum(CASE WHEN p.start_time IS NOT NULL AND p.end_time IS NULL THEN p.gpu_mem_limit_bytes END)
+           AS fenced_bytes
+FROM packs k JOIN placements p ON p.pack_id = k.id
+WHERE k.state = 'RUNNING'
+GROUP BY k.id, p.node_index, p.gpu_index
+"""
+
+# The latest GPU-level sample (job_id NULL) of each GPU since :since: a range seek on
+# samples_job_t (job_id, t), so it reads only the last window's GPU samples. A bare
+# column next to max() comes from the row holding the max (SQLite's documented rule).
+METRIC_GPU_LATEST = """
+SELECT pack_id, node, gpu_index, max(t) AS t, sm_util_pct, mem_util_pct, gpu_mem_bytes
+FROM samples WHERE job_id IS NULL AND t >= :since
+GROUP BY pack_id, node, gpu_index
+"""
+
+# Lifecycle events after :after_id (the exporter counts them incrementally by id):
+# OOMs, requeues (RUNNING/OOM -> PENDING: an attempt more), and which requeues were a
+# recovery (an OOM retried, a pack lost or failed) or a move (straggler or re-pack).
+METRIC_EVENTS = """
+SELECT coalesce(k.user, j.user) AS user, k.partition, coalesce(k.gpu_model, j.gpu_model) AS gpu_model,
+       sum(e.to_state = 'OOM') AS ooms,
+       sum(e.to_state = 'PENDING') AS requeues,
+       sum(e.to_state = 'PENDING' AND e.from_state = 'OOM') AS recovered_oom,
+       sum(e.to_state = 'PENDING' AND e.from_state = 'RUNNING' AND e.reason NOT LIKE 'moved:%') AS recovered_pack,
+       sum(e.to_state = 'PENDING' AND e.reason LIKE 'moved:%') AS repacks
+FROM events e LEFT JOIN packs k ON k.id = e.pack_id LEFT JOIN jobs j ON j.id = e.job_id
+WHERE e.id > :after_id AND e.id <= :upto_id AND e.kind = 'job_state'
+  AND (e.to_state = 'OOM' OR (e.to_state = 'PENDING' AND e.from_state IN ('RUNNING', 'OOM')))
+GROUP BY 1, 2, 3
+"""
+
+# GPU-seconds charged and at one job per GPU, per user/partition/GPU model: acct's own
+# definition (ACCT), summed, so the counters and `acct` never disagree.
+METRIC_GPU_SECONDS = (
+    "SELECT a.user, k.partition, coalesce(k.gpu_model, a.gpu_model) AS gpu_model, "
+    "sum(a.gpu_hours) * 3600.0 AS charged_s, sum(a.excl_gpu_hours) * 3600.0 AS exclusive_s "
+    "FROM (" + ACCT + ") a LEFT JOIN packs k ON k.id = a.pack_id GROUP BY 1, 2, 3"
+)
+
+# Per job, for the two histograms: measured / estimated GPU peak of finished jobs, and
+# the queue wait (submit to first start) of jobs that started.
+METRIC_JOB_FIGURES = """
+SELECT j.user, k.partition, coalesce(k.gpu_model, j.gpu_model) AS gpu_model,
+       CASE WHEN j.state IN ({TERMINAL}) AND j.est_gpu_peak_bytes > 0 AND u.gpu_mem_peak_bytes IS NOT NULL
+            THEN CAST(u.gpu_mem_peak_bytes AS REAL) / j.est_gpu_peak_bytes END AS est_error_ratio,
+       CASE WHEN j.start_time IS NOT NULL THEN max(0.0, j.start_time - j.submit_time) END AS wait_s
+FROM jobs j LEFT JOIN packs k ON k.id = j.pack_id LEFT JOIN job_usage u ON u.job_id = j.id
+WHERE j.start_time IS NOT NULL OR j.state IN ({TERMINAL})
+""".replace("{TERMINAL}", ", ".join(f"'{s.value}'" for s in sorted(JOB_TERMINAL)))
+
 QUERIES: dict[str, str] = {
     "job_by_id": (
         "SELECT j.*, s.spec_json, s.estimate_json, s.sbatch_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
@@ -216,4 +306,12 @@ QUERIES: dict[str, str] = {
     "gpu_timeline": GPU_TIMELINE,
     "sample_span": SAMPLE_SPAN,
     "gantt": GANTT,
+    "acct_totals": ACCT_TOTALS,
+    "metric_jobs": METRIC_JOBS,
+    "metric_packs": METRIC_PACKS,
+    "metric_gpus": METRIC_GPUS,
+    "metric_gpu_latest": METRIC_GPU_LATEST,
+    "metric_events": METRIC_EVENTS,
+    "metric_gpu_seconds": METRIC_GPU_SECONDS,
+    "metric_job_figures": METRIC_JOB_FIGURES,
 }

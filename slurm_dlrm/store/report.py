@@ -50,6 +50,7 @@ _TEMPLATE = """<!DOCTYPE html>
  th { background: #eee; } td.l, th.l { text-align: left; }
  img { max-width: 100%; border: 1px solid #ddd; margin: 0.5em 0; }
  .note { color: #666; font-size: 0.85em; }
+ .empty { color: #444; background: #f6f6f6; border: 1px solid #ddd; padding: 0.6em 1em; }
 </style></head><body>
 <h1>slurm-dlrm report</h1>
 <p>Window: {{ since }} to {{ until }} (local time). Store: <code>{{ store_path }}</code>.
@@ -61,9 +62,10 @@ their run time on it; "exclusive" is what the same work would take at one job pe
 (docs/store.md, "GPU-hours").</p>
 {% for p in plots %}
 <h2>{{ p.title }}</h2>
-<img alt="{{ p.title }}" src="data:image/png;base64,{{ p.b64 }}">
+{% if p.b64 %}<img alt="{{ p.title }}" src="data:image/png;base64,{{ p.b64 }}">
 <p class="note">{{ p.note }} (also <a href="{{ p.file }}">{{ p.file }}</a>)</p>
-{% endfor %}
+{% else %}<p class="empty">Nothing to plot: {{ p.note }}</p>
+{% endif %}{% endfor %}
 <h2>Jobs{% if jobs_truncated %} (latest {{ job_rows|length }} of {{ n_jobs }}){% endif %}</h2>
 <table><tr>{% for h in job_header %}<th>{{ h }}</th>{% endfor %}</tr>
 {% for row in job_rows %}<tr>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>{% endfor %}
@@ -92,6 +94,9 @@ def write_report(store: Store, html_path: Path, *, since: float, until: float, m
     plots: list[dict[str, str]] = []
 
     def save(fig: Any, suffix: str, title: str, note: str) -> None:
+        if fig is None:  # nothing to draw: say why instead of an empty plot (issue 17)
+            plots.append({"title": title, "note": note, "file": "", "b64": ""})
+            return
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
         plt.close(fig)
@@ -150,13 +155,6 @@ def _summary(store: Store, rows: list[dict[str, Any]], since: float, until: floa
     return out
 
 
-def _empty(plt: Any, text: str) -> Any:
-    fig, ax = plt.subplots(figsize=(10, 1.5))
-    ax.text(0.5, 0.5, text, ha="center", va="center")
-    ax.set_axis_off()
-    return fig
-
-
 def _dates(ts: list[float]) -> list[datetime]:
     return [datetime.fromtimestamp(t) for t in ts]
 
@@ -164,7 +162,7 @@ def _dates(ts: list[float]) -> list[datetime]:
 def _gpu_timelines(plt: Any, store: Store, since: float, until: float, max_gpus: int) -> tuple[Any, str]:
     span = store.query("sample_span", {"since": since, "until": until})[0]
     if not span["n"]:
-        return _empty(plt, "no samples in this window"), "No samples."
+        return None, "no monitoring samples in this window (no pack ran in it, or its agents sent none)."
     bucket_s = max(1.0, (span["t1"] - span["t0"]) / 300.0)
     series: dict[tuple[int, str, int], dict[int | None, tuple[list[float], list[float]]]] = defaultdict(dict)
     for r in store.query("gpu_timeline", {"since": since, "until": until, "bucket_s": bucket_s}):
@@ -173,8 +171,15 @@ def _gpu_timelines(plt: Any, store: Store, since: float, until: float, max_gpus:
         if r["sm_util_pct"] is not None:
             ts.append(r["t"])
             ys.append(r["sm_util_pct"])
+    drawn = [g for g in series if any(v[0] for v in series[g].values())]
+    if not drawn:
+        # e.g. the local cluster's fake GPUs: NVML answers no utilisation, only the
+        # agents' host figures (CPU, RSS) were sampled. An empty axis would start in 1970.
+        return None, (f"{span['n']:,} monitoring samples in this window, but none has an SM utilisation: "
+                      "the GPUs' NVML gave none (the local cluster's fake GPUs have no NVML; on real GPUs, "
+                      "check that the agent can read NVML).")
     # The busiest GPUs by points, shown in time order.
-    gpus = sorted(series, key=lambda g: -sum(len(v[0]) for v in series[g].values()))[:max_gpus]
+    gpus = sorted(drawn, key=lambda g: -sum(len(v[0]) for v in series[g].values()))[:max_gpus]
     gpus.sort(key=lambda g: min((v[0][0] for v in series[g].values() if v[0]), default=0.0))
     import matplotlib.dates as mdates
 
@@ -198,7 +203,7 @@ def _gpu_timelines(plt: Any, store: Store, since: float, until: float, max_gpus:
         ax.xaxis.set_major_locator(locator)
         ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
     fig.tight_layout()
-    note = f"{len(gpus)} of {len(series)} GPUs; averages over {bucket_s:.0f} s buckets; black = whole GPU."
+    note = f"{len(gpus)} of {len(drawn)} GPUs; averages over {bucket_s:.0f} s buckets; black = whole GPU."
     return fig, note
 
 
@@ -207,7 +212,7 @@ def _gantt(plt: Any, store: Store, since: float, until: float, max_packs: int, n
 
     rows = store.query("gantt", {"since": since, "until": until, "now": now})
     if not rows:
-        return _empty(plt, "no packs ran in this window"), "No packs."
+        return None, "no pack ran in this window."
     pack_ids = list(dict.fromkeys(r["pack_id"] for r in rows))
     keep = set(pack_ids[-max_packs:])
     rows = [r for r in rows if r["pack_id"] in keep]
@@ -243,6 +248,9 @@ def _gantt(plt: Any, store: Store, since: float, until: float, max_packs: int, n
 
 
 def _memory(plt: Any, rows: list[dict[str, Any]]) -> tuple[Any, str]:
+    if not any(r[m] is not None and r[e] is not None for r in rows for e, m in (
+            ("est_gpu_peak_bytes", "gpu_mem_peak_bytes"), ("est_host_peak_bytes", "rss_peak_bytes"))):
+        return None, "no job in this window has both an estimate and a measured peak."
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
     n_total = 0
     for ax, est_key, meas_key, title in (
@@ -257,6 +265,9 @@ def _memory(plt: Any, rows: list[dict[str, Any]]) -> tuple[Any, str]:
             ys = [p[1] for p in pts if p[2] == state]
             if xs:
                 ax.scatter(xs, ys, s=12, color=colour, label=state, alpha=0.8)
+        if not pts:
+            ax.text(0.5, 0.5, "no measured peaks (e.g. fake GPUs: no NVML)", ha="center", va="center",
+                    transform=ax.transAxes, fontsize=9)
         hi = max([max(p[0], p[1]) for p in pts], default=1.0) * 1.05
         ax.plot([0, hi], [0, hi], color="black", linewidth=0.8, linestyle="--", label="measured = estimated")
         ax.set_xlim(0, hi)

@@ -318,6 +318,26 @@ class Store:
             self.event_in_tx("job_state", reason, job_id=job_id, dst=JobState.PENDING.value, t=now)
         return job_id
 
+    def set_job_estimate(self, job_id: int, estimate: Mapping[str, Any], reason: str) -> None:
+        """Replace a PENDING job's estimate (and the memory requests made from it), e.g.
+        the traced estimate of a custom module that `submit` could only mark (issue 17)."""
+        est = dict(estimate)
+        profile = est.get("profile") or {}
+        gpu, host = _int_or_none(est.get("gpu_peak_bytes")), _int_or_none(est.get("host_peak_bytes"))
+        with self.write():
+            now = self.clock()
+            cur = self.conn.execute(
+                "UPDATE jobs SET est_gpu_peak_bytes = ?, est_host_peak_bytes = ?, est_profile_label = ?, "
+                "est_solo_samples_per_s = ?, gpu_mem_request_bytes = ?, host_mem_request_bytes = ?, "
+                "updated_time = ? WHERE id = ? AND state = ?",
+                (gpu, host, profile.get("label"), _float_or_none(profile.get("solo_samples_per_s")), gpu, host, now,
+                 job_id, JobState.PENDING.value))
+            if cur.rowcount != 1:
+                raise StaleState("job", job_id, JobState.PENDING.value, self.get_job(job_id).state.value)
+            self.conn.execute("UPDATE job_specs SET estimate_json = ? WHERE job_id = ?",
+                              (json.dumps(est, sort_keys=True, default=str), job_id))
+            self.event_in_tx("estimate", reason, job_id=job_id, t=now)
+
     def get_job(self, job_id: int) -> Job:
         rows = self.query("job_by_id", {"id": job_id})
         if not rows:

@@ -38,6 +38,7 @@ from slurm_dlrm.errors import (
 )
 from slurm_dlrm.train import checkpoint as ckpt
 from slurm_dlrm.train.data import BatchSource, Prefetcher, make_source
+from slurm_dlrm.train.hostmem import fix_malloc_mmap_threshold
 from slurm_dlrm.train.launch import ENV_RDZV_FILE
 from slurm_dlrm.train.metrics import MetricsWriter, Progress, now, peak_rss_bytes, rss_bytes
 from slurm_dlrm.train.model import Built, build, plan_text
@@ -567,6 +568,7 @@ def run(spec: Any, opts: RunOptions) -> int:
     """Everything of one rank's run; never raises (but for KeyboardInterrupt outside the
     loop); returns the TRAIN_EXIT_* code."""
     quiet_library_logs()
+    fix_malloc_mmap_threshold()  # host RSS follows the live tensors (train/hostmem.py)
     stop = StopFlag()
     stop.install()
     trainer: Trainer | None = None
