@@ -18,7 +18,7 @@ Recorded (defaults): after issue 15's split (main 1cb80fd)
 ed091a08a63cd1e7a8236366cea5c4e402a3d589a108e02845ed0fd5de9aca5c; issue 19 changes
 complementary's plans on purpose (priced joins, drain-tail order and reservations,
 docs/packing.md "Closer to the bound"):
-ace5d3e41df31f8a46c5ae1024da64b8d8973e5a2676e536aba6dd5255d8dc80, with exclusive's,
+48bb1a75b6fabdc44da3882fee01ecc90970367ef06ef3cac7675fd19b3e76b1, with exclusive's,
 first-fit's and mem-best-fit's per-policy digests unchanged.
 """
 
