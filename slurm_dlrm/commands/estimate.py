@@ -70,8 +70,15 @@ def _estimate_one(spec: Any, models: list[Any], site: Any, use_history: bool) ->
     out: dict[str, Any] = {"spec": spec.source, "name": spec.name, "fingerprint": fp, "estimates": {}, "fits": {}}
     for gpu in models:
         if spec.custom_module:
-            from slurm_dlrm.estimate.traced import estimate_traced
+            from slurm_dlrm.service.custom_trace import check_custom_module
 
+            # The same one line as `submit` for a factory that cannot be found, and no
+            # torch import (or traceback where torch is missing) before that.
+            check_custom_module(spec, spec.source)
+            try:
+                from slurm_dlrm.estimate.traced import estimate_traced
+            except ImportError as exc:
+                raise DlrmError(f"{spec.source}: custom_module: tracing it needs torch ({exc})") from None
             est = estimate_traced(spec, gpu)
         else:
             est = estimate(spec, gpu)

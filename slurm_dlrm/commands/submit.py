@@ -91,12 +91,15 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, n
                 click.echo(f"Submitted batch job {sid} ({sub.name}: --mem={req.mem_mib} "
                            f"--cpus-per-task={req.cpus} --gres={req.gres})")
         return
+    check_slurm = None
     if not no_service:
         from slurm_dlrm.slurm import SlurmClient
 
-        # An unsupported Slurm release is one line here, before anything is recorded.
-        SlurmClient(timeout_s=15.0).release()
-    ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service)
+        # An unsupported Slurm release is one line, after the specs are checked and
+        # before anything is recorded.
+        check_slurm = SlurmClient(timeout_s=15.0).release
+    ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service,
+                           check_slurm=check_slurm)
     if as_json:
         click.echo(json.dumps([{"job_id": i, "name": s.name, "spec": s.path, "gpu_model": s.gpu.name,
                                 "options": s.options.to_dict(), "estimate": s.estimate.to_dict()}

@@ -163,7 +163,10 @@ def ensure_service(site: SiteConfig, user: str,
 
 
 def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
-           start_service: bool = True) -> tuple[list[int], list[Submission]]:
+           start_service: bool = True, check_slurm: Callable[[], Any] | None = None
+           ) -> tuple[list[int], list[Submission]]:
+    """Validate and estimate every spec, then `check_slurm()` (the release check: bad
+    input is named before Slurm is asked anything), then record them all."""
     from slurm_dlrm.store.store import Store
 
     subs = prepare(paths, cli_options, site, cwd)
@@ -174,6 +177,8 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
             raise BadInput(f"{os.path.relpath(sub.path, cwd)}: world_size {sub.spec.world_size}: multi-GPU jobs are "
                            f"not packed (a member runs on one GPU share); submit it with --no-pack "
                            f"(one Slurm job on {sub.spec.world_size} whole GPUs)")
+    if check_slurm is not None:
+        check_slurm()
     ensure_private_dir(site.store_dir_for(user))
     with Store.for_user(site, user) as store:
         ids = record(store, subs, user, site.spool_dir_for(user))
