@@ -24,7 +24,15 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.errors import BadInput
-from slurm_dlrm.packing.interference import CoLocationSample, InterferenceParams, SoloProfile
+from slurm_dlrm.packing.interference import (
+    DEFAULT_PARAMS,
+    CoLocationSample,
+    InterferenceParams,
+    SoloProfile,
+)
+
+# Model files are read and written with the store (the service loads its own from there).
+from slurm_dlrm.store.model_file import load_model, model_file_problem, save_model
 
 SM = "sm_util_pct"
 BW = "membw_util_pct"
@@ -33,7 +41,8 @@ BW = "membw_util_pct"
 ALIASES = {"sm_pct": SM, "bw_pct": BW}
 MEM_SCALE = {"gpu_mem_bytes": 1, "gpu_mem_mib": 1 << 20, "gpu_mem_gib": 1 << 30}  # first present wins
 SPEED, SOLO, COLOCATED = "speed", "solo_rate", "colocated_rate"
-KNOWN = {"group", "job", SM, BW, SPEED, SOLO, COLOCATED, *MEM_SCALE, *ALIASES}
+CORES, MPS = "host_cpu_cores", "mps_thread_pct"  # optional: the learned model uses them when all rows have them
+KNOWN = {"group", "job", SM, BW, SPEED, SOLO, COLOCATED, CORES, MPS, *MEM_SCALE, *ALIASES}
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,8 @@ def parse_member(record: Mapping[str, Any], where: str, notes: ReadNotes,
                 raise BadInput(f"{where}: {key}: {rec[key]!r} is too large")
             mem_bytes = int(round(value))
             break
+    cores = _number(rec[CORES], where, CORES, 0.0) if _present(rec, CORES) else 0.0
+    mps = _number(rec[MPS], where, MPS, 0.0, 100.0) if _present(rec, MPS) else 0.0
     speed: float | None = None
     has_rates = _present(rec, SOLO) or _present(rec, COLOCATED)
     if _present(rec, SPEED):
@@ -130,7 +141,7 @@ def parse_member(record: Mapping[str, Any], where: str, notes: ReadNotes,
         raise BadInput(f"{where}: {SPEED}: missing (give {SPEED}, or {SOLO} and {COLOCATED})")
     if speed is not None and speed > 1.5:
         notes.high_speeds += 1
-    return SoloProfile(sm, bw, mem_bytes), speed
+    return SoloProfile(sm, bw, mem_bytes, cores, mps), speed
 
 
 def _group(name: str, rows: Sequence[tuple[str, SoloProfile, float | None]], where: str) -> MeasuredGroup:
@@ -322,3 +333,28 @@ def read_store_groups(db_path: str) -> list[MeasuredGroup]:
                                   s.members, s.speeds) for key, ids, s in store_colocation_samples(store)]
     except (StoreError, sqlite3.Error) as exc:
         raise BadInput(f"--store: {exc}") from None
+
+
+# ---------------------------------------------------------------- learned model files
+
+__all__ = ["load_model", "model_file_problem", "parse_truth", "read_groups", "read_store_groups", "save_model"]
+
+
+def parse_truth(text: str, what: str = "--truth") -> InterferenceParams:
+    """``analytic[:A,B,G]`` | ``learned:FILE`` | ``table:FILE`` | ``synthetic[:SEED]`` ->
+    the InterferenceParams the simulator uses (the speed model attached)."""
+    from slurm_dlrm.sim.truth import NearestTable, SyntheticColocation
+
+    kind, _, arg = text.partition(":")
+    kind = kind.strip().lower()
+    if kind == "analytic":
+        return parse_params(arg) if arg else DEFAULT_PARAMS
+    if kind == "learned" and arg:
+        return load_model(arg).params()
+    if kind == "table" and arg:
+        groups, _ = read_groups(arg)
+        return InterferenceParams(speed_model=NearestTable(tuple(g.sample() for g in groups if len(g.members) > 1)))
+    if kind == "synthetic":
+        seed = int(_number(arg, what, "seed", 0.0)) if arg else 0
+        return InterferenceParams(speed_model=SyntheticColocation(seed=seed))
+    raise BadInput(f"{what}: {text!r}: one of analytic[:A,B,G], learned:FILE, table:FILE, synthetic[:SEED]")

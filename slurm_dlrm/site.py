@@ -99,6 +99,12 @@ class MpsConfig:
     mps_per_gpu: int
     shards_per_gpu: int
     client_limit: int
+    # Who holds a member to its memory fence (docs/admin.md "Fences"): "v3" MPS v3
+    # namespaces/servers (driver r615+), "v2" the client's own environment (legacy),
+    # "auto" v3 where the node has it. dmem: cgroup v2 dmem limits "auto" where the kernel
+    # has the controller, "on" required, "off" never.
+    mode: str = "auto"
+    dmem: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -116,6 +122,10 @@ class SlurmAdminConfig:
     mps_stop_timeout_s: float = 10.0
     shm_dir: str = "/dev/shm"
     accounting_tres: bool = True
+    # cgroup v2 mount, and the job's cgroup under it as slurmd's cgroup/v2 plugin makes it
+    # ({job_id} replaced): the prolog writes a --no-pack job's dmem limits there.
+    cgroup_root: str = "/sys/fs/cgroup"
+    job_cgroup: str = "system.slice/slurmstepd.scope/job_{job_id}"
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,11 @@ class AdaptConfig:
     repack_interval_s: float = 300.0  # a running member is reconsidered at most this often
     refit_every_rounds: int = 30  # refit the interference model at most once per this many rounds
     refit_min_samples: int = 3  # co-located GPUs with solo rates needed before a refit
+    # A learned model file (`slurm-dlrm interference fit`) to plan with; yours or root's,
+    # writable by no one else ("" = none). A model the service learnt itself wins.
+    interference_model: str = ""
+    learned_refit_every_groups: int = 50  # refit the learned model every N new co-located GPUs (0: never)
+    learned_min_groups: int = 30  # co-located GPUs before the first learned fit
 
 
 @dataclass(frozen=True)
@@ -385,6 +400,8 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         mps_per_gpu=m.get("mps_per_gpu", int, 100, min_value=1),
         shards_per_gpu=m.get("shards_per_gpu", int, 0, min_value=0),
         client_limit=m.get("client_limit", int, 48, min_value=1, max_value=48),
+        mode=m.get("mode", str, "auto", choices=("auto", "v3", "v2")),
+        dmem=m.get("dmem", str, "auto", choices=("auto", "on", "off")),
     )
     m.done()
     for i, part in enumerate(partitions):
@@ -405,12 +422,17 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         mps_stop_timeout_s=sl.get("mps_stop_timeout_s", float, 10.0, min_value=0.5, max_value=600),
         shm_dir=_abs_path(sl, "shm_dir", "/dev/shm"),
         accounting_tres=sl.get("accounting_tres", bool, True),
+        cgroup_root=_abs_path(sl, "cgroup_root", "/sys/fs/cgroup"),
+        job_cgroup=sl.get("job_cgroup", str, "system.slice/slurmstepd.scope/job_{job_id}"),
     )
     sl.done()
     if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", slurm.slurm_user):
         raise ConfigError("slurm.slurm_user", "not a valid user name", path)
     if not slurm.mps_control_command or any(c.isspace() for c in slurm.mps_control_command):
         raise ConfigError("slurm.mps_control_command", "one command name or absolute path, no spaces", path)
+    if slurm.job_cgroup.startswith("/") or "{job_id}" not in slurm.job_cgroup or ".." in slurm.job_cgroup \
+            or not re.fullmatch(r"[A-Za-z0-9_.@:/{}-]+", slurm.job_cgroup):
+        raise ConfigError("slurm.job_cgroup", "a path under cgroup_root with {job_id} (letters, digits, _.@:-/)", path)
     max_gpu_index = max(max(n.gpus for n in nodes) - 1, 0)
     for key in ("mps_pipe_root", "mps_log_root"):
         longest = f"{getattr(slurm, key)}/gpu{max_gpu_index}/pipe"
@@ -449,6 +471,10 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         repack_interval_s=r.get("repack_interval_s", float, d.repack_interval_s, min_value=1),
         refit_every_rounds=r.get("refit_every_rounds", int, d.refit_every_rounds, min_value=1),
         refit_min_samples=r.get("refit_min_samples", int, d.refit_min_samples, min_value=1),
+        interference_model=r.get("interference_model", str, d.interference_model),
+        learned_refit_every_groups=r.get("learned_refit_every_groups", int, d.learned_refit_every_groups,
+                                         min_value=0),
+        learned_min_groups=r.get("learned_min_groups", int, d.learned_min_groups, min_value=5),
     )
     r.done()
     top.done()

@@ -63,6 +63,30 @@ def test_context_bounds_come_from_the_inventory():
     assert ctx["job_submit"]["default_partition"] == "debug"
 
 
+@pytest.mark.parametrize(("mode", "dmem"), [("auto", "auto"), ("v3", "on"), ("v2", "off")])
+def test_fence_keys_reach_the_prolog(mode, dmem):
+    raw = tomllib.loads(REPO_SITE_FILE.read_text())
+    raw["mps"].update(mode=mode, dmem=dmem)
+    raw["slurm"].update(cgroup_root="/sys/fs/cgroup", job_cgroup="slurm.slice/job_{job_id}")
+    files = {f.name: f.text for f in render_site(parse_site(raw))}
+    prolog = files["scripts/prolog.sh"]
+    assert f"\nFENCE_MODE={mode}\n" in prolog and f"\nDMEM_MODE={dmem}\n" in prolog
+    assert "\nJOB_CGROUP='slurm.slice/job_{job_id}'\n" in prolog
+    # the task prolog exports the memory variable only for a v2 daemon (the prolog's record)
+    assert "${proto:-2} != 3" in files["scripts/task_prolog.sh"]
+
+
+def test_bad_fence_keys_are_one_line():
+    raw = tomllib.loads(REPO_SITE_FILE.read_text())
+    raw["mps"]["mode"] = "v4"
+    with pytest.raises(Exception, match="mps.mode"):
+        parse_site(raw)
+    raw = tomllib.loads(REPO_SITE_FILE.read_text())
+    raw["slurm"]["job_cgroup"] = "/abs/job_{job_id}; rm -rf /"
+    with pytest.raises(Exception, match="slurm.job_cgroup"):
+        parse_site(raw)
+
+
 def test_thread_pct_workaround_only_with_shards():
     raw = tomllib.loads(REPO_SITE_FILE.read_text())
     assert build_context(parse_site(raw))["mps_scripts"]["recompute_thread_pct"] is True

@@ -5,6 +5,7 @@ FIFO in CUDA_MPS_PIPE_DIRECTORY, PID file there, like the real one) and a stub s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ import pytest
 
 from slurm_dlrm.admin.marker import format_marker
 from slurm_dlrm.admin.render import render_site, write_rendered
+from slurm_dlrm.agent import fake_mps_control, fences
 from slurm_dlrm.site import REPO_SITE_FILE, parse_site
 
 FAKE_MPS_CONTROL = r'''#!/usr/bin/env python3
@@ -156,14 +158,18 @@ def write_fake_mps(bin_dir: Path, shm_dir: Path | None = None) -> Path:
 class Node:
     """One fake compute node: rendered scripts, fake MPS, stub Slurm commands."""
 
-    def __init__(self, root: Path, shards: bool = True) -> None:
+    def __init__(self, root: Path, shards: bool = True, fake: str = "fifo", mps: dict[str, Any] | None = None,
+                 slurm: dict[str, Any] | None = None) -> None:
         self.root = root
         self.bin = root / "bin"
         self.stub = root / "stub"
         self.shm = root / "shm"
         for d in (self.stub, self.shm):
             d.mkdir(parents=True)
-        write_fake_mps(self.bin)
+        if fake == "fifo":
+            write_fake_mps(self.bin)
+        else:  # the package's fake daemon: "v2" (driver before r615) or "v3"
+            fake_mps_control.install_launcher(self.bin, v3=fake == "v3")
         for name, text in (("scontrol", STUB_SCONTROL),):
             (self.bin / name).write_text(text)
             (self.bin / name).chmod(0o755)
@@ -171,7 +177,9 @@ class Node:
         raw["mps"]["shards_per_gpu"] = 8 if shards else 0
         raw["slurm"].update(mps_control_command=str(self.bin / "nvidia-cuda-mps-control"),
                             mps_pipe_root=str(root / "p"), mps_log_root=str(root / "l"), shm_dir=str(self.shm),
-                            script_dir=str(root / "s"), mps_start_timeout_s=1.5, mps_stop_timeout_s=1.0)
+                            script_dir=str(root / "s"), mps_start_timeout_s=1.5, mps_stop_timeout_s=1.0,
+                            **(slurm or {}))
+        raw["mps"].update(mps or {})
         self.site = parse_site(raw)
         write_rendered(render_site(self.site), root / "out")
         self.scripts = root / "out" / "scripts"
@@ -263,7 +271,7 @@ def test_daemon_lives_from_first_prolog_to_last_epilog(node):
     assert "start CUDA_VISIBLE_DEVICES=1" in node.control_log(1)
     # The prolog recomputed the percentage from gres:mps:40 (mps_per_gpu = 100).
     assert "set_default_active_thread_percentage 40" in node.control_log(1)
-    assert (node.pipe_root / "jobs" / "11").read_text() == "1 40 0\n"  # no marker: no fence
+    assert (node.pipe_root / "jobs" / "11").read_text() == "1 40 0 2\n"  # no marker: no fence; protocol 2
     assert not (node.shm / "cuda.shm.0.999.1").exists()  # no daemon ran: stale segments went
 
     (node.stub / "job_12").write_text("JobId=12 JobState=RUNNING TresPerNode=gres:mps:30\n")
@@ -434,12 +442,128 @@ def test_without_shards_the_slurm_percentage_is_used(tmp_path):
         n.job_running(101, comment=format_marker("no-pack", gpu_mem_mib=1234), mps=30)
         assert n.run("prolog.sh", 101, pct="25").returncode == 0
         # Slurm's own 25 stands (no shards: its percentage is right); the fence is read.
-        assert (n.pipe_root / "jobs" / "101").read_text() == "1 25 1234\n"
+        assert (n.pipe_root / "jobs" / "101").read_text() == "1 25 1234 2\n"
         # The controller unreachable: the job still runs, with Slurm's percentage, unfenced.
         (n.bin / "scontrol").write_text("#!/bin/bash\nexit 1\n")
         assert n.run("prolog.sh", 102, pct="25").returncode == 0
-        assert (n.pipe_root / "jobs" / "102").read_text() == "1 25 0\n"
+        assert (n.pipe_root / "jobs" / "102").read_text() == "1 25 0 2\n"
         assert "scontrol show job failed" in n.events()
     finally:
         n.kill_daemons()
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ fences (issue 22)
+
+NOBODY = 65534
+
+
+@pytest.fixture
+def short_root():
+    root = Path(tempfile.mkdtemp(prefix="sdf", dir="/tmp"))
+    root.chmod(0o755)  # clients of another user reach the pipes below
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _client_as(uid: int, pipe: Path, limit: str | None) -> dict[str, Any]:
+    """A CUDA client of user `uid` connecting to the fake daemon (what libcuda does at start):
+    a forked child that drops to `uid` and reports the daemon's record on a pipe."""
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(pipe), **({"CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": limit} if limit else {})}
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(rfd)
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(wfd, json.dumps(fake_mps_control.connect_client(env)).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    with os.fdopen(rfd) as r:
+        text = r.read()
+    _, status = os.waitpid(pid, 0)
+    assert status == 0 and text, f"client as uid {uid} failed"
+    return json.loads(text)  # type: ignore[no-any-return]
+
+
+def _fake_state(node: Node, gpu: int) -> dict[str, Any]:
+    return json.loads((node.pipe_root / f"gpu{gpu}" / "pipe" / fake_mps_control.STATE_FILE).read_text())
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="clients of another user need root to start")
+def test_v3_no_pack_job_is_held_by_its_users_server(short_root):
+    node = Node(short_root, fake="v3")
+    try:
+        node.job_running(301, comment=format_marker("no-pack", gpu_mem_mib=3000, job_id=4))
+        result = node.run("prolog.sh", 301, SLURM_JOB_UID=str(NOBODY))
+        assert result.returncode == 0, node.events()
+        state = _fake_state(node, 1)
+        assert state["protocol"] == 3
+        assert state["v3_servers"][f"uid{NOBODY}"] == {"uid": NOBODY, "pinned_memory_limit_mib": 3000,
+                                                       "active_thread_percentage": 40.0, "namespaces": {},
+                                                       "sm_partitions": {}}
+        env = task_env(node.run("task_prolog.sh", 301).stdout)
+        assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in env  # the daemon holds it, not the task
+        # the job's task raises its own limit: the daemon routes it by uid to its server
+        client = _client_as(NOBODY, Path(env["CUDA_MPS_PIPE_DIRECTORY"]), "0=99999M")
+        assert client["server"] == f"uid{NOBODY}" and client["effective_limit_mib"] == 3000
+        assert node.run("epilog.sh", 301).returncode == 0
+        assert node.daemon_pid(1) is None
+    finally:
+        node.kill_daemons()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="servers of another user need root to start")
+def test_v2_no_pack_job_gets_a_server_limit_and_keeps_the_env_fallback(short_root):
+    node = Node(short_root, fake="v2")
+    try:
+        node.job_running(302, comment=format_marker("no-pack", gpu_mem_mib=3000, job_id=5))
+        assert node.run("prolog.sh", 302, SLURM_JOB_UID=str(NOBODY)).returncode == 0, node.events()
+        (server,) = _fake_state(node, 1)["servers"].values()
+        assert server["uid"] == NOBODY and server["device_pinned_mem_limit_mib"] == {"0": 3000}
+        env = task_env(node.run("task_prolog.sh", 302).stdout)
+        assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=3000M"  # v2: the task's variable stays
+        pipe = Path(env["CUDA_MPS_PIPE_DIRECTORY"])
+        assert _client_as(NOBODY, pipe, None)["effective_limit_mib"] == 3000  # the server's limit
+        assert _client_as(NOBODY, pipe, "0=99999M")["effective_limit_mib"] == 99999  # v2's hole
+        assert "a task can still set a higher limit itself" in node.events()
+    finally:
+        node.kill_daemons()
+
+
+def test_dmem_limits_go_on_the_jobs_cgroup(short_root):
+    cg = short_root / "cg"
+    regions = {"nvidia/0000:3b:00.0/vidmem": 80 << 30, "nvidia/0000:5e:00.0/vidmem": 80 << 30}
+    fences.make_fake_cgroup_tree(cg, regions)
+    job_cg = cg / "system.slice" / "slurmstepd.scope" / "job_303"
+    job_cg.mkdir(parents=True)
+    node = Node(short_root / "n", slurm={"cgroup_root": str(cg)})
+    try:
+        node.job_running(303, comment=format_marker("no-pack", gpu_mem_mib=3000, job_id=6))
+        assert node.run("prolog.sh", 303).returncode == 0, node.events()
+        assert (job_cg / "dmem.max").read_text() == f"nvidia/0000:5e:00.0/vidmem {3000 << 20}\n"
+        assert (job_cg / "dmem.min").read_text() == f"nvidia/0000:5e:00.0/vidmem {3000 << 20}\n"
+        assert (cg / "system.slice" / "slurmstepd.scope" / "cgroup.subtree_control").read_text() == "+dmem\n"
+    finally:
+        node.kill_daemons()
+
+
+def test_dmem_on_without_the_controller_refuses_the_job_in_one_line(short_root):
+    cg = short_root / "cg"
+    fences.make_fake_cgroup_tree(cg, {}, dmem=False)
+    node = Node(short_root / "n", mps={"dmem": "on"}, slurm={"cgroup_root": str(cg)})
+    try:
+        node.job_running(304, comment=format_marker("no-pack", gpu_mem_mib=3000, job_id=7))
+        assert node.run("prolog.sh", 304).returncode == 1
+        lines = [ln for ln in node.events().splitlines() if "dmem" in ln]
+        assert len(lines) == 1 and "no nvidia region for GPU 1" in lines[0]
+        assert not (node.pipe_root / "gpu1" / "jobs" / "304").exists()
+        # a job without a fence to set is not affected
+        node.job_running(305)
+        assert node.run("prolog.sh", 305).returncode == 0
+    finally:
+        node.kill_daemons()

@@ -232,7 +232,8 @@ def test_pack_runs_members_enforces_and_reports(world):
     assert recs[0]["type"] == "agent" and recs[0]["event"] == "start"
     assert recs[-1]["type"] == "agent" and recs[-1]["event"] == "exit"
     events = [r["event"] for r in recs if r["type"] == "agent"]
-    assert events == ["start", "mps_started", "closed", "mps_stopped", "exit"]
+    # fence_env_only: on an MPS v2 node the fence is the members' own environment (issue 22)
+    assert events == ["start", "mps_started", "fence_env_only", "closed", "mps_stopped", "exit"]
     assert any(r["type"] == "heartbeat" for r in recs)
     finals = {r["job_id"]: r for r in recs if r["type"] == "member" and r["state"] != "RUNNING"}
     assert finals[2]["state"] == "OOM_HOST" and "host RSS" in finals[2]["reason"] and finals[2]["exit_code"] == 137

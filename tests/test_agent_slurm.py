@@ -109,7 +109,8 @@ def test_pack_of_four_on_two_gpus(slurm_cluster, tmp_path):
     (report,) = (pack / "reports").glob("*.jsonl")
     recs = read_reports(report)
     events = [r for r in recs if r["type"] == "agent"]
-    assert [e["event"] for e in events] == ["start", "mps_started", "closed", "mps_stopped", "exit"]
+    # fence_env_only: MPS v2 (the fake's default driver), the fence is the members' environment
+    assert [e["event"] for e in events] == ["start", "mps_started", "fence_env_only", "closed", "mps_stopped", "exit"]
     assert recs[-1]["event"] == "exit"
     daemon_pid = events[1]["daemon_pid"]
     assert daemon_pid and _dead(daemon_pid)  # the daemon was quit

@@ -58,17 +58,17 @@ def test_profile_memory_from_any_unit_as_attribute():
 
 
 def test_memory_in_gib_decides_the_fit_like_bytes():
-    members = [{"sm_util_pct": 20, "membw_util_pct": 30, "gpu_mem_gib": 50},
-               {"sm_util_pct": 40, "membw_util_pct": 10, "gpu_mem_mib": 40 * 1024}]
+    members = [{"sm_util_pct": 60, "membw_util_pct": 30, "gpu_mem_gib": 50},
+               {"sm_util_pct": 50, "membw_util_pct": 10, "gpu_mem_mib": 40 * 1024}]  # SMs over-subscribed
     assert interference_model(members, gpu_memory_bytes=80 * GIB) == [0.0, 0.0]
     fits = predict_colocated_speeds(members, gpu_memory_bytes=96 * GIB)
-    assert fits == predict_colocated_speeds([SoloProfile(20, 30), SoloProfile(40, 10)])
+    assert fits == predict_colocated_speeds([SoloProfile(60, 30), SoloProfile(50, 10)])
     assert 0 < min(fits) < 1
 
 
 # ---------------------------------------------------------------- sample files and the CLI
 
-TRUTH = InterferenceParams(0.9, 0.25, 0.06)  # far from the defaults (0.30, 0.60, 0.02)
+TRUTH = InterferenceParams(0.9, 0.25, 0.06)  # far from the defaults (0, 0, 0)
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "docs" / "examples"
 
@@ -196,7 +196,7 @@ def test_jsonl_and_csv_examples_agree_and_are_reproducible(tmp_path):
 def test_eval_table_names_every_predictor(tmp_path):
     result = run("eval", "--samples", str(EXAMPLES / "colocation_samples.csv"), "--refit", "--folds", "4")
     assert result.exit_code == 0, result.stderr
-    for label in ("model ", "model refit, 4-fold CV", "baseline speed=1", "baseline 1/sum(max(sm,bw))",
+    for label in ("model ", "model refit, 4-fold groups out", "model refit, 4-fold jobs out", "baseline speed=1", "baseline 1/sum(max(sm,bw))",
                   "MAE of the relative speed by group size", "summed speed", "refit on all 16 groups: alpha=", "fold 4 of 4 held out"):
         assert label in result.stdout
 
@@ -305,7 +305,8 @@ def test_predict_members_from_arguments():
     assert [m["predicted_speed"] for m in group["members"]] == pytest.approx(want)
     assert [m["job"] for m in group["members"]] == ["1", "emb"]
     assert [m["gpu_mem_bytes"] for m in group["members"]] == [8 * GIB, 20 * GIB]
-    assert out["params"] == {"alpha": 0.3, "beta": 0.6, "gamma": 0.02}
+    d = InterferenceParams()
+    assert out["params"] == {"alpha": d.sm_contention, "beta": d.membw_contention, "gamma": d.per_client_overhead}
     # memory decides the fit
     over = json.loads(run("predict", "-m", "sm=70,bw=20,mem_gib=50", "-m", "sm=15,bw=60,mem_gib=40",
                           "--gpu-mem-gib", "80", "--json").stdout)

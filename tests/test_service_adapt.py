@@ -317,3 +317,116 @@ def test_adapt_site_keys_are_validated(tmp_path, key, value):
     data["adapt"][key] = value
     with pytest.raises(ConfigError, match=f"adapt.{key}"):
         parse_site(data)
+
+
+# ---------------------------------------------------------------- the learned model, live
+
+SPECS = {f"fq-{i}": (sm, bw) for i, (sm, bw) in enumerate(
+    [(70, 20), (20, 70), (50, 50), (35, 10), (10, 35), (85, 30), (25, 25), (60, 60), (15, 80), (45, 15)])}
+
+
+def _synthetic_history(store, clock, groups: int = 60, seed: int = 3):
+    """Solo runs of every spec and `groups` random co-locations, with samples/s from the
+    synthetic generator (not the analytic shape, so the learned model can win)."""
+    import random
+
+    from slurm_dlrm.sim.truth import SyntheticColocation
+    from slurm_dlrm.store.records import NewPlacement
+
+    truth = SyntheticColocation(noise_pct=1.0)
+    rng = random.Random(seed)
+    n = 0
+
+    def run(fps):
+        nonlocal n
+        ids = [int(store.add_job(user=USER, name=f"k{n}-{i}", spec=spec_dict(f"k{n}-{i}"), spec_fingerprint=fp,
+                                 estimate=estimate_dict(sm=SPECS[fp][0], bw=SPECS[fp][1]), gpu_model="h100"))
+               for i, fp in enumerate(fps)]
+        pid = store.add_pack(name=f"k{n}", user=USER, policy="complementary", n_gpus=1,
+                             placements=[NewPlacement(job_id=j, node_index=0, gpu_index=0, cpus=2, mps_thread_pct=100)
+                                         for j in ids])
+        store.transition_pack(pid, PackState.CANCELLED, "test history")
+        for j in ids:
+            store.transition_job(j, JobState.CANCELLED, "test history")
+        rel = truth.speeds_from_fractions([SPECS[fp][0] / 100 for fp in fps], [SPECS[fp][1] / 100 for fp in fps])
+        t0 = clock() + 1000 * n
+        store.add_samples([{"t": t0 + k, "pack_id": pid, "job_id": j, "node": "node1", "gpu_index": 0,
+                            "samples_per_s": 1000.0 * r} for k in range(3) for j, r in zip(ids, rel, strict=True)])
+        n += 1
+
+    for fp in SPECS:
+        run([fp])
+    for _ in range(groups):
+        run(rng.sample(sorted(SPECS), rng.randint(2, 5)))
+
+
+def test_the_learned_model_plans_only_when_its_cv_error_beats_the_analytic_one(tmp_path, monkeypatch):
+    from slurm_dlrm.packing import policies
+
+    svc, store, slurm, clock, cluster = _world(tmp_path, learned_min_groups=30, learned_refit_every_groups=50)
+    try:
+        _synthetic_history(store, clock)
+        svc.rounds = svc.site.adapt.refit_every_rounds - 1
+        svc.run_round()
+        (ev,) = [e for e in store.events(kind="adapt") if "learned model" in e["reason"]]
+        assert "the learned model plans" in ev["reason"]
+        assert ev["data"]["learned_cv_mae"] < ev["data"]["analytic_mae"]
+        assert f"{ev['data']['learned_cv_mae']:.3f}" in ev["reason"] and f"{ev['data']['analytic_mae']:.3f}" in ev["reason"]
+        got = svc.recovery.interference_params
+        assert got.model_name == "learned"
+        assert svc.status()["interference_model"].startswith("learned")
+        model_file = svc.recovery.learned_model_path()
+        assert model_file.parent == tmp_path and (model_file.stat().st_mode & 0o777) == 0o600
+        seen = []
+        real_plan = policies.plan
+        monkeypatch.setattr(policies, "plan", lambda req, pol="complementary", params=None:
+                            seen.append(params) or real_plan(req, pol, params))
+        add(store, "new", sm=30, bw=30)
+        svc.run_round()
+        assert seen and seen[-1].speed_model is got.speed_model
+        # A restarted service plans with the model it learnt.
+        again = PackingService(store, slurm, svc.site, svc.settings, clock=clock)
+        assert again.recovery.interference_params.model_name == "learned"
+        # A corrupt file: the restarted service plans with the analytic model and says why.
+        model_file.write_text("{garbage")
+        third = PackingService(store, slurm, svc.site, svc.settings, clock=clock)
+        assert third.recovery.interference_params.speed_model is None
+        assert any("interference model not used" in e["reason"] and "corrupt" in e["reason"]
+                   for e in store.events(kind="adapt"))
+    finally:
+        store.close()
+
+
+def test_the_learned_model_is_not_adopted_when_the_analytic_one_is_as_good(tmp_path):
+    svc, store, slurm, clock, cluster = _world(tmp_path, learned_min_groups=5)
+    try:
+        _history(store, clock)  # 7 co-locations made by the analytic model itself
+        svc.rounds = svc.site.adapt.refit_every_rounds - 1
+        svc.run_round()
+        (ev,) = [e for e in store.events(kind="adapt") if "learned model" in e["reason"]]
+        assert "does not plan" in ev["reason"]
+        assert ev["data"]["learned_cv_mae"] >= ev["data"]["analytic_mae"]
+        assert svc.recovery.interference_params.speed_model is None
+        assert not svc.recovery.learned_model_path().exists()
+    finally:
+        store.close()
+
+
+def test_a_site_model_file_others_can_write_is_refused(tmp_path):
+    from slurm_dlrm.interference_io import save_model
+    from slurm_dlrm.packing.learned import fit_learned
+    from slurm_dlrm.sim.truth import synthetic_groups
+
+    path = tmp_path / "site-model.json"
+    save_model(fit_learned(synthetic_groups(200, seed=1)[0]), path)
+    path.chmod(0o666)
+    svc, store, slurm, clock, cluster = _world(tmp_path, interference_model=str(path))
+    try:
+        assert svc.recovery.interference_params.speed_model is None
+        assert any("writable by group or others" in e["reason"] for e in store.events(kind="adapt"))
+        path.chmod(0o600)
+        ok = PackingService(store, slurm, svc.site, svc.settings, clock=clock)
+        assert ok.recovery.interference_params.model_name == "learned"
+        assert "site adapt.interference_model" in ok.status()["interference_model"]
+    finally:
+        store.close()

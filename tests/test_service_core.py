@@ -68,6 +68,8 @@ def test_round_packs_jobs_into_fewer_gpus_and_writes_the_contract(world):
             spec = json.loads(Path(m["command"][4]).read_text())
             assert spec["name"] == store.get_job(m["job_id"]).name
             assert m["gpu_mem_limit_mib"] >= 2 * 1024  # the estimate plus margin and context
+            # the dmem soft limit: the fence without its margin (docs/agent.md "Fences")
+            assert 0 < m["gpu_mem_limit_mib"] - m["gpu_mem_estimate_mib"] <= m["gpu_mem_limit_mib"] * 0.05 + 1
         assert oct(Path(p.pack_dir).stat().st_mode & 0o777) == "0o700"
     # A second round has nothing to do: no duplicate packs.
     svc.run_round()

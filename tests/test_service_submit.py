@@ -129,7 +129,10 @@ def test_submit_imports_no_torch(env):
     assert "HEAVY []" in out.stdout, out.stdout + out.stderr
 
 
-def test_serve_daemon_status_stop_and_one_service_per_user(env):
+@pytest.mark.slurm
+def test_serve_daemon_status_stop_and_one_service_per_user(env, slurm_cluster):
+    # The service asks Slurm its release before its first round (and stops if it cannot
+    # tell), so it needs a reachable Slurm: the local cluster's SLURM_CONF.
     site, site_file, tmp = env
     r = run("serve", "--daemon", "--round-seconds", "0.5")
     assert r.exit_code == 0 and "running (pid" in r.output, r.output

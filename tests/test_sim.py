@@ -154,3 +154,23 @@ def test_resubmissions_start_the_estimate_over():
     cluster = dict(CLUSTER, retry={"max_retries": 100, "user_resubmits": 40})
     _, _, r = _run(jobs, "first-fit", cluster)
     assert r.jobs[0].state == "FAILED" and r.resubmits == 40 and r.ooms == 41 * 101
+
+
+def test_dmem_packs_on_estimates_and_evicts_the_member_above_its_soft_limit():
+    # 3 x 25.5 GiB: with 5% margin fences only 2 fit an 80 GiB GPU; on estimates all 3 do.
+    exact = [_job(str(i), 0, 1000, mem=25.5) for i in range(3)]
+    c = parse_cluster(CLUSTER)
+    w = parse_workload({"name": "w", "jobs": exact}, {g.name: g for g in c.gpu_models})
+    fence_only, dmem = simulate(w, c, "complementary"), simulate(w, c, "complementary", dmem=True)
+    assert fence_only.ooms == 0 and dmem.ooms == 0 and dmem.evictions == 0
+    assert len([o for o in fence_only.jobs if o.end_s and o.end_s < 1200]) == 2  # the third waited
+    assert all(o.end_s and o.end_s < 1300 for o in dmem.jobs)  # all three ran together
+    # two members 1 GiB over their estimate (still under their hard fence): together the GPU
+    # is over its memory when the third peaks, and one of the two goes (not the exact one).
+    over = [_job("a", 0, 1000, mem=25.5, true_mem=26.5), _job("b", 0, 1000, mem=25.5, true_mem=26.5),
+            _job("c", 0, 1000, mem=25.5)]
+    w = parse_workload({"name": "w", "jobs": over}, {g.name: g for g in c.gpu_models})
+    r = simulate(w, c, "complementary", dmem=True)
+    assert r.evictions == 1 and r.ooms == 1 and r.completion_rate == 1.0
+    assert {o.ooms for o in r.jobs if o.job_id != r.jobs[2].job_id} == {0, 1} and r.jobs[2].ooms == 0
+    assert simulate(w, c, "complementary").evictions == 0  # fences alone never evict

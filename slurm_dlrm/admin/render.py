@@ -196,6 +196,10 @@ def build_context(site: SiteConfig) -> dict[str, Any]:
             "marker_prefix": MARKER_PREFIX,
             "mode_no_pack": MODE_NO_PACK,
             "max_gpu_index": max_gpu_index,
+            "fence_mode": site.mps.mode,
+            "dmem_mode": site.mps.dmem,
+            "cgroup_root": s.cgroup_root,
+            "job_cgroup": s.job_cgroup,
         },
     }
 

@@ -6,7 +6,8 @@ happens every `sample_interval_s` otherwise.
 
 Over 600 lines: one class, `Agent`, a single-threaded loop whose launch, sampling,
 enforcement and reporting steps share the members' state; the NVML, MPS, /proc and
-report seams already live apart (nvml.py, mps.py, procstat.py, reports.py).
+report seams already live apart (nvml.py, mps.py, procstat.py, reports.py), and so do
+the fences' pure parts (fences.py: capabilities, v3 configuration, dmem files).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.agent.mps import MpsSetup, open_mps
+from slurm_dlrm.agent import fences
+from slurm_dlrm.agent.mps import MpsError, MpsSetup, open_mps
 from slurm_dlrm.agent.nvml import Nvml, NvmlSnapshot
 from slurm_dlrm.agent.placement import (
     CLOSED_DIR,
@@ -70,6 +72,8 @@ class AgentOptions:
     launch: str = "process"  # "step" (srun --overlap) or "process" (child process group)
     mps_mode: str = "auto"  # auto | own | site | off
     site_mps_enabled: bool = True
+    fence_mode: str = "auto"  # [mps] mode: auto | v3 | v2 (who holds a member to its memory fence)
+    dmem_mode: str = "auto"  # [mps] dmem: auto | on | off (cgroup v2 dmem limits per member)
     tmp_root: str = "/tmp"
     python: str = sys.executable
     heartbeat_every_s: float = 30.0
@@ -95,6 +99,8 @@ class Member:
     tree: TreeSampler = field(default_factory=TreeSampler)
     metrics: MetricsTail | None = None
     last_tree: TreeSample | None = None
+    fence: dict[str, Any] = field(default_factory=dict)  # what holds it to its memory limit
+    cgroup: Path | None = None  # its dmem cgroup, joined before exec
 
     @property
     def done(self) -> bool:
@@ -139,8 +145,10 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def member_env(base: dict[str, str], m: MemberPlacement, gpus: list[str], mps: MpsSetup) -> dict[str, str]:
-    """The environment of one member (docs/agent.md lists every variable)."""
+def member_env(base: dict[str, str], m: MemberPlacement, gpus: list[str], mps: MpsSetup,
+               pipe_dir: str | None = None) -> dict[str, str]:
+    """The environment of one member (docs/agent.md lists every variable). pipe_dir: the
+    member's MPS v3 namespace folder (its socket picks the namespace)."""
     if m.gpu_index >= len(gpus):
         raise ValueError(f"member {m.name}: gpu_index {m.gpu_index} but the node has {len(gpus)} GPUs")
     env = dict(base)
@@ -154,6 +162,8 @@ def member_env(base: dict[str, str], m: MemberPlacement, gpus: list[str], mps: M
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers GPUs as NVML does
     if mps.daemon is not None:
         env.update(mps.daemon.env())
+        if pipe_dir is not None:
+            env["CUDA_MPS_PIPE_DIRECTORY"] = pipe_dir
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(m.mps_thread_pct)
         # The member sees one GPU, its device 0; this is the fence gres/mps never sets.
         env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={m.gpu_mem_limit_mib}M"
@@ -207,6 +217,13 @@ class Agent:
         self.closed_path = Path(placement.pack_dir) / CLOSED_DIR / str(opts.node_index)
         self._joins_seen: set[str] = set()  # join file names already handled (launched or refused)
         self._idle_since: float | None = None  # monotonic time all members had ended
+        self.fence_kind = "v2"  # v3: daemon-held namespaces; v2: the member's own environment
+        self.fence_caps: fences.FenceCaps | None = None
+        self.fence_error: str | None = None  # the site asked for a fence this node cannot set
+        self.dmem: fences.DmemTree | None = None
+        self._v3_namespaces: set[str] = set()
+        self._gpu_total_bytes: dict[int, int] = {}  # position in opts.gpus -> NVML total memory
+        self._gpu_uuid: dict[int, str] = {}
 
     # ------------------------------------------------------------ main
 
@@ -255,35 +272,190 @@ class Agent:
         wanted = self.placement.mps and o.site_mps_enabled and o.mps_mode != "off"
         if not self.members:
             wanted = False  # nothing to run here: no daemon either
-        self.mps = open_mps(wanted, o.gpus, o.tmp_root, f"{o.slurm_job_id or os.getpid()}-{o.node_index}",
-                            env=self.base_env, site_mode=o.mps_mode if o.mps_mode != "off" else "auto")
+        if wanted:
+            self._detect_fences()
+        tag = f"{o.slurm_job_id or os.getpid()}-{o.node_index}"
+        site_mode = o.mps_mode if o.mps_mode != "off" else "auto"
+        site_daemon = site_mode in ("auto", "site") and bool(self.base_env.get("CUDA_MPS_PIPE_DIRECTORY"))
+        if wanted and self.fence_kind == "v3" and not site_daemon and self.fence_error is None:
+            self.mps = self._open_v3(tag)
+        else:
+            if wanted and self.fence_kind == "v3":
+                self.fence_kind = "v2"  # a site daemon is the prolog's: its fences are the site's
+            self.mps = open_mps(wanted, o.gpus, o.tmp_root, tag, env=self.base_env, site_mode=site_mode)
         if self.mps.daemon is None:
-            self.reports.agent("mps_unavailable", self.mps.detail)
+            self.reports.agent("mps_unavailable", self.mps.detail, **self._fence_report())
         else:
             self._configure_mps()
-            self.reports.agent("mps_started", self.mps.detail, mode=self.mps.mode, daemon_pid=self.mps.daemon.pid())
+            self.reports.agent("mps_started", self.mps.detail, mode=self.mps.mode, daemon_pid=self.mps.daemon.pid(),
+                               protocol=self.mps.daemon.protocol, **self._fence_report())
+            if self.fence_kind == "v2" and self.dmem is None:
+                # Once per pack and node: nothing but the member's own environment holds it.
+                self.reports.agent("fence_env_only", "MPS v2: a member's GPU memory fence is "
+                                   "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT in its own environment; a member that sets "
+                                   "it higher is not held (no MPS v3 namespace, no cgroup dmem on this node)")
         self.reports.flush()
         for m in self.members:
-            self._launch(m)
+            if not m.done:
+                self._launch(m)
         self.reports.flush()
+
+    # ------------------------------------------------------------ fences (issue 22)
+
+    def _detect_fences(self) -> None:
+        """Which fences this node can set (reported with mps_started/mps_unavailable); strict
+        site keys it cannot honour leave `fence_error` (members are then not started,
+        docs/agent.md "Fences")."""
+        o = self.opts
+        caps = fences.detect_capabilities(env=self.base_env, driver_version=self.nvml.driver_version)
+        self.fence_caps = caps
+        errors = []
+        try:
+            self.fence_kind = fences.choose_mode(o.fence_mode, caps)
+        except fences.FenceError as exc:
+            self.fence_kind, errors = "v2", [str(exc)]
+        try:
+            if fences.use_dmem(o.dmem_mode, caps):
+                if o.launch == "step":
+                    self.reports.agent("dmem_not_applied", "dmem limits need --launch process: a step's cgroup "
+                                       "is made by slurmstepd, not by the agent")
+                else:
+                    try:
+                        tree = fences.DmemTree.for_self(Path(caps.cgroup_root), caps.dmem_regions)
+                        tree.prepare()  # our own cgroup must be ours to divide (delegated)
+                        self.dmem = tree
+                    except fences.FenceError as exc:
+                        if o.dmem_mode == "on":
+                            raise
+                        self.reports.agent("dmem_not_applied", f"{exc} (mps.dmem = auto: going on without dmem)")
+        except fences.FenceError as exc:
+            errors.append(str(exc))
+        self.fence_error = "; ".join(errors) or None
+        if self.fence_kind == "v3" or self.dmem is not None:
+            self._gpu_facts()
+
+    def _fence_report(self) -> dict[str, Any]:
+        """What the mps_started / mps_unavailable record says of the fences (docs/agent.md)."""
+        if self.fence_caps is None:
+            return {}
+        return {"fence": self.fence_kind, "dmem": self.dmem is not None, "fence_caps": self.fence_caps.to_dict(),
+                **({"fence_error": self.fence_error} if self.fence_error else {})}
+
+    def _namespace(self, p: MemberPlacement) -> fences.NamespaceLimits:
+        sm = p.sm_chunks if (self.fence_caps and (self.fence_caps.driver_major or 0) >= fences.V3_NAMESPACE_SM_DRIVER) \
+            else None
+        return fences.NamespaceLimits(fences.namespace_name(p.job_id), p.gpu_mem_limit_mib, p.mps_thread_pct,
+                                      self._gpu_uuid.get(p.gpu_index), sm)
+
+    def _refuse(self, m: Member, reason: str) -> None:
+        """A member that is not started: one line naming why; its neighbours run."""
+        m.state, m.exit_code, m.reason = "FAILED", None, reason
+        self.reports.member(m.placement.job_id, "FAILED", None, reason)
+        log.error("%s (job %d) not started: %s", m.placement.name, m.placement.job_id, reason)
+
+    def _open_v3(self, tag: str) -> MpsSetup:
+        """Our daemon with MPS v3, one namespace per member from the configuration file. A
+        namespace the daemon refuses is that member's: it is not started, the rest go on."""
+        o = self.opts
+        candidates = [m for m in self.members if not m.done and self._limit_error(m.placement) is None]
+        for _ in range(len(self.members) + 1):
+            config = fences.v3_config_toml(os.getuid(), [self._namespace(m.placement) for m in candidates])
+            setup = open_mps(True, o.gpus, o.tmp_root, tag, env=self.base_env, site_mode="own", v3_config=config)
+            if setup.daemon is not None:
+                self._v3_namespaces = {fences.namespace_name(m.placement.job_id) for m in candidates}
+                return setup
+            ns = fences.refused_namespace(setup.detail)
+            bad = [m for m in candidates if fences.namespace_name(m.placement.job_id) == ns]
+            if not bad:
+                break
+            self._refuse(bad[0], f"MPS v3 refused its namespace: {setup.detail.rpartition(': ')[2] or setup.detail}")
+            candidates.remove(bad[0])
+        if o.fence_mode == "v3":
+            self.fence_error = f"mps.mode = v3 but the daemon did not start: {setup.detail}"
+            return setup
+        self.reports.agent("fence_fallback", f"MPS v3 daemon did not start ({setup.detail}); using MPS v2")
+        self.fence_kind = "v2"
+        return open_mps(True, o.gpus, o.tmp_root, tag, env=self.base_env, site_mode="own")
+
+    def _limit_error(self, p: MemberPlacement) -> str | None:
+        """A fence larger than its GPU cannot be enforced: refuse it (v3 or dmem only)."""
+        total = self._gpu_total_bytes.get(p.gpu_index)
+        if total is not None and p.gpu_mem_limit_mib * MIB > total:
+            return (f"gpu_mem_limit_mib {p.gpu_mem_limit_mib} is above GPU {p.gpu_index}'s memory "
+                    f"({total // MIB} MiB)")
+        return None
+
+    def _fence_member(self, m: Member) -> str | None:
+        """Set what holds this member to its fence before it starts; an error line or None."""
+        p = m.placement
+        if self.fence_error is not None:
+            return self.fence_error
+        enforced = (self.fence_kind == "v3" and self.mps.daemon is not None) or self.dmem is not None
+        if enforced and (err := self._limit_error(p)) is not None:
+            return err
+        daemon = self.mps.daemon
+        if self.fence_kind == "v3" and daemon is not None and daemon.protocol == 3:
+            ns = self._namespace(p)
+            if ns.name not in self._v3_namespaces:  # a joiner: the daemon runs already
+                try:
+                    daemon.v3(*fences.namespace_create_argv(ns))
+                except MpsError as exc:
+                    return f"MPS v3 refused namespace {ns.name}: {exc}"
+                self._v3_namespaces.add(ns.name)
+            m.fence.update(kind="v3", server=fences.V3_SERVER, namespace=ns.name,
+                           pinned_memory_limit_mib=p.gpu_mem_limit_mib, active_thread_percentage=p.mps_thread_pct,
+                           **({"sm_chunks": ns.sm_chunks} if ns.sm_chunks else {}))
+        elif daemon is not None:
+            m.fence.update(kind="v2-env")
+        if self.dmem is not None:
+            try:
+                region = fences.region_for_gpu(self.dmem.regions, self._nvml_position(p.gpu_index))
+                soft = (p.gpu_mem_estimate_mib or p.gpu_mem_limit_mib) * MIB
+                f = self.dmem.fence(p.job_id, region, soft, p.gpu_mem_limit_mib * MIB)
+            except fences.FenceError as exc:
+                return str(exc)
+            m.cgroup = f.path
+            m.fence.update(dmem_cgroup=str(f.path), dmem_region=region, dmem_min_bytes=f.min_bytes,
+                           dmem_max_bytes=f.max_bytes)
+        return None
+
+    def _nvml_position(self, gpu_index: int) -> int:
+        """The GPU's NVML index (dmem regions are listed per physical GPU)."""
+        if gpu_index < len(self._nvml_indices) and self._nvml_indices[gpu_index] >= 0:
+            return self._nvml_indices[gpu_index]
+        g = self.opts.gpus[gpu_index] if gpu_index < len(self.opts.gpus) else ""
+        return int(g) if g.isdigit() else gpu_index
 
     def _setup_nvml(self) -> None:
         if not self.nvml.init():
             return
         if all(g.isdigit() for g in self.opts.gpus):
             self._nvml_indices = [int(g) for g in self.opts.gpus]
+        else:
+            # UUID names: find each one's NVML index.
+            snap = self.nvml.sample(list(range(self.nvml.device_count())))
+            by_uuid = {g.uuid: g.index for g in snap.gpus if g.uuid}
+            for name in self.opts.gpus:
+                match = [i for u, i in by_uuid.items() if u.startswith(name)]
+                self._nvml_indices.append(match[0] if match else -1)
+
+    def _gpu_facts(self) -> None:
+        """Each GPU's total memory and UUID (enforced fences only, so v2 nodes sample NVML
+        as before): a fence above its GPU is refused, SM partitions name the UUID."""
+        if not self._nvml_indices:
             return
-        # UUID names: find each one's NVML index.
-        snap = self.nvml.sample(list(range(self.nvml.device_count())))
-        by_uuid = {g.uuid: g.index for g in snap.gpus if g.uuid}
-        for name in self.opts.gpus:
-            match = [i for u, i in by_uuid.items() if u.startswith(name)]
-            self._nvml_indices.append(match[0] if match else -1)
+        by_index = {g.index: g for g in self.nvml.sample([i for i in self._nvml_indices if i >= 0]).gpus}
+        for pos, idx in enumerate(self._nvml_indices):
+            g = by_index.get(idx)
+            if g is not None and g.memory_total_bytes:
+                self._gpu_total_bytes[pos] = g.memory_total_bytes
+            if g is not None and g.uuid:
+                self._gpu_uuid[pos] = g.uuid
 
     def _configure_mps(self) -> None:
         daemon = self.mps.daemon
-        if daemon is None or self.mps.mode != "own":
-            return  # a site daemon is configured by its owner (the prolog)
+        if daemon is None or self.mps.mode != "own" or daemon.protocol == 3:
+            return  # a site daemon is configured by its owner (the prolog); v3: the namespaces hold the limits
         try:
             # Daemon-wide defaults as a backstop; each member's own variables are tighter.
             for dev in range(len(self.opts.gpus)):
@@ -309,8 +481,14 @@ class Agent:
             m.state, m.reason = "CANCELLED", "cancelled by the service before it started"
             self.reports.member(p.job_id, "CANCELLED", None, m.reason)
             return
+        if (why := self._fence_member(m)) is not None:
+            self._refuse(m, why)
+            return
+        pipe_dir = None
+        if m.fence.get("kind") == "v3" and self.mps.daemon is not None:
+            pipe_dir = str(self.mps.daemon.pipe_dir / m.fence["server"] / m.fence["namespace"])
         try:
-            m.env = member_env(self.base_env, p, self.opts.gpus, self.mps)
+            m.env = member_env(self.base_env, p, self.opts.gpus, self.mps, pipe_dir=pipe_dir)
             for d in (Path(p.checkpoint_dir), Path(p.metrics_path).parent):
                 d.mkdir(parents=True, exist_ok=True)
             out = open(Path(p.metrics_path).parent / f"output-{self.opts.node_name}.log", "ab")  # noqa: SIM115
@@ -320,10 +498,13 @@ class Agent:
                 argv = step_argv(p, m.env, self.opts.node_name, m.pid_file, self.opts.python)
             else:
                 argv = list(p.command)
+            cgroup = m.cgroup
+            # dmem: the member joins its cgroup before exec, so its first allocation is charged there.
+            preexec = (lambda: fences.join_cgroup(cgroup)) if cgroup is not None else None
             with out:
                 m.popen = subprocess.Popen(  # noqa: S603 - argv list from the placement, no shell
                     argv, env=m.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True)
+                    start_new_session=True, preexec_fn=preexec)  # noqa: PLW1509 - the agent has no threads
         except (OSError, ValueError) as exc:
             m.state, m.exit_code, m.reason = "FAILED", None, f"could not launch: {exc}"
             self.reports.member(p.job_id, "FAILED", None, m.reason)
@@ -335,7 +516,7 @@ class Agent:
         m.state = "RUNNING"
         self.reports.member(p.job_id, "RUNNING", None, "", launch=self.opts.launch, argv=argv,
                             gpu=m.env.get("CUDA_VISIBLE_DEVICES"), mps=self.mps.mode,
-                            **({"joined": True} if joined else {}))
+                            **({"joined": True} if joined else {}), **({"fence": m.fence} if m.fence else {}))
         log.info("launched %s (job %d) as %s", p.name, p.job_id, self.opts.launch)
 
     def _loop(self, rsock: socket.socket) -> None:
@@ -600,6 +781,9 @@ class Agent:
                     m.popen.wait(timeout=10)
         self._reap()
         self._close()
+        if self.dmem is not None:
+            for m in self.members:
+                self.dmem.remove(m.placement.job_id)
         if self.mps.daemon is not None and self.mps.mode == "own":
             pid = self.mps.daemon.pid()
             self.mps.daemon.quit()

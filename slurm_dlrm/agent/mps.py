@@ -10,6 +10,9 @@ Two ways to have MPS in a pack allocation:
   removed.
 * site daemon (Slurm gres/mps with a prolog-started daemon): found through
   `$CUDA_MPS_PIPE_DIRECTORY`; used as it is, never configured or stopped by us.
+* own daemon with MPS v3 (`open_mps(..., v3_config=TOML)`, driver r615+): started with
+  `-d -p 3 -a <config>`; commands are module verbs given as arguments (`server list`,
+  `namespace create ...`, `-q`), not lines on stdin (NVIDIA MPS docs, "MPS v3 Interface").
 
 Commands go to the daemon on stdin of `nvidia-cuda-mps-control`, one a line, as the
 NVIDIA docs describe (`get_server_list`, `set_default_active_thread_percentage`, ...).
@@ -53,6 +56,8 @@ class MpsDaemon:
     visible_devices: list[str] | None = None
     root_dir: Path | None = None  # the folder holding pipe/ and log/, removed after quit
     commands: list[str] = field(default_factory=list)
+    protocol: int = 2  # 3: MPS v3 (module verb commands, -a configuration)
+    config_file: Path | None = None  # v3: the TOML applied at start
 
     def env(self) -> dict[str, str]:
         """What an MPS client (a member) needs to find this daemon."""
@@ -63,8 +68,11 @@ class MpsDaemon:
         env.update(self.env())
         env.update(extra_env or {})
         try:
+            # No command input: stdin is /dev/null, never the agent's own (a client waits on it).
+            feed: dict[str, object] = {"input": stdin} if stdin is not None else {"stdin": subprocess.DEVNULL}
             proc = subprocess.run(  # noqa: S603 - argv list, no shell
-                argv, input=stdin, capture_output=True, text=True, env=env, timeout=COMMAND_TIMEOUT_S, check=False)
+                argv, capture_output=True, text=True, env=env, timeout=COMMAND_TIMEOUT_S, check=False,
+                **feed)  # type: ignore[call-overload]
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise MpsError(f"{' '.join(argv)}: {exc}") from None
         if proc.returncode != 0:
@@ -76,16 +84,29 @@ class MpsDaemon:
         self.commands.append(line)
         return self._run([self.binary], line + "\n").rstrip("\n")
 
+    def v3(self, *args: str) -> str:
+        """One MPS v3 module verb command (`server list`, `namespace create --server=...`)."""
+        self.commands.append(" ".join(args))
+        return self._run([self.binary, *args], None).rstrip("\n")
+
     def start(self) -> None:
         for d in (self.pipe_dir, self.log_dir):
             d.mkdir(parents=True, exist_ok=True)
             d.chmod(0o700)
         extra = {"CUDA_VISIBLE_DEVICES": ",".join(self.visible_devices)} if self.visible_devices else {}
-        self._run([self.binary, "-d"], None, extra)
+        argv = [self.binary, "-d"]
+        if self.protocol == 3:
+            # -p 3 selects v3; CUDA_MPS_PROTOCOL_VERSION would win over it, so it goes too.
+            argv += ["-p", "3"] + (["-a", str(self.config_file)] if self.config_file else [])
+            extra["CUDA_MPS_PROTOCOL_VERSION"] = "3"
+        self._run(argv, None, extra)
         deadline = time.monotonic() + COMMAND_TIMEOUT_S
         while True:  # -d returns before the daemon may accept commands
             try:
-                self.server_list()
+                if self.protocol == 3:
+                    self.v3("server", "list")
+                else:
+                    self.server_list()
                 return
             except MpsError:
                 if time.monotonic() > deadline:
@@ -113,7 +134,10 @@ class MpsDaemon:
             return
         pid = self.pid()
         try:
-            self.command("quit")
+            if self.protocol == 3:
+                self.v3("-q")
+            else:
+                self.command("quit")
         except MpsError as exc:
             log.warning("MPS quit: %s", exc)
         deadline = time.monotonic() + timeout_s
@@ -158,11 +182,13 @@ class MpsSetup:
 
 def open_mps(wanted: bool, visible_devices: list[str], tmp_root: str | os.PathLike[str], tag: str,
              env: dict[str, str] | None = None, binary: str | None = None,
-             site_mode: str = "auto") -> MpsSetup:
+             site_mode: str = "auto", v3_config: str | None = None) -> MpsSetup:
     """Start or find the MPS daemon for this allocation; never raises for a missing MPS.
 
     site_mode: "auto" (use a daemon at $CUDA_MPS_PIPE_DIRECTORY if one answers, else start
     our own), "site" (only an existing daemon), "own" (always start our own).
+    v3_config: start our own daemon with MPS v3 and this configuration (`-p 3 -a FILE`);
+    a configuration the daemon refuses gives mode "off" with its message in `detail`.
     """
     env = dict(os.environ if env is None else env)
     if not wanted:
@@ -188,9 +214,16 @@ def open_mps(wanted: bool, visible_devices: list[str], tmp_root: str | os.PathLi
     root = Path(tempfile.mkdtemp(prefix=f"mps-{tag}-", dir=tmp_root))
     daemon = MpsDaemon(root / "pipe", root / "log", exe, owned=True,
                        visible_devices=list(visible_devices), root_dir=root)
+    if v3_config is not None:
+        daemon.protocol = 3
+        daemon.config_file = root / "mps-v3.toml"
     try:
+        if daemon.config_file is not None and v3_config is not None:
+            daemon.config_file.write_text(v3_config)
+            daemon.config_file.chmod(0o600)
         daemon.start()
     except (MpsError, OSError) as exc:
         shutil.rmtree(root, ignore_errors=True)
         return MpsSetup("off", None, f"MPS control daemon did not start: {exc}")
-    return MpsSetup("own", daemon, f"started {exe} -d, pipe {daemon.pipe_dir}, GPUs {','.join(visible_devices)}")
+    how = f"-d -p 3 -a {daemon.config_file}" if daemon.protocol == 3 else "-d"
+    return MpsSetup("own", daemon, f"started {exe} {how}, pipe {daemon.pipe_dir}, GPUs {','.join(visible_devices)}")

@@ -31,6 +31,10 @@ class MemberPlacement:
     command: tuple[str, ...]
     checkpoint_dir: str
     metrics_path: str
+    # Optional (issue 22): the estimate, the dmem soft limit (dmem.min; absent: the fence),
+    # and a static SM partition of this many chunks when the policy asks for isolation.
+    gpu_mem_estimate_mib: int | None = None
+    sm_chunks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ def parse_member(m: Any, where: str) -> MemberPlacement:
         command=tuple(command),
         checkpoint_dir=_get(m, "checkpoint_dir", str, w),
         metrics_path=_get(m, "metrics_path", str, w),
+        gpu_mem_estimate_mib=_get(m, "gpu_mem_estimate_mib", int, w, None, min_value=1),
+        sm_chunks=_get(m, "sm_chunks", int, w, None, min_value=1),
     )
     if member.mps_thread_pct > 100:
         raise BadInput(f"placement {w}mps_thread_pct: must be <= 100, got {member.mps_thread_pct}")

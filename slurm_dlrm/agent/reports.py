@@ -19,7 +19,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MEMBER_STATES = ("RUNNING", "COMPLETED", "FAILED", "OOM_GPU", "OOM_HOST", "PREEMPTED", "CANCELLED")
-AGENT_EVENTS = ("start", "mps_started", "mps_unavailable", "mps_stopped", "join_refused", "closed", "exit")
+AGENT_EVENTS = ("start", "mps_started", "mps_unavailable", "mps_stopped", "join_refused", "closed", "exit",
+                "fence_env_only", "fence_fallback", "dmem_not_applied")
 
 
 def report_path(pack_dir: str | os.PathLike[str], node: str) -> Path:

@@ -3,11 +3,16 @@
 
     python -m slurm_dlrm.agent.standin --steps 50 --step-s 0.1 [--grow-mib-per-step 8]
         [--exit-code 3] [--env-out PATH] [--busy] [--checkpoint-every 10]
+        [--set-env CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=99999M] [--mps-client]
 
 It appends a metrics line per step to $SLURM_DLRM_METRICS_FILE, resumes from and writes
 checkpoints in $SLURM_DLRM_CHECKPOINT_DIR, on SIGTERM/SIGUSR1 writes a checkpoint and exits
 with TRAIN_EXIT_PREEMPTED, can grow its host memory every step (to trip the agent's host
 budget), and ends with the exit code asked for (3 = TRAIN_EXIT_OOM_GPU, ...).
+`--set-env` changes its own environment first (what a member that lifts its own fence
+does: one line of Python before CUDA starts); `--mps-client` then "starts CUDA" against
+the fake MPS daemon (`fake_mps_control.connect_client`), which records the limit it holds
+the member to.
 """
 
 from __future__ import annotations
@@ -54,7 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--busy", action="store_true", help="spin instead of sleeping")
     ap.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM (a hung member)")
     ap.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only on stop)")
+    ap.add_argument("--set-env", action="append", default=[], metavar="K=V", help="set in its own environment first")
+    ap.add_argument("--mps-client", action="store_true", help="connect to the (fake) MPS daemon as a CUDA client")
     args = ap.parse_args(argv)
+    for item in args.set_env:
+        key, _, value = item.partition("=")
+        os.environ[key] = value
+    if args.mps_client and os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        from slurm_dlrm.agent.fake_mps_control import connect_client
+
+        connect_client()
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN if args.ignore_term else _on_signal)
     metrics = os.environ.get(ENV_METRICS_FILE)

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
+import socket
+from pathlib import Path
 from typing import Any
 
 import click
 
+from slurm_dlrm.agent import fences
 from slurm_dlrm.errors import EXIT_RUNTIME
 from slurm_dlrm.site import load_site
 
@@ -64,8 +68,10 @@ def render(site_path: str | None, out_dir: str, as_json: bool) -> None:
 @admin.command("check")
 @SITE_OPTION
 @JSON_OPTION
+@click.option("--fences", "with_fences", is_flag=True,
+              help="Also report this host's GPU fences (MPS v3, cgroup dmem): run it on a GPU node.")
 @click.pass_context
-def check(ctx: click.Context, site_path: str | None, as_json: bool) -> None:
+def check(ctx: click.Context, site_path: str | None, as_json: bool, with_fences: bool) -> None:
     """Compare the site file with the live cluster: per node CPUs, memory, GPUs and their type,
     MPS and shard counts; per partition its nodes, default flag and time limit; and the
     slurm.conf keys the rendered fragment sets (GresTypes, SelectType, JobSubmitPlugins,
@@ -77,21 +83,42 @@ def check(ctx: click.Context, site_path: str | None, as_json: bool) -> None:
     Example:
       slurm-dlrm admin check --site /etc/slurm-dlrm/site.toml
       slurm-dlrm admin check --json
+      slurm-dlrm admin check --fences      # on a GPU node: MPS v3 and dmem as mps.mode/dmem ask
     """
-    from slurm_dlrm.admin.check import compare, compare_config
+    from slurm_dlrm.admin.check import Difference, compare, compare_config
 
     site = load_site(site_path)
     nodes, partitions, config = _live_records()
     diffs = compare_config(site, config) + compare(site, nodes, partitions)
+    caps = None
+    if with_fences:
+        caps = _fence_caps(site)
+        host = f"host {socket.gethostname().split('.')[0]}"
+        diffs += [Difference(host, key, want, have) for key, want, have in
+                  fences.site_gaps(site.mps.mode, site.mps.dmem, caps)]
     if as_json:
-        click.echo(json.dumps({"site": site.path, "differences": [d.to_dict() for d in diffs]}, indent=2))
+        click.echo(json.dumps({"site": site.path, "differences": [d.to_dict() for d in diffs],
+                               **({"fences": caps.to_dict()} if caps else {})}, indent=2))
     else:
+        if caps is not None:
+            click.echo(f"fences on this host: {caps.summary()}", err=True)
         for d in diffs:
             click.echo(str(d))
         if not diffs:
             click.echo(f"the cluster matches {site.path}", err=True)
     if diffs:
         ctx.exit(EXIT_RUNTIME)
+
+
+def _fence_caps(site: Any) -> fences.FenceCaps:
+    """This host's fence capabilities: the site's MPS control command, NVML's driver version."""
+    from slurm_dlrm.agent.nvml import Nvml
+
+    nvml = Nvml()
+    driver = nvml.driver_version if nvml.init() else None
+    nvml.shutdown()
+    binary = shutil.which(site.slurm.mps_control_command)
+    return fences.detect_capabilities(binary=binary, driver_version=driver, root=Path(site.slurm.cgroup_root))
 
 
 def _live_records() -> tuple[list[Any], list[Any], dict[str, str]]:

@@ -104,6 +104,7 @@ def status(as_json: bool, site_path: str | None) -> None:
             f"unreachable ({st.get('slurm_error')}); retry in {st.get('slurm_retry_in_s')} s")
         click.echo(f"packing service: running (pid {pid}), policy {st.get('policy', '?')}, "
                    f"{st.get('rounds', 0)} rounds, last {age:.0f} s ago; Slurm {slurm}")
+        click.echo(f"interference model: {st.get('interference_model', 'analytic defaults')}")
     if pid is None:
         raise SystemExit(1)
 

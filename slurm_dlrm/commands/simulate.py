@@ -94,9 +94,15 @@ def write_plots(results: list[Any], out_dir: Path) -> list[Path]:
 @click.option("--site", "site_path", default=None, metavar="FILE",
               help="Site config giving GPU models the cluster file does not define.")
 @click.option("--plots", "plot_dir", default=None, metavar="DIR", help="Write comparison plots (PNG) here.")
+@click.option("--truth", "truth_text", default="analytic", show_default=True, metavar="MODEL",
+              help="What really happens on a shared GPU: analytic[:A,B,G], learned:FILE, table:FILE "
+                   "(measured groups, nearest), synthetic[:SEED] (a roofline/queuing generator).")
+@click.option("--plan-model", "plan_text", default="analytic", show_default=True, metavar="MODEL",
+              help="The model the policies plan with: analytic[:A,B,G] or learned:FILE.")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-policy figures as JSON.")
 def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...], seed: int | None,
-                 site_path: str | None, plot_dir: str | None, as_json: bool) -> None:
+                 site_path: str | None, plot_dir: str | None, truth_text: str, plan_text: str,
+                 as_json: bool) -> None:
     """Replay a workload on a simulated cluster through packing policies and compare
     throughput (solo-equivalent jobs/h), average and p95 job completion time, makespan,
     GPU-hours, mean GPU utilisation, OOMs and completion rate, beside the ideal bound.
@@ -106,7 +112,9 @@ def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...
       slurm-dlrm simulate -w benchmarks/sim/dlrm_mix.yaml -c benchmarks/sim/cluster_1gpu.yaml
       slurm-dlrm simulate -w W.yaml -c C.yaml -p first-fit -p complementary --json
       slurm-dlrm simulate -w W.yaml -c C.yaml --plots out/
+      slurm-dlrm simulate -w W.yaml -c C.yaml --truth synthetic --plan-model learned:model.json
     """
+    from slurm_dlrm.interference_io import parse_truth
     from slurm_dlrm.sim import (
         comparison_table,
         ideal_throughput_bounds_jobs_per_h,
@@ -117,6 +125,10 @@ def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...
         workload_summary,
     )
 
+    truth = parse_truth(truth_text, "--truth")
+    plan_params = parse_truth(plan_text, "--plan-model")
+    if plan_text.split(":")[0].strip().lower() not in ("analytic", "learned"):
+        raise BadInput(f"--plan-model: {plan_text!r}: analytic[:A,B,G] or learned:FILE (the others are truths only)")
     cluster_data = read_data_file(cluster_path, "cluster")
     workload_data = read_data_file(workload_path, "workload")
     cluster = parse_cluster(cluster_data, _site_gpu_models(site_path))
@@ -125,7 +137,7 @@ def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...
     results = []
     for policy in chosen:
         log.info("simulating %s", policy)
-        results.append(simulate(workload, cluster, policy))
+        results.append(simulate(workload, cluster, policy, true_params=truth, plan_params=plan_params))
     ideal = ideal_throughput_jobs_per_h(workload, cluster)
     bounds = ideal_throughput_bounds_jobs_per_h(workload, cluster)
     paths = write_plots(results, Path(plot_dir)) if plot_dir else []
@@ -134,6 +146,7 @@ def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...
                                "gpus": cluster.gpu_count, "ideal_throughput_jobs_per_h": round(ideal, 4),
                                "ideal_bounds_jobs_per_h": {k: round(v, 4) for k, v in bounds.items()},
                                "policies": [r.metrics() for r in results],
+                               "truth": truth_text, "plan_model": plan_text,
                                "plots": [str(p) for p in paths]}, indent=2))
         return
     s = workload_summary(workload)
@@ -141,6 +154,7 @@ def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...
                f"bandwidth {s['mean_membw_util_pct']:.1f}%, GPU memory {s['mean_gpu_mem_gib']:.1f} GiB, "
                f"{s['mean_host_cpu_cores']:.1f} cores, solo {s['mean_solo_duration_s'] / 3600:.2f} h")
     click.echo(f"cluster {cluster.name}: {cluster.gpu_count} GPUs on {len(cluster.nodes)} node(s)")
+    click.echo(f"truth {truth_text}, planner's model {plan_text}")
     click.echo(comparison_table(results, ideal, baseline=chosen[0] if "exclusive" not in chosen else "exclusive"))
     click.echo("ideal bound per resource (jobs/h; the lowest binds): "
                + ", ".join(f"{k} {v:.2f}" for k, v in sorted(bounds.items(), key=lambda kv: kv[1])))

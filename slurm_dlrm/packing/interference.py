@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -36,15 +36,43 @@ class SoloProfile:
     sm_util_pct: float
     membw_util_pct: float
     gpu_mem_bytes: int = 0
+    # Optional (0 = unknown): the learned model uses them when every training sample has them.
+    host_cpu_cores: float = 0.0
+    mps_thread_pct: float = 0.0  # the MPS thread cap it ran under when fenced
+
+
+class SpeedModel(Protocol):
+    """Anything that predicts co-located speeds from solo SM and bandwidth fractions:
+    the learned model (`slurm_dlrm.packing.learned`) or a simulator's truth
+    (`slurm_dlrm.sim.truth`). Must be cheap: the policies call it in their inner loops."""
+
+    @property
+    def name(self) -> str: ...
+
+    def speeds_from_fractions(self, sm: Sequence[float], bw: Sequence[float]) -> list[float]: ...
 
 
 @dataclass(frozen=True)
 class InterferenceParams:
-    """The model's three constants (see docs/packing.md for their provenance)."""
+    """The model's three constants (see docs/packing.md for their provenance), and
+    optionally a `speed_model` that predicts instead of the formula (the learned model,
+    with these constants as its prior and fallback). Every policy takes this one value."""
 
-    sm_contention: float = 0.30  # alpha: kernel stretch per unit of co-runner SM use
-    membw_contention: float = 0.60  # beta: per unit of co-runner memory-bandwidth use
-    per_client_overhead: float = 0.02  # gamma: MPS/scheduler cost per extra client
+    # Defaults 0: on the public measured pairs (docs/packing.md, "Constants") every
+    # contention term refits to 0; only saturation (processor sharing) is left.
+    sm_contention: float = 0.0  # alpha: kernel stretch per unit of co-runner SM use
+    membw_contention: float = 0.0  # beta: per unit of co-runner memory-bandwidth use
+    per_client_overhead: float = 0.0  # gamma: MPS/scheduler cost per extra client
+    # Compared by identity (a model object): a learned model never equals the defaults.
+    speed_model: SpeedModel | None = field(default=None, repr=False)
+
+    @property
+    def model_name(self) -> str:
+        return self.speed_model.name if self.speed_model is not None else "analytic"
+
+    def analytic(self) -> InterferenceParams:
+        """The constants alone (the formula, without any speed model)."""
+        return InterferenceParams(self.sm_contention, self.membw_contention, self.per_client_overhead)
 
     def as_tuple(self) -> tuple[float, float, float]:
         return (self.sm_contention, self.membw_contention, self.per_client_overhead)
@@ -96,6 +124,8 @@ def predict_speeds_from_fractions(sm: Sequence[float], bw: Sequence[float],
     n = len(sm)
     if n == 0:
         return []
+    if params.speed_model is not None:
+        return params.speed_model.speeds_from_fractions(sm, bw)
     alpha, beta, gamma = params.sm_contention, params.membw_contention, params.per_client_overhead
     total_sm = sum(sm)
     total_bw = sum(bw)
@@ -205,7 +235,10 @@ def refit_interference(samples: Sequence[CoLocationSample],
             res.extend(p - m for p, m in zip(pred, measured, strict=True))
         return res
 
-    fit = least_squares(residuals, list(first.as_tuple()), bounds=([0.0, 0.0, 0.0], [10.0, 10.0, 10.0]))
+    # Start strictly inside the bounds: from a constant at 0 (the defaults) the
+    # trust-region solver stalls on the bound.
+    x0 = [min(max(v, 0.05), 9.95) for v in first.as_tuple()]
+    fit = least_squares(residuals, x0, bounds=([0.0, 0.0, 0.0], [10.0, 10.0, 10.0]))
     return InterferenceParams(float(fit.x[0]), float(fit.x[1]), float(fit.x[2]))
 
 

@@ -3,8 +3,17 @@
 Scores `predict_colocated_speeds` (the public interface, so a validation exercises the
 same path the policy uses) on `CoLocationSample`s beside two naive baselines, per
 member and per group size, and optionally the k-fold cross-validated error of a refit
-(`refit_interference` on K-1 folds, scored on the held-out fold; folds are whole
-co-location groups). `slurm-dlrm interference eval` prints this; see docs/packing.md.
+(`refit_interference`) and of the learned model (`slurm_dlrm.packing.learned`), each
+two ways:
+
+- leave-groups-out: whole co-location groups dealt into K folds, fit on K-1, scored on
+  the held-out fold;
+- leave-jobs-out: *jobs* (a job is its solo profile: the same profile in two groups is
+  the same job) dealt into K folds; for fold k every group containing a held-out job is
+  left out of the fit, and each held-out job's members are scored. This is the error
+  for a job the model never saw, the one the planner meets.
+
+`slurm-dlrm interference eval` prints this; see docs/packing.md.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ from slurm_dlrm.packing.interference import (
     DEFAULT_PARAMS,
     CoLocationSample,
     InterferenceParams,
+    SoloProfile,
     predict_colocated_speeds,
     refit_interference,
     util_fraction,
@@ -115,6 +125,68 @@ def cross_validate(samples: Sequence[CoLocationSample], folds: int,
     return predicted, fitted
 
 
+Fitter = Callable[[Sequence[CoLocationSample]], Predictor]
+
+
+def refit_fitter(start: InterferenceParams) -> Fitter:
+    return lambda train: model_predictor(refit_interference(train, start=start))
+
+
+def learned_fitter(prior: InterferenceParams) -> Fitter:
+    def fit(train: Sequence[CoLocationSample]) -> Predictor:
+        from slurm_dlrm.packing.learned import fit_learned, learned_predictor
+
+        if not any(len(s.members) > 1 for s in train):
+            return model_predictor(prior)  # nothing to learn from: the prior
+        return learned_predictor(fit_learned(train, prior))
+    return fit
+
+
+def job_key(p: SoloProfile) -> tuple[float, ...]:
+    """A job's identity in a sample file: its solo profile."""
+    return (p.sm_util_pct, p.membw_util_pct, float(p.gpu_mem_bytes), p.host_cpu_cores, p.mps_thread_pct)
+
+
+def fold_of_jobs(samples: Sequence[CoLocationSample], folds: int) -> dict[tuple[float, ...], int]:
+    """Fold of every distinct job (seeded shuffle, dealt round-robin). Deterministic."""
+    keys = sorted({job_key(p) for s in samples for p in s.members})
+    random.Random(FOLD_SEED).shuffle(keys)
+    return {k: i % folds for i, k in enumerate(keys)}
+
+
+def cross_validate_jobs_out(samples: Sequence[CoLocationSample], folds: int,
+                            fit: Fitter) -> list[list[float]]:
+    """Leave-jobs-out held-out predictions of every member (see the module docstring)."""
+    fold = fold_of_jobs(samples, folds)
+    if len(set(fold.values())) < folds:
+        raise ValueError(f"{folds} folds need at least {folds} distinct jobs, there are {len(fold)}")
+    predicted: list[list[float]] = [[math.nan] * len(s.members) for s in samples]
+    for k in range(folds):
+        held = [any(fold[job_key(p)] == k for p in s.members) for s in samples]
+        predictor = fit([s for s, h in zip(samples, held, strict=True) if not h])
+        for i, s in enumerate(samples):
+            if held[i]:
+                speeds = predictor(s)
+                for m, p in enumerate(s.members):
+                    if fold[job_key(p)] == k:
+                        predicted[i][m] = speeds[m]
+    return predicted
+
+
+def cross_validate_groups_out(samples: Sequence[CoLocationSample], folds: int, fit: Fitter) -> list[list[float]]:
+    """Leave-groups-out held-out predictions of every member."""
+    if not 2 <= folds <= len(samples):
+        raise ValueError(f"{folds} folds need at least {folds} co-location groups, there are {len(samples)}")
+    fold = fold_of_groups(samples, folds)
+    predicted: list[list[float]] = [[] for _ in samples]
+    for k in range(folds):
+        predictor = fit([s for s, f in zip(samples, fold, strict=True) if f != k])
+        for i, s in enumerate(samples):
+            if fold[i] == k:
+                predicted[i] = predictor(s)
+    return predicted
+
+
 @dataclass(frozen=True)
 class Evaluation:
     """Everything `slurm-dlrm interference eval` reports."""
@@ -152,12 +224,16 @@ class Evaluation:
 
 MODEL = "model"
 MODEL_CV = "model_refit_cv"  # refitted on the other folds, scored on the held-out one
+MODEL_JOBS_OUT = "model_refit_jobs_out"
+LEARNED_CV = "learned_cv"
+LEARNED_JOBS_OUT = "learned_jobs_out"
 
 
 def evaluate(samples: Sequence[CoLocationSample], params: InterferenceParams = DEFAULT_PARAMS,
-             folds: int = 0) -> Evaluation:
+             folds: int = 0, learned: bool = False) -> Evaluation:
     """Score the model with `params` (and, with `folds` >= 2, a cross-validated refit
-    started from `params`) and the baselines on multi-member samples."""
+    started from `params`, both leave-groups-out and leave-jobs-out; with `learned`
+    too, the learned model the same two ways) and the baselines on multi-member samples."""
     usable = [s for s in samples if len(s.members) > 1 and len(s.members) == len(s.speeds)]
     predictions: dict[str, list[list[float]]] = {MODEL: [model_predictor(params)(s) for s in usable]}
     fold_params: list[InterferenceParams] = []
@@ -165,6 +241,12 @@ def evaluate(samples: Sequence[CoLocationSample], params: InterferenceParams = D
     if folds:
         predictions[MODEL_CV], fold_params = cross_validate(usable, folds, params)
         fitted = refit_interference(usable, start=params)
+        if len({job_key(p) for s in usable for p in s.members}) >= folds:
+            predictions[MODEL_JOBS_OUT] = cross_validate_jobs_out(usable, folds, refit_fitter(params))
+        if learned:
+            predictions[LEARNED_CV] = cross_validate_groups_out(usable, folds, learned_fitter(params))
+            if MODEL_JOBS_OUT in predictions:
+                predictions[LEARNED_JOBS_OUT] = cross_validate_jobs_out(usable, folds, learned_fitter(params))
     for name, baseline in BASELINES.items():
         predictions[name] = [baseline(s) for s in usable]
 
@@ -186,3 +268,25 @@ def evaluate(samples: Sequence[CoLocationSample], params: InterferenceParams = D
     return Evaluation(params=params, groups=len(usable), members=sum(len(s.members) for s in usable),
                       overall=overall, throughput=throughput, by_size=by_size, folds=folds, fold_params=tuple(fold_params),
                       fitted=fitted, fitted_in_sample=fitted_stats, order=tuple(predictions))
+
+
+def learned_cross_validation(samples: Sequence[CoLocationSample], params: InterferenceParams,
+                             folds: int) -> dict[str, Any]:
+    """The learned model's K-fold errors beside the analytic model (with `params`) and
+    the better naive baseline on the same samples: what a model file records and what
+    the service compares before it plans with a learned model."""
+    usable = [s for s in samples if len(s.members) > 1 and len(s.members) == len(s.speeds)]
+    measured = [v for s in usable for v in s.speeds]
+
+    def mae(pred: Sequence[Sequence[float]]) -> float:
+        return ErrorStats.of([v for p in pred for v in p], measured).mae
+
+    fitter = learned_fitter(params)
+    groups_out = mae(cross_validate_groups_out(usable, folds, fitter))
+    jobs = len({job_key(p) for s in usable for p in s.members})
+    jobs_out = mae(cross_validate_jobs_out(usable, folds, fitter)) if jobs >= folds else None
+    naive = min(mae([b(s) for s in usable]) for b in BASELINES.values())
+    return {"folds": folds, "groups": len(usable), "learned_groups_out_mae": groups_out,
+            "learned_jobs_out_mae": jobs_out if jobs_out is not None else groups_out,
+            "jobs_out": jobs_out is not None,
+            "analytic_mae": mae([model_predictor(params)(s) for s in usable]), "naive_mae": naive}

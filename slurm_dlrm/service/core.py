@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import sys
@@ -201,6 +202,7 @@ class PackingService:
         now = self.clock()
         return {
             "pid": os.getpid(), "user": self.settings.user, "policy": self.policy, "rounds": self.rounds,
+            "interference_model": self.recovery.interference_source,
             "last_round_t": now, "slurm_ok": self.slurm_error is None, "slurm_error": self.slurm_error,
             "slurm_retry_in_s": None if self.slurm_error is None else round(max(0.0, self.slurm_retry_at - now), 1),
             "next_dispatch_in_s": 0.0 if self.last_dispatch_t is None else
@@ -730,10 +732,16 @@ class PackingService:
             write_job_spec(self.spool_dir, job.id, spec)
         command = list(spec.get("command") or
                        [self.settings.python, "-m", "slurm_dlrm", "train", str(spec_path)])
+        fence_mib = max(1, (p.gpu_mem_limit_bytes or 0) // MIB)
+        # The dmem soft limit (docs/agent.md "Fences"): the fence without its margin, i.e.
+        # the estimate (a raised request after an OOM) plus the CUDA context the fence holds.
+        est = max(job.gpu_mem_request_bytes or 0, job.est_gpu_peak_bytes or 0)
+        margin_mib = math.ceil(est * self.site.packing.memory_margin_pct / 100.0 / MIB)
         return {
             "job_id": job.id, "name": job.name, "node_index": p.node_index, "gpu_index": p.gpu_index,
             "mps_thread_pct": p.mps_thread_pct or 100,
-            "gpu_mem_limit_mib": max(1, (p.gpu_mem_limit_bytes or 0) // MIB),
+            "gpu_mem_limit_mib": fence_mib,
+            **({"gpu_mem_estimate_mib": max(1, fence_mib - margin_mib)} if est > 0 else {}),
             "host_mem_limit_bytes": max(1, p.host_mem_limit_bytes or 0), "cpus": p.cpus or 1,
             "command": command,
             # per job, not per pack: a requeued job resumes from it in its next pack

@@ -88,6 +88,7 @@ MAX_FACTOR = 3.0  # as the estimator's calibration: refuse absurd corrections
 HISTORY = 10  # the most recent runs of a fingerprint; older ones may predate a code change
 FRESH_PLAN_PENDING = 32  # pending jobs a re-pack's fresh plan considers (keeps the round cheap)
 REPACK_JUDGEMENTS_PER_ROUND = 64  # members judged for a re-pack per round; the rest wait a round
+LEARNED_MODEL_FILE = "interference_model.json"  # in the store folder, mode 0600
 REFIT_PACKS = 200  # the most recent ended packs whose co-locations feed the interference refit
 UNKNOWN_REMAINING_S = 1e9  # a job without a step count: only the threshold decides
 
@@ -126,7 +127,9 @@ class Recovery:
         self._refit_key: tuple[tuple[int, int, int], ...] = ()  # the co-locations of the last refit
         self._judged: tuple[int, int] = (-1, 0)  # (round, re-pack judgements made in it)
         self._colocations: dict[int, PackColocations] = {}  # ended pack -> what it tells the refit
-        self.interference_params = self._last_refit_params()
+        self._learned_at = 0  # co-located GPUs the last learned fit saw
+        self.interference_source = "analytic defaults"
+        self.interference_params = self._initial_params()
 
     def _fresh(self) -> None:
         if self._cache_round != self.svc.rounds:
@@ -582,6 +585,41 @@ class Recovery:
 
     # ------------------------------------------------------------ interference refit
 
+    def learned_model_path(self) -> Path:
+        """Where the service keeps the model it learnt (its own store folder)."""
+        return Path(self.store.path).parent / LEARNED_MODEL_FILE
+
+    def _initial_params(self) -> InterferenceParams:
+        """The service's own learned model if it adopted one, else the site's
+        `adapt.interference_model`, else the last analytic refit (else the defaults). A
+        file that cannot be used is logged (and an event says why); planning goes on
+        with the next in that order."""
+        from slurm_dlrm.errors import BadInput
+        from slurm_dlrm.store.model_file import load_model
+
+        analytic = self._last_refit_params()
+        candidates = [(self.learned_model_path(), "learned by this service")]
+        site_file = self.svc.site.adapt.interference_model
+        if site_file:
+            candidates.append((Path(site_file).expanduser(), "site adapt.interference_model"))
+        for path, what in candidates:
+            if not path.exists():
+                if what.startswith("site"):
+                    log.warning("interference model %s (%s) does not exist; planning with the analytic model", path, what)
+                continue
+            try:
+                model = load_model(path)
+            except BadInput as exc:
+                log.warning("interference model not used: %s; planning with the analytic model", exc)
+                self.store.add_event(ADAPT, f"interference model not used: {exc}", data={"model_file": str(path)})
+                continue
+            self.interference_source = f"learned, {path} ({what})"
+            return InterferenceParams(analytic.sm_contention, analytic.membw_contention, analytic.per_client_overhead,
+                                      speed_model=model)
+        if analytic != DEFAULT_PARAMS:
+            self.interference_source = "analytic, refitted"
+        return analytic
+
     def _last_refit_params(self) -> InterferenceParams:
         """The parameters of the last refit (events survive a restart), else the defaults."""
         import json
@@ -625,20 +663,29 @@ class Recovery:
             return False
         self._refit_key = used
         samples = [s for _, _, s in colocation_samples(self.store, solo, usable)]
-        before = prediction_error(samples, self.interference_params)
+        refitted = self._refit_analytic(samples)
+        learned = self.maybe_refit_learned(samples)
+        return refitted or learned
+
+    def _refit_analytic(self, samples: list[Any]) -> bool:
+        """Refit the constants (the formula's, or the learned model's prior) on `samples`;
+        adopted when they lower the mean error there. An event either way."""
+        current = self.interference_params
+        analytic = current.analytic()
+        before = prediction_error(samples, analytic)
         try:
-            fitted = refit_interference(samples, start=self.interference_params)
+            fitted = refit_interference(samples, start=analytic)
         except (ValueError, FloatingPointError) as exc:  # e.g. a non-finite rate in the samples
             log.warning("interference refit on %d co-located GPU(s) failed: %s; model kept", len(samples), exc)
             return False
         after = prediction_error(samples, fitted)
-        old = self.interference_params
         names = ("alpha", "beta", "gamma")
-        change = ", ".join(f"{n} {a:.3f} -> {b:.3f}" for n, a, b in zip(names, old.as_tuple(), fitted.as_tuple(),
+        change = ", ".join(f"{n} {a:.3f} -> {b:.3f}" for n, a, b in zip(names, analytic.as_tuple(), fitted.as_tuple(),
                                                                        strict=True))
         data: dict[str, Any] = {"samples": len(samples), "error_before": before, "error_after": after}
         if after < before:
-            self.interference_params = fitted
+            # A learned model keeps planning; the refitted constants become its prior's.
+            self.interference_params = replace(fitted, speed_model=current.speed_model)
             data["interference"] = {"sm_contention": fitted.sm_contention, "membw_contention": fitted.membw_contention,
                                     "per_client_overhead": fitted.per_client_overhead}
             self.store.add_event(ADAPT, f"interference model refit from {len(samples)} co-located GPU(s): {change}; "
@@ -647,6 +694,51 @@ class Recovery:
             return True
         self.store.add_event(ADAPT, f"interference model kept: a refit on {len(samples)} co-located GPU(s) "
                              f"does not lower its mean error ({before:.3f} -> {after:.3f})", data=data)
+        return False
+
+    def maybe_refit_learned(self, samples: list[Any]) -> bool:
+        """Every `adapt.learned_refit_every_groups` new co-located GPUs: fit the learned
+        model on the same samples and plan with it only if its cross-validated error
+        (leave-jobs-out when there are enough jobs) is below the analytic model's on
+        them. An event records both figures either way. True if it switched."""
+        import time
+
+        from slurm_dlrm.packing.interference_eval import learned_cross_validation
+        from slurm_dlrm.packing.learned import fit_learned
+        from slurm_dlrm.store.model_file import save_model
+
+        cfg = self.svc.site.adapt
+        n = len(samples)
+        if not cfg.learned_refit_every_groups or n < cfg.learned_min_groups:
+            return False
+        if self._learned_at and n - self._learned_at < cfg.learned_refit_every_groups:
+            return False
+        self._learned_at = n
+        prior = self.interference_params.analytic()
+        t0 = time.perf_counter()
+        try:
+            cv = learned_cross_validation(samples, prior, folds=min(5, n))
+            model = fit_learned(samples, prior, info={"cv": cv, "fitted_from": f"store {self.store.path}"})
+        except (ValueError, FloatingPointError, RuntimeError) as exc:
+            log.warning("learned interference fit on %d co-located GPU(s) failed: %s; model kept", n, exc)
+            return False
+        learned, analytic = cv["learned_jobs_out_mae"], cv["analytic_mae"]
+        how = "leave-jobs-out" if cv["jobs_out"] else "leave-groups-out"
+        data = {"samples": n, "learned_cv_mae": learned, "analytic_mae": analytic, "cv": how,
+                "fit_s": round(time.perf_counter() - t0, 2)}
+        if learned < analytic:
+            try:
+                save_model(model, self.learned_model_path())
+            except OSError as exc:
+                log.warning("learned interference model not saved (%s); it plans until the service restarts", exc)
+            self.interference_params = InterferenceParams(prior.sm_contention, prior.membw_contention,
+                                                          prior.per_client_overhead, speed_model=model)
+            self.interference_source = f"learned, {self.learned_model_path()} (learned by this service)"
+            self.store.add_event(ADAPT, f"interference: the learned model plans: on {n} co-located GPU(s) its "
+                                 f"{how} error {learned:.3f} beats the analytic model's {analytic:.3f}", data=data)
+            return True
+        self.store.add_event(ADAPT, f"interference: the learned model does not plan: on {n} co-located GPU(s) its "
+                             f"{how} error {learned:.3f} does not beat the analytic model's {analytic:.3f}", data=data)
         return False
 
     def on_member_cancelled(self, job: Any, t: float) -> bool:

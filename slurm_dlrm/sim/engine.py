@@ -10,13 +10,19 @@ The mechanism is the same for every policy, only `plan()` differs:
   it starts `submit_to_start_s` later (scheduler pass + prolog); every member then
   spends `member_startup_s` (imports, CUDA context) before it trains. A pack gives its
   GPUs back only when its last member has ended (a Slurm allocation does not shrink).
-- Members of one GPU progress at the speeds the interference model gives for their
-  *true* profiles (`true_params`, by default the documented model itself).
+- Members of one GPU progress at the speeds the *truth* gives for their true profiles
+  (`true_params`: the analytic model by default, or any `speed_model` such as the
+  synthetic generator of sim/truth.py); the policies plan with `plan_params`.
 - At `peak_at_frac` of its run a member reaches its true peak memory. With a fence
   (mem-best-fit, complementary: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) it dies if its own
   peak passes its fence; without one (exclusive, first-fit) it dies if the GPU's
   members together pass the GPU's memory. A killed job resumes from its last checkpoint
   in a later round, its estimate raised by `mem_bump_pct`, at most `max_retries` times.
+- `dmem=True` (issue 22, cgroup dmem): the policy packs on the estimates (margin 0) and
+  each member keeps its usual fence as the hard limit (dmem.max); its estimate is the
+  soft limit (dmem.min). A member dies past its hard limit; when the GPU's members
+  together pass its memory, the member furthest above its soft limit is evicted (the
+  kernel protects usage below dmem.min and reclaims from those above it).
 
 Over 600 lines: `simulate` is one event loop whose handlers (arrival, tick, pack
 start, member ready, node faults, resubmission) share its local state; splitting them
@@ -43,6 +49,7 @@ from slurm_dlrm.packing.model import (
     OpenGpu,
     PackingLimits,
     PackingRequest,
+    member_fence_bytes,
 )
 from slurm_dlrm.packing.policies import plan as make_plan
 from slurm_dlrm.sim.faults import FaultRuntime, KillAction
@@ -82,6 +89,7 @@ class _Member:
     peak_progress: float = 0.0
     speed: float = 0.0
     ended: bool = False
+    soft_bytes: int | None = None  # dmem: the soft limit (dmem.min), the estimate it was packed on
 
 
 @dataclass
@@ -129,6 +137,7 @@ class SimResult:
     member_s: float = 0.0  # integral of running (started, not ended) members over time
     backlog_s: float = 0.0  # time during which jobs were waiting
     backlog_work_s: float = 0.0  # solo-seconds of training done during that time
+    evictions: int = 0  # dmem: members evicted under GPU memory pressure (counted in ooms too)
     resubmits: int = 0  # failed jobs submitted again by their users (retry.user_resubmits)
 
     @property
@@ -205,7 +214,7 @@ def _demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -> J
 
 def simulate(workload: Workload, cluster: SimCluster, policy: str,
              true_params: InterferenceParams | None = None, plan_params: InterferenceParams | None = None,
-             max_sim_s: float = 365 * 86400.0, faults: FaultRuntime | None = None,
+             max_sim_s: float = 365 * 86400.0, faults: FaultRuntime | None = None, dmem: bool = False,
              margin_from_errors: bool = True) -> SimResult:
     """Replay `workload` on `cluster` through `policy`; see the module docstring.
 
@@ -255,7 +264,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     arrived_since = 0
     tick_at: float | None = None
     dirty = False
-    rounds = ooms = packs_made = 0
+    rounds = ooms = packs_made = evictions = 0
     alloc_gpu_s = busy_gpu_s = member_s = 0.0
     backlog_s = backlog_work_s = 0.0  # time with jobs waiting, and solo work done then
     fenced = policy in ("mem-best-fit", "complementary")
@@ -266,8 +275,22 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     # mem-best-fit and complementary refill their running packs: pending jobs join pack
     # GPUs with room (OpenGpu.pack, docs/packing.md), as the live service does.
     refill = policy in REFILL_POLICIES
+    # dmem: plan on the estimates; the usual fence stays as each member's hard limit.
+    dmem = dmem and fenced
+    plan_limits = replace(limits, memory_margin_pct=0.0) if dmem else limits
+
+    def member_limits(jid: int, node: _NodeState, planned_mib: int) -> tuple[int | None, int | None]:
+        """(hard fence or None, dmem soft limit or None) of a member the plan placed."""
+        whole = gpu_bytes(node)
+        if not dmem:
+            fence = planned_mib * MIB
+            return (None if fence >= whole else fence), None
+        hard = member_fence_bytes(pending[jid], cluster.gpu_model(node.gpu_model), limits)
+        return (None if hard >= whole else hard), planned_mib * MIB
     mem_errors: list[float] = []
-    learn_margin = fenced and margin_from_errors  # fences follow the estimate's observed error (round_limits)
+    # Fences follow the estimate's observed error (round_limits); dmem plans on the
+    # estimates by design, so it keeps its own limits.
+    learn_margin = fenced and margin_from_errors and not dmem
 
     def gpu_bytes(node: _NodeState) -> int:
         return cluster.gpu_model(node.gpu_model).memory_bytes
@@ -388,10 +411,28 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         # configured margin, or, once errors were observed, the largest seen scaled
         # by (n+1)/n (the unbiased bound of a uniform error), whichever is larger.
         if not learn_margin or not mem_errors:
-            return limits
+            return plan_limits
         n = len(mem_errors)
         pct = 100.0 * max(mem_errors) * (n + 1) / n
-        return replace(limits, memory_margin_pct=max(limits.memory_margin_pct, pct)) if pct > limits.memory_margin_pct else limits
+        return replace(plan_limits, memory_margin_pct=pct) if pct > plan_limits.memory_margin_pct else plan_limits
+
+    def oom_victim(pack: _Pack, gpu: _Gpu, m: _Member) -> _Member | None:
+        """The member that dies when `m` reaches its peak, if any (dmem: module docstring)."""
+        if not dmem or m.soft_bytes is None:
+            return m if oom_check(pack, gpu, m) else None
+        ctx = ctx_bytes(pack.node)
+        if m.fence_bytes is not None and m.job.true_gpu_mem_bytes + ctx > m.fence_bytes:
+            return m  # dmem.max: the allocation fails
+        live = [x for x in gpu.members if not x.ended]
+        total = (ctx if pack.mps else 0) + sum(x.job.true_gpu_mem_bytes + ctx if (x.peaked or x is m) else ctx
+                                               for x in live)
+        if total <= gpu_bytes(pack.node):
+            return None
+        over = [x for x in live if (x.peaked or x is m) and x.soft_bytes is not None
+                and x.job.true_gpu_mem_bytes + ctx > x.soft_bytes]
+        if not over:
+            return None
+        return max(over, key=lambda x: x.job.true_gpu_mem_bytes + ctx - (x.soft_bytes or 0))
 
     def pack_gpus() -> tuple[OpenGpu, ...]:
         # Refill: every GPU of a running pack, with its live members and what the
@@ -424,11 +465,9 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         pack = next(pk for pk in running_packs if pk.pack_id == pack_id)
         job = jobs[jn.member.job_id]
         start = progress_saved.get(job.job_id, 0.0)
-        fence: int | None = jn.member.gpu_mem_limit_mib * MIB
-        if fence is not None and fence >= gpu_bytes(pack.node):
-            fence = None
+        fence, soft = member_limits(job.job_id, pack.node, jn.member.gpu_mem_limit_mib)
         member = _Member(job, fence, start, start, ready_at=now + slurm.member_startup_s,
-                         cpus=jn.member.cpus, host_mem=jn.member.host_mem_limit_bytes)
+                         cpus=jn.member.cpus, host_mem=jn.member.host_mem_limit_bytes, soft_bytes=soft)
         pack.gpus[gpu_index].members.append(member)
         pack.live += 1
         if faults is not None:
@@ -483,16 +522,13 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             pack = _Pack(next_pack_id, node, pk.gpu_count, pk.alloc_cpus, pk.alloc_host_mem_bytes, pk.mps, gpus)
             next_pack_id += 1
             packs_made += 1
-            whole = gpu_bytes(node)
             for mp in pk.members:
                 job = jobs[mp.job_id]
-                fence = mp.gpu_mem_limit_mib * MIB if fenced else None
-                if fence is not None and fence >= whole:
-                    fence = None
+                fence, soft = member_limits(job.job_id, node, mp.gpu_mem_limit_mib) if fenced else (None, None)
                 start = progress_saved.get(job.job_id, 0.0)
                 ready_at = now + slurm.submit_to_start_s + slurm.member_startup_s
                 gpus[mp.gpu_index].members.append(_Member(job, fence, start, start, ready_at=ready_at, cpus=mp.cpus,
-                                                          host_mem=mp.host_mem_limit_bytes))
+                                                          host_mem=mp.host_mem_limit_bytes, soft_bytes=soft))
                 pack.live += 1
                 if faults is not None:
                     faults.on_placed(pending[job.job_id], now)
@@ -550,7 +586,11 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                     if not m.peaked and m.progress >= m.peak_progress - 1e-6:
                         m.peaked = True
                         observe_error(pack, m)
-                        if oom_check(pack, gpu, m):
+                        victim = oom_victim(pack, gpu, m)
+                        if victim is not None and victim is not m:
+                            evictions += 1  # dmem: a neighbour above its soft limit goes instead
+                            m = victim
+                        if victim is not None:
                             ooms += 1
                             jid = m.job.job_id
                             oom_of[jid] = oom_of.get(jid, 0) + 1
@@ -674,7 +714,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     return SimResult(policy=policy, workload=workload.name, cluster=cluster.name, gpus=cluster.gpu_count,
                      jobs=tuple(outcomes), first_arrival_s=first_arrival, end_s=now, alloc_gpu_s=alloc_gpu_s,
                      busy_gpu_s=busy_gpu_s, ooms=ooms, rounds=rounds, packs=packs_made, member_s=member_s,
-                     backlog_s=backlog_s, backlog_work_s=backlog_work_s, resubmits=sum(resubmits.values()))
+                     backlog_s=backlog_s, backlog_work_s=backlog_work_s, resubmits=sum(resubmits.values()),
+                     evictions=evictions)
 
 
 def _could_ever_fit(job: SimJob, gpu_mem_bytes: int, node: object, cluster: SimCluster) -> bool:

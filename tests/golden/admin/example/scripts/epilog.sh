@@ -18,8 +18,8 @@ PIPE_ROOT=/run/slurm-dlrm/mps
 LOG_ROOT=/var/log/slurm-dlrm/mps
 # [slurm] shm_dir: MPS leaves cuda.shm.* segments here.
 SHM_DIR=/dev/shm
-# One record per job that holds MPS on this node:
-# "<GPU indices, comma-separated> <thread pct> <gpu_mem_mib, 0 = no fence>".
+# One record per job that holds MPS on this node: "<GPU indices, comma-separated>
+# <thread pct> <gpu_mem_mib, 0 = no fence> <MPS protocol of its daemon: 2 or 3>".
 JOBS_DIR=$PIPE_ROOT/jobs
 
 log() {
@@ -65,11 +65,36 @@ control() {
     timeout 5 "$MPS_CONTROL"
 }
 
+# The MPS protocol of GPU $1's daemon (the prolog records it when it starts the daemon).
+daemon_protocol() {
+  local proto
+  proto=$(<"$(gpu_dir "$1")/protocol") 2>/dev/null || proto=2
+  [[ $proto == 3 ]] && echo 3 || echo 2
+}
+
+# One MPS v3 module verb command to GPU $1's daemon: v3 takes commands as arguments, not
+# on stdin (NVIDIA MPS docs, "MPS v3 Interface").
+control3() {
+  local gpu=$1
+  shift
+  CUDA_MPS_PIPE_DIRECTORY="$(pipe_dir "$gpu")" CUDA_MPS_LOG_DIRECTORY="$(log_dir "$gpu")" \
+    timeout 5 "$MPS_CONTROL" "$@" </dev/null
+}
+
+# True if GPU $1's daemon answers a harmless query in its protocol.
+daemon_answers() {
+  if [[ $(daemon_protocol "$1") == 3 ]]; then
+    control3 "$1" server list >/dev/null 2>&1
+  else
+    control "$1" get_server_list >/dev/null 2>&1
+  fi
+}
+
 # True if GPU $1's daemon runs: its PID file names a live daemon, or (drivers that write no
-# PID file) it answers get_server_list on its pipe.
+# PID file) it answers on its pipe.
 daemon_up() {
   [[ -n $(daemon_pid "$1") ]] && return 0
-  [[ -d $(pipe_dir "$1") ]] && control "$1" get_server_list >/dev/null 2>&1
+  [[ -d $(pipe_dir "$1") ]] && daemon_answers "$1"
 }
 
 any_daemon_running() {
@@ -102,12 +127,21 @@ job_is_over() {
   [[ $out =~ JobState=(COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|PREEMPTED|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE)[[:space:]] ]]
 }
 
+# Ask GPU $1's daemon to quit in its protocol (v3: -q; v2: quit on the shell).
+send_quit() {
+  if [[ $(daemon_protocol "$1") == 3 ]]; then
+    control3 "$1" -q >/dev/null 2>&1
+  else
+    control "$1" quit >/dev/null 2>&1
+  fi
+}
+
 # Stop GPU $1's daemon: `quit`, then SIGTERM, then SIGKILL, each with a bounded wait.
 stop_daemon() {
   local gpu=$1 pid sig i
   pid=$(daemon_pid "$gpu")
   if [[ -n $pid ]]; then
-    control "$gpu" quit >/dev/null 2>&1 || log "GPU $gpu: quit was not accepted"
+    send_quit "$gpu" || log "GPU $gpu: quit was not accepted"
     for sig in "" TERM KILL; do
       if [[ -n $sig ]]; then
         log "GPU $gpu: daemon $pid still runs; sending SIG$sig"
@@ -123,14 +157,14 @@ stop_daemon() {
       return 1
     fi
     log "GPU $gpu: MPS control daemon $pid stopped"
-  elif control "$gpu" get_server_list >/dev/null 2>&1; then
+  elif daemon_answers "$gpu"; then
     # A driver that writes no PID file: quit, then poll until the pipe stops answering.
-    control "$gpu" quit >/dev/null 2>&1 || log "GPU $gpu: quit was not accepted"
+    send_quit "$gpu" || log "GPU $gpu: quit was not accepted"
     for ((i = 0; i < STOP_POLLS; i++)); do
-      control "$gpu" get_server_list >/dev/null 2>&1 || break
+      daemon_answers "$gpu" || break
       sleep 0.1
     done
-    if control "$gpu" get_server_list >/dev/null 2>&1; then
+    if daemon_answers "$gpu"; then
       log "GPU $gpu: daemon ignored quit and has no PID file to signal"
       return 1
     fi

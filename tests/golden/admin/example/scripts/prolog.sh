@@ -18,8 +18,8 @@ PIPE_ROOT=/run/slurm-dlrm/mps
 LOG_ROOT=/var/log/slurm-dlrm/mps
 # [slurm] shm_dir: MPS leaves cuda.shm.* segments here.
 SHM_DIR=/dev/shm
-# One record per job that holds MPS on this node:
-# "<GPU indices, comma-separated> <thread pct> <gpu_mem_mib, 0 = no fence>".
+# One record per job that holds MPS on this node: "<GPU indices, comma-separated>
+# <thread pct> <gpu_mem_mib, 0 = no fence> <MPS protocol of its daemon: 2 or 3>".
 JOBS_DIR=$PIPE_ROOT/jobs
 
 log() {
@@ -65,11 +65,36 @@ control() {
     timeout 5 "$MPS_CONTROL"
 }
 
+# The MPS protocol of GPU $1's daemon (the prolog records it when it starts the daemon).
+daemon_protocol() {
+  local proto
+  proto=$(<"$(gpu_dir "$1")/protocol") 2>/dev/null || proto=2
+  [[ $proto == 3 ]] && echo 3 || echo 2
+}
+
+# One MPS v3 module verb command to GPU $1's daemon: v3 takes commands as arguments, not
+# on stdin (NVIDIA MPS docs, "MPS v3 Interface").
+control3() {
+  local gpu=$1
+  shift
+  CUDA_MPS_PIPE_DIRECTORY="$(pipe_dir "$gpu")" CUDA_MPS_LOG_DIRECTORY="$(log_dir "$gpu")" \
+    timeout 5 "$MPS_CONTROL" "$@" </dev/null
+}
+
+# True if GPU $1's daemon answers a harmless query in its protocol.
+daemon_answers() {
+  if [[ $(daemon_protocol "$1") == 3 ]]; then
+    control3 "$1" server list >/dev/null 2>&1
+  else
+    control "$1" get_server_list >/dev/null 2>&1
+  fi
+}
+
 # True if GPU $1's daemon runs: its PID file names a live daemon, or (drivers that write no
-# PID file) it answers get_server_list on its pipe.
+# PID file) it answers on its pipe.
 daemon_up() {
   [[ -n $(daemon_pid "$1") ]] && return 0
-  [[ -d $(pipe_dir "$1") ]] && control "$1" get_server_list >/dev/null 2>&1
+  [[ -d $(pipe_dir "$1") ]] && daemon_answers "$1"
 }
 
 any_daemon_running() {
@@ -96,6 +121,16 @@ MPS_PER_GPU=100
 # The --comment marker slurm-dlrm's submissions carry (docs/interfaces.md section 6).
 MARKER_PREFIX=slurm-dlrm:
 MODE_NO_PACK=no-pack
+# [mps] mode: who holds a --no-pack job to its GPU memory (docs/admin.md "Fences"):
+# v3 = a server per user with its limits in the daemon (driver r615+), v2 = the user's
+# server's set_device_pinned_mem_limit plus the task's own environment, auto = v3 where
+# `nvidia-cuda-mps-control -p 3 -h` lists namespace (NVIDIA's check).
+FENCE_MODE=auto
+# [mps] dmem: cgroup v2 dmem.max/dmem.min on the job's cgroup (auto | on | off);
+# [slurm] cgroup_root and job_cgroup say where ({job_id} is replaced).
+DMEM_MODE=auto
+CGROUP_ROOT=/sys/fs/cgroup
+JOB_CGROUP='system.slice/slurmstepd.scope/job_{job_id}'
 
 # The job as slurmctld has it, one line (read once per job and node; the task prolog
 # only reads what we record, so tasks never ask the controller).
@@ -141,24 +176,52 @@ job_gpu_mem_mib() {
   fi
 }
 
+# The MPS protocol a new daemon gets: [mps] mode, or with auto v3 where the driver has it.
+wanted_protocol() {
+  case $FENCE_MODE in
+    v2) echo 2 ;;
+    v3) echo 3 ;;
+    *)
+      # CUDA_MPS_PROTOCOL_VERSION would win over -p (NVIDIA docs): not here.
+      if env -u CUDA_MPS_PROTOCOL_VERSION "$MPS_CONTROL" -p 3 -h </dev/null 2>/dev/null | grep -qw namespace; then
+        echo 3
+      else
+        echo 2
+      fi
+      ;;
+  esac
+}
+
 # Start GPU $1's daemon with default thread percentage $2 and wait, bounded, until it answers.
 start_daemon() {
-  local gpu=$1 pct=$2 pipe logs i
+  local gpu=$1 pct=$2 pipe logs i proto
   pipe=$(pipe_dir "$gpu")
   logs=$(log_dir "$gpu")
   clean_stale "$gpu"
   mkdir -p "$pipe" "$logs" || return 1
+  proto=$(wanted_protocol)
+  local -a v3_args=()
+  if [[ $proto == 3 ]]; then
+    v3_args=(-p 3)
+  fi
+  echo "$proto" >"$(gpu_dir "$gpu")/protocol" || return 1
   # The daemon must not inherit our lock (fd 9) or slurmd's pipes: it outlives this script.
   if ! CUDA_VISIBLE_DEVICES=$gpu CUDA_MPS_PIPE_DIRECTORY=$pipe CUDA_MPS_LOG_DIRECTORY=$logs \
-    "$MPS_CONTROL" -d </dev/null >>"$logs/start.log" 2>&1 9>&-; then
-    log "GPU $gpu: $MPS_CONTROL -d failed (see $logs/start.log)"
+    CUDA_MPS_PROTOCOL_VERSION=$proto "$MPS_CONTROL" -d "${v3_args[@]}" </dev/null >>"$logs/start.log" 2>&1 9>&-; then
+    log "GPU $gpu: $MPS_CONTROL -d ${v3_args[*]} failed (see $logs/start.log)"
+    [[ $proto == 3 && $FENCE_MODE == v3 ]] && log "GPU $gpu: mps.mode = v3 needs a driver with MPS v3 (r615+)"
     return 1
   fi
   for ((i = 0; i < START_POLLS; i++)); do
-    if control "$gpu" get_server_list >/dev/null 2>&1; then
+    if daemon_answers "$gpu"; then
       local pid_text
       pid_text=$(daemon_pid "$gpu")
       pid_text=${pid_text:+$pid_text }
+      if [[ $proto == 3 ]]; then
+        # v3 has no legacy shell; a --no-pack job's server carries its percentage (apply_fence).
+        log "GPU $gpu: MPS control daemon ${pid_text}started, protocol 3"
+        return 0
+      fi
       # Clients carry the job's own percentage (Slurm sets it in the job's environment);
       # the default caps a client that lost it.
       control "$gpu" set_default_active_thread_percentage "$pct" >/dev/null 2>&1 ||
@@ -168,15 +231,98 @@ start_daemon() {
     fi
     sleep 0.1
   done
-  log "GPU $gpu: MPS control daemon did not answer get_server_list within $START_POLLS polls"
+  log "GPU $gpu: MPS control daemon did not answer within $START_POLLS polls"
   return 1
+}
+
+# The largest gpu_mem_mib of user $2's jobs on GPU $1 (their records: "<uid> <MiB>"): one
+# MPS server serves all of a user's clients on a GPU.
+user_max_mib() {
+  local f uid mib max=0
+  for f in "$(gpu_dir "$1")"/jobs/*; do
+    [[ -f $f ]] || continue
+    read -r uid mib <"$f" 2>/dev/null || continue
+    [[ $uid == "$2" && $mib =~ ^[0-9]+$ ]] && ((mib > max)) && max=$mib
+  done
+  echo "$max"
+}
+
+# Hold user $2's clients on GPU $1 to $3 MiB at thread share $4, in the daemon, so a task
+# that sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT itself cannot raise it (docs/admin.md "Fences").
+apply_server_fence() {
+  local gpu=$1 uid=$2 mib=$3 pct=$4 name pid
+  if [[ $(daemon_protocol "$gpu") == 3 ]]; then
+    # MPS v3: a server per uid with its limits; its clients reach it by uid routing.
+    name=uid$uid
+    if control3 "$gpu" server create "--uid=$uid" "--name=$name" "--pinned-memory-limit=${mib}M" \
+      "--active-thread-percentage=$pct" >/dev/null 2>&1 ||
+      control3 "$gpu" server set "--name=$name" "--pinned-memory-limit=${mib}M" \
+        "--active-thread-percentage=$pct" >/dev/null 2>&1; then
+      log "GPU $gpu: v3 server $name holds uid $uid to ${mib} MiB, $pct%"
+    else
+      log "GPU $gpu: the daemon refused server $name with ${mib} MiB (see its control.log)"
+    fi
+    return 0
+  fi
+  # MPS v2: the user's server (started now if need be), found by the owner of its process.
+  control "$gpu" start_server -uid "$uid" >/dev/null 2>&1
+  for pid in $(control "$gpu" get_server_list 2>/dev/null); do
+    [[ $pid =~ ^[0-9]+$ && $(stat -c %u "/proc/$pid" 2>/dev/null) == "$uid" ]] || continue
+    if control "$gpu" set_device_pinned_mem_limit "$pid" 0 "${mib}M" >/dev/null 2>&1; then
+      log "GPU $gpu: v2 server $pid of uid $uid held to ${mib} MiB (a task can still set a higher limit itself)"
+    else
+      log "GPU $gpu: set_device_pinned_mem_limit $pid 0 ${mib}M refused"
+    fi
+    return 0
+  done
+  log "GPU $gpu: no MPS server of uid $uid to limit; the task's environment is the only fence"
+}
+
+# dmem.max (hard) and dmem.min (soft) = $3 MiB for GPU $2 on job $1's cgroup (kernel
+# cgroup-v2.rst "DMEM"; NVIDIA "MPS v3 Memory Partitioning"). Returns 1 only when the site
+# requires dmem (`on`) and this node has no dmem controller.
+apply_dmem_fence() {
+  local job=$1 gpu=$2 mib=$3 cg region rel part dir
+  [[ $DMEM_MODE == off ]] && return 0
+  region=
+  if grep -qw dmem "$CGROUP_ROOT/cgroup.controllers" 2>/dev/null; then
+    # GPU g's region: the g-th nvidia/<pci>/vidmem line in PCI order (NVML's order).
+    region=$(awk '$1 ~ /^nvidia\// {print $1}' "$CGROUP_ROOT/dmem.capacity" 2>/dev/null | sort | sed -n "$((gpu + 1))p")
+  fi
+  if [[ -z $region ]]; then
+    log "dmem: no nvidia region for GPU $gpu in $CGROUP_ROOT/dmem.capacity (no dmem controller, or kernel < 6.14)"
+    [[ $DMEM_MODE == on ]] && return 1
+    return 0
+  fi
+  rel=${JOB_CGROUP//\{job_id\}/$job}
+  cg=$CGROUP_ROOT/$rel
+  if [[ ! -d $cg ]]; then
+    log "dmem: no job cgroup at $cg ([slurm] job_cgroup); GPU memory not fenced by the kernel"
+    return 0
+  fi
+  # The controller must be enabled from the root down to the job's parent.
+  dir=$CGROUP_ROOT
+  IFS=/ read -ra parts <<<"${rel%/*}"
+  echo +dmem >"$dir/cgroup.subtree_control" 2>/dev/null
+  for part in "${parts[@]}"; do
+    [[ -n $part ]] || continue
+    dir=$dir/$part
+    echo +dmem >"$dir/cgroup.subtree_control" 2>/dev/null
+  done
+  if echo "$region $((mib * 1048576))" >"$cg/dmem.max" && echo "$region $((mib * 1048576))" >"$cg/dmem.min"; then
+    log "dmem: job cgroup $cg held to ${mib} MiB on $region"
+  else
+    log "dmem: cannot write $cg/dmem.max"
+  fi
+  return 0
 }
 
 main() {
   # Slurm sets both only for a gres/mps job (the indices are the node's, not the job's).
   [[ -n ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-} && -n ${CUDA_VISIBLE_DEVICES:-} ]] || return 0
-  local job=${SLURM_JOB_ID:-} pct mem_mib gpu gpus
+  local job=${SLURM_JOB_ID:-} uid=${SLURM_JOB_UID:-} pct mem_mib gpu gpus
   [[ $job =~ ^[0-9]+$ ]] || { log "no SLURM_JOB_ID"; return 1; }
+  [[ $uid =~ ^[0-9]+$ ]] || uid=
   IFS=, read -ra gpus <<<"$CUDA_VISIBLE_DEVICES"
   for gpu in "${gpus[@]}"; do
     [[ $gpu =~ ^[0-9]+$ ]] || { log "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES is not a list of indices"; return 1; }
@@ -188,14 +334,23 @@ main() {
   exec 9>"$PIPE_ROOT/lock"
   flock -w 60 9 || { log "lock $PIPE_ROOT/lock busy for 60 s"; return 1; }
   for gpu in "${gpus[@]}"; do
-    mkdir -p "$(gpu_dir "$gpu")/jobs" && : >"$(gpu_dir "$gpu")/jobs/$job" || return 1
+    mkdir -p "$(gpu_dir "$gpu")/jobs" && echo "${uid:--} $mem_mib" >"$(gpu_dir "$gpu")/jobs/$job" || return 1
     if ! daemon_up "$gpu" && ! start_daemon "$gpu" "$pct"; then
       rm -f -- "$(gpu_dir "$gpu")/jobs/$job"
       return 1
     fi
+    # A --no-pack job's fence, held outside the job (docs/admin.md "Fences").
+    if ((mem_mib > 0)); then
+      [[ -n $uid ]] && apply_server_fence "$gpu" "$uid" "$(user_max_mib "$gpu" "$uid")" "$pct"
+      if ! apply_dmem_fence "$job" "$gpu" "$mem_mib"; then
+        rm -f -- "$(gpu_dir "$gpu")/jobs/$job"
+        return 1
+      fi
+    fi
   done
   # Read by the task prolog (as the job's user) and by the epilog.
-  printf '%s %s %s\n' "$(IFS=,; echo "${gpus[*]}")" "$pct" "$mem_mib" >"$JOBS_DIR/.$job.tmp" &&
+  printf '%s %s %s %s\n' "$(IFS=,; echo "${gpus[*]}")" "$pct" "$mem_mib" "$(daemon_protocol "${gpus[0]}")" \
+    >"$JOBS_DIR/.$job.tmp" &&
     chmod 0644 "$JOBS_DIR/.$job.tmp" && mv -f "$JOBS_DIR/.$job.tmp" "$JOBS_DIR/$job"
 }
 

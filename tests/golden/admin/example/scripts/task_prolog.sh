@@ -2,8 +2,8 @@
 # TaskProlog for site "local" (site.toml), rendered by `slurm-dlrm admin render`.
 # slurmstepd runs it as the job's user before each task; the "export NAME=value" and
 # "unset NAME" lines it prints change that task's environment. For a gres/mps job whose
-# daemon the prolog started it points the task at that daemon, and for a `--no-pack` job
-# it sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT from the gpu_mem_mib its --comment recorded,
+# daemon the prolog started it points the task at that daemon, and for a `--no-pack` job on
+# an MPS v2 daemon it sets CUDA_MPS_PINNED_DEVICE_MEM_LIMIT from the gpu_mem_mib its --comment recorded,
 # which the prolog read once (Slurm itself sets only the thread percentage, never a
 # memory limit). It asks Slurm nothing, so many tasks cost the controller nothing.
 set -u
@@ -14,10 +14,10 @@ LOG_ROOT=/var/log/slurm-dlrm/mps
 
 main() {
   [[ -n ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-} && ${SLURM_JOB_ID:-} =~ ^[0-9]+$ ]] || return 0
-  # Written by the prolog (root): "<GPU indices> <thread pct> <gpu_mem_mib, 0 = none>".
-  local record=$PIPE_ROOT/jobs/$SLURM_JOB_ID gpu_list pct mem_mib gpu
+  # Written by the prolog (root): "<GPU indices> <thread pct> <gpu_mem_mib, 0 = none> <protocol>".
+  local record=$PIPE_ROOT/jobs/$SLURM_JOB_ID gpu_list pct mem_mib proto gpu
   [[ -r $record ]] || return 0 # the prolog started no daemon for this job
-  read -r gpu_list pct mem_mib <"$record" || return 0
+  read -r gpu_list pct mem_mib proto <"$record" || return 0
   gpu=${gpu_list%%,*}
   [[ $gpu =~ ^[0-9]+$ && $pct =~ ^[0-9]+$ ]] || return 0
   echo "export CUDA_MPS_PIPE_DIRECTORY=$PIPE_ROOT/gpu$gpu/pipe"
@@ -26,8 +26,10 @@ main() {
   # The daemon sees only its GPU and shows it to clients as device 0 (NVIDIA: do not set
   # CUDA_VISIBLE_DEVICES in an MPS client's environment).
   echo "unset CUDA_VISIBLE_DEVICES"
-  # A --no-pack job's per-GPU memory from its --comment marker (docs/interfaces.md section 6).
-  if [[ ${mem_mib:-0} =~ ^[1-9][0-9]*$ ]]; then
+  # A --no-pack job's per-GPU memory from its --comment marker (docs/interfaces.md section 6),
+  # as the task's own variable only with MPS v2: with v3 the daemon holds its user's server
+  # to it (the prolog's apply_server_fence), which the task cannot raise.
+  if [[ ${mem_mib:-0} =~ ^[1-9][0-9]*$ && ${proto:-2} != 3 ]]; then
     echo "export CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=${mem_mib}M"
   fi
 }
