@@ -20,6 +20,8 @@ complementary's plans on purpose (priced joins, drain-tail order and reservation
 docs/packing.md "Closer to the bound"):
 48bb1a75b6fabdc44da3882fee01ecc90970367ef06ef3cac7675fd19b3e76b1, with exclusive's,
 first-fit's and mem-best-fit's per-policy digests unchanged.
+After main's issue 16 (interference defaults 0, which change every model-driven plan)
+was merged in: f98c4da6864385360a3883690b20075249d98f118c7a9c8d2e1089c6456bb330.
 """
 
 from __future__ import annotations
