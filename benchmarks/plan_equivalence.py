@@ -13,6 +13,15 @@ dataclasses) and fed into one sha256.
 Run:  .venv/bin/python benchmarks/plan_equivalence.py [--requests 5000] [--seed 15]
 Last line:  plan_equivalence: requests=N plans=M digest=SHA256
 Compare the digest before and after a refactor: equal digests mean identical plans.
+
+Recorded (defaults): after issue 15's split (main 1cb80fd)
+ed091a08a63cd1e7a8236366cea5c4e402a3d589a108e02845ed0fd5de9aca5c; issue 19 changes
+complementary's plans on purpose (priced joins, drain-tail order and reservations,
+docs/packing.md "Closer to the bound"):
+48bb1a75b6fabdc44da3882fee01ecc90970367ef06ef3cac7675fd19b3e76b1, with exclusive's,
+first-fit's and mem-best-fit's per-policy digests unchanged.
+After main's issue 16 (interference defaults 0, which change every model-driven plan)
+was merged in: f98c4da6864385360a3883690b20075249d98f118c7a9c8d2e1089c6456bb330.
 """
 
 from __future__ import annotations

@@ -219,3 +219,39 @@ def defer_early(job: JobDemand, maxima: tuple[int, int, list[GpuModel]], limits:
 def block_if_urgent(blocked: list[JobDemand], job: JobDemand) -> None:
     if not blocked and job.priority >= URGENT_PRIORITY:
         blocked.append(job)
+
+
+def drain_tail(request: PackingRequest, factor: float = 1.0) -> frozenset[int]:
+    """Jobs that would end after the backlog is cleared if they started late: expected
+    run >= `factor` x the time the pending and running work needs on the request's GPUs
+    (memory-time over GPU memory, the resource that binds DLRM packing). Starting them
+    first (longest first) shortens the drain at the end of a backlog, when GPUs run a
+    few long members at low fill (docs/packing.md "Drain"). Empty while the backlog is
+    long: then no job is that long."""
+    models = request.gpu_models
+    if not request.jobs or not models:
+        return frozenset()
+    gpu = max(models, key=lambda g: g.memory_bytes)
+    usable = usable_gpu_bytes(gpu)
+    limits = request.limits
+    gpus = sum(n.gpus * n.count for n in request.nodes if n.gpu_model == gpu.name)
+    work = 0.0
+    for og in request.open_gpus:
+        if og.pack:
+            gpus += 1
+            work += sum((j.est_duration_s or 0.0) * member_fence_bytes(j, gpu, limits) / usable for j in og.live)
+    if gpus <= 0:
+        return frozenset()
+    known = [j for j in request.jobs if j.est_duration_s is not None]
+    work += sum((j.est_duration_s or 0.0) * member_fence_bytes(j, gpu, limits) / usable for j in known)
+    clear_s = work / gpus
+    return frozenset(j.job_id for j in known if (j.est_duration_s or 0.0) >= factor * clear_s)
+
+
+
+def tail_first(job: JobDemand, tail: frozenset[int], key: tuple[object, ...]) -> tuple[object, ...]:
+    """Sort key: within its priority, a drain-tail job (`drain_tail`) first, longest
+    first; the others by `key` (which starts with -priority)."""
+    if job.job_id in tail:
+        return (-job.priority, 0, -(job.est_duration_s or 0.0), job.job_id)
+    return (-job.priority, 1, *key[1:])

@@ -15,11 +15,13 @@ from slurm_dlrm.packing.common import (
     Node,
     add_member,
     defer_early,
+    drain_tail,
     expand_nodes,
     finish_plan,
     gpu_budget,
     node_maxima,
     order_key,
+    tail_first,
 )
 from slurm_dlrm.packing.interference import (
     InterferenceParams,
@@ -45,6 +47,7 @@ _SWAP_BUDGET = 2000  # model evaluations the swap pass may spend per plan
 _EXACT_LOG_SPREAD = math.log(1.25)  # duration ratio to the GPU's first member for exact candidates
 _EXACT_MAX = 12  # members + candidates up to which one GPU is solved by enumeration
 _EXACT_BUDGET = 20000  # model evaluations the exact step may spend per plan
+_TAIL_FACTOR = 0.25  # as refill's: drain-tail jobs seed first, longest first
 _DURATION_WEIGHT = 3.0  # weight of |ln(duration / seed duration)| against resource fill  # leftover candidates looked at per GPU in the top-up pass
 
 # Per job, for one GPU model: (SM fraction, bandwidth fraction, fence bytes, CPUs, host bytes).
@@ -70,7 +73,9 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
     # wait bound, makes them urgent, so shortest-first cannot starve anyone.
     eligible: list[JobDemand] = []
     blocked: list[JobDemand] = []
-    for job in sorted(request.jobs, key=_seed_key):
+    # Near the end of a backlog the jobs that would finish last go first (`drain_tail`).
+    tail = drain_tail(request, _TAIL_FACTOR)
+    for job in sorted(request.jobs, key=lambda j: tail_first(j, tail, _seed_key(j))):
         if not defer_early(job, maxima, limits, True, blocked, deferred):
             eligible.append(job)
     vecs = {name: _vectors(eligible, gpu, limits) for name, gpu in sorted(models.items())}

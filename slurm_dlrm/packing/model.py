@@ -36,6 +36,10 @@ class JobDemand:
     est_duration_s: float | None = None  # solo run time if known (steps / rate)
     name: str = ""
     time_limit_s: float | None = None  # the job's own time limit if it has one; a refill join must fit it
+    # A *live* member's measured peak GPU bytes (without the context) once it is past
+    # its warm-up (DLRM allocates its tables and optimizer state in the first steps):
+    # refill then counts that, not its fence (`live_gpu_bytes`). None: not measured yet.
+    observed_gpu_mem_bytes: int | None = None
 
     @property
     def cpus(self) -> int:
@@ -223,6 +227,24 @@ def member_fence_bytes(job: JobDemand, gpu: GpuModel, limits: PackingLimits) -> 
     """GPU bytes reserved for one member: estimate + margin + CUDA context + cuBLAS workspace."""
     return (math.ceil(job.gpu_mem_bytes * (1.0 + limits.memory_margin_pct / 100.0))
             + gpu.cuda_context_bytes + gpu.cublas_workspace_bytes)
+
+
+# Headroom over a live member's measured peak when refill counts it (allocator
+# fragmentation, a larger batch late in an epoch); the OOM recovery is the safety net.
+OBSERVED_MARGIN_PCT = 2.0
+
+
+def live_gpu_bytes(job: JobDemand, gpu: GpuModel, limits: PackingLimits) -> int:
+    """GPU bytes refill counts for a live member: its fence, or, once its peak was
+    measured, that peak + `OBSERVED_MARGIN_PCT` + context (never more than its fence).
+    The fence stays the member's cap; a member past its warm-up does not grow, so the
+    memory between its peak and its fence can take a joiner."""
+    fence = member_fence_bytes(job, gpu, limits)
+    if job.observed_gpu_mem_bytes is None:
+        return fence
+    seen = (math.ceil(job.observed_gpu_mem_bytes * (1.0 + OBSERVED_MARGIN_PCT / 100.0))
+            + gpu.cuda_context_bytes + gpu.cublas_workspace_bytes)
+    return min(fence, seen)
 
 
 def fence_mib(job: JobDemand, gpu: GpuModel, limits: PackingLimits) -> int:

@@ -11,9 +11,13 @@ from slurm_dlrm.errors import BadInput
 from slurm_dlrm.packing.common import (
     URGENT_PRIORITY,
     Node,
+    drain_tail,
     host_fits,
     order_key,
     thread_pcts,
+)
+from slurm_dlrm.packing.common import (
+    tail_first as _tail_first,
 )
 from slurm_dlrm.packing.interference import (
     InterferenceParams,
@@ -27,12 +31,23 @@ from slurm_dlrm.packing.model import (
     PackingLimits,
     PackingRequest,
     host_limit_bytes,
+    live_gpu_bytes,
     member_fence_bytes,
     usable_gpu_bytes,
 )
 from slurm_dlrm.site import MIB, GpuModel
 
 _JOIN_SCAN = 24  # pending jobs looked at per pick for one pack GPU (complementary)
+# A joiner must add at least this much priced work per unit of the priced resources it
+# takes (its own speed, net of what it costs the live members): below it, the room is
+# better left to a later joiner (docs/packing.md "Refilling running packs").
+_MIN_EFFICIENCY = 0.4
+# A pending job expected to run >= this share of the time the whole backlog needs is a
+# drain-tail job: it goes first and gets a reservation (`drain_tail`, `_reserve`).
+_TAIL_FACTOR = 0.25
+# Switches for benchmarks/bound_ablation.py (what each mechanism contributes).
+_PRICED = True
+_RESERVE = True
 
 
 def _join_key(job: JobDemand) -> tuple[float, bool, float, float, int]:
@@ -77,7 +92,7 @@ def _pack_gpus(request: PackingRequest) -> list[_PackGpu]:
             continue
         group = og.key.rsplit(":", 1)[0] if og.key.count(":") >= 2 else og.key
         node = nodes.setdefault(group, Node(og.node_name, gpu, 0, og.free_cpus, og.free_host_mem_bytes))
-        used = sum(member_fence_bytes(j, gpu, limits) for j in og.live)
+        used = sum(live_gpu_bytes(j, gpu, limits) for j in og.live)
         running = max(og.members, len(og.live))
         out.append(_PackGpu(og.key, gpu, node, list(og.live), [], used,
                             max(0, limits.members_per_gpu - running), og.remaining_s))
@@ -146,7 +161,12 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
     # complementary takes joiners in its seeds' order (priority band, then shortest
     # expected run first: aging keeps long jobs from starving), mem-best-fit first come,
     # first served.
-    queue = sorted(request.jobs, key=_join_key if policy == "complementary" else order_key)
+    tail: frozenset[int] = frozenset()
+    if policy == "complementary":
+        tail = drain_tail(request, _TAIL_FACTOR)
+        queue = sorted(request.jobs, key=lambda j: _tail_first(j, tail, _join_key(j)))
+    else:
+        queue = sorted(request.jobs, key=order_key)
     if not pgs or not queue:
         return [], queue
     # An urgent job that cannot join holds the room (docs/packing.md, aging): nothing of
@@ -198,7 +218,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
             _join(best_gpu, job, limits)
             placed.add(job.job_id)
         if not held:
-            _fill_by_gain(pgs, queue, placed, limits, params)
+            _fill_by_gain(pgs, queue, placed, limits, params, tail)
     joins: list[Join] = []
     for pg in pgs:
         members = pg.members
@@ -216,7 +236,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
 
 
 def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int], limits: PackingLimits,
-                  params: InterferenceParams) -> None:
+                  params: InterferenceParams, tail: frozenset[int] = frozenset()) -> None:
     """complementary's refill: each pack GPU in turn takes the job, among the next
     `_JOIN_SCAN` that fit in the given order, that raises its predicted summed speed most,
     while that gain is at least `min_gain`.
@@ -253,6 +273,36 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
             skip[i], i = root, skip[i]
         return root
 
+    # The first drain-tail job that fits no pack GPU now gets the GPU where it can start
+    # soonest (EASY backfill): only joiners that end before then, or leave it room, join it.
+    reservation = _reserve(pgs, [j for j in rest if j.job_id in tail], limits) if tail and _RESERVE else None
+    # Prices of GPU memory, CPUs, SMs and bandwidth: how much of each the pending work
+    # still needs (duration-weighted), the largest 1. A GPU's value is its members'
+    # predicted speeds weighted by what they take of the priced resources, so joins
+    # drain the resource the queue is heaviest on and the backlog's mix stays even
+    # (greedy on speed alone left bandwidth- and memory-heavy jobs for the end).
+    # CPUs per pack GPU: a pack node's allocation is shared by its GPUs.
+    group_gpus: dict[int, int] = {}
+    for pg in pgs:
+        group_gpus[id(pg.node)] = group_gpus.get(id(pg.node), 0) + 1
+    group_cpus = {id(pg.node): pg.node.free_cpus for pg in pgs}
+    for pg in pgs:
+        group_cpus[id(pg.node)] += sum(j.cpus for j in pg.live)
+    cpu_per_gpu = {k: max(1.0, group_cpus[k] / group_gpus[k]) for k in group_gpus}
+    # Prices: how much of each resource the pending work still needs (duration-weighted).
+    g0 = pgs[0].gpu
+    u0 = usable_gpu_bytes(g0)
+    c0 = sum(cpu_per_gpu.values()) / len(cpu_per_gpu)
+    dem = [0.0, 0.0, 0.0, 0.0]
+    for k, j in enumerate(rest):
+        d = j.est_duration_s or 1.0
+        dem[0] += d * member_fence_bytes(j, g0, limits) / u0
+        dem[1] += d * cpus[k] / c0
+        dem[2] += d * sm[k]
+        dem[3] += d * bw[k]
+    top = max(dem) or 1.0
+    price = [x / top for x in dem]
+    flat = not _PRICED  # ablation: every member weighs 1 (summed speed), `min_gain` floor
     for pg in pgs:
         if pg.gpu.name not in fences:
             f = [member_fence_bytes(j, pg.gpu, limits) for j in rest]
@@ -260,26 +310,37 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
         fence, min_fence = fences[pg.gpu.name]
         usable = usable_gpu_bytes(pg.gpu)
         node = pg.node
+        res = reservation if reservation is not None and reservation.gpu is pg else None
         while len(pg.joined) < pg.slots:
             free_mem, free_cpus, free_host = usable - pg.used_bytes, node.free_cpus, node.free_mem_bytes
             live_sm = [util_fraction(j.sm_util_pct) for j in pg.members]
             live_bw = [util_fraction(j.membw_util_pct) for j in pg.members]
-            current = sum(predict_speeds_from_fractions(live_sm, live_bw, params)) if len(live_sm) > 1 else len(live_sm)
+            cpu_cap = cpu_per_gpu[id(node)]
+            live_w = [1.0 if flat else price[0] * (live_gpu_bytes(j, pg.gpu, limits) if j in pg.live else member_fence_bytes(j, pg.gpu, limits)) / usable
+                      + price[1] * j.cpus / cpu_cap + price[2] * util_fraction(j.sm_util_pct) + price[3] * util_fraction(j.membw_util_pct)
+                      for j in pg.members]
+            live_sp = predict_speeds_from_fractions(live_sm, live_bw, params) if len(live_sm) > 1 else [1.0] * len(live_sm)
+            current = sum(w * x for w, x in zip(live_w, live_sp, strict=True))
             pick = -1
-            pick_gain = limits.min_gain - 1e-12
+            pick_gain = -math.inf
             scanned = 0
             i = untaken(0)
             while i < n:
                 if min_fence[i] > free_mem or min_cpus[i] > free_cpus or min_host[i] > free_host:
                     break  # nothing from here on fits
-                if fence[i] > free_mem or cpus[i] > free_cpus or host[i] > free_host:
+                if (fence[i] > free_mem or cpus[i] > free_cpus or host[i] > free_host
+                        or (res is not None and not _backfills(res, rest[i], fence[i], cpus[i]))):
                     i = untaken(i + 1)
                     continue
                 scanned += 1
                 speeds = (predict_speeds_from_fractions(live_sm + [sm[i]], live_bw + [bw[i]], params)
                           if live_sm else [1.0])
-                gain = sum(speeds) - current
-                if gain > pick_gain and (pg.remaining_s is None or _times_fit(pg, pg.members + [rest[i]], speeds)):
+                weight = (1.0 if flat else
+                          price[0] * fence[i] / usable + price[1] * cpus[i] / cpu_cap + price[2] * sm[i] + price[3] * bw[i])
+                gain = sum(w * x for w, x in zip(live_w + [weight], speeds, strict=True)) - current
+                floor = limits.min_gain if flat else _MIN_EFFICIENCY * weight
+                if (gain >= floor - 1e-12 and gain > pick_gain
+                        and (pg.remaining_s is None or _times_fit(pg, pg.members + [rest[i]], speeds))):
                     pick, pick_gain = i, gain
                 if scanned >= _JOIN_SCAN:
                     break
@@ -287,6 +348,9 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
             if pick < 0:
                 break
             _join(pg, rest[pick], limits)
+            if res is not None and not _ends_before(res, rest[pick]):
+                res.slack_bytes -= fence[pick]
+                res.slack_cpus -= cpus[pick]
             skip[pick] = pick + 1
             placed.add(rest[pick].job_id)
 
@@ -296,3 +360,57 @@ def _join(pg: _PackGpu, job: JobDemand, limits: PackingLimits) -> None:
     pg.used_bytes += member_fence_bytes(job, pg.gpu, limits)
     pg.node.free_cpus -= job.cpus
     pg.node.free_mem_bytes -= host_limit_bytes(job, limits)
+
+
+
+@dataclass
+class _Reservation:
+    """A pack GPU held for a drain-tail job that fits no pack GPU yet (EASY backfill)."""
+
+    gpu: _PackGpu
+    start_s: float  # when enough of its live members are expected to have ended
+    slack_bytes: int  # GPU memory a longer joiner may still take beside the reserved job
+    slack_cpus: int
+
+
+def _ends_before(res: _Reservation, job: JobDemand) -> bool:
+    return job.est_duration_s is not None and job.est_duration_s <= res.start_s
+
+
+def _backfills(res: _Reservation, job: JobDemand, fence: int, cpus: int) -> bool:
+    """Whether `job` may join the reserved GPU: it ends before the reservation's start,
+    or it leaves the reserved job its room."""
+    return _ends_before(res, job) or (fence <= res.slack_bytes and cpus <= res.slack_cpus)
+
+
+def _reserve(pgs: list[_PackGpu], tail: list[JobDemand], limits: PackingLimits) -> _Reservation | None:
+    """EASY backfill over GPU memory and CPUs: the first job of `tail` that fits no pack
+    GPU now gets the pack GPU where its room frees up soonest, counting the live members
+    ending in their expected order (a member of unknown length never ends). None if
+    every tail job fits somewhere now, or none can ever."""
+    for job in tail:
+        best: _Reservation | None = None
+        fits_now = False
+        for pg in pgs:
+            fence = member_fence_bytes(job, pg.gpu, limits)
+            free = usable_gpu_bytes(pg.gpu) - pg.used_bytes
+            free_cpus = pg.node.free_cpus
+            if fence <= free and job.cpus <= free_cpus and host_limit_bytes(job, limits) <= pg.node.free_mem_bytes:
+                fits_now = True
+                break
+            start_s = 0.0
+            for m in sorted(pg.live, key=lambda x: math.inf if x.est_duration_s is None else x.est_duration_s):
+                if fence <= free and job.cpus <= free_cpus:
+                    break
+                if m.est_duration_s is None:
+                    start_s = math.inf
+                    break
+                start_s = m.est_duration_s
+                free += live_gpu_bytes(m, pg.gpu, limits)
+                free_cpus += m.cpus
+            if (fence <= free and job.cpus <= free_cpus and start_s < math.inf
+                    and (best is None or start_s < best.start_s)):
+                best = _Reservation(pg, start_s, free - fence, free_cpus - job.cpus)
+        if not fits_now:
+            return best
+    return None

@@ -47,6 +47,7 @@ from slurm_dlrm.packing.model import (
     Join,
     NodeShape,
     OpenGpu,
+    PackingLimits,
     PackingRequest,
     member_fence_bytes,
 )
@@ -213,11 +214,14 @@ def _demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -> J
 
 def simulate(workload: Workload, cluster: SimCluster, policy: str,
              true_params: InterferenceParams | None = None, plan_params: InterferenceParams | None = None,
-             max_sim_s: float = 365 * 86400.0, faults: FaultRuntime | None = None, dmem: bool = False) -> SimResult:
+             max_sim_s: float = 365 * 86400.0, faults: FaultRuntime | None = None, dmem: bool = False,
+             margin_from_errors: bool = True) -> SimResult:
     """Replay `workload` on `cluster` through `policy`; see the module docstring.
 
     With `faults`, node failures and straggler checks are injected and OOMs, node
-    failures and stragglers are handled by its recovery decisions (sim/faults.py)."""
+    failures and stragglers are handled by its recovery decisions (sim/faults.py).
+    `margin_from_errors` (fenced policies): each round's memory margin is the larger of
+    the configured one and the estimate's error observed at members' peaks so far."""
     truth = true_params or DEFAULT_PARAMS
     limits, dispatch, slurm, retry = cluster.limits, cluster.dispatch, cluster.slurm, cluster.retry
     nodes = [_NodeState(n.name, n.gpu_model, n.gpus, n.cpus, n.memory_bytes, n.gpus, n.cpus, n.memory_bytes)
@@ -283,6 +287,10 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             return (None if fence >= whole else fence), None
         hard = member_fence_bytes(pending[jid], cluster.gpu_model(node.gpu_model), limits)
         return (None if hard >= whole else hard), planned_mib * MIB
+    mem_errors: list[float] = []
+    # Fences follow the estimate's observed error (round_limits); dmem plans on the
+    # estimates by design, so it keeps its own limits.
+    learn_margin = fenced and margin_from_errors and not dmem
 
     def gpu_bytes(node: _NodeState) -> int:
         return cluster.gpu_model(node.gpu_model).memory_bytes
@@ -378,12 +386,35 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     def oom_check(pack: _Pack, gpu: _Gpu, m: _Member) -> bool:
         node = pack.node
         own = m.job.true_gpu_mem_bytes
-        if m.fence_bytes is not None:
-            return own + ctx_bytes(node) > m.fence_bytes
+        if m.fence_bytes is not None and own + ctx_bytes(node) > m.fence_bytes:
+            return True
+        # The GPU as a whole, fenced or not: refill counts a member past its peak at its
+        # measured peak (below its fence), so fences may add up to more than the GPU.
         total = (ctx_bytes(node) if pack.mps else 0) + sum(
             x.job.true_gpu_mem_bytes + ctx_bytes(node) for x in gpu.members if not x.ended and (x.peaked or x is m))
         total += sum(ctx_bytes(node) for x in gpu.members if not x.ended and not x.peaked and x is not m)
         return total > gpu_bytes(node)
+
+    def observe_error(pack: _Pack, m: _Member) -> None:
+        # The estimate's error as the agents see it at a member's peak (its NVML
+        # samples); a member killed at its fence shows only that its error passed it.
+        est = est_mem[m.job.job_id]
+        if est <= 0 or not learn_margin:
+            return
+        err = m.job.true_gpu_mem_bytes / est - 1.0
+        if m.fence_bytes is not None:
+            err = min(err, (m.fence_bytes - ctx_bytes(pack.node)) / est - 1.0 + 0.01)
+        mem_errors.append(abs(err))
+
+    def round_limits() -> PackingLimits:
+        # Fences from the estimate's known error (docs/packing.md "Fences"): the
+        # configured margin, or, once errors were observed, the largest seen scaled
+        # by (n+1)/n (the unbiased bound of a uniform error), whichever is larger.
+        if not learn_margin or not mem_errors:
+            return plan_limits
+        n = len(mem_errors)
+        pct = 100.0 * max(mem_errors) * (n + 1) / n
+        return replace(plan_limits, memory_margin_pct=pct) if pct > plan_limits.memory_margin_pct else plan_limits
 
     def oom_victim(pack: _Pack, gpu: _Gpu, m: _Member) -> _Member | None:
         """The member that dies when `m` reaches its peak, if any (dmem: module docstring)."""
@@ -414,7 +445,10 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             free_cpus = pk.cpus - sum(m.cpus for m in members)
             free_mem = pk.host_mem - sum(m.host_mem for m in members)
             for gpu_index, gpu in enumerate(pk.gpus):
-                live = tuple(_demand(m.job, est_mem[m.job.job_id], est_left_s(m)) for m in gpu.members if not m.ended)
+                # A member past its peak reports it (the agent's NVML samples).
+                live = tuple(replace(_demand(m.job, est_mem[m.job.job_id], est_left_s(m)),
+                                     observed_gpu_mem_bytes=m.job.true_gpu_mem_bytes if m.peaked else None)
+                             for m in gpu.members if not m.ended)
                 out.append(OpenGpu(f"{pk.pack_id}:0:{gpu_index}", pk.node.name, len(live), pack=True,
                                    gpu_model=pk.node.gpu_model, live=live, free_cpus=free_cpus,
                                    free_host_mem_bytes=free_mem, remaining_s=None))
@@ -455,7 +489,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                                count=1, name=n.name) for n in nodes
                      if (n.free_gpus > 0 or n.name in with_open) and not n.down)
         request = PackingRequest(jobs=aged(sorted(pending.values(), key=lambda d: d.job_id), waited, dispatch),
-                                 gpu_models=cluster.gpu_models, nodes=free, limits=plan_limits, open_gpus=open_gpus)
+                                 gpu_models=cluster.gpu_models, nodes=free, limits=round_limits(), open_gpus=open_gpus)
         result = make_plan(request, policy, plan_params)
         waited = after_round(waited, result)
         for jn in result.joins:
@@ -551,6 +585,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                         continue
                     if not m.peaked and m.progress >= m.peak_progress - 1e-6:
                         m.peaked = True
+                        observe_error(pack, m)
                         victim = oom_victim(pack, gpu, m)
                         if victim is not None and victim is not m:
                             evictions += 1  # dmem: a neighbour above its soft limit goes instead
