@@ -326,7 +326,7 @@ def test_a_failed_member_reports_the_runners_own_error(world):
     # member's output file; the agent reports that line, not "the spec did not validate".
     pack = world / "pack"
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    say = (f"import logging, sys; logging.basicConfig(format={fmt!r}); print('loading'); "
+    say = (f"import logging, sys; logging.basicConfig(format={fmt!r}); print('loading', flush=True); "
            "logging.getLogger('slurm_dlrm.train.runner').error('bad spec: data.path: no Criteo TSV file at /d/x.tsv'); "
            "sys.exit(2)")
     crash = "print('step 1'); raise RuntimeError('CUDA error: an illegal memory access')"

@@ -19,7 +19,8 @@ pytest.importorskip("slurm_dlrm.estimate")
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "sweep"
-pytestmark = pytest.mark.slurm
+# Both submit the demo's tiny DLRMs, whose members really train (slurm-dlrm train): torch.
+pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 
 @pytest.fixture
