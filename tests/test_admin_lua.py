@@ -142,6 +142,7 @@ SUBMIT_CASES = [
     ("marker-bad-field", dict(WRAPPER_MPS, comment="slurm-dlrm:mode=pack;rm -rf"), ACCESS_DENIED, "bad field"),
     ("marker-pack-no-id", dict(WRAPPER_PACK, comment="slurm-dlrm:mode=pack"), ACCESS_DENIED, "pack_id"),
     ("marker-unknown-key-ok", dict(WRAPPER_MPS, comment=NO_PACK + ",future_key=x"), OK, ""),
+    ("marker-pack-on-mps", dict(WRAPPER_MPS, comment=PACK), INVALID_GRES, "a pack (mode=pack in --comment)"),
 ]
 
 
@@ -183,6 +184,41 @@ def test_mps_refused_where_the_site_has_none(tmp_path):
                                    ("gpu", dict(WRAPPER_MPS, tres_per_node="gres:gpu:1"), None, USER_UID)], raw)
     assert results["mps"][0] == INVALID_GRES and "does not offer gres/mps" in results["mps"][1]
     assert results["gpu"][0] == OK
+
+
+# docs/admin.md "What a forged marker gains": one case per claim. A plain sbatch with a
+# hand-typed marker, no wrapper, no estimate.
+FORGED_PACK = format_marker("pack", pack_id=999999)  # no such pack: job_submit.lua cannot know
+FORGED_CLAIMS = [
+    # gains: admission to the DLRM partition, sized as the user likes within the bounds
+    ("gains-admission-as-a-pack", {"partition": "dlrm", "comment": FORGED_PACK, "min_mem_per_node": 1024,
+                                   "tres_per_node": "gres:gpu:4"}, OK, ""),
+    # gains: a --no-pack fence of its own choosing, up to the GPU's memory (the prolog applies it)
+    ("gains-its-own-fence", dict(WRAPPER_MPS, comment=format_marker("no-pack", gpu_mem_mib=81920)), OK, ""),
+    # does not gain: leaving out the memory request
+    ("not-without-memory", {"partition": "dlrm", "comment": FORGED_PACK, "tres_per_node": "gres:gpu:1"},
+     MISSING_SIZE, "no memory request"),
+    # does not gain: more GPUs than the partition's bounds
+    ("not-more-gpus", {"partition": "dlrm", "comment": FORGED_PACK, "min_mem_per_node": 1024,
+                       "tres_per_job": "gres:gpu:7"}, INVALID_GRES, "outside 1..6"),
+    # does not gain: an MPS share outside min_mps_share..mps_per_gpu
+    ("not-a-bigger-share", dict(WRAPPER_MPS, tres_per_node="gres:mps:200"), INVALID_GRES, "outside 10..100"),
+    # does not gain: a fence beyond the partition's GPU memory
+    ("not-a-fence-beyond-the-gpu", dict(WRAPPER_MPS, comment=format_marker("no-pack", gpu_mem_mib=81921)),
+     ACCESS_DENIED, "exceeds the 81920 MiB"),
+    # does not gain: an unfenced MPS job (the prolog fences only mode=no-pack)
+    ("not-an-unfenced-mps-share", dict(WRAPPER_MPS, comment=FORGED_PACK), INVALID_GRES, "not --gres=mps:N"),
+]
+
+
+def test_what_a_forged_marker_gains_and_does_not(tmp_path):
+    results = run_cases(tmp_path, [(name, dict(desc), None, USER_UID) for name, desc, _, _ in FORGED_CLAIMS])
+    for name, _, rc, text in FORGED_CLAIMS:
+        assert results[name][0] == rc, (name, results[name])
+        assert text in results[name][1], (name, results[name])
+    # The header no longer claims what does not hold.
+    script = {f.name: f.text for f in render_site(parse_site(site_raw()))}["job_submit.lua"]
+    assert "cannot be bypassed" not in script and "any user can type it" in script
 
 
 # The job record of an accepted wrapper job, as slurm_job_modify sees it.

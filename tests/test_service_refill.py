@@ -312,3 +312,26 @@ def test_time_left_of_the_allocation_is_offered(world):
     assert offered and all(g.remaining_s == pytest.approx(1800.0 - 100.0) for g in offered)
     (c,) = request.jobs
     assert c.time_limit_s == 600.0  # its own -t, which must fit
+
+
+def test_a_forged_pack_marker_of_another_user_changes_nothing_here(world):
+    # docs/admin.md "What a forged marker gains": the service lists only its own user's
+    # jobs and knows its packs by the Slurm job id it recorded, so another user's
+    # hand-typed `--comment=slurm-dlrm:mode=pack,pack_id=<ours>` with our pack's name is
+    # neither adopted nor joined nor cancelled.
+    svc, store, slurm, clock, cluster, requests = world
+    pack, p, (a, b) = _running_pack(svc, store, cluster)
+    before = ([(j.id, j.state, j.pack_id) for j in store.jobs()], store.get_pack(pack.id))
+    slurm.user = "mallory"
+    forged = slurm.sbatch("#!/bin/bash\nsleep 600\n", [f"--comment=slurm-dlrm:mode=pack,pack_id={pack.id}",
+                                                      f"--job-name={pack.name}", "--gres=gpu:1", "--mem=1G"])
+    slurm.user = USER
+    slurm.start(forged)
+    clock.advance(1.0)
+    cluster.report(p, [{"type": "heartbeat"}])
+    svc.run_round()
+    after = ([(j.id, j.state, j.pack_id) for j in store.jobs()], store.get_pack(pack.id))
+    assert after[0] == before[0] and after[1].slurm_job_id == before[1].slurm_job_id == pack.slurm_job_id
+    assert after[1].state == PackState.RUNNING
+    assert slurm.job(forged).state.name == "RUNNING"  # not ours to touch
+    assert not any(method == "scancel" and forged in args[0] for method, args in slurm.calls)

@@ -10,9 +10,12 @@ wrapper sets (docs/interfaces.md section 6):
     --gres=gpu:N / --gpus=N (at most the node's GPUs, at most max_gpus_per_job in all);
   - the wrapper's marker in --comment: slurm-dlrm:mode=no-pack,gpu_mem_mib=<MiB>,...
     or slurm-dlrm:mode=pack,pack_id=<id>,...
+  - a pack marker (mode=pack) with whole GPUs only: the prolog fences no MPS job of a pack.
 Otherwise the job is refused with a message (slurm.log_user) saying how to submit and a
 specific ESLURM code. Submit and modify share one validate(); root and SlurmUser pass.
-This runs in slurmctld, so it cannot be bypassed the way a client-side filter can.
+The memory and GPU bounds hold for every job (this runs in slurmctld). The marker does
+not prove that the wrapper submitted the job: any user can type it into --comment. What a
+forged marker gains and does not gain: docs/admin.md "What a forged marker gains".
 --]==]
 
 local MARKER_PREFIX = "slurm-dlrm:"
@@ -253,6 +256,14 @@ local function validate(v, uid)
       "no memory request: add --mem=<MiB>M (--mem=0, all of a node's memory, is not taken here)")
   end
   check_gres(v, rule, problem)
+  if marker ~= nil and marker.mode == MODE_PACK then
+    -- Packs ask for whole GPUs; a pack marker on an MPS share would pass the prolog
+    -- unfenced (it fences only mode=no-pack), next to other users' fenced jobs.
+    local per_node, per_job = parse_tres(v.tres_per_node) or {}, parse_tres(v.tres_per_job) or {}
+    if per_node.mps or per_job.mps then
+      problem("ESLURM_INVALID_GRES", "a pack (mode=pack in --comment) asks for whole GPUs (--gres=gpu:N), not --gres=mps:N")
+    end
+  end
   if #problems == 0 then
     return slurm.SUCCESS
   end
