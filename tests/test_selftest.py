@@ -387,8 +387,8 @@ def test_sigterm_stops_the_daemon_and_the_clients(clean_env):
     proc = subprocess.Popen([sys.executable, "-c", _SIGTERM_DRIVER], env=env, stderr=subprocess.PIPE, text=True)  # noqa: S603
     ours = f"{tempfile.gettempdir()}/mps-st{proc.pid}-".encode()
     daemon, sleeper = None, None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and (daemon is None or sleeper is None):
+    deadline = time.monotonic() + 120  # generous: the whole suite and the Slurm legs may share 2 cores
+    while time.monotonic() < deadline and (daemon is None or sleeper is None) and proc.poll() is None:
         for d in os.listdir("/proc"):
             if not d.isdigit():
                 continue
@@ -403,7 +403,10 @@ def test_sigterm_stops_the_daemon_and_the_clients(clean_env):
                 elif argv[:2] == [b"sleep", b"600"]:
                     sleeper = int(d)  # the hanging client, in the agent's member environment
         time.sleep(0.1)
-    assert daemon and sleeper, "the selftest never reached its MPS clients"
+    if not (daemon and sleeper):
+        proc.kill()
+        raise AssertionError(f"the selftest never reached its MPS clients (exit {proc.wait()}): "
+                             f"{proc.stderr.read() if proc.stderr else ''}")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "stopped by SIGTERM" in err
