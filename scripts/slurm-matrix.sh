@@ -81,6 +81,8 @@ build_root() {
 }
 
 ensure_root() {
+  # iproute2 (`ip`, for the leg's loopback) is not in a minimal Debian image.
+  command -v ip >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
   [[ -f $roots/$1.ready ]] || build_root "$1"
   copy_host_files "$1"
 }
