@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import sys
 import time
 import weakref
@@ -36,6 +35,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from slurm_dlrm.spec import JobSpec, parse_spec  # noqa: E402
+from slurm_dlrm.train.metrics import peak_rss_bytes  # noqa: E402
 
 
 class LiveTensorBytes(TorchDispatchMode):
@@ -94,7 +94,7 @@ class LiveTensorBytes(TorchDispatchMode):
 
 
 def rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_rss_bytes()  # VmHWM: ru_maxrss would carry the parent's peak across exec
 
 
 def current_rss_bytes() -> int:

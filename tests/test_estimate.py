@@ -271,3 +271,19 @@ def test_host_peak_covers_the_runner_at_a_large_batch(tmp_path):
     assert recs[-1]["peak_rss_bytes"] - recs[1]["peak_rss_bytes"] < 0.03 * est, trail
     measured = max(r["peak_rss_bytes"] for r in recs)
     assert measured <= est * 1.03, f"peak RSS {measured / 2**20:.0f} MiB, estimate {est / 2**20:.0f} MiB: {trail}"
+
+
+def test_runner_peak_rss_is_its_own_not_its_parents():
+    """The runner's peak RSS must not inherit the high-water mark of the process that
+    started it (ru_maxrss does across fork+exec: CI's pytest, at 740 MiB, made a 528 MiB
+    runner report a 742 MiB peak)."""
+    parent = (
+        "import subprocess, sys\n"
+        "ballast = bytearray(400 << 20)\n"
+        "for i in range(0, len(ballast), 4096): ballast[i] = 1\n"
+        "code = 'from slurm_dlrm.train.metrics import peak_rss_bytes; print(peak_rss_bytes())'\n"
+        "print(subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, check=True)  # noqa: S603
+    child_peak = int(out.stdout.split()[0])
+    assert child_peak < 200 << 20, f"child peak {child_peak >> 20} MiB: the parent's 400 MiB leaked into it"
