@@ -7,7 +7,7 @@ import pytest
 
 from slurm_dlrm.errors import SpecError
 from slurm_dlrm.estimate import HistoryRecord, calibrate, check_tables_fit, copies_per_gpu, estimate
-from slurm_dlrm.estimate.analytic import device_tables
+from slurm_dlrm.estimate.analytic import Estimate, device_tables
 from slurm_dlrm.estimate.timeline import PARTS, batch_bytes
 from slurm_dlrm.presets import PRESET_NAMES
 from slurm_dlrm.site import REPO_SITE_FILE, load_site
@@ -159,6 +159,41 @@ def test_world_size_spreads_tables():
     # a table with ten times the lookups is placed first and alone on its rank
     heavy = small(tables=[dict(tables[0], multi_hot=10), *tables[1:]], world_size=2)
     assert sorted(device_tables(heavy)) in ([0], [1, 2, 3])
+
+
+def test_every_rank_has_its_own_estimate():
+    tables = [{"rows": r, "dim": 16} for r in (1000, 900, 800, 100)]
+    spec = small(tables=tables, world_size=2)
+    est = estimate(spec, H100)
+    assert [r.rank for r in est.ranks] == [0, 1]
+    # the greedy deals t0, t2 to rank 0 and t1, t3 to rank 1; each rank holds only its own
+    assert [r.tables for r in est.ranks] == [(0, 2), (1, 3)]
+    assert est.ranks[0].gpu_breakdown["embedding_weights"] == 1800 * 16 * 4
+    assert est.ranks[1].gpu_breakdown["embedding_weights"] == 1000 * 16 * 4
+    # the job's figure is its fullest rank's
+    assert est.gpu_peak_bytes == max(r.gpu_peak_bytes for r in est.ranks) == est.ranks[0].gpu_peak_bytes
+    assert est.ranks[1].gpu_peak_bytes < est.ranks[0].gpu_peak_bytes
+    # each rank looks its tables up for the global batch: the ranks' lookups add up to
+    # world_size x the job's per-sample bytes
+    total = sum(r.profile.emb_bytes_per_sample for r in est.ranks)
+    assert total == pytest.approx(2 * est.profile.emb_bytes_per_sample)
+    assert all(r.host_peak_bytes > 0 for r in est.ranks)
+    # round trip through the JSON form; one rank keeps the old form (no "ranks")
+    assert Estimate.from_dict(est.to_dict()) == est
+    one = estimate(small(tables=tables), H100)
+    assert one.ranks == () and "ranks" not in one.to_dict()
+
+
+def test_rank_estimates_on_cpu_and_with_host_tables():
+    tables = [{"rows": 100000, "dim": 16, "placement": "uvm"}, {"rows": 2000, "dim": 16}, {"rows": 1500, "dim": 16}]
+    spec = small(tables=tables, world_size=2, optimizer={"type": "adagrad"})
+    est = estimate(spec, H100)
+    owner = next(r for r in est.ranks if 0 in r.tables)
+    other = next(r for r in est.ranks if 0 not in r.tables)
+    # the UVM table's host weights count on its own rank only
+    assert owner.host_peak_bytes - other.host_peak_bytes >= 100000 * 16 * 4
+    cpu = estimate(spec, None)
+    assert len(cpu.ranks) == 2 and all(r.gpu_peak_bytes == 0 for r in cpu.ranks)
 
 
 def test_profile_labels():

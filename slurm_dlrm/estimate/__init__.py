@@ -6,9 +6,9 @@ Pure: no torch, no I/O. `estimate(spec, gpu)` is the analytic model;
 jobs with the same fingerprint.
 """
 
-from slurm_dlrm.estimate.analytic import ComputeProfile, Estimate, estimate
+from slurm_dlrm.estimate.analytic import ComputeProfile, Estimate, RankEstimate, estimate
 from slurm_dlrm.estimate.calibrate import HistoryRecord, calibrate
 from slurm_dlrm.estimate.fit import Fit, check_tables_fit, copies_per_gpu
 
-__all__ = ["ComputeProfile", "Estimate", "Fit", "HistoryRecord", "calibrate", "check_tables_fit", "copies_per_gpu",
+__all__ = ["ComputeProfile", "Estimate", "Fit", "RankEstimate", "HistoryRecord", "calibrate", "check_tables_fit", "copies_per_gpu",
            "estimate"]

@@ -106,10 +106,15 @@ class Estimate:
     gpu_model: str | None
     method: str = "analytic"  # "analytic" | "traced"; "+calibrated" when history corrected it
     notes: tuple[str, ...] = field(default=())
+    ranks: tuple[RankEstimate, ...] = field(default=())  # world_size > 1: every rank's own
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["notes"] = list(self.notes)
+        if self.ranks:
+            d["ranks"] = [dict(asdict(r), tables=list(r.tables)) for r in self.ranks]
+        else:
+            d.pop("ranks")  # one rank: the form stays as it was
         return d
 
     @classmethod
@@ -119,23 +124,21 @@ class Estimate:
         kw = {k: v for k, v in d.items() if k in names}
         kw["profile"] = ComputeProfile(**d["profile"])
         kw["notes"] = tuple(d.get("notes") or ())
+        kw["ranks"] = tuple(RankEstimate.from_dict(r) for r in d.get("ranks") or ())
         return cls(**kw)
 
 
-def device_tables(spec: JobSpec, all_placements: bool = False) -> list[int]:
-    """Tables whose weights sit in device memory (placement hbm), for the fullest rank.
+def rank_tables(spec: JobSpec) -> list[list[int]]:
+    """Tables each rank holds (every placement), as torchrec's planner shards table-wise.
 
     With world_size > 1 the runner lets torchrec's planner shard table-wise. Its
     GreedyPerfPartitioner (torchrec 1.8, default sort by storage) takes the tables
     largest first and puts each on the rank with the least lookup cost so far (ties:
     the lowest rank); a fused lookup's cost is mostly its pooled output, plus a share
-    per id, and does not grow with rows. The same greedy here; the estimate is for the rank holding
-    the most bytes. `all_placements`: every table counts (a CPU run keeps them all in
-    one memory).
+    per id, and does not grow with rows. The same greedy here. One rank: all tables.
     """
-    chosen = [i for i, t in enumerate(spec.tables) if all_placements or t.placement == "hbm"]
     if spec.world_size <= 1:
-        return chosen
+        return [list(range(len(spec.tables)))]
     cost = [0.0] * spec.world_size
     owned: list[list[int]] = [[] for _ in range(spec.world_size)]
     for i in sorted(range(len(spec.tables)), key=lambda i: -_table_total_bytes(spec, i)):  # stable
@@ -145,6 +148,18 @@ def device_tables(spec: JobSpec, all_placements: bool = False) -> list[int]:
         # the placements torchrec 1.8 chose on the benchmark's multi-rank configs)
         cost[r] += t.dim * 4 * (1 + 0.5 * t.ids_per_sample)
         owned[r].append(i)
+    return [sorted(o) for o in owned]
+
+
+def device_tables(spec: JobSpec, all_placements: bool = False) -> list[int]:
+    """Tables whose weights sit in device memory (placement hbm), for the fullest rank
+    (`rank_tables`: the rank holding the most bytes). `all_placements`: every table
+    counts (a CPU run keeps them all in one memory).
+    """
+    chosen = [i for i, t in enumerate(spec.tables) if all_placements or t.placement == "hbm"]
+    if spec.world_size <= 1:
+        return chosen
+    owned = rank_tables(spec)
     mem = [sum(_table_total_bytes(spec, i) for i in o if i in chosen) for o in owned]
     return sorted(i for i in owned[mem.index(max(mem))] if i in chosen)
 
@@ -176,22 +191,33 @@ def allocator_rounding_bytes(live_sizes: list[int]) -> int:
     return extra + SEGMENT_BYTES  # one partly used small-block segment
 
 
-def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
-    """Estimate one job. `gpu=None` means a CPU run (the benchmark's mode): all tensors
-    then live in host memory and the GPU parts are zero."""
+@dataclass(frozen=True)
+class RankEstimate:
+    """One rank of a multi-GPU job (world_size > 1): the tables torchrec's planner puts
+    on it (`rank_tables`), its own GPU and host peak (each rank is its own process) and
+    its compute profile (it looks its tables up for the global batch)."""
+
+    rank: int
+    tables: tuple[int, ...]
+    gpu_peak_bytes: int
+    host_peak_bytes: int
+    gpu_breakdown: dict[str, int]
+    profile: ComputeProfile
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RankEstimate:
+        return cls(rank=int(d["rank"]), tables=tuple(d.get("tables") or ()), gpu_peak_bytes=int(d["gpu_peak_bytes"]),
+                   host_peak_bytes=int(d["host_peak_bytes"]), gpu_breakdown=dict(d.get("gpu_breakdown") or {}),
+                   profile=ComputeProfile(**d["profile"]))
+
+
+def _memory(spec: JobSpec, gpu: GpuModel | None, tables: list[int],
+            host_tables: list[int]) -> tuple[Tape, dict[str, int], dict[str, int]]:
+    """(peak tape, GPU breakdown, host breakdown) of one process holding `tables` in
+    device memory (all of them on a CPU run) and `host_tables` in host memory."""
     device = "cuda" if gpu is not None else "cpu"
-    # On a CPU run every table is in the one (host) memory.
-    tables = device_tables(spec, all_placements=gpu is None)
     tape = _peak_tape(spec, device, tables)
     parts = {k: v for k, v in tape.at_peak.items()}
-    notes: list[str] = []
-    if device == "cpu" and spec.optimizer.type == "adam" and spec.optimizer.fused:
-        notes.append("fused Adam is GPU-only (fbgemm CPU kernels); estimated as non-fused on the CPU")
-    if spec.world_size > 1:
-        notes.append(f"world_size {spec.world_size}: tables placed as torchrec's greedy partitioner would (the "
-                     "fullest rank is estimated); NCCL's own buffers are not counted (calibrate from history)")
-
-    host_tables = [i for i, t in enumerate(spec.tables) if t.placement != "hbm"]
     host_table_bytes = sum(spec.tables[i].weight_bytes for i in host_tables)
     host_table_opt = embedding_optimizer_state_bytes(spec, host_tables) if host_tables else 0
     workers = spec.loader_workers
@@ -206,7 +232,6 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
         gpu_breakdown["cuda_context"] = gpu.cuda_context_bytes
         gpu_breakdown["cublas_workspace"] = gpu.cublas_workspace_bytes
         gpu_breakdown["allocator_rounding"] = allocator_rounding_bytes(tape.at_peak_sizes)
-        gpu_peak = sum(gpu_breakdown.values())
         host_breakdown = {
             "runtime": HOST_RUNTIME_CUDA_BYTES,
             "host_embedding_weights": host_table_bytes,
@@ -219,7 +244,6 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
         }
     else:
         gpu_breakdown = {}
-        gpu_peak = 0
         host_breakdown = {
             "runtime": HOST_RUNTIME_CPU_BYTES,
             "tensors": tape.peak,
@@ -230,11 +254,47 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
             "synthetic_batch_ring": ring,
             "checkpoint_snapshot": snapshot,
         }
-    host_peak = sum(host_breakdown.values())
+    return tape, gpu_breakdown, host_breakdown
+
+
+def rank_estimates(spec: JobSpec, gpu: GpuModel | None) -> tuple[RankEstimate, ...]:
+    """Every rank's own estimate (empty for one rank): its tables from `rank_tables`,
+    device tables (placement hbm; every table on a CPU run) and host/UVM tables apart."""
+    if spec.world_size <= 1:
+        return ()
+    out = []
+    for r, owned in enumerate(rank_tables(spec)):
+        dev = [i for i in owned if gpu is None or spec.tables[i].placement == "hbm"]
+        host = [i for i in owned if gpu is not None and spec.tables[i].placement != "hbm"]
+        _tape, gpu_bd, host_bd = _memory(spec, gpu, dev, host)
+        out.append(RankEstimate(rank=r, tables=tuple(owned), gpu_peak_bytes=sum(gpu_bd.values()),
+                                host_peak_bytes=sum(host_bd.values()), gpu_breakdown=gpu_bd,
+                                profile=compute_profile(spec, gpu, owned)))
+    return tuple(out)
+
+
+def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
+    """Estimate one job. `gpu=None` means a CPU run (the benchmark's mode): all tensors
+    then live in host memory and the GPU parts are zero. With world_size > 1 the job's
+    figures are its fullest rank's (host tables counted whole) and `ranks` holds every
+    rank's own."""
+    device = "cuda" if gpu is not None else "cpu"
+    # On a CPU run every table is in the one (host) memory.
+    tables = device_tables(spec, all_placements=gpu is None)
+    notes: list[str] = []
+    if device == "cpu" and spec.optimizer.type == "adam" and spec.optimizer.fused:
+        notes.append("fused Adam is GPU-only (fbgemm CPU kernels); estimated as non-fused on the CPU")
+    if spec.world_size > 1:
+        notes.append(f"world_size {spec.world_size}: tables placed as torchrec's greedy partitioner would (the "
+                     "fullest rank is estimated, every rank in `ranks`); NCCL's own buffers are not counted "
+                     "(calibrate from history)")
+    host_tables = [i for i, t in enumerate(spec.tables) if t.placement != "hbm"] if gpu is not None else []
+    tape, gpu_breakdown, host_breakdown = _memory(spec, gpu, tables, host_tables)
     return Estimate(
-        gpu_peak_bytes=gpu_peak, host_peak_bytes=host_peak, gpu_breakdown=gpu_breakdown,
-        host_breakdown=host_breakdown, profile=compute_profile(spec, gpu), tensor_peak_bytes=tape.peak,
-        peak_phase=tape.peak_where, gpu_model=gpu.name if gpu is not None else None, notes=tuple(notes),
+        gpu_peak_bytes=sum(gpu_breakdown.values()), host_peak_bytes=sum(host_breakdown.values()),
+        gpu_breakdown=gpu_breakdown, host_breakdown=host_breakdown, profile=compute_profile(spec, gpu),
+        tensor_peak_bytes=tape.peak, peak_phase=tape.peak_where, gpu_model=gpu.name if gpu is not None else None,
+        notes=tuple(notes), ranks=rank_estimates(spec, gpu),
     )
 
 
@@ -335,13 +395,20 @@ def dense_flops_per_sample(spec: JobSpec) -> float:
     return 3 * fwd
 
 
-def emb_bytes_per_sample(spec: JobSpec) -> float:
+def emb_bytes_per_sample(spec: JobSpec, tables: list[int] | None = None) -> float:
     """Bytes of embedding memory touched per sample: forward gathers, backward
     read-modify-write of the rows (fused optimizer), optimizer state traffic, and the
-    pooled outputs and their gradients."""
-    total = 0.0
+    pooled outputs and their gradients. `tables`: one rank's tables, looked up for the
+    global batch (world_size x its own samples), so per local sample x world_size."""
     state_rw = {"sgd": 0, "adagrad": 2 * F32, "rowwise_adagrad": 0, "adam": 4 * F32}[spec.optimizer.type]
-    for t in spec.tables:
+    chosen = list(spec.tables) if tables is None else [spec.tables[i] for i in tables]
+    scale = 1 if tables is None else max(1, spec.world_size)
+    return _emb_bytes(spec, chosen, state_rw) * scale
+
+
+def _emb_bytes(spec: JobSpec, chosen: list[Any], state_rw: int) -> float:
+    total = 0.0
+    for t in chosen:
         ids = t.ids_per_sample
         row = t.dim * t.dtype_bytes
         total += ids * (3 * row + t.dim * state_rw)
@@ -357,9 +424,11 @@ def _kernels_per_step(spec: JobSpec) -> int:
     return 3 * 3 * layers + 30  # fwd + 2 bwd GEMMs and elementwise per layer, plus fixed ops
 
 
-def compute_profile(spec: JobSpec, gpu: GpuModel | None) -> ComputeProfile:
+def compute_profile(spec: JobSpec, gpu: GpuModel | None, tables: list[int] | None = None) -> ComputeProfile:
+    """The job's profile, or one rank's (`tables`: the rank's, see `emb_bytes_per_sample`;
+    the dense part is data-parallel, the same on every rank)."""
     flops = dense_flops_per_sample(spec)
-    emb_bytes = emb_bytes_per_sample(spec)
+    emb_bytes = emb_bytes_per_sample(spec, tables)
     B = spec.batch_size
     half = spec.mixed_precision != "none"
     gemm_eff, launch_s = GEMM_EFFICIENCY, KERNEL_LAUNCH_S

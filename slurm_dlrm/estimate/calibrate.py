@@ -63,5 +63,11 @@ def calibrate(est: Estimate, history: Sequence[HistoryRecord], fingerprint: str 
         host_breakdown["calibration"] = new - host_peak
         host_peak = new
         notes.append(f"host peak calibrated from {n} earlier run(s) with the same fingerprint: x{host_f:.3f}")
+    # Every rank by the same factors (history holds the fullest rank's measured peaks).
+    ranks = tuple(dataclasses.replace(
+        r, gpu_peak_bytes=int(round(r.gpu_peak_bytes * gpu_f)) if gpu_f is not None else r.gpu_peak_bytes,
+        host_peak_bytes=int(round(r.host_peak_bytes * host_f)) if host_f is not None else r.host_peak_bytes)
+        for r in est.ranks)
     return dataclasses.replace(est, gpu_peak_bytes=gpu_peak, host_peak_bytes=host_peak, gpu_breakdown=gpu_breakdown,
-                               host_breakdown=host_breakdown, method=f"{est.method}+calibrated", notes=tuple(notes))
+                               host_breakdown=host_breakdown, method=f"{est.method}+calibrated", notes=tuple(notes),
+                               ranks=ranks)
