@@ -29,6 +29,7 @@ from slurm_dlrm.packing.model import (
     PackingRequest,
     host_limit_bytes,
     member_fence_bytes,
+    rank_members,
     usable_gpu_bytes,
 )
 from slurm_dlrm.site import MIB, GpuModel
@@ -156,7 +157,8 @@ def finish_plan(policy: str, packs: list[list[Gpu]], deferred: list[Deferred], l
                 members.append(MemberPlacement(
                     job_id=j.job_id, node_index=0, gpu_index=gpu_index, mps_thread_pct=pct,
                     gpu_mem_limit_mib=math.ceil(fence / MIB) if fenced else whole_gpu_mib,
-                    host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus, predicted_speed=speed))
+                    host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus, predicted_speed=speed,
+                    rank=j.rank, world_size=j.world_size))
         node = gpus[0].node
         reserve_cpus = reserve_mem = 0
         if policy in REFILL_POLICIES and node.offered_gpus > 0:
@@ -214,6 +216,46 @@ def defer_early(job: JobDemand, maxima: tuple[int, int, list[GpuModel]], limits:
         deferred.append(Deferred(job.job_id, held))
         return True
     return False
+
+
+def defer_gang_early(job: JobDemand, nodes: list[Node], limits: PackingLimits, memory_aware: bool,
+                     blocked: list[JobDemand], deferred: list[Deferred]) -> bool:
+    """`defer_early` for a multi-GPU job: every rank must fit a GPU of its own, and one
+    free node must offer `world_size` GPUs and the ranks' CPUs and host memory together."""
+    ranks = rank_members(job)
+    free = [n for n in nodes if n.free_gpus > 0]
+    maxima = node_maxima(free)
+    reason = next((r for r in (too_big_reason(m, maxima, limits, memory_aware) for m in ranks) if r), None)
+    if reason is None:
+        need_cpus = sum(m.cpus for m in ranks)
+        need_host = sum(host_limit_bytes(m, limits) for m in ranks)
+        if not any(n.free_gpus >= job.world_size for n in free):
+            reason = f"needs {job.world_size} GPUs of one node (world_size); no free node has that many this round"
+        elif not any(n.free_gpus >= job.world_size and n.free_cpus >= need_cpus and n.free_mem_bytes >= need_host
+                     for n in free):
+            reason = (f"needs {need_cpus} CPUs and {need_host // MIB} MiB of host memory on one node for its "
+                      f"{job.world_size} ranks; no free node has that much this round")
+    if reason:
+        permanent = is_permanent(reason)
+        deferred.append(Deferred(job.job_id, reason, permanent=permanent))
+        if not permanent:
+            block_if_urgent(blocked, job)
+        return True
+    held = held_reason(blocked)
+    if held:
+        deferred.append(Deferred(job.job_id, held))
+        return True
+    return False
+
+
+def gang_host_fits(node: Node, ranks: tuple[JobDemand, ...], limits: PackingLimits) -> bool:
+    return (sum(m.cpus for m in ranks) <= node.free_cpus
+            and sum(host_limit_bytes(m, limits) for m in ranks) <= node.free_mem_bytes)
+
+
+def rank_load(m: JobDemand) -> tuple[float, int]:
+    """Heaviest first: the busier of SM and bandwidth, then memory."""
+    return (-max(util_fraction(m.sm_util_pct), util_fraction(m.membw_util_pct)), -m.gpu_mem_bytes)
 
 
 def block_if_urgent(blocked: list[JobDemand], job: JobDemand) -> None:

@@ -15,12 +15,15 @@ from slurm_dlrm.packing.common import (
     Node,
     add_member,
     defer_early,
+    defer_gang_early,
     drain_tail,
     expand_nodes,
     finish_plan,
+    gang_host_fits,
     gpu_budget,
     node_maxima,
     order_key,
+    rank_load,
     tail_first,
 )
 from slurm_dlrm.packing.interference import (
@@ -36,6 +39,7 @@ from slurm_dlrm.packing.model import (
     PackingRequest,
     host_limit_bytes,
     member_fence_bytes,
+    rank_members,
     usable_gpu_bytes,
 )
 from slurm_dlrm.site import GpuModel
@@ -55,7 +59,7 @@ _Vec = tuple[float, float, int, int, int]
 
 
 def _vectors(jobs: list[JobDemand], gpu: GpuModel, limits: PackingLimits) -> dict[int, _Vec]:
-    return {j.job_id: (util_fraction(j.sm_util_pct), util_fraction(j.membw_util_pct), member_fence_bytes(j, gpu, limits),
+    return {j.key: (util_fraction(j.sm_util_pct), util_fraction(j.membw_util_pct), member_fence_bytes(j, gpu, limits),
                        j.cpus, host_limit_bytes(j, limits)) for j in jobs}
 
 
@@ -75,10 +79,33 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
     blocked: list[JobDemand] = []
     # Near the end of a backlog the jobs that would finish last go first (`drain_tail`).
     tail = drain_tail(request, _TAIL_FACTOR)
+    gangs: list[JobDemand] = []
     for job in sorted(request.jobs, key=lambda j: tail_first(j, tail, _seed_key(j))):
-        if not defer_early(job, maxima, limits, True, blocked, deferred):
+        if job.is_gang:
+            if not defer_gang_early(job, free_nodes, limits, True, blocked, deferred):
+                gangs.append(job)
+        elif not defer_early(job, maxima, limits, True, blocked, deferred):
             eligible.append(job)
-    vecs = {name: _vectors(eligible, gpu, limits) for name, gpu in sorted(models.items())}
+    rank_list = [m for job in gangs for m in rank_members(job)]
+    vecs = {name: _vectors(eligible + rank_list, gpu, limits) for name, gpu in sorted(models.items())}
+
+    # Multi-GPU jobs first (docs/packing.md "Multi-GPU jobs"): a gang needs W GPUs of one
+    # node at once, which single-GPU jobs taking GPUs one by one would rarely leave free.
+    # Each gang goes beside an earlier gang of this round if every rank finds its own GPU
+    # there within the load target, else onto W fresh GPUs; then single-GPU jobs of a
+    # similar expected duration fill those GPUs, each onto the least loaded one.
+    left_budget = budget
+    gang_packs: list[list[Gpu]] = []
+    for job in gangs:
+        gpus_of = _place_gang(job, gang_packs, free_nodes, vecs, limits, left_budget)
+        if gpus_of is None:
+            deferred.append(Deferred(job.job_id, NO_FREE_GPU if left_budget < job.world_size else NO_ROOM))
+            continue
+        if gpus_of[1]:
+            gang_packs.append(gpus_of[0])
+            left_budget -= len(gpus_of[0])
+    if gang_packs and eligible:
+        eligible = _fill_gang_packs(gang_packs, eligible, vecs, limits)
 
     # A pack holds its GPUs until its last member ends, so a pack is built around a
     # seed from the jobs whose expected duration is nearest to the seed's.
@@ -117,8 +144,7 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
                 right = nxt[right]
         return out
 
-    packs: list[list[Gpu]] = []
-    left_budget = budget
+    packs: list[list[Gpu]] = gang_packs
     cursor = 0
     for node in sorted(free_nodes, key=lambda n: (-n.free_gpus, n.name)):
         vec = vecs[node.gpu.name]
@@ -142,8 +168,8 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
                 # here, then the next node.
                 for g in gpus:  # undo
                     for job in g.members:
-                        node.free_cpus += vec[job.job_id][3]
-                        node.free_mem_bytes += vec[job.job_id][4]
+                        node.free_cpus += vec[job.key][3]
+                        node.free_mem_bytes += vec[job.key][4]
                 misses += 1
                 if misses >= 8:
                     break
@@ -185,6 +211,96 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
     return finish_plan("complementary", packs, deferred, limits, params, fenced=True, thread_caps=True)
 
 
+def _assign_ranks(ranks: list[JobDemand], gpus: list[Gpu], vec: dict[int, _Vec],
+                  limits: PackingLimits) -> list[int] | None:
+    """GPU index per rank (heaviest rank first, each onto the least loaded GPU not yet
+    holding a sibling) with memory, slots and the load target respected; None if a rank
+    finds no GPU."""
+    load = [(g.sm, g.bw, g.used_bytes, len(g.members)) for g in gpus]
+    taken: set[int] = set()
+    out = [0] * len(ranks)
+    for i in sorted(range(len(ranks)), key=lambda i: rank_load(ranks[i])):
+        s, b, fence, _c, _h = vec[ranks[i].key]
+        best, best_key = -1, math.inf
+        for k, (gs, gb, used, n) in enumerate(load):
+            if k in taken or n >= gpus[k].slots or used + fence > gpus[k].usable_bytes:
+                continue
+            worst = max(gs + s, gb + b)
+            if n and worst > limits.target_load + 1e-9:
+                continue
+            if worst < best_key:
+                best, best_key = k, worst
+        if best < 0:
+            return None
+        taken.add(best)
+        out[i] = best
+    return out
+
+
+def _place_gang(job: JobDemand, gang_packs: list[list[Gpu]], nodes: list[Node], vecs: dict[str, dict[int, _Vec]],
+                limits: PackingLimits, budget: int) -> tuple[list[Gpu], bool] | None:
+    """Place a multi-GPU job's ranks: beside an earlier gang of this round, or on
+    `world_size` fresh GPUs of the fullest node that has them (least fragmentation).
+    Returns (its GPUs, whether they are a new pack), or None."""
+    ranks = list(rank_members(job))
+    for gpus in gang_packs:
+        node = gpus[0].node
+        if len(gpus) < job.world_size or not gang_host_fits(node, tuple(ranks), limits):
+            continue
+        vec = vecs[node.gpu.name]
+        where = _assign_ranks(ranks, gpus, vec, limits)
+        if where is not None:
+            for m, k in zip(ranks, where, strict=True):
+                add_member(gpus[k], m, vec[m.key][2], limits)
+            return gpus, False
+    if budget < job.world_size:
+        return None
+    fits = [n for n in nodes if n.free_gpus >= job.world_size and gang_host_fits(n, tuple(ranks), limits)
+            and all(vecs[n.gpu.name][m.key][2] <= usable_gpu_bytes(n.gpu) for m in ranks)]
+    if not fits:
+        return None
+    node = min(fits, key=lambda n: (n.free_gpus, n.name))
+    node.free_gpus -= job.world_size
+    vec = vecs[node.gpu.name]
+    gpus = [Gpu(node=node, usable_bytes=usable_gpu_bytes(node.gpu), slots=limits.members_per_gpu)
+            for _ in range(job.world_size)]
+    for m, g in zip(sorted(ranks, key=rank_load), gpus, strict=True):
+        add_member(g, m, vec[m.key][2], limits)
+    return gpus, True
+
+
+def _fill_gang_packs(gang_packs: list[list[Gpu]], eligible: list[JobDemand], vecs: dict[str, dict[int, _Vec]],
+                     limits: PackingLimits) -> list[JobDemand]:
+    """Single-GPU jobs nearest in expected duration to each gang pack join it, each onto
+    the pack GPU whose busier resource (SM or bandwidth) stays lowest, within the load
+    target: the light ranks' GPUs take more, so the node's GPUs end up balanced.
+    Returns the jobs left."""
+    taken: set[int] = set()
+    for gpus in gang_packs:
+        node = gpus[0].node
+        vec = vecs[node.gpu.name]
+        centre = sum(_log_duration(m) for g in gpus for m in g.members) / max(1, sum(len(g.members) for g in gpus))
+        cands = sorted((j for j in eligible if j.job_id not in taken),
+                       key=lambda j: (abs(_log_duration(j) - centre), j.job_id))
+        for job in cands[:3 * len(gpus) * limits.members_per_gpu]:
+            s, b, fence, cpus, host = vec[job.key]
+            if cpus > node.free_cpus or host > node.free_mem_bytes:
+                continue
+            best: Gpu | None = None
+            best_key = math.inf
+            for g in gpus:
+                worst = max(g.sm + s, g.bw + b)
+                if (len(g.members) >= g.slots or g.used_bytes + fence > g.usable_bytes
+                        or worst > limits.target_load + 1e-9):
+                    continue
+                if worst < best_key:
+                    best, best_key = g, worst
+            if best is not None:
+                add_member(best, job, fence, limits)
+                taken.add(job.job_id)
+    return [j for j in eligible if j.job_id not in taken]
+
+
 def _top_up(packs: list[list[Gpu]], leftover: list[JobDemand], vecs: dict[str, dict[int, _Vec]],
             limits: PackingLimits, params: InterferenceParams) -> list[JobDemand]:
     """Add leftover jobs (lightest first) to GPUs whose predicted summed speed grows by
@@ -204,7 +320,7 @@ def _top_up(packs: list[list[Gpu]], leftover: list[JobDemand], vecs: dict[str, d
                 if job.job_id in taken:
                     continue
                 scanned += 1
-                s, b, fence, cpus, host = vec[job.job_id]
+                s, b, fence, cpus, host = vec[job.key]
                 if g.used_bytes + fence > g.usable_bytes or cpus > g.node.free_cpus or host > g.node.free_mem_bytes:
                     continue
                 if _gain_if_added(g, s, b, params) < limits.min_gain:
@@ -233,15 +349,15 @@ def _exact_gpu(g: Gpu, leftover: list[JobDemand], vec: dict[int, _Vec], limits: 
         return leftover  # a large round: not worth scanning the leftovers per GPU
     # Only jobs that would end about when the GPU's first member does (a pack keeps its
     # GPUs until its last member ends); unknown durations count as compatible.
-    fits_alone = [j for j in leftover if vec[j.job_id][2] <= g.usable_bytes and _duration_compatible(j, g)]
+    fits_alone = [j for j in leftover if vec[j.key][2] <= g.usable_bytes and _duration_compatible(j, g)]
     cands = g.members + fits_alone
     if len(cands) > _EXACT_MAX or not fits_alone or budget[0] < (1 << len(cands)):
         return leftover
     n = len(cands)
-    rows = [vec[j.job_id] for j in cands]
-    fixed = sum(1 << k for k, j in enumerate(cands) if j.priority >= URGENT_PRIORITY)
-    cpu_room = g.node.free_cpus + sum(vec[j.job_id][3] for j in g.members)
-    host_room = g.node.free_mem_bytes + sum(vec[j.job_id][4] for j in g.members)
+    rows = [vec[j.key] for j in cands]
+    fixed = sum(1 << k for k, j in enumerate(cands) if j.priority >= URGENT_PRIORITY or j.is_gang)
+    cpu_room = g.node.free_cpus + sum(vec[j.key][3] for j in g.members)
+    host_room = g.node.free_mem_bytes + sum(vec[j.key][4] for j in g.members)
     best_mask = sum(1 << k for k in range(len(g.members)))
     best_value = _gpu_value([r[0] for r in rows[:len(g.members)]], [r[1] for r in rows[:len(g.members)]], params)
     for mask in range(1, 1 << n):
@@ -259,12 +375,12 @@ def _exact_gpu(g: Gpu, leftover: list[JobDemand], vec: dict[int, _Vec], limits: 
     if {j.job_id for j in chosen} == {j.job_id for j in g.members}:
         return leftover
     for j in g.members:
-        g.node.free_cpus += vec[j.job_id][3]
-        g.node.free_mem_bytes += vec[j.job_id][4]
+        g.node.free_cpus += vec[j.key][3]
+        g.node.free_mem_bytes += vec[j.key][4]
     g.members, g.fences = [], []
     g.used_bytes, g.sm, g.bw = 0, 0.0, 0.0
     for j in chosen:
-        add_member(g, j, vec[j.job_id][2], limits)
+        add_member(g, j, vec[j.key][2], limits)
     chosen_ids = {j.job_id for j in chosen}
     dropped = [j for j in cands if j.job_id not in chosen_ids]
     return [j for j in leftover if j.job_id not in chosen_ids] + [j for j in dropped if j not in leftover]
@@ -279,14 +395,16 @@ def _polish(gpus: list[Gpu], vec: dict[int, _Vec], params: InterferenceParams, b
     pack's predicted summed speed (bounded by `budget[0]` model evaluations)."""
     for _sweep in range(3):
         best: tuple[float, int, int, int, int] | None = None  # (gain, a, i, b, j or -1)
-        vals = [_gpu_value([vec[m.job_id][0] for m in g.members], [vec[m.job_id][1] for m in g.members], params)
+        vals = [_gpu_value([vec[m.key][0] for m in g.members], [vec[m.key][1] for m in g.members], params)
                 for g in gpus]
         for a, ga in enumerate(gpus):
             for b, gb in enumerate(gpus):
                 if a == b:
                     continue
                 for i, x in enumerate(ga.members):
-                    vx = vec[x.job_id]
+                    if x.is_gang:
+                        continue  # a rank stays on its GPU (its siblings hold the others)
+                    vx = vec[x.key]
                     rest_a = [m for k, m in enumerate(ga.members) if k != i]
                     options = [-1] + (list(range(len(gb.members))) if a < b else [])
                     for j in options:
@@ -298,15 +416,17 @@ def _polish(gpus: list[Gpu], vec: dict[int, _Vec], params: InterferenceParams, b
                             new_a, new_b = rest_a, gb.members + [x]
                         else:
                             y = gb.members[j]
-                            vy = vec[y.job_id]
+                            if y.is_gang:
+                                continue
+                            vy = vec[y.key]
                             if (ga.used_bytes - vx[2] + vy[2] > ga.usable_bytes
                                     or gb.used_bytes - vy[2] + vx[2] > gb.usable_bytes):
                                 continue
                             new_a = rest_a + [y]
                             new_b = [m for k, m in enumerate(gb.members) if k != j] + [x]
                         budget[0] -= 1
-                        gain = (_gpu_value([vec[m.job_id][0] for m in new_a], [vec[m.job_id][1] for m in new_a], params)
-                                + _gpu_value([vec[m.job_id][0] for m in new_b], [vec[m.job_id][1] for m in new_b], params)
+                        gain = (_gpu_value([vec[m.key][0] for m in new_a], [vec[m.key][1] for m in new_a], params)
+                                + _gpu_value([vec[m.key][0] for m in new_b], [vec[m.key][1] for m in new_b], params)
                                 - vals[a] - vals[b])
                         if gain > 1e-6 and (best is None or gain > best[0]):
                             best = (gain, a, i, b, j)
@@ -325,8 +445,8 @@ def _polish(gpus: list[Gpu], vec: dict[int, _Vec], params: InterferenceParams, b
         del moved
         for g in (ga, gb):
             g.used_bytes = sum(g.fences)
-            g.sm = sum(vec[m.job_id][0] for m in g.members)
-            g.bw = sum(vec[m.job_id][1] for m in g.members)
+            g.sm = sum(vec[m.key][0] for m in g.members)
+            g.bw = sum(vec[m.key][1] for m in g.members)
 
 
 def _swap_pass(packs: list[list[Gpu]], leftover: list[JobDemand], vecs: dict[str, dict[int, _Vec]],
@@ -348,12 +468,14 @@ def _swap_pass(packs: list[list[Gpu]], leftover: list[JobDemand], vecs: dict[str
                 cand = pool[ci]
                 if not _duration_compatible(cand, g):
                     continue
-                cs, cb, cfence, ccpus, chost = vec[cand.job_id]
+                cs, cb, cfence, ccpus, chost = vec[cand.key]
                 best: tuple[float, int] | None = None
                 for mi, member in enumerate(g.members):
                     if budget <= 0:
                         return pool + rest
-                    ms, mb, mfence, mcpus, mhost = vec[member.job_id]
+                    if member.is_gang:
+                        continue  # ranks are placed all or none, never swapped out
+                    ms, mb, mfence, mcpus, mhost = vec[member.key]
                     if (g.used_bytes - mfence + cfence > g.usable_bytes or ccpus - mcpus > g.node.free_cpus
                             or chost - mhost > g.node.free_mem_bytes):
                         continue
@@ -367,7 +489,7 @@ def _swap_pass(packs: list[list[Gpu]], leftover: list[JobDemand], vecs: dict[str
                     continue
                 value, mi = best
                 out = g.members[mi]
-                ms, mb, mfence, mcpus, mhost = vec[out.job_id]
+                ms, mb, mfence, mcpus, mhost = vec[out.key]
                 g.members[mi], g.fences[mi] = cand, cfence
                 g.used_bytes += cfence - mfence
                 g.sm += cs - ms
@@ -382,7 +504,9 @@ def _swap_pass(packs: list[list[Gpu]], leftover: list[JobDemand], vecs: dict[str
                 continue
             best2: tuple[float, int, int, int] | None = None
             for mi, member in enumerate(g.members):
-                ms, mb, mfence, mcpus, mhost = vec[member.job_id]
+                if member.is_gang:
+                    continue
+                ms, mb, mfence, mcpus, mhost = vec[member.key]
                 for a in range(len(pool)):
                     if not _duration_compatible(pool[a], g):
                         continue
@@ -391,7 +515,7 @@ def _swap_pass(packs: list[list[Gpu]], leftover: list[JobDemand], vecs: dict[str
                             break
                         if not _duration_compatible(pool[c], g):
                             continue
-                        va, vc = vec[pool[a].job_id], vec[pool[c].job_id]
+                        va, vc = vec[pool[a].key], vec[pool[c].key]
                         if (g.used_bytes - mfence + va[2] + vc[2] > g.usable_bytes
                                 or va[3] + vc[3] - mcpus > g.node.free_cpus or va[4] + vc[4] - mhost > g.node.free_mem_bytes):
                             continue
@@ -403,7 +527,7 @@ def _swap_pass(packs: list[list[Gpu]], leftover: list[JobDemand], vecs: dict[str
             if best2 is not None:
                 value, mi, a, c = best2
                 out = g.members[mi]
-                ms, mb, mfence, mcpus, mhost = vec[out.job_id]
+                ms, mb, mfence, mcpus, mhost = vec[out.key]
                 del g.members[mi], g.fences[mi], sm[mi], bw[mi]
                 g.used_bytes -= mfence
                 g.sm -= ms
@@ -411,7 +535,7 @@ def _swap_pass(packs: list[list[Gpu]], leftover: list[JobDemand], vecs: dict[str
                 g.node.free_cpus += mcpus
                 g.node.free_mem_bytes += mhost
                 for job in (pool[a], pool[c]):
-                    v = vec[job.job_id]
+                    v = vec[job.key]
                     add_member(g, job, v[2], limits)
                     sm.append(v[0])
                     bw.append(v[1])
@@ -450,7 +574,7 @@ def _pick_chunk(candidates: list[JobDemand], vec: dict[int, _Vec], node: Node, g
     # Per candidate, normalised: (sm, bw, mem, cpu, host, duration penalty).
     rows = []
     for job in candidates:
-        s, b, fence, cpus, host = vec[job.job_id]
+        s, b, fence, cpus, host = vec[job.key]
         rows.append((s / cap_sm, b / cap_sm, fence / cap_mem, cpus / cap_cpu, host / cap_host,
                      _DURATION_WEIGHT * abs(_log_duration(job) - seed_log)))
     s0, b0, m0, c0, h0, _ = rows[0]
@@ -517,22 +641,22 @@ def _balance(chunk: list[JobDemand], vec: dict[int, _Vec], node: Node, g_max: in
     """Spread `chunk` over as few GPUs as it needs (<= g_max), balancing predicted load
     (inter-GPU): heaviest first, each onto the GPU whose busier resource stays lowest."""
     usable = usable_gpu_bytes(node.gpu)
-    need_sm = sum(vec[j.job_id][0] for j in chunk)
-    need_bw = sum(vec[j.job_id][1] for j in chunk)
-    need_mem = sum(vec[j.job_id][2] for j in chunk)
+    need_sm = sum(vec[j.key][0] for j in chunk)
+    need_bw = sum(vec[j.key][1] for j in chunk)
+    need_mem = sum(vec[j.key][2] for j in chunk)
     g = max(1, math.ceil(max(need_sm / limits.target_load, need_bw / limits.target_load, need_mem / usable,
                              len(chunk) / limits.members_per_gpu) - 1e-9))
     g = min(g, g_max)
     # The seed first (the pack exists for it), then heaviest first.
-    by_load = chunk[:1] + sorted(chunk[1:], key=lambda j: (-max(vec[j.job_id][0], vec[j.job_id][1]),
-                                                           -vec[j.job_id][2], j.job_id))
-    by_mem = chunk[:1] + sorted(chunk[1:], key=lambda j: (-vec[j.job_id][2], j.job_id))
+    by_load = chunk[:1] + sorted(chunk[1:], key=lambda j: (-max(vec[j.key][0], vec[j.key][1]),
+                                                           -vec[j.key][2], j.job_id))
+    by_mem = chunk[:1] + sorted(chunk[1:], key=lambda j: (-vec[j.key][2], j.job_id))
 
     def assign(order: list[JobDemand], count: int, memory_first: bool) -> tuple[list[Gpu], list[JobDemand]]:
         gpus = [Gpu(node=node, usable_bytes=usable, slots=limits.members_per_gpu) for _ in range(count)]
         rejected: list[JobDemand] = []
         for job in order:
-            s, b, fence, _cpus, _host = vec[job.job_id]
+            s, b, fence, _cpus, _host = vec[job.key]
             best: Gpu | None = None
             best_key: tuple[float, float] = (math.inf, math.inf)
             for cand in gpus:
@@ -566,8 +690,8 @@ def _balance(chunk: list[JobDemand], vec: dict[int, _Vec], node: Node, g_max: in
     gpus = [x for x in gpus if x.members]
     for x in gpus:
         for job in x.members:
-            node.free_cpus -= vec[job.job_id][3]
-            node.free_mem_bytes -= vec[job.job_id][4]
+            node.free_cpus -= vec[job.key][3]
+            node.free_mem_bytes -= vec[job.key][4]
     return gpus, rejected
 
 

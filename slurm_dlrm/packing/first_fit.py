@@ -12,8 +12,10 @@ from slurm_dlrm.packing.common import (
     add_member,
     block_if_urgent,
     defer_early,
+    defer_gang_early,
     expand_nodes,
     finish_plan,
+    gang_host_fits,
     gpu_budget,
     host_fits,
     node_maxima,
@@ -32,6 +34,7 @@ from slurm_dlrm.packing.model import (
     PackingRequest,
     host_limit_bytes,
     member_fence_bytes,
+    rank_members,
     usable_gpu_bytes,
 )
 from slurm_dlrm.site import MIB
@@ -62,7 +65,29 @@ def plan_first_fit(request: PackingRequest, params: InterferenceParams) -> Packi
     with_room = [g for _, g in shared if g.slots > 0]
     deferred: list[Deferred] = []
     blocked: list[JobDemand] = []
+    groups: list[list[Gpu]] = []  # the plan's packs: one GPU each, a multi-GPU job's GPUs together
     for job in sorted(request.jobs, key=order_key):
+        if job.is_gang:
+            # W shards, one per GPU of one node, unfenced (gres/shard with --gpus-per-task
+            # semantics): W fresh GPUs as one Slurm job; their other shards take later jobs.
+            if defer_gang_early(job, nodes, limits, False, blocked, deferred):
+                continue
+            ranks = rank_members(job)
+            node = next((n for n in nodes if n.free_gpus >= job.world_size and gang_host_fits(n, ranks, limits)), None)
+            if node is None or len(open_gpus) + job.world_size > budget:
+                deferred.append(Deferred(job.job_id, NO_FREE_GPU if len(open_gpus) < budget else NO_ROOM))
+                block_if_urgent(blocked, job)
+                continue
+            gang: list[Gpu] = []
+            for m in ranks:
+                g = open_gpu(node, slots)
+                add_member(g, m, member_fence_bytes(m, node.gpu, limits), limits)
+                gang.append(g)
+                open_gpus.append(g)
+                if len(g.members) < g.slots:
+                    with_room.append(g)
+            groups.append(gang)
+            continue
         if defer_early(job, maxima, limits, False, blocked, deferred):
             continue
         target = next((g for g in with_room if host_fits(g.node, job, limits)), None)
@@ -72,6 +97,7 @@ def plan_first_fit(request: PackingRequest, params: InterferenceParams) -> Packi
                 target = open_gpu(node, slots)
                 open_gpus.append(target)
                 with_room.append(target)
+                groups.append([target])
         if target is None:
             deferred.append(Deferred(job.job_id, NO_FREE_GPU if len(open_gpus) < budget else NO_ROOM))
             block_if_urgent(blocked, job)
@@ -79,7 +105,7 @@ def plan_first_fit(request: PackingRequest, params: InterferenceParams) -> Packi
         add_member(target, job, member_fence_bytes(job, target.node.gpu, limits), limits)
         if len(target.members) >= target.slots:
             with_room = [g for g in with_room if g is not target]
-    result = finish_plan("first-fit", [[g] for g in open_gpus], deferred, limits, params, fenced=False, thread_caps=False)
+    result = finish_plan("first-fit", groups, deferred, limits, params, fenced=False, thread_caps=False)
     joins = []
     for key, g in shared:
         whole_gpu_mib = usable_gpu_bytes(g.node.gpu) // MIB

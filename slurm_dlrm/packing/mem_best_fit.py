@@ -12,8 +12,10 @@ from slurm_dlrm.packing.common import (
     add_member,
     block_if_urgent,
     defer_early,
+    defer_gang_early,
     expand_nodes,
     finish_plan,
+    gang_host_fits,
     gpu_budget,
     host_fits,
     node_maxima,
@@ -29,6 +31,7 @@ from slurm_dlrm.packing.model import (
     PackingPlan,
     PackingRequest,
     member_fence_bytes,
+    rank_members,
     usable_gpu_bytes,
 )
 
@@ -46,7 +49,31 @@ def plan_mem_best_fit(request: PackingRequest, params: InterferenceParams) -> Pa
     by_free: dict[str, list[tuple[int, int]]] = {}
     deferred: list[Deferred] = []
     blocked: list[JobDemand] = []
+    groups: list[list[Gpu]] = []  # the plan's packs: one GPU each, a multi-GPU job's GPUs together
     for job in sorted(request.jobs, key=order_key):
+        if job.is_gang:
+            # W fresh GPUs of one node, one fenced rank each; their room takes later jobs.
+            if defer_gang_early(job, nodes, limits, True, blocked, deferred):
+                continue
+            ranks = rank_members(job)
+            node = next((n for n in nodes if n.free_gpus >= job.world_size and gang_host_fits(n, ranks, limits)
+                         and all(member_fence_bytes(m, n.gpu, limits) <= usable_gpu_bytes(n.gpu) for m in ranks)),
+                        None)
+            if node is None or len(open_gpus) + job.world_size > budget:
+                deferred.append(Deferred(job.job_id, NO_FREE_GPU if len(open_gpus) < budget else NO_ROOM))
+                block_if_urgent(blocked, job)
+                continue
+            gang: list[Gpu] = []
+            for m in ranks:
+                g = open_gpu(node, slots)
+                add_member(g, m, member_fence_bytes(m, node.gpu, limits), limits)
+                open_gpus.append(g)
+                gang.append(g)
+                if len(g.members) < g.slots:
+                    bisect.insort(by_free.setdefault(node.gpu.name, []), (g.usable_bytes - g.used_bytes,
+                                                                           len(open_gpus) - 1))
+            groups.append(gang)
+            continue
         if defer_early(job, maxima, limits, True, blocked, deferred):
             continue
         best: tuple[int, int] | None = None  # (bytes left after the job, opening order)
@@ -68,6 +95,7 @@ def plan_mem_best_fit(request: PackingRequest, params: InterferenceParams) -> Pa
                 open_gpus.append(gpu)
                 bisect.insort(by_free.setdefault(node.gpu.name, []), (gpu.usable_bytes, len(open_gpus) - 1))
                 best = (0, len(open_gpus) - 1)
+                groups.append([gpu])
         if best is None:
             deferred.append(Deferred(job.job_id, NO_FREE_GPU if len(open_gpus) < budget else NO_ROOM))
             block_if_urgent(blocked, job)
@@ -79,4 +107,4 @@ def plan_mem_best_fit(request: PackingRequest, params: InterferenceParams) -> Pa
         add_member(g, job, member_fence_bytes(job, g.node.gpu, limits), limits)
         if len(g.members) < g.slots:
             bisect.insort(entries, (g.usable_bytes - g.used_bytes, index))
-    return finish_plan("mem-best-fit", [[g] for g in open_gpus], deferred, limits, params, fenced=True, thread_caps=False)
+    return finish_plan("mem-best-fit", groups, deferred, limits, params, fenced=True, thread_caps=False)

@@ -10,7 +10,7 @@ out. A pack's members map one-to-one onto the placement file's members
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from slurm_dlrm.site import MIB, GpuModel, SiteConfig
@@ -40,10 +40,56 @@ class JobDemand:
     # its warm-up (DLRM allocates its tables and optimizer state in the first steps):
     # refill then counts that, not its fence (`live_gpu_bytes`). None: not measured yet.
     observed_gpu_mem_bytes: int | None = None
+    # A multi-GPU job (world_size > 1, docs/packing.md "Multi-GPU jobs") is placed as
+    # `world_size` rank members, all or none, on distinct GPUs of one node. `ranks`:
+    # each rank's own demand (the estimate's `ranks`); empty: every rank as the job's
+    # figures (its fullest rank's). `rank` is set on the rank members `rank_members` gives.
+    world_size: int = 1
+    ranks: tuple[RankDemand, ...] = ()
+    rank: int = 0
 
     @property
     def cpus(self) -> int:
         return max(1, math.ceil(self.host_cpu_cores - 1e-9))
+
+    @property
+    def key(self) -> int:
+        """Unique per member: the job id, or for a rank member a negative id derived from
+        (job id, rank), so several ranks of one job can be told apart in a plan."""
+        return self.job_id if self.world_size <= 1 else -(self.job_id * 4096 + self.rank + 1)
+
+    @property
+    def is_gang(self) -> bool:
+        return self.world_size > 1
+
+
+@dataclass(frozen=True)
+class RankDemand:
+    """One rank of a multi-GPU job, from the estimate's `ranks` (docs/interfaces.md section 2)."""
+
+    gpu_mem_bytes: int  # without the CUDA context, as JobDemand's
+    host_mem_bytes: int
+    sm_util_pct: float
+    membw_util_pct: float
+    host_cpu_cores: float
+    observed_gpu_mem_bytes: int | None = None
+
+
+def rank_members(job: JobDemand) -> tuple[JobDemand, ...]:
+    """The members a job is placed as: itself (one rank), or one per rank, each with its
+    rank's demand (`JobDemand.ranks`; the job's own figures where it has none)."""
+    if job.world_size <= 1:
+        return (job,)
+    out = []
+    for r in range(job.world_size):
+        rd = job.ranks[r] if r < len(job.ranks) else None
+        if rd is None:
+            out.append(replace(job, rank=r, ranks=()))
+        else:
+            out.append(replace(job, rank=r, ranks=(), gpu_mem_bytes=rd.gpu_mem_bytes, host_mem_bytes=rd.host_mem_bytes,
+                               sm_util_pct=rd.sm_util_pct, membw_util_pct=rd.membw_util_pct,
+                               host_cpu_cores=rd.host_cpu_cores, observed_gpu_mem_bytes=rd.observed_gpu_mem_bytes))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -128,12 +174,20 @@ class MemberPlacement:
     host_mem_limit_bytes: int
     cpus: int
     predicted_speed: float  # relative to solo, from the interference model
+    rank: int = 0  # a multi-GPU job's rank member (world_size > 1); one entry per rank
+    world_size: int = 1
 
     def to_placement(self) -> dict[str, Any]:
-        """The policy's part of one placement-file member (docs/interfaces.md section 3)."""
-        return {"job_id": self.job_id, "node_index": self.node_index, "gpu_index": self.gpu_index,
-                "mps_thread_pct": self.mps_thread_pct, "gpu_mem_limit_mib": self.gpu_mem_limit_mib,
-                "host_mem_limit_bytes": self.host_mem_limit_bytes, "cpus": self.cpus}
+        """The policy's part of one placement-file member (docs/interfaces.md section 3);
+        a rank member adds `rank` and `world_size` (absent: 0 and 1)."""
+        out: dict[str, Any] = {
+            "job_id": self.job_id, "node_index": self.node_index, "gpu_index": self.gpu_index,
+            "mps_thread_pct": self.mps_thread_pct, "gpu_mem_limit_mib": self.gpu_mem_limit_mib,
+            "host_mem_limit_bytes": self.host_mem_limit_bytes, "cpus": self.cpus}
+        if self.world_size > 1:
+            out["rank"] = self.rank
+            out["world_size"] = self.world_size
+        return out
 
 
 @dataclass(frozen=True)
@@ -203,7 +257,9 @@ class PackingPlan:
 
     @property
     def placed_job_ids(self) -> tuple[int, ...]:
-        return tuple(m.job_id for p in self.packs for m in p.members) + tuple(j.member.job_id for j in self.joins)
+        """Each placed job once (a multi-GPU job has a member per rank)."""
+        ids = [m.job_id for p in self.packs for m in p.members] + [j.member.job_id for j in self.joins]
+        return tuple(dict.fromkeys(ids))
 
     @property
     def predicted_throughput(self) -> float:
@@ -300,10 +356,20 @@ def demand_from_estimate(estimate: Any, *, job_id: int, user: str, submit_time_s
     gpu_peak = int(_get(estimate, "gpu_peak_bytes"))
     own = max(0, gpu_peak - _context_bytes(_get(estimate, "gpu_breakdown")))
     rate = float(_get(profile, "solo_samples_per_s", 0.0) or 0.0)
+    ranks = []
+    for r in _get(estimate, "ranks", None) or ():
+        rp = _get(r, "profile")
+        ranks.append(RankDemand(
+            gpu_mem_bytes=max(0, int(_get(r, "gpu_peak_bytes")) - _context_bytes(_get(r, "gpu_breakdown"))),
+            host_mem_bytes=int(_get(r, "host_peak_bytes")), sm_util_pct=float(_get(rp, "sm_util_pct")),
+            membw_util_pct=float(_get(rp, "membw_util_pct")), host_cpu_cores=float(_get(rp, "host_cpu_cores"))))
+        # the ranks step together: the slowest sets the job's pace
+        rate = min(rate, float(_get(rp, "solo_samples_per_s", rate) or rate)) if rate > 0 else rate
     duration = samples_to_train / rate if samples_to_train and rate > 0 else None
     label = str(_get(profile, "label", "compute-bound"))
     return JobDemand(job_id=job_id, user=user, submit_time_s=submit_time_s, priority=priority,
                      gpu_mem_bytes=own, host_mem_bytes=int(_get(estimate, "host_peak_bytes")),
                      sm_util_pct=float(_get(profile, "sm_util_pct")), membw_util_pct=float(_get(profile, "membw_util_pct")),
                      host_cpu_cores=float(_get(profile, "host_cpu_cores")), label=label,
-                     solo_samples_per_s=rate, est_duration_s=duration, name=name)
+                     solo_samples_per_s=rate, est_duration_s=duration, name=name,
+                     world_size=max(1, len(ranks)), ranks=tuple(ranks))

@@ -14,6 +14,7 @@ from slurm_dlrm.packing.common import (
     drain_tail,
     host_fits,
     order_key,
+    rank_load,
     thread_pcts,
 )
 from slurm_dlrm.packing.common import (
@@ -33,6 +34,7 @@ from slurm_dlrm.packing.model import (
     host_limit_bytes,
     live_gpu_bytes,
     member_fence_bytes,
+    rank_members,
     usable_gpu_bytes,
 )
 from slurm_dlrm.site import MIB, GpuModel
@@ -177,8 +179,11 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
         return bool(held) and job.priority < held[0].priority
 
     placed: set[int] = set()
+    # Multi-GPU jobs first, all ranks or none (docs/packing.md "Multi-GPU jobs").
+    _join_gangs(pgs, [j for j in queue if j.is_gang], placed, limits, params, policy == "complementary")
+    singles = [j for j in queue if not j.is_gang]
     if policy == "mem-best-fit":
-        for job in queue:
+        for job in singles:
             if held_back(job):
                 break
             best: _PackGpu | None = None
@@ -199,7 +204,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
                 held.append(job)
     else:
         # Urgent jobs first, each onto the pack GPU where it adds most.
-        for job in queue:
+        for job in singles:
             if job.priority < URGENT_PRIORITY:
                 break
             best_gpu: _PackGpu | None = None
@@ -218,7 +223,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
             _join(best_gpu, job, limits)
             placed.add(job.job_id)
         if not held:
-            _fill_by_gain(pgs, queue, placed, limits, params, tail)
+            _fill_by_gain(pgs, singles, placed, limits, params, tail)
     joins: list[Join] = []
     for pg in pgs:
         members = pg.members
@@ -231,8 +236,51 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
                     job_id=j.job_id, node_index=node_index, gpu_index=gpu_index, mps_thread_pct=pct,
                     gpu_mem_limit_mib=math.ceil(member_fence_bytes(j, pg.gpu, limits) / MIB),
                     host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus,
-                    predicted_speed=speed)))
+                    predicted_speed=speed, rank=j.rank, world_size=j.world_size)))
     return joins, [j for j in queue if j.job_id not in placed]
+
+
+def _join_gangs(pgs: list[_PackGpu], gangs: list[JobDemand], placed: set[int], limits: PackingLimits,
+                params: InterferenceParams, load_target: bool) -> None:
+    """Multi-GPU jobs join a running pack's node all ranks or none: each rank (heaviest
+    first) onto its own pack GPU of one node, the least loaded one with room (memory,
+    slots, the allocation's CPUs and host memory for all ranks, its time left);
+    `load_target` (complementary): no GPU's summed SM or bandwidth use past the target."""
+    groups: dict[int, list[_PackGpu]] = {}
+    for pg in pgs:
+        groups.setdefault(id(pg.node), []).append(pg)
+    for job in gangs:
+        ranks = sorted(rank_members(job), key=rank_load)
+        for group in groups.values():
+            node = group[0].node
+            if (len(group) < job.world_size or sum(m.cpus for m in ranks) > node.free_cpus
+                    or sum(host_limit_bytes(m, limits) for m in ranks) > node.free_mem_bytes):
+                continue
+            chosen: list[_PackGpu] = []
+            for m in ranks:
+                best: _PackGpu | None = None
+                best_load = math.inf
+                for pg in group:
+                    if any(pg is c for c in chosen) or not _join_fits(pg, m, limits):
+                        continue
+                    sm = sum(util_fraction(j.sm_util_pct) for j in pg.members) + util_fraction(m.sm_util_pct)
+                    bw = sum(util_fraction(j.membw_util_pct) for j in pg.members) + util_fraction(m.membw_util_pct)
+                    load = max(sm, bw)
+                    if load_target and pg.members and load > limits.target_load + 1e-9:
+                        continue
+                    members = pg.members + [m]
+                    if pg.remaining_s is not None and not _times_fit(pg, members, _join_speeds(members, params)):
+                        continue
+                    if load < best_load:
+                        best, best_load = pg, load
+                if best is None:
+                    break
+                chosen.append(best)
+            if len(chosen) == len(ranks):
+                for m, pg in zip(ranks, chosen, strict=True):
+                    _join(pg, m, limits)
+                placed.add(job.job_id)
+                break
 
 
 def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int], limits: PackingLimits,
