@@ -17,6 +17,11 @@ synthetic truth with the planner on a learned model fit on simulated agent sampl
 profiles, the truth's speeds). Line: `robust: min_tput_vs_firstfit=X ooms=N` (the worst
 of complementary's gains over first-fit, and complementary's OOMs over the three).
 
+Multi-GPU (issue 18): the 4-GPU run again with 25% of the jobs drawn with world_size 2
+or 4 (rank 0 the fullest, the others 0.5-1.0 of it), placed as rank members all or
+none; line `multi: tput_vs_exclusive=X tput_vs_firstfit=X ooms=N done_pct=X`
+(complementary's), printed before the last line.
+
 Run:  /work/main/.venv/bin/python benchmarks/policy_compare.py [--dmem]
 Last line:  policy: tput_vs_exclusive_1gpu=X tput_vs_exclusive_4gpu=X share_of_bound_1gpu=X
             share_of_bound_4gpu=X tput_vs_firstfit=X jct_cut_vs_firstfit_pct=X ooms=N
@@ -125,7 +130,7 @@ def robustness() -> tuple[float, int]:
 def run(cluster_file: str, scale: int, mem_noise_pct: float | None = None,
         policies: tuple[str, ...] = POLICY_NAMES, user_resubmits: int | None = None,
         truth: InterferenceParams | None = None, plan_params: InterferenceParams | None = None,
-        plan_fit: bool = False, dmem: bool = False) -> dict[str, object]:
+        plan_fit: bool = False, dmem: bool = False, multi_gpu_share: float = 0.0) -> dict[str, object]:
     cluster_data = yaml.safe_load((SIM / cluster_file).read_text())
     if user_resubmits is not None:
         cluster_data["retry"]["user_resubmits"] = user_resubmits
@@ -135,6 +140,8 @@ def run(cluster_file: str, scale: int, mem_noise_pct: float | None = None,
     data["generate"]["arrival_rate_per_h"] *= scale
     if mem_noise_pct is not None:
         data["generate"]["mem_noise_pct"] = mem_noise_pct
+    if multi_gpu_share > 0:
+        data["generate"]["multi_gpu_share"] = multi_gpu_share  # world_size 2 or 4 (multi_gpu_ranks default)
     workload = parse_workload(data, {g.name: g for g in cluster.gpu_models})
     if plan_fit:
         assert truth is not None
@@ -231,6 +238,15 @@ def main() -> None:
         ])
     robust_min, robust_ooms = robustness()
     print(f"robust: min_tput_vs_firstfit={robust_min:.2f} ooms={robust_ooms}")
+    # Issue 18: the 4-GPU mix with 25% of the jobs on 2 or 4 GPUs (ranks fenced one per GPU).
+    multi = run("cluster_4gpu.yaml", 4, multi_gpu_share=0.25)
+    show("4 GPUs, 25% of jobs with 2 or 4 ranks (multi-GPU, issue 18)", multi)
+    mc = multi["results"]["complementary"]  # type: ignore[index]
+    gangs = sum(1 for j in multi["workload"].jobs if j.world_size > 1)  # type: ignore[attr-defined]
+    print(f"multi-GPU jobs: {gangs} of {len(mc.jobs)} (targets: >= 1.25x first-fit, 0 OOMs, 100% done)")
+    print(f"multi: tput_vs_exclusive={tput(multi, 'complementary') / tput(multi, 'exclusive'):.2f} "
+          f"tput_vs_firstfit={tput(multi, 'complementary') / tput(multi, 'first-fit'):.2f} "
+          f"ooms={mc.ooms} done_pct={100 * mc.completion_rate:.1f}")
     done = min(one["results"]["complementary"].completion_rate, four["results"]["complementary"].completion_rate)  # type: ignore[index]
     nz = noisy["results"]["complementary"]  # type: ignore[index]
     nz_share = nz.throughput_jobs_per_h / noisy["ideal"]  # type: ignore[operator]

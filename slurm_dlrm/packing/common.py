@@ -219,19 +219,26 @@ def defer_early(job: JobDemand, maxima: tuple[int, int, list[GpuModel]], limits:
 
 
 def defer_gang_early(job: JobDemand, nodes: list[Node], limits: PackingLimits, memory_aware: bool,
-                     blocked: list[JobDemand], deferred: list[Deferred]) -> bool:
+                     blocked: list[JobDemand], deferred: list[Deferred],
+                     shared_gpus: dict[str, int] | None = None) -> bool:
     """`defer_early` for a multi-GPU job: every rank must fit a GPU of its own, and one
-    free node must offer `world_size` GPUs and the ranks' CPUs and host memory together."""
+    free node must offer `world_size` GPUs and the ranks' CPUs and host memory together.
+    `shared_gpus`: busy GPUs with a free shard per node name (first-fit), which count."""
     ranks = rank_members(job)
-    free = [n for n in nodes if n.free_gpus > 0]
+    extra = shared_gpus or {}
+
+    def offered(n: Node) -> int:
+        return n.free_gpus + extra.get(n.name, 0)
+
+    free = [n for n in nodes if offered(n) > 0]
     maxima = node_maxima(free)
     reason = next((r for r in (too_big_reason(m, maxima, limits, memory_aware) for m in ranks) if r), None)
     if reason is None:
         need_cpus = sum(m.cpus for m in ranks)
         need_host = sum(host_limit_bytes(m, limits) for m in ranks)
-        if not any(n.free_gpus >= job.world_size for n in free):
+        if not any(offered(n) >= job.world_size for n in free):
             reason = f"needs {job.world_size} GPUs of one node (world_size); no free node has that many this round"
-        elif not any(n.free_gpus >= job.world_size and n.free_cpus >= need_cpus and n.free_mem_bytes >= need_host
+        elif not any(offered(n) >= job.world_size and n.free_cpus >= need_cpus and n.free_mem_bytes >= need_host
                      for n in free):
             reason = (f"needs {need_cpus} CPUs and {need_host // MIB} MiB of host memory on one node for its "
                       f"{job.world_size} ranks; no free node has that much this round")

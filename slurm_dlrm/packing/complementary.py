@@ -21,6 +21,7 @@ from slurm_dlrm.packing.common import (
     finish_plan,
     gang_host_fits,
     gpu_budget,
+    held_reason,
     node_maxima,
     order_key,
     rank_load,
@@ -96,16 +97,33 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
     # similar expected duration fill those GPUs, each onto the least loaded one.
     left_budget = budget
     gang_packs: list[list[Gpu]] = []
+    held_gang: JobDemand | None = None
     for job in gangs:
         gpus_of = _place_gang(job, gang_packs, free_nodes, vecs, limits, left_budget)
         if gpus_of is None:
             deferred.append(Deferred(job.job_id, NO_FREE_GPU if left_budget < job.world_size else NO_ROOM))
+            if held_gang is None and job.priority >= URGENT_PRIORITY:
+                held_gang = job
             continue
         if gpus_of[1]:
             gang_packs.append(gpus_of[0])
             left_budget -= len(gpus_of[0])
+    if held_gang is not None:
+        # An urgent gang that found no W free GPUs holds the room, as an urgent single
+        # job does: single-GPU jobs of lower priority wait, so GPUs drain for it
+        # (otherwise they are refilled one by one and the gang starves).
+        for job in eligible:
+            if job.priority < held_gang.priority:
+                deferred.append(Deferred(job.job_id, held_reason([held_gang]) or NO_ROOM))
+        eligible = [j for j in eligible if j.priority >= held_gang.priority]
     if gang_packs and eligible:
         eligible = _fill_gang_packs(gang_packs, eligible, vecs, limits)
+    # A gang that waits can later join a running pack only if the pack spans its
+    # world_size GPUs (refill, all ranks in one allocation): new packs of single-GPU jobs
+    # are spread over that many GPUs while one waits (one-GPU packs kept alive by refill
+    # would otherwise never leave W GPUs for it).
+    waiting = [j.world_size for j in gangs if j.job_id in {d.job_id for d in deferred}]
+    min_gpus = max(waiting, default=1)
 
     # A pack holds its GPUs until its last member ends, so a pack is built around a
     # seed from the jobs whose expected duration is nearest to the seed's.
@@ -162,7 +180,7 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
             g_max = min(node.free_gpus, limits.max_gpus_per_pack, left_budget)
             candidates = neighbours(probe, g_max * limits.members_per_gpu * 3)
             chunk = _pick_chunk(candidates, vec, node, g_max, limits)
-            gpus, rejected = _balance(chunk, vec, node, g_max, limits) if chunk else ([], chunk)
+            gpus, rejected = _balance(chunk, vec, node, g_max, limits, min_gpus) if chunk else ([], chunk)
             if not gpus or seed in rejected:
                 # The seed does not fit what is left of this node: try a few later seeds
                 # here, then the next node.
@@ -637,7 +655,7 @@ def _pick_chunk(candidates: list[JobDemand], vec: dict[int, _Vec], node: Node, g
 
 
 def _balance(chunk: list[JobDemand], vec: dict[int, _Vec], node: Node, g_max: int,
-             limits: PackingLimits) -> tuple[list[Gpu], list[JobDemand]]:
+             limits: PackingLimits, min_gpus: int = 1) -> tuple[list[Gpu], list[JobDemand]]:
     """Spread `chunk` over as few GPUs as it needs (<= g_max), balancing predicted load
     (inter-GPU): heaviest first, each onto the GPU whose busier resource stays lowest."""
     usable = usable_gpu_bytes(node.gpu)
@@ -646,7 +664,7 @@ def _balance(chunk: list[JobDemand], vec: dict[int, _Vec], node: Node, g_max: in
     need_mem = sum(vec[j.key][2] for j in chunk)
     g = max(1, math.ceil(max(need_sm / limits.target_load, need_bw / limits.target_load, need_mem / usable,
                              len(chunk) / limits.members_per_gpu) - 1e-9))
-    g = min(g, g_max)
+    g = min(max(g, min(min_gpus, len(chunk))), g_max)
     # The seed first (the pack exists for it), then heaviest first.
     by_load = chunk[:1] + sorted(chunk[1:], key=lambda j: (-max(vec[j.key][0], vec[j.key][1]),
                                                            -vec[j.key][2], j.job_id))

@@ -68,25 +68,41 @@ def plan_first_fit(request: PackingRequest, params: InterferenceParams) -> Packi
     groups: list[list[Gpu]] = []  # the plan's packs: one GPU each, a multi-GPU job's GPUs together
     for job in sorted(request.jobs, key=order_key):
         if job.is_gang:
-            # W shards, one per GPU of one node, unfenced (gres/shard with --gpus-per-task
-            # semantics): W fresh GPUs as one Slurm job; their other shards take later jobs.
-            if defer_gang_early(job, nodes, limits, False, blocked, deferred):
+            # W shards on W distinct GPUs of one node (NCCL takes one rank per GPU), no
+            # fence: busy GPUs with a free shard first, as for any job, then fresh ones.
+            room: dict[str, int] = {}
+            for g in with_room:
+                room[g.node.name] = room.get(g.node.name, 0) + 1
+            if defer_gang_early(job, nodes, limits, False, blocked, deferred, room):
                 continue
             ranks = rank_members(job)
-            node = next((n for n in nodes if n.free_gpus >= job.world_size and gang_host_fits(n, ranks, limits)), None)
-            if node is None or len(open_gpus) + job.world_size > budget:
+            chosen: list[Gpu] | None = None
+            for node in nodes:
+                if not gang_host_fits(node, ranks, limits):
+                    continue
+                cands = [g for g in with_room if g.node is node][:job.world_size]
+                fresh = job.world_size - len(cands)
+                if fresh <= node.free_gpus and len(open_gpus) + fresh <= budget:
+                    for _ in range(fresh):
+                        g = open_gpu(node, slots)
+                        open_gpus.append(g)
+                        with_room.append(g)
+                        groups.append([g])
+                        cands.append(g)
+                    chosen = cands
+                    break
+            if chosen is None:
                 deferred.append(Deferred(job.job_id, NO_FREE_GPU if len(open_gpus) < budget else NO_ROOM))
                 block_if_urgent(blocked, job)
                 continue
-            gang: list[Gpu] = []
-            for m in ranks:
-                g = open_gpu(node, slots)
-                add_member(g, m, member_fence_bytes(m, node.gpu, limits), limits)
-                gang.append(g)
-                open_gpus.append(g)
-                if len(g.members) < g.slots:
-                    with_room.append(g)
-            groups.append(gang)
+            for m, g in zip(ranks, chosen, strict=True):
+                add_member(g, m, member_fence_bytes(m, g.node.gpu, limits), limits)
+            with_room = [g for g in with_room if len(g.members) < g.slots]
+            # The ranks on GPUs opened this round form one Slurm job: their packs merge
+            # (ranks on busy shard GPUs join those, see `joins`).
+            mine = [grp for grp in groups if any(g is c for g in grp for c in chosen)]
+            if len(mine) > 1:
+                groups = [grp for grp in groups if not any(grp is x for x in mine)] + [[g for grp in mine for g in grp]]
             continue
         if defer_early(job, maxima, limits, False, blocked, deferred):
             continue
@@ -112,5 +128,6 @@ def plan_first_fit(request: PackingRequest, params: InterferenceParams) -> Packi
         for j in g.members:
             joins.append(Join(key, MemberPlacement(
                 job_id=j.job_id, node_index=0, gpu_index=0, mps_thread_pct=100, gpu_mem_limit_mib=whole_gpu_mib,
-                host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus, predicted_speed=1.0)))
+                host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus, predicted_speed=1.0,
+                rank=j.rank, world_size=j.world_size)))
     return PackingPlan(result.policy, result.packs, result.deferred, tuple(joins))

@@ -180,7 +180,14 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
 
     placed: set[int] = set()
     # Multi-GPU jobs first, all ranks or none (docs/packing.md "Multi-GPU jobs").
-    _join_gangs(pgs, [j for j in queue if j.is_gang], placed, limits, params, policy == "complementary")
+    reserved: set[str] = set()
+    stuck = _join_gangs(pgs, [j for j in queue if j.is_gang], placed, limits, params, policy == "complementary",
+                        reserved)
+    # Single-GPU jobs do not join the GPUs a waiting gang reserved.
+    all_pgs = pgs
+    pgs = [pg for pg in pgs if pg.key not in reserved] if reserved else pgs
+    if stuck is not None:
+        held.append(stuck)  # an urgent gang that cannot join holds the room (as an urgent single)
     singles = [j for j in queue if not j.is_gang]
     if policy == "mem-best-fit":
         for job in singles:
@@ -225,7 +232,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
         if not held:
             _fill_by_gain(pgs, singles, placed, limits, params, tail)
     joins: list[Join] = []
-    for pg in pgs:
+    for pg in all_pgs:
         members = pg.members
         speeds = _join_speeds(members, params) if members else []
         pcts = thread_pcts([util_fraction(j.sm_util_pct) for j in members]) if policy == "complementary" else [100] * len(members)
@@ -241,11 +248,14 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
 
 
 def _join_gangs(pgs: list[_PackGpu], gangs: list[JobDemand], placed: set[int], limits: PackingLimits,
-                params: InterferenceParams, load_target: bool) -> None:
+                params: InterferenceParams, load_target: bool, reserved: set[str]) -> JobDemand | None:
     """Multi-GPU jobs join a running pack's node all ranks or none: each rank (heaviest
     first) onto its own pack GPU of one node, the least loaded one with room (memory,
     slots, the allocation's CPUs and host memory for all ranks, its time left);
-    `load_target` (complementary): no GPU's summed SM or bandwidth use past the target."""
+    `load_target` (complementary): no GPU's summed SM or bandwidth use past the target.
+    Returns the first urgent gang that could not join, or None; the first gang that
+    could not join reserves GPUs (`_reserve_for_gang`, keys added to `reserved`)."""
+    stuck: JobDemand | None = None
     groups: dict[int, list[_PackGpu]] = {}
     for pg in pgs:
         groups.setdefault(id(pg.node), []).append(pg)
@@ -281,6 +291,33 @@ def _join_gangs(pgs: list[_PackGpu], gangs: list[JobDemand], placed: set[int], l
                     _join(pg, m, limits)
                 placed.add(job.job_id)
                 break
+        if job.job_id not in placed and stuck is None and job.priority >= URGENT_PRIORITY:
+            stuck = job
+        if job.job_id not in placed and not reserved:
+            _reserve_for_gang(groups, ranks, limits, reserved)
+    return stuck
+
+
+def _reserve_for_gang(groups: dict[int, list[_PackGpu]], ranks: list[JobDemand], limits: PackingLimits,
+                      reserved: set[str]) -> None:
+    """The first gang that could not join reserves the `world_size` least loaded GPUs of
+    the pack node that has them: single-GPU jobs stop joining those, so their room
+    grows as members end and the gang gets in (refill would otherwise fill every
+    freed share at once and the gang would never see room on W GPUs together)."""
+    best: tuple[float, list[_PackGpu]] | None = None
+    for group in groups.values():
+        if len(group) < len(ranks):
+            continue
+        loads = sorted(group, key=lambda pg: (max(sum(util_fraction(j.sm_util_pct) for j in pg.members),
+                                                  sum(util_fraction(j.membw_util_pct) for j in pg.members)),
+                                              pg.used_bytes, pg.key))
+        chosen = loads[:len(ranks)]
+        worst = max(max(sum(util_fraction(j.sm_util_pct) for j in pg.members),
+                        sum(util_fraction(j.membw_util_pct) for j in pg.members)) for pg in chosen)
+        if best is None or worst < best[0]:
+            best = (worst, chosen)
+    if best is not None:
+        reserved.update(pg.key for pg in best[1])
 
 
 def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int], limits: PackingLimits,

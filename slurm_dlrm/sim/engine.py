@@ -49,7 +49,9 @@ from slurm_dlrm.packing.model import (
     OpenGpu,
     PackingLimits,
     PackingRequest,
+    RankDemand,
     member_fence_bytes,
+    rank_members,
 )
 from slurm_dlrm.packing.policies import plan as make_plan
 from slurm_dlrm.sim.faults import FaultRuntime, KillAction
@@ -90,6 +92,24 @@ class _Member:
     speed: float = 0.0
     ended: bool = False
     soft_bytes: int | None = None  # dmem: the soft limit (dmem.min), the estimate it was packed on
+    rank: int = 0  # a multi-GPU job's rank (its siblings are members of the same job)
+    raw_speed: float = 0.0  # its GPU's speed for it; a rank runs at its slowest sibling's (`speed`)
+
+    @property
+    def scale(self) -> float:
+        return self.job.scales[self.rank] if self.rank < len(self.job.scales) else 1.0
+
+    @property
+    def true_mem(self) -> int:
+        return int(self.job.true_gpu_mem_bytes * self.scale)
+
+    @property
+    def true_sm(self) -> float:
+        return self.job.true_sm_util_pct * self.scale
+
+    @property
+    def true_bw(self) -> float:
+        return self.job.true_membw_util_pct * self.scale
 
 
 @dataclass
@@ -206,10 +226,15 @@ class SimResult:
 
 
 def _demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -> JobDemand:
+    ranks: tuple[RankDemand, ...] = ()
+    if job.world_size > 1:
+        ranks = tuple(RankDemand(gpu_mem_bytes=int(gpu_mem_bytes * x), host_mem_bytes=job.host_mem_bytes,
+                                 sm_util_pct=job.sm_util_pct * x, membw_util_pct=job.membw_util_pct * x,
+                                 host_cpu_cores=job.host_cpu_cores) for x in job.scales)
     return JobDemand(job_id=job.job_id, user=job.user, submit_time_s=job.arrival_s, priority=job.priority,
                      gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=job.host_mem_bytes, sm_util_pct=job.sm_util_pct,
                      membw_util_pct=job.membw_util_pct, host_cpu_cores=job.host_cpu_cores, label=job.label,
-                     est_duration_s=est_remaining_s, name=job.name)
+                     est_duration_s=est_remaining_s, name=job.name, world_size=job.world_size, ranks=ranks)
 
 
 def simulate(workload: Workload, cluster: SimCluster, policy: str,
@@ -271,7 +296,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     # first-fit models gres/shard: each job is its own Slurm job on a shard of a GPU, so
     # a busy GPU with a free shard takes new jobs (the other policies own whole GPUs).
     shard_mode = policy == "first-fit"
-    shard_packs: dict[str, _Pack] = {}
+    shard_gpus: dict[str, tuple[_Pack, int]] = {}  # f"{pack_id}:{gpu_index}" -> its pack and GPU
     # mem-best-fit and complementary refill their running packs: pending jobs join pack
     # GPUs with room (OpenGpu.pack, docs/packing.md), as the live service does.
     refill = policy in REFILL_POLICIES
@@ -279,13 +304,13 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     dmem = dmem and fenced
     plan_limits = replace(limits, memory_margin_pct=0.0) if dmem else limits
 
-    def member_limits(jid: int, node: _NodeState, planned_mib: int) -> tuple[int | None, int | None]:
+    def member_limits(jid: int, node: _NodeState, planned_mib: int, rank: int = 0) -> tuple[int | None, int | None]:
         """(hard fence or None, dmem soft limit or None) of a member the plan placed."""
         whole = gpu_bytes(node)
         if not dmem:
             fence = planned_mib * MIB
             return (None if fence >= whole else fence), None
-        hard = member_fence_bytes(pending[jid], cluster.gpu_model(node.gpu_model), limits)
+        hard = member_fence_bytes(rank_members(pending[jid])[rank], cluster.gpu_model(node.gpu_model), limits)
         return (None if hard >= whole else hard), planned_mib * MIB
     mem_errors: list[float] = []
     # Fences follow the estimate's observed error (round_limits); dmem plans on the
@@ -304,16 +329,42 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         if not live:
             return
         if len(live) == 1:
-            live[0].speed = 1.0
+            live[0].speed = live[0].raw_speed = 1.0
             return
-        sp = predict_speeds_from_fractions([min(1.0, m.job.true_sm_util_pct / 100.0) for m in live],
-                                           [min(1.0, m.job.true_membw_util_pct / 100.0) for m in live], truth)
+        sp = predict_speeds_from_fractions([min(1.0, m.true_sm / 100.0) for m in live],
+                                           [min(1.0, m.true_bw / 100.0) for m in live], truth)
         for m, s in zip(live, sp, strict=True):
-            m.speed = s
+            m.speed = m.raw_speed = s
+
+    def sync_gangs() -> None:
+        # The ranks of a job step together (all-to-all every step): each runs at the
+        # slowest sibling's speed, none before all are ready.
+        ranks: dict[int, list[_Member]] = {}
+        for pk in running_packs:
+            for gpu in pk.gpus:
+                for m in gpu.members:
+                    if not m.ended and m.job.world_size > 1:
+                        ranks.setdefault(m.job.job_id, []).append(m)
+        for group in ranks.values():
+            complete = len(group) == group[0].job.world_size
+            pace = min(x.raw_speed if x.ready else 0.0 for x in group) if complete else 0.0
+            for x in group:
+                x.speed = pace
+
+    def siblings(m: _Member) -> list[tuple[_Pack, _Gpu, _Member]]:
+        if m.job.world_size <= 1:
+            return []
+        return [(pk, gpu, x) for pk in running_packs for gpu in pk.gpus for x in gpu.members
+                if x is not m and not x.ended and x.job.job_id == m.job.job_id]
+
+    def end_gang(m: _Member) -> None:
+        """A rank ended (OOM, fault, done): its siblings stop too (the agent's gang stop)."""
+        for pk, gpu, x in siblings(m):
+            end_member(pk, gpu, x)
 
     def end_member(pack: _Pack, gpu: _Gpu, m: _Member) -> None:
         m.ended = True
-        m.speed = 0.0
+        m.speed = m.raw_speed = 0.0
         pack.live -= 1
         if shard_mode:
             # Each first-fit member is its own Slurm job: its CPUs and memory come back now.
@@ -330,13 +381,18 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             pack.node.free_cpus += pack.cpus
             pack.node.free_mem += pack.host_mem
             running_packs.remove(pack)
-            shard_packs.pop(str(pack.pack_id), None)
+            for gi in range(pack.gpu_count):
+                shard_gpus.pop(f"{pack.pack_id}:{gi}", None)
             schedule_tick()
 
     def apply_kill(pack: _Pack, gpu: _Gpu, m: _Member, act: KillAction) -> None:
-        # A fault ended the member: requeue it from its checkpoint, or fail it.
+        # A fault ended the member: requeue it from its checkpoint, or fail it. A rank
+        # takes its siblings with it; the job is requeued whole.
+        if m.ended:
+            return
         jid = m.job.job_id
         end_member(pack, gpu, m)
+        end_gang(m)
         progress_saved[jid] = act.saved_progress_s
         if act.requeue and act.demand is not None:
             est_mem[jid] = act.demand.gpu_mem_bytes
@@ -348,8 +404,9 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     def kill_packs(name: str, packs: list[_Pack]) -> None:
         assert faults is not None
         victims = [(pk, gpu, m) for pk in packs for gpu in pk.gpus for m in gpu.members if not m.ended]
+        firsts = list({m.job.job_id: m for _, _, m in reversed(victims)}.values())  # one entry per job
         acts = faults.on_node_fail(now, name, [(m.job, m.progress, m.progress_start, est_mem[m.job.job_id])
-                                               for _, _, m in victims])
+                                               for m in firsts])
         for pk, gpu, m in victims:
             apply_kill(pk, gpu, m, acts[m.job.job_id])
 
@@ -385,23 +442,23 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
 
     def oom_check(pack: _Pack, gpu: _Gpu, m: _Member) -> bool:
         node = pack.node
-        own = m.job.true_gpu_mem_bytes
+        own = m.true_mem
         if m.fence_bytes is not None and own + ctx_bytes(node) > m.fence_bytes:
             return True
         # The GPU as a whole, fenced or not: refill counts a member past its peak at its
         # measured peak (below its fence), so fences may add up to more than the GPU.
         total = (ctx_bytes(node) if pack.mps else 0) + sum(
-            x.job.true_gpu_mem_bytes + ctx_bytes(node) for x in gpu.members if not x.ended and (x.peaked or x is m))
+            x.true_mem + ctx_bytes(node) for x in gpu.members if not x.ended and (x.peaked or x is m))
         total += sum(ctx_bytes(node) for x in gpu.members if not x.ended and not x.peaked and x is not m)
         return total > gpu_bytes(node)
 
     def observe_error(pack: _Pack, m: _Member) -> None:
         # The estimate's error as the agents see it at a member's peak (its NVML
         # samples); a member killed at its fence shows only that its error passed it.
-        est = est_mem[m.job.job_id]
+        est = est_mem[m.job.job_id] * m.scale
         if est <= 0 or not learn_margin:
             return
-        err = m.job.true_gpu_mem_bytes / est - 1.0
+        err = m.true_mem / est - 1.0
         if m.fence_bytes is not None:
             err = min(err, (m.fence_bytes - ctx_bytes(pack.node)) / est - 1.0 + 0.01)
         mem_errors.append(abs(err))
@@ -421,18 +478,18 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         if not dmem or m.soft_bytes is None:
             return m if oom_check(pack, gpu, m) else None
         ctx = ctx_bytes(pack.node)
-        if m.fence_bytes is not None and m.job.true_gpu_mem_bytes + ctx > m.fence_bytes:
+        if m.fence_bytes is not None and m.true_mem + ctx > m.fence_bytes:
             return m  # dmem.max: the allocation fails
         live = [x for x in gpu.members if not x.ended]
-        total = (ctx if pack.mps else 0) + sum(x.job.true_gpu_mem_bytes + ctx if (x.peaked or x is m) else ctx
+        total = (ctx if pack.mps else 0) + sum(x.true_mem + ctx if (x.peaked or x is m) else ctx
                                                for x in live)
         if total <= gpu_bytes(pack.node):
             return None
         over = [x for x in live if (x.peaked or x is m) and x.soft_bytes is not None
-                and x.job.true_gpu_mem_bytes + ctx > x.soft_bytes]
+                and x.true_mem + ctx > x.soft_bytes]
         if not over:
             return None
-        return max(over, key=lambda x: x.job.true_gpu_mem_bytes + ctx - (x.soft_bytes or 0))
+        return max(over, key=lambda x: x.true_mem + ctx - (x.soft_bytes or 0))
 
     def pack_gpus() -> tuple[OpenGpu, ...]:
         # Refill: every GPU of a running pack, with its live members and what the
@@ -446,8 +503,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             free_mem = pk.host_mem - sum(m.host_mem for m in members)
             for gpu_index, gpu in enumerate(pk.gpus):
                 # A member past its peak reports it (the agent's NVML samples).
-                live = tuple(replace(_demand(m.job, est_mem[m.job.job_id], est_left_s(m)),
-                                     observed_gpu_mem_bytes=m.job.true_gpu_mem_bytes if m.peaked else None)
+                live = tuple(replace(rank_members(_demand(m.job, est_mem[m.job.job_id], est_left_s(m)))[m.rank],
+                                     observed_gpu_mem_bytes=m.true_mem if m.peaked else None)
                              for m in gpu.members if not m.ended)
                 out.append(OpenGpu(f"{pk.pack_id}:0:{gpu_index}", pk.node.name, len(live), pack=True,
                                    gpu_model=pk.node.gpu_model, live=live, free_cpus=free_cpus,
@@ -465,15 +522,21 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         pack = next(pk for pk in running_packs if pk.pack_id == pack_id)
         job = jobs[jn.member.job_id]
         start = progress_saved.get(job.job_id, 0.0)
-        fence, soft = member_limits(job.job_id, pack.node, jn.member.gpu_mem_limit_mib)
+        fence, soft = member_limits(job.job_id, pack.node, jn.member.gpu_mem_limit_mib, jn.member.rank)
         member = _Member(job, fence, start, start, ready_at=now + slurm.member_startup_s,
-                         cpus=jn.member.cpus, host_mem=jn.member.host_mem_limit_bytes, soft_bytes=soft)
+                         cpus=jn.member.cpus, host_mem=jn.member.host_mem_limit_bytes, soft_bytes=soft,
+                         rank=jn.member.rank)
         pack.gpus[gpu_index].members.append(member)
         pack.live += 1
-        if faults is not None:
-            faults.on_placed(pending[job.job_id], now)
-        del pending[job.job_id]
+        placed(job.job_id)
         push(member.ready_at, _MEMBER_READY, pack)
+
+    def placed(jid: int) -> None:
+        # The first member of a job placed this round leaves the queue (a gang has several).
+        if jid in pending:
+            if faults is not None:
+                faults.on_placed(pending[jid], now)
+            del pending[jid]
 
     def run_round() -> None:
         nonlocal rounds, last_round, arrived_since, waited, next_pack_id, packs_made, dirty
@@ -481,7 +544,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         dirty = False
         last_round = now
         arrived_since = 0
-        open_gpus = tuple(OpenGpu(key, pk.node.name, pk.live) for key, pk in sorted(shard_packs.items(), key=lambda kv: int(kv[0])))
+        open_gpus = tuple(OpenGpu(key, pk.node.name, sum(1 for m in pk.gpus[gi].members if not m.ended))
+                          for key, (pk, gi) in sorted(shard_gpus.items(), key=lambda kv: (kv[1][0].pack_id, kv[1][1])))
         with_open = {o.node_name for o in open_gpus}
         if refill:
             open_gpus += pack_gpus()
@@ -496,20 +560,18 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             if refill:
                 apply_join(jn)
                 continue
-            pack = shard_packs[jn.gpu_key]
+            pack, gi = shard_gpus[jn.gpu_key]
             job = jobs[jn.member.job_id]
             start = progress_saved.get(job.job_id, 0.0)
             member = _Member(job, None, start, start, ready_at=now + slurm.submit_to_start_s + slurm.member_startup_s,
-                             cpus=jn.member.cpus, host_mem=jn.member.host_mem_limit_bytes)
-            pack.gpus[0].members.append(member)
+                             cpus=jn.member.cpus, host_mem=jn.member.host_mem_limit_bytes, rank=jn.member.rank)
+            pack.gpus[gi].members.append(member)
             pack.live += 1
             pack.cpus += jn.member.cpus
             pack.host_mem += jn.member.host_mem_limit_bytes
             pack.node.free_cpus -= jn.member.cpus
             pack.node.free_mem -= jn.member.host_mem_limit_bytes
-            if faults is not None:
-                faults.on_placed(pending[job.job_id], now)
-            del pending[job.job_id]
+            placed(job.job_id)
             push(member.ready_at, _MEMBER_READY, pack)
         for pk in result.packs:
             node = by_name[pk.node_name]
@@ -524,17 +586,19 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             packs_made += 1
             for mp in pk.members:
                 job = jobs[mp.job_id]
-                fence, soft = member_limits(job.job_id, node, mp.gpu_mem_limit_mib) if fenced else (None, None)
+                fence, soft = (member_limits(job.job_id, node, mp.gpu_mem_limit_mib, mp.rank) if fenced
+                               else (None, None))
                 start = progress_saved.get(job.job_id, 0.0)
                 ready_at = now + slurm.submit_to_start_s + slurm.member_startup_s
                 gpus[mp.gpu_index].members.append(_Member(job, fence, start, start, ready_at=ready_at, cpus=mp.cpus,
-                                                          host_mem=mp.host_mem_limit_bytes, soft_bytes=soft))
+                                                          host_mem=mp.host_mem_limit_bytes, soft_bytes=soft,
+                                                          rank=mp.rank))
                 pack.live += 1
-                if faults is not None:
-                    faults.on_placed(pending[job.job_id], now)
-                del pending[job.job_id]
+            for mp in pk.members:
+                placed(mp.job_id)
             if shard_mode:
-                shard_packs[str(pack.pack_id)] = pack
+                for gi in range(pk.gpu_count):
+                    shard_gpus[f"{pack.pack_id}:{gi}"] = (pack, gi)
             push(now + slurm.submit_to_start_s, _PACK_START, pack)
         for d in result.deferred:
             reason = d.reason
@@ -546,7 +610,10 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                     del pending[d.job_id]
                     outcome_state[d.job_id] = "UNPLACEABLE"
 
+    gangs = any(j.world_size > 1 for j in workload.jobs)
     while True:
+        if gangs:
+            sync_gangs()
         # Next thing to happen: a heap event or a member reaching a milestone.
         t_next = events[0][0] if events else math.inf
         for pack in running_packs:
@@ -574,7 +641,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                             if m.ready and not m.ended:
                                 member_s += dt
                                 m.progress += m.speed * dt
-                                use += min(1.0, m.job.true_sm_util_pct / 100.0) * m.speed
+                                use += min(1.0, m.true_sm / 100.0) * m.speed
                         busy_gpu_s += min(1.0, use) * dt
         now = t_next
         # Milestones.
@@ -606,6 +673,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                             progress_saved[jid] = math.floor(m.progress / every) * every if every > 0 else 0.0
                             est_mem[jid] = math.ceil(est_mem[jid] * (1.0 + retry.mem_bump_pct / 100.0))
                             end_member(pack, gpu, m)
+                            end_gang(m)  # a rank's OOM stops its siblings; the job goes back whole
                             if attempts[jid] <= retry.max_retries:
                                 requeue(jid)
                             elif resubmits.get(jid, 0) < retry.user_resubmits:
@@ -626,6 +694,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                         if faults is not None:
                             faults.on_complete(m.job, now)
                         end_member(pack, gpu, m)
+                        end_gang(m)
         # Heap events at this instant.
         while events and events[0][0] <= now + _EPS:
             _, _, kind, payload = heapq.heappop(events)
@@ -691,7 +760,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                     push(now + faults.recovery.observe_s, _OBSERVE, None)
         # Dispatch.
         slots = max(1, min(limits.shards_per_gpu, limits.members_per_gpu))
-        any_free = (any(n.free_gpus > 0 and not n.down for n in nodes) or any(pk.live < slots for pk in shard_packs.values())
+        any_free = (any(n.free_gpus > 0 and not n.down for n in nodes)
+                    or any(sum(1 for m in pk.gpus[gi].members if not m.ended) < slots for pk, gi in shard_gpus.values())
                     or (refill and any(pk.live > 0 for pk in running_packs)))
         if dirty and any_free and should_run_round(now, last_round, len(pending), arrived_since, dispatch):
             run_round()
@@ -722,9 +792,11 @@ def _could_ever_fit(job: SimJob, gpu_mem_bytes: int, node: object, cluster: SimC
     from slurm_dlrm.packing.model import host_limit_bytes, member_fence_bytes, usable_gpu_bytes
 
     gpu = cluster.gpu_model(node.gpu_model)  # type: ignore[attr-defined]
-    d = _demand(job, gpu_mem_bytes, None)
-    return (d.cpus <= node.cpus and host_limit_bytes(d, cluster.limits) <= node.memory_bytes  # type: ignore[attr-defined]
-            and member_fence_bytes(d, gpu, cluster.limits) <= usable_gpu_bytes(gpu))
+    ranks = rank_members(_demand(job, gpu_mem_bytes, None))
+    return (len(ranks) <= node.gpus  # type: ignore[attr-defined]
+            and sum(d.cpus for d in ranks) <= node.cpus  # type: ignore[attr-defined]
+            and sum(host_limit_bytes(d, cluster.limits) for d in ranks) <= node.memory_bytes  # type: ignore[attr-defined]
+            and all(member_fence_bytes(d, gpu, cluster.limits) <= usable_gpu_bytes(gpu) for d in ranks))
 
 
 def with_noise_free_truth(workload: Workload) -> Workload:

@@ -42,6 +42,19 @@ class SimJob:
     peak_at_frac: float = 0.0  # share of the run before the memory peak is reached
     priority: float = 0.0
     user: str = "sim"
+    # A multi-GPU job (issue 18): `world_size` ranks, rank r's GPU memory, SM and
+    # bandwidth demand (estimated and true) the job's figures x `rank_scales[r]` (the
+    # job's figures are its fullest rank's, as the estimator reports); host memory and
+    # CPUs per rank as the job's. Empty scales: every rank as the job.
+    world_size: int = 1
+    rank_scales: tuple[float, ...] = ()
+
+    @property
+    def scales(self) -> tuple[float, ...]:
+        """Each rank's share of the job's per-rank figures (one 1.0 for a one-rank job)."""
+        if self.rank_scales:
+            return self.rank_scales
+        return (1.0,) * max(1, self.world_size)
 
 
 @dataclass(frozen=True)
@@ -301,8 +314,22 @@ def _explicit_job(i: int, raw: Any, gpu_models: Mapping[str, GpuModel]) -> SimJo
     est_dur = t.num("est_duration_s", solo, lo=0)
     peak = t.num("peak_at_frac", 0.0, lo=0, hi=1)
     prio = t.num("priority", 0.0)
+    world = t.int_("world_size", 1, lo=1, hi=64)
+    scales = _rank_scales(t, world)
     t.done()
-    return SimJob(i, name, arrival, solo, mem, host, sm, bw, cpus, label, true_mem, true_sm, true_bw, est_dur, peak, prio)
+    return SimJob(i, name, arrival, solo, mem, host, sm, bw, cpus, label, true_mem, true_sm, true_bw, est_dur, peak, prio,
+                  world_size=world, rank_scales=scales)
+
+
+def _rank_scales(t: _Table, world: int) -> tuple[float, ...]:
+    t.seen.add("rank_scales")
+    raw = t.data.get("rank_scales")
+    if raw is None:
+        return ()
+    if (not isinstance(raw, list) or len(raw) != world
+            or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x <= 1 for x in raw)):
+        raise BadInput(f"{t.key('rank_scales')}: must be a list of {world} numbers in (0, 1] (one per rank)")
+    return tuple(float(x) for x in raw)
 
 
 def _label(sm: float, bw: float, cpus: float) -> str:
@@ -337,6 +364,18 @@ def generate_jobs(gen: Mapping[str, Any], gpu_models: Mapping[str, GpuModel], se
     util_noise = t.num("util_noise_pct", 0.0, lo=0, hi=100) / 100.0
     dur_noise = t.num("duration_estimate_noise_pct", 0.0, lo=0, hi=100) / 100.0
     peak = t.range_("peak_at_frac", (0.0, 0.0), hi=1.0)
+    # Multi-GPU jobs (issue 18): this share of the jobs gets a world_size drawn from
+    # `multi_gpu_ranks`, its rank 0 the fullest, the others lighter by a uniform draw
+    # from `multi_gpu_rank_scale` (table-wise sharding is uneven). Drawn from their own
+    # random stream, so a workload without them is unchanged.
+    multi_share = t.num("multi_gpu_share", 0.0, lo=0, hi=1)
+    t.seen.add("multi_gpu_ranks")
+    multi_ranks = gen.get("multi_gpu_ranks", [2, 4])
+    if (not isinstance(multi_ranks, list) or not multi_ranks
+            or not all(isinstance(x, int) and not isinstance(x, bool) and 2 <= x <= 64 for x in multi_ranks)):
+        raise BadInput("workload.generate.multi_gpu_ranks: must be a list of integers 2..64")
+    rank_scale = t.range_("multi_gpu_rank_scale", (0.5, 1.0), hi=1.0)
+    multi_rng = random.Random(seed * 7919 + 18)
     dur_t = t.sub("duration")
     t.seen.add("classes")
     raw_classes = gen.get("classes")
@@ -401,9 +440,14 @@ def generate_jobs(gen: Mapping[str, Any], gpu_models: Mapping[str, GpuModel], se
         true_sm = min(100.0, sm * (1.0 + rng.uniform(-util_noise, util_noise)))
         true_bw = min(100.0, bw * (1.0 + rng.uniform(-util_noise, util_noise)))
         est_dur = duration * (1.0 + rng.uniform(-dur_noise, dur_noise))
+        world = 1
+        scales: tuple[float, ...] = ()
+        if multi_share > 0 and multi_rng.random() < multi_share:
+            world = multi_rng.choice(multi_ranks)
+            scales = (1.0, *sorted((round(multi_rng.uniform(*rank_scale), 3) for _ in range(world - 1)), reverse=True))
         jobs.append(SimJob(first_id + k, f"{cname}-{first_id + k}", round(now, 3), round(duration, 3), mem, host,
                            round(sm, 3), round(bw, 3), cpus, label, true_mem, round(true_sm, 3), round(true_bw, 3),
-                           round(est_dur, 3), round(rng.uniform(*peak), 4)))
+                           round(est_dur, 3), round(rng.uniform(*peak), 4), world_size=world, rank_scales=scales))
     dur_t.done()
     return jobs
 

@@ -32,13 +32,15 @@ def ideal_makespan_bounds_s(workload: Workload, cluster: SimCluster,
     gpu_mem = sum(n.gpus * cluster.gpu_model(n.gpu_model).memory_bytes for n in cluster.nodes)
     ctx = min(cluster.gpu_model(n.gpu_model).cuda_context_bytes for n in cluster.nodes)
     cpus = sum(n.cpus for n in cluster.nodes)
+    # A multi-GPU job counts every rank (its scale of the job's figures; CPUs per rank).
     return {
         "arrivals": max(j.arrival_s + j.solo_duration_s for j in jobs) - first,
-        "sm": sum(j.true_sm_util_pct / 100.0 * j.solo_duration_s for j in jobs) / gpus,
-        "membw": sum(j.true_membw_util_pct / 100.0 * j.solo_duration_s for j in jobs) / gpus,
-        "slots": sum(j.solo_duration_s for j in jobs) / (gpus * lim.members_per_gpu),
-        "gpu_mem": sum((j.true_gpu_mem_bytes + ctx) * j.solo_duration_s for j in jobs) / gpu_mem,
-        "cpus": sum(max(1.0, j.host_cpu_cores) * j.solo_duration_s for j in jobs) / cpus,
+        "sm": sum(j.true_sm_util_pct / 100.0 * sum(j.scales) * j.solo_duration_s for j in jobs) / gpus,
+        "membw": sum(j.true_membw_util_pct / 100.0 * sum(j.scales) * j.solo_duration_s for j in jobs) / gpus,
+        "slots": sum(len(j.scales) * j.solo_duration_s for j in jobs) / (gpus * lim.members_per_gpu),
+        "gpu_mem": sum(sum(j.true_gpu_mem_bytes * x + ctx for x in j.scales) * j.solo_duration_s
+                       for j in jobs) / gpu_mem,
+        "cpus": sum(len(j.scales) * max(1.0, j.host_cpu_cores) * j.solo_duration_s for j in jobs) / cpus,
     }
 
 
