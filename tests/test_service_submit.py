@@ -178,7 +178,7 @@ def test_no_pack_script_is_sized_from_the_estimate(env):
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
-def test_a_multi_gpu_job_is_not_packed_but_runs_on_whole_gpus_with_no_pack(env):
+def test_a_multi_gpu_job_is_packed_or_runs_on_whole_gpus_with_no_pack(env):
     fake = pytest.importorskip("slurm_dlrm.slurm.fake")
     from slurm_dlrm.service import submit as svc
     from slurm_dlrm.service.sbatch_options import SbatchOptions
@@ -186,11 +186,18 @@ def test_a_multi_gpu_job_is_not_packed_but_runs_on_whole_gpus_with_no_pack(env):
     site, site_file, tmp = env
     two = _spec(tmp, "two-ranks")
     two.write_text(two.read_text() + "world_size: 2\n")
-    # The packing path refuses it with one line, and records nothing (not even the good spec).
-    r = CliRunner().invoke(cli, ["submit", "--no-service", str(EXAMPLES / "tiny-a.yaml"), str(two)])
+    # The packing path takes it (issue 18: its ranks become members on distinct GPUs).
+    bad = _spec(tmp, "wide-ranks")
+    bad.write_text(bad.read_text() + "world_size: 64\n")
+    # More ranks than a node has GPUs: one line naming the limit, nothing recorded.
+    r = CliRunner().invoke(cli, ["submit", "--no-service", str(EXAMPLES / "tiny-a.yaml"), str(bad)])
     assert r.exit_code == 2 and r.output.count("\n") == 1
-    assert "world_size 2" in r.output and "--no-pack" in r.output
+    assert "world_size 64" in r.output and "GPUs" in r.output and "one node" in r.output
     assert json.loads(run("queue", "--json", "--no-slurm", "--all").output)["jobs"] == []
+    r = CliRunner().invoke(cli, ["submit", "--no-service", str(two)])
+    assert r.exit_code == 0, r.output
+    jobs = json.loads(run("queue", "--json", "--no-slurm", "--all").output)["jobs"]
+    assert len(jobs) == 1
     # --no-pack: one Slurm job, one node, two whole GPUs, two ranks' host memory and CPUs.
     slurm = fake.FakeSlurm(user="root")
     (sid, sub, req), = svc.submit_no_pack([str(two)], SbatchOptions(partition="dlrm"),
@@ -215,3 +222,22 @@ def test_a_multi_gpu_job_is_not_packed_but_runs_on_whole_gpus_with_no_pack(env):
         svc.submit_no_pack([str(two)], SbatchOptions(partition="dlrm"), site=narrow, user="root", cwd=str(tmp),
                            slurm=slurm, python="/py")
     assert [j.job_id for j in slurm.squeue()] == [sid]
+
+
+def test_a_rank_whose_fence_passes_a_gpu_is_refused_on_the_packing_path(env):
+    import dataclasses
+
+    from slurm_dlrm.service import submit as svc
+    from slurm_dlrm.service.sbatch_options import SbatchOptions
+
+    site, _site_file, tmp = env
+    two = _spec(tmp, "two-ranks")
+    two.write_text(two.read_text() + "world_size: 2\n")
+    sub = svc.prepare([str(two)], SbatchOptions(partition="dlrm"), site, str(tmp))[0]
+    assert len(sub.estimate.ranks) == 2
+    svc.check_ranks_fit(sub, site, "two.yaml")  # fits
+    # rank 1 estimated at the whole GPU: with its margin and context it cannot be fenced
+    r1 = dataclasses.replace(sub.estimate.ranks[1], gpu_peak_bytes=sub.gpu.memory_bytes)
+    est = dataclasses.replace(sub.estimate, ranks=(sub.estimate.ranks[0], r1))
+    with pytest.raises(BadInput, match=r"two.yaml: world_size 2: rank 1 needs \d+ MiB of GPU memory with its fence"):
+        svc.check_ranks_fit(dataclasses.replace(sub, estimate=est), site, "two.yaml")

@@ -272,11 +272,7 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
     subs = prepare(paths, cli_options, site, cwd, sets, array)
     for sub in subs:
         if sub.spec.world_size > 1:
-            # A pack member is one process group on one GPU share; its ranks would all
-            # land on that one GPU (and over its memory fence).
-            raise BadInput(f"{os.path.relpath(sub.path, cwd)}: world_size {sub.spec.world_size}: multi-GPU jobs are "
-                           f"not packed (a member runs on one GPU share); submit it with --no-pack "
-                           f"(one Slurm job on {sub.spec.world_size} whole GPUs)")
+            check_ranks_fit(sub, site, os.path.relpath(sub.path, cwd))
     if check_slurm is not None:
         check_slurm()
     if slurm is not None:
@@ -288,6 +284,48 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
         what = ensure_service(site, user)
         log.info("packing service %s", what)
     return ids, subs
+
+
+def check_ranks_fit(sub: Submission, site: SiteConfig, where: str) -> None:
+    """A multi-GPU job on the packing path: its ranks go to distinct GPUs of one node
+    (docs/packing.md "Multi-GPU jobs"), each fenced from its own estimate. Refuse what
+    no node of the partition can take: more ranks than its nodes have GPUs (or than the
+    partition allows per job), a rank whose fence passes a GPU, or all ranks' host
+    memory and CPUs past a node's."""
+    from slurm_dlrm.packing.model import (
+        demand_from_estimate,
+        host_limit_bytes,
+        limits_from_site,
+        member_fence_bytes,
+        rank_members,
+        usable_gpu_bytes,
+    )
+
+    ranks = sub.spec.world_size
+    part = partition_for(site, sub.options)
+    groups = [g for g in partition_groups(site, sub.options) if g.gpu_model == sub.gpu.name]
+    node_gpus = max((g.gpus for g in groups), default=0)
+    if ranks > node_gpus:
+        raise BadInput(f"{where}: world_size {ranks}: the largest {sub.gpu.name} node of partition {part.name} has "
+                       f"{node_gpus} GPUs (the ranks run on one node, one GPU each)")
+    if ranks > part.max_gpus_per_job:
+        raise BadInput(f"{where}: world_size {ranks}: partition {part.name} allows at most "
+                       f"{part.max_gpus_per_job} GPUs per job")
+    limits = limits_from_site(site)
+    members = rank_members(demand_from_estimate(sub.estimate, job_id=0, user="", submit_time_s=0.0))
+    usable = usable_gpu_bytes(sub.gpu)
+    for m in members:
+        fence = member_fence_bytes(m, sub.gpu, limits)
+        if fence > usable:
+            raise BadInput(f"{where}: world_size {ranks}: rank {m.rank} needs {math.ceil(fence / MIB)} MiB of GPU "
+                           f"memory with its fence (estimate + {limits.memory_margin_pct:g}% + context); a "
+                           f"{sub.gpu.name} offers {usable // MIB} MiB to one member")
+    host = sum(host_limit_bytes(m, limits) for m in members)
+    cpus = sum(m.cpus for m in members)
+    if not any(host <= g.memory_mib * MIB and cpus <= g.cpus for g in groups if g.gpus >= ranks):
+        raise BadInput(f"{where}: world_size {ranks}: its ranks need {math.ceil(host / MIB)} MiB of host memory and "
+                       f"{cpus} CPUs on one node; no {sub.gpu.name} node of partition {part.name} with {ranks} GPUs "
+                       f"has that much")
 
 
 # ---------------------------------------------------------------- --no-pack
