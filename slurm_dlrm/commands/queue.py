@@ -226,7 +226,8 @@ def show(job_id: int, tail: int, as_json: bool, site_path: str | None) -> None:
         f"  options: {' '.join(f'{k}={v}' for k, v in sorted(d['options'].items())) or '(none)'}",
     ]
     for p in d["placements"]:
-        lines.append(f"  run {p['attempt']}: pack {p['pack']} ({p['pack_state']}, Slurm {p['slurm_job_id']}) "
+        rank = f" rank {p['rank']}/{p['world_size']}" if "rank" in p else ""
+        lines.append(f"  run {p['attempt']}: pack {p['pack']} ({p['pack_state']}, Slurm {p['slurm_job_id']}){rank} "
                      f"node {p['node'] or '-'} GPU {p['gpu']} MPS {p['mps_pct']}% fence {p['gpu_mem_limit_mib']} MiB")
     lines.append("  events:")
     for e in d["events"][-20:]:

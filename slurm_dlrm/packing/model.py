@@ -156,6 +156,7 @@ class PackingRequest:
     limits: PackingLimits = field(default_factory=PackingLimits)
     max_gpus: int | None = None  # GPUs this round may use in total (None: what nodes offer)
     open_gpus: tuple[OpenGpu, ...] = ()
+    gang_joins: bool = True  # multi-GPU jobs may join running packs (refill); False: new packs only
 
     def gpu_model(self, name: str) -> GpuModel:
         for g in self.gpu_models:

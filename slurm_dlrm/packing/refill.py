@@ -181,8 +181,8 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
     placed: set[int] = set()
     # Multi-GPU jobs first, all ranks or none (docs/packing.md "Multi-GPU jobs").
     reserved: set[str] = set()
-    stuck = _join_gangs(pgs, [j for j in queue if j.is_gang], placed, limits, params, policy == "complementary",
-                        reserved)
+    stuck = _join_gangs(pgs, [j for j in queue if j.is_gang] if request.gang_joins else [], placed, limits, params,
+                        policy == "complementary", reserved)
     # Single-GPU jobs do not join the GPUs a waiting gang reserved.
     all_pgs = pgs
     pgs = [pg for pg in pgs if pg.key not in reserved] if reserved else pgs

@@ -564,10 +564,12 @@ class PackingService:
         total = sum(n.gpus * n.count for n in nodes)
         # GPUs of running packs to refill (not packs one of these jobs already ran in)
         open_gpus, where = self.refill.open_gpus(options.pack_key(), {j.id for j in jobs})
+        # Gangs (world_size > 1) go into new packs only: a join is recorded per job and
+        # its join file holds one member (docs/interfaces.md 3b), so refill does not join them.
         request = PackingRequest(jobs=aged(demands, self.waited_rounds, cfg),
                                  gpu_models=tuple(self.site.gpu_models.values()), nodes=nodes,
                                  limits=limits_from_site(self.site), max_gpus=max(0, total - busy),
-                                 open_gpus=open_gpus)
+                                 open_gpus=open_gpus, gang_joins=False)
         result = plan(request, self.policy, self.recovery.interference_params)  # refitted from samples
         self.waited_rounds.update(after_round(self.waited_rounds, result))
         for d in result.deferred:
@@ -581,7 +583,7 @@ class PackingService:
             if not self._slurm_available():
                 return  # the rest stay PENDING; the next round plans them again
             pack = self.recovery.tune_shares(pack, by_id)  # MPS shares from fitted perf models
-            members = [by_id[m.job_id] for m in pack.members]
+            members = [by_id[i] for i in dict.fromkeys(m.job_id for m in pack.members)]  # a job per rank once
             for m in pack.members:
                 self.waited_rounds.pop(m.job_id, None)
             self._create_and_submit(pack, members, options, partition, stats)
@@ -646,7 +648,9 @@ class PackingService:
         placements = [NewPlacement(job_id=m.job_id, node_index=m.node_index, gpu_index=m.gpu_index,
                                    mps_thread_pct=m.mps_thread_pct, gpu_mem_limit_bytes=m.gpu_mem_limit_mib * MIB,
                                    host_mem_limit_bytes=m.host_mem_limit_bytes, cpus=m.cpus,
-                                   predicted_speed=m.predicted_speed)
+                                   predicted_speed=m.predicted_speed,
+                                   rank=m.rank if m.world_size > 1 else None,
+                                   world_size=m.world_size if m.world_size > 1 else None)
                       for m in pack.members]
         pack_id = self.store.add_pack(
             name=name, user=self.settings.user, policy=self.policy, n_gpus=pack.gpu_count,
@@ -708,7 +712,7 @@ class PackingService:
         placements = self.store.placements(pack_id=pack.id)
         by_job = {j.id: j for j in members}
         out_members = []
-        for p in sorted(placements, key=lambda p: (p.node_index, p.gpu_index, p.job_id)):
+        for p in sorted(placements, key=lambda p: (p.node_index, p.gpu_index, p.job_id, p.rank or 0)):
             job = by_job.get(p.job_id)
             if job is None:
                 continue  # cancelled before submission
@@ -749,8 +753,10 @@ class PackingService:
             **({"gpu_mem_estimate_mib": max(1, fence_mib - margin_mib)} if est > 0 else {}),
             "host_mem_limit_bytes": max(1, p.host_mem_limit_bytes or 0), "cpus": p.cpus or 1,
             "command": command,
-            # per job, not per pack: a requeued job resumes from it in its next pack
+            # per job, not per pack: a requeued job resumes from it in its next pack; a
+            # multi-GPU job's ranks share them (its rank 0 writes)
             "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
+            **({"rank": p.rank or 0, "world_size": p.world_size} if (p.world_size or 1) > 1 else {}),
         }
 
     def node_limits(self) -> tuple[int | None, int | None]:

@@ -56,9 +56,12 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
         pack_ids = {j.pack_id for j in jobs if j.pack_id is not None}
         packs = {p.id: p for p in store.packs(user=user) if p.id in pack_ids}
         placements: dict[tuple[int, int], Any] = {}
+        rank_rows: dict[tuple[int, int], list[Any]] = {}  # a multi-GPU job's rows, one per rank
         for pid in pack_ids:
             for pl in store.placements(pack_id=pid):
                 placements[(pl.pack_id, pl.job_id)] = pl
+                if (pl.world_size or 1) > 1:
+                    rank_rows.setdefault((pl.pack_id, pl.job_id), []).append(pl)
     rows = []
     node_gpus: dict[tuple[str, int], list[str] | None] = {}
     for j in jobs:
@@ -83,6 +86,9 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
             reason = "pack running; waiting for its agent to start it"  # also a joiner (refill)
         else:
             reason = ""
+        ranks = sorted(rank_rows.get((j.pack_id, j.id), []), key=lambda r: r.rank or 0) if pack is not None else []
+        if ranks:
+            pl = ranks[0]
         rows.append({
             "job_id": j.id, "name": j.name, "state": str(j.state), "pack": pack.name if pack else None,
             "slurm_job_id": pack.slurm_job_id if pack else None,
@@ -91,6 +97,12 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
             "mps_pct": pl.mps_thread_pct if pl else None,
             "gpu_mem_mib": (pl.gpu_mem_limit_bytes // MIB) if pl and pl.gpu_mem_limit_bytes else None,
             "attempt": j.attempt, "reason": reason,
+            # a multi-GPU job: every rank's GPU and fence (rank 0's in the columns above)
+            **({"ranks": [{"rank": r.rank or 0, "node": r.node or f"#{r.node_index}",
+                           "gpu": node_gpu(pack.pack_dir, r.node_index, r.gpu_index, node_gpus),
+                           "mps_pct": r.mps_thread_pct,
+                           "gpu_mem_mib": (r.gpu_mem_limit_bytes // MIB) if r.gpu_mem_limit_bytes else None}
+                          for r in ranks]} if ranks and pack is not None else {}),
         })
     return rows
 
@@ -179,7 +191,8 @@ def job_details(store: Any, job_id: int, *, user: str, service: dict[str, Any]) 
                         "mps_pct": pl.mps_thread_pct,
                         "gpu_mem_limit_mib": (pl.gpu_mem_limit_bytes or 0) // MIB,
                         "host_mem_limit_mib": (pl.host_mem_limit_bytes or 0) // MIB, "cpus": pl.cpus,
-                        "start_time": pl.start_time, "end_time": pl.end_time})
+                        "start_time": pl.start_time, "end_time": pl.end_time,
+                        **({"rank": pl.rank or 0, "world_size": pl.world_size} if (pl.world_size or 1) > 1 else {})})
     events = [{"t": e["t"], "kind": e["kind"], "from": e.get("from_state"), "to": e.get("to_state"),
                "reason": e["reason"]} for e in store.events(job_id=job_id)]
     return {

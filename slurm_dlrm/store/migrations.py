@@ -221,6 +221,13 @@ _V4 = (
     "ALTER TABLE placements ADD COLUMN predicted_speed REAL",
 )
 
+_V5 = (
+    # A multi-GPU job has one placement row per rank (issue 18, docs/interfaces.md
+    # section 3): its rank and world_size; NULL for a one-rank member (rank 0 of 1).
+    "ALTER TABLE placements ADD COLUMN rank INTEGER",
+    "ALTER TABLE placements ADD COLUMN world_size INTEGER",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -235,6 +242,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(3, "job_usage.n_pruned (sample retention)", _V3),
     Migration(4, "placements.predicted_speed (acct's slowdown correction)", _V4),
+    Migration(5, "placements.rank, placements.world_size (multi-GPU jobs)", _V5),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

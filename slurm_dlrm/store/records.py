@@ -107,6 +107,8 @@ class Placement:
     start_time: float | None
     end_time: float | None
     predicted_speed: float | None = None  # relative to solo, from the packing plan
+    rank: int | None = None  # a multi-GPU job's rank (None: a one-rank member)
+    world_size: int | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Placement:
@@ -128,6 +130,8 @@ class NewPlacement:
     # MemberPlacement.predicted_speed: the member's speed on this GPU relative to running
     # alone, from the interference model (acct's GPU-hours saved, docs/store.md)
     predicted_speed: float | None = None
+    rank: int | None = None  # MemberPlacement.rank/world_size for a multi-GPU job's rank
+    world_size: int | None = None
 
 
 @dataclass(frozen=True)

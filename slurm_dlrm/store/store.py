@@ -466,10 +466,11 @@ class Store:
                 attempt = self.conn.execute("SELECT attempt FROM jobs WHERE id = ?", (p.job_id,)).fetchone()[0]
                 self.conn.execute(
                     "INSERT INTO placements (pack_id, job_id, attempt, node_index, node, gpu_index, "
-                    "mps_thread_pct, gpu_mem_limit_bytes, host_mem_limit_bytes, cpus, predicted_speed) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "mps_thread_pct, gpu_mem_limit_bytes, host_mem_limit_bytes, cpus, predicted_speed, rank, "
+                    "world_size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (pack_id, p.job_id, attempt, p.node_index, p.node, p.gpu_index, p.mps_thread_pct,
-                     p.gpu_mem_limit_bytes, p.host_mem_limit_bytes, p.cpus, p.predicted_speed),
+                     p.gpu_mem_limit_bytes, p.host_mem_limit_bytes, p.cpus, p.predicted_speed, p.rank,
+                     p.world_size),
                 )
         return pack_id
 
@@ -512,11 +513,11 @@ class Store:
                                  f"{placement.node_index} in pack {pack_id}")
             self.conn.execute(
                 "INSERT INTO placements (pack_id, job_id, attempt, node_index, node, gpu_index, "
-                "mps_thread_pct, gpu_mem_limit_bytes, host_mem_limit_bytes, cpus, predicted_speed) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "mps_thread_pct, gpu_mem_limit_bytes, host_mem_limit_bytes, cpus, predicted_speed, rank, world_size) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (pack_id, job.id, job.attempt, placement.node_index, node, placement.gpu_index,
                  placement.mps_thread_pct, placement.gpu_mem_limit_bytes, placement.host_mem_limit_bytes,
-                 placement.cpus, placement.predicted_speed),
+                 placement.cpus, placement.predicted_speed, placement.rank, placement.world_size),
             )
             return job
 
