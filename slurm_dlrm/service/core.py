@@ -229,12 +229,14 @@ class PackingService:
     # ------------------------------------------------------------ observe
 
     def observe(self, stats: RoundStats) -> None:
+        from slurm_dlrm.service.native import active_native_jobs, observe_native
         from slurm_dlrm.store.states import PACK_ACTIVE
 
         active = self.store.packs(PACK_ACTIVE, user=self.settings.user)
         for pack in active:
             stats.ingested_lines += self.ingest(pack)
-        if not active or not self._slurm_available():
+        native = active_native_jobs(self.store, self.settings.user)  # submit --no-pack jobs
+        if not (active or native) or not self._slurm_available():
             return
         from slurm_dlrm.slurm import SlurmError
 
@@ -246,6 +248,8 @@ class PackingService:
                 return
             raise
         self._slurm_ok()
+        if native:
+            observe_native(self, native, infos, stats)
         by_name = {i.name: i for i in infos}
         for pack in active:
             info = by_name.get(pack.name)
@@ -481,7 +485,8 @@ class PackingService:
 
         if not self._slurm_available():
             return
-        pending = self.store.jobs([JobState.PENDING], user=self.settings.user)
+        # a no-pack job is PENDING only until its own sbatch answers: never planned
+        pending = [j for j in self.store.jobs([JobState.PENDING], user=self.settings.user) if not j.no_pack]
         pending, never = ready_jobs(self.store, pending)  # submit --dependency
         for job, why in never:
             self.store.transition_job(job.id, JobState.FAILED, why, expect=JobState.PENDING)
