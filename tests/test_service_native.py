@@ -98,6 +98,22 @@ def test_sbatch_refused_leaves_a_failed_row_with_slurms_words(world):
     assert slurm.submitted == []
 
 
+def test_an_sbatch_that_timed_out_stays_pending_until_the_service_looked(world):
+    from slurm_dlrm.slurm import SlurmTimeout
+
+    svc, store, slurm, clock, site, tmp = world
+    slurm.fail_next["sbatch"] = SlurmTimeout(["sbatch"], 30.0)
+    (res,) = submit(svc, site, tmp)
+    assert res.unanswered and res.slurm_job_id is None  # Slurm may have it: not FAILED yet
+    assert store.get_job(res.job_id).state == JobState.PENDING
+    (row,) = queue_rows(store, user=USER, service=SERVICE)
+    assert row["reason"] == "submitting to Slurm"
+    clock.advance(svc.settings.sbatch_timeout_s + 6)
+    svc.run_round()  # no Slurm job carries its marker: it never got there
+    job = store.get_job(res.job_id)
+    assert job.state == JobState.FAILED and "before Slurm answered" in job.exit_reason
+
+
 def test_a_failed_store_write_after_sbatch_cancels_the_slurm_job(world, monkeypatch):
     svc, store, slurm, clock, site, tmp = world
     real = store.transition_job

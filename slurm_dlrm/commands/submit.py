@@ -140,9 +140,13 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         if refused:
             from slurm_dlrm.errors import DlrmError
 
-            more = f" (and {len(refused) - 1} more; slurm-dlrm queue -t F)" if len(refused) > 1 else ""
-            raise DlrmError(f"job {refused[0].job_id} ({refused[0].sub.name}): sbatch refused: {refused[0].error}"
-                            f"{more}")
+            first = refused[0]
+            more = f" (and {len(refused) - 1} more; slurm-dlrm queue --all)" if len(refused) > 1 else ""
+            if first.unanswered:
+                raise DlrmError(f"job {first.job_id} ({first.sub.name}): sbatch did not answer: {first.error}; "
+                                f"the service records its Slurm job if Slurm has it (slurm-dlrm show "
+                                f"{first.job_id}){more}")
+            raise DlrmError(f"job {first.job_id} ({first.sub.name}): sbatch refused: {first.error}{more}")
         if wait_:
             sys.exit(wait_with_progress(site, user, [r.job_id for r in results]))
         return

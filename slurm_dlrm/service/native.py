@@ -96,6 +96,9 @@ class NativeSubmitted:
     sub: Any  # service.submit.Submission
     req: Any  # service.submit.NativeRequest
     error: str = ""
+    # sbatch timed out: Slurm may have the job. The row stays PENDING; the service
+    # records the Slurm job its marker names, or fails the row (_find_unanswered).
+    unanswered: bool = False
 
 
 def record_and_submit(store: Any, slurm: Any, items: Sequence[tuple[Any, Any]], *, user: str, site: Any,
@@ -118,8 +121,14 @@ def record_and_submit(store: Any, slurm: Any, items: Sequence[tuple[Any, Any]], 
     ensure_private_dir(spool_dir)
     out = []
     for job_id, (sub, req) in zip(ids, items, strict=True):
-        spec_path = write_job_spec(spool_dir, job_id, sub.spec_data)
-        script = native_script(sub, req, str(spec_path), python, job_id=job_id)
+        try:
+            spec_path = write_job_spec(spool_dir, job_id, sub.spec_data)
+            script = native_script(sub, req, str(spec_path), python, job_id=job_id)
+        except OSError as exc:
+            from slurm_dlrm.store.states import JobState
+
+            store.transition_job(job_id, JobState.FAILED, f"not submitted: spool: {exc}", expect=JobState.PENDING)
+            raise
         out.append(_sbatch_one(store, slurm, job_id, sub, req, script, native_args(sub, spec_path.parent)))
     return out
 
@@ -127,13 +136,17 @@ def record_and_submit(store: Any, slurm: Any, items: Sequence[tuple[Any, Any]], 
 def _sbatch_one(store: Any, slurm: Any, job_id: int, sub: Any, req: Any, script: str,
                 args: list[str]) -> NativeSubmitted:
     from slurm_dlrm.service.core import slurm_message
-    from slurm_dlrm.slurm import SlurmError
+    from slurm_dlrm.slurm import SlurmError, SlurmTimeout
     from slurm_dlrm.store.states import JobState
 
     try:
         sid = int(slurm.sbatch(script, args))
     except SlurmError as exc:
         msg = slurm_message(exc)
+        if isinstance(exc, SlurmTimeout) or "timed out" in msg.lower():
+            # slurmctld may have taken it: not FAILED until the service looked (by marker)
+            store.add_event("note", f"sbatch did not answer: {msg}", job_id=job_id)
+            return NativeSubmitted(job_id, None, sub, req, error=msg, unanswered=True)
         store.transition_job(job_id, JobState.FAILED, f"sbatch refused: {msg}", expect=JobState.PENDING)
         return NativeSubmitted(job_id, None, sub, req, error=msg)
     try:
@@ -264,10 +277,10 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
     if nodes and nodes != job.nodes:
         svc.store.set_job_allocation(job.id, nodes=nodes)
     with svc.store.write():
-        if job.state == JobState.PLANNED and start is not None:
+        if job.state == JobState.PLANNED and (start is not None or ending.state == "COMPLETED"):
             # it ran between two polls
             svc.store.transition_job(job.id, JobState.RUNNING, f"Slurm job {job.slurm_job_id} started",
-                                     expect=JobState.PLANNED, t=min(start, now))
+                                     expect=JobState.PLANNED, t=min(start or end or now, now))
         svc.store.transition_job(job.id, JobState(ending.state), ending.reason + (f": {tail}" if tail else ""),
                                  exit_code=ending.exit_code, t=None if end is None else max(min(end, now),
                                                                                            start or 0.0))

@@ -405,7 +405,7 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
     with Store.for_user(site, user) as store:
         out = record_and_submit(store, slurm, list(zip(subs, reqs, strict=True)), user=user, site=site,
                                 spool_dir=site.spool_dir_for(user), python=python)
-    if start_service and any(r.slurm_job_id is not None for r in out):
+    if start_service and any(r.slurm_job_id is not None or r.unanswered for r in out):
         log.info("packing service %s", ensure_service(site, user))
     return out
 
