@@ -45,8 +45,11 @@ from slurm_dlrm.service.common import (
     PLACEMENT_FILE,
     SBATCH_MARKER,
     SCRIPT_FILE,
+    is_unreachable,
     job_options,
     pack_member_ids,
+    sacct_time,
+    slurm_message,
 )
 from slurm_dlrm.service.daemon import ensure_private_dir
 from slurm_dlrm.service.sbatch_options import (
@@ -59,19 +62,6 @@ from slurm_dlrm.service.spool import SPEC_FILE, write_job_spec, write_private
 from slurm_dlrm.site import MIB, SiteConfig
 
 log = logging.getLogger(__name__)
-
-# Slurm's messages when slurmctld cannot be reached (Slurm 22.05 slurm_strerror texts):
-# the request may not have arrived, so the service retries instead of failing jobs.
-UNREACHABLE_MARKERS = (
-    "Unable to contact slurm controller",
-    "Socket timed out",
-    "Zero Bytes were transmitted or received",
-    "Connection refused",
-    "Communication connection failure",
-    "Slurm backup controller in standby mode",
-    "Slurm temporarily unable to accept job",
-    "Could not establish a configuration source",
-)
 
 MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
 
@@ -99,29 +89,6 @@ class RoundStats:
     slurm_ok: bool = True
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
-
-
-def is_unreachable(exc: BaseException) -> bool:
-    """True if a Slurm failure means "could not talk to slurmctld", not "refused"."""
-    from slurm_dlrm.slurm import SlurmError, SlurmNotFound, SlurmTimeout
-
-    if isinstance(exc, SlurmTimeout | SlurmNotFound):
-        return True
-    if isinstance(exc, SlurmError):
-        text = f"{exc.stderr}\n{exc}"
-        return any(m.lower() in text.lower() for m in UNREACHABLE_MARKERS)
-    return False
-
-
-def slurm_message(exc: BaseException) -> str:
-    """Slurm's own words, one line (`sbatch: error: ...` without the prefix noise)."""
-    stderr = getattr(exc, "stderr", "") or ""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower()] or lines
-    text = errors[-1] if errors else str(exc)
-    for prefix in ("sbatch: error: ", "sbatch: fatal: "):
-        text = text.removeprefix(prefix)
-    return text
 
 
 # How often the service prunes old samples (site.sample_retention_days): a prune scans
@@ -397,7 +364,7 @@ class PackingService:
                 line = next((r for r in rows if r.step is None), None)
                 if line is not None and line.state.is_terminal:
                     ending = line.get("State").split(" ", 1)[0]
-                    end_time = _sacct_time(line.get("End"))
+                    end_time = sacct_time(line.get("End"))
             except AccountingDisabled:
                 pass
             except SlurmError as exc:
@@ -785,16 +752,6 @@ class PackingService:
             mem_per_node_mib=mem_mib, python=self.settings.python,
             placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,
             signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged)
-
-
-def _sacct_time(value: str) -> float | None:
-    """sacct prints local time without a zone (2026-11-24T14:05:03), or Unknown."""
-    import datetime
-
-    try:
-        return datetime.datetime.fromisoformat(value).timestamp() if value[:1].isdigit() else None
-    except ValueError:
-        return None
 
 
 def _never_fits(reason: str) -> bool:

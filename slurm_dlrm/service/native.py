@@ -20,8 +20,11 @@ then squeue's or sacct's end state and exit code, as it settles packs (core.obse
 from __future__ import annotations
 
 import logging
+import os
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.errors import (
@@ -30,6 +33,7 @@ from slurm_dlrm.errors import (
     TRAIN_EXIT_OOM_HOST,
     TRAIN_EXIT_PREEMPTED,
 )
+from slurm_dlrm.service.sbatch_options import sbatch_line
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +93,39 @@ def gpu_share(gres: str, mps_per_gpu: int) -> float:
 
 # ---------------------------------------------------------------- submit side
 
+def native_flags(sub: Any, req: Any, job_id: int | None = None) -> list[str]:
+    """The --no-pack job's sbatch flags (unquoted), sorted; the marker names our job id."""
+    return sorted([f"--comment={req.comment(job_id)}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
+                   f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
+                   *(["--nodes=1"] if sub.spec.world_size > 1 else []),
+                   *sub.options.sbatch_flags(include_job_name=False)])
+
+
+def native_script(sub: Any, req: Any, spec_path: str, python: str,
+                  job_id: int | None = None) -> str:
+    """A plain batch script: #SBATCH lines (quoted, sorted) and the training command,
+    its metrics and checkpoints in the job's spool folder (as a pack member's are)."""
+    from slurm_dlrm.errors import ENV_CHECKPOINT_DIR, ENV_METRICS_FILE
+
+    flags = native_flags(sub, req, job_id)
+    command = list(sub.spec.command or [python, "-m", "slurm_dlrm", "train", spec_path])
+    job_dir = os.path.dirname(spec_path)
+    lines = ["#!/bin/bash", f"# slurm-dlrm --no-pack job {sub.name}"
+             + (f" (slurm-dlrm job {job_id})" if job_id is not None else "") + ": one job, sized from its estimate."]
+    lines += [f"#SBATCH {sbatch_line(f)}" for f in flags]
+    lines += ["", f"export {ENV_METRICS_FILE}={shlex.quote(os.path.join(job_dir, 'metrics.jsonl'))}",
+              f"export {ENV_CHECKPOINT_DIR}={shlex.quote(os.path.join(job_dir, 'ckpt'))}",
+              "exec " + " ".join(shlex.quote(a) for a in command), ""]
+    return "\n".join(lines)
+
+
+def native_args(sub: Any, job_dir: Path) -> list[str]:
+    """sbatch's own arguments: run in the job's spool folder; its output where `slurm-dlrm
+    log` and `show` read a runner's (output-<node>.log), unless the user gave -o."""
+    return [*([] if sub.options.output else [f"--output={job_dir}/output-%N.log"]), f"--chdir={job_dir}"]
+
+
+
 @dataclass(frozen=True)
 class NativeSubmitted:
     job_id: int  # ours
@@ -106,7 +143,6 @@ def record_and_submit(store: Any, slurm: Any, items: Sequence[tuple[Any, Any]], 
     """Rows first (one transaction), then one sbatch per job; see the module docstring."""
     from slurm_dlrm.service.daemon import ensure_private_dir
     from slurm_dlrm.service.spool import write_job_spec
-    from slurm_dlrm.service.submit import native_args, native_script
     from slurm_dlrm.store.records import MODE_NO_PACK
 
     ids: list[int] = []
@@ -135,7 +171,7 @@ def record_and_submit(store: Any, slurm: Any, items: Sequence[tuple[Any, Any]], 
 
 def _sbatch_one(store: Any, slurm: Any, job_id: int, sub: Any, req: Any, script: str,
                 args: list[str]) -> NativeSubmitted:
-    from slurm_dlrm.service.core import slurm_message
+    from slurm_dlrm.service.common import slurm_message
     from slurm_dlrm.slurm import SlurmError, SlurmTimeout
     from slurm_dlrm.store.states import JobState
 
@@ -233,7 +269,7 @@ def _follow_live(svc: Any, job: Any, info: Any, stats: Any) -> None:
 
 def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
     """Ended in squeue, or gone from it: the end from squeue, else sacct."""
-    from slurm_dlrm.service.core import _sacct_time, is_unreachable
+    from slurm_dlrm.service.common import is_unreachable, sacct_time
     from slurm_dlrm.slurm import AccountingDisabled, SlurmError
     from slurm_dlrm.slurm.parse import parse_sacct_exit_code
     from slurm_dlrm.store.states import JobState
@@ -268,7 +304,7 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
             return  # sacct lags slurmctld by a moment: next round
         state = line.get("State")
         code, sig = parse_sacct_exit_code(line.get("ExitCode"))
-        start, end = _sacct_time(line.get("Start")), _sacct_time(line.get("End"))
+        start, end = sacct_time(line.get("Start")), sacct_time(line.get("End"))
         n = line.get("NodeList")
         nodes = n if n and n != "None assigned" else None
     ending = native_ending(str(state), code, sig, reason)
@@ -305,7 +341,7 @@ def cancel_native(store: Any, slurm: Any, job: Any) -> str:
     """scancel a no-pack job's Slurm job (the caller checked the owner). A job whose
     sbatch has not answered yet is cancelled in the store; the service then finds no
     Slurm job for it, or scancels the one it finds."""
-    from slurm_dlrm.service.core import slurm_message
+    from slurm_dlrm.service.common import slurm_message
     from slurm_dlrm.slurm import SlurmError
     from slurm_dlrm.store.errors import StaleState
     from slurm_dlrm.store.states import JobState

@@ -30,7 +30,6 @@ from slurm_dlrm.service.sbatch_options import (
     SbatchOptions,
     format_time_minutes,
     parse_sbatch_script,
-    sbatch_line,
 )
 from slurm_dlrm.site import GIB, MIB, GpuModel, SiteConfig
 
@@ -355,38 +354,6 @@ def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
     return max(1, partition_for(site, options).min_mps_share)
 
 
-def native_flags(sub: Submission, req: NativeRequest, job_id: int | None = None) -> list[str]:
-    """The --no-pack job's sbatch flags (unquoted), sorted; the marker names our job id."""
-    return sorted([f"--comment={req.comment(job_id)}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
-                   f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
-                   *(["--nodes=1"] if sub.spec.world_size > 1 else []),
-                   *sub.options.sbatch_flags(include_job_name=False)])
-
-
-def native_script(sub: Submission, req: NativeRequest, spec_path: str, python: str,
-                  job_id: int | None = None) -> str:
-    """A plain batch script: #SBATCH lines (quoted, sorted) and the training command,
-    its metrics and checkpoints in the job's spool folder (as a pack member's are)."""
-    from slurm_dlrm.errors import ENV_CHECKPOINT_DIR, ENV_METRICS_FILE
-
-    flags = native_flags(sub, req, job_id)
-    command = list(sub.spec.command or [python, "-m", "slurm_dlrm", "train", spec_path])
-    job_dir = os.path.dirname(spec_path)
-    lines = ["#!/bin/bash", f"# slurm-dlrm --no-pack job {sub.name}"
-             + (f" (slurm-dlrm job {job_id})" if job_id is not None else "") + ": one job, sized from its estimate."]
-    lines += [f"#SBATCH {sbatch_line(f)}" for f in flags]
-    lines += ["", f"export {ENV_METRICS_FILE}={shlex.quote(os.path.join(job_dir, 'metrics.jsonl'))}",
-              f"export {ENV_CHECKPOINT_DIR}={shlex.quote(os.path.join(job_dir, 'ckpt'))}",
-              "exec " + " ".join(shlex.quote(a) for a in command), ""]
-    return "\n".join(lines)
-
-
-def native_args(sub: Submission, job_dir: Path) -> list[str]:
-    """sbatch's own arguments: run in the job's spool folder; its output where `slurm-dlrm
-    log` and `show` read a runner's (output-<node>.log), unless the user gave -o."""
-    return [*([] if sub.options.output else [f"--output={job_dir}/output-%N.log"]), f"--chdir={job_dir}"]
-
-
 def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
                    slurm: Any, python: str = sys.executable, sets: Sequence[str] = (),
                    array: str | None = None, start_service: bool = True) -> list[Any]:
@@ -419,6 +386,8 @@ def test_only_lines(subs: Sequence[Submission], site: SiteConfig, *, no_pack: bo
     out = []
     for sub in subs:
         if no_pack:
+            from slurm_dlrm.service.native import native_flags
+
             flags = native_flags(sub, native_request(sub, site))
             out.append("sbatch --parsable " + " ".join(shlex.quote(f) for f in flags) + " job.sbatch")
             continue
