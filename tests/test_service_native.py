@@ -225,6 +225,9 @@ def test_cli_prints_our_id_with_the_slurm_id(tmp_path, monkeypatch):
     import slurm_dlrm.slurm as seam
 
     monkeypatch.setattr(seam, "SlurmClient", lambda *a, **kw: fake)
+    import slurm_dlrm.service.submit as svc
+
+    monkeypatch.setattr(svc, "check_slurm_reachable", lambda *a: None)  # FakeSlurm has no `scontrol ping`
     from slurm_dlrm.cli import cli
 
     r = CliRunner().invoke(cli, ["submit", "--no-pack", "--no-service", str(SPEC)])

@@ -120,8 +120,11 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
     if no_pack:
         from slurm_dlrm.slurm import SlurmClient
 
-        results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=SlurmClient(),
-                                     sets=sets, array=array, start_service=not no_service)
+        client = SlurmClient()
+        # as sbatch: no Slurm (or an unsupported release), one line and no row recorded
+        results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=client,
+                                     sets=sets, array=array, start_service=not no_service,
+                                     check_slurm=lambda: svc.check_slurm_reachable(client, site, user))
         if as_json:
             click.echo(json.dumps([{"job_id": r.job_id, "slurm_job_id": r.slurm_job_id, "name": r.sub.name,
                                     "mem_mib": r.req.mem_mib, "cpus": r.req.cpus, "gres": r.req.gres,

@@ -356,18 +356,22 @@ def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
 
 def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
                    slurm: Any, python: str = sys.executable, sets: Sequence[str] = (),
-                   array: str | None = None, start_service: bool = True) -> list[Any]:
+                   array: str | None = None, start_service: bool = True,
+                   check_slurm: Callable[[], Any] | None = None) -> list[Any]:
     """Each spec as its own Slurm job, each a row in the store first (service/native.py).
 
     Returns `NativeSubmitted` per spec: our id, the Slurm id (None if sbatch refused it:
     the row is FAILED with Slurm's words). The service is started (or woken) to follow
-    the jobs, as for packed ones."""
+    the jobs, as for packed ones. `check_slurm()` runs after the specs validate and before
+    anything is recorded (an unreachable Slurm or an unsupported release: one line, no row)."""
     from slurm_dlrm.service.native import record_and_submit
     from slurm_dlrm.store.store import Store
 
     subs = [_traced(sub, python) if sub.spec.custom_module else sub
             for sub in prepare(paths, cli_options, site, cwd, sets, array)]
     reqs = [native_request(sub, site) for sub in subs]  # all sized before any is recorded
+    if check_slurm is not None:
+        check_slurm()
     ensure_private_dir(site.store_dir_for(user))
     with Store.for_user(site, user) as store:
         out = record_and_submit(store, slurm, list(zip(subs, reqs, strict=True)), user=user, site=site,
