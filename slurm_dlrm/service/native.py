@@ -125,7 +125,6 @@ def native_args(sub: Any, job_dir: Path) -> list[str]:
     return [*([] if sub.options.output else [f"--output={job_dir}/output-%N.log"]), f"--chdir={job_dir}"]
 
 
-
 @dataclass(frozen=True)
 class NativeSubmitted:
     job_id: int  # ours
