@@ -81,10 +81,18 @@ end
 """
 
 
-def run_cases(tmp_path: Path, cases: list[tuple[str, dict, dict | None, int]], raw=None) -> dict[str, tuple[int, str]]:
+def run_cases(tmp_path: Path, cases: list[tuple[str, dict, dict | None, int]], raw=None,
+              site_script: str | None = None) -> dict[str, tuple[int, str]]:
+    """Run the cases through the rendered job_submit.lua, or with `site_script` through a
+    site's own job_submit.lua that calls the rendered module (MODULE in it: its path)."""
     files = {f.name: f.text for f in render_site(parse_site(raw or site_raw()))}
     script = tmp_path / "job_submit.lua"
-    script.write_text(files["job_submit.lua"])
+    if site_script is None:
+        script.write_text(files["job_submit.lua"])
+    else:
+        module = tmp_path / "slurm_dlrm_submit.lua"
+        module.write_text(files["slurm_dlrm_submit.lua"])
+        script.write_text(site_script.replace("MODULE", lua_str(module)))
     passwd = tmp_path / "passwd"
     passwd.write_text(f"root:x:0:0::/root:/bin/sh\nslurmsvc:x:{SLURM_UID}:{SLURM_UID}::/:/bin/false\n")
     lines = [f"local SCRIPT = {lua_str(script)}", f"local PASSWD = {lua_str(passwd)}", HARNESS]
@@ -292,3 +300,62 @@ def test_lua_string_literals_survive_any_text(tmp_path_factory, texts):
     proc = subprocess.run([LUA, str(script)], capture_output=True, timeout=30)  # noqa: S603
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split(b"\0")[:-1] == [t.encode() for t in texts]
+
+
+# A site's own job_submit.lua (its own rule: no job named "forbidden"), chained to the
+# module as docs/admin.md "Installs that chain" shows.
+SITE_SCRIPT = """
+slurm_dlrm = dofile(MODULE)  -- global only so the harness can point passwd_file elsewhere
+local function site_rules(job_desc)
+  if job_desc.name == "forbidden" then
+    slurm.log_user("site: no job may be called forbidden")
+    return slurm.ERROR
+  end
+  return slurm.SUCCESS
+end
+function slurm_job_submit(job_desc, part_list, submit_uid)
+  local rc = slurm_dlrm.job_submit(job_desc, part_list, submit_uid)
+  if rc ~= slurm.SUCCESS then return rc end
+  return site_rules(job_desc)
+end
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+  local rc = slurm_dlrm.job_modify(job_desc, job_rec, part_list, modify_uid)
+  if rc ~= slurm.SUCCESS then return rc end
+  return site_rules(job_desc)
+end
+return slurm.SUCCESS
+"""
+
+
+def test_the_module_called_from_a_site_script_checks_as_the_standalone_one(tmp_path):
+    cases = [(name, desc, None, USER_UID) for name, desc, _, _ in SUBMIT_CASES]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    standalone = run_cases(tmp_path / "a", cases)
+    chained = run_cases(tmp_path / "b", cases, site_script=SITE_SCRIPT)
+    assert chained == standalone
+    # The site's own rule still holds, in its partitions and in ours, after our checks.
+    site_only = run_cases(tmp_path / "b", [
+        ("site-rule-other-partition", {"partition": "debug", "name": "forbidden"}, None, USER_UID),
+        ("site-rule-dlrm", dict(WRAPPER_MPS, name="forbidden"), None, USER_UID),
+        ("ours-first", {"partition": "dlrm", "name": "forbidden"}, None, USER_UID),
+        ("modify", {"partition": "debug", "name": "forbidden"}, {"partition": "debug"}, USER_UID)],
+        site_script=SITE_SCRIPT)
+    assert site_only["site-rule-other-partition"] == (-1, "site: no job may be called forbidden")
+    assert site_only["site-rule-dlrm"] == (-1, "site: no job may be called forbidden")
+    assert site_only["ours-first"][0] == ACCESS_DENIED and "no slurm-dlrm marker" in site_only["ours-first"][1]
+    assert site_only["modify"][0] == -1
+
+
+def test_the_module_defines_no_global_and_registers_nothing(tmp_path):
+    files = {f.name: f.text for f in render_site(parse_site(site_raw()))}
+    module = tmp_path / "m.lua"
+    module.write_text(files["slurm_dlrm_submit.lua"])
+    driver = tmp_path / "d.lua"
+    driver.write_text("slurm = {SUCCESS = 0}\nlocal before = {}\nfor k in pairs(_G) do before[k] = true end\n"
+                      f"local m = dofile({lua_str(module)})\n"
+                      "for k in pairs(_G) do if not before[k] then io.write('global ', k, '\\n') end end\n"
+                      "io.write(type(m.job_submit), ' ', type(m.job_modify), '\\n')\n")
+    proc = subprocess.run([LUA, str(driver)], capture_output=True, text=True, timeout=30)  # noqa: S603
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "function function\n"

@@ -1,7 +1,9 @@
 --[==[
-job_submit.lua for site "local" (site.toml).
-Rendered by `slurm-dlrm admin render`; edit the site file, not this one.
-Install next to slurm.conf; slurm.conf needs JobSubmitPlugins=lua.
+job_submit.lua for site "local" (site.toml), for a site WITHOUT a
+job_submit.lua of its own. Rendered by `slurm-dlrm admin render`; edit the site file, not
+this one. Install next to slurm.conf; slurm.conf needs JobSubmitPlugins=lua.
+A site that has a job_submit.lua keeps it and calls slurm_dlrm_submit.lua (the same
+checks as a module) from it instead: docs/admin.md "Installs that chain".
 
 In a DLRM partition ([[partitions]] enforce = true) a job must carry what the slurm-dlrm
 wrapper sets (docs/interfaces.md section 6):
@@ -17,6 +19,8 @@ The memory and GPU bounds hold for every job (this runs in slurmctld). The marke
 not prove that the wrapper submitted the job: any user can type it into --comment. What a
 forged marker gains and does not gain: docs/admin.md "What a forged marker gains".
 --]==]
+-- The module's table; passwd_file names where SlurmUser's uid is (tests point it elsewhere).
+local M = {passwd_file = "/etc/passwd"}
 
 local MARKER_PREFIX = "slurm-dlrm:"
 local MODE_NO_PACK = "no-pack"
@@ -66,7 +70,7 @@ local slurm_user_uid_cache = false
 local function slurm_user_uid()
   if slurm_user_uid_cache == false then
     slurm_user_uid_cache = nil
-    local f = io.open(slurm_dlrm.passwd_file, "r")
+    local f = io.open(M.passwd_file, "r")
     if f then
       for line in f:lines() do
         local name, uid = line:match("^([^:]*):[^:]*:(%d+):")
@@ -276,16 +280,27 @@ local function validate(v, uid)
   return eslurm(problems[1].code)
 end
 
-function slurm_job_submit(job_desc, part_list, submit_uid)
+-- What a site's job_submit.lua calls (docs/admin.md "Installs that chain"): the same
+-- check for submit and modify; slurm.SUCCESS, or an ESLURM code after slurm.log_user.
+function M.job_submit(job_desc, part_list, submit_uid)
   return validate(view(job_desc, nil), submit_uid)
 end
 
-function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+function M.job_modify(job_desc, job_rec, part_list, modify_uid)
   return validate(view(job_desc, job_rec), modify_uid)
 end
 
--- For tests and for other plugins in this Lua state; passwd_file names where SlurmUser's uid is.
-slurm_dlrm = {validate = validate, view = view, parse_tres = parse_tres, parse_marker = parse_marker,
-              passwd_file = "/etc/passwd"}
+M.validate, M.view, M.parse_tres, M.parse_marker = validate, view, parse_tres, parse_marker
+
+function slurm_job_submit(job_desc, part_list, submit_uid)
+  return M.job_submit(job_desc, part_list, submit_uid)
+end
+
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+  return M.job_modify(job_desc, job_rec, part_list, modify_uid)
+end
+
+-- For tests and for other plugins in this Lua state.
+slurm_dlrm = M
 
 return slurm.SUCCESS

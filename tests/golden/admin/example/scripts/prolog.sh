@@ -114,6 +114,33 @@ clean_stale() {
     rm -f -- "$SHM_DIR"/cuda.shm.*
   fi
 }
+# Run the site's own script ($1: a path or a glob, as slurm.conf takes them; [slurm]
+# site_prolog, site_epilog, site_task_prolog) with this environment, each match in name
+# order; stop at the first that fails and return its status. The fragment's Prolog=,
+# Epilog= and TaskProlog= replace the site's keys, so ours run the site's scripts
+# (docs/admin.md "Installs that chain"). A literal path that is missing fails, as it
+# would for slurmd; a glob that matches nothing runs nothing.
+run_site_scripts() {
+  local pattern=$1 f rc
+  [[ -n $pattern ]] || return 0
+  if [[ $pattern != *[*?[]* && ! -x $pattern ]]; then
+    echo "slurm-dlrm: the site's script $pattern is missing or not executable" >&2
+    return 1
+  fi
+  # Unquoted on purpose: the glob expands (the loader allows no spaces or quotes in it).
+  for f in $pattern; do
+    [[ -f $f && -x $f ]] || continue
+    "$f"
+    rc=$?
+    if ((rc != 0)); then
+      echo "slurm-dlrm: the site's script $f exited $rc" >&2
+      return "$rc"
+    fi
+  done
+  return 0
+}
+# [slurm] site_prolog: the site's own prolog, run first ("" = none).
+SITE_PROLOG=''
 # [slurm] mps_start_timeout_s, as a count of 0.1 s polls.
 START_POLLS=100
 # [mps] mps_per_gpu: --gres=mps:N of one GPU is N*100/MPS_PER_GPU percent of its SMs.
@@ -354,4 +381,12 @@ main() {
     chmod 0644 "$JOBS_DIR/.$job.tmp" && mv -f "$JOBS_DIR/.$job.tmp" "$JOBS_DIR/$job"
 }
 
+# The site's prolog first: if it fails, so does this one (Slurm drains the node and
+# requeues the job) and no MPS daemon starts.
+site_rc=0
+run_site_scripts "$SITE_PROLOG" || site_rc=$?
+if ((site_rc != 0)); then
+  log "the site's prolog ($SITE_PROLOG) exited $site_rc"
+  exit "$site_rc"
+fi
 main
