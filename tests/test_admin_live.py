@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_dlrm.admin.marker import format_marker
-from slurm_dlrm.admin.render import render_site, write_rendered
+from slurm_dlrm.admin.render import lua_str, render_site, write_rendered
 from slurm_dlrm.cli import cli
 from slurm_dlrm.localcluster import (
     PORT_FIRST_SLURMD,
@@ -58,6 +58,10 @@ def local_site_text(state: Path, base_port: int) -> str:
         'mps_log_root = "/var/log/slurm-dlrm/mps"': f'mps_log_root = "{state}/mpslog"',
         'shm_dir = "/dev/shm"': f'shm_dir = "{state}/shm"',
         "accounting_tres = true": "accounting_tres = false",
+        # The site's own prolog, which ours runs (docs/admin.md "Installs that chain").
+        'job_cgroup = "system.slice/slurmstepd.scope/job_{job_id}"\n':
+            'job_cgroup = "system.slice/slurmstepd.scope/job_{job_id}"\n'
+            f'site_prolog = "{state}/site/prolog.sh"\n',
     }
     for old, new in swaps.items():
         assert text.count(old) == 1, old
@@ -128,6 +132,14 @@ def admin_cluster() -> Iterator[AdminCluster]:
     rendered = state / "admin" / "rendered"
     write_rendered(render_site(site), rendered)
     shutil.copytree(rendered / "scripts", state / "admin" / "scripts")
+    (state / "site").mkdir()
+    (state / "site" / "prolog.sh").write_text(SITE_PROLOG)
+    (state / "site" / "prolog.sh").chmod(0o755)
+    # The site keeps its job_submit.lua; ours is the module next to it.
+    (state / "etc").mkdir()
+    shutil.copy(rendered / "slurm_dlrm_submit.lua", state / "etc" / "slurm_dlrm_submit.lua")
+    site_lua = state / "site" / "job_submit.lua"
+    site_lua.write_text(SITE_JOB_SUBMIT.replace("MODULE", lua_str(state / "etc" / "slurm_dlrm_submit.lua")))
     (state / "shm").mkdir()
     write_fake_mps(state / "admin" / "bin", shm_dir=state / "shm")
     jobs = state / "jobs"
@@ -135,7 +147,7 @@ def admin_cluster() -> Iterator[AdminCluster]:
     jobs.chmod(0o1777)
     cfg = config_from_site(site, state_dir=state, base_port=base_port, accounting=False,
                            slurm_conf_extra=rendered / "slurm-dlrm.conf", gres_conf=rendered / "gres.conf",
-                           job_submit_lua=rendered / "job_submit.lua")
+                           job_submit_lua=site_lua)
     cluster = LocalCluster(cfg)
     ac = AdminCluster(cluster, state, site_path, jobs)
     try:
@@ -156,6 +168,34 @@ def admin_cluster() -> Iterator[AdminCluster]:
 
 JOB_SCRIPT = """#!/bin/bash
 env | grep -E '^(CUDA_|SLURM_JOB_ID=)' | sort > "$SLURM_SUBMIT_DIR/env-$SLURM_JOB_ID.txt"
+"""
+
+
+# The site's own job_submit.lua, calling our module first (docs/admin.md "Installs that
+# chain"); its own rule: no job named "forbidden-by-site".
+SITE_JOB_SUBMIT = """
+local slurm_dlrm = dofile(MODULE)
+local function site_rules(job_desc)
+  if job_desc.name == "forbidden-by-site" then
+    slurm.log_user("site rule: no job may be called forbidden-by-site")
+    return slurm.ERROR
+  end
+  return slurm.SUCCESS
+end
+function slurm_job_submit(job_desc, part_list, submit_uid)
+  local rc = slurm_dlrm.job_submit(job_desc, part_list, submit_uid)
+  if rc ~= slurm.SUCCESS then return rc end
+  return site_rules(job_desc)
+end
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+  return slurm_dlrm.job_modify(job_desc, job_rec, part_list, modify_uid)
+end
+return slurm.SUCCESS
+"""
+
+# The site's own prolog: records each job it ran for.
+SITE_PROLOG = """#!/bin/bash
+echo "site prolog job $SLURM_JOB_ID" >>"$(dirname "$0")/trace"
 """
 
 
@@ -227,6 +267,22 @@ def test_no_pack_job_gets_mps_and_its_memory_fence(admin_cluster):
     assert "command quit" in (admin_cluster.state / "mpslog" / f"gpu{gpu}" / "control.log").read_text()
     assert f"job {job_id}: GPU {gpu}: MPS control daemon" in admin_cluster.events()
     assert not (admin_cluster.state / "mps" / f"gpu{gpu}" / "pipe").exists()
+
+
+@pytest.mark.slurm
+def test_the_sites_own_job_submit_and_prolog_still_run(admin_cluster):
+    """Installed as a site with its own job_submit.lua and prolog would: the site's script
+    calls our module, our prolog runs the site's."""
+    args = [a if not a.startswith("--job-name") else "--job-name=forbidden-by-site" for a in no_pack_args(admin_cluster)]
+    refused = admin_cluster.sbatch(*args)
+    assert refused.returncode == 1 and "site rule: no job may be called forbidden-by-site" in refused.stderr
+    result = admin_cluster.sbatch(*no_pack_args(admin_cluster))
+    assert result.returncode == 0, result.stderr
+    job_id = int(result.stdout.strip().split(";")[0])
+    admin_cluster.wait(job_id)
+    trace = (admin_cluster.state / "site" / "trace").read_text()
+    assert f"site prolog job {job_id}\n" in trace
+    assert read_env(admin_cluster, job_id)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"  # ours ran too
 
 
 @pytest.mark.slurm
