@@ -112,6 +112,20 @@ class MpsConfig:
     # has the controller, "on" required, "off" never.
     mode: str = "auto"
     dmem: str = "auto"
+    # Jobs of different users on one GPU (docs/admin.md "MPS across users"): MPS runs one
+    # user's server per GPU at a time, so they take turns. "time-slice" accepts that;
+    # "one-user" has job_submit.lua give every gres/mps job --exclusive=user.
+    cross_user: str = "time-slice"
+
+    def cross_user_note(self) -> str:
+        """What a --no-pack job on an MPS share should know on this site (estimate, submit)."""
+        if self.cross_user == "one-user":
+            return ("a --no-pack job on an MPS share runs with --exclusive=user here ([mps] cross_user = "
+                    "\"one-user\"): no other user's job shares its node while it runs, so no other user's MPS "
+                    "job shares its GPU (docs/admin.md \"MPS across users\")")
+        return ("a --no-pack job on an MPS share may share its GPU with other users' MPS jobs; MPS runs one "
+                "user's jobs on a GPU at a time, so yours and theirs take turns, each slowed by the others "
+                "([mps] cross_user = \"time-slice\"; docs/admin.md \"MPS across users\"); packs are not affected")
 
 
 @dataclass(frozen=True)
@@ -425,6 +439,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         client_limit=m.get("client_limit", int, 48, min_value=1, max_value=48),
         mode=m.get("mode", str, "auto", choices=("auto", "v3", "v2")),
         dmem=m.get("dmem", str, "auto", choices=("auto", "on", "off")),
+        cross_user=m.get("cross_user", str, "time-slice", choices=("time-slice", "one-user")),
     )
     m.done()
     for i, part in enumerate(partitions):

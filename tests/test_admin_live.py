@@ -58,6 +58,8 @@ def local_site_text(state: Path, base_port: int) -> str:
         'mps_log_root = "/var/log/slurm-dlrm/mps"': f'mps_log_root = "{state}/mpslog"',
         'shm_dir = "/dev/shm"': f'shm_dir = "{state}/shm"',
         "accounting_tres = true": "accounting_tres = false",
+        # One user per GPU at a time (docs/admin.md "MPS across users").
+        'cross_user = "time-slice"': 'cross_user = "one-user"',
         # The site's own prolog, which ours runs (docs/admin.md "Installs that chain").
         'job_cgroup = "system.slice/slurmstepd.scope/job_{job_id}"\n':
             'job_cgroup = "system.slice/slurmstepd.scope/job_{job_id}"\n'
@@ -354,3 +356,35 @@ def test_cluster_fragment_replaces_the_local_clusters_own_nodes(tmp_path):
     assert conf.count("PartitionName=") == 1
     assert f"Port={20000 + PORT_FIRST_SLURMD + 1}" in conf
     assert (cfg.etc_dir / "job_submit.lua").read_text() == (rendered / "job_submit.lua").read_text()
+
+
+@pytest.mark.slurm
+def test_one_user_mps_job_keeps_other_users_off_its_node(admin_cluster):
+    """[mps] cross_user = "one-user": job_submit.lua gives nobody's MPS job --exclusive=user,
+    so root's whole-GPU job asked onto the same node waits (3 GPUs free there) until it ends;
+    MPS would otherwise run the two users' jobs on a GPU in turn."""
+    hold = admin_cluster.jobs / "hold.sh"
+    hold.write_text("#!/bin/bash\nsleep 60\n")
+    hold.chmod(0o755)
+    args = [a for a in no_pack_args(admin_cluster, mps=40) if not a.endswith("job.sh")]
+    result = admin_cluster.sbatch(*args, "--nodelist=node1", str(hold))
+    assert result.returncode == 0, result.stderr
+    mps_job = int(result.stdout.strip().split(";")[0])
+    client = admin_cluster.client()
+    other = None
+    try:
+        deadline = time.monotonic() + 60
+        while client.show_job_raw(mps_job)["JobState"] != "RUNNING" and time.monotonic() < deadline:
+            time.sleep(0.3)
+        rec = client.show_job_raw(mps_job)
+        assert rec["JobState"] == "RUNNING" and rec["OverSubscribe"] == "USER"
+        other = client.sbatch("#!/bin/bash\ntrue\n", [f"--partition={PARTITION}", "--nodelist=node1",
+                                                          "--gres=gpu:1", "--mem=100M",
+                                                          f"--output={admin_cluster.jobs}/root-%j.out"])
+        time.sleep(4)  # several scheduling passes (batch_sched_delay=0)
+        assert client.show_job_raw(other)["JobState"] == "PENDING"
+        client.scancel([mps_job])
+        admin_cluster.wait(other)
+        assert client.show_job_raw(other)["JobState"] == "COMPLETED"
+    finally:
+        client.scancel([j for j in (mps_job, other) if j is not None])

@@ -359,3 +359,53 @@ def test_the_module_defines_no_global_and_registers_nothing(tmp_path):
     proc = subprocess.run([LUA, str(driver)], capture_output=True, text=True, timeout=30)  # noqa: S603
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "function function\n"
+
+
+def shared_after(tmp_path: Path, cross_user: str, cases: list[tuple[str, dict, dict | None, int]]) -> dict[str, str]:
+    """job_desc.shared after the rendered script ran each case (nil: left alone)."""
+    raw = site_raw()
+    raw["mps"]["cross_user"] = cross_user
+    files = {f.name: f.text for f in render_site(parse_site(raw))}
+    script = tmp_path / f"job_submit-{cross_user}.lua"
+    script.write_text(files["job_submit.lua"])
+    lines = ["slurm = {SUCCESS = 0, ERROR = -1, JOB_SHARED_USER = 2, ESLURM_ACCESS_DENIED = 2002,",
+             "  log_user = function() end, log_info = function() end}",
+             f"dofile({lua_str(script)})", f"slurm_dlrm.passwd_file = {lua_str(tmp_path / 'none')}"]
+    for name, desc, rec, uid in cases:
+        call = (f"slurm_job_submit(d, {{}}, {uid})" if rec is None
+                else f"slurm_job_modify(d, {to_lua(rec)}, {{}}, {uid})")
+        lines.append(f"do local d = {to_lua(desc)}; d.min_nodes = d.min_nodes or {NO_VAL}; local rc = {call}; "
+                     f"io.write({lua_str(name)}, ' ', tostring(rc), ' ', tostring(d.shared), '\\n') end")
+    driver = tmp_path / f"shared-{cross_user}.lua"
+    driver.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([LUA, str(driver)], capture_output=True, text=True, timeout=30)  # noqa: S603
+    assert proc.returncode == 0, proc.stderr
+    return {line.split()[0]: " ".join(line.split()[1:]) for line in proc.stdout.splitlines()}
+
+
+CROSS_USER_CASES = [
+    ("mps", WRAPPER_MPS, None, USER_UID),
+    ("mps-root", {"partition": "dlrm", "tres_per_node": "gres:mps:40"}, None, 0),
+    ("pack", WRAPPER_PACK, None, USER_UID),
+    ("mps-other-partition", {"partition": "debug", "tres_per_node": "gres:mps:40"}, None, USER_UID),
+    ("refused", {"partition": "dlrm", "tres_per_node": "gres:mps:40"}, None, USER_UID),
+    # `scontrol update OverSubscribe=YES` (shared=1) on a pending MPS job: set back.
+    ("modify-oversubscribe", {"shared": 1}, dict(WRAPPER_MPS), USER_UID),
+    # Any other update (unset shared arrives as NO_VAL16) leaves it alone.
+    ("modify-other", {"shared": 65534, "tres_per_node": "gres:mps:60"}, dict(WRAPPER_MPS), USER_UID),
+]
+
+
+def test_one_user_per_gpu_gives_mps_jobs_exclusive_user(tmp_path):
+    """[mps] cross_user = "one-user": every gres/mps job of a DLRM partition (root's too,
+    and an update that tries to loosen it) gets --exclusive=user (shared = JOB_SHARED_USER); whole-GPU packs and
+    other partitions are left alone, and a refused job is not touched."""
+    got = shared_after(tmp_path, "one-user", CROSS_USER_CASES)
+    assert got == {"mps": "0 2", "mps-root": "0 2", "pack": "0 nil", "mps-other-partition": "0 nil",
+                   "refused": f"{ACCESS_DENIED} nil", "modify-oversubscribe": "0 2",
+                   "modify-other": "0 65534"}
+    # "time-slice" (the default) leaves every job as submitted.
+    plain = shared_after(tmp_path, "time-slice", CROSS_USER_CASES)
+    assert plain == {"mps": "0 nil", "mps-root": "0 nil", "pack": "0 nil", "mps-other-partition": "0 nil",
+                     "refused": f"{ACCESS_DENIED} nil", "modify-oversubscribe": "0 1",
+                     "modify-other": "0 65534"}

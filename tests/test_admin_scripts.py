@@ -638,3 +638,18 @@ def test_a_missing_site_script_fails_like_slurmd_would():
     finally:
         node.kill_daemons()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_prolog_says_when_users_share_a_gpu(node):
+    """MPS runs one user's jobs on a GPU at a time: events.log names the GPU and the users
+    whose jobs now take turns on it; one user's second job on it is no news."""
+    for job in (51, 52, 53):
+        node.job_running(job)
+    assert node.run("prolog.sh", 51, SLURM_JOB_UID="1000").returncode == 0
+    assert node.run("prolog.sh", 52, SLURM_JOB_UID="1000").returncode == 0
+    assert "shares it" not in node.events()
+    assert node.run("prolog.sh", 53, SLURM_JOB_UID="1001").returncode == 0
+    assert ("job 53: GPU 1: uid 1001 shares it with uid 1000: MPS runs one user's jobs at a time, so they take "
+            "turns ([mps] cross_user = time-slice)") in node.events()
+    for job in (51, 52, 53):
+        assert node.run("epilog.sh", job).returncode == 0

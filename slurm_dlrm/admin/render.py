@@ -193,6 +193,7 @@ def build_context(site: SiteConfig) -> dict[str, Any]:
             "mode_pack": MODE_PACK,
             "submit_hint": SUBMIT_HINT,
             "module_path": f"{s.config_dir}/{MODULE_NAME}",
+            "mps_one_user": site.mps.cross_user == "one-user",
             "slurm_user": s.slurm_user,
             "default_partition": default,
             "partitions": _partition_rules(site),
@@ -216,6 +217,7 @@ def build_context(site: SiteConfig) -> dict[str, Any]:
             "max_gpu_index": max_gpu_index,
             "fence_mode": site.mps.mode,
             "dmem_mode": site.mps.dmem,
+            "cross_user": site.mps.cross_user,
             "cgroup_root": s.cgroup_root,
             # The site's own scripts ours run (docs/admin.md "Installs that chain").
             "site_prolog": s.site_prolog,

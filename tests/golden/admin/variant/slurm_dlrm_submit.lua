@@ -47,6 +47,10 @@ local SUBMIT_HINT = "Submit DLRM jobs with `slurm-dlrm submit SPEC.yaml [sbatch 
 local SLURM_USER = "slurmsvc"
 -- [mps] enabled: whether --gres=mps:N is offered at all.
 local MPS_ENABLED = false
+-- [mps] cross_user = "one-user": every gres/mps job in a DLRM partition gets --exclusive=user
+-- (OverSubscribe=USER), since MPS runs one user's jobs on a GPU at a time and jobs of
+-- two users on one GPU would take turns. Slurm has no per-GPU form: the node is the unit.
+local MPS_ONE_USER = false
 -- The partition with default = true, used when a job names none (nil: no default here).
 local DEFAULT_PARTITION = "debug"
 
@@ -305,14 +309,45 @@ local function validate(v, uid)
   return eslurm(problems[1].code)
 end
 
+-- MPS_ONE_USER: a gres/mps job in a DLRM partition runs with --exclusive=user, whoever
+-- submits it (root's too). On modify only an update that names OverSubscribe is turned
+-- back to USER: Slurm 22.05 refuses a user's update that changes it (so setting it on
+-- every update would refuse them all), and the job kept USER from its submission.
+local function one_user_per_gpu(job_desc, v, modify)
+  if not (MPS_ENABLED and MPS_ONE_USER) then
+    return
+  end
+  if modify and (job_desc.shared == nil or job_desc.shared == (slurm.NO_VAL16 or 65534)) then
+    return
+  end
+  local _, rule = dlrm_partition(v.partition)
+  if rule == nil then
+    return
+  end
+  local per_node, per_job = parse_tres(v.tres_per_node) or {}, parse_tres(v.tres_per_job) or {}
+  if per_node.mps or per_job.mps then
+    job_desc.shared = slurm.JOB_SHARED_USER or 2
+  end
+end
+
 -- What a site's job_submit.lua calls (docs/admin.md "Installs that chain"): the same
 -- check for submit and modify; slurm.SUCCESS, or an ESLURM code after slurm.log_user.
 function M.job_submit(job_desc, part_list, submit_uid)
-  return validate(view(job_desc, nil), submit_uid)
+  local v = view(job_desc, nil)
+  local rc = validate(v, submit_uid)
+  if rc == slurm.SUCCESS then
+    one_user_per_gpu(job_desc, v, false)
+  end
+  return rc
 end
 
 function M.job_modify(job_desc, job_rec, part_list, modify_uid)
-  return validate(view(job_desc, job_rec), modify_uid)
+  local v = view(job_desc, job_rec)
+  local rc = validate(v, modify_uid)
+  if rc == slurm.SUCCESS then
+    one_user_per_gpu(job_desc, v, true)
+  end
+  return rc
 end
 
 M.validate, M.view, M.parse_tres, M.parse_marker = validate, view, parse_tres, parse_marker

@@ -159,6 +159,24 @@ DMEM_MODE=auto
 CGROUP_ROOT=/sys/fs/cgroup
 JOB_CGROUP='system.slice/slurmstepd.scope/job_{job_id}'
 
+# [mps] cross_user: MPS runs one user's jobs on a GPU at a time, so jobs of two users on
+# one GPU take turns ("time-slice"; "one-user": job_submit.lua gave gres/mps jobs
+# --exclusive=user). Either way events.log says when a GPU holds jobs of several users.
+CROSS_USER=time-slice
+
+# The uids other than $2 with jobs on GPU $1 (comma-separated; empty if none).
+other_users() {
+  local f u
+  local -a uids=()
+  for f in "$(gpu_dir "$1")"/jobs/*; do
+    [[ -f $f ]] || continue
+    read -r u _ <"$f" 2>/dev/null || continue
+    [[ $u =~ ^[0-9]+$ && $u != "$2" ]] && uids+=("$u")
+  done
+  [[ -n ${uids[*]:-} ]] || return 0
+  printf '%s\n' "${uids[@]}" | sort -un | paste -sd, -
+}
+
 # The job as slurmctld has it, one line (read once per job and node; the task prolog
 # only reads what we record, so tasks never ask the controller).
 JOB_RECORD=
@@ -347,7 +365,7 @@ apply_dmem_fence() {
 main() {
   # Slurm sets both only for a gres/mps job (the indices are the node's, not the job's).
   [[ -n ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-} && -n ${CUDA_VISIBLE_DEVICES:-} ]] || return 0
-  local job=${SLURM_JOB_ID:-} uid=${SLURM_JOB_UID:-} pct mem_mib gpu gpus
+  local job=${SLURM_JOB_ID:-} uid=${SLURM_JOB_UID:-} pct mem_mib gpu gpus others
   [[ $job =~ ^[0-9]+$ ]] || { log "no SLURM_JOB_ID"; return 1; }
   [[ $uid =~ ^[0-9]+$ ]] || uid=
   IFS=, read -ra gpus <<<"$CUDA_VISIBLE_DEVICES"
@@ -365,6 +383,10 @@ main() {
     if ! daemon_up "$gpu" && ! start_daemon "$gpu" "$pct"; then
       rm -f -- "$(gpu_dir "$gpu")/jobs/$job"
       return 1
+    fi
+    others=$(other_users "$gpu" "$uid")
+    if [[ -n $others && -n $uid ]]; then
+      log "GPU $gpu: uid $uid shares it with uid $others: MPS runs one user's jobs at a time, so they take turns ([mps] cross_user = $CROSS_USER)"
     fi
     # A --no-pack job's fence, held outside the job (docs/admin.md "Fences").
     if ((mem_mib > 0)); then
