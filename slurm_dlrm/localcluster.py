@@ -37,13 +37,14 @@ from typing import Any
 import jinja2
 
 from slurm_dlrm.errors import BadInput, DlrmError
+from slurm_dlrm.package_data import data_dir
 from slurm_dlrm.site import SiteConfig, load_site
 from slurm_dlrm.slurm.base import SlurmError
 from slurm_dlrm.slurm.client import SlurmClient
 
 log = logging.getLogger(__name__)
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates" / "localcluster"
+TEMPLATE_DIR = data_dir("templates") / "localcluster"
 REPO_DIR = Path(__file__).resolve().parent.parent
 
 ENV_DIR = "SLURM_DLRM_CLUSTER_DIR"
