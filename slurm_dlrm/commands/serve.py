@@ -48,13 +48,19 @@ def serve(ctx: click.Context, daemon: bool, round_seconds: float | None, idle_ex
     if daemon:
         import os
 
-        from slurm_dlrm.service.daemon import running_pid, spawn_service, wait_until_running
+        from slurm_dlrm.service.daemon import (
+            elsewhere,
+            running_pid,
+            spawn_service,
+            wait_until_running,
+        )
         from slurm_dlrm.service.submit import service_paths
 
         paths = service_paths(site, user)
         pid = running_pid(paths)
         if pid is not None:
-            click.echo(f"packing service already running (pid {pid})")
+            host = elsewhere(paths)
+            click.echo(f"packing service already running (pid {pid})" + (f" on host {host}" if host else ""))
             return
         args = ["--idle-exit", str(idle_exit)]
         if round_seconds is not None:
@@ -83,26 +89,39 @@ def status(as_json: bool, site_path: str | None) -> None:
     Example:
       slurm-dlrm serve status --json
 
+    The service runs on one login node; the store folder (your home) may be seen from
+    others. `host` names where it runs; `stop` works only there.
     Exit code 0 if it runs, 1 if not.
     """
-    from slurm_dlrm.service.daemon import read_status, running_pid
+    from slurm_dlrm.service.daemon import read_status, running_pid, this_host
     from slurm_dlrm.service.submit import service_paths
     from slurm_dlrm.site import load_site
     from slurm_dlrm.store.store import current_user
 
     paths = service_paths(load_site(site_path), current_user())
     pid = running_pid(paths)
-    st = read_status(paths) if pid is not None else {}
+    st = read_status(paths)
+    here = this_host()
+    host = st.get("host") or here  # a status written before hosts were: this host's
     if as_json:
-        click.echo(json.dumps({"running": pid is not None, "pid": pid, **{k: v for k, v in st.items() if k != "pid"}},
+        shown = {k: v for k, v in st.items() if k != "pid"} if pid is not None else {}
+        click.echo(json.dumps({"running": pid is not None, "pid": pid, **shown,
+                               "host": host if pid is not None else None, "this_host": here,
+                               "on_this_host": pid is not None and host == here},
                               indent=1, sort_keys=True))
     elif pid is None:
-        click.echo("packing service: not running")
+        # The lock is not seen held from here. A status file of another host, fresh,
+        # means the lock is not shared between hosts (say, NFS without lock support).
+        last = st.get("last_round_t")
+        seen = (f" (last seen on host {host}, {time.time() - float(last):.0f} s ago)"
+                if host != here and isinstance(last, int | float) else "")
+        click.echo(f"packing service: not running{seen}")
     else:
         age = time.time() - float(st.get("last_round_t") or time.time())
         slurm = "ok" if st.get("slurm_ok", True) else (
             f"unreachable ({st.get('slurm_error')}); retry in {st.get('slurm_retry_in_s')} s")
-        click.echo(f"packing service: running (pid {pid}), policy {st.get('policy', '?')}, "
+        where = f"on host {host}" + ("" if host == here else f", not this one ({here})")
+        click.echo(f"packing service: running {where} (pid {pid}), policy {st.get('policy', '?')}, "
                    f"{st.get('rounds', 0)} rounds, last {age:.0f} s ago; Slurm {slurm}"
                    + (f"; SLURM_CONF={st.get('slurm_conf') or '(unset)'}" if "slurm_conf" in st else ""))
         click.echo(f"interference model: {st.get('interference_model', 'analytic defaults')}")
@@ -116,6 +135,9 @@ def status(as_json: bool, site_path: str | None) -> None:
 @site_option
 def stop(timeout_s: float, site_path: str | None) -> None:
     """Stop your packing service (after its current round). Jobs are not touched.
+
+    Only on the host it runs on (`serve status` names it): elsewhere it is refused,
+    exit 1, and nothing is signalled.
 
     \b
     Example:

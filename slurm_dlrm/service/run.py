@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from slurm_dlrm.service.daemon import ServiceLock, read_pid, write_status
+from slurm_dlrm.service.daemon import ServiceLock, read_pid, this_host, write_status
 from slurm_dlrm.service.loop import LoopControl, run_loop
 from slurm_dlrm.service.submit import service_paths
 from slurm_dlrm.site import SiteConfig
@@ -57,6 +57,7 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy,
                                                                  dispatch_window_s=0.9 * period))
         idle_since = time.monotonic()
+        host, started_t = this_host(), time.time()  # several login nodes may see this store folder
         log.info("packing service for %s: pid file %s, round every %.1f s, policy %s",
                  user, paths.pid, period, svc.policy)
 
@@ -68,7 +69,8 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
             now = time.monotonic()
             if busy:
                 idle_since = now
-            write_status(paths, {**svc.status(), "round_seconds": round(stats.seconds, 4),
+            write_status(paths, {**svc.status(), "host": host, "started_t": started_t,
+                                 "round_seconds": round(stats.seconds, 4),
                                  "packs_submitted": stats.packs_submitted, "idle": not busy,
                                  # which Slurm it talks to: `submit` restarts a service whose differs
                                  "slurm_conf": os.environ.get("SLURM_CONF")})
