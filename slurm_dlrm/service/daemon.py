@@ -200,7 +200,8 @@ def spawn_service(paths: ServicePaths, serve_args: list[str], env: dict[str, str
     `submit` finds the lock taken and exits at once, so a spawn is always safe.
     """
     ensure_private_dir(paths.store_dir)
-    argv = [sys.executable, "-m", "slurm_dlrm", "-v", "serve", *serve_args]  # -v: INFO in the log
+    # -v: INFO in the log; --log-file: the service rotates it (service/servicelog.py)
+    argv = [sys.executable, "-m", "slurm_dlrm", "-v", "serve", "--log-file", str(paths.log), *serve_args]
     env = dict(os.environ if env is None else env)
     # The child (and the packs it submits, which inherit its environment) must run this
     # very slurm_dlrm, also from a source checkout that is not the installed one.
