@@ -171,7 +171,8 @@ def checkout_hash(path: Path = REPO_DIR) -> str:
 
 
 def default_state_dir() -> Path:
-    """$SLURM_DLRM_CLUSTER_DIR, else /tmp/slurm-dlrm-<hash of this checkout>."""
+    """$SLURM_DLRM_CLUSTER_DIR, else /tmp/slurm-dlrm-<hash of this checkout> (of the
+    site-packages folder, for a wheel install)."""
     env = os.environ.get(ENV_DIR)
     if env:
         return Path(env).resolve()
