@@ -107,8 +107,11 @@ class ServiceLock:
                 time.sleep(0.025)
         # Who holds the lock, and on which host, before the first round (read by
         # `running_pid` on every host that sees this folder). The host goes first: a
-        # reader that sees the new pid must not take it for a pid of its own host.
-        write_status(paths, {"pid": os.getpid(), "host": this_host(), "started_t": time.time()})
+        # reader that sees the new pid must not take it for a pid of its own host. The
+        # rest of the last status stays until the first round replaces it (the
+        # exporter's last-round age; `queue`'s reconcile takes this lock too).
+        write_status(paths, {**read_status(paths), "pid": os.getpid(), "host": this_host(),
+                             "started_t": time.time()})
         _write_atomic(paths.pid, f"{os.getpid()}\n")
         return cls(paths, fd)
 
