@@ -166,7 +166,7 @@ def test_demo_smoke_from_the_wheel(wheel_install, tmp_path_factory):
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
         assert "still running" in result.stdout
         conf = (state / "etc" / "slurm.conf").read_text()
-        assert f"StateSaveLocation={state}" in conf or str(state) in conf
+        assert str(state) in conf  # the cluster the wheel rendered, not the suite's
     finally:
         down = wheel_install.run("cluster", "down", timeout_s=120, **env)
         assert down.returncode == 0, down.stderr
