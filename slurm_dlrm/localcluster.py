@@ -37,13 +37,14 @@ from typing import Any
 import jinja2
 
 from slurm_dlrm.errors import BadInput, DlrmError
+from slurm_dlrm.package_data import data_dir
 from slurm_dlrm.site import SiteConfig, load_site
 from slurm_dlrm.slurm.base import SlurmError
 from slurm_dlrm.slurm.client import SlurmClient
 
 log = logging.getLogger(__name__)
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates" / "localcluster"
+TEMPLATE_DIR = data_dir("templates") / "localcluster"
 REPO_DIR = Path(__file__).resolve().parent.parent
 
 ENV_DIR = "SLURM_DLRM_CLUSTER_DIR"
@@ -184,7 +185,8 @@ def checkout_hash(path: Path = REPO_DIR) -> str:
 
 
 def default_state_dir() -> Path:
-    """$SLURM_DLRM_CLUSTER_DIR, else /tmp/slurm-dlrm-<hash of this checkout>."""
+    """$SLURM_DLRM_CLUSTER_DIR, else /tmp/slurm-dlrm-<hash of this checkout> (of the
+    site-packages folder, for a wheel install)."""
     env = os.environ.get(ENV_DIR)
     if env:
         return Path(env).resolve()

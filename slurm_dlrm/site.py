@@ -4,7 +4,7 @@ Pure parsing: the only I/O is reading the one file given. Every error names the 
 (dotted path) and the reason, e.g. ``packing.memory_margin_pct: must be >= 0``.
 
 Lookup order when no file is given: $SLURM_DLRM_SITE, /etc/slurm-dlrm/site.toml,
-then the repository's site-config/site.toml.
+then the shipped site-config/site.toml (the repository's, or the wheel's copy).
 """
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.errors import ConfigError
+from slurm_dlrm.package_data import data_dir
 
 MIB = 1 << 20
 GIB = 1 << 30
 
-REPO_SITE_FILE = Path(__file__).resolve().parent.parent / "site-config" / "site.toml"
+# The example site file shipped with the package (the repository's site-config/site.toml;
+# a wheel's copy inside the package, slurm_dlrm/package_data.py).
+REPO_SITE_FILE = data_dir("site-config") / "site.toml"
 POLICIES = ("exclusive", "first-fit", "mem-best-fit", "complementary")
 # NVIDIA MPS fails to start when CUDA_MPS_PIPE_DIRECTORY/LOG_DIRECTORY is longer than
 # 87 characters (seen with driver 535, CUDA 12.2).

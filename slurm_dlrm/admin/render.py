@@ -18,9 +18,10 @@ from typing import Any
 
 from slurm_dlrm.admin.marker import MARKER_PREFIX, MODE_NO_PACK, MODE_PACK
 from slurm_dlrm.errors import DlrmError
+from slurm_dlrm.package_data import data_dir
 from slurm_dlrm.site import MIB, NodeGroup, Partition, SiteConfig, expand_hostlist
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent.parent / "templates" / "admin"
+TEMPLATE_DIR = data_dir("templates") / "admin"
 
 # Slurm 22.05's job_submit/lua exposes only a few ESLURM_* names; the others are looked up
 # as slurm.ESLURM_X and fall back to the number in slurm_errno.h (unchanged since 2.x).

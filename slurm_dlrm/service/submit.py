@@ -185,11 +185,14 @@ def ensure_service(site: SiteConfig, user: str,
     A service started with another SLURM_CONF than this command's (say, before `export
     SLURM_CONF`) would go on talking to the wrong Slurm, or none: it is stopped (it is
     crash-safe; SIGTERM ends it after its round) and started again with this environment."""
-    from slurm_dlrm.service.daemon import read_status, stop
+    from slurm_dlrm.service.daemon import elsewhere, read_status, stop
 
     paths = service_paths(site, user)
     restarted = False
     if running_pid(paths) is not None:
+        host = elsewhere(paths)
+        if host is not None:  # not to be signalled from here; it takes the jobs at its next round
+            return f"running on host {host}"
         status = read_status(paths)
         if "slurm_conf" not in status or status.get("slurm_conf") == os.environ.get("SLURM_CONF"):
             wake(paths)
