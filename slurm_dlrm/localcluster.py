@@ -175,6 +175,8 @@ class ClusterConfig:
         known = {f for f in cls.__dataclass_fields__}
         kw: dict[str, Any] = {k: (Path(v) if k in paths and v is not None else v)
                               for k, v in d.items() if k in known}
+        # A cluster.json from before `up` installed the admin files: that cluster has none.
+        kw.setdefault("admin", False)
         return cls(**kw)
 
 

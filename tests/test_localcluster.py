@@ -416,7 +416,8 @@ def test_admin_check_passes_on_the_local_cluster(slurm_cluster, monkeypatch):
     runs finds nothing (it found 6 differences when `up` installed nothing), and a site
     that asks for one more TRES item is told which one is missing."""
     cfg = slurm_cluster.config
-    assert cfg.admin_files and cfg.site_file.is_file()
+    assert cfg.admin_files and cfg.site_file.is_file(), \
+        f"the cluster in {cfg.state_dir} predates the admin files: `slurm-dlrm cluster down` and run again"
     monkeypatch.setenv("SLURM_CONF", str(cfg.slurm_conf))
     ok = CliRunner().invoke(cli, ["admin", "check", "--site", str(cfg.site_file), "--json"])
     assert ok.exit_code == 0, ok.output
