@@ -232,9 +232,9 @@ def test_cli_prints_our_id_with_the_slurm_id(tmp_path, monkeypatch):
 
     r = CliRunner().invoke(cli, ["submit", "--no-pack", "--no-service", str(SPEC)])
     assert r.exit_code == 0, r.output
-    assert r.output.startswith("Submitted job 1 (Slurm 4; tiny-a: --mem=")
+    assert r.stdout.startswith("Submitted job 1 (Slurm 4; tiny-a: --mem=")
     r = CliRunner().invoke(cli, ["submit", "--no-pack", "--no-service", "--parsable", str(SPEC)])
-    assert r.exit_code == 0 and r.output == "2;5\n"  # sbatch's jobid;cluster form: ours first
+    assert r.exit_code == 0 and r.stdout == "2;5\n"  # sbatch's jobid;cluster form: ours first
     r = CliRunner().invoke(cli, ["queue", "--json", "--no-slurm"])
     rows = json.loads(r.output)["jobs"]
     assert [(j["job_id"], j["pack"], j["slurm_job_id"]) for j in rows] == [(1, "no-pack", "4"), (2, "no-pack", "5")]

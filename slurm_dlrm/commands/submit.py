@@ -47,7 +47,9 @@ def site_option(fn: Any) -> Any:
               "exit 0 only if every job completed.")
 @click.option("--no-pack", is_flag=True, help="Submit each spec as one ordinary Slurm job sized from its "
               "estimate (--mem, --cpus-per-task, --gres=gpu:1 or an MPS share); still a job of slurm-dlrm "
-              "(queue, show, acct, cancel take its id). --parsable prints JOBID;SLURM_JOBID.")
+              "(queue, show, acct, cancel take its id). --parsable prints JOBID;SLURM_JOBID. "
+              "MPS runs one user's jobs on a GPU at a time: on an MPS share, other users' jobs on the "
+              "same GPU take turns with yours unless the site sets [mps] cross_user = \"one-user\".")
 @click.option("--set", "sets", metavar="KEY=V1[,V2...]", multiple=True,
               help="A sweep: one job per value of a dotted spec field (e.g. optimizer.lr=0.01,0.1); "
                    "several --set give their product.")
@@ -114,6 +116,8 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         else:
             for s, line in zip(subs, lines, strict=True):
                 click.echo(f"{s.name}: {line}")
+            if no_pack and any("--gres=mps:" in line for line in lines):
+                click.echo(f"slurm-dlrm: note: {site.mps.cross_user_note()}", err=True)
         return
     if no_pack and dependency:
         raise BadInput("--dependency: with --no-pack, use sbatch's own -d with Slurm job ids")
@@ -125,9 +129,12 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=client,
                                      sets=sets, array=array, start_service=not no_service,
                                      check_slurm=lambda: svc.check_slurm_reachable(client, site, user))
+        # MPS runs one user's jobs on a GPU at a time: say what that means on this site.
+        note = site.mps.cross_user_note()
         if as_json:
             click.echo(json.dumps([{"job_id": r.job_id, "slurm_job_id": r.slurm_job_id, "name": r.sub.name,
                                     "mem_mib": r.req.mem_mib, "cpus": r.req.cpus, "gres": r.req.gres,
+                                    **({"exclusive_user": r.req.exclusive_user, "note": note} if r.req.on_mps else {}),
                                     **({"error": r.error} if r.error else {})} for r in results], indent=1))
         for r in results:
             if r.slurm_job_id is None or as_json:
@@ -138,7 +145,10 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
                 click.echo(f"{r.job_id};{r.slurm_job_id}")
             else:
                 click.echo(f"Submitted job {r.job_id} (Slurm {r.slurm_job_id}; {r.sub.name}: --mem={r.req.mem_mib}M "
-                           f"--cpus-per-task={r.req.cpus} --gres={r.req.gres})")
+                           f"--cpus-per-task={r.req.cpus} --gres={r.req.gres}"
+                           f"{' --exclusive=user' if r.req.exclusive_user else ''})")
+        if not as_json and any(r.req.on_mps and r.slurm_job_id is not None for r in results):
+            click.echo(f"slurm-dlrm: note: {note}", err=True)
         refused = [r for r in results if r.slurm_job_id is None]
         if refused:
             from slurm_dlrm.errors import DlrmError

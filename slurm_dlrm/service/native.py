@@ -98,6 +98,7 @@ def native_flags(sub: Any, req: Any, job_id: int | None = None) -> list[str]:
     return sorted([f"--comment={req.comment(job_id)}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
                    f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
                    *(["--nodes=1"] if sub.spec.world_size > 1 else []),
+                   *(["--exclusive=user"] if req.exclusive_user else []),
                    *sub.options.sbatch_flags(include_job_name=False)])
 
 

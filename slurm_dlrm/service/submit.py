@@ -184,11 +184,14 @@ def ensure_service(site: SiteConfig, user: str,
     A service started with another SLURM_CONF than this command's (say, before `export
     SLURM_CONF`) would go on talking to the wrong Slurm, or none: it is stopped (it is
     crash-safe; SIGTERM ends it after its round) and started again with this environment."""
-    from slurm_dlrm.service.daemon import read_status, stop
+    from slurm_dlrm.service.daemon import elsewhere, read_status, stop
 
     paths = service_paths(site, user)
     restarted = False
     if running_pid(paths) is not None:
+        host = elsewhere(paths)
+        if host is not None:  # not to be signalled from here; it takes the jobs at its next round
+            return f"running on host {host}"
         status = read_status(paths)
         if "slurm_conf" not in status or status.get("slurm_conf") == os.environ.get("SLURM_CONF"):
             wake(paths)
@@ -300,6 +303,9 @@ class NativeRequest:
     gres: str  # "gpu:1" or "mps:N"
     gpu_mem_mib: int  # per GPU: the fence the marker carries
     mps_pct: int | None = None  # the MPS share's thread percentage (None: whole GPUs)
+    # [mps] cross_user = "one-user": an MPS share asks for --exclusive=user itself (job_submit.lua
+    # sets it anyway), so `--test-only` and the script show what Slurm will do.
+    exclusive_user: bool = False
 
     def comment(self, job_id: int | None = None) -> str:
         """The --comment marker job_submit.lua reads (docs/interfaces.md section 6)."""
@@ -309,7 +315,11 @@ class NativeRequest:
 
     def to_dict(self) -> dict[str, Any]:
         return {"mem_mib": self.mem_mib, "cpus": self.cpus, "gres": self.gres, "gpu_mem_mib": self.gpu_mem_mib,
-                "mps_pct": self.mps_pct}
+                "mps_pct": self.mps_pct, "exclusive_user": self.exclusive_user}
+
+    @property
+    def on_mps(self) -> bool:
+        return self.gres.startswith("mps:")
 
 
 def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
@@ -346,7 +356,8 @@ def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
             share = min(site.mps.mps_per_gpu, max(min_mps_share(site, sub.options), n))
             gres = f"mps:{share}"
             mps_pct = round(100 * share / site.mps.mps_per_gpu)
-    return NativeRequest(mem_mib=mem_mib, cpus=cpus, gres=gres, gpu_mem_mib=gpu_fence_mib, mps_pct=mps_pct)
+    return NativeRequest(mem_mib=mem_mib, cpus=cpus, gres=gres, gpu_mem_mib=gpu_fence_mib, mps_pct=mps_pct,
+                         exclusive_user=gres.startswith("mps:") and site.mps.cross_user == "one-user")
 
 
 def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
