@@ -91,12 +91,12 @@ def test_a_no_pack_job_is_one_of_ours_from_submit_to_acct_and_cancel(live, tmp_p
     r = run("submit", "--no-pack", str(EXAMPLES / "tiny-a.yaml"))
     assert r.exit_code == 0, r.output
     m = re.fullmatch(r"Submitted job (\d+) \(Slurm (\d+); tiny-a: --mem=\d+M --cpus-per-task=\d+ "
-                     r"--gres=(?:gpu:1|mps:\d+)\)\n", r.output)
+                     r"--gres=(?:gpu:1|mps:\d+)\)\n", r.stdout)  # stderr: the site's MPS note
     assert m, r.output
     short_id, short_sid = int(m.group(1)), m.group(2)
     r = run("submit", "--no-pack", "--parsable", str(long_spec))
     assert r.exit_code == 0, r.output
-    long_id, long_sid = map(int, r.output.strip().split(";"))
+    long_id, long_sid = map(int, r.stdout.strip().split(";"))
     assert long_id == short_id + 1 and long_sid != int(short_sid)
 
     # Slurm's own view agrees: the marker carries our id
