@@ -224,6 +224,15 @@ def test_one_missing_tres_item_is_named():
     assert d.field == "AccountingStorageTRES" and d.note == "missing gres/gpu:h100"
 
 
+def test_tres_slurm_adds_for_gpus_are_not_the_sites_to_keep():
+    """24.11 and 26.05 list gres/gpumem and gres/gpuutil as soon as gres/gpu is tracked
+    (their `scontrol show config` of the local cluster's installed fragment): not a drop."""
+    config = parse_scontrol_config(CONFIG)
+    config["AccountingStorageTRES"] = ("cpu,mem,energy,node,billing,fs/disk,vmem,pages,gres/gpu,gres/gpu:h100,"
+                                       "gres/gpumem,gres/gpuutil,gres/mps,gres/shard")
+    assert compare_config(site(**{"slurm.accounting_tres": True}), config) == []
+
+
 # What a cluster with its own settings has before slurm-dlrm is installed.
 SITE_OWN = {"GresTypes": "gpu,fpga", "JobSubmitPlugins": "require_timelimit,lua", "PrologFlags": "Contain,X11",
             "Prolog": "/etc/slurm/prolog.d/*", "Epilog": "/etc/slurm/epilog.sh", "TaskProlog": "(null)",

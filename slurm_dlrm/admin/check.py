@@ -244,6 +244,9 @@ def _items(value: str | None) -> set[str]:
 # Slurm always accounts these TRES, whatever AccountingStorageTRES says (slurm.conf(5)),
 # and `scontrol show config` lists them: they are never the site's to keep.
 SLURM_DEFAULT_TRES = frozenset({"cpu", "mem", "energy", "node", "billing", "fs/disk", "vmem", "pages"})
+# ... and from 23.02 on, tracking gres/gpu adds these two by itself (seen in 24.11.5's and
+# 26.05.5's `scontrol show config` of a fragment that names only gres/gpu items).
+SLURM_GPU_IMPLIED_TRES = frozenset({"gres/gpumem", "gres/gpuutil"})
 
 
 def _norm(item: str) -> str:
@@ -328,7 +331,7 @@ def compare_config(site: SiteConfig, config: dict[str, str]) -> list[Difference]
     if ctx["accounting_storage_tres"]:
         diffs.append(_list_difference("AccountingStorageTRES", ctx["accounting_storage_tres"].split(","),
                                       config.get("AccountingStorageTRES"), "site_accounting_tres",
-                                      s.site_accounting_tres, ignore=SLURM_DEFAULT_TRES))
+                                      s.site_accounting_tres, ignore=SLURM_DEFAULT_TRES | SLURM_GPU_IMPLIED_TRES))
     return [d for d in diffs if d is not None]
 
 
