@@ -246,3 +246,15 @@ def test_cli_prints_our_id_with_the_slurm_id(tmp_path, monkeypatch):
     assert [(j["job_id"], j["state"]) for j in json.loads(r.output)["jobs"]] == [(3, "FAILED")]
     with pytest.raises(SlurmError):  # the fake still refuses what Slurm would
         fake.sbatch("#!/bin/bash\n", ["--partition=nope"])
+
+
+def test_a_job_that_moved_meanwhile_does_not_stop_the_round(world, caplog):
+    svc, store, slurm, clock, site, tmp = world
+    a, b = submit(svc, site, tmp, n=2)
+    stale = store.get_job(a.job_id)  # as the round read it
+    cancel_job(store, slurm, a.job_id, user=USER)  # ... then `cancel` moved it (another process)
+    slurm.start(b.slurm_job_id)
+    observe_native(svc, [stale, store.get_job(b.job_id)], slurm.squeue(), RoundStats())
+    assert store.get_job(a.job_id).state == JobState.CANCELLED
+    assert store.get_job(b.job_id).state == JobState.RUNNING  # the next job was still followed
+    assert f"no-pack job {a.job_id}" in caplog.text

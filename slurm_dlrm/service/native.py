@@ -209,16 +209,23 @@ def active_native_jobs(store: Any, user: str) -> list[Any]:
 def observe_native(svc: Any, jobs: Sequence[Any], infos: Sequence[Any], stats: Any) -> None:
     """Settle the user's no-pack jobs from one squeue answer (`infos`), sacct for those
     gone from it. `svc` is the PackingService (store, Slurm client, clock, back-off)."""
+    from slurm_dlrm.store.errors import StoreError
+
     by_id = {str(i.job_id): i for i in infos}
     for job in jobs:
-        if job.slurm_job_id is None:
-            _find_unanswered(svc, job, infos, stats)
-            continue
-        info = by_id.get(job.slurm_job_id)
-        if info is not None and not info.state.is_terminal:
-            _follow_live(svc, job, info, stats)
-        else:
-            _settle_ended(svc, job, info, stats)
+        try:
+            if job.slurm_job_id is None:
+                _find_unanswered(svc, job, infos, stats)
+                continue
+            info = by_id.get(job.slurm_job_id)
+            if info is not None and not info.state.is_terminal:
+                _follow_live(svc, job, info, stats)
+            else:
+                _settle_ended(svc, job, info, stats)
+        except StoreError as exc:
+            # one job's refused move (e.g. a cancel landed meanwhile) must not stop the
+            # round from following the packs and the other jobs; the next round retries
+            log.warning("no-pack job %d (Slurm %s): %s", job.id, job.slurm_job_id, exc)
 
 
 def _find_unanswered(svc: Any, job: Any, infos: Sequence[Any], stats: Any) -> None:
