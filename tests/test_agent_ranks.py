@@ -287,3 +287,14 @@ def test_a_join_of_two_ranks_starts_both(world):
     assert agent.job_states == {6: "COMPLETED", 5: "COMPLETED"}
     assert [(m.placement.rank, m.placement.gpu_index) for m in agent.members[1:]] == [(0, 0), (1, 1)]
     assert _rank_env(world, 1)["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_a_rank_as_a_job_step_gets_its_rank_variables_again(tmp_path):
+    from slurm_dlrm.agent.loop import step_argv
+
+    rank = parse_placement(placement_dict(tmp_path, rank_entries(member_entry(tmp_path, 5, 0), [0, 1]))).members[1]
+    env = member_env({"PATH": "/bin"}, rank, ["0", "1"], MpsSetup("off", None, ""), master_port=29500)
+    argv = step_argv(rank, env, "node1", tmp_path / "member-5-r1.pid", sys.executable)
+    sets = [argv[i + 1] for i, a in enumerate(argv) if a == "--setenv"]
+    assert {"RANK=1", "LOCAL_RANK=1", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=29500",
+            "CUDA_VISIBLE_DEVICES=1"} <= set(sets)

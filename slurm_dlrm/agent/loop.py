@@ -119,7 +119,6 @@ class Member:
     fence: dict[str, Any] = field(default_factory=dict)  # what holds it to its memory limit
     cgroup: Path | None = None  # its dmem cgroup, joined before exec
     master_port: int | None = None  # a rank of a multi-rank job: its job's MASTER_PORT
-    ended_seq: int = 0  # order in which ranks ended (the first failing rank is the job's cause)
 
     @property
     def done(self) -> bool:
@@ -266,7 +265,6 @@ class Agent:
         self._v3_namespaces: set[str] = set()
         self._gpu_total_bytes: dict[int, int] = {}  # position in opts.gpus -> NVML total memory
         self._gpu_uuid: dict[int, str] = {}
-        self._ended_count = 0
         self._gang_cause: dict[int, Member] = {}  # job id -> the rank whose end stopped its siblings
         self.job_states: dict[int, str] = {}  # job id -> its end state (a multi-rank job: once, as a whole)
 
@@ -806,15 +804,16 @@ class Agent:
         or by the agent's own signal) stops its running siblings, SIGTERM then SIGKILL after
         term_grace_s; once all ranks have ended, the job gets its one `member` record."""
         p = m.placement
-        self._ended_count += 1
-        m.ended_seq = self._ended_count
         if p.world_size == 1:
             self.job_states[p.job_id] = m.state
             self.reports.member(p.job_id, m.state, m.exit_code, m.reason)
             return
         self.reports.rank(p.job_id, p.rank, p.world_size, m.state, m.exit_code, m.reason, gpu_index=p.gpu_index)
         ranks = self._ranks(p.job_id)
-        bad = m.state not in ("COMPLETED", "PREEMPTED") and m.stop_reason not in ("CANCEL", "TERM", "KILLED", "GANG")
+        # KILLED outside a termination: a step that never started its rank (PID_FILE_TIMEOUT_S)
+        stopping = m.stop_reason in ("CANCEL", "TERM", "GANG") or (
+            m.stop_reason == "KILLED" and self._terminating_since is not None)
+        bad = m.state not in ("COMPLETED", "PREEMPTED") and not stopping
         if bad and p.job_id not in self._gang_cause:
             self._gang_cause[p.job_id] = m
             now = time.monotonic()
