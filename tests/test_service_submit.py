@@ -18,6 +18,7 @@ from service_harness import make_site
 
 from slurm_dlrm.cli import cli
 from slurm_dlrm.errors import BadInput
+from slurm_dlrm.site import REPO_SITE_FILE
 
 pytest.importorskip("slurm_dlrm.store.store")
 pytest.importorskip("slurm_dlrm.estimate")
@@ -215,3 +216,19 @@ def test_a_multi_gpu_job_is_not_packed_but_runs_on_whole_gpus_with_no_pack(env):
         svc.submit_no_pack([str(two)], SbatchOptions(partition="dlrm"), site=narrow, user="root", cwd=str(tmp),
                            slurm=slurm, python="/py")
     assert [j.job_id for j in slurm.squeue()] == [sid]
+
+
+@pytest.mark.parametrize("cross_user", ["time-slice", "one-user"])
+def test_no_pack_on_mps_says_what_other_users_mean(tmp_path, cross_user):
+    """`submit --no-pack` on an MPS share: the note on stderr; with "one-user" the job asks
+    for --exclusive=user itself (job_submit.lua sets it too)."""
+    site_file = tmp_path / "site.toml"
+    site_file.write_text(REPO_SITE_FILE.read_text().replace('cross_user = "time-slice"',
+                                                            f'cross_user = "{cross_user}"'))
+    r = CliRunner().invoke(cli, ["submit", "--site", str(site_file), "--no-pack", "--test-only",
+                                 str(EXAMPLES / "tiny-a.yaml")])
+    assert r.exit_code == 0, r.output
+    assert "--gres=mps:" in r.stdout
+    assert ("--exclusive=user" in r.stdout) == (cross_user == "one-user")
+    assert "slurm-dlrm: note: a --no-pack job on an MPS share" in r.stderr
+    assert f'[mps] cross_user = "{cross_user}"' in r.stderr

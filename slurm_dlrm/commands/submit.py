@@ -45,7 +45,9 @@ def site_option(fn: Any) -> Any:
 @click.option("--wait", "wait_", is_flag=True, help="Block with a progress display until the jobs end; "
               "exit 0 only if every job completed.")
 @click.option("--no-pack", is_flag=True, help="Submit each spec as one ordinary Slurm job sized from its "
-              "estimate (--mem, --cpus-per-task, --gres=gpu:1 or an MPS share); prints Slurm job ids.")
+              "estimate (--mem, --cpus-per-task, --gres=gpu:1 or an MPS share); prints Slurm job ids. "
+              "MPS runs one user's jobs on a GPU at a time: on an MPS share, other users' jobs on the "
+              "same GPU take turns with yours unless the site sets [mps] cross_user = \"one-user\".")
 @click.option("--set", "sets", metavar="KEY=V1[,V2...]", multiple=True,
               help="A sweep: one job per value of a dotted spec field (e.g. optimizer.lr=0.01,0.1); "
                    "several --set give their product.")
@@ -111,6 +113,8 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         else:
             for s, line in zip(subs, lines, strict=True):
                 click.echo(f"{s.name}: {line}")
+            if no_pack and any("--gres=mps:" in line for line in lines):
+                click.echo(f"slurm-dlrm: note: {site.mps.cross_user_note()}", err=True)
         return
     if no_pack and dependency:
         raise BadInput("--dependency: with --no-pack, use sbatch's own -d with Slurm job ids")
@@ -119,15 +123,22 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
 
         results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=SlurmClient(),
                                      sets=sets, array=array)
+        # MPS runs one user's jobs on a GPU at a time: say what that means on this site.
+        note = site.mps.cross_user_note()
         if as_json:
             click.echo(json.dumps([{"slurm_job_id": sid, "name": sub.name, "mem_mib": req.mem_mib,
-                                    "cpus": req.cpus, "gres": req.gres} for sid, sub, req in results], indent=1))
+                                    "cpus": req.cpus, "gres": req.gres,
+                                    **({"exclusive_user": req.exclusive_user, "note": note} if req.on_mps else {})}
+                                   for sid, sub, req in results], indent=1))
         for sid, sub, req in results:
             if parsable:
                 click.echo(str(sid))
             elif not as_json:
                 click.echo(f"Submitted batch job {sid} ({sub.name}: --mem={req.mem_mib} "
-                           f"--cpus-per-task={req.cpus} --gres={req.gres})")
+                           f"--cpus-per-task={req.cpus} --gres={req.gres}"
+                           f"{' --exclusive=user' if req.exclusive_user else ''})")
+        if not as_json and any(req.on_mps for _, _, req in results):
+            click.echo(f"slurm-dlrm: note: {note}", err=True)
         return
     slurm = None
     if not no_service:  # as sbatch: no Slurm, no job (one line, exit 1, nothing recorded)

@@ -185,11 +185,14 @@ def ensure_service(site: SiteConfig, user: str,
     A service started with another SLURM_CONF than this command's (say, before `export
     SLURM_CONF`) would go on talking to the wrong Slurm, or none: it is stopped (it is
     crash-safe; SIGTERM ends it after its round) and started again with this environment."""
-    from slurm_dlrm.service.daemon import read_status, stop
+    from slurm_dlrm.service.daemon import elsewhere, read_status, stop
 
     paths = service_paths(site, user)
     restarted = False
     if running_pid(paths) is not None:
+        host = elsewhere(paths)
+        if host is not None:  # not to be signalled from here; it takes the jobs at its next round
+            return f"running on host {host}"
         status = read_status(paths)
         if "slurm_conf" not in status or status.get("slurm_conf") == os.environ.get("SLURM_CONF"):
             wake(paths)
@@ -300,6 +303,13 @@ class NativeRequest:
     cpus: int
     gres: str  # "gpu:1" or "mps:N"
     comment: str  # what job_submit.lua reads (docs/interfaces.md section 6)
+    # [mps] cross_user = "one-user": an MPS share asks for --exclusive=user itself (job_submit.lua
+    # sets it anyway), so `--test-only` and the script show what Slurm will do.
+    exclusive_user: bool = False
+
+    @property
+    def on_mps(self) -> bool:
+        return self.gres.startswith("mps:")
 
 
 def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
@@ -336,7 +346,8 @@ def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
     from slurm_dlrm.admin.marker import MODE_NO_PACK, format_marker
 
     comment = format_marker(MODE_NO_PACK, gpu_mem_mib=gpu_fence_mib)
-    return NativeRequest(mem_mib=mem_mib, cpus=cpus, gres=gres, comment=comment)
+    return NativeRequest(mem_mib=mem_mib, cpus=cpus, gres=gres, comment=comment,
+                         exclusive_user=gres.startswith("mps:") and site.mps.cross_user == "one-user")
 
 
 def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
@@ -349,6 +360,7 @@ def native_flags(sub: Submission, req: NativeRequest) -> list[str]:
     return sorted([f"--comment={req.comment}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
                    f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
                    *(["--nodes=1"] if sub.spec.world_size > 1 else []),
+                   *(["--exclusive=user"] if req.exclusive_user else []),
                    *sub.options.sbatch_flags(include_job_name=False)])
 
 
