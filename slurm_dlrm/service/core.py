@@ -254,10 +254,14 @@ class PackingService:
         if not isinstance(job_id, int):
             return
         self._apply_member_report(job_id, pack_id, str(rec.get("state") or ""), rec.get("exit_code"),
-                                  str(rec.get("reason") or ""), t)
+                                  str(rec.get("reason") or ""), t, requeue=rec.get("requeue") is True)
 
     def _apply_member_report(self, job_id: int, pack_id: Any, state: str, exit_code: Any,
-                             reason: str, t: float) -> None:
+                             reason: str, t: float, requeue: bool = False) -> None:
+        """One member record into the job's state. A multi-rank job has one end record
+        for all its ranks (the agent writes it once they all ended, docs/agent.md
+        "Multi-rank jobs"); `requeue`: one of its ranks crashed or was killed, so the job
+        goes back to the queue as a whole, all ranks resuming from its checkpoint."""
         from slurm_dlrm.store.states import JOB_TERMINAL, JobState
 
         s = self.store
@@ -274,7 +278,7 @@ class PackingService:
                 pack = s.get_pack(job.pack_id)
                 s.transition_job(job_id, JobState.RUNNING, "member started", slurm_job_id=pack.slurm_job_id, t=t)
             return
-        if job.state == JobState.PLANNED and state in ("COMPLETED", "PREEMPTED"):
+        if job.state == JobState.PLANNED and (state in ("COMPLETED", "PREEMPTED") or requeue):
             # the start record was never written (agent killed early); it did run
             s.transition_job(job_id, JobState.RUNNING, "member started (inferred)", t=t)
             job = s.get_job(job_id)
@@ -289,6 +293,8 @@ class PackingService:
             self._after_oom(job_id, "gpu" if state == "OOM_GPU" else "host", t)
         elif state == "PREEMPTED":
             self._requeue(job, f"preempted ({why}); resumes from its checkpoint", t)
+        elif state == "FAILED" and requeue:
+            self._requeue(job, f"a rank failed ({why}); all ranks resume from its checkpoint", t)
         elif state == "FAILED":
             s.transition_job(job_id, JobState.FAILED, why, exit_code=code, t=t)
         else:

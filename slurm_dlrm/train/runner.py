@@ -123,6 +123,18 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def sharding_local_size(device: torch.device, local_world_size: int) -> int:
+    """The local world size to give torchrec's planner. torchrec places rank r's shards on
+    `cuda:(r % local size)` (torchrec/distributed/sharding_plan.py `placement`), which is
+    right when every rank sees all the node's GPUs (torchrun) but not when each rank sees
+    only its own (a pack's agent sets CUDA_VISIBLE_DEVICES per rank, so every rank's GPU is
+    its cuda:0): then the local size is the number of devices a rank sees, which also
+    matches `pick_device`'s `LOCAL_RANK % device_count()`."""
+    if device.type != "cuda":
+        return local_world_size
+    return max(1, min(local_world_size, torch.cuda.device_count()))
+
+
 def init_distributed(device: torch.device) -> DistInfo:
     """One process group per run: from torchrun's (or our launcher's) environment when
     RANK/WORLD_SIZE are set, else a single-process group on an in-memory store."""
@@ -511,7 +523,7 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     if info.world_size != int(spec.world_size):
         log.warning("spec asks for world_size %d; this launch has %d processes", spec.world_size, info.world_size)
     torch.manual_seed(int(spec.seed) * 1000 + info.rank)
-    built = build(spec, device, info.world_size, info.local_world_size)
+    built = build(spec, device, info.world_size, sharding_local_size(device, info.local_world_size))
     for note in built.notes:
         log.warning("%s", note)
     source = make_source(spec, info.rank, info.world_size, pin_memory=device.type == "cuda")
