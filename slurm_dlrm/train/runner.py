@@ -4,6 +4,9 @@ checkpoint, and map every way of ending onto a `TRAIN_EXIT_*` code.
 Signals: SIGTERM and SIGUSR1 (what Slurm sends on preemption, at the time limit with
 `--signal`, and on `scontrol requeue`), and SIGINT, only set a flag; the loop sees it at
 the next step boundary, writes a checkpoint and exits with TRAIN_EXIT_PREEMPTED.
+
+Over 600 lines: the loop, its resume and its checkpoint writer share the Trainer's state
+(step, model, optimizer, the writer thread), and every exit path must see all of it.
 """
 
 from __future__ import annotations
