@@ -222,6 +222,17 @@ _V4 = (
 )
 
 _V5 = (
+    # `submit --no-pack` jobs are rows too (issue 23, one job identity): one job, one Slurm
+    # job of its own (jobs.slurm_job_id), settled from squeue/sacct, never packed.
+    "ALTER TABLE jobs ADD COLUMN mode TEXT NOT NULL DEFAULT 'pack' CHECK (mode IN ('pack', 'no-pack'))",
+    # its allocation (hostlist), its GPUs as the node numbers them (Slurm's IDX, "1" or
+    # "0-1"), and the GPUs it holds (world_size, or an MPS share like 0.4: acct's charge)
+    "ALTER TABLE jobs ADD COLUMN nodes TEXT",
+    "ALTER TABLE jobs ADD COLUMN gpu_idx TEXT",
+    "ALTER TABLE jobs ADD COLUMN gpu_share REAL",
+)
+
+_V6 = (
     # A multi-GPU job has one placement row per rank (issue 18, docs/interfaces.md
     # section 3): its rank and world_size; NULL for a one-rank member (rank 0 of 1).
     "ALTER TABLE placements ADD COLUMN rank INTEGER",
@@ -242,7 +253,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(3, "job_usage.n_pruned (sample retention)", _V3),
     Migration(4, "placements.predicted_speed (acct's slowdown correction)", _V4),
-    Migration(5, "placements.rank, placements.world_size (multi-GPU jobs)", _V5),
+    Migration(5, "jobs.mode, nodes, gpu_idx, gpu_share (submit --no-pack jobs in the store)", _V5),
+    Migration(6, "placements.rank, placements.world_size (multi-GPU jobs)", _V6),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
