@@ -140,3 +140,17 @@ def test_demand_from_estimate_carries_every_rank():
     assert [m.rank for m in members] == [0, 1] and len({m.key for m in members}) == 2
     assert max(m.gpu_mem_bytes for m in members) == d.gpu_mem_bytes
     assert rank_members(job(5)) == (job(5),)
+
+
+def test_a_waiting_gang_reserves_pack_gpus_from_single_joins():
+    # two pack GPUs loaded near the target: the gang's ranks do not fit beside them now;
+    # it reserves both, so a light single does not join them (and the plan does not fail)
+    live = (job(100, sm=85, bw=20),)
+    gpus = tuple(OpenGpu(f"7:0:{k}", "n", 1, pack=True, gpu_model="h100", live=live, free_cpus=32,
+                         free_host_mem_bytes=200 * GIB) for k in range(2))
+    gang = job(1, sm=40, bw=10, world_size=2)
+    p = plan(request([gang, job(2, sm=5, bw=5)], gpus=0, open_gpus=gpus), "complementary")
+    assert not p.joins and p.placed_job_ids == ()
+    # without the gang the single joins
+    p = plan(request([job(2, sm=5, bw=5)], gpus=0, open_gpus=gpus), "complementary")
+    assert [j.member.job_id for j in p.joins] == [2]

@@ -229,7 +229,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
                 break
             _join(best_gpu, job, limits)
             placed.add(job.job_id)
-        if not held:
+        if not held and pgs:  # (a waiting gang may have reserved every pack GPU)
             _fill_by_gain(pgs, singles, placed, limits, params, tail)
     joins: list[Join] = []
     for pg in all_pgs:
