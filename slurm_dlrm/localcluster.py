@@ -37,13 +37,14 @@ from typing import Any
 import jinja2
 
 from slurm_dlrm.errors import BadInput, DlrmError
+from slurm_dlrm.package_data import data_dir
 from slurm_dlrm.site import SiteConfig, load_site
 from slurm_dlrm.slurm.base import SlurmError
 from slurm_dlrm.slurm.client import SlurmClient
 
 log = logging.getLogger(__name__)
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates" / "localcluster"
+TEMPLATE_DIR = data_dir("templates") / "localcluster"
 REPO_DIR = Path(__file__).resolve().parent.parent
 
 ENV_DIR = "SLURM_DLRM_CLUSTER_DIR"
@@ -92,10 +93,24 @@ class ClusterConfig:
     slurm_conf_extra: Path | None = None
     gres_conf: Path | None = None
     job_submit_lua: Path | None = None
+    # The site file the cluster was made from, and whether `up` renders and installs the
+    # admin files for it (slurm-dlrm.conf, gres.conf, job_submit.lua, the MPS scripts): on
+    # unless `--no-admin`, or the three files above are given by hand.
+    site_path: Path | None = None
+    admin: bool = True
     min_job_age_s: int = 300
     def_mem_per_cpu_mib: int = 2000
 
     # ---------------------------------------------------------- derived paths
+
+    @property
+    def admin_files(self) -> bool:
+        return self.admin and not (self.slurm_conf_extra or self.gres_conf or self.job_submit_lua)
+
+    @property
+    def site_file(self) -> Path:
+        """The local cluster's own site file (`admin check --site`), written by `up`."""
+        return self.state_dir / "site.toml"
 
     @property
     def slurm_conf(self) -> Path:
@@ -156,10 +171,12 @@ class ClusterConfig:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ClusterConfig:
-        paths = {"state_dir", "slurm_conf_extra", "gres_conf", "job_submit_lua"}
+        paths = {"state_dir", "slurm_conf_extra", "gres_conf", "job_submit_lua", "site_path"}
         known = {f for f in cls.__dataclass_fields__}
         kw: dict[str, Any] = {k: (Path(v) if k in paths and v is not None else v)
                               for k, v in d.items() if k in known}
+        # A cluster.json from before `up` installed the admin files: that cluster has none.
+        kw.setdefault("admin", False)
         return cls(**kw)
 
 
@@ -170,7 +187,8 @@ def checkout_hash(path: Path = REPO_DIR) -> str:
 
 
 def default_state_dir() -> Path:
-    """$SLURM_DLRM_CLUSTER_DIR, else /tmp/slurm-dlrm-<hash of this checkout>."""
+    """$SLURM_DLRM_CLUSTER_DIR, else /tmp/slurm-dlrm-<hash of this checkout> (of the
+    site-packages folder, for a wheel install)."""
     env = os.environ.get(ENV_DIR)
     if env:
         return Path(env).resolve()
@@ -227,7 +245,7 @@ def config_from_site(site: SiteConfig | None = None, **overrides: Any) -> Cluste
         cpus_per_node=group.cpus, memory_mib=group.memory_mib,
         mps_per_gpu=site.mps.mps_per_gpu if site.mps.enabled else 0,
         shards_per_gpu=site.mps.shards_per_gpu, partition=part.name,
-        max_time_minutes=part.max_time_minutes)
+        max_time_minutes=part.max_time_minutes, site_path=Path(site.path) if site.path else None)
     base.update({k: v for k, v in overrides.items() if v is not None})
     state_dir = Path(base.pop("state_dir", None) or default_state_dir()).resolve()
     base_port = base.pop("base_port", None) or pick_base_port(state_dir, int(base["nodes"]))
@@ -279,6 +297,7 @@ class ClusterStatus:
             "slurm_conf": str(c.slurm_conf),
             "cluster_name": c.cluster_name,
             "accounting": c.accounting,
+            "site_file": str(c.site_file) if c.admin_files else None,
             "ports": {"slurmctld": c.port(PORT_SLURMCTLD),
                       **({"slurmdbd": c.port(PORT_SLURMDBD), "mysql": c.port(PORT_MYSQL)} if c.accounting else {}),
                       **{n: c.slurmd_port(i) for i, n in enumerate(c.node_names)}},
@@ -568,6 +587,13 @@ class LocalCluster:
                           "memory_mib": c.memory_mib, "gres": ",".join(gres) or "(null)",
                           "devices": devices})
         extra = c.slurm_conf_extra.read_text().rstrip() if c.slurm_conf_extra else ""
+        gres_text = Path(c.gres_conf).read_text() if c.gres_conf else None
+        lua_text = Path(c.job_submit_lua).read_text() if c.job_submit_lua else None
+        extra_source = str(c.slurm_conf_extra or "")
+        if c.admin_files:
+            admin = self._render_admin()
+            extra, gres_text, lua_text = admin["slurm-dlrm.conf"].rstrip(), admin["gres.conf"], admin["job_submit.lua"]
+            extra_source = f"{c.state_dir / 'admin' / 'rendered' / 'slurm-dlrm.conf'} (slurm-dlrm admin render)"
         # Slurm refuses a node defined twice: a fragment with its own NodeName/PartitionName
         # lines (e.g. `slurm-dlrm admin render`'s) replaces ours.
         extra_keys = {line.split("=", 1)[0].strip() for line in extra.splitlines() if "=" in line}
@@ -575,25 +601,25 @@ class LocalCluster:
             cluster_name=c.cluster_name, hostname=socket.gethostname().split(".")[0],
             slurmctld_port=c.port(PORT_SLURMCTLD), slurmdbd_port=c.port(PORT_SLURMDBD),
             mysql_port=c.port(PORT_MYSQL), munge_socket=str(c.munge_socket), state_dir=str(c.state_dir),
-            accounting=c.accounting, job_submit_lua=c.job_submit_lua is not None, nodes=nodes,
+            accounting=c.accounting, job_submit_lua=lua_text is not None, nodes=nodes,
             own_nodes="NodeName" not in extra_keys, own_partition="PartitionName" not in extra_keys,
             node_list=c.node_hostlist, partition=c.partition,
             max_time=c.max_time_minutes, min_job_age_s=c.min_job_age_s,
             def_mem_per_cpu_mib=c.def_mem_per_cpu_mib, gpu_type=c.gpu_type,
             mps_per_gpu=c.mps_per_gpu, shards_per_gpu=c.shards_per_gpu, extra=extra,
-            extra_source=str(c.slurm_conf_extra or ""), mysql_user=MYSQL_USER, mysql_db=MYSQL_DB,
+            extra_source=extra_source, mysql_user=MYSQL_USER, mysql_db=MYSQL_DB,
             mysql_password="")
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), undefined=jinja2.StrictUndefined,
                                  trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
         _write(c.slurm_conf, env.get_template("slurm.conf.j2").render(values))
         gres_path = c.etc_dir / "gres.conf"
-        if c.gres_conf is not None:
-            _write(gres_path, Path(c.gres_conf).read_text())
+        if gres_text is not None:
+            _write(gres_path, gres_text)
         else:
             _write(gres_path, env.get_template("gres.conf.j2").render(values))
         lua = c.etc_dir / "job_submit.lua"
-        if c.job_submit_lua is not None:
-            _write(lua, Path(c.job_submit_lua).read_text())
+        if lua_text is not None:
+            _write(lua, lua_text)
         elif lua.exists():
             lua.unlink()
         if c.accounting:
@@ -606,6 +632,46 @@ class LocalCluster:
             _write(dbd, env.get_template("slurmdbd.conf.j2").render(values))
             dbd.chmod(0o600)  # slurmdbd refuses a world-readable file (it holds a password)
         saved_config_path(c.state_dir).write_text(json.dumps(c.to_json(), indent=1) + "\n")
+
+    def _render_admin(self) -> dict[str, str]:
+        """`slurm-dlrm admin render` for this cluster: write its site file, render, install
+        the MPS scripts and the fake MPS control command; return the rendered texts by name
+        (the caller puts slurm-dlrm.conf, gres.conf and job_submit.lua in place)."""
+        import tomllib
+
+        from slurm_dlrm.admin.localsite import dump_toml, local_site_raw
+        from slurm_dlrm.admin.render import MODULE_NAME, render_site, write_rendered
+        from slurm_dlrm.agent.fake_mps_control import install_launcher
+        from slurm_dlrm.site import REPO_SITE_FILE
+
+        c = self.config
+        admin_dir = c.state_dir / "admin"
+        fake = install_launcher(admin_dir / "bin")
+        try:
+            raw = tomllib.loads(Path(c.site_path or REPO_SITE_FILE).read_text())
+        except (OSError, ValueError) as exc:
+            raise BadInput(f"--site: cannot read {c.site_path or REPO_SITE_FILE}: {exc}") from None
+        local = local_site_raw(
+            raw, state_dir=str(c.state_dir), hostlist=c.node_hostlist, gpu_model=c.gpu_type,
+            gpus=c.gpus_per_node, cpus=c.cpus_per_node, memory_mib=c.memory_mib,
+            first_slurmd_port=c.slurmd_port(0), partition=c.partition, max_time_minutes=c.max_time_minutes,
+            mps_per_gpu=c.mps_per_gpu, shards_per_gpu=c.shards_per_gpu, accounting=c.accounting,
+            fake_mps_control=str(fake))
+        _write(c.site_file, "# The local cluster's site file, written by `slurm-dlrm cluster up` from "
+               f"{c.site_path or REPO_SITE_FILE}.\n# Check the cluster against it: "
+               f"SLURM_CONF={c.slurm_conf} slurm-dlrm admin check --site {c.site_file}\n" + dump_toml(local))
+        from slurm_dlrm.site import load_site
+
+        files = render_site(load_site(c.site_file))
+        write_rendered(files, admin_dir / "rendered")
+        for f in files:
+            if f.name.startswith("scripts/") or f.name == MODULE_NAME:
+                dest = Path(f.install_path)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                _write(dest, f.text)
+                dest.chmod(f.mode)
+        (c.state_dir / "shm").mkdir(exist_ok=True)
+        return {f.name: f.text for f in files}
 
     # ------------------------------------------------------------ up / down
 
@@ -706,11 +772,41 @@ class LocalCluster:
                 d.pid_file.unlink()
         # slurmstepd of jobs that outlived the cancel inherit the marker from slurmd;
         # their tasks are recognised by SLURM_CONF + SLURM_JOB_ID (see _is_ours).
+        stopped += self._stop_fake_mps_daemons()
         strays = list(_ours_by_environ(c.state_dir))
         for pid in strays:
             _terminate(pid, c.state_dir, 5.0)
         if strays:
             stopped.append(f"{len(strays)} stray process(es)")
+        return stopped
+
+    def _stop_fake_mps_daemons(self) -> list[str]:
+        """The fake MPS control daemons the rendered prolog started and no epilog stopped
+        (slurmd gone first): `quit` through their pipe, then SIGKILL the pid their pid
+        file names, only if that process runs the fake in our root."""
+        c = self.config
+        fake = c.state_dir / "admin" / "bin" / "nvidia-cuda-mps-control"
+        stopped = []
+        for pid_file in sorted((c.state_dir / "mps").glob("gpu*/pipe/nvidia-cuda-mps-control.pid")):
+            pid = _read_pid(pid_file)
+            if pid is None or pid <= 1:
+                continue
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"fake_mps_control" not in cmdline or not _same_root(pid):
+                continue
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                subprocess.run([str(fake)], input="quit\n", text=True, timeout=10, capture_output=True,  # noqa: S603
+                               env={**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pid_file.parent)})
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
+                time.sleep(0.1)
+            if Path(f"/proc/{pid}").exists():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            stopped.append(f"fake MPS daemon {pid_file.parent.parent.name}")
         return stopped
 
     def _cancel_all_jobs(self) -> None:

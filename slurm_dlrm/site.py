@@ -4,7 +4,10 @@ Pure parsing: the only I/O is reading the one file given. Every error names the 
 (dotted path) and the reason, e.g. ``packing.memory_margin_pct: must be >= 0``.
 
 Lookup order when no file is given: $SLURM_DLRM_SITE, /etc/slurm-dlrm/site.toml,
-then the repository's site-config/site.toml.
+then the shipped site-config/site.toml (the repository's, or the wheel's copy).
+
+Over 600 lines: one schema, each section's dataclass beside the checks of its keys, so
+a key's type, default and error message are read in one place.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.errors import ConfigError
+from slurm_dlrm.package_data import data_dir
 
 MIB = 1 << 20
 GIB = 1 << 30
 
-REPO_SITE_FILE = Path(__file__).resolve().parent.parent / "site-config" / "site.toml"
+# The example site file shipped with the package (the repository's site-config/site.toml;
+# a wheel's copy inside the package, slurm_dlrm/package_data.py).
+REPO_SITE_FILE = data_dir("site-config") / "site.toml"
 POLICIES = ("exclusive", "first-fit", "mem-best-fit", "complementary")
 # NVIDIA MPS fails to start when CUDA_MPS_PIPE_DIRECTORY/LOG_DIRECTORY is longer than
 # 87 characters (seen with driver 535, CUDA 12.2).
@@ -112,6 +118,20 @@ class MpsConfig:
     # has the controller, "on" required, "off" never.
     mode: str = "auto"
     dmem: str = "auto"
+    # Jobs of different users on one GPU (docs/admin.md "MPS across users"): MPS runs one
+    # user's server per GPU at a time, so they take turns. "time-slice" accepts that;
+    # "one-user" has job_submit.lua give every gres/mps job --exclusive=user.
+    cross_user: str = "time-slice"
+
+    def cross_user_note(self) -> str:
+        """What a --no-pack job on an MPS share should know on this site (estimate, submit)."""
+        if self.cross_user == "one-user":
+            return ("a --no-pack job on an MPS share runs with --exclusive=user here ([mps] cross_user = "
+                    "\"one-user\"): no other user's job shares its node while it runs, so no other user's MPS "
+                    "job shares its GPU (docs/admin.md \"MPS across users\")")
+        return ("a --no-pack job on an MPS share may share its GPU with other users' MPS jobs; MPS runs one "
+                "user's jobs on a GPU at a time, so yours and theirs take turns, each slowed by the others "
+                "([mps] cross_user = \"time-slice\"; docs/admin.md \"MPS across users\"); packs are not affected")
 
 
 @dataclass(frozen=True)
@@ -133,6 +153,17 @@ class SlurmAdminConfig:
     # ({job_id} replaced): the prolog writes a --no-pack job's dmem limits there.
     cgroup_root: str = "/sys/fs/cgroup"
     job_cgroup: str = "system.slice/slurmstepd.scope/job_{job_id}"
+    # What the site already has in slurm.conf, kept by the fragment (docs/admin.md
+    # "Installs that chain"): its own Prolog/Epilog/TaskProlog (a path or a glob, as
+    # slurm.conf takes them; "" = none), which our scripts run, and list items the fragment
+    # keeps beside its own (comma-separated, as in slurm.conf).
+    site_prolog: str = ""
+    site_epilog: str = ""
+    site_task_prolog: str = ""
+    site_gres_types: str = ""
+    site_prolog_flags: str = ""
+    site_job_submit_plugins: str = ""
+    site_accounting_tres: str = ""
 
 
 @dataclass(frozen=True)
@@ -414,6 +445,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         client_limit=m.get("client_limit", int, 48, min_value=1, max_value=48),
         mode=m.get("mode", str, "auto", choices=("auto", "v3", "v2")),
         dmem=m.get("dmem", str, "auto", choices=("auto", "on", "off")),
+        cross_user=m.get("cross_user", str, "time-slice", choices=("time-slice", "one-user")),
     )
     m.done()
     for i, part in enumerate(partitions):
@@ -424,8 +456,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
     slurm = SlurmAdminConfig(
         config_dir=_abs_path(sl, "config_dir", "/etc/slurm"),
         script_dir=_abs_path(sl, "script_dir", "/etc/slurm/slurm-dlrm"),
-        select_type_parameters=sl.get("select_type_parameters", str, "CR_Core_Memory",
-                                      choices=("CR_Core_Memory", "CR_CPU_Memory", "CR_Socket_Memory")),
+        select_type_parameters=_select_type_parameters(sl),
         slurm_user=sl.get("slurm_user", str, "slurm"),
         mps_control_command=sl.get("mps_control_command", str, "nvidia-cuda-mps-control"),
         mps_pipe_root=_abs_path(sl, "mps_pipe_root", "/run/slurm-dlrm/mps"),
@@ -436,10 +467,22 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         accounting_tres=sl.get("accounting_tres", bool, True),
         cgroup_root=_abs_path(sl, "cgroup_root", "/sys/fs/cgroup"),
         job_cgroup=sl.get("job_cgroup", str, "system.slice/slurmstepd.scope/job_{job_id}"),
+        site_prolog=_site_script(sl, "site_prolog"),
+        site_epilog=_site_script(sl, "site_epilog"),
+        site_task_prolog=_site_script(sl, "site_task_prolog"),
+        site_gres_types=_site_items(sl, "site_gres_types"),
+        site_prolog_flags=_site_items(sl, "site_prolog_flags"),
+        site_job_submit_plugins=_site_items(sl, "site_job_submit_plugins"),
+        site_accounting_tres=_site_items(sl, "site_accounting_tres"),
     )
     sl.done()
     if not re.fullmatch(r"[a-z_][a-z0-9_-]{0,31}", slurm.slurm_user):
         raise ConfigError("slurm.slurm_user", "not a valid user name", path)
+    for key, ours in (("site_prolog", "prolog.sh"), ("site_epilog", "epilog.sh"), ("site_task_prolog", "task_prolog.sh")):
+        # Ours runs the site's: naming ours would make it run itself forever.
+        if getattr(slurm, key) == f"{slurm.script_dir}/{ours}":
+            raise ConfigError(f"slurm.{key}", f"names slurm-dlrm's own {ours}; name the site's script, or leave it out",
+                              path)
     if not slurm.mps_control_command or any(c.isspace() for c in slurm.mps_control_command):
         raise ConfigError("slurm.mps_control_command", "one command name or absolute path, no spaces", path)
     if slurm.job_cgroup.startswith("/") or "{job_id}" not in slurm.job_cgroup or ".." in slurm.job_cgroup \
@@ -501,6 +544,39 @@ def _abs_path(section: _Section, key: str, default: str) -> str:
         raise ConfigError(section._key(key), f"must be an absolute path without spaces, quotes or '#', got {value!r}",
                           section.path)
     return value.rstrip("/") or "/"
+
+
+def _select_type_parameters(section: _Section) -> str:
+    """SelectTypeParameters: a memory-consumable CR_* first (packing needs memory as a
+    consumable), then any other flags the site sets (e.g. CR_ONE_TASK_PER_CORE), kept."""
+    value: str = section.get("select_type_parameters", str, "CR_Core_Memory")
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    choices = ("CR_Core_Memory", "CR_CPU_Memory", "CR_Socket_Memory")
+    if not items or items[0] not in choices or any(not re.fullmatch(r"[A-Za-z_]+", v) for v in items[1:]):
+        raise ConfigError(section._key("select_type_parameters"),
+                          f"must start with one of {', '.join(choices)} (further flags comma-separated); got {value!r}",
+                          section.path)
+    return ",".join(items)
+
+
+def _site_script(section: _Section, key: str) -> str:
+    """A site's own Prolog/Epilog/TaskProlog: "" or an absolute path (a glob allowed, as
+    slurm.conf takes it); no spaces or shell quoting characters (our scripts expand it)."""
+    value: str = section.get(key, str, "")
+    if value and (not value.startswith("/") or not re.fullmatch(r"[A-Za-z0-9_./*?\[\]@+-]+", value)):
+        raise ConfigError(section._key(key), f"an absolute path or glob (letters, digits, _./*?[]@+-), got {value!r}",
+                          section.path)
+    return value
+
+
+def _site_items(section: _Section, key: str) -> str:
+    """A comma-separated list of slurm.conf items (e.g. "Contain,X11"); normalised to no spaces."""
+    value: str = section.get(key, str, "")
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if any(not re.fullmatch(r"[A-Za-z0-9_./:=-]+", v) for v in items):
+        raise ConfigError(section._key(key), f"comma-separated slurm.conf items (letters, digits, _./:=-), got {value!r}",
+                          section.path)
+    return ",".join(items)
 
 
 def _check_device_files(group: NodeGroup, key: str, path: str | None) -> None:

@@ -8,6 +8,7 @@ import tomllib
 import pytest
 
 from slurm_dlrm.admin.check import (
+    check_job_submit_script,
     compare,
     compare_config,
     nodes_from_scontrol,
@@ -19,6 +20,7 @@ from slurm_dlrm.admin.check import (
     partitions_from_scontrol,
     partitions_from_sinfo,
 )
+from slurm_dlrm.admin.render import build_context, render_site
 from slurm_dlrm.site import parse_site
 from slurm_dlrm.slurm.parse import parse_scontrol_nodes, parse_sinfo
 
@@ -187,16 +189,20 @@ def test_indexed_prolog_epilog_of_newer_releases():
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"mps.shards_per_gpu": 0}, ["config: GresTypes: site gpu,mps, cluster gpu,mps,shard"]),
+    ({"mps.shards_per_gpu": 0}, ["config: GresTypes: site gpu,mps, cluster gpu,mps,shard "
+                                 '(the fragment drops shard: keep with [slurm] site_gres_types = "shard")']),
     ({"slurm.script_dir": "/etc/slurm/dlrm"}, [
-        "config: Prolog: site /etc/slurm/dlrm/prolog.sh, cluster /tmp/admin-exp/scripts/prolog.sh",
-        "config: Epilog: site /etc/slurm/dlrm/epilog.sh, cluster /tmp/admin-exp/scripts/epilog.sh",
-        "config: TaskProlog: site /etc/slurm/dlrm/task_prolog.sh, cluster /tmp/admin-exp/scripts/task_prolog.sh"]),
+        f"config: {key}: site /etc/slurm/dlrm/{name}.sh, cluster /tmp/admin-exp/scripts/{name}.sh (the fragment "
+        f'replaces /tmp/admin-exp/scripts/{name}.sh: set [slurm] site_{name} = "/tmp/admin-exp/scripts/{name}.sh" '
+        "so ours runs it)"
+        for key, name in (("Prolog", "prolog"), ("Epilog", "epilog"), ("TaskProlog", "task_prolog"))]),
     ({"slurm.select_type_parameters": "CR_CPU_Memory"},
-     ["config: SelectTypeParameters: site CR_CPU_Memory, cluster CR_CORE_MEMORY"]),
+     ["config: SelectTypeParameters: site CR_CPU_Memory, cluster CR_CORE_MEMORY "
+      "(the fragment sets [slurm] select_type_parameters)"]),
+    # The item Slurm lacks is named (Slurm's own default TRES are never the site's to keep).
     ({"slurm.accounting_tres": True}, [
         "config: AccountingStorageTRES: site gres/gpu,gres/gpu:h100,gres/mps,gres/shard, "
-        "cluster cpu,mem,energy,node,billing,fs/disk,vmem,pages"]),
+        "cluster cpu,mem,energy,node,billing,fs/disk,vmem,pages (missing gres/gpu,gres/gpu:h100,gres/mps,gres/shard)"]),
 ])
 def test_config_differences_are_named(change, expected):
     assert [str(d) for d in compare_config(site(**change), parse_scontrol_config(CONFIG))] == expected
@@ -206,4 +212,77 @@ def test_missing_plugin_and_prolog_flags():
     config = parse_scontrol_config(CONFIG)
     config.update(JobSubmitPlugins="(null)", PrologFlags="Contain")
     assert [str(d) for d in compare_config(site(), config)] == [
-        "config: JobSubmitPlugins: site lua, cluster -", "config: PrologFlags: site Alloc, cluster Contain"]
+        "config: JobSubmitPlugins: site lua, cluster - (missing lua)",
+        "config: PrologFlags: site Alloc, cluster Contain "
+        '(missing Alloc; the fragment drops Contain: keep with [slurm] site_prolog_flags = "Contain")']
+
+
+def test_one_missing_tres_item_is_named():
+    config = parse_scontrol_config(CONFIG)
+    config["AccountingStorageTRES"] = "cpu,mem,energy,node,billing,fs/disk,vmem,pages,gres/gpu,gres/mps,gres/shard"
+    (d,) = compare_config(site(**{"slurm.accounting_tres": True}), config)
+    assert d.field == "AccountingStorageTRES" and d.note == "missing gres/gpu:h100"
+
+
+def test_tres_slurm_adds_for_gpus_are_not_the_sites_to_keep():
+    """24.11 and 26.05 list gres/gpumem and gres/gpuutil as soon as gres/gpu is tracked
+    (their `scontrol show config` of the local cluster's installed fragment): not a drop."""
+    config = parse_scontrol_config(CONFIG)
+    config["AccountingStorageTRES"] = ("cpu,mem,energy,node,billing,fs/disk,vmem,pages,gres/gpu,gres/gpu:h100,"
+                                       "gres/gpumem,gres/gpuutil,gres/mps,gres/shard")
+    assert compare_config(site(**{"slurm.accounting_tres": True}), config) == []
+
+
+# What a cluster with its own settings has before slurm-dlrm is installed.
+SITE_OWN = {"GresTypes": "gpu,fpga", "JobSubmitPlugins": "require_timelimit,lua", "PrologFlags": "Contain,X11",
+            "Prolog": "/etc/slurm/prolog.d/*", "Epilog": "/etc/slurm/epilog.sh", "TaskProlog": "(null)",
+            "AccountingStorageTRES": "cpu,mem,energy,node,billing,fs/disk,vmem,pages,license/matlab"}
+
+
+def test_check_names_every_setting_the_fragment_would_change_and_what_keeps_it():
+    config = {**parse_scontrol_config(CONFIG), **SITE_OWN}
+    diffs = {d.field: d for d in compare_config(site(**{"slurm.accounting_tres": True}), config)}
+    assert set(diffs) == {"GresTypes", "JobSubmitPlugins", "Prolog", "Epilog", "TaskProlog", "PrologFlags",
+                          "AccountingStorageTRES"}
+    assert diffs["GresTypes"].note == 'missing mps,shard; the fragment drops fpga: keep with [slurm] site_gres_types = "fpga"'
+    assert "drops require_timelimit" in diffs["JobSubmitPlugins"].note
+    assert 'site_prolog = "/etc/slurm/prolog.d/*" so ours runs it' in diffs["Prolog"].note
+    assert 'site_epilog = "/etc/slurm/epilog.sh"' in diffs["Epilog"].note
+    assert diffs["TaskProlog"].note == "not installed"
+    assert 'site_prolog_flags = "Contain,X11"' in diffs["PrologFlags"].note
+    assert "missing gres/gpu,gres/gpu:h100,gres/mps,gres/shard" in diffs["AccountingStorageTRES"].note
+    assert 'site_accounting_tres = "license/matlab"' in diffs["AccountingStorageTRES"].note
+
+
+def test_with_the_site_keys_the_fragment_keeps_the_clusters_settings():
+    keep = {"slurm.accounting_tres": True, "slurm.site_gres_types": "fpga",
+            "slurm.site_job_submit_plugins": "require_timelimit", "slurm.site_prolog": "/etc/slurm/prolog.d/*",
+            "slurm.site_epilog": "/etc/slurm/epilog.sh", "slurm.site_prolog_flags": "Contain,X11",
+            "slurm.site_accounting_tres": "license/matlab"}
+    s = site(**keep)
+    before = {**parse_scontrol_config(CONFIG), **SITE_OWN}
+    diffs = {d.field: d for d in compare_config(s, before)}
+    # Still changes (ours must be installed), but nothing of the cluster's is dropped.
+    assert not any("drops" in d.note or "replaces" in d.note for d in diffs.values()), diffs
+    assert diffs["Prolog"].note == "ours runs /etc/slurm/prolog.d/* first ([slurm] site_prolog)"
+    # The rendered fragment, as slurmctld would then run it: no difference left.
+    ctx = build_context(s)["slurm_conf"]
+    after = {**before, "GresTypes": ctx["gres_types"], "JobSubmitPlugins": ctx["job_submit_plugins"],
+             "PrologFlags": ctx["prolog_flags"], "Prolog": ctx["scripts"]["prolog"],
+             "Epilog": ctx["scripts"]["epilog"], "TaskProlog": ctx["scripts"]["task_prolog"],
+             "AccountingStorageTRES": "cpu,mem,energy,node,billing,fs/disk,vmem,pages," + ctx["accounting_storage_tres"]}
+    assert ctx["gres_types"] == "fpga,gpu,mps,shard" and ctx["prolog_flags"] == "Contain,X11,Alloc"
+    assert ctx["job_submit_plugins"] == "require_timelimit,lua"
+    assert ctx["accounting_storage_tres"] == "license/matlab,gres/gpu,gres/gpu:h100,gres/mps,gres/shard"
+    assert compare_config(s, after) == []
+
+
+def test_a_site_job_submit_lua_that_does_not_call_the_module_is_named():
+    s = site()
+    assert check_job_submit_script(s, None) == []  # not readable here: nothing claimed
+    files = {f.name: f.text for f in render_site(s)}
+    assert check_job_submit_script(s, files["job_submit.lua"]) == []
+    chained = 'local m = dofile("/tmp/admin-exp/slurm_dlrm_submit.lua")\nfunction slurm_job_submit() end\n'
+    assert check_job_submit_script(s, chained) == []
+    (d,) = check_job_submit_script(s, "function slurm_job_submit() return slurm.SUCCESS end\n")
+    assert d.field == "job_submit.lua" and "Installs that chain" in d.note

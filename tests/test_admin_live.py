@@ -23,7 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_dlrm.admin.marker import format_marker
-from slurm_dlrm.admin.render import render_site, write_rendered
+from slurm_dlrm.admin.render import lua_str, render_site, write_rendered
 from slurm_dlrm.cli import cli
 from slurm_dlrm.localcluster import (
     PORT_FIRST_SLURMD,
@@ -58,6 +58,12 @@ def local_site_text(state: Path, base_port: int) -> str:
         'mps_log_root = "/var/log/slurm-dlrm/mps"': f'mps_log_root = "{state}/mpslog"',
         'shm_dir = "/dev/shm"': f'shm_dir = "{state}/shm"',
         "accounting_tres = true": "accounting_tres = false",
+        # One user per GPU at a time (docs/admin.md "MPS across users").
+        'cross_user = "time-slice"': 'cross_user = "one-user"',
+        # The site's own prolog, which ours runs (docs/admin.md "Installs that chain").
+        'job_cgroup = "system.slice/slurmstepd.scope/job_{job_id}"\n':
+            'job_cgroup = "system.slice/slurmstepd.scope/job_{job_id}"\n'
+            f'site_prolog = "{state}/site/prolog.sh"\n',
     }
     for old, new in swaps.items():
         assert text.count(old) == 1, old
@@ -128,6 +134,14 @@ def admin_cluster() -> Iterator[AdminCluster]:
     rendered = state / "admin" / "rendered"
     write_rendered(render_site(site), rendered)
     shutil.copytree(rendered / "scripts", state / "admin" / "scripts")
+    (state / "site").mkdir()
+    (state / "site" / "prolog.sh").write_text(SITE_PROLOG)
+    (state / "site" / "prolog.sh").chmod(0o755)
+    # The site keeps its job_submit.lua; ours is the module next to it.
+    (state / "etc").mkdir()
+    shutil.copy(rendered / "slurm_dlrm_submit.lua", state / "etc" / "slurm_dlrm_submit.lua")
+    site_lua = state / "site" / "job_submit.lua"
+    site_lua.write_text(SITE_JOB_SUBMIT.replace("MODULE", lua_str(state / "etc" / "slurm_dlrm_submit.lua")))
     (state / "shm").mkdir()
     write_fake_mps(state / "admin" / "bin", shm_dir=state / "shm")
     jobs = state / "jobs"
@@ -135,7 +149,7 @@ def admin_cluster() -> Iterator[AdminCluster]:
     jobs.chmod(0o1777)
     cfg = config_from_site(site, state_dir=state, base_port=base_port, accounting=False,
                            slurm_conf_extra=rendered / "slurm-dlrm.conf", gres_conf=rendered / "gres.conf",
-                           job_submit_lua=rendered / "job_submit.lua")
+                           job_submit_lua=site_lua)
     cluster = LocalCluster(cfg)
     ac = AdminCluster(cluster, state, site_path, jobs)
     try:
@@ -156,6 +170,34 @@ def admin_cluster() -> Iterator[AdminCluster]:
 
 JOB_SCRIPT = """#!/bin/bash
 env | grep -E '^(CUDA_|SLURM_JOB_ID=)' | sort > "$SLURM_SUBMIT_DIR/env-$SLURM_JOB_ID.txt"
+"""
+
+
+# The site's own job_submit.lua, calling our module first (docs/admin.md "Installs that
+# chain"); its own rule: no job named "forbidden-by-site".
+SITE_JOB_SUBMIT = """
+local slurm_dlrm = dofile(MODULE)
+local function site_rules(job_desc)
+  if job_desc.name == "forbidden-by-site" then
+    slurm.log_user("site rule: no job may be called forbidden-by-site")
+    return slurm.ERROR
+  end
+  return slurm.SUCCESS
+end
+function slurm_job_submit(job_desc, part_list, submit_uid)
+  local rc = slurm_dlrm.job_submit(job_desc, part_list, submit_uid)
+  if rc ~= slurm.SUCCESS then return rc end
+  return site_rules(job_desc)
+end
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+  return slurm_dlrm.job_modify(job_desc, job_rec, part_list, modify_uid)
+end
+return slurm.SUCCESS
+"""
+
+# The site's own prolog: records each job it ran for.
+SITE_PROLOG = """#!/bin/bash
+echo "site prolog job $SLURM_JOB_ID" >>"$(dirname "$0")/trace"
 """
 
 
@@ -230,6 +272,22 @@ def test_no_pack_job_gets_mps_and_its_memory_fence(admin_cluster):
 
 
 @pytest.mark.slurm
+def test_the_sites_own_job_submit_and_prolog_still_run(admin_cluster):
+    """Installed as a site with its own job_submit.lua and prolog would: the site's script
+    calls our module, our prolog runs the site's."""
+    args = [a if not a.startswith("--job-name") else "--job-name=forbidden-by-site" for a in no_pack_args(admin_cluster)]
+    refused = admin_cluster.sbatch(*args)
+    assert refused.returncode == 1 and "site rule: no job may be called forbidden-by-site" in refused.stderr
+    result = admin_cluster.sbatch(*no_pack_args(admin_cluster))
+    assert result.returncode == 0, result.stderr
+    job_id = int(result.stdout.strip().split(";")[0])
+    admin_cluster.wait(job_id)
+    trace = (admin_cluster.state / "site" / "trace").read_text()
+    assert f"site prolog job {job_id}\n" in trace
+    assert read_env(admin_cluster, job_id)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"  # ours ran too
+
+
+@pytest.mark.slurm
 def test_pack_job_is_accepted_and_left_to_the_agent(admin_cluster):
     before = admin_cluster.events()
     result = admin_cluster.sbatch(*pack_args(admin_cluster))
@@ -298,3 +356,35 @@ def test_cluster_fragment_replaces_the_local_clusters_own_nodes(tmp_path):
     assert conf.count("PartitionName=") == 1
     assert f"Port={20000 + PORT_FIRST_SLURMD + 1}" in conf
     assert (cfg.etc_dir / "job_submit.lua").read_text() == (rendered / "job_submit.lua").read_text()
+
+
+@pytest.mark.slurm
+def test_one_user_mps_job_keeps_other_users_off_its_node(admin_cluster):
+    """[mps] cross_user = "one-user": job_submit.lua gives nobody's MPS job --exclusive=user,
+    so root's whole-GPU job asked onto the same node waits (3 GPUs free there) until it ends;
+    MPS would otherwise run the two users' jobs on a GPU in turn."""
+    hold = admin_cluster.jobs / "hold.sh"
+    hold.write_text("#!/bin/bash\nsleep 60\n")
+    hold.chmod(0o755)
+    args = [a for a in no_pack_args(admin_cluster, mps=40) if not a.endswith("job.sh")]
+    result = admin_cluster.sbatch(*args, "--nodelist=node1", str(hold))
+    assert result.returncode == 0, result.stderr
+    mps_job = int(result.stdout.strip().split(";")[0])
+    client = admin_cluster.client()
+    other = None
+    try:
+        deadline = time.monotonic() + 60
+        while client.show_job_raw(mps_job)["JobState"] != "RUNNING" and time.monotonic() < deadline:
+            time.sleep(0.3)
+        rec = client.show_job_raw(mps_job)
+        assert rec["JobState"] == "RUNNING" and rec["OverSubscribe"] == "USER"
+        other = client.sbatch("#!/bin/bash\ntrue\n", [f"--partition={PARTITION}", "--nodelist=node1",
+                                                          "--gres=gpu:1", "--mem=100M",
+                                                          f"--output={admin_cluster.jobs}/root-%j.out"])
+        time.sleep(4)  # several scheduling passes (batch_sched_delay=0)
+        assert client.show_job_raw(other)["JobState"] == "PENDING"
+        client.scancel([mps_job])
+        admin_cluster.wait(other)
+        assert client.show_job_raw(other)["JobState"] == "COMPLETED"
+    finally:
+        client.scancel([j for j in (mps_job, other) if j is not None])

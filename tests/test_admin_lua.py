@@ -81,10 +81,18 @@ end
 """
 
 
-def run_cases(tmp_path: Path, cases: list[tuple[str, dict, dict | None, int]], raw=None) -> dict[str, tuple[int, str]]:
+def run_cases(tmp_path: Path, cases: list[tuple[str, dict, dict | None, int]], raw=None,
+              site_script: str | None = None) -> dict[str, tuple[int, str]]:
+    """Run the cases through the rendered job_submit.lua, or with `site_script` through a
+    site's own job_submit.lua that calls the rendered module (MODULE in it: its path)."""
     files = {f.name: f.text for f in render_site(parse_site(raw or site_raw()))}
     script = tmp_path / "job_submit.lua"
-    script.write_text(files["job_submit.lua"])
+    if site_script is None:
+        script.write_text(files["job_submit.lua"])
+    else:
+        module = tmp_path / "slurm_dlrm_submit.lua"
+        module.write_text(files["slurm_dlrm_submit.lua"])
+        script.write_text(site_script.replace("MODULE", lua_str(module)))
     passwd = tmp_path / "passwd"
     passwd.write_text(f"root:x:0:0::/root:/bin/sh\nslurmsvc:x:{SLURM_UID}:{SLURM_UID}::/:/bin/false\n")
     lines = [f"local SCRIPT = {lua_str(script)}", f"local PASSWD = {lua_str(passwd)}", HARNESS]
@@ -292,3 +300,112 @@ def test_lua_string_literals_survive_any_text(tmp_path_factory, texts):
     proc = subprocess.run([LUA, str(script)], capture_output=True, timeout=30)  # noqa: S603
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split(b"\0")[:-1] == [t.encode() for t in texts]
+
+
+# A site's own job_submit.lua (its own rule: no job named "forbidden"), chained to the
+# module as docs/admin.md "Installs that chain" shows.
+SITE_SCRIPT = """
+slurm_dlrm = dofile(MODULE)  -- global only so the harness can point passwd_file elsewhere
+local function site_rules(job_desc)
+  if job_desc.name == "forbidden" then
+    slurm.log_user("site: no job may be called forbidden")
+    return slurm.ERROR
+  end
+  return slurm.SUCCESS
+end
+function slurm_job_submit(job_desc, part_list, submit_uid)
+  local rc = slurm_dlrm.job_submit(job_desc, part_list, submit_uid)
+  if rc ~= slurm.SUCCESS then return rc end
+  return site_rules(job_desc)
+end
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+  local rc = slurm_dlrm.job_modify(job_desc, job_rec, part_list, modify_uid)
+  if rc ~= slurm.SUCCESS then return rc end
+  return site_rules(job_desc)
+end
+return slurm.SUCCESS
+"""
+
+
+def test_the_module_called_from_a_site_script_checks_as_the_standalone_one(tmp_path):
+    cases = [(name, desc, None, USER_UID) for name, desc, _, _ in SUBMIT_CASES]
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    standalone = run_cases(tmp_path / "a", cases)
+    chained = run_cases(tmp_path / "b", cases, site_script=SITE_SCRIPT)
+    assert chained == standalone
+    # The site's own rule still holds, in its partitions and in ours, after our checks.
+    site_only = run_cases(tmp_path / "b", [
+        ("site-rule-other-partition", {"partition": "debug", "name": "forbidden"}, None, USER_UID),
+        ("site-rule-dlrm", dict(WRAPPER_MPS, name="forbidden"), None, USER_UID),
+        ("ours-first", {"partition": "dlrm", "name": "forbidden"}, None, USER_UID),
+        ("modify", {"partition": "debug", "name": "forbidden"}, {"partition": "debug"}, USER_UID)],
+        site_script=SITE_SCRIPT)
+    assert site_only["site-rule-other-partition"] == (-1, "site: no job may be called forbidden")
+    assert site_only["site-rule-dlrm"] == (-1, "site: no job may be called forbidden")
+    assert site_only["ours-first"][0] == ACCESS_DENIED and "no slurm-dlrm marker" in site_only["ours-first"][1]
+    assert site_only["modify"][0] == -1
+
+
+def test_the_module_defines_no_global_and_registers_nothing(tmp_path):
+    files = {f.name: f.text for f in render_site(parse_site(site_raw()))}
+    module = tmp_path / "m.lua"
+    module.write_text(files["slurm_dlrm_submit.lua"])
+    driver = tmp_path / "d.lua"
+    driver.write_text("slurm = {SUCCESS = 0}\nlocal before = {}\nfor k in pairs(_G) do before[k] = true end\n"
+                      f"local m = dofile({lua_str(module)})\n"
+                      "for k in pairs(_G) do if not before[k] then io.write('global ', k, '\\n') end end\n"
+                      "io.write(type(m.job_submit), ' ', type(m.job_modify), '\\n')\n")
+    proc = subprocess.run([LUA, str(driver)], capture_output=True, text=True, timeout=30)  # noqa: S603
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "function function\n"
+
+
+def shared_after(tmp_path: Path, cross_user: str, cases: list[tuple[str, dict, dict | None, int]]) -> dict[str, str]:
+    """job_desc.shared after the rendered script ran each case (nil: left alone)."""
+    raw = site_raw()
+    raw["mps"]["cross_user"] = cross_user
+    files = {f.name: f.text for f in render_site(parse_site(raw))}
+    script = tmp_path / f"job_submit-{cross_user}.lua"
+    script.write_text(files["job_submit.lua"])
+    lines = ["slurm = {SUCCESS = 0, ERROR = -1, JOB_SHARED_USER = 2, ESLURM_ACCESS_DENIED = 2002,",
+             "  log_user = function() end, log_info = function() end}",
+             f"dofile({lua_str(script)})", f"slurm_dlrm.passwd_file = {lua_str(tmp_path / 'none')}"]
+    for name, desc, rec, uid in cases:
+        call = (f"slurm_job_submit(d, {{}}, {uid})" if rec is None
+                else f"slurm_job_modify(d, {to_lua(rec)}, {{}}, {uid})")
+        lines.append(f"do local d = {to_lua(desc)}; d.min_nodes = d.min_nodes or {NO_VAL}; local rc = {call}; "
+                     f"io.write({lua_str(name)}, ' ', tostring(rc), ' ', tostring(d.shared), '\\n') end")
+    driver = tmp_path / f"shared-{cross_user}.lua"
+    driver.write_text("\n".join(lines) + "\n")
+    proc = subprocess.run([LUA, str(driver)], capture_output=True, text=True, timeout=30)  # noqa: S603
+    assert proc.returncode == 0, proc.stderr
+    return {line.split()[0]: " ".join(line.split()[1:]) for line in proc.stdout.splitlines()}
+
+
+CROSS_USER_CASES = [
+    ("mps", WRAPPER_MPS, None, USER_UID),
+    ("mps-root", {"partition": "dlrm", "tres_per_node": "gres:mps:40"}, None, 0),
+    ("pack", WRAPPER_PACK, None, USER_UID),
+    ("mps-other-partition", {"partition": "debug", "tres_per_node": "gres:mps:40"}, None, USER_UID),
+    ("refused", {"partition": "dlrm", "tres_per_node": "gres:mps:40"}, None, USER_UID),
+    # `scontrol update OverSubscribe=YES` (shared=1) on a pending MPS job: set back.
+    ("modify-oversubscribe", {"shared": 1}, dict(WRAPPER_MPS), USER_UID),
+    # Any other update (unset shared arrives as NO_VAL16) leaves it alone.
+    ("modify-other", {"shared": 65534, "tres_per_node": "gres:mps:60"}, dict(WRAPPER_MPS), USER_UID),
+]
+
+
+def test_one_user_per_gpu_gives_mps_jobs_exclusive_user(tmp_path):
+    """[mps] cross_user = "one-user": every gres/mps job of a DLRM partition (root's too,
+    and an update that tries to loosen it) gets --exclusive=user (shared = JOB_SHARED_USER); whole-GPU packs and
+    other partitions are left alone, and a refused job is not touched."""
+    got = shared_after(tmp_path, "one-user", CROSS_USER_CASES)
+    assert got == {"mps": "0 2", "mps-root": "0 2", "pack": "0 nil", "mps-other-partition": "0 nil",
+                   "refused": f"{ACCESS_DENIED} nil", "modify-oversubscribe": "0 2",
+                   "modify-other": "0 65534"}
+    # "time-slice" (the default) leaves every job as submitted.
+    plain = shared_after(tmp_path, "time-slice", CROSS_USER_CASES)
+    assert plain == {"mps": "0 nil", "mps-root": "0 nil", "pack": "0 nil", "mps-other-partition": "0 nil",
+                     "refused": f"{ACCESS_DENIED} nil", "modify-oversubscribe": "0 1",
+                     "modify-other": "0 65534"}

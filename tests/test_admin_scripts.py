@@ -567,3 +567,89 @@ def test_dmem_on_without_the_controller_refuses_the_job_in_one_line(short_root):
         assert node.run("prolog.sh", 305).returncode == 0
     finally:
         node.kill_daemons()
+
+
+def write_site_script(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/bash\n" + text)
+    path.chmod(0o755)
+    return path
+
+
+def test_the_sites_own_scripts_run_from_ours():
+    """[slurm] site_prolog/site_epilog/site_task_prolog: ours runs the site's (with the job's
+    environment); a failing site prolog fails ours before any MPS daemon starts; the site
+    task prolog's lines pass on, ours after them win."""
+    root = Path(tempfile.mkdtemp(prefix="sdc", dir="/tmp"))
+    site = root / "site"
+    trace = root / "trace"
+    for name in ("10-a.sh", "20-b.sh"):  # a glob of two, run in name order
+        write_site_script(site / "prolog.d" / name,
+                          f'echo "{name} job=$SLURM_JOB_ID" >>{trace}\nexit "${{SITE_PROLOG_RC:-0}}"\n')
+    write_site_script(site / "epilog.sh", f'echo "epilog job=$SLURM_JOB_ID" >>{trace}\nexit "${{SITE_EPILOG_RC:-0}}"\n')
+    write_site_script(site / "task_prolog.sh", 'echo "export SITE_VAR=1"\necho "export CUDA_MPS_PIPE_DIRECTORY=/x"\n')
+    node = Node(root / "n", slurm={"site_prolog": f"{site}/prolog.d/*", "site_epilog": f"{site}/epilog.sh",
+                                   "site_task_prolog": f"{site}/task_prolog.sh"})
+    try:
+        node.job_running(31)
+        assert node.run("prolog.sh", 31).returncode == 0
+        assert trace.read_text() == "10-a.sh job=31\n20-b.sh job=31\n"
+        assert node.daemon_pid(1) is not None
+        out = node.run("task_prolog.sh", 31)
+        assert out.returncode == 0
+        lines = out.stdout.splitlines()
+        assert lines[0] == "export SITE_VAR=1"
+        # Ours comes later, so slurmstepd keeps our value of the same variable.
+        assert lines.index("export CUDA_MPS_PIPE_DIRECTORY=/x") < \
+            lines.index(f"export CUDA_MPS_PIPE_DIRECTORY={node.pipe_root}/gpu1/pipe")
+        pid = node.daemon_pid(1)
+        assert node.run("epilog.sh", 31).returncode == 0
+        assert trace.read_text().endswith("epilog job=31\n")
+        assert pid is not None and wait_gone(pid)  # ours ran too
+
+        # The site's prolog fails: ours fails with its status and starts nothing.
+        trace.unlink()
+        node.job_running(32)
+        failed = node.run("prolog.sh", 32, gpus="2", SITE_PROLOG_RC="3")
+        assert failed.returncode == 3
+        assert trace.read_text() == "10-a.sh job=32\n"  # stopped at the first failure
+        assert node.daemon_pid(2) is None and not (node.pipe_root / "jobs" / "32").exists()
+        assert "the site's prolog" in node.events()
+        # The site's epilog fails: ours still ran, the epilog fails (Slurm drains the node).
+        assert node.run("prolog.sh", 33, gpus="2").returncode == 0
+        node.job_running(33)
+        pid2 = node.daemon_pid(2)
+        failed = node.run("epilog.sh", 33, gpus="2", SITE_EPILOG_RC="4")
+        assert failed.returncode == 4
+        assert pid2 is not None and wait_gone(pid2)
+    finally:
+        node.kill_daemons()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_missing_site_script_fails_like_slurmd_would():
+    root = Path(tempfile.mkdtemp(prefix="sdc", dir="/tmp"))
+    node = Node(root / "n", slurm={"site_prolog": f"{root}/nope.sh", "site_epilog": f"{root}/none.d/*"})
+    try:
+        node.job_running(41)
+        result = node.run("prolog.sh", 41)
+        assert result.returncode == 1 and "missing or not executable" in result.stderr
+        assert node.run("epilog.sh", 41).returncode == 0  # a glob that matches nothing runs nothing
+    finally:
+        node.kill_daemons()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_prolog_says_when_users_share_a_gpu(node):
+    """MPS runs one user's jobs on a GPU at a time: events.log names the GPU and the users
+    whose jobs now take turns on it; one user's second job on it is no news."""
+    for job in (51, 52, 53):
+        node.job_running(job)
+    assert node.run("prolog.sh", 51, SLURM_JOB_UID="1000").returncode == 0
+    assert node.run("prolog.sh", 52, SLURM_JOB_UID="1000").returncode == 0
+    assert "shares it" not in node.events()
+    assert node.run("prolog.sh", 53, SLURM_JOB_UID="1001").returncode == 0
+    assert ("job 53: GPU 1: uid 1001 shares it with uid 1000: MPS runs one user's jobs at a time, so they take "
+            "turns ([mps] cross_user = time-slice)") in node.events()
+    for job in (51, 52, 53):
+        assert node.run("epilog.sh", job).returncode == 0

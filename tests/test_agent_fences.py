@@ -15,7 +15,7 @@ from slurm_dlrm.agent import fake_mps_control, fake_nvml, fences
 from slurm_dlrm.agent.loop import Agent, AgentOptions
 from slurm_dlrm.agent.placement import parse_placement
 from slurm_dlrm.agent.reports import read_reports
-from slurm_dlrm.agent.standin import member_entry, placement_dict
+from slurm_dlrm.agent.standin import member_entry, placement_dict, rank_entries
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -321,3 +321,20 @@ def test_sm_partition_for_a_member_that_asks_for_isolation_on_r620(tmp_path, mon
     isolated["sm_chunks"] = 4
     agent, _ = _run(world2, [isolated])
     assert agent.members[0].state == "COMPLETED" and _daemon_state(world2)["v3_servers"]["pack"]["sm_partitions"] == {}
+
+
+def test_each_rank_of_a_job_has_its_own_v3_namespace_and_dmem_cgroup(tmp_path, monkeypatch):
+    world = _world(tmp_path, monkeypatch, v3=True, cgroup="dmem")
+    ranks = rank_entries(_member(world, 5, 0, LIFT), [0, 1], gpu_mem_limit_mib=[3000, 4000], mps_thread_pct=[40, 60])
+    agent, recs = _run(world, ranks)
+    assert agent.job_states == {5: "COMPLETED"}
+    assert _daemon_state(world)["v3_servers"]["pack"]["namespaces"] == {
+        "job5-r0": {"pinned_memory_limit_mib": 3000, "active_thread_percentage": 40.0},
+        "job5-r1": {"pinned_memory_limit_mib": 4000, "active_thread_percentage": 60.0}}
+    for r, m in enumerate(agent.members):
+        env = json.loads((world / f"env-5.json.rank{r}").read_text())
+        assert env["env"]["CUDA_MPS_PIPE_DIRECTORY"].endswith(f"/pipe/pack/job5-r{r}")
+        client = _daemon_state(world)["clients"][str(env["pid"])]
+        assert client["effective_limit_mib"] == (3000, 4000)[r]  # its own fence, whatever it asked for
+        assert Path(m.fence["dmem_cgroup"]).name == f"member-5-r{r}"
+        assert m.fence["dmem_max_bytes"] == (3000, 4000)[r] * MIB

@@ -312,7 +312,7 @@ def test_test_only_prints_the_sbatch_line_and_records_nothing(env):
     ex = Path_examples()
     r = run("submit", "--test-only", "--no-pack", "-p", "dlrm", "-o", "my out/%j.txt", str(ex / "tiny-a.yaml"))
     assert r.exit_code == 0, r.output
-    line = r.output.strip()
+    line = r.stdout.strip()  # stderr: the note on MPS across users (docs/admin.md)
     assert line.startswith("tiny-a: sbatch --parsable ") and line.endswith(" job.sbatch")
     import shlex
 

@@ -142,3 +142,18 @@ def _finish_with_peak(store, job_id, peak):
     store.add_samples([{"t": 1.0, "pack_id": pack_id, "job_id": job_id, "node": "n1", "gpu_index": 0,
                         "gpu_mem_bytes": peak, "rss_bytes": None}])
     store.transition_job(job_id, JobState.COMPLETED, "done", exit_code=0)
+
+
+def test_estimate_says_what_mps_across_users_means_here(good_spec, tmp_path):
+    """MPS runs one user's jobs on a GPU at a time: estimate says what that means on this
+    site ([mps] cross_user), in text and JSON."""
+    out = _run(str(good_spec), "--no-history")
+    assert out.exit_code == 0, out.output
+    assert "note: a --no-pack job on an MPS share may share its GPU with other users' MPS jobs" in out.output
+    assert "take turns" in out.output
+    one_user = tmp_path / "site.toml"
+    one_user.write_text(REPO_SITE_FILE.read_text().replace('cross_user = "time-slice"', 'cross_user = "one-user"'))
+    res = CliRunner().invoke(cli, ["estimate", "--site", str(one_user), str(good_spec), "--no-history", "--json"])
+    assert res.exit_code == 0, res.output
+    (r,) = json.loads(res.output)
+    assert r["mps_cross_user"]["mode"] == "one-user" and "--exclusive=user" in r["mps_cross_user"]["note"]

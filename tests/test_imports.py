@@ -185,12 +185,13 @@ def test_a_module_over_600_lines_says_why_at_its_top() -> None:
 # slurm_dlrm) imports only areas on lower floors. `__main__` modules are entry points
 # (they start a command) and stand above every floor.
 FLOORS = {
-    "slurm_dlrm": 0, "errors": 0, "presets": 0, "strict_load": 0,
+    "slurm_dlrm": 0, "errors": 0, "presets": 0, "strict_load": 0, "package_data": 0,
     "site": 1, "spec": 1,
     "estimate": 2, "packing": 2, "adapt": 2, "slurm": 2, "agent": 2,
-    "store": 3, "sim": 3, "admin": 3, "localcluster": 3, "train": 3,
-    "interference_io": 4, "service": 4, "exporter": 4, "selftest": 4,
-    "commands": 5, "cli": 5,
+    "store": 3, "sim": 3, "admin": 3, "train": 3,
+    "localcluster": 4,
+    "interference_io": 5, "service": 5, "exporter": 5, "selftest": 5,
+    "commands": 6, "cli": 6,
 }
 
 

@@ -32,7 +32,7 @@ def _cfg(tmp_path: Path, **kw) -> lc.ClusterConfig:
 def test_render_is_private_to_the_instance(tmp_path):
     if os.geteuid() != 0:
         pytest.skip("mknod needs root")
-    cfg = _cfg(tmp_path, nodes=3, gpus_per_node=2, accounting=True)
+    cfg = _cfg(tmp_path, nodes=3, gpus_per_node=2, accounting=True, admin=False)
     lc.LocalCluster(cfg).render()
     conf = cfg.slurm_conf.read_text()
     assert "SlurmctldPort=23000" in conf and "AccountingStoragePort=23001" in conf
@@ -68,12 +68,51 @@ def test_render_hooks_for_the_admin_tools(tmp_path):
     assert conf.rstrip().endswith("PrologFlags=Alloc") and "JobSubmitPlugins=lua" in conf
     assert (cfg.etc_dir / "gres.conf").read_text() == gres.read_text()
     assert (cfg.etc_dir / "job_submit.lua").read_text() == lua.read_text()
-    # without the hook the plugin is off again and the old script is gone
-    cfg2 = _cfg(tmp_path)
+    # without the hook (and without the admin files) the plugin is off again and the old script is gone
+    cfg2 = _cfg(tmp_path, admin=False)
     lc.LocalCluster(cfg2).render()
     assert "JobSubmitPlugins" not in cfg2.slurm_conf.read_text()
     assert not (cfg2.etc_dir / "job_submit.lua").exists()
     assert "AccountingStorageType=accounting_storage/none" in cfg2.slurm_conf.read_text()
+
+
+def test_render_installs_the_admin_files_for_its_own_site(tmp_path):
+    """`cluster up` renders the site's files for this cluster and installs them as an admin
+    would: the fragment in slurm.conf (it defines the nodes), gres.conf, job_submit.lua and
+    its module, the MPS scripts, the fake MPS control command, and the cluster's site file."""
+    if os.geteuid() != 0:
+        pytest.skip("mknod needs root")
+    from slurm_dlrm.admin.render import render_site
+    from slurm_dlrm.site import load_site
+
+    cfg = _cfg(tmp_path, nodes=3, gpus_per_node=2, accounting=True)
+    assert cfg.admin_files
+    lc.LocalCluster(cfg).render()
+    site = load_site(cfg.site_file)
+    files = {f.name: f.text for f in render_site(site)}
+    conf = cfg.slurm_conf.read_text()
+    assert files["slurm-dlrm.conf"].rstrip() in conf
+    for name in ("node1", "node2", "node3"):
+        assert conf.count(f"NodeName={name} ") == 1
+    assert conf.count("PartitionName=") == 1 and "PartitionName=dlrm Nodes=node[1-3] Default=YES" in conf
+    state = cfg.state_dir
+    assert f"Prolog={state}/admin/scripts/prolog.sh" in conf and "PrologFlags=Alloc" in conf
+    assert "AccountingStorageTRES=gres/gpu,gres/gpu:h100,gres/mps,gres/shard" in conf
+    assert (cfg.etc_dir / "gres.conf").read_text() == files["gres.conf"]
+    assert (cfg.etc_dir / "job_submit.lua").read_text() == files["job_submit.lua"]
+    assert (cfg.etc_dir / "slurm_dlrm_submit.lua").read_text() == files["slurm_dlrm_submit.lua"]
+    for script in ("prolog.sh", "epilog.sh", "task_prolog.sh"):
+        path = state / "admin" / "scripts" / script
+        assert path.read_text() == files[f"scripts/{script}"] and path.stat().st_mode & 0o777 == 0o755
+    fake = state / "admin" / "bin" / "nvidia-cuda-mps-control"
+    assert site.slurm.mps_control_command == str(fake) and os.access(fake, os.X_OK)
+    assert site.nodes[0].slurmd_port == cfg.slurmd_port(0) and site.nodes[0].hostnames == ["node1", "node2", "node3"]
+    assert site.slurm.accounting_tres and site.mps.dmem == "off"
+    # Without slurmdbd, no gres TRES (slurmctld would refuse to start).
+    cfg2 = _cfg(tmp_path, accounting=False)
+    lc.LocalCluster(cfg2).render()
+    assert "AccountingStorageTRES" not in cfg2.slurm_conf.read_text()
+    assert not load_site(cfg2.site_file).slurm.accounting_tres
 
 
 @pytest.mark.parametrize(("kw", "message"), [
@@ -355,7 +394,7 @@ def test_rendered_files_match_golden(accounting, monkeypatch):
     try:
         # Explicit values (the dataclass defaults), so edits of site.toml do not move the goldens.
         cfg = lc.ClusterConfig(state_dir=state_dir, base_port=23000, cluster_name="golden23000",
-                               accounting=accounting)
+                               accounting=accounting, admin=False)  # the admin files: tests/golden/admin
         lc.LocalCluster(cfg).render()
         suffix = "acct" if accounting else "plain"
         for name in ("slurm.conf", "gres.conf") + (("slurmdbd.conf",) if accounting else ()):
@@ -369,3 +408,29 @@ def test_rendered_files_match_golden(accounting, monkeypatch):
             assert text == golden.read_text(), f"{name} differs from {golden}"
     finally:
         shutil.rmtree(state_dir, ignore_errors=True)
+
+
+@pytest.mark.slurm
+def test_admin_check_passes_on_the_local_cluster(slurm_cluster, monkeypatch):
+    """`cluster up` installed the admin files for its own site file, so the check an admin
+    runs finds nothing (it found 6 differences when `up` installed nothing), and a site
+    that asks for one more TRES item is told which one is missing."""
+    cfg = slurm_cluster.config
+    assert cfg.admin_files and cfg.site_file.is_file(), \
+        f"the cluster in {cfg.state_dir} predates the admin files: `slurm-dlrm cluster down` and run again"
+    monkeypatch.setenv("SLURM_CONF", str(cfg.slurm_conf))
+    ok = CliRunner().invoke(cli, ["admin", "check", "--site", str(cfg.site_file), "--json"])
+    assert ok.exit_code == 0, ok.output
+    assert json.loads(ok.output)["differences"] == []
+    status = CliRunner().invoke(cli, ["cluster", "status", "--state-dir", str(cfg.state_dir), "--site"])
+    assert status.exit_code == 0 and status.output.strip() == str(cfg.site_file)
+    if cfg.accounting:
+        more = cfg.state_dir / "site-more-tres.toml"
+        more.write_text(cfg.site_file.read_text().replace('"accounting_tres" = true',
+                                                          '"accounting_tres" = true\n"site_accounting_tres" = "license/x"'))
+        try:
+            changed = CliRunner().invoke(cli, ["admin", "check", "--site", str(more)])
+        finally:
+            more.unlink()
+        assert changed.exit_code == 1
+        assert "config: AccountingStorageTRES:" in changed.output and "(missing license/x)" in changed.output

@@ -460,3 +460,34 @@ def test_sample_retention_days_is_validated(tmp_path):
     data["site"]["sample_retention_days"] = -1
     with pytest.raises(ConfigError, match="sample_retention_days"):
         parse_site(data)
+
+
+def _rank_report(cluster, p, job, state, exit_code, requeue):
+    """What the agent writes once all ranks of a 2-rank job ended (docs/agent.md "Multi-rank jobs")."""
+    rec = {"type": "member", "job_id": job, "state": state, "exit_code": exit_code, "rank": 1, "world_size": 2,
+           "reason": "rank 1: killed by SIGKILL; its 1 other rank stopped",
+           "ranks": [{"rank": 0, "state": "CANCELLED"}, {"rank": 1, "state": state}]}
+    cluster.report(p, [{**rec, "requeue": True} if requeue else rec])
+
+
+def test_a_failed_rank_requeues_its_job_as_a_whole(world):
+    svc, store, slurm, clock, cluster = world
+    a, b = add_job(store, "a"), add_job(store, "b")
+    svc.run_round()
+    (pack,) = store.packs()
+    sid = int(pack.slurm_job_id)
+    slurm.start(sid)
+    p = cluster.placement_of(sid)
+    for rank in (0, 1):  # one RUNNING record per rank: the first starts the job, the second changes nothing
+        cluster.report(p, [{"type": "member", "job_id": a, "state": "RUNNING", "rank": rank, "world_size": 2}])
+    cluster.member(p, b, "RUNNING")
+    svc.run_round()
+    assert store.get_job(a).state == JobState.RUNNING
+    _rank_report(cluster, p, a, "FAILED", 137, requeue=True)
+    _rank_report(cluster, p, b, "FAILED", 2, requeue=False)  # a bad spec is not retried
+    svc.run_round()
+    job = store.get_job(a)
+    assert job.attempt == 1 and job.state in (JobState.PENDING, JobState.PLANNED), job
+    assert store.get_job(b).state == JobState.FAILED
+    events = [str(e.get("reason")) for e in store.events(job_id=a)]
+    assert any("a rank failed (rank 1: killed by SIGKILL" in r and "resume from its checkpoint" in r for r in events)

@@ -160,10 +160,11 @@ def test_no_pack_sizes_a_custom_model_from_its_trace(tmp_path, mods, monkeypatch
     slurm = FakeSlurm(user="root")
     with pytest.raises(BadInput, match="broken.yaml: custom_module: tracing mypkg.broken:factory"):
         submit_no_pack(["good.yaml", "broken.yaml"], SbatchOptions(), site=site, user="root", cwd=str(tmp_path),
-                       slurm=slurm)
+                       slurm=slurm, start_service=False)
     assert slurm.submitted == []  # nothing half-done
-    ((_, sub, req),) = submit_no_pack(["good.yaml"], SbatchOptions(), site=site, user="root", cwd=str(tmp_path),
-                                      slurm=slurm)
+    (res,) = submit_no_pack(["good.yaml"], SbatchOptions(), site=site, user="root", cwd=str(tmp_path),
+                            slurm=slurm, start_service=False)
+    sub, req = res.sub, res.req
     traced = estimate_traced(load_spec(tmp_path / "good.yaml"), sub.gpu)
     assert sub.estimate.gpu_peak_bytes == traced.gpu_peak_bytes and sub.estimate.method == "traced"
     assert req == native_request(sub, site)  # --mem, the share and the comment from the trace

@@ -224,3 +224,24 @@ def test_demo_then_acct_an_hour_later_prints_the_same_gpu_hours(slurm_cluster, t
 
     rows = json.loads(acct.stdout)  # each row's GPUHours is rounded to 4 decimals
     assert sum(r["GPUHours"] for r in rows) == pytest.approx(printed, abs=5e-5 * (1 + len(rows)))
+
+
+def test_a_no_pack_job_of_a_service_that_is_gone_is_settled_by_the_readers(tmp_path):
+    from slurm_dlrm.service.native import record_and_submit
+    from slurm_dlrm.service.sbatch_options import SbatchOptions
+    from slurm_dlrm.service.submit import native_request, prepare
+
+    site = make_site(tmp_path)
+    store = Store(store_path_for(site, USER))
+    slurm = FakeSlurm(user=USER)
+    (sub,) = prepare([str(Path(__file__).resolve().parent.parent / "examples" / "sweep" / "tiny-a.yaml")],
+                     SbatchOptions(partition="dlrm"), site, str(tmp_path))
+    (res,) = record_and_submit(store, slurm, [(sub, native_request(sub, site))], user=USER, site=site,
+                               spool_dir=site.spool_dir_for(USER), python="/py")
+    slurm.start(res.slurm_job_id, gpu_idx="3")
+    slurm.finish(res.slurm_job_id, 1)  # no service round saw it
+    reconcile_orphan_packs(site, USER, slurm=slurm)
+    job = store.get_job(res.job_id)
+    assert job.state == JobState.FAILED and job.exit_code == 1 and job.start_time is not None
+    assert "Slurm: FAILED, exit code 1" in job.exit_reason
+    store.close()

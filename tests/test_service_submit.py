@@ -18,6 +18,7 @@ from service_harness import make_site
 
 from slurm_dlrm.cli import cli
 from slurm_dlrm.errors import BadInput
+from slurm_dlrm.site import REPO_SITE_FILE
 
 pytest.importorskip("slurm_dlrm.store.store")
 pytest.importorskip("slurm_dlrm.estimate")
@@ -163,8 +164,9 @@ def test_no_pack_script_is_sized_from_the_estimate(env):
 
     site, site_file, tmp = env
     slurm = fake.FakeSlurm(user="root")
-    (sid, sub, req), = svc.submit_no_pack([str(EXAMPLES / "tiny-a.yaml")], SbatchOptions(partition="dlrm"),
-                                          site=site, user="root", cwd=str(tmp), slurm=slurm, python="/py")
+    (res,) = svc.submit_no_pack([str(EXAMPLES / "tiny-a.yaml")], SbatchOptions(partition="dlrm"),
+                                site=site, user="root", cwd=str(tmp), slurm=slurm, python="/py", start_service=False)
+    sid, sub, req = res.slurm_job_id, res.sub, res.req
     job = slurm.job(sid)
     assert job.partition == "dlrm" and job.name == "tiny-a"
     assert f"--mem={req.mem_mib}M" in job.script and f"--cpus-per-task={req.cpus}" in job.script
@@ -172,6 +174,7 @@ def test_no_pack_script_is_sized_from_the_estimate(env):
 
     marker = parse_marker(job.comment)
     assert marker is not None and marker.mode == "no-pack" and marker.gpu_mem_mib >= 1
+    assert marker.job_id == res.job_id  # our id rides along (docs/interfaces.md section 6)
     assert req.gres == "gpu:1" or req.gres.startswith("mps:")
     assert req.mem_mib * (1 << 20) >= sub.estimate.host_peak_bytes
     assert "exec /py -m slurm_dlrm train" in job.script
@@ -193,8 +196,9 @@ def test_a_multi_gpu_job_is_not_packed_but_runs_on_whole_gpus_with_no_pack(env):
     assert json.loads(run("queue", "--json", "--no-slurm", "--all").output)["jobs"] == []
     # --no-pack: one Slurm job, one node, two whole GPUs, two ranks' host memory and CPUs.
     slurm = fake.FakeSlurm(user="root")
-    (sid, sub, req), = svc.submit_no_pack([str(two)], SbatchOptions(partition="dlrm"),
-                                          site=site, user="root", cwd=str(tmp), slurm=slurm, python="/py")
+    (res,) = svc.submit_no_pack([str(two)], SbatchOptions(partition="dlrm"),
+                                site=site, user="root", cwd=str(tmp), slurm=slurm, python="/py", start_service=False)
+    sid, sub, req = res.slurm_job_id, res.sub, res.req
     job = slurm.job(sid)
     assert req.gres == "gpu:2" and "--gres=gpu:2" in job.script and "--nodes=1" in job.script
     assert req.cpus == 2 * max(1, math.ceil(sub.estimate.profile.host_cpu_cores - 1e-9))
@@ -204,7 +208,7 @@ def test_a_multi_gpu_job_is_not_packed_but_runs_on_whole_gpus_with_no_pack(env):
     many.write_text(many.read_text() + "world_size: 64\n")
     with pytest.raises(BadInput, match="world_size 64"):
         svc.submit_no_pack([str(EXAMPLES / "tiny-a.yaml"), str(many)], SbatchOptions(partition="dlrm"),
-                           site=site, user="root", cwd=str(tmp), slurm=slurm, python="/py")
+                           site=site, user="root", cwd=str(tmp), slurm=slurm, python="/py", start_service=False)
     assert [j.job_id for j in slurm.squeue()] == [sid]
     # The partition's max_gpus_per_job (job_submit.lua enforces it) counts as well.
     import dataclasses
@@ -213,5 +217,21 @@ def test_a_multi_gpu_job_is_not_packed_but_runs_on_whole_gpus_with_no_pack(env):
                                                         for p in site.partitions))
     with pytest.raises(BadInput, match="at most 1 GPUs per job"):
         svc.submit_no_pack([str(two)], SbatchOptions(partition="dlrm"), site=narrow, user="root", cwd=str(tmp),
-                           slurm=slurm, python="/py")
+                           slurm=slurm, python="/py", start_service=False)
     assert [j.job_id for j in slurm.squeue()] == [sid]
+
+
+@pytest.mark.parametrize("cross_user", ["time-slice", "one-user"])
+def test_no_pack_on_mps_says_what_other_users_mean(tmp_path, cross_user):
+    """`submit --no-pack` on an MPS share: the note on stderr; with "one-user" the job asks
+    for --exclusive=user itself (job_submit.lua sets it too)."""
+    site_file = tmp_path / "site.toml"
+    site_file.write_text(REPO_SITE_FILE.read_text().replace('cross_user = "time-slice"',
+                                                            f'cross_user = "{cross_user}"'))
+    r = CliRunner().invoke(cli, ["submit", "--site", str(site_file), "--no-pack", "--test-only",
+                                 str(EXAMPLES / "tiny-a.yaml")])
+    assert r.exit_code == 0, r.output
+    assert "--gres=mps:" in r.stdout
+    assert ("--exclusive=user" in r.stdout) == (cross_user == "one-user")
+    assert "slurm-dlrm: note: a --no-pack job on an MPS share" in r.stderr
+    assert f'[mps] cross_user = "{cross_user}"' in r.stderr

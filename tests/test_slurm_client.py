@@ -184,3 +184,4 @@ def test_cli_names_an_unsupported_release_in_one_line(bin_dir, monkeypatch, tmp_
     assert lines == ["slurm-dlrm: error: Slurm release 'slurm 21.08.8': older than 22.05, not supported "
                      "(slurm-dlrm supports Slurm 22.05 to 26.05)"]
     assert not (bin_dir / "calls.log").exists()  # nothing submitted
+    assert list(tmp_path.rglob("store.sqlite")) == []  # and nothing recorded (--no-pack jobs are rows)

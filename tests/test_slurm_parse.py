@@ -195,3 +195,16 @@ def test_compress_hostlist_is_the_inverse_of_expand(names, hostlist):
 
     assert parse.compress_hostlist(names) == hostlist
     assert sorted(expand_hostlist(hostlist)) == sorted(names)
+
+
+@pytest.mark.parametrize("release", ["22.05.8", "24.11.5", "26.05.5"])
+def test_squeue_json_gres_detail_gives_the_nodes_gpu_index(release):
+    """The node's GPU index of a running job (queue's GPU for a --no-pack job): 22.05
+    prints `mps:50(IDX:0)`, 24.11+ prints a shared GRES per GPU `mps:50(50/100,0/100,..)`."""
+    jobs = sorted(parse.parse_squeue_json(read(f"{release}/squeue.json")), key=lambda j: j.job_id)
+    by_kind = {j.gres_detail.split("(")[0].split(":")[0]: j for j in jobs if j.gres_detail}
+    idx = {kind: (j.gpu_idx, j.num_nodes) for kind, j in by_kind.items()}
+    assert idx["mps"] == ("0", 1) and idx["shard"] == ("3", 1)
+    two_nodes = [j for j in jobs if j.num_nodes == 2 and j.gres_detail]
+    assert [j.gpu_idx for j in two_nodes] == ["1-2"]  # its first node's GPUs
+    assert all(j.gpu_idx == "" for j in jobs if not j.state.is_active)

@@ -212,3 +212,36 @@ def test_v3_store_gets_predicted_speed_and_old_placements_stay_uncorrected(tmp_p
                         placements=[NewPlacement(j, 0, 0, predicted_speed=0.75)])
         assert s.placements(pack_id=pk)[0].predicted_speed == 0.75
         assert s.check() == []
+
+
+def test_v4_store_gets_job_modes_and_its_jobs_stay_packed(tmp_path):
+    p = tmp_path / "s" / "store.sqlite"
+    p.parent.mkdir(mode=0o700)
+    conn = sqlite3.connect(p)
+    for m in MIGRATIONS[:4]:
+        for stmt in m.statements:
+            conn.execute(stmt)
+        if m.apply is not None:
+            m.apply(conn)
+    conn.executescript("""
+        INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, updated_time)
+            VALUES ('u', 'a', 'PENDING', 'fp', 1.0, 1.0);
+        INSERT INTO job_specs VALUES (1, '{}', NULL, NULL);
+        PRAGMA user_version = 4;
+    """)
+    conn.close()
+    with Store(p) as s:
+        assert s.schema_version == LATEST_VERSION >= 5
+        old = s.get_job(1)
+        assert (old.mode, old.no_pack, old.nodes, old.gpu_idx, old.gpu_share) == ("pack", False, None, None, None)
+        j = s.add_job(user="u", name="n", spec={}, spec_fingerprint="f", mode="no-pack", gpu_share=0.4)
+        assert s.get_job(j).no_pack and s.get_job(j).gpu_share == 0.4
+        with pytest.raises(sqlite3.IntegrityError):  # only the two modes
+            s.add_job(user="u", name="x", spec={}, spec_fingerprint="f", mode="other")
+        # a no-pack job is PLANNED with its Slurm id, not a pack
+        with pytest.raises(ValueError, match="Slurm job id"):
+            s.transition_job(j, "PLANNED", "submitted")
+        assert s.transition_job(j, "PLANNED", "submitted", slurm_job_id="7").pack_id is None
+        s.set_job_allocation(j, nodes="node1", gpu_idx="0-1")
+        assert (s.get_job(j).nodes, s.get_job(j).gpu_idx) == ("node1", "0-1")
+        assert s.check() == []

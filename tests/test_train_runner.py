@@ -232,3 +232,25 @@ def test_world_size_2_launches_two_ranks_and_checkpoints_both(tmp_path: Path):
     found = ckpt.newest_valid(tmp_path / "ckpt", {"world_size": 2})
     assert found is not None and found.step == 6
     assert {"rank0.bin", "rank1.bin", "rank0.json", "rank1.json"} <= set(found.manifest["files"])
+
+
+def test_a_rank_that_sees_one_gpu_gets_its_shards_on_cuda_0(monkeypatch):
+    """A pack's agent gives each rank its own GPU (CUDA_VISIBLE_DEVICES=<one>): torchrec must
+    then place every rank's shards on cuda:0, not cuda:<rank> (issue 18)."""
+    from torchrec.distributed.sharding_plan import placement
+
+    from slurm_dlrm.errors import BadInput
+    from slurm_dlrm.train.runner import pick_device, sharding_local_size
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    local = sharding_local_size(torch.device("cuda", 0), local_world_size=2)
+    assert local == 1 and placement("cuda", 1, local) == "rank:1/cuda:0"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # torchrun: every rank sees the node's GPUs
+    local = sharding_local_size(torch.device("cuda", 1), local_world_size=2)
+    assert local == 2 and placement("cuda", 1, local) == "rank:1/cuda:1"
+    assert sharding_local_size(torch.device("cpu"), 2) == 2
+    if not torch.cuda.is_available():  # fake GPUs: CUDA_VISIBLE_DEVICES set, no device
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+        assert pick_device("auto", 1) == torch.device("cpu")  # the CPU, with gloo
+        with pytest.raises(BadInput, match="no CUDA device is visible"):
+            pick_device("cuda", 0)  # a bad-spec exit 2 from the runner

@@ -10,6 +10,7 @@ node|partition -o` records. The CLI fetches them through `slurm_dlrm.slurm`.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,12 +27,15 @@ class Difference:
     field: str  # "gres/gpu", "CPUs", "Nodes", ...
     site: str  # the site file's value ("-" when it has none)
     cluster: str  # the live value ("-" when the cluster has none)
+    note: str = ""  # what exactly differs and how to keep the cluster's ("" = nothing to add)
 
     def __str__(self) -> str:
-        return f"{self.subject}: {self.field}: site {self.site}, cluster {self.cluster}"
+        text = f"{self.subject}: {self.field}: site {self.site}, cluster {self.cluster}"
+        return f"{text} ({self.note})" if self.note else text
 
     def to_dict(self) -> dict[str, str]:
-        return {"subject": self.subject, "field": self.field, "site": self.site, "cluster": self.cluster}
+        return {"subject": self.subject, "field": self.field, "site": self.site, "cluster": self.cluster,
+                "note": self.note}
 
 
 @dataclass(frozen=True)
@@ -237,31 +241,111 @@ def _items(value: str | None) -> set[str]:
     return {v.strip() for v in value.split(",") if v.strip()}
 
 
+# Slurm always accounts these TRES, whatever AccountingStorageTRES says (slurm.conf(5)),
+# and `scontrol show config` lists them: they are never the site's to keep.
+SLURM_DEFAULT_TRES = frozenset({"cpu", "mem", "energy", "node", "billing", "fs/disk", "vmem", "pages"})
+# ... and from 23.02 on, tracking gres/gpu adds these two by itself (seen in 24.11.5's and
+# 26.05.5's `scontrol show config` of a fragment that names only gres/gpu items).
+SLURM_GPU_IMPLIED_TRES = frozenset({"gres/gpumem", "gres/gpuutil"})
+
+
+def _norm(item: str) -> str:
+    """Items compare as Slurm reads them: case-insensitive, `job_submit/lua` = `lua`."""
+    return item.lower().removeprefix("job_submit/")
+
+
+def _list_difference(key: str, want: list[str], have: str | None, site_key: str, site_value: str,
+                     ignore: frozenset[str] = frozenset()) -> Difference | None:
+    """A list key (GresTypes, PrologFlags, ...): every item the fragment adds, every item of
+    the cluster's it would drop, and the site key that keeps the latter."""
+    have_items = sorted(_items(have), key=lambda i: _items_order(have, i))
+    wanted = {_norm(i) for i in want}
+    present = {_norm(i) for i in have_items}
+    missing = [i for i in want if _norm(i) not in present]
+    dropped = [i for i in have_items if _norm(i) not in wanted and _norm(i) not in ignore]
+    if not missing and not dropped:
+        return None
+    notes = []
+    if missing:
+        notes.append(f"missing {','.join(missing)}")
+    if dropped:
+        keep = ",".join([*(v for v in site_value.split(",") if v), *dropped])
+        notes.append(f"the fragment drops {','.join(dropped)}: keep with [slurm] {site_key} = \"{keep}\"")
+    return Difference("config", key, ",".join(want), _shown(have), "; ".join(notes))
+
+
+def _items_order(value: str | None, item: str) -> int:
+    return [v.strip() for v in (value or "").split(",")].index(item)
+
+
+def _shown(value: str | None) -> str:
+    return value if value not in (None, "", "(null)") else "-"
+
+
+def _script_difference(key: str, ours: str, have: str | None, site_key: str, site_value: str) -> Difference | None:
+    """Prolog/Epilog/TaskProlog: the fragment sets ours, which runs the site's own
+    (`site_value`). A script of the cluster's that the site key does not name would no
+    longer run."""
+    have_items = sorted(_items(have), key=lambda i: _items_order(have, i))
+    if have_items == [ours]:
+        return None
+    others = [i for i in have_items if i != ours]
+    notes = []
+    lost = [i for i in others if not (site_value and (i == site_value or fnmatch.fnmatchcase(i, site_value)))]
+    if lost:
+        notes.append(f"the fragment replaces {','.join(lost)}: set [slurm] {site_key} = \"{lost[0]}\" "
+                     "so ours runs it")
+    elif others:
+        notes.append(f"ours runs {site_value} first ([slurm] {site_key})")
+    if ours not in have_items and not notes:
+        notes.append("not installed")
+    return Difference("config", key, ours, _shown(have), "; ".join(notes))
+
+
 def compare_config(site: SiteConfig, config: dict[str, str]) -> list[Difference]:
-    """The slurm.conf keys `admin render` sets, against the running configuration."""
+    """Every slurm.conf key the rendered fragment sets whose running value (`scontrol show
+    config`) differs: before an install, what the fragment would change on this cluster;
+    after it, what is not as rendered. Each names what is missing, and what of the
+    cluster's the fragment would drop with the site key that keeps it."""
     ctx = build_context(site)["slurm_conf"]
-    diffs: list[Difference] = []
-
-    def differ(key: str, want: str, have: str | None) -> None:
-        diffs.append(Difference("config", key, want, have if have not in (None, "", "(null)") else "-"))
-
-    want_gres = _items(ctx["gres_types"])
-    if _items(config.get("GresTypes")) != want_gres:
-        differ("GresTypes", ctx["gres_types"], config.get("GresTypes"))
+    s = site.slurm
+    diffs: list[Difference | None] = []
+    diffs.append(_list_difference("GresTypes", ctx["gres_types"].split(","), config.get("GresTypes"),
+                                  "site_gres_types", s.site_gres_types))
     if config.get("SelectType") != "select/cons_tres":
-        differ("SelectType", "select/cons_tres", config.get("SelectType"))
-    if (config.get("SelectTypeParameters") or "").upper() != ctx["select_type_parameters"].upper():
-        differ("SelectTypeParameters", ctx["select_type_parameters"], config.get("SelectTypeParameters"))
-    if not {"lua", "job_submit/lua"} & _items(config.get("JobSubmitPlugins")):
-        differ("JobSubmitPlugins", "lua", config.get("JobSubmitPlugins"))
+        diffs.append(Difference("config", "SelectType", "select/cons_tres", _shown(config.get("SelectType")),
+                                "GPU gres need cons_tres"))
+    want_stp = ctx["select_type_parameters"]
+    if {_norm(i) for i in _items(config.get("SelectTypeParameters"))} != {_norm(i) for i in _items(want_stp)}:
+        diffs.append(Difference("config", "SelectTypeParameters", want_stp, _shown(config.get("SelectTypeParameters")),
+                                "the fragment sets [slurm] select_type_parameters"))
+    diffs.append(_list_difference("JobSubmitPlugins", ctx["job_submit_plugins"].split(","),
+                                  config.get("JobSubmitPlugins"), "site_job_submit_plugins", s.site_job_submit_plugins))
     if site.mps.enabled:
-        for key, script in (("Prolog", "prolog"), ("Epilog", "epilog"), ("TaskProlog", "task_prolog")):
-            if ctx["scripts"][script] not in _items(config.get(key)):
-                differ(key, ctx["scripts"][script], config.get(key))
-        if "Alloc" not in _items(config.get("PrologFlags")):
-            differ("PrologFlags", "Alloc", config.get("PrologFlags"))
+        for key, script, site_key in (("Prolog", "prolog", "site_prolog"), ("Epilog", "epilog", "site_epilog"),
+                                      ("TaskProlog", "task_prolog", "site_task_prolog")):
+            diffs.append(_script_difference(key, ctx["scripts"][script], config.get(key), site_key,
+                                            getattr(s, site_key)))
+        diffs.append(_list_difference("PrologFlags", ctx["prolog_flags"].split(","), config.get("PrologFlags"),
+                                      "site_prolog_flags", s.site_prolog_flags))
     if ctx["accounting_storage_tres"]:
-        missing = _items(ctx["accounting_storage_tres"]) - _items(config.get("AccountingStorageTRES"))
-        if missing:
-            differ("AccountingStorageTRES", ctx["accounting_storage_tres"], config.get("AccountingStorageTRES"))
-    return diffs
+        diffs.append(_list_difference("AccountingStorageTRES", ctx["accounting_storage_tres"].split(","),
+                                      config.get("AccountingStorageTRES"), "site_accounting_tres",
+                                      s.site_accounting_tres, ignore=SLURM_DEFAULT_TRES | SLURM_GPU_IMPLIED_TRES))
+    return [d for d in diffs if d is not None]
+
+
+def check_job_submit_script(site: SiteConfig, text: str | None) -> list[Difference]:
+    """The job_submit.lua next to slurm.conf, if this host can read it: ours (the standalone
+    script) or a site's that calls our module. A site script that does not would let DLRM
+    jobs in unchecked."""
+    if text is None:
+        return []
+    from slurm_dlrm.admin.render import MODULE_NAME
+
+    if "slurm-dlrm admin render" in text.split("--]==]", 1)[0] or MODULE_NAME in text:
+        return []
+    path = f"{site.slurm.config_dir}/job_submit.lua"
+    return [Difference("config", "job_submit.lua", f"calls {site.slurm.config_dir}/{MODULE_NAME}",
+                       f"{path} (the site's own) does not",
+                       "add the dofile() lines of docs/admin.md \"Installs that chain\"")]

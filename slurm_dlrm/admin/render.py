@@ -18,9 +18,10 @@ from typing import Any
 
 from slurm_dlrm.admin.marker import MARKER_PREFIX, MODE_NO_PACK, MODE_PACK
 from slurm_dlrm.errors import DlrmError
+from slurm_dlrm.package_data import data_dir
 from slurm_dlrm.site import MIB, NodeGroup, Partition, SiteConfig, expand_hostlist
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent.parent / "templates" / "admin"
+TEMPLATE_DIR = data_dir("templates") / "admin"
 
 # Slurm 22.05's job_submit/lua exposes only a few ESLURM_* names; the others are looked up
 # as slurm.ESLURM_X and fall back to the number in slurm_errno.h (unchanged since 2.x).
@@ -29,6 +30,9 @@ ESLURM_FALLBACK = {
     "ESLURM_JOB_MISSING_SIZE_SPECIFICATION": 2008,
     "ESLURM_INVALID_GRES": 2072,
 }
+
+# The job_submit module a site's own job_submit.lua calls; installed next to slurm.conf.
+MODULE_NAME = "slurm_dlrm_submit.lua"
 
 SUBMIT_HINT = ("Submit DLRM jobs with `slurm-dlrm submit SPEC.yaml [sbatch options]` "
                "(packed with others) or `slurm-dlrm submit --no-pack SPEC.yaml` (a job of its own).")
@@ -140,6 +144,16 @@ def _partition_rules(site: SiteConfig) -> list[dict[str, Any]]:
     return rules
 
 
+def merge_items(ours: list[str], site_items: str) -> list[str]:
+    """The site's own items first, then ours not already there (case-insensitive, as Slurm
+    reads these keys): the fragment keeps what the site has and adds what we need."""
+    out: list[str] = []
+    for item in [*(v for v in site_items.split(",") if v), *ours]:
+        if item.lower() not in {o.lower() for o in out}:
+            out.append(item)
+    return out
+
+
 def build_context(site: SiteConfig) -> dict[str, Any]:
     """Everything the templates print, computed from the site config (pure)."""
     s = site.slurm
@@ -148,6 +162,8 @@ def build_context(site: SiteConfig) -> dict[str, Any]:
     gpu_types = sorted({g.gpu_model for g in site.nodes if g.gpus > 0})
     tres = [f"gres/{t}" for t in gres_types]
     tres[1:1] = [f"gres/gpu:{t}" for t in gpu_types]
+    gres_types = merge_items(gres_types, s.site_gres_types)
+    tres = merge_items(tres, s.site_accounting_tres)
     default = next((p.name for p in site.partitions if p.default), None)
     scripts = {"prolog": f"{s.script_dir}/prolog.sh", "epilog": f"{s.script_dir}/epilog.sh",
                "task_prolog": f"{s.script_dir}/task_prolog.sh"}
@@ -158,6 +174,8 @@ def build_context(site: SiteConfig) -> dict[str, Any]:
         "mps_enabled": mps_on,
         "slurm_conf": {
             "gres_types": ",".join(gres_types),
+            "job_submit_plugins": ",".join(merge_items(["lua"], s.site_job_submit_plugins)),
+            "prolog_flags": ",".join(merge_items(["Alloc"], s.site_prolog_flags)),
             "select_type_parameters": s.select_type_parameters,
             "accounting_storage_tres": ",".join(tres) if s.accounting_tres else "",
             "scripts": scripts,
@@ -175,6 +193,8 @@ def build_context(site: SiteConfig) -> dict[str, Any]:
             "mode_no_pack": MODE_NO_PACK,
             "mode_pack": MODE_PACK,
             "submit_hint": SUBMIT_HINT,
+            "module_path": f"{s.config_dir}/{MODULE_NAME}",
+            "mps_one_user": site.mps.cross_user == "one-user",
             "slurm_user": s.slurm_user,
             "default_partition": default,
             "partitions": _partition_rules(site),
@@ -198,7 +218,12 @@ def build_context(site: SiteConfig) -> dict[str, Any]:
             "max_gpu_index": max_gpu_index,
             "fence_mode": site.mps.mode,
             "dmem_mode": site.mps.dmem,
+            "cross_user": site.mps.cross_user,
             "cgroup_root": s.cgroup_root,
+            # The site's own scripts ours run (docs/admin.md "Installs that chain").
+            "site_prolog": s.site_prolog,
+            "site_epilog": s.site_epilog,
+            "site_task_prolog": s.site_task_prolog,
             "job_cgroup": s.job_cgroup,
         },
     }
@@ -227,6 +252,9 @@ def render_site(site: SiteConfig) -> list[RenderedFile]:
     plan = [
         ("slurm-dlrm.conf", "slurm.conf.j2", f"{s.config_dir}/slurm-dlrm.conf", 0o644),
         ("gres.conf", "gres.conf.j2", f"{s.config_dir}/gres.conf", 0o644),
+        # The checks as a module a site's own job_submit.lua calls, and the same checks as a
+        # whole job_submit.lua for a site without one (docs/admin.md "Installs that chain").
+        (MODULE_NAME, "slurm_dlrm_submit.lua.j2", ctx["job_submit"]["module_path"], 0o644),
         ("job_submit.lua", "job_submit.lua.j2", f"{s.config_dir}/job_submit.lua", 0o644),
     ]
     if site.mps.enabled:

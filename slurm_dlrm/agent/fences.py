@@ -208,8 +208,9 @@ class NamespaceLimits:
     sm_chunks: int | None = None  # static SM partition of this many chunks (isolation)
 
 
-def namespace_name(job_id: int) -> str:
-    return f"job{job_id}"
+def namespace_name(key: int | str) -> str:
+    """`job<id>`, or `job<id>-r<rank>` for a rank of a multi-rank job (MemberPlacement.key)."""
+    return f"job{key}"
 
 
 def mem_value(mib: int) -> str:
@@ -348,7 +349,7 @@ class DmemTree:
         self._write(self.base / "cgroup.subtree_control", "+dmem\n")
         self._prepared = True
 
-    def fence(self, job_id: int, region: str, min_bytes: int, max_bytes: int) -> DmemFence:
+    def fence(self, job_id: int | str, region: str, min_bytes: int, max_bytes: int) -> DmemFence:
         """Create `member-<job_id>/` with dmem.min = min_bytes, dmem.max = max_bytes on region."""
         if region not in self.regions:
             raise FenceError(f"dmem: region {region} not in dmem.capacity")
@@ -365,7 +366,7 @@ class DmemTree:
         self._write(path / "dmem.min", f"{region} {min(min_bytes, max_bytes)}\n")
         return DmemFence(path, region, min(min_bytes, max_bytes), max_bytes)
 
-    def remove(self, job_id: int) -> None:
+    def remove(self, job_id: int | str) -> None:
         """rmdir the member's cgroup (cgroupfs removes an empty one; a busy one, or a fake
         tree's folder of plain files, stays)."""
         try:

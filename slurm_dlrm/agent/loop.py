@@ -42,7 +42,7 @@ from slurm_dlrm.agent.placement import (
     JOINS_DIR,
     MemberPlacement,
     Placement,
-    parse_member,
+    parse_join,
 )
 from slurm_dlrm.agent.procstat import MetricsTail, TreeSample, TreeSampler
 from slurm_dlrm.agent.reports import ReportWriter
@@ -70,6 +70,14 @@ PID_FILE_TIMEOUT_S = 120.0
 FORWARD_DELAY_S = 1.0  # a step that has not started its member by then is stopped
 # Variables Slurm or a site may have set for the whole job that must not leak into a member.
 _MPS_CLIENT_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+# torch.distributed's launch variables: set for the ranks of a multi-rank job, removed
+# otherwise (an agent started by torchrun or a wrapper must not make members ranks of it);
+# SLURM_DLRM_RDZV_FILE is the runner's own local launcher's rendezvous (train/launch.py).
+DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "GROUP_RANK", "SLURM_DLRM_RDZV_FILE")
+MASTER_ADDR = "127.0.0.1"  # a job's ranks share one node (gang placement, docs/interfaces.md section 3)
+# The order in which a multi-rank job's end state is chosen from its ranks' (the worst wins).
+_GANG_STATE_ORDER = ("FAILED", "OOM_GPU", "OOM_HOST", "CANCELLED", "PREEMPTED", "COMPLETED")
 
 
 @dataclass
@@ -110,6 +118,7 @@ class Member:
     output_path: Path | None = None  # the runner's stdout+stderr on this node
     fence: dict[str, Any] = field(default_factory=dict)  # what holds it to its memory limit
     cgroup: Path | None = None  # its dmem cgroup, joined before exec
+    master_port: int | None = None  # a rank of a multi-rank job: its job's MASTER_PORT
 
     @property
     def done(self) -> bool:
@@ -129,6 +138,8 @@ def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool) -> t
         return "CANCELLED", code, "cancelled by the service"
     if returncode == TRAIN_EXIT_OK:
         return "COMPLETED", code, ""
+    if stop_reason == "GANG":
+        return "CANCELLED", code, "stopped because another rank of its job ended"
     if returncode == TRAIN_EXIT_OOM_GPU:
         return "OOM_GPU", code, "CUDA out of memory (runner exit code 3)"
     if returncode == TRAIN_EXIT_OOM_HOST:
@@ -155,14 +166,21 @@ def _signal_name(signum: int) -> str:
 
 
 def member_env(base: dict[str, str], m: MemberPlacement, gpus: list[str], mps: MpsSetup,
-               pipe_dir: str | None = None) -> dict[str, str]:
+               pipe_dir: str | None = None, master_port: int | None = None) -> dict[str, str]:
     """The environment of one member (docs/agent.md lists every variable). pipe_dir: the
-    member's MPS v3 namespace folder (its socket picks the namespace)."""
+    member's MPS v3 namespace folder (its socket picks the namespace); master_port: its
+    job's rendezvous port when it is one rank of several."""
     if m.gpu_index >= len(gpus):
         raise ValueError(f"member {m.name}: gpu_index {m.gpu_index} but the node has {len(gpus)} GPUs")
     env = dict(base)
-    for var in _MPS_CLIENT_VARS:
+    for var in (*_MPS_CLIENT_VARS, *DIST_VARS):
         env.pop(var, None)
+    if m.world_size > 1:
+        if master_port is None:
+            raise ValueError(f"member {m.name}: rank {m.rank} of {m.world_size} without a MASTER_PORT")
+        # One torch.distributed job on one node: env:// rendezvous at rank 0's TCP store.
+        env.update(RANK=str(m.rank), LOCAL_RANK=str(m.rank), WORLD_SIZE=str(m.world_size),
+                   LOCAL_WORLD_SIZE=str(m.world_size), MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(master_port))
     if mps.daemon is not None and mps.mode == "own":
         # Our daemon sees only the allocation's GPUs and renumbers them 0..n-1 for clients.
         env["CUDA_VISIBLE_DEVICES"] = str(m.gpu_index)
@@ -186,7 +204,21 @@ def member_env(base: dict[str, str], m: MemberPlacement, gpus: list[str], mps: M
 # Variables applied again inside a Slurm step, after slurmstepd sets its own.
 STEP_OVERRIDES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
                   "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY",
-                  "OMP_NUM_THREADS")
+                  "OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT")
+
+
+def free_port(taken: set[int], host: str = MASTER_ADDR) -> int:
+    """A TCP port no one listens on now, not in `taken` (the ports this agent gave its
+    running jobs): the kernel picks it (bind to port 0). Between this probe and rank 0's
+    bind another process could take it; the job then fails at rendezvous and is requeued."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in taken:
+            return port
+    raise OSError("no free TCP port for MASTER_PORT")
 
 
 def step_argv(m: MemberPlacement, env: dict[str, str], node_name: str, pid_file: Path, python: str) -> list[str]:
@@ -233,6 +265,8 @@ class Agent:
         self._v3_namespaces: set[str] = set()
         self._gpu_total_bytes: dict[int, int] = {}  # position in opts.gpus -> NVML total memory
         self._gpu_uuid: dict[int, str] = {}
+        self._gang_cause: dict[int, Member] = {}  # job id -> the rank whose end stopped its siblings
+        self.job_states: dict[int, str] = {}  # job id -> its end state (a multi-rank job: once, as a whole)
 
     # ------------------------------------------------------------ main
 
@@ -305,9 +339,8 @@ class Agent:
                                    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT in its own environment; a member that sets "
                                    "it higher is not held (no MPS v3 namespace, no cgroup dmem on this node)")
         self.reports.flush()
-        for m in self.members:
-            if not m.done:
-                self._launch(m)
+        for ms in _by_job(self.members):
+            self._launch_job(ms)
         self.reports.flush()
 
     # ------------------------------------------------------------ fences (issue 22)
@@ -354,14 +387,14 @@ class Agent:
     def _namespace(self, p: MemberPlacement) -> fences.NamespaceLimits:
         sm = p.sm_chunks if (self.fence_caps and (self.fence_caps.driver_major or 0) >= fences.V3_NAMESPACE_SM_DRIVER) \
             else None
-        return fences.NamespaceLimits(fences.namespace_name(p.job_id), p.gpu_mem_limit_mib, p.mps_thread_pct,
+        return fences.NamespaceLimits(fences.namespace_name(p.key), p.gpu_mem_limit_mib, p.mps_thread_pct,
                                       self._gpu_uuid.get(p.gpu_index), sm)
 
     def _refuse(self, m: Member, reason: str) -> None:
         """A member that is not started: one line naming why; its neighbours run."""
         m.state, m.exit_code, m.reason = "FAILED", None, reason
-        self.reports.member(m.placement.job_id, "FAILED", None, reason)
         log.error("%s (job %d) not started: %s", m.placement.name, m.placement.job_id, reason)
+        self._ended(m)
 
     def _open_v3(self, tag: str) -> MpsSetup:
         """Our daemon with MPS v3, one namespace per member from the configuration file. A
@@ -372,10 +405,10 @@ class Agent:
             config = fences.v3_config_toml(os.getuid(), [self._namespace(m.placement) for m in candidates])
             setup = open_mps(True, o.gpus, o.tmp_root, tag, env=self.base_env, site_mode="own", v3_config=config)
             if setup.daemon is not None:
-                self._v3_namespaces = {fences.namespace_name(m.placement.job_id) for m in candidates}
+                self._v3_namespaces = {fences.namespace_name(m.placement.key) for m in candidates}
                 return setup
             ns = fences.refused_namespace(setup.detail)
-            bad = [m for m in candidates if fences.namespace_name(m.placement.job_id) == ns]
+            bad = [m for m in candidates if fences.namespace_name(m.placement.key) == ns]
             if not bad:
                 break
             self._refuse(bad[0], f"MPS v3 refused its namespace: {setup.detail.rpartition(': ')[2] or setup.detail}")
@@ -421,7 +454,7 @@ class Agent:
             try:
                 region = fences.region_for_gpu(self.dmem.regions, self._nvml_position(p.gpu_index))
                 soft = (p.gpu_mem_estimate_mib or p.gpu_mem_limit_mib) * MIB
-                f = self.dmem.fence(p.job_id, region, soft, p.gpu_mem_limit_mib * MIB)
+                f = self.dmem.fence(p.key, region, soft, p.gpu_mem_limit_mib * MIB)
             except fences.FenceError as exc:
                 return str(exc)
             m.cgroup = f.path
@@ -485,26 +518,63 @@ class Agent:
             return set()
         return {int(n) for n in names if n.isdigit()}
 
-    def _launch(self, m: Member, joined: bool = False) -> None:
-        p = m.placement
+    def _launch_job(self, ms: list[Member], joined: bool = False) -> None:
+        """Start one job: a single member, or all W ranks of a multi-rank job (gang: a rank
+        that cannot start, its fence refused or its cancel asked, keeps all from starting)."""
+        p = ms[0].placement
         if p.job_id in self._cancel_requested():
-            m.state, m.reason = "CANCELLED", "cancelled by the service before it started"
-            self.reports.member(p.job_id, "CANCELLED", None, m.reason)
+            for m in ms:
+                if not m.done:
+                    m.state, m.reason = "CANCELLED", "cancelled by the service before it started"
+                    self._ended(m)
             return
-        if (why := self._fence_member(m)) is not None:
-            self._refuse(m, why)
+        refused = next((m for m in ms if m.done), None)  # e.g. its MPS v3 namespace was refused
+        for m in ms:
+            if refused is not None:
+                break
+            n_gpus = len(self.opts.gpus)
+            why = (f"could not launch: gpu_index {m.placement.gpu_index} but the node has {n_gpus} GPUs"
+                   if m.placement.gpu_index >= n_gpus else self._fence_member(m))
+            if why is not None:
+                self._refuse(m, why)
+                refused = m
+        if refused is not None:
+            for m in ms:
+                if not m.done:
+                    self._refuse(m, f"not started: rank {refused.placement.rank} of the job could not start "
+                                    f"({refused.reason})")
             return
+        if p.world_size > 1:
+            try:
+                port = free_port({m.master_port for m in self.members if m.master_port and not m.done})
+            except OSError as exc:
+                for m in ms:
+                    self._refuse(m, f"could not launch: {exc}")
+                return
+            for m in ms:
+                m.master_port = port
+        for m in ms:
+            if any(r.done for r in ms):  # a rank failed to launch: the rest are not started
+                if not m.done:
+                    self._refuse(m, "not started: another rank of the job could not launch")
+                continue
+            self._launch(m, joined)
+
+    def _launch(self, m: Member, joined: bool = False) -> None:
+        """Start one member (or rank) whose cancel and fence `_launch_job` checked."""
+        p = m.placement
         pipe_dir = None
         if m.fence.get("kind") == "v3" and self.mps.daemon is not None:
             pipe_dir = str(self.mps.daemon.pipe_dir / m.fence["server"] / m.fence["namespace"])
         try:
-            m.env = member_env(self.base_env, p, self.opts.gpus, self.mps, pipe_dir=pipe_dir)
+            m.env = member_env(self.base_env, p, self.opts.gpus, self.mps, pipe_dir=pipe_dir,
+                               master_port=m.master_port)
             for d in (Path(p.checkpoint_dir), Path(p.metrics_path).parent):
                 d.mkdir(parents=True, exist_ok=True)
             m.output_path = Path(p.metrics_path).parent / f"output-{self.opts.node_name}.log"
             out = open(m.output_path, "ab")  # noqa: SIM115
             if self.opts.launch == "step":
-                m.pid_file = self.run_dir / f"member-{p.job_id}.pid"
+                m.pid_file = self.run_dir / f"member-{p.key}.pid"
                 m.pid_file.unlink(missing_ok=True)
                 argv = step_argv(p, m.env, self.opts.node_name, m.pid_file, self.opts.python)
             else:
@@ -518,17 +588,20 @@ class Agent:
                     start_new_session=True, preexec_fn=preexec)  # noqa: PLW1509 - the agent has no threads
         except (OSError, ValueError) as exc:
             m.state, m.exit_code, m.reason = "FAILED", None, f"could not launch: {exc}"
-            self.reports.member(p.job_id, "FAILED", None, m.reason)
+            self._ended(m)
             return
         if self.opts.launch != "step":
             m.pid = m.popen.pid
         m.launched_at = time.monotonic()
-        m.metrics = MetricsTail(p.metrics_path)
+        # Rank 0 alone writes the job's metrics file: one rank's rows carry samples/s, not W.
+        m.metrics = MetricsTail(p.metrics_path) if p.rank == 0 else None
         m.state = "RUNNING"
+        ranks = {"rank": p.rank, "world_size": p.world_size, "master_port": m.master_port} if p.world_size > 1 else {}
         self.reports.member(p.job_id, "RUNNING", None, "", launch=self.opts.launch, argv=argv,
-                            gpu=m.env.get("CUDA_VISIBLE_DEVICES"), mps=self.mps.mode,
+                            gpu=m.env.get("CUDA_VISIBLE_DEVICES"), mps=self.mps.mode, **ranks,
                             **({"joined": True} if joined else {}), **({"fence": m.fence} if m.fence else {}))
-        log.info("launched %s (job %d) as %s", p.name, p.job_id, self.opts.launch)
+        log.info("launched %s (job %d%s) as %s", p.name, p.job_id,
+                 f" rank {p.rank}/{p.world_size}" if p.world_size > 1 else "", self.opts.launch)
 
     def _loop(self, rsock: socket.socket) -> None:
         next_tick = time.monotonic() + self.interval_s
@@ -582,23 +655,23 @@ class Agent:
             path = self.joins_dir / name
             try:
                 data = json.loads(path.read_text())
-                entry = parse_member(data, f"joins/{name}")
+                entries = parse_join(data, f"joins/{name}")
             except (OSError, ValueError, BadInput) as exc:
                 # written by the service atomically, so a bad file stays bad: report it once
                 self._joins_seen.add(name)
                 self.reports.agent("join_refused", f"{name}: {exc}")
                 continue
-            if entry.node_index != self.opts.node_index:
-                self._joins_seen.add(name)  # another node's joiner
-                continue
             self._joins_seen.add(name)
+            entry = entries[0]
+            if entry.node_index != self.opts.node_index:
+                continue  # another node's joiner (a job's ranks share one node)
             if entry.job_id in known:
                 continue
-            m = Member(entry)
-            self.members.append(m)
+            ms = [Member(e) for e in entries]
+            self.members.extend(ms)
             known.add(entry.job_id)
-            log.info("join: %s (job %d) on GPU %d", entry.name, entry.job_id, entry.gpu_index)
-            self._launch(m, joined=True)
+            log.info("join: %s (job %d) on GPU %s", entry.name, entry.job_id, ",".join(str(e.gpu_index) for e in entries))
+            self._launch_job(ms, joined=True)
 
     def _close(self) -> None:
         """Tell the service this node takes no more joins; reports first, so a joiner the
@@ -695,6 +768,7 @@ class Agent:
                 self._signal(m, signal.SIGKILL)
 
     def _reap(self) -> None:
+        ended: list[Member] = []
         for m in self.members:
             if m.done or m.popen is None:
                 continue
@@ -711,8 +785,71 @@ class Agent:
                 reason = m.stop_detail
             reason = self._explain(m, state, code, reason)
             m.state, m.exit_code, m.reason = state, code, reason
-            self.reports.member(m.placement.job_id, state, code, reason)
             log.info("%s (job %d) ended: %s %s", m.placement.name, m.placement.job_id, state, reason)
+            ended.append(m)
+        # A rank killed outright is the cause, not the sibling that then lost its peer in
+        # the same turn (gloo fails it with exit 1): report signal deaths first.
+        ended.sort(key=lambda m: (m.stop_reason not in ("OOM_HOST", "OOM_GPU"), not (m.exit_code or 0) > 128))
+        for m in ended:
+            self._ended(m)
+
+    # ------------------------------------------------------------ multi-rank jobs (issue 18)
+
+    def _ranks(self, job_id: int) -> list[Member]:
+        return [m for m in self.members if m.placement.job_id == job_id]
+
+    def _ended(self, m: Member) -> None:
+        """Report a member that ended. A rank of a multi-rank job gets a `rank` record; the
+        first rank that ends badly (not COMPLETED or PREEMPTED, and not stopped by a cancel
+        or by the agent's own signal) stops its running siblings, SIGTERM then SIGKILL after
+        term_grace_s; once all ranks have ended, the job gets its one `member` record."""
+        p = m.placement
+        if p.world_size == 1:
+            self.job_states[p.job_id] = m.state
+            self.reports.member(p.job_id, m.state, m.exit_code, m.reason)
+            return
+        self.reports.rank(p.job_id, p.rank, p.world_size, m.state, m.exit_code, m.reason, gpu_index=p.gpu_index)
+        ranks = self._ranks(p.job_id)
+        # KILLED outside a termination: a step that never started its rank (PID_FILE_TIMEOUT_S)
+        stopping = m.stop_reason in ("CANCEL", "TERM", "GANG") or (
+            m.stop_reason == "KILLED" and self._terminating_since is not None)
+        bad = m.state not in ("COMPLETED", "PREEMPTED") and not stopping
+        if bad and p.job_id not in self._gang_cause:
+            self._gang_cause[p.job_id] = m
+            now = time.monotonic()
+            for r in ranks:
+                if not r.done and r.popen is not None and r.cancel_since is None and r.stop_reason is None:
+                    log.warning("job %d: rank %d ended %s; stopping rank %d", p.job_id, p.rank, m.state,
+                                r.placement.rank)
+                    r.stop_reason, r.cancel_since = "GANG", now
+                    self._signal(r, signal.SIGTERM)
+        if all(r.done for r in ranks):
+            self._job_ended(p.job_id, ranks)
+
+    def _job_ended(self, job_id: int, ranks: list[Member]) -> None:
+        """The one `member` record of a multi-rank job (docs/agent.md "Multi-rank jobs")."""
+        cause = self._gang_cause.get(job_id)
+        world = ranks[0].placement.world_size
+        if cause is not None:
+            rep = cause
+            others = world - 1
+            reason = f"rank {cause.placement.rank}: {cause.reason or cause.state.lower()}; " \
+                     f"its {others} other rank{'s' if others != 1 else ''} stopped"
+        else:
+            states = {r.state for r in ranks}
+            state = next(s for s in _GANG_STATE_ORDER if s in states)
+            rep = min((r for r in ranks if r.state == state), key=lambda r: r.placement.rank)
+            reason = rep.reason
+        # A rank that crashed or was killed is requeued with its job as a whole (all ranks
+        # resume from the shared checkpoint); a bad spec or a rank that never started is not.
+        requeue = (rep.state == "FAILED" and cause is not None and rep.exit_code is not None
+                   and rep.exit_code != TRAIN_EXIT_BAD_SPEC)
+        self.job_states[job_id] = rep.state
+        self.reports.member(job_id, rep.state, rep.exit_code, reason, rank=rep.placement.rank, world_size=world,
+                            ranks=[{"rank": r.placement.rank, "gpu_index": r.placement.gpu_index, "state": r.state,
+                                    "exit_code": r.exit_code} for r in sorted(ranks, key=lambda r: r.placement.rank)],
+                            **({"requeue": True} if requeue else {}))
+        log.info("job %d (%d ranks) ended: %s %s", job_id, world, rep.state, reason)
 
     def _write_node_gpus(self) -> None:
         """`<pack_dir>/nodes/<node_index>.json`: the node and its GPUs as the node numbers
@@ -804,7 +941,8 @@ class Agent:
         sps = m.metrics.samples_per_s(self.stale_after_s) if m.metrics else None
         self.reports.sample(p.job_id, p.gpu_index, sm_util_pct=sm, mem_util_pct=mem_util, gpu_mem_bytes=gpu_mem,
                             host_cpu_pct=round(tree.cpu_pct, 2) if tree.cpu_pct is not None else None,
-                            rss_bytes=tree.rss_bytes, samples_per_s=sps)
+                            rss_bytes=tree.rss_bytes, samples_per_s=sps,
+                            **({"rank": p.rank} if p.world_size > 1 else {}))
         self._enforce(m, tree, gpu_mem)
 
     def _enforce(self, m: Member, tree: TreeSample, gpu_mem: int | None) -> None:
@@ -835,7 +973,7 @@ class Agent:
         self._close()
         if self.dmem is not None:
             for m in self.members:
-                self.dmem.remove(m.placement.job_id)
+                self.dmem.remove(m.placement.key)
         if self.mps.daemon is not None and self.mps.mode == "own":
             pid = self.mps.daemon.pid()
             self.mps.daemon.quit()
@@ -849,3 +987,11 @@ class Agent:
         signame = _signal_name(self._term_signal) if self._term_signal else ""
         self.reports.agent("exit", f"members: {states}" + (f"; after {signame}" if signame else ""), states=states)
         self.reports.close()
+
+
+def _by_job(members: list[Member]) -> list[list[Member]]:
+    """Members grouped by job, in placement order (a multi-rank job's ranks together)."""
+    jobs: dict[int, list[Member]] = {}
+    for m in members:
+        jobs.setdefault(m.placement.job_id, []).append(m)
+    return list(jobs.values())

@@ -16,6 +16,8 @@ PLACEMENT_FILE = "placement.json"
 # creates `<pack_dir>/closed/<node_index>`, after which it launches no join.
 JOINS_DIR = "joins"
 CLOSED_DIR = "closed"
+# Ranks of one torch.distributed job (issue 18): W entries with the same job_id, each with
+# "rank" and "world_size", all on one node; absent fields = rank 0 of 1.
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,14 @@ class MemberPlacement:
     # and a static SM partition of this many chunks when the policy asks for isolation.
     gpu_mem_estimate_mib: int | None = None
     sm_chunks: int | None = None
+    rank: int = 0  # this entry's rank in a job of world_size ranks (issue 18)
+    world_size: int = 1
+
+    @property
+    def key(self) -> str:
+        """Unique within a pack: the job id, plus the rank for a multi-rank job (pid files,
+        MPS v3 namespaces, dmem cgroups)."""
+        return str(self.job_id) if self.world_size == 1 else f"{self.job_id}-r{self.rank}"
 
 
 @dataclass(frozen=True)
@@ -95,10 +105,51 @@ def parse_member(m: Any, where: str) -> MemberPlacement:
         metrics_path=_get(m, "metrics_path", str, w),
         gpu_mem_estimate_mib=_get(m, "gpu_mem_estimate_mib", int, w, None, min_value=1),
         sm_chunks=_get(m, "sm_chunks", int, w, None, min_value=1),
+        rank=_get(m, "rank", int, w, 0, min_value=0),
+        world_size=_get(m, "world_size", int, w, 1, min_value=1),
     )
     if member.mps_thread_pct > 100:
         raise BadInput(f"placement {w}mps_thread_pct: must be <= 100, got {member.mps_thread_pct}")
+    if member.rank >= member.world_size:
+        raise BadInput(f"placement {w}rank: must be < world_size {member.world_size}, got {member.rank}")
     return member
+
+
+def check_gangs(members: list[MemberPlacement], where: str) -> None:
+    """The ranks of each job: every rank 0..W-1 once, one node, distinct GPUs, one command,
+    checkpoint folder and metrics file (docs/interfaces.md section 3)."""
+    by_job: dict[int, list[MemberPlacement]] = {}
+    for m in members:
+        by_job.setdefault(m.job_id, []).append(m)
+    for job_id, ranks in by_job.items():
+        first = ranks[0]
+        w = f"placement {where}job {job_id}"
+        if len(ranks) > 1 and first.world_size == 1:
+            raise BadInput(f"placement {where}job_id: {job_id} appears twice")
+        if {r.world_size for r in ranks} != {first.world_size}:
+            raise BadInput(f"{w}: its entries disagree on world_size")
+        if sorted(r.rank for r in ranks) != list(range(first.world_size)):
+            raise BadInput(f"{w}: ranks {sorted(r.rank for r in ranks)}, expected 0..{first.world_size - 1} once each")
+        for field_name in ("node_index", "command", "checkpoint_dir", "metrics_path"):
+            if len({getattr(r, field_name) for r in ranks}) > 1:
+                raise BadInput(f"{w}: its ranks differ in {field_name} (a job's ranks share one node, "
+                               "command, checkpoint folder and metrics file)")
+        if len({r.gpu_index for r in ranks}) != len(ranks):
+            raise BadInput(f"{w}: two ranks on one GPU (gpu_index must differ)")
+
+
+def parse_join(data: Any, where: str) -> list[MemberPlacement]:
+    """A join file: one member entry, or `{"members": [...]}` with the W ranks of one job."""
+    if isinstance(data, dict) and "members" in data and "job_id" not in data:
+        raw = data["members"]
+        if not isinstance(raw, list) or not raw:
+            raise BadInput(f"placement {where}.members: must be a non-empty list")
+        ranks = [parse_member(m, f"{where}.members[{i}]") for i, m in enumerate(raw)]
+        if len({r.job_id for r in ranks}) != 1:
+            raise BadInput(f"placement {where}.members: a join holds the ranks of one job")
+        check_gangs(ranks, f"{where}: ")
+        return ranks
+    return [parse_member(data, where)]
 
 
 def parse_placement(data: Any, source: str | None = None) -> Placement:
@@ -106,13 +157,15 @@ def parse_placement(data: Any, source: str | None = None) -> Placement:
         raise BadInput("placement: must be a JSON object")
     raw_members = _get(data, "members", list, "")
     members = []
-    seen: set[int] = set()
+    seen: set[tuple[int, int]] = set()
     for i, m in enumerate(raw_members):
         member = parse_member(m, f"members[{i}]")
-        if member.job_id in seen:
-            raise BadInput(f"placement members[{i}].job_id: {member.job_id} appears twice")
-        seen.add(member.job_id)
+        if (member.job_id, member.rank) in seen:
+            what = f"{member.job_id} rank {member.rank}" if member.world_size > 1 else str(member.job_id)
+            raise BadInput(f"placement members[{i}].job_id: {what} appears twice")
+        seen.add((member.job_id, member.rank))
         members.append(member)
+    check_gangs(members, "")
     return Placement(
         pack_id=_get(data, "pack_id", int, "", min_value=0),
         user=_get(data, "user", str, "", ""),

@@ -57,6 +57,15 @@ class ReportWriter:
         self._add({"type": "member", "t": self.clock(), "pack_id": self.pack_id, "job_id": job_id,
                    "node": self.node, "state": state, "exit_code": exit_code, "reason": reason, **extra})
 
+    def rank(self, job_id: int, rank: int, world_size: int, state: str, exit_code: int | None = None,
+             reason: str = "", **extra: Any) -> None:
+        """How one rank of a multi-rank job ended; the job's own end is one `member` record
+        written when all its ranks have ended (docs/agent.md "Multi-rank jobs")."""
+        assert state in MEMBER_STATES, state
+        self._add({"type": "rank", "t": self.clock(), "pack_id": self.pack_id, "job_id": job_id, "node": self.node,
+                   "rank": rank, "world_size": world_size, "state": state, "exit_code": exit_code,
+                   "reason": reason, **extra})
+
     def heartbeat(self) -> None:
         self._add({"type": "heartbeat", "t": self.clock(), "pack_id": self.pack_id, "node": self.node})
 

@@ -13,6 +13,11 @@ budget), and ends with the exit code asked for (3 = TRAIN_EXIT_OOM_GPU, ...).
 does: one line of Python before CUDA starts); `--mps-client` then "starts CUDA" against
 the fake MPS daemon (`fake_mps_control.connect_client`), which records the limit it holds
 the member to.
+
+Launched as one rank of a multi-rank job (`RANK` in its environment, docs/agent.md
+"Multi-rank jobs") it behaves like the runner's ranks: rank 0 alone writes metrics and
+checkpoints, every rank resumes from the shared checkpoint, and `--env-out PATH` writes
+`PATH.rank<R>` (the ranks share one command).
 """
 
 from __future__ import annotations
@@ -74,18 +79,24 @@ def main(argv: list[str] | None = None) -> int:
     metrics = os.environ.get(ENV_METRICS_FILE)
     ckpt_env = os.environ.get(ENV_CHECKPOINT_DIR)
     ckpt_dir = Path(ckpt_env) if ckpt_env else None
+    rank = os.environ.get("RANK")
+    if rank is not None and rank != "0":
+        metrics = None  # rank 0 alone writes the job's metrics and checkpoints, as the runner does
     if args.env_out:
         keep = {k: v for k, v in os.environ.items()
-                if k.startswith(("CUDA_", "SLURM_DLRM_", "OMP_", "SLURM_STEP_ID", "SLURM_JOB_ID"))}
-        Path(args.env_out).write_text(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0), "env": keep}))
+                if k.startswith(("CUDA_", "SLURM_DLRM_", "OMP_", "SLURM_STEP_ID", "SLURM_JOB_ID"))
+                or k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+        out_path = f"{args.env_out}.rank{rank}" if rank is not None else args.env_out
+        Path(out_path).write_text(json.dumps({"pid": os.getpid(), "pgid": os.getpgid(0), "env": keep}))
     step = 0
     if ckpt_dir is not None and (ckpt_dir / "checkpoint.json").exists():
         step = int(json.loads((ckpt_dir / "checkpoint.json").read_text())["step"])
     hog: list[bytearray] = []
     out = open(metrics, "a", buffering=1) if metrics else None  # noqa: SIM115
+    writes_ckpt = ckpt_dir if rank in (None, "0") else None
     while step < args.steps:
         if _stop:
-            _checkpoint(ckpt_dir, step)
+            _checkpoint(writes_ckpt, step)
             return TRAIN_EXIT_PREEMPTED
         t0 = time.monotonic()
         if args.busy:
@@ -99,12 +110,12 @@ def main(argv: list[str] | None = None) -> int:
             hog.append(block)
         step += 1
         if args.checkpoint_every and step % args.checkpoint_every == 0:
-            _checkpoint(ckpt_dir, step)  # what a killed run resumes from (as the runner's periodic ones)
+            _checkpoint(writes_ckpt, step)  # what a killed run resumes from (as the runner's periodic ones)
         dt = time.monotonic() - t0
         if out is not None:
             out.write(json.dumps({"t": time.time(), "step": step, "samples_per_s": args.samples_per_step / dt,
                                   "step_time_s": dt, "loss": 1.0 / step, "job_id": os.environ.get(ENV_JOB_ID)}) + "\n")
-    _checkpoint(ckpt_dir, step)
+    _checkpoint(writes_ckpt, step)
     if out is not None:
         out.close()
     return args.exit_code
@@ -134,3 +145,16 @@ def placement_dict(pack_dir: str | os.PathLike[str], members: list[dict[str, Any
     return {"pack_id": pack_id, "user": os.environ.get("USER", "root"), "mps": mps,
             "sample_interval_s": sample_interval_s, "host_mem_tolerance_pct": host_mem_tolerance_pct,
             "term_grace_s": term_grace_s, "pack_dir": str(pack_dir), "members": members}
+
+
+def rank_entries(entry: dict[str, Any], gpu_indexes: list[int], **per_rank: list[Any]) -> list[dict[str, Any]]:
+    """The W placement entries of one multi-rank job (docs/interfaces.md section 3) from one
+    member entry: rank r on gpu_indexes[r]; `per_rank` gives a field's value per rank
+    (e.g. host_mem_limit_bytes=[...])."""
+    out = []
+    for r, gpu in enumerate(gpu_indexes):
+        e = dict(entry, rank=r, world_size=len(gpu_indexes), gpu_index=gpu)
+        for key, values in per_rank.items():
+            e[key] = values[r]
+        out.append(e)
+    return out

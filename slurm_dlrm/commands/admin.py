@@ -73,9 +73,14 @@ def render(site_path: str | None, out_dir: str, as_json: bool) -> None:
 @click.pass_context
 def check(ctx: click.Context, site_path: str | None, as_json: bool, with_fences: bool) -> None:
     """Compare the site file with the live cluster: per node CPUs, memory, GPUs and their type,
-    MPS and shard counts; per partition its nodes, default flag and time limit; and the
-    slurm.conf keys the rendered fragment sets (GresTypes, SelectType, JobSubmitPlugins,
-    Prolog/Epilog/TaskProlog, PrologFlags, AccountingStorageTRES).
+    MPS and shard counts; per partition its nodes, default flag and time limit; and every
+    slurm.conf key the rendered fragment sets (GresTypes, SelectType, SelectTypeParameters,
+    JobSubmitPlugins, Prolog/Epilog/TaskProlog, PrologFlags, AccountingStorageTRES) against
+    `scontrol show config`. Run before installing, it lists each setting the fragment would
+    change on this cluster, what it adds, and what of the cluster's it would drop with the
+    [slurm] site_* key that keeps it; run after, what is not as rendered. Where this host can
+    read the job_submit.lua next to slurm.conf, it also says whether that script is ours or
+    calls our module.
 
     Prints one line per difference; exit code 1 when there is any, 0 when none.
 
@@ -85,11 +90,13 @@ def check(ctx: click.Context, site_path: str | None, as_json: bool, with_fences:
       slurm-dlrm admin check --json
       slurm-dlrm admin check --fences      # on a GPU node: MPS v3 and dmem as mps.mode/dmem ask
     """
-    from slurm_dlrm.admin.check import Difference, compare, compare_config
+    from slurm_dlrm.admin.check import Difference, check_job_submit_script, compare, compare_config
 
     site = load_site(site_path)
     nodes, partitions, config = _live_records()
     diffs = compare_config(site, config) + compare(site, nodes, partitions)
+    if "lua" in config.get("JobSubmitPlugins", "").lower():
+        diffs += check_job_submit_script(site, _read_if_here(Path(site.slurm.config_dir) / "job_submit.lua"))
     caps = None
     if with_fences:
         caps = _fence_caps(site)
@@ -108,6 +115,14 @@ def check(ctx: click.Context, site_path: str | None, as_json: bool, with_fences:
             click.echo(f"the cluster matches {site.path}", err=True)
     if diffs:
         ctx.exit(EXIT_RUNTIME)
+
+
+def _read_if_here(path: Path) -> str | None:
+    """The file's text if this host can read it (a login node may not see the controller's)."""
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
 
 
 def _fence_caps(site: Any) -> fences.FenceCaps:

@@ -101,7 +101,8 @@ def agent(pack_file: str | None, pack_id: int | None, site_path: str | None, nod
     if not runner.members:
         click.echo(f"agent: no members on node index {node_index}", err=True)
     runner.run()
-    states = {m.placement.job_id: m.state for m in runner.members}
+    # one state per job: a multi-rank job's, as a whole (docs/agent.md "Multi-rank jobs")
+    states = {m.placement.job_id: runner.job_states.get(m.placement.job_id, m.state) for m in runner.members}
     if as_json:
         click.echo(json.dumps({"pack_id": placement.pack_id, "node": node, "mps": runner.mps.mode, "launch": launch,
                                "report": str(runner.reports.path), "members": states}))

@@ -57,28 +57,36 @@ def cluster() -> None:
               help="Use FILE as gres.conf instead of the generated one.")
 @click.option("--job-submit-lua", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Install FILE as job_submit.lua next to slurm.conf and enable JobSubmitPlugins=lua.")
+@click.option("--no-admin", "no_admin", is_flag=True,
+              help="Do not render and install the admin files (slurm-dlrm.conf, gres.conf, job_submit.lua, "
+                   "the MPS prolog/epilog with a fake nvidia-cuda-mps-control): a bare Slurm cluster.")
 @click.option("--timeout", "timeout_s", type=float, default=90.0, show_default=True,
               help="Seconds to wait for all nodes to be idle.")
 @_json_option
 def up(nodes: int | None, gpus_per_node: int | None, accounting: bool, state_dir: Path | None,
        base_port: int | None, site_path: Path | None, slurm_conf_extra: Path | None,
-       gres_conf: Path | None, job_submit_lua: Path | None, timeout_s: float, as_json: bool) -> None:
+       gres_conf: Path | None, job_submit_lua: Path | None, no_admin: bool, timeout_s: float,
+       as_json: bool) -> None:
     """Start the cluster (or what of it is not running) and wait until all nodes are idle.
 
     Safe to run again while the cluster is up. Must run as root (device nodes, slurmd).
+    As an admin would, it renders the site's Slurm files for this cluster (its own site
+    file: <state>/site.toml) and installs them, so `slurm-dlrm admin check --site
+    <state>/site.toml` passes here; --no-admin, or the three files by hand, skip that.
 
     \b
     Example:
       slurm-dlrm cluster up --nodes 2 --gpus-per-node 4
       slurm-dlrm cluster up --accounting --state-dir /tmp/c2 --base-port 12000
       slurm-dlrm cluster up --job-submit-lua out/job_submit.lua --slurm-conf-extra out/extra.conf
+      SLURM_CONF=$(slurm-dlrm cluster status --conf) slurm-dlrm admin check --site $(slurm-dlrm cluster status --site)
     """
     from slurm_dlrm.site import load_site
 
     site = load_site(site_path)
     cfg = lc.config_from_site(site, nodes=nodes, gpus_per_node=gpus_per_node, accounting=accounting or None,
                               state_dir=state_dir, base_port=base_port, slurm_conf_extra=slurm_conf_extra,
-                              gres_conf=gres_conf, job_submit_lua=job_submit_lua)
+                              gres_conf=gres_conf, job_submit_lua=job_submit_lua, admin=False if no_admin else None)
     t0 = time.monotonic()
     status = lc.LocalCluster(cfg).up(wait_s=timeout_s)
     _print_status(status, as_json, took_s=time.monotonic() - t0)
@@ -109,8 +117,10 @@ def down(state_dir: Path | None, as_json: bool) -> None:
 @cluster.command("status")
 @_state_dir_option
 @click.option("--conf", "conf_only", is_flag=True, help="Print only the path of slurm.conf.")
+@click.option("--site", "site_only", is_flag=True,
+              help="Print only the path of the cluster's site file (for `admin check --site`).")
 @_json_option
-def status(state_dir: Path | None, conf_only: bool, as_json: bool) -> None:
+def status(state_dir: Path | None, conf_only: bool, site_only: bool, as_json: bool) -> None:
     """Show whether the cluster runs, its daemons, ports, nodes and files. Exit 1 if down.
 
     \b
@@ -118,10 +128,16 @@ def status(state_dir: Path | None, conf_only: bool, as_json: bool) -> None:
       slurm-dlrm cluster status
       slurm-dlrm cluster status --json | jq .nodes
       export SLURM_CONF=$(slurm-dlrm cluster status --conf)
+      slurm-dlrm admin check --site $(slurm-dlrm cluster status --site)
     """
     cluster_ = _existing(state_dir)
     if conf_only:
         click.echo(str(cluster_.config.slurm_conf))
+        return
+    if site_only:
+        if not cluster_.config.admin_files:
+            raise BadInput("--site: this cluster was started without the admin files (--no-admin or files by hand)")
+        click.echo(str(cluster_.config.site_file))
         return
     st = cluster_.status()
     _print_status(st, as_json)
@@ -151,7 +167,9 @@ def _print_status(st: lc.ClusterStatus, as_json: bool, took_s: float | None = No
              f"  slurm.conf  {c.slurm_conf}     export SLURM_CONF={c.slurm_conf}",
              f"  logs        {c.log_dir}",
              "  ports       " + ", ".join(f"{k} {v}" for k, v in data["ports"].items()),
-             f"  accounting  {'on (sacct works)' if c.accounting else 'off'}"]
+             f"  accounting  {'on (sacct works)' if c.accounting else 'off'}",
+             "  admin files " + (f"installed (site file {c.site_file}; slurm-dlrm admin check --site {c.site_file})"
+                                 if c.admin_files else "not installed")]
     for d in st.daemons:
         lines.append(f"  {d.name:<14} {'running' if d.running else 'stopped':<8} pid {d.pid or '-'}")
     for n in st.nodes:

@@ -56,10 +56,16 @@ def estimate_cmd(spec_paths: tuple[str, ...], gpu_name: str | None, site_path: s
         specs.append(spec)
     results = [_estimate_one(spec, models, site, use_history=not no_history) for spec in specs]
     misfits = _advise(results, specs, models, site)
+    if site.mps.enabled:
+        # What `submit --no-pack` on an MPS share means here when other users share the GPU.
+        for r in results:
+            r["mps_cross_user"] = {"mode": site.mps.cross_user, "note": site.mps.cross_user_note()}
     if as_json:
         click.echo(json.dumps(results, indent=2))
     else:
         _print_human(results)
+        if site.mps.enabled:
+            click.echo(f"note: {site.mps.cross_user_note()}")
     if misfits:
         # as submit would: a job no GPU holds is bad input (exit 2), said with what would fix it
         for line in misfits[1:]:

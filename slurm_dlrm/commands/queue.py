@@ -140,7 +140,8 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, names: str 
     if store is not None:
         with store:
             reasons: dict[str, str] = {}
-            if not no_slurm and any(True for _ in store.packs(["QUEUED"], user=user)):
+            if not no_slurm and (any(True for _ in store.packs(["QUEUED"], user=user))
+                                 or any(j.no_pack for j in store.jobs(["PLANNED"], user=user))):
                 from slurm_dlrm.slurm import SlurmClient
 
                 reasons = slurm_pending_reasons(SlurmClient(timeout_s=10.0), user)
@@ -225,6 +226,10 @@ def show(job_id: int, tail: int, as_json: bool, site_path: str | None) -> None:
         f"host {d['host_mem_request_mib']} MiB",
         f"  options: {' '.join(f'{k}={v}' for k, v in sorted(d['options'].items())) or '(none)'}",
     ]
+    if d.get("no_pack"):
+        req = d["no_pack"]
+        lines.append(f"  --no-pack: its own Slurm job, --gres={req.get('gres')} --mem={req.get('mem_mib')}M "
+                     f"--cpus-per-task={req.get('cpus')}, GPU memory fence {req.get('gpu_mem_mib')} MiB")
     for p in d["placements"]:
         lines.append(f"  run {p['attempt']}: pack {p['pack']} ({p['pack_state']}, Slurm {p['slurm_job_id']}) "
                      f"node {p['node'] or '-'} GPU {p['gpu']} MPS {p['mps_pct']}% fence {p['gpu_mem_limit_mib']} MiB")

@@ -41,11 +41,15 @@ def site_option(fn: Any) -> Any:
 @click.command("submit", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("specs", nargs=-1, required=True, metavar="SPEC...")
 @sbatch_option_decorators
-@click.option("--parsable", is_flag=True, help="Print only the job ids, one per line (like sbatch --parsable).")
+@click.option("--parsable", is_flag=True, help="Print only the job ids, one per line (like sbatch --parsable; "
+              "with --no-pack: JOBID;SLURM_JOBID, as sbatch prints jobid;cluster).")
 @click.option("--wait", "wait_", is_flag=True, help="Block with a progress display until the jobs end; "
               "exit 0 only if every job completed.")
 @click.option("--no-pack", is_flag=True, help="Submit each spec as one ordinary Slurm job sized from its "
-              "estimate (--mem, --cpus-per-task, --gres=gpu:1 or an MPS share); prints Slurm job ids.")
+              "estimate (--mem, --cpus-per-task, --gres=gpu:1 or an MPS share); still a job of slurm-dlrm "
+              "(queue, show, acct, cancel take its id). --parsable prints JOBID;SLURM_JOBID. "
+              "MPS runs one user's jobs on a GPU at a time: on an MPS share, other users' jobs on the "
+              "same GPU take turns with yours unless the site sets [mps] cross_user = \"one-user\".")
 @click.option("--set", "sets", metavar="KEY=V1[,V2...]", multiple=True,
               help="A sweep: one job per value of a dotted spec field (e.g. optimizer.lr=0.01,0.1); "
                    "several --set give their product.")
@@ -74,7 +78,8 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
     Example:
       slurm-dlrm submit examples/sweep/*.yaml -p dlrm -t 30
       slurm-dlrm submit --parsable --wait tiny.yaml
-      slurm-dlrm submit --no-pack tiny.yaml      # one plain Slurm job, sized from the estimate
+      slurm-dlrm submit --no-pack tiny.yaml      # one plain Slurm job, sized from the estimate:
+                                                 # Submitted job 12 (Slurm 4; ...)
       slurm-dlrm submit tiny.yaml --set optimizer.lr=0.01,0.1 --set batch_size=128,256   # 4 jobs
       slurm-dlrm submit tiny.yaml --array 0-3 --test-only
 
@@ -111,23 +116,52 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         else:
             for s, line in zip(subs, lines, strict=True):
                 click.echo(f"{s.name}: {line}")
+            if no_pack and any("--gres=mps:" in line for line in lines):
+                click.echo(f"slurm-dlrm: note: {site.mps.cross_user_note()}", err=True)
         return
     if no_pack and dependency:
         raise BadInput("--dependency: with --no-pack, use sbatch's own -d with Slurm job ids")
     if no_pack:
         from slurm_dlrm.slurm import SlurmClient
 
-        results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=SlurmClient(),
-                                     sets=sets, array=array)
+        client = SlurmClient()
+        # as sbatch: no Slurm (or an unsupported release), one line and no row recorded
+        results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=client,
+                                     sets=sets, array=array, start_service=not no_service,
+                                     check_slurm=lambda: svc.check_slurm_reachable(client, site, user))
+        # MPS runs one user's jobs on a GPU at a time: say what that means on this site.
+        note = site.mps.cross_user_note()
         if as_json:
-            click.echo(json.dumps([{"slurm_job_id": sid, "name": sub.name, "mem_mib": req.mem_mib,
-                                    "cpus": req.cpus, "gres": req.gres} for sid, sub, req in results], indent=1))
-        for sid, sub, req in results:
+            click.echo(json.dumps([{"job_id": r.job_id, "slurm_job_id": r.slurm_job_id, "name": r.sub.name,
+                                    "mem_mib": r.req.mem_mib, "cpus": r.req.cpus, "gres": r.req.gres,
+                                    **({"exclusive_user": r.req.exclusive_user, "note": note} if r.req.on_mps else {}),
+                                    **({"error": r.error} if r.error else {})} for r in results], indent=1))
+        for r in results:
+            if r.slurm_job_id is None or as_json:
+                continue
             if parsable:
-                click.echo(str(sid))
-            elif not as_json:
-                click.echo(f"Submitted batch job {sid} ({sub.name}: --mem={req.mem_mib} "
-                           f"--cpus-per-task={req.cpus} --gres={req.gres})")
+                # sbatch --parsable prints `jobid[;cluster]`; ours is `jobid;slurm_jobid`, so a
+                # script's `${out%%;*}` gets the id every slurm-dlrm command takes
+                click.echo(f"{r.job_id};{r.slurm_job_id}")
+            else:
+                click.echo(f"Submitted job {r.job_id} (Slurm {r.slurm_job_id}; {r.sub.name}: --mem={r.req.mem_mib}M "
+                           f"--cpus-per-task={r.req.cpus} --gres={r.req.gres}"
+                           f"{' --exclusive=user' if r.req.exclusive_user else ''})")
+        if not as_json and any(r.req.on_mps and r.slurm_job_id is not None for r in results):
+            click.echo(f"slurm-dlrm: note: {note}", err=True)
+        refused = [r for r in results if r.slurm_job_id is None]
+        if refused:
+            from slurm_dlrm.errors import DlrmError
+
+            first = refused[0]
+            more = f" (and {len(refused) - 1} more; slurm-dlrm queue --all)" if len(refused) > 1 else ""
+            if first.unanswered:
+                raise DlrmError(f"job {first.job_id} ({first.sub.name}): sbatch did not answer: {first.error}; "
+                                f"the service records its Slurm job if Slurm has it (slurm-dlrm show "
+                                f"{first.job_id}){more}")
+            raise DlrmError(f"job {first.job_id} ({first.sub.name}): sbatch refused: {first.error}{more}")
+        if wait_:
+            sys.exit(wait_with_progress(site, user, [r.job_id for r in results]))
         return
     slurm = None
     if not no_service:  # as sbatch: no Slurm, no job (one line, exit 1, nothing recorded)

@@ -38,6 +38,10 @@ def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
         raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
     if job.state in JOB_TERMINAL:
         return f"job {job_id} already ended ({job.state})"
+    if job.no_pack:  # its own Slurm job: scancel it (the service records how it ended)
+        from slurm_dlrm.service.native import cancel_native
+
+        return cancel_native(store, slurm, job)
     if job.state == JobState.PENDING:
         try:
             store.transition_job(job_id, JobState.CANCELLED, "cancelled by the user", expect=JobState.PENDING)
@@ -85,6 +89,9 @@ def requeue_job(store: Any, spool_dir: Path, job_id: int, *, user: str) -> str:
         raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
     if job.state not in (JobState.CANCELLED, JobState.FAILED):
         raise BadInput(f"job {job_id}: is {job.state}; only CANCELLED or FAILED jobs can be requeued")
+    if job.no_pack:
+        raise BadInput(f"job {job_id}: a --no-pack job (Slurm job {job.slurm_job_id or '-'}) is not requeued "
+                       f"by the packing service; submit its spec again")
     step = last_checkpoint_step(spool_dir, job_id)
     how = f"resumes from its checkpoint at step {step}" if step is not None else "starts from step 0 (no checkpoint)"
     try:

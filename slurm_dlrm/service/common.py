@@ -19,6 +19,52 @@ SCRIPT_FILE = "pack.sbatch"
 AGENT_MEM_MIB = 512  # host memory the agent itself needs on each node, added to --mem
 
 
+# Slurm's messages when slurmctld cannot be reached (Slurm 22.05 slurm_strerror texts):
+# the request may not have arrived, so the service retries instead of failing jobs.
+UNREACHABLE_MARKERS = (
+    "Unable to contact slurm controller",
+    "Socket timed out",
+    "Zero Bytes were transmitted or received",
+    "Connection refused",
+    "Communication connection failure",
+    "Slurm backup controller in standby mode",
+    "Slurm temporarily unable to accept job",
+    "Could not establish a configuration source",
+)
+
+def is_unreachable(exc: BaseException) -> bool:
+    """True if a Slurm failure means "could not talk to slurmctld", not "refused"."""
+    from slurm_dlrm.slurm import SlurmError, SlurmNotFound, SlurmTimeout
+
+    if isinstance(exc, SlurmTimeout | SlurmNotFound):
+        return True
+    if isinstance(exc, SlurmError):
+        text = f"{exc.stderr}\n{exc}"
+        return any(m.lower() in text.lower() for m in UNREACHABLE_MARKERS)
+    return False
+
+
+def slurm_message(exc: BaseException) -> str:
+    """Slurm's own words, one line (`sbatch: error: ...` without the prefix noise)."""
+    stderr = getattr(exc, "stderr", "") or ""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()] or lines
+    text = errors[-1] if errors else str(exc)
+    for prefix in ("sbatch: error: ", "sbatch: fatal: "):
+        text = text.removeprefix(prefix)
+    return text
+
+
+def sacct_time(value: str) -> float | None:
+    """sacct prints local time without a zone (2026-11-24T14:05:03), or Unknown."""
+    import datetime
+
+    try:
+        return datetime.datetime.fromisoformat(value).timestamp() if value[:1].isdigit() else None
+    except ValueError:
+        return None
+
+
 def job_options(job: Any) -> SbatchOptions:
     raw = getattr(job, "sbatch_json", None)
     if not raw:

@@ -45,8 +45,11 @@ from slurm_dlrm.service.common import (
     PLACEMENT_FILE,
     SBATCH_MARKER,
     SCRIPT_FILE,
+    is_unreachable,
     job_options,
     pack_member_ids,
+    sacct_time,
+    slurm_message,
 )
 from slurm_dlrm.service.daemon import ensure_private_dir
 from slurm_dlrm.service.sbatch_options import (
@@ -59,19 +62,6 @@ from slurm_dlrm.service.spool import SPEC_FILE, write_job_spec, write_private
 from slurm_dlrm.site import MIB, SiteConfig
 
 log = logging.getLogger(__name__)
-
-# Slurm's messages when slurmctld cannot be reached (Slurm 22.05 slurm_strerror texts):
-# the request may not have arrived, so the service retries instead of failing jobs.
-UNREACHABLE_MARKERS = (
-    "Unable to contact slurm controller",
-    "Socket timed out",
-    "Zero Bytes were transmitted or received",
-    "Connection refused",
-    "Communication connection failure",
-    "Slurm backup controller in standby mode",
-    "Slurm temporarily unable to accept job",
-    "Could not establish a configuration source",
-)
 
 MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
 
@@ -99,29 +89,6 @@ class RoundStats:
     slurm_ok: bool = True
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
-
-
-def is_unreachable(exc: BaseException) -> bool:
-    """True if a Slurm failure means "could not talk to slurmctld", not "refused"."""
-    from slurm_dlrm.slurm import SlurmError, SlurmNotFound, SlurmTimeout
-
-    if isinstance(exc, SlurmTimeout | SlurmNotFound):
-        return True
-    if isinstance(exc, SlurmError):
-        text = f"{exc.stderr}\n{exc}"
-        return any(m.lower() in text.lower() for m in UNREACHABLE_MARKERS)
-    return False
-
-
-def slurm_message(exc: BaseException) -> str:
-    """Slurm's own words, one line (`sbatch: error: ...` without the prefix noise)."""
-    stderr = getattr(exc, "stderr", "") or ""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower()] or lines
-    text = errors[-1] if errors else str(exc)
-    for prefix in ("sbatch: error: ", "sbatch: fatal: "):
-        text = text.removeprefix(prefix)
-    return text
 
 
 # How often the service prunes old samples (site.sample_retention_days): a prune scans
@@ -229,12 +196,14 @@ class PackingService:
     # ------------------------------------------------------------ observe
 
     def observe(self, stats: RoundStats) -> None:
+        from slurm_dlrm.service.native import active_native_jobs, observe_native
         from slurm_dlrm.store.states import PACK_ACTIVE
 
         active = self.store.packs(PACK_ACTIVE, user=self.settings.user)
         for pack in active:
             stats.ingested_lines += self.ingest(pack)
-        if not active or not self._slurm_available():
+        native = active_native_jobs(self.store, self.settings.user)  # submit --no-pack jobs
+        if not (active or native) or not self._slurm_available():
             return
         from slurm_dlrm.slurm import SlurmError
 
@@ -246,6 +215,8 @@ class PackingService:
                 return
             raise
         self._slurm_ok()
+        if native:
+            observe_native(self, native, infos, stats)
         by_name = {i.name: i for i in infos}
         for pack in active:
             info = by_name.get(pack.name)
@@ -283,10 +254,14 @@ class PackingService:
         if not isinstance(job_id, int):
             return
         self._apply_member_report(job_id, pack_id, str(rec.get("state") or ""), rec.get("exit_code"),
-                                  str(rec.get("reason") or ""), t)
+                                  str(rec.get("reason") or ""), t, requeue=rec.get("requeue") is True)
 
     def _apply_member_report(self, job_id: int, pack_id: Any, state: str, exit_code: Any,
-                             reason: str, t: float) -> None:
+                             reason: str, t: float, requeue: bool = False) -> None:
+        """One member record into the job's state. A multi-rank job has one end record
+        for all its ranks (the agent writes it once they all ended, docs/agent.md
+        "Multi-rank jobs"); `requeue`: one of its ranks crashed or was killed, so the job
+        goes back to the queue as a whole, all ranks resuming from its checkpoint."""
         from slurm_dlrm.store.states import JOB_TERMINAL, JobState
 
         s = self.store
@@ -303,7 +278,7 @@ class PackingService:
                 pack = s.get_pack(job.pack_id)
                 s.transition_job(job_id, JobState.RUNNING, "member started", slurm_job_id=pack.slurm_job_id, t=t)
             return
-        if job.state == JobState.PLANNED and state in ("COMPLETED", "PREEMPTED"):
+        if job.state == JobState.PLANNED and (state in ("COMPLETED", "PREEMPTED") or requeue):
             # the start record was never written (agent killed early); it did run
             s.transition_job(job_id, JobState.RUNNING, "member started (inferred)", t=t)
             job = s.get_job(job_id)
@@ -318,6 +293,8 @@ class PackingService:
             self._after_oom(job_id, "gpu" if state == "OOM_GPU" else "host", t)
         elif state == "PREEMPTED":
             self._requeue(job, f"preempted ({why}); resumes from its checkpoint", t)
+        elif state == "FAILED" and requeue:
+            self._requeue(job, f"a rank failed ({why}); all ranks resume from its checkpoint", t)
         elif state == "FAILED":
             s.transition_job(job_id, JobState.FAILED, why, exit_code=code, t=t)
         else:
@@ -393,7 +370,7 @@ class PackingService:
                 line = next((r for r in rows if r.step is None), None)
                 if line is not None and line.state.is_terminal:
                     ending = line.get("State").split(" ", 1)[0]
-                    end_time = _sacct_time(line.get("End"))
+                    end_time = sacct_time(line.get("End"))
             except AccountingDisabled:
                 pass
             except SlurmError as exc:
@@ -481,7 +458,8 @@ class PackingService:
 
         if not self._slurm_available():
             return
-        pending = self.store.jobs([JobState.PENDING], user=self.settings.user)
+        # a no-pack job is PENDING only until its own sbatch answers: never planned
+        pending = [j for j in self.store.jobs([JobState.PENDING], user=self.settings.user) if not j.no_pack]
         pending, never = ready_jobs(self.store, pending)  # submit --dependency
         for job, why in never:
             self.store.transition_job(job.id, JobState.FAILED, why, expect=JobState.PENDING)
@@ -780,16 +758,6 @@ class PackingService:
             mem_per_node_mib=mem_mib, python=self.settings.python,
             placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,
             signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged)
-
-
-def _sacct_time(value: str) -> float | None:
-    """sacct prints local time without a zone (2026-11-24T14:05:03), or Unknown."""
-    import datetime
-
-    try:
-        return datetime.datetime.fromisoformat(value).timestamp() if value[:1].isdigit() else None
-    except ValueError:
-        return None
 
 
 def _never_fits(reason: str) -> bool:

@@ -7,6 +7,11 @@ says whom to signal.
 
 Signals: SIGTERM stops the service after its current round; SIGUSR1 wakes it for a
 round now (sent by `submit`, so new jobs do not wait for the round timer).
+
+Several login nodes share the user's home, so the store folder (and this lock) may be
+seen from a host where the service does not run: the status file names the service's
+host, and a pid is only ever signalled on that host (`ServiceElsewhere` otherwise: a
+pid means nothing on another machine and could name anyone's process there).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,7 +31,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_dlrm.errors import DlrmError
+
 log = logging.getLogger(__name__)
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+class ServiceElsewhere(DlrmError):
+    """The user's service runs on another host: it cannot be signalled from here."""
+
+    def __init__(self, host: str, pid: int | None) -> None:
+        self.host = host
+        self.pid = pid
+        super().__init__(f"packing service: it runs on host {host} (pid {pid if pid and pid > 0 else '?'}), "
+                         f"not on this one ({this_host()}); run this command on {host}")
 
 
 @dataclass(frozen=True)
@@ -83,6 +105,13 @@ class ServiceLock:
                     os.close(fd)
                     return None
                 time.sleep(0.025)
+        # Who holds the lock, and on which host, before the first round (read by
+        # `running_pid` on every host that sees this folder). The host goes first: a
+        # reader that sees the new pid must not take it for a pid of its own host. The
+        # rest of the last status stays until the first round replaces it (the
+        # exporter's last-round age; `queue`'s reconcile takes this lock too).
+        write_status(paths, {**read_status(paths), "pid": os.getpid(), "host": this_host(),
+                             "started_t": time.time()})
         _write_atomic(paths.pid, f"{os.getpid()}\n")
         return cls(paths, fd)
 
@@ -110,8 +139,23 @@ def read_pid(paths: ServicePaths) -> int | None:
     return pid if pid > 1 else None  # never let a signal go to a process group or init
 
 
+def service_host(paths: ServicePaths) -> str | None:
+    """The host the status file names (None: no status yet, or written before hosts were)."""
+    host = read_status(paths).get("host")
+    return host if isinstance(host, str) and host else None
+
+
+def elsewhere(paths: ServicePaths) -> str | None:
+    """The other host the running service is on, or None if it runs here (or none runs)."""
+    host = service_host(paths)
+    return host if host is not None and host != this_host() else None
+
+
 def running_pid(paths: ServicePaths) -> int | None:
-    """The pid of the user's running service, or None if none holds the lock."""
+    """The pid of the user's running service, or None if none holds the lock.
+
+    On another host (see `elsewhere`) the pid is the pid file's, unchecked: it cannot
+    be checked from here, and it must not be signalled from here."""
     try:
         fd = os.open(paths.lock, os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -123,6 +167,8 @@ def running_pid(paths: ServicePaths) -> int | None:
             if exc.errno in (errno.EAGAIN, errno.EACCES):
                 # Held: a service runs. Right after it took the lock its pid file may
                 # still be missing or name a killed predecessor: wait for a live pid.
+                if elsewhere(paths) is not None:
+                    return read_pid(paths) or -1
                 for _ in range(100):
                     pid = read_pid(paths)
                     if pid is not None and _alive(pid):
@@ -157,7 +203,8 @@ def spawn_service(paths: ServicePaths, serve_args: list[str], env: dict[str, str
     `submit` finds the lock taken and exits at once, so a spawn is always safe.
     """
     ensure_private_dir(paths.store_dir)
-    argv = [sys.executable, "-m", "slurm_dlrm", "-v", "serve", *serve_args]  # -v: INFO in the log
+    # -v: INFO in the log; --log-file: the service rotates it (service/servicelog.py)
+    argv = [sys.executable, "-m", "slurm_dlrm", "-v", "serve", "--log-file", str(paths.log), *serve_args]
     env = dict(os.environ if env is None else env)
     # The child (and the packs it submits, which inherit its environment) must run this
     # very slurm_dlrm, also from a source checkout that is not the installed one.
@@ -183,9 +230,10 @@ def wait_until_running(paths: ServicePaths, timeout_s: float = 10.0) -> int | No
 
 
 def wake(paths: ServicePaths) -> bool:
-    """Ask the running service for a round now; False if none runs."""
+    """Ask the running service for a round now; False if none runs here (one on
+    another host takes new jobs at its next round: it cannot be signalled from here)."""
     pid = running_pid(paths)
-    if pid is None or pid <= 0:
+    if pid is None or pid <= 0 or elsewhere(paths) is not None:
         return False
     try:
         os.kill(pid, signal.SIGUSR1)
@@ -195,10 +243,15 @@ def wake(paths: ServicePaths) -> bool:
 
 
 def stop(paths: ServicePaths, timeout_s: float = 30.0) -> int | None:
-    """SIGTERM the running service and wait until its lock is free. Returns its pid."""
+    """SIGTERM the running service and wait until its lock is free. Returns its pid.
+
+    Raises ServiceElsewhere, signalling nothing, if it runs on another host."""
     pid = running_pid(paths)
     if pid is None:
         return None
+    host = elsewhere(paths)
+    if host is not None:
+        raise ServiceElsewhere(host, pid)
     if pid > 0:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)

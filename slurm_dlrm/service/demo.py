@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slurm_dlrm.package_data import data_dir
 from slurm_dlrm.site import REPO_SITE_FILE, SiteConfig, load_site
 
 log = logging.getLogger(__name__)
 
-EXAMPLES_DIR = Path(__file__).resolve().parent.parent.parent / "examples" / "sweep"
+EXAMPLES_DIR = data_dir("examples") / "sweep"
 
 
 @dataclass

@@ -64,6 +64,9 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
     for j in jobs:
         pack = packs.get(j.pack_id) if j.pack_id is not None and j.state != JobState.PENDING else None
         pl = placements.get((j.pack_id, j.id)) if pack is not None else None
+        if j.no_pack:
+            rows.append(native_row(j, slurm_reasons))
+            continue
         if j.state == JobState.PENDING and PENDING_TRACE in (j.estimate or {}):
             reason = ESTIMATING_REASON + f": the service traces {j.spec.get('custom_module')}"
         elif j.state == JobState.PENDING:
@@ -93,6 +96,30 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
             "attempt": j.attempt, "reason": reason,
         })
     return rows
+
+
+def native_row(j: Any, slurm_reasons: dict[str, str] | None) -> dict[str, Any]:
+    """A `submit --no-pack` job's row: its own Slurm job, node and the node's GPU index."""
+    from slurm_dlrm.service.native import NO_PACK_LABEL, SUBMITTING_REASON
+    from slurm_dlrm.store.states import JOB_TERMINAL, JobState
+
+    req = (j.sbatch or {}).get("no_pack") or {}
+    if j.state in JOB_TERMINAL:
+        reason = j.exit_reason or ""
+    elif j.slurm_job_id is None:
+        reason = SUBMITTING_REASON
+    elif j.state == JobState.PLANNED:
+        why = (slurm_reasons or {}).get(j.slurm_job_id)
+        reason = "queued in Slurm" + (f" ({why})" if why else "")
+    else:
+        reason = ""
+    gpu = j.gpu_idx
+    return {
+        "job_id": j.id, "name": j.name, "state": str(j.state), "pack": NO_PACK_LABEL,
+        "slurm_job_id": j.slurm_job_id, "node": j.nodes,
+        "gpu": int(gpu) if gpu and gpu.isdigit() else gpu, "mps_pct": req.get("mps_pct"),
+        "gpu_mem_mib": req.get("gpu_mem_mib"), "attempt": j.attempt, "reason": reason,
+    }
 
 
 def node_gpu(pack_dir: str | None, node_index: int, gpu_index: int,
@@ -188,6 +215,7 @@ def job_details(store: Any, job_id: int, *, user: str, service: dict[str, Any]) 
         "estimate": job.estimate, "gpu_mem_request_mib": (job.gpu_mem_request_bytes or 0) // MIB,
         "host_mem_request_mib": (job.host_mem_request_bytes or 0) // MIB,
         "options": _options(job), "spec": job.spec, "placements": history, "events": events,
+        "mode": job.mode, **({"no_pack": (job.sbatch or {}).get("no_pack") or {}} if job.no_pack else {}),
     }
 
 

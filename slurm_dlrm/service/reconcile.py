@@ -33,8 +33,11 @@ def reconcile_orphan_packs(site: SiteConfig, user: str, *, slurm: Any = None) ->
     paths = service_paths(site, user)
     if not store_path_for(site, user).exists() or running_pid(paths) is not None:
         return 0  # nothing recorded yet, or the service does this every round
+    from slurm_dlrm.service.native import active_native_jobs
+
     with Store.for_user(site, user) as store:
-        if not store.packs([PackState.QUEUED, PackState.RUNNING], user=user):
+        if not store.packs([PackState.QUEUED, PackState.RUNNING], user=user) \
+                and not any(j.slurm_job_id for j in active_native_jobs(store, user)):
             return 0
     # While we hold the lock, a `submit` takes us for the service and may send SIGUSR1
     # (wake up): its default action would kill this command.
@@ -55,6 +58,7 @@ def reconcile_orphan_packs(site: SiteConfig, user: str, *, slurm: Any = None) ->
 
 def _reconcile(store: Any, site: SiteConfig, user: str, slurm: Any) -> int:
     from slurm_dlrm.service.core import PackingService, RoundStats, ServiceSettings
+    from slurm_dlrm.service.native import active_native_jobs, observe_native
     from slurm_dlrm.store.states import PackState
 
     if slurm is None:
@@ -67,9 +71,16 @@ def _reconcile(store: Any, site: SiteConfig, user: str, slurm: Any) -> int:
     for pack in packs:
         svc.ingest(pack)
     packs = store.packs([PackState.QUEUED, PackState.RUNNING], user=user)  # reports may have moved some
-    if not packs:
+    # submit --no-pack jobs the service would follow (not the ones whose sbatch may still run)
+    native = [j for j in active_native_jobs(store, user) if j.slurm_job_id]
+    if not packs and not native:
         return 0
     infos = slurm.squeue(user=user)
+    if native:
+        before = stats.transitions
+        observe_native(svc, native, infos, stats)
+        if stats.transitions > before:
+            log.info("reconciled %d no-pack job(s) of a service that is gone", stats.transitions - before)
     by_name = {i.name: i for i in infos}
     by_id = {str(i.job_id): i for i in infos}
     ended = 0

@@ -542,6 +542,8 @@ class Recovery:
         if self._pending is None:
             self._pending = {}
             for j in self.store.jobs([JobState.PENDING], user=self.svc.settings.user):
+                if j.no_pack:
+                    continue
                 group = self._pending.setdefault(job_options(j).pack_key(), [])
                 if len(group) < FRESH_PLAN_PENDING:
                     group.append(j)

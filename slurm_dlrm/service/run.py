@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.service.daemon import ServiceLock, read_pid, write_status
+from slurm_dlrm.service.daemon import ServiceLock, read_pid, this_host, write_status
 from slurm_dlrm.service.loop import LoopControl, run_loop
 from slurm_dlrm.service.submit import service_paths
 from slurm_dlrm.site import SiteConfig
@@ -17,11 +18,14 @@ log = logging.getLogger(__name__)
 
 def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = None,
                   idle_exit_s: float = 0.0, slurm: Any = None, control: LoopControl | None = None,
-                  policy: str | None = None) -> int:
+                  policy: str | None = None, log_file: Path | None = None) -> int:
     """Run the service until SIGTERM (or `idle_exit_s` with nothing to do). Returns rounds run.
 
     If another service of this user holds the lock, returns 0 at once: two `submit`s
     racing to start the service end with exactly one running.
+
+    `log_file`: log there, rotated by size, with stdout/stderr following the current
+    file (service/servicelog.py); only the lock holder rotates it.
     """
     from slurm_dlrm.service.core import PackingService, ServiceSettings
     from slurm_dlrm.store.states import PACK_ACTIVE, JobState
@@ -38,6 +42,11 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         log.info("a packing service already runs for %s (pid %s)", user, read_pid(paths))
         return 0
     with lock:
+        handler = None
+        if log_file is not None:
+            from slurm_dlrm.service import servicelog
+
+            handler = servicelog.install(log_file, redirect_std=True)
         if slurm is None:
             from slurm_dlrm.slurm import SlurmClient, SlurmError
             from slurm_dlrm.slurm.client import UnsupportedSlurm
@@ -57,6 +66,7 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy,
                                                                  dispatch_window_s=0.9 * period))
         idle_since = time.monotonic()
+        host, started_t = this_host(), time.time()  # several login nodes may see this store folder
         log.info("packing service for %s: pid file %s, round every %.1f s, policy %s",
                  user, paths.pid, period, svc.policy)
 
@@ -68,7 +78,8 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
             now = time.monotonic()
             if busy:
                 idle_since = now
-            write_status(paths, {**svc.status(), "round_seconds": round(stats.seconds, 4),
+            write_status(paths, {**svc.status(), "host": host, "started_t": started_t,
+                                 "round_seconds": round(stats.seconds, 4),
                                  "packs_submitted": stats.packs_submitted, "idle": not busy,
                                  # which Slurm it talks to: `submit` restarts a service whose differs
                                  "slurm_conf": os.environ.get("SLURM_CONF")})
@@ -86,3 +97,5 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         finally:
             store.close()
             log.info("packing service for %s stopped", user)
+            if handler is not None:
+                servicelog.uninstall(handler)

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.errors import BadInput
+from slurm_dlrm.package_data import data_dir
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent.parent / "templates"
+TEMPLATE_DIR = data_dir("templates")
 PACK_TEMPLATE = "pack.sbatch.j2"
 
 TIME_UNLIMITED = -1  # Slurm's INFINITE / UNLIMITED

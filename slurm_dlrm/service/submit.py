@@ -30,7 +30,6 @@ from slurm_dlrm.service.sbatch_options import (
     SbatchOptions,
     format_time_minutes,
     parse_sbatch_script,
-    sbatch_line,
 )
 from slurm_dlrm.site import GIB, MIB, GpuModel, SiteConfig
 
@@ -185,11 +184,14 @@ def ensure_service(site: SiteConfig, user: str,
     A service started with another SLURM_CONF than this command's (say, before `export
     SLURM_CONF`) would go on talking to the wrong Slurm, or none: it is stopped (it is
     crash-safe; SIGTERM ends it after its round) and started again with this environment."""
-    from slurm_dlrm.service.daemon import read_status, stop
+    from slurm_dlrm.service.daemon import elsewhere, read_status, stop
 
     paths = service_paths(site, user)
     restarted = False
     if running_pid(paths) is not None:
+        host = elsewhere(paths)
+        if host is not None:  # not to be signalled from here; it takes the jobs at its next round
+            return f"running on host {host}"
         status = read_status(paths)
         if "slurm_conf" not in status or status.get("slurm_conf") == os.environ.get("SLURM_CONF"):
             wake(paths)
@@ -299,7 +301,25 @@ class NativeRequest:
     mem_mib: int
     cpus: int
     gres: str  # "gpu:1" or "mps:N"
-    comment: str  # what job_submit.lua reads (docs/interfaces.md section 6)
+    gpu_mem_mib: int  # per GPU: the fence the marker carries
+    mps_pct: int | None = None  # the MPS share's thread percentage (None: whole GPUs)
+    # [mps] cross_user = "one-user": an MPS share asks for --exclusive=user itself (job_submit.lua
+    # sets it anyway), so `--test-only` and the script show what Slurm will do.
+    exclusive_user: bool = False
+
+    def comment(self, job_id: int | None = None) -> str:
+        """The --comment marker job_submit.lua reads (docs/interfaces.md section 6)."""
+        from slurm_dlrm.admin.marker import MODE_NO_PACK, format_marker
+
+        return format_marker(MODE_NO_PACK, gpu_mem_mib=self.gpu_mem_mib, job_id=job_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mem_mib": self.mem_mib, "cpus": self.cpus, "gres": self.gres, "gpu_mem_mib": self.gpu_mem_mib,
+                "mps_pct": self.mps_pct, "exclusive_user": self.exclusive_user}
+
+    @property
+    def on_mps(self) -> bool:
+        return self.gres.startswith("mps:")
 
 
 def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
@@ -309,6 +329,7 @@ def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
     cpus = max(1, math.ceil(float(est.profile.host_cpu_cores) - 1e-9))
     gpu_fence_mib = math.ceil(est.gpu_peak_bytes * margin / MIB)
     gres = "gpu:1"
+    mps_pct = None
     ranks = sub.spec.world_size
     if ranks > 1:
         # One rank per whole GPU on one node (the runner launches the ranks itself); the
@@ -332,11 +353,11 @@ def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
         share_pct = min(100.0, math.ceil(share_pct / 10.0) * 10.0)
         if share_pct < 100.0:
             n = math.ceil(share_pct * site.mps.mps_per_gpu / 100.0)
-            gres = f"mps:{min(site.mps.mps_per_gpu, max(min_mps_share(site, sub.options), n))}"
-    from slurm_dlrm.admin.marker import MODE_NO_PACK, format_marker
-
-    comment = format_marker(MODE_NO_PACK, gpu_mem_mib=gpu_fence_mib)
-    return NativeRequest(mem_mib=mem_mib, cpus=cpus, gres=gres, comment=comment)
+            share = min(site.mps.mps_per_gpu, max(min_mps_share(site, sub.options), n))
+            gres = f"mps:{share}"
+            mps_pct = round(100 * share / site.mps.mps_per_gpu)
+    return NativeRequest(mem_mib=mem_mib, cpus=cpus, gres=gres, gpu_mem_mib=gpu_fence_mib, mps_pct=mps_pct,
+                         exclusive_user=gres.startswith("mps:") and site.mps.cross_user == "one-user")
 
 
 def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
@@ -344,41 +365,30 @@ def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
     return max(1, partition_for(site, options).min_mps_share)
 
 
-def native_flags(sub: Submission, req: NativeRequest) -> list[str]:
-    """The --no-pack job's sbatch flags (unquoted), sorted."""
-    return sorted([f"--comment={req.comment}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
-                   f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
-                   *(["--nodes=1"] if sub.spec.world_size > 1 else []),
-                   *sub.options.sbatch_flags(include_job_name=False)])
-
-
-def native_script(sub: Submission, req: NativeRequest, spec_path: str, python: str) -> str:
-    """A plain batch script: #SBATCH lines (quoted, sorted) and the training command."""
-    flags = native_flags(sub, req)
-    command = list(sub.spec.command or [python, "-m", "slurm_dlrm", "train", spec_path])
-    lines = ["#!/bin/bash", f"# slurm-dlrm --no-pack job {sub.name}: one job, sized from its estimate."]
-    lines += [f"#SBATCH {sbatch_line(f)}" for f in flags]
-    lines += ["", "exec " + " ".join(shlex.quote(a) for a in command), ""]
-    return "\n".join(lines)
-
-
 def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
                    slurm: Any, python: str = sys.executable, sets: Sequence[str] = (),
-                   array: str | None = None) -> list[tuple[int, Submission, NativeRequest]]:
-    """Each spec as its own Slurm job; returns (Slurm job id, submission, request)."""
+                   array: str | None = None, start_service: bool = True,
+                   check_slurm: Callable[[], Any] | None = None) -> list[Any]:
+    """Each spec as its own Slurm job, each a row in the store first (service/native.py).
+
+    Returns `NativeSubmitted` per spec: our id, the Slurm id (None if sbatch refused it:
+    the row is FAILED with Slurm's words). The service is started (or woken) to follow
+    the jobs, as for packed ones. `check_slurm()` runs after the specs validate and before
+    anything is recorded (an unreachable Slurm or an unsupported release: one line, no row)."""
+    from slurm_dlrm.service.native import record_and_submit
+    from slurm_dlrm.store.store import Store
+
     subs = [_traced(sub, python) if sub.spec.custom_module else sub
             for sub in prepare(paths, cli_options, site, cwd, sets, array)]
-    spool = ensure_private_dir(site.spool_dir_for(user))
-    reqs = [native_request(sub, site) for sub in subs]  # all sized before any is submitted
-    out = []
-    for sub, req in zip(subs, reqs, strict=True):
-        job_dir = ensure_private_dir(spool / "native" / f"{sub.spec.name}-{time.time_ns()}")
-        spec_path = job_dir / "spec.json"
-        spec_path.write_text(json.dumps(sub.spec_data, sort_keys=True, indent=1) + "\n")
-        script = native_script(sub, req, str(spec_path), python)
-        (job_dir / "job.sbatch").write_text(script)
-        opts = [] if sub.options.output else [f"--output={job_dir}/slurm-%j.out"]
-        out.append((slurm.sbatch(script, [*opts, f"--chdir={job_dir}"]), sub, req))
+    reqs = [native_request(sub, site) for sub in subs]  # all sized before any is recorded
+    if check_slurm is not None:
+        check_slurm()
+    ensure_private_dir(site.store_dir_for(user))
+    with Store.for_user(site, user) as store:
+        out = record_and_submit(store, slurm, list(zip(subs, reqs, strict=True)), user=user, site=site,
+                                spool_dir=site.spool_dir_for(user), python=python)
+    if start_service and any(r.slurm_job_id is not None or r.unanswered for r in out):
+        log.info("packing service %s", ensure_service(site, user))
     return out
 
 
@@ -391,6 +401,8 @@ def test_only_lines(subs: Sequence[Submission], site: SiteConfig, *, no_pack: bo
     out = []
     for sub in subs:
         if no_pack:
+            from slurm_dlrm.service.native import native_flags
+
             flags = native_flags(sub, native_request(sub, site))
             out.append("sbatch --parsable " + " ".join(shlex.quote(f) for f in flags) + " job.sbatch")
             continue

@@ -79,6 +79,25 @@ class JobInfo:
     comment: str = ""
     array_job_id: int | None = None
     array_task_id: int | None = None
+    # while running: its GRES as the nodes number them, e.g. "gpu:h100:2(IDX:0-1)" or
+    # "mps:40(IDX:0)", one per node, comma-joined (squeue --json gres_detail)
+    gres_detail: str = ""
+
+    @property
+    def gpu_idx(self) -> str:
+        """The GPU indexes of its first node as the node numbers them: "1", "0-1", "0,2";
+        "" if unknown. Slurm prints `gpu:h100:2(IDX:0-1)` and, for shared GRES on 22.05,
+        `mps:50(IDX:0)`; 24.11+ prints shared GRES per GPU, `mps:50(0/100,50/100)`."""
+        import re
+
+        first = re.split(r",(?=[a-z])", self.gres_detail, maxsplit=1)[0]
+        m = re.search(r"\(IDX:([^)]*)\)", first)
+        if m:
+            return m.group(1)
+        m = re.search(r"\(((?:\d+/\d+,?)+)\)", first)
+        if m:
+            return ",".join(str(i) for i, c in enumerate(m.group(1).split(",")) if int(c.split("/")[0]) > 0)
+        return ""
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class FakeJob:
     signals_sent: list[str] = field(default_factory=list)
     steps: list[FakeStep] = field(default_factory=list)
     purged: bool = False
+    gpu_idx: str = ""  # while running: the node's GPUs it got (squeue's gres_detail IDX)
 
     @property
     def state(self) -> JobState:
@@ -79,7 +80,8 @@ class FakeJob:
             exit_code=None if self.signal else self.exit_code, signal=self.signal or None,
             tres=f"cpu={self.num_nodes},node={self.num_nodes}" + (f",gres/{self.gres}" if self.gres else ""),
             restart_count=self.restart_count, submit_time=self.submit_time, start_time=self.start_time,
-            end_time=self.end_time if st.is_terminal else None, work_dir=self.work_dir, comment=self.comment)
+            end_time=self.end_time if st.is_terminal else None, work_dir=self.work_dir, comment=self.comment,
+            gres_detail=f"{self.gres}(IDX:{self.gpu_idx})" if self.gres and self.gpu_idx and st.is_active else "")
 
 
 def _sbatch_options(script_text: str, args: Sequence[str]) -> dict[str, str]:
@@ -152,14 +154,15 @@ class FakeSlurm:
 
     # ------------------------------------------------------------ test controls
 
-    def start(self, job_id: int, nodes: str | None = None) -> None:
-        """The scheduler starts a pending job (on the first nodes by default)."""
+    def start(self, job_id: int, nodes: str | None = None, gpu_idx: str = "0") -> None:
+        """The scheduler starts a pending job (on the first nodes by default; a GRES job
+        on the node's GPUs `gpu_idx`, as squeue's gres_detail shows them)."""
         j = self.job(job_id)
         if j.state is not JobState.PENDING:
             raise ValueError(f"job {job_id} is {j.slurm_state}, not PENDING")
         if j.num_nodes > len(self.node_names):
             raise ValueError(f"job {job_id} wants {j.num_nodes} nodes; the fake has {len(self.node_names)}")
-        j.slurm_state, j.reason, j.start_time = "RUNNING", "None", self._now()
+        j.slurm_state, j.reason, j.start_time, j.gpu_idx = "RUNNING", "None", self._now(), gpu_idx
         names = self.node_names[:j.num_nodes] if nodes is None else expand_hostlist(nodes)
         j.nodes = compress_hostlist(names)  # "node[1-2]", as Slurm prints it
         j.steps.append(FakeStep("batch", "batch", "RUNNING", nodes=names[0]))

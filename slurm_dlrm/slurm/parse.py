@@ -166,6 +166,7 @@ def job_from_json(j: dict[str, Any]) -> JobInfo:
         comment=_comment(j.get("comment")),
         array_job_id=array_job if array_job is not None and array_job > 0 else None,
         array_task_id=array_task,
+        gres_detail=",".join(str(g) for g in j.get("gres_detail") or [] if g),
     )
 
 

@@ -221,6 +221,17 @@ _V4 = (
     "ALTER TABLE placements ADD COLUMN predicted_speed REAL",
 )
 
+_V5 = (
+    # `submit --no-pack` jobs are rows too (issue 23, one job identity): one job, one Slurm
+    # job of its own (jobs.slurm_job_id), settled from squeue/sacct, never packed.
+    "ALTER TABLE jobs ADD COLUMN mode TEXT NOT NULL DEFAULT 'pack' CHECK (mode IN ('pack', 'no-pack'))",
+    # its allocation (hostlist), its GPUs as the node numbers them (Slurm's IDX, "1" or
+    # "0-1"), and the GPUs it holds (world_size, or an MPS share like 0.4: acct's charge)
+    "ALTER TABLE jobs ADD COLUMN nodes TEXT",
+    "ALTER TABLE jobs ADD COLUMN gpu_idx TEXT",
+    "ALTER TABLE jobs ADD COLUMN gpu_share REAL",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -235,6 +246,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(3, "job_usage.n_pruned (sample retention)", _V3),
     Migration(4, "placements.predicted_speed (acct's slowdown correction)", _V4),
+    Migration(5, "jobs.mode, nodes, gpu_idx, gpu_share (submit --no-pack jobs in the store)", _V5),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -103,14 +103,21 @@ SELECT j.id AS job_id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j
        j.est_gpu_peak_bytes, j.est_host_peak_bytes, j.est_profile_label, j.est_solo_samples_per_s,
        j.submit_time, j.start_time, j.end_time, j.pack_id, j.slurm_job_id AS job_slurm_job_id, j.slurm_step,
        j.exit_code, j.exit_reason,
-       k.name AS pack_name, k.slurm_job_id AS pack_slurm_job_id,
-       coalesce(last.n_gpus, 0) AS n_gpus, k.nodes,
+       CASE WHEN j.mode = 'no-pack' THEN 'no-pack' ELSE k.name END AS pack_name,
+       k.slurm_job_id AS pack_slurm_job_id,
+       CASE WHEN j.mode = 'no-pack' THEN CAST(max(1.0, coalesce(j.gpu_share, 1.0)) AS INTEGER)
+            ELSE coalesce(last.n_gpus, 0) END AS n_gpus,
+       CASE WHEN j.mode = 'no-pack' THEN j.nodes ELSE k.nodes END AS nodes,
        coalesce(u.n_samples, 0) AS n_samples, u.gpu_mem_peak_bytes, u.rss_peak_bytes,
        CASE WHEN u.sm_util_n > 0 THEN u.sm_util_sum / u.sm_util_n END AS sm_util_mean,
        u.sm_util_max,
        CASE WHEN u.host_cpu_n > 0 THEN u.host_cpu_sum / u.host_cpu_n END AS host_cpu_mean,
        CASE WHEN u.sps_n > 0 THEN u.sps_sum / u.sps_n END AS samples_per_s_mean,
-       c.charged_gpu_s, c.gpu_run_s, c.excl_pred_s, c.has_pred, c.max_members, sp.run_s AS span_s,
+       coalesce(c.charged_gpu_s, nat.run_s * coalesce(j.gpu_share, 1.0)) AS charged_gpu_s,
+       coalesce(c.gpu_run_s, nat.run_s) AS gpu_run_s,
+       coalesce(c.excl_pred_s, nat.run_s * CAST(max(1.0, coalesce(j.gpu_share, 1.0)) AS INTEGER)) AS excl_pred_s,
+       c.has_pred, coalesce(c.max_members, CASE WHEN nat.run_s IS NOT NULL THEN 1 END) AS max_members,
+       coalesce(sp.run_s, nat.run_s) AS span_s,
        so.solo_sps
 FROM jobs j
 LEFT JOIN packs k ON k.id = j.pack_id
@@ -118,6 +125,10 @@ LEFT JOIN job_usage u ON u.job_id = j.id
 LEFT JOIN charge c ON c.job_id = j.id
 LEFT JOIN jp last ON last.job_id = j.id AND last.pack_id = j.pack_id
 LEFT JOIN span sp ON sp.job_id = j.id
+-- a `submit --no-pack` job (issue 23): its own Slurm job, charged its GPUs (an MPS share
+-- counts as its fraction) for the time it ran; alone, so its basis is 'solo'
+LEFT JOIN (SELECT id, max(0.0, coalesce(end_time, :now) - start_time) AS run_s FROM jobs
+           WHERE mode = 'no-pack' AND start_time IS NOT NULL) nat ON nat.id = j.id
 LEFT JOIN solo so ON so.spec_fingerprint = j.spec_fingerprint AND so.gpu_model IS k.gpu_model
 WHERE (:job_ids IS NULL OR j.id IN (SELECT value FROM json_each(:job_ids)))
   AND (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states)))

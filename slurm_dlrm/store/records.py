@@ -11,6 +11,9 @@ from typing import Any
 
 from slurm_dlrm.store.states import JobState, PackState
 
+MODE_PACK = "pack"
+MODE_NO_PACK = "no-pack"  # `submit --no-pack`: a job of its own in Slurm
+
 
 def _row_fields(cls: type, row: Mapping[str, Any]) -> dict[str, Any]:
     return {f.name: row.get(f.name) for f in fields(cls)}
@@ -43,12 +46,24 @@ class Job:
     exit_code: int | None
     exit_reason: str | None
     updated_time: float
+    # `submit --no-pack` (issue 23): "no-pack" = one job as its own Slurm job (slurm_job_id),
+    # never packed; nodes/gpu_idx/gpu_share are that job's allocation (None for packed jobs,
+    # whose placements say where they ran).
+    mode: str = "pack"
+    nodes: str | None = None
+    gpu_idx: str | None = None
+    gpu_share: float | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Job:
         d = _row_fields(cls, row)
         d["state"] = JobState(d["state"])
+        d["mode"] = d["mode"] or "pack"
         return cls(**d)
+
+    @property
+    def no_pack(self) -> bool:
+        return self.mode == MODE_NO_PACK
 
     @property
     def spec(self) -> dict[str, Any]:

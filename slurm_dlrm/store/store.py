@@ -36,7 +36,15 @@ from slurm_dlrm.store.errors import (
     UnknownEntity,
 )
 from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS, MIGRATIONS_TABLE
-from slurm_dlrm.store.records import CalibrationRow, Job, JobUsage, NewPlacement, Pack, Placement
+from slurm_dlrm.store.records import (
+    MODE_NO_PACK,
+    CalibrationRow,
+    Job,
+    JobUsage,
+    NewPlacement,
+    Pack,
+    Placement,
+)
 from slurm_dlrm.store.states import (
     JOB_ATTEMPT_FROM,
     JOB_TERMINAL,
@@ -283,12 +291,14 @@ class Store:
         estimate: Mapping[str, Any] | None = None, gpu_model: str | None = None,
         gpu_mem_request_bytes: int | None = None, host_mem_request_bytes: int | None = None,
         submit_time: float | None = None, reason: str = "submitted",
-        sbatch: Mapping[str, Any] | None = None,
+        sbatch: Mapping[str, Any] | None = None, mode: str = "pack", gpu_share: float | None = None,
     ) -> int:
         """A new PENDING job. `estimate` is `Estimate.to_dict()` (docs/interfaces.md section 2).
 
         `sbatch`: the sbatch options the user gave for this job (JSON-able), kept for the
-        service; read back as `Job.sbatch`.
+        service; read back as `Job.sbatch`. `mode="no-pack"`: a `submit --no-pack` job,
+        PENDING only until its own sbatch answers (never planned into a pack);
+        `gpu_share` the GPUs it asks for.
         """
         now = self.clock() if submit_time is None else submit_time
         est = dict(estimate or {})
@@ -303,7 +313,7 @@ class Store:
             "est_solo_samples_per_s": _float_or_none(profile.get("solo_samples_per_s")),
             "gpu_mem_request_bytes": est_gpu if gpu_mem_request_bytes is None else gpu_mem_request_bytes,
             "host_mem_request_bytes": est_host if host_mem_request_bytes is None else host_mem_request_bytes,
-            "submit_time": now, "updated_time": now,
+            "submit_time": now, "updated_time": now, "mode": mode, "gpu_share": gpu_share,
         }
         with self.write():
             cols = ", ".join(row)
@@ -388,9 +398,13 @@ class Store:
             sets: dict[str, Any] = {"state": dst.value, "updated_time": now}
             cur_pack = row["pack_id"]
             if dst == JobState.PLANNED:
-                if pack_id is None:
+                if row.get("mode") == MODE_NO_PACK:  # its own Slurm job, no pack
+                    if slurm_job_id is None and row["slurm_job_id"] is None:
+                        raise ValueError("a no-pack job is PLANNED with its Slurm job id")
+                elif pack_id is None:
                     raise ValueError("transition to PLANNED needs pack_id")
-                sets["pack_id"] = cur_pack = pack_id
+                else:
+                    sets["pack_id"] = cur_pack = pack_id
             if dst == JobState.RUNNING:
                 if row["start_time"] is None:
                     sets["start_time"] = now
@@ -425,6 +439,18 @@ class Store:
             self.event_in_tx("job_state", reason, job_id=job_id, pack_id=cur_pack, src=src.value,
                         dst=dst.value, data=ev or None, t=now)
             return Job.from_row({**row, **sets})
+
+    def set_job_allocation(self, job_id: int, *, nodes: str | None = None, gpu_idx: str | None = None) -> None:
+        """Where a no-pack job runs, as Slurm says: its hostlist and the node's GPU indexes."""
+        with self.write():
+            sets = {k: v for k, v in (("nodes", nodes), ("gpu_idx", gpu_idx)) if v is not None}
+            if not sets:
+                return
+            assign = ", ".join(f"{k} = ?" for k in sets)
+            cur = self.conn.execute(f"UPDATE jobs SET {assign}, updated_time = ? WHERE id = ?",
+                                    (*sets.values(), self.clock(), job_id))
+            if cur.rowcount != 1:
+                raise UnknownEntity("job", job_id)
 
     # ------------------------------------------------------------ packs
 

@@ -4,6 +4,9 @@ checkpoint, and map every way of ending onto a `TRAIN_EXIT_*` code.
 Signals: SIGTERM and SIGUSR1 (what Slurm sends on preemption, at the time limit with
 `--signal`, and on `scontrol requeue`), and SIGINT, only set a flag; the loop sees it at
 the next step boundary, writes a checkpoint and exits with TRAIN_EXIT_PREEMPTED.
+
+Over 600 lines: the loop, its resume and its checkpoint writer share the Trainer's state
+(step, model, optimizer, the writer thread), and every exit path must see all of it.
 """
 
 from __future__ import annotations
@@ -121,6 +124,18 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(dev)
         return dev
     return torch.device("cpu")
+
+
+def sharding_local_size(device: torch.device, local_world_size: int) -> int:
+    """The local world size to give torchrec's planner. torchrec places rank r's shards on
+    `cuda:(r % local size)` (torchrec/distributed/sharding_plan.py `placement`), which is
+    right when every rank sees all the node's GPUs (torchrun) but not when each rank sees
+    only its own (a pack's agent sets CUDA_VISIBLE_DEVICES per rank, so every rank's GPU is
+    its cuda:0): then the local size is the number of devices a rank sees, which also
+    matches `pick_device`'s `LOCAL_RANK % device_count()`."""
+    if device.type != "cuda":
+        return local_world_size
+    return max(1, min(local_world_size, torch.cuda.device_count()))
 
 
 def init_distributed(device: torch.device) -> DistInfo:
@@ -511,7 +526,7 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     if info.world_size != int(spec.world_size):
         log.warning("spec asks for world_size %d; this launch has %d processes", spec.world_size, info.world_size)
     torch.manual_seed(int(spec.seed) * 1000 + info.rank)
-    built = build(spec, device, info.world_size, info.local_world_size)
+    built = build(spec, device, info.world_size, sharding_local_size(device, info.local_world_size))
     for note in built.notes:
         log.warning("%s", note)
     source = make_source(spec, info.rank, info.world_size, pin_memory=device.type == "cuda")

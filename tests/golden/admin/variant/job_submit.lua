@@ -1,7 +1,9 @@
 --[==[
-job_submit.lua for site "variant" (site.toml).
-Rendered by `slurm-dlrm admin render`; edit the site file, not this one.
-Install next to slurm.conf; slurm.conf needs JobSubmitPlugins=lua.
+job_submit.lua for site "variant" (site.toml), for a site WITHOUT a
+job_submit.lua of its own. Rendered by `slurm-dlrm admin render`; edit the site file, not
+this one. Install next to slurm.conf; slurm.conf needs JobSubmitPlugins=lua.
+A site that has a job_submit.lua keeps it and calls slurm_dlrm_submit.lua (the same
+checks as a module) from it instead: docs/admin.md "Installs that chain".
 
 In a DLRM partition ([[partitions]] enforce = true) a job must carry what the slurm-dlrm
 wrapper sets (docs/interfaces.md section 6):
@@ -17,6 +19,8 @@ The memory and GPU bounds hold for every job (this runs in slurmctld). The marke
 not prove that the wrapper submitted the job: any user can type it into --comment. What a
 forged marker gains and does not gain: docs/admin.md "What a forged marker gains".
 --]==]
+-- The module's table; passwd_file names where SlurmUser's uid is (tests point it elsewhere).
+local M = {passwd_file = "/etc/passwd"}
 
 local MARKER_PREFIX = "slurm-dlrm:"
 local MODE_NO_PACK = "no-pack"
@@ -26,6 +30,10 @@ local SUBMIT_HINT = "Submit DLRM jobs with `slurm-dlrm submit SPEC.yaml [sbatch 
 local SLURM_USER = "slurmsvc"
 -- [mps] enabled: whether --gres=mps:N is offered at all.
 local MPS_ENABLED = false
+-- [mps] cross_user = "one-user": every gres/mps job in a DLRM partition gets --exclusive=user
+-- (OverSubscribe=USER), since MPS runs one user's jobs on a GPU at a time and jobs of
+-- two users on one GPU would take turns. Slurm has no per-GPU form: the node is the unit.
+local MPS_ONE_USER = false
 -- The partition with default = true, used when a job names none (nil: no default here).
 local DEFAULT_PARTITION = "debug"
 
@@ -74,7 +82,7 @@ local slurm_user_uid_cache = false
 local function slurm_user_uid()
   if slurm_user_uid_cache == false then
     slurm_user_uid_cache = nil
-    local f = io.open(slurm_dlrm.passwd_file, "r")
+    local f = io.open(M.passwd_file, "r")
     if f then
       for line in f:lines() do
         local name, uid = line:match("^([^:]*):[^:]*:(%d+):")
@@ -284,16 +292,58 @@ local function validate(v, uid)
   return eslurm(problems[1].code)
 end
 
+-- MPS_ONE_USER: a gres/mps job in a DLRM partition runs with --exclusive=user, whoever
+-- submits it (root's too). On modify only an update that names OverSubscribe is turned
+-- back to USER: Slurm 22.05 refuses a user's update that changes it (so setting it on
+-- every update would refuse them all), and the job kept USER from its submission.
+local function one_user_per_gpu(job_desc, v, modify)
+  if not (MPS_ENABLED and MPS_ONE_USER) then
+    return
+  end
+  if modify and (job_desc.shared == nil or job_desc.shared == (slurm.NO_VAL16 or 65534)) then
+    return
+  end
+  local _, rule = dlrm_partition(v.partition)
+  if rule == nil then
+    return
+  end
+  local per_node, per_job = parse_tres(v.tres_per_node) or {}, parse_tres(v.tres_per_job) or {}
+  if per_node.mps or per_job.mps then
+    job_desc.shared = slurm.JOB_SHARED_USER or 2
+  end
+end
+
+-- What a site's job_submit.lua calls (docs/admin.md "Installs that chain"): the same
+-- check for submit and modify; slurm.SUCCESS, or an ESLURM code after slurm.log_user.
+function M.job_submit(job_desc, part_list, submit_uid)
+  local v = view(job_desc, nil)
+  local rc = validate(v, submit_uid)
+  if rc == slurm.SUCCESS then
+    one_user_per_gpu(job_desc, v, false)
+  end
+  return rc
+end
+
+function M.job_modify(job_desc, job_rec, part_list, modify_uid)
+  local v = view(job_desc, job_rec)
+  local rc = validate(v, modify_uid)
+  if rc == slurm.SUCCESS then
+    one_user_per_gpu(job_desc, v, true)
+  end
+  return rc
+end
+
+M.validate, M.view, M.parse_tres, M.parse_marker = validate, view, parse_tres, parse_marker
+
 function slurm_job_submit(job_desc, part_list, submit_uid)
-  return validate(view(job_desc, nil), submit_uid)
+  return M.job_submit(job_desc, part_list, submit_uid)
 end
 
 function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
-  return validate(view(job_desc, job_rec), modify_uid)
+  return M.job_modify(job_desc, job_rec, part_list, modify_uid)
 end
 
--- For tests and for other plugins in this Lua state; passwd_file names where SlurmUser's uid is.
-slurm_dlrm = {validate = validate, view = view, parse_tres = parse_tres, parse_marker = parse_marker,
-              passwd_file = "/etc/passwd"}
+-- For tests and for other plugins in this Lua state.
+slurm_dlrm = M
 
 return slurm.SUCCESS

@@ -114,6 +114,33 @@ clean_stale() {
     rm -f -- "$SHM_DIR"/cuda.shm.*
   fi
 }
+# Run the site's own script ($1: a path or a glob, as slurm.conf takes them; [slurm]
+# site_prolog, site_epilog, site_task_prolog) with this environment, each match in name
+# order; stop at the first that fails and return its status. The fragment's Prolog=,
+# Epilog= and TaskProlog= replace the site's keys, so ours run the site's scripts
+# (docs/admin.md "Installs that chain"). A literal path that is missing fails, as it
+# would for slurmd; a glob that matches nothing runs nothing.
+run_site_scripts() {
+  local pattern=$1 f rc
+  [[ -n $pattern ]] || return 0
+  if [[ $pattern != *[*?[]* && ! -x $pattern ]]; then
+    echo "slurm-dlrm: the site's script $pattern is missing or not executable" >&2
+    return 1
+  fi
+  # Unquoted on purpose: the glob expands (the loader allows no spaces or quotes in it).
+  for f in $pattern; do
+    [[ -f $f && -x $f ]] || continue
+    "$f"
+    rc=$?
+    if ((rc != 0)); then
+      echo "slurm-dlrm: the site's script $f exited $rc" >&2
+      return "$rc"
+    fi
+  done
+  return 0
+}
+# [slurm] site_epilog: the site's own epilog, run after ours ("" = none).
+SITE_EPILOG=''
 # [slurm] mps_stop_timeout_s, as a count of 0.1 s polls (per step: quit, SIGTERM, SIGKILL).
 STOP_POLLS=100
 
@@ -201,4 +228,13 @@ main() {
   return $rc
 }
 
-main
+# Ours, then the site's, whatever ours returned; either failing fails the epilog (drain).
+rc=0
+main || rc=$?
+site_rc=0
+run_site_scripts "$SITE_EPILOG" || site_rc=$?
+if ((site_rc != 0)); then
+  log "the site's epilog ($SITE_EPILOG) exited $site_rc"
+  ((rc == 0)) && rc=$site_rc
+fi
+exit "$rc"

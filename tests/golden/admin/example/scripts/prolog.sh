@@ -114,6 +114,33 @@ clean_stale() {
     rm -f -- "$SHM_DIR"/cuda.shm.*
   fi
 }
+# Run the site's own script ($1: a path or a glob, as slurm.conf takes them; [slurm]
+# site_prolog, site_epilog, site_task_prolog) with this environment, each match in name
+# order; stop at the first that fails and return its status. The fragment's Prolog=,
+# Epilog= and TaskProlog= replace the site's keys, so ours run the site's scripts
+# (docs/admin.md "Installs that chain"). A literal path that is missing fails, as it
+# would for slurmd; a glob that matches nothing runs nothing.
+run_site_scripts() {
+  local pattern=$1 f rc
+  [[ -n $pattern ]] || return 0
+  if [[ $pattern != *[*?[]* && ! -x $pattern ]]; then
+    echo "slurm-dlrm: the site's script $pattern is missing or not executable" >&2
+    return 1
+  fi
+  # Unquoted on purpose: the glob expands (the loader allows no spaces or quotes in it).
+  for f in $pattern; do
+    [[ -f $f && -x $f ]] || continue
+    "$f"
+    rc=$?
+    if ((rc != 0)); then
+      echo "slurm-dlrm: the site's script $f exited $rc" >&2
+      return "$rc"
+    fi
+  done
+  return 0
+}
+# [slurm] site_prolog: the site's own prolog, run first ("" = none).
+SITE_PROLOG=''
 # [slurm] mps_start_timeout_s, as a count of 0.1 s polls.
 START_POLLS=100
 # [mps] mps_per_gpu: --gres=mps:N of one GPU is N*100/MPS_PER_GPU percent of its SMs.
@@ -131,6 +158,24 @@ FENCE_MODE=auto
 DMEM_MODE=auto
 CGROUP_ROOT=/sys/fs/cgroup
 JOB_CGROUP='system.slice/slurmstepd.scope/job_{job_id}'
+
+# [mps] cross_user: MPS runs one user's jobs on a GPU at a time, so jobs of two users on
+# one GPU take turns ("time-slice"; "one-user": job_submit.lua gave gres/mps jobs
+# --exclusive=user). Either way events.log says when a GPU holds jobs of several users.
+CROSS_USER=time-slice
+
+# The uids other than $2 with jobs on GPU $1 (comma-separated; empty if none).
+other_users() {
+  local f u
+  local -a uids=()
+  for f in "$(gpu_dir "$1")"/jobs/*; do
+    [[ -f $f ]] || continue
+    read -r u _ <"$f" 2>/dev/null || continue
+    [[ $u =~ ^[0-9]+$ && $u != "$2" ]] && uids+=("$u")
+  done
+  [[ -n ${uids[*]:-} ]] || return 0
+  printf '%s\n' "${uids[@]}" | sort -un | paste -sd, -
+}
 
 # The job as slurmctld has it, one line (read once per job and node; the task prolog
 # only reads what we record, so tasks never ask the controller).
@@ -320,7 +365,7 @@ apply_dmem_fence() {
 main() {
   # Slurm sets both only for a gres/mps job (the indices are the node's, not the job's).
   [[ -n ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-} && -n ${CUDA_VISIBLE_DEVICES:-} ]] || return 0
-  local job=${SLURM_JOB_ID:-} uid=${SLURM_JOB_UID:-} pct mem_mib gpu gpus
+  local job=${SLURM_JOB_ID:-} uid=${SLURM_JOB_UID:-} pct mem_mib gpu gpus others
   [[ $job =~ ^[0-9]+$ ]] || { log "no SLURM_JOB_ID"; return 1; }
   [[ $uid =~ ^[0-9]+$ ]] || uid=
   IFS=, read -ra gpus <<<"$CUDA_VISIBLE_DEVICES"
@@ -339,6 +384,10 @@ main() {
       rm -f -- "$(gpu_dir "$gpu")/jobs/$job"
       return 1
     fi
+    others=$(other_users "$gpu" "$uid")
+    if [[ -n $others && -n $uid ]]; then
+      log "GPU $gpu: uid $uid shares it with uid $others: MPS runs one user's jobs at a time, so they take turns ([mps] cross_user = $CROSS_USER)"
+    fi
     # A --no-pack job's fence, held outside the job (docs/admin.md "Fences").
     if ((mem_mib > 0)); then
       [[ -n $uid ]] && apply_server_fence "$gpu" "$uid" "$(user_max_mib "$gpu" "$uid")" "$pct"
@@ -354,4 +403,12 @@ main() {
     chmod 0644 "$JOBS_DIR/.$job.tmp" && mv -f "$JOBS_DIR/.$job.tmp" "$JOBS_DIR/$job"
 }
 
+# The site's prolog first: if it fails, so does this one (Slurm drains the node and
+# requeues the job) and no MPS daemon starts.
+site_rc=0
+run_site_scripts "$SITE_PROLOG" || site_rc=$?
+if ((site_rc != 0)); then
+  log "the site's prolog ($SITE_PROLOG) exited $site_rc"
+  exit "$site_rc"
+fi
 main

@@ -11,6 +11,34 @@ set -u
 # [slurm] mps_pipe_root and mps_log_root, as in the prolog.
 PIPE_ROOT=/run/slurm-dlrm/mps
 LOG_ROOT=/var/log/slurm-dlrm/mps
+# [slurm] site_task_prolog: the site's own task prolog ("" = none). It runs first and its
+# lines pass on to slurmstepd; ours come after, so for the CUDA_MPS_* variables ours win.
+SITE_TASK_PROLOG=''
+# Run the site's own script ($1: a path or a glob, as slurm.conf takes them; [slurm]
+# site_prolog, site_epilog, site_task_prolog) with this environment, each match in name
+# order; stop at the first that fails and return its status. The fragment's Prolog=,
+# Epilog= and TaskProlog= replace the site's keys, so ours run the site's scripts
+# (docs/admin.md "Installs that chain"). A literal path that is missing fails, as it
+# would for slurmd; a glob that matches nothing runs nothing.
+run_site_scripts() {
+  local pattern=$1 f rc
+  [[ -n $pattern ]] || return 0
+  if [[ $pattern != *[*?[]* && ! -x $pattern ]]; then
+    echo "slurm-dlrm: the site's script $pattern is missing or not executable" >&2
+    return 1
+  fi
+  # Unquoted on purpose: the glob expands (the loader allows no spaces or quotes in it).
+  for f in $pattern; do
+    [[ -f $f && -x $f ]] || continue
+    "$f"
+    rc=$?
+    if ((rc != 0)); then
+      echo "slurm-dlrm: the site's script $f exited $rc" >&2
+      return "$rc"
+    fi
+  done
+  return 0
+}
 
 main() {
   [[ -n ${CUDA_MPS_ACTIVE_THREAD_PERCENTAGE:-} && ${SLURM_JOB_ID:-} =~ ^[0-9]+$ ]] || return 0
@@ -34,5 +62,7 @@ main() {
   fi
 }
 
+site_rc=0
+run_site_scripts "$SITE_TASK_PROLOG" || site_rc=$?
 main
-exit 0
+exit "$site_rc"
