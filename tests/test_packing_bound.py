@@ -121,3 +121,31 @@ def test_fences_follow_the_observed_error_of_the_estimates():
     assert flat.ooms >= 6  # every job once
     assert 1 <= learned.ooms <= 2
 
+
+
+class _FlatContention:
+    """A speed model where every member of an n-member group runs at speeds[n]."""
+
+    name = "flat-contention"
+
+    def __init__(self, speeds: dict[int, float]) -> None:
+        self.speeds = speeds
+
+    def speeds_from_fractions(self, sm, bw):  # type: ignore[no-untyped-def]
+        return [self.speeds[len(sm)]] * len(sm)
+
+
+def test_the_join_floor_is_relative_to_what_the_live_members_get():
+    # Four like members at 0.6 of solo speed; a like joiner takes them to 0.55 each:
+    # +0.35 solo jobs of work (5 x 0.55 - 4 x 0.6). An absolute floor (0.4 per unit of
+    # weight) turned it away, leaving the room idle; relative to the members' 0.6, the
+    # floor is 0.24 and it joins. At 0.5 each the join adds 0.1 < 0.24: refused.
+    from slurm_dlrm.packing.interference import InterferenceParams
+
+    live = tuple(_d(100 + k, 10, sm=10, bw=10) for k in range(4))
+    req = PackingRequest(jobs=(_d(1, 10, sm=10, bw=10),), gpu_models=(H100,), nodes=(),
+                         limits=PackingLimits(max_members_per_gpu=8), open_gpus=(_pack(live),))
+    pays = InterferenceParams(speed_model=_FlatContention({2: 0.9, 3: 0.8, 4: 0.6, 5: 0.55}))
+    assert [j.member.job_id for j in plan(req, "complementary", pays).joins] == [1]
+    costs = InterferenceParams(speed_model=_FlatContention({2: 0.9, 3: 0.8, 4: 0.6, 5: 0.5}))
+    assert plan(req, "complementary", costs).joins == ()

@@ -41,8 +41,9 @@ from slurm_dlrm.site import MIB, GpuModel
 
 _JOIN_SCAN = 24  # pending jobs looked at per pick for one pack GPU (complementary)
 # A joiner must add at least this much priced work per unit of the priced resources it
-# takes (its own speed, net of what it costs the live members): below it, the room is
-# better left to a later joiner (docs/packing.md "Refilling running packs").
+# takes (its own speed, net of what it costs the live members), relative to what the
+# GPU's live members get per unit now: below it, the room is better left to a later
+# joiner (docs/packing.md "Refilling running packs").
 _MIN_EFFICIENCY = 0.4
 # A pending job expected to run >= this share of the time the whole backlog needs is a
 # drain-tail job: it goes first and gets a reservation (`drain_tail`, `_reserve`).
@@ -406,6 +407,13 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
                       for j in pg.members]
             live_sp = predict_speeds_from_fractions(live_sm, live_bw, params) if len(live_sm) > 1 else [1.0] * len(live_sm)
             current = sum(w * x for w, x in zip(live_w, live_sp, strict=True))
+            # The floor is relative to what the GPU's members get now (priced work per
+            # priced resource, <= 1): a later joiner would meet the same co-runners. An
+            # absolute floor was calibrated on a model that predicts no slowdown below
+            # saturation; with a model that sees contention (learned, or the truth
+            # itself) it turned away joins that still add work, and such a planner did
+            # worse than one blind to contention (issue 16, benchmarks/robust_ceiling.py).
+            live_efficiency = min(1.0, current / sum(live_w)) if live_w and sum(live_w) > 0 else 1.0
             pick = -1
             pick_gain = -math.inf
             scanned = 0
@@ -423,7 +431,7 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
                 weight = (1.0 if flat else
                           price[0] * fence[i] / usable + price[1] * cpus[i] / cpu_cap + price[2] * sm[i] + price[3] * bw[i])
                 gain = sum(w * x for w, x in zip(live_w + [weight], speeds, strict=True)) - current
-                floor = limits.min_gain if flat else _MIN_EFFICIENCY * weight
+                floor = limits.min_gain if flat else _MIN_EFFICIENCY * weight * live_efficiency
                 if (gain >= floor - 1e-12 and gain > pick_gain
                         and (pg.remaining_s is None or _times_fit(pg, pg.members + [rest[i]], speeds))):
                     pick, pick_gain = i, gain
