@@ -1,7 +1,11 @@
 """`complementary` (ours): memory-safe fences, members chosen so that their bottlenecks
 differ (SM with bandwidth, GPU with host CPU), members balanced over the GPUs of a
 multi-GPU pack, packs sized from the queue and grouped by expected duration.
-See docs/packing.md."""
+See docs/packing.md.
+
+Over 600 lines: one policy whose passes (gangs first, then complementary pairs, fill,
+balance over GPUs) hand each other the same round state; split, each pass would need it
+all passed in. The gang placement helpers could move to their own module next."""
 
 from __future__ import annotations
 
