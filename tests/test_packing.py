@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import random
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +35,7 @@ from slurm_dlrm.packing import (
 )
 from slurm_dlrm.packing.interference import predict_speeds_from_fractions
 from slurm_dlrm.packing.model import OpenGpu
+from slurm_dlrm.service.refill import pack_allocation
 from slurm_dlrm.site import GIB, MIB, GpuModel
 
 H100 = GpuModel("h100", 80, 132, 3350, 67, 494, 520, 32)
@@ -352,13 +356,53 @@ def test_an_urgent_job_that_cannot_join_holds_the_packs_room():
 def test_refill_policies_give_a_pack_its_gpus_share_of_the_node_as_headroom():
     node = NodeShape("h100", 2, 26, 200 * GIB, name="n")
     req = PackingRequest(jobs=(_demand(1, sm=10, bw=10, cpus=2),), gpu_models=(H100,), nodes=(node,))
+    wide = replace(req, limits=PackingLimits(refill_headroom_pct=10000.0))  # the bound above the share
     for policy in ("complementary", "mem-best-fit"):
-        (pk,) = plan(req, policy).packs
+        (pk,) = plan(wide, policy).packs
         assert pk.gpu_count == 1 and pk.cpus == 2
         assert pk.alloc_cpus == 13 and pk.alloc_host_mem_bytes == 100 * GIB  # half the node for one of 2 GPUs
+        (pk,) = plan(req, policy).packs  # the default bound: as much again as the members
+        assert pk.reserve_cpus == 2 and pk.reserve_host_mem_bytes == pk.host_mem_bytes
     for policy in ("exclusive", "first-fit"):
         (pk,) = plan(req, policy).packs
         assert (pk.alloc_cpus, pk.alloc_host_mem_bytes) == (pk.cpus, pk.host_mem_bytes)
+
+
+def test_a_small_pack_asks_for_its_members_plus_bounded_headroom_not_the_gpus_share():
+    # Issue 24: a one-GPU pack of members peaking at 1.5 GiB host memory asked for
+    # --mem=63G -c 9 (a 4-GPU node's share). It must ask for its members plus
+    # refill_headroom_pct of them (and the agent's CPU and memory).
+    node = NodeShape("h100", 4, 36, 252 * GIB, name="n")
+    small = JobDemand(job_id=1, user="u", submit_time_s=1.0, priority=0.0, gpu_mem_bytes=4 * GIB,
+                      host_mem_bytes=int(1.5 * GIB), sm_util_pct=10, membw_util_pct=10, host_cpu_cores=1,
+                      est_duration_s=600.0)
+    for pct in (100.0, 0.0, 50.0):
+        req = PackingRequest(jobs=(small,), gpu_models=(H100,), nodes=(node,),
+                             limits=PackingLimits(refill_headroom_pct=pct))
+        for policy in ("complementary", "mem-best-fit"):
+            (pk,) = plan(req, policy).packs
+            members = [{"node_index": m.node_index, "cpus": m.cpus, "host_mem_limit_bytes": m.host_mem_limit_bytes}
+                       for m in pk.members]
+            cpus, mem_mib = pack_allocation(members, 1, 36, 252 * 1024, 512, pk.reserve_cpus,
+                                            pk.reserve_host_mem_bytes)
+            member_mib = math.ceil(1.5 * 1024 * 1.05)  # the estimate + memory_margin_pct
+            assert cpus == 1 + math.ceil(pct / 100.0) + 1  # members, headroom, the agent
+            assert mem_mib == pytest.approx(member_mib * (1 + pct / 100.0) + 512, abs=2)
+            assert mem_mib < 4 * 1024 and cpus < 9  # not 63G -c 9
+
+
+def test_refill_headroom_pct_is_validated(tmp_path):
+    from slurm_dlrm.site import ConfigError, load_site
+
+    base = (Path(__file__).resolve().parents[1] / "site-config" / "site.toml").read_text()
+    assert "refill_headroom_pct = 100.0" in base
+    for bad in ("-1.0", "1001.0", '"lots"'):
+        path = tmp_path / "site.toml"
+        path.write_text(base.replace("refill_headroom_pct = 100.0", f"refill_headroom_pct = {bad}"))
+        with pytest.raises(ConfigError, match="packing.refill_headroom_pct"):
+            load_site(path)
+    path.write_text(base.replace("refill_headroom_pct = 100.0", "refill_headroom_pct = 25"))
+    assert load_site(path).packing.refill_headroom_pct == 25.0
 
 
 def test_refill_takes_a_known_length_joiner_behind_many_of_unknown_length():

@@ -166,8 +166,12 @@ def finish_plan(policy: str, packs: list[list[Gpu]], deferred: list[Deferred], l
             # from what no member of this round took.
             share_cpus = node.offered_cpus * len(gpus) // node.offered_gpus
             share_mem = node.offered_mem_bytes * len(gpus) // node.offered_gpus
-            reserve_cpus = max(0, min(node.free_cpus, share_cpus - sum(m.cpus for m in members)))
-            reserve_mem = max(0, min(node.free_mem_bytes, share_mem - sum(m.host_mem_limit_bytes for m in members)))
+            used_cpus = sum(m.cpus for m in members)
+            used_mem = sum(m.host_mem_limit_bytes for m in members)
+            # ... and at most `refill_headroom_pct` of the members' own (a bounded reserve).
+            headroom_pct = max(0.0, limits.refill_headroom_pct)
+            reserve_cpus = max(0, min(node.free_cpus, share_cpus - used_cpus, math.ceil(used_cpus * headroom_pct / 100.0)))
+            reserve_mem = max(0, min(node.free_mem_bytes, share_mem - used_mem, math.ceil(used_mem * headroom_pct / 100.0)))
             node.free_cpus -= reserve_cpus
             node.free_mem_bytes -= reserve_mem
         out.append(Pack(gpu_model=node.gpu.name, gpu_count=len(gpus), node_count=1, members=tuple(members),
