@@ -361,8 +361,8 @@ def test_refill_policies_give_a_pack_its_gpus_share_of_the_node_as_headroom():
         (pk,) = plan(wide, policy).packs
         assert pk.gpu_count == 1 and pk.cpus == 2
         assert pk.alloc_cpus == 13 and pk.alloc_host_mem_bytes == 100 * GIB  # half the node for one of 2 GPUs
-        (pk,) = plan(req, policy).packs  # the default bound: as much again as the members
-        assert pk.reserve_cpus == 2 and pk.reserve_host_mem_bytes == pk.host_mem_bytes
+        (pk,) = plan(req, policy).packs  # the default bound: a quarter of the members' own, rounded up
+        assert pk.reserve_cpus == 1 and pk.reserve_host_mem_bytes == math.ceil(pk.host_mem_bytes * 0.25)
     for policy in ("exclusive", "first-fit"):
         (pk,) = plan(req, policy).packs
         assert (pk.alloc_cpus, pk.alloc_host_mem_bytes) == (pk.cpus, pk.host_mem_bytes)
@@ -376,7 +376,7 @@ def test_a_small_pack_asks_for_its_members_plus_bounded_headroom_not_the_gpus_sh
     small = JobDemand(job_id=1, user="u", submit_time_s=1.0, priority=0.0, gpu_mem_bytes=4 * GIB,
                       host_mem_bytes=int(1.5 * GIB), sm_util_pct=10, membw_util_pct=10, host_cpu_cores=1,
                       est_duration_s=600.0)
-    for pct in (100.0, 0.0, 50.0):
+    for pct in (25.0, 0.0, 100.0):
         req = PackingRequest(jobs=(small,), gpu_models=(H100,), nodes=(node,),
                              limits=PackingLimits(refill_headroom_pct=pct))
         for policy in ("complementary", "mem-best-fit"):
@@ -395,14 +395,14 @@ def test_refill_headroom_pct_is_validated(tmp_path):
     from slurm_dlrm.site import ConfigError, load_site
 
     base = (Path(__file__).resolve().parents[1] / "site-config" / "site.toml").read_text()
-    assert "refill_headroom_pct = 100.0" in base
+    assert "refill_headroom_pct = 25.0" in base
     for bad in ("-1.0", "1001.0", '"lots"'):
         path = tmp_path / "site.toml"
-        path.write_text(base.replace("refill_headroom_pct = 100.0", f"refill_headroom_pct = {bad}"))
+        path.write_text(base.replace("refill_headroom_pct = 25.0", f"refill_headroom_pct = {bad}"))
         with pytest.raises(ConfigError, match="packing.refill_headroom_pct"):
             load_site(path)
-    path.write_text(base.replace("refill_headroom_pct = 100.0", "refill_headroom_pct = 25"))
-    assert load_site(path).packing.refill_headroom_pct == 25.0
+    path.write_text(base.replace("refill_headroom_pct = 25.0", "refill_headroom_pct = 40"))
+    assert load_site(path).packing.refill_headroom_pct == 40.0
 
 
 def test_refill_takes_a_known_length_joiner_behind_many_of_unknown_length():
