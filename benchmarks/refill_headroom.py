@@ -27,7 +27,7 @@ from slurm_dlrm.sim import parse_cluster, parse_workload, simulate  # noqa: E402
 
 PCTS = (0, 25, 50, 75, 100, 150, 200, 400, 1000)
 POLICIES = ("complementary", "mem-best-fit")
-DEFAULT_PCT, BASELINE_PCT = 25, 1000
+DEFAULT_PCT, BASELINE_PCT = 100, 1000
 
 
 def main() -> int:

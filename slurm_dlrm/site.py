@@ -175,7 +175,7 @@ class PackingConfig:
     round_seconds: float
     round_batch_size: int
     max_wait_rounds: int
-    refill_headroom_pct: float = 25.0  # a refilling pack's reserve, % of its members' CPUs / host memory
+    refill_headroom_pct: float = 100.0  # a refilling pack's reserve, % of its members' CPUs / host memory
 
 
 @dataclass(frozen=True)
@@ -505,7 +505,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         round_seconds=k.get("round_seconds", float, 10.0, min_value=0.1),
         round_batch_size=k.get("round_batch_size", int, 16, min_value=1),
         max_wait_rounds=k.get("max_wait_rounds", int, 30, min_value=1),
-        refill_headroom_pct=k.get("refill_headroom_pct", float, 25.0, min_value=0, max_value=1000),
+        refill_headroom_pct=k.get("refill_headroom_pct", float, 100.0, min_value=0, max_value=1000),
     )
     k.done()
     if packing.max_members_per_gpu > mps.client_limit:

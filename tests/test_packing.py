@@ -353,6 +353,21 @@ def test_an_urgent_job_that_cannot_join_holds_the_packs_room():
         assert [j.member.job_id for j in plan(calm, policy).joins] == [2]
 
 
+def test_a_pack_whose_allocation_never_holds_a_waiting_job_drains():
+    # Issue 24: the headroom is bounded and Slurm cannot grow a running job, so a pack
+    # whose CPUs (even with its live member ended: 2 + 2 free) never hold a waiting
+    # 6-CPU job takes no joins while it waits; its GPU then goes to a new pack.
+    live = (_demand(100, sm=10, bw=10),)
+    big, small = _demand(1, sm=10, bw=10, cpus=6), _demand(2, sm=10, bw=10, cpus=1)
+    for policy in ("complementary", "mem-best-fit"):
+        tight = PackingRequest(jobs=(big, small), gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live, 2),))
+        assert plan(tight, policy).joins == ()
+        roomy = PackingRequest(jobs=(big, small), gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live, 4),))
+        assert sorted(j.member.job_id for j in plan(roomy, policy).joins) == [2]  # 6 CPUs once the member ends
+        alone = PackingRequest(jobs=(small,), gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live, 2),))
+        assert [j.member.job_id for j in plan(alone, policy).joins] == [2]
+
+
 def test_refill_policies_give_a_pack_its_gpus_share_of_the_node_as_headroom():
     node = NodeShape("h100", 2, 26, 200 * GIB, name="n")
     req = PackingRequest(jobs=(_demand(1, sm=10, bw=10, cpus=2),), gpu_models=(H100,), nodes=(node,))
@@ -361,8 +376,8 @@ def test_refill_policies_give_a_pack_its_gpus_share_of_the_node_as_headroom():
         (pk,) = plan(wide, policy).packs
         assert pk.gpu_count == 1 and pk.cpus == 2
         assert pk.alloc_cpus == 13 and pk.alloc_host_mem_bytes == 100 * GIB  # half the node for one of 2 GPUs
-        (pk,) = plan(req, policy).packs  # the default bound: a quarter of the members' own, rounded up
-        assert pk.reserve_cpus == 1 and pk.reserve_host_mem_bytes == math.ceil(pk.host_mem_bytes * 0.25)
+        (pk,) = plan(req, policy).packs  # the default bound: as much again as the members' own
+        assert pk.reserve_cpus == 2 and pk.reserve_host_mem_bytes == pk.host_mem_bytes
     for policy in ("exclusive", "first-fit"):
         (pk,) = plan(req, policy).packs
         assert (pk.alloc_cpus, pk.alloc_host_mem_bytes) == (pk.cpus, pk.host_mem_bytes)
@@ -395,13 +410,13 @@ def test_refill_headroom_pct_is_validated(tmp_path):
     from slurm_dlrm.site import ConfigError, load_site
 
     base = (Path(__file__).resolve().parents[1] / "site-config" / "site.toml").read_text()
-    assert "refill_headroom_pct = 25.0" in base
+    assert "refill_headroom_pct = 100.0" in base
     for bad in ("-1.0", "1001.0", '"lots"'):
         path = tmp_path / "site.toml"
-        path.write_text(base.replace("refill_headroom_pct = 25.0", f"refill_headroom_pct = {bad}"))
+        path.write_text(base.replace("refill_headroom_pct = 100.0", f"refill_headroom_pct = {bad}"))
         with pytest.raises(ConfigError, match="packing.refill_headroom_pct"):
             load_site(path)
-    path.write_text(base.replace("refill_headroom_pct = 25.0", "refill_headroom_pct = 40"))
+    path.write_text(base.replace("refill_headroom_pct = 100.0", "refill_headroom_pct = 40"))
     assert load_site(path).packing.refill_headroom_pct == 40.0
 
 

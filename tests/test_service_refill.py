@@ -348,7 +348,7 @@ def test_refill_never_places_a_joiner_beyond_the_allocations_host_memory(world):
     pack, p, (a, b) = _running_pack(svc, store, cluster, host_gib=1.0)
     limits = {m["job_id"]: m["host_mem_limit_bytes"] for m in p["members"]}
     pct = svc.site.packing.refill_headroom_pct
-    assert pct == 25.0  # the documented default
+    assert pct == 100.0  # the documented default
     assert p["reserve_host_mem_bytes"] <= sum(limits.values()) * pct / 100 + 1  # bounded, not the node's share
     cluster.member(p, a, "COMPLETED", 0)
     add_job(store, "c")

@@ -235,7 +235,7 @@ def parse_cluster(data: Any, default_gpu_models: Mapping[str, GpuModel] | None =
         shards_per_gpu=p.int_("shards_per_gpu", 8, lo=1, hi=48),
         target_load=p.num("target_load", 1.0, lo=0.1, hi=4.0),
         min_gain=p.num("min_gain", 0.05, lo=0.0, hi=1.0),
-        refill_headroom_pct=p.num("refill_headroom_pct", 25.0, lo=0, hi=1000))
+        refill_headroom_pct=p.num("refill_headroom_pct", 100.0, lo=0, hi=1000))
     dispatch = DispatchConfig(
         round_seconds=p.num("round_seconds", 10.0, lo=0.1), round_batch_size=p.int_("round_batch_size", 16, lo=1),
         max_wait_rounds=p.int_("max_wait_rounds", 30, lo=1))
