@@ -5,9 +5,10 @@ allocation takes new work until its agents leave). Each dispatch round the servi
 offers the policy one `OpenGpu(pack=True)` per GPU of each RUNNING pack whose agents
 are alive and whose node has no `closed/<node_index>` marker, with that GPU's live
 members and the room left in the node's allocation. A join in the plan is recorded in
-the store first (job PENDING -> PLANNED in that pack) and only then written as
-`<pack_dir>/joins/<job_id>.json`, so a crash in between leaves a PLANNED joiner whose
-file the next round writes again; never a file the store does not know.
+the store first (job PENDING -> PLANNED in that pack; a multi-GPU job's W ranks in one
+transaction, all or none) and only then written as `<pack_dir>/joins/<job_id>.json`
+(a gang's: `{"members": [W entries]}`), so a crash in between leaves a PLANNED joiner
+whose file the next round writes again; never a file the store does not know.
 
 A joiner that did not start is sent back to PENDING without counting an attempt when
 its node's agent closed (marker, then a fresh read of the reports) or its pack ended.
