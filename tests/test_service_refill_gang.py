@@ -233,3 +233,27 @@ def test_gang_joiner_of_an_ended_pack_goes_back_to_the_queue(world):
     ev = [e for e in store.events(job_id=g) if e["from_state"] == "PLANNED" and e["to_state"] == "PENDING"]
     assert len(ev) == 1 and JOINER_NOT_STARTED in ev[0]["reason"] and store.get_job(g).attempt == 0
     assert store.get_pack(pack.id).state == PackState.COMPLETED
+
+
+def test_complementary_joins_a_gang_into_a_running_pack(tmp_path):
+    """The real policy, unpatched: a 2-rank job takes both GPUs of a running pack (one
+    freed, one beside a live member) rather than a new allocation."""
+    clock = FakeClock()
+    store = Store(tmp_path / "s.sqlite", clock=clock)
+    slurm = FakeSlurm(clock=clock, user=USER)
+    svc = PackingService(store, slurm, make_site(tmp_path), ServiceSettings(
+        user=USER, python="/venv/bin/python", dispatch_window_s=0.0), clock=clock)
+    cluster = FakeCluster(slurm, clock)
+    with store:
+        pack, p, (a, b) = _running_pack(svc, store, cluster)
+        cluster.member(p, a, "COMPLETED", 0)
+        g = add_gang(store, "gang", gpu_gib=4)
+        clock.advance(1)
+        cluster.report(p, [{"type": "heartbeat"}])
+        svc.run_round()
+        job = store.get_job(g)
+        assert job.state == JobState.PLANNED and job.pack_id == pack.id and len(slurm.submitted) == 1
+        data = json.loads((Path(pack.pack_dir) / "joins" / f"{g}.json").read_text())
+        ranks = parse_join(data, "join")
+        assert sorted((r.rank, r.gpu_index) for r in ranks) == [(0, 0), (1, 1)]
+        assert all(r.world_size == 2 and r.gpu_mem_limit_mib * MIB > 4 * GIB for r in ranks)  # fenced per rank
