@@ -277,11 +277,16 @@ def test_down_stops_only_what_it_started(slurm_cluster, tmp_path):
         deadline = time.monotonic() + 20
         while client.show_job(job_id).state is not JobState.RUNNING and time.monotonic() < deadline:
             time.sleep(0.2)
-        tasks = [pid for pid in lc._ours_by_environ(state_dir) if pid not in pids]
-        assert tasks, "the job's processes (slurmstepd, bash, sleep) should be visible as ours"
         # From 23.x slurmstepd carries no marker (it no longer inherits slurmd's environment):
         # it must still be recognised, by its working folder / open log in the state folder.
-        comms = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in tasks if Path(f"/proc/{pid}").exists()}
+        # RUNNING can come before the step starts (the installed prolog runs first): wait.
+        deadline = time.monotonic() + 30
+        while True:
+            tasks = [pid for pid in lc._ours_by_environ(state_dir) if pid not in pids]
+            comms = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in tasks if Path(f"/proc/{pid}").exists()}
+            if "slurmstepd" in comms or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert "slurmstepd" in comms, comms
         stopped = cluster.down()
         assert "slurmctld" in stopped and "munged" in stopped

@@ -163,7 +163,7 @@ def demo(count: int | None, specs: tuple[str, ...], workdir: str | None, round_s
         click.echo("\n".join([
             f"{len(result.job_ids)} jobs: " + ", ".join(f"{n} {s.lower()}" for s, n in sorted(result.states.items())),
             f"packed into {result.packs} Slurm jobs on {result.pack_gpus} GPUs "
-            f"(one job per GPU would take {len(result.job_ids)} GPUs)",
+            f"(one job per GPU would take {result.excl_gpus} GPUs)",
             f"GPU-hours used: {result.gpu_hours:.4f}; at one job per GPU: {result.excl_gpu_hours:.4f}{pct}"
             " (acct's GPUHours and ExclGPUHours, summed)",
             f"took {result.seconds:.0f} s; details: slurm-dlrm acct (SLURM_DLRM_SITE={result.workdir}/site.toml)",

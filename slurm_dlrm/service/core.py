@@ -542,12 +542,12 @@ class PackingService:
         total = sum(n.gpus * n.count for n in nodes)
         # GPUs of running packs to refill (not packs one of these jobs already ran in)
         open_gpus, where = self.refill.open_gpus(options.pack_key(), {j.id for j in jobs})
-        # Gangs (world_size > 1) go into new packs only: a join is recorded per job and
-        # its join file holds one member (docs/interfaces.md 3b), so refill does not join them.
+        # Gangs (world_size > 1) join too: all ranks on one node of one pack, recorded in one
+        # transaction and written as one join file of W entries (docs/interfaces.md 3b).
         request = PackingRequest(jobs=aged(demands, self.waited_rounds, cfg),
                                  gpu_models=tuple(self.site.gpu_models.values()), nodes=nodes,
                                  limits=limits_from_site(self.site), max_gpus=max(0, total - busy),
-                                 open_gpus=open_gpus, gang_joins=False)
+                                 open_gpus=open_gpus, gang_joins=True)
         result = plan(request, self.policy, self.recovery.interference_params)  # refitted from samples
         self.waited_rounds.update(after_round(self.waited_rounds, result))
         for d in result.deferred:

@@ -32,6 +32,7 @@ class DemoResult:
     states: dict[str, int]
     packs: int
     pack_gpus: int
+    excl_gpus: int  # one job per GPU: a job's ranks take a GPU each
     gpu_hours: float  # charged to the jobs (allocated GPU time split among members)
     # acct's figures (one definition, in the store's query; docs/store.md "GPU-hours"):
     excl_gpu_hours: float  # the same work at one job per GPU
@@ -158,6 +159,7 @@ def summarize(site: SiteConfig, user: str, ids: list[int], states: list[str], wo
                                            until=time.time() + 60).html
     return DemoResult(
         workdir=workdir, job_ids=ids, states=counts, packs=len(packs), pack_gpus=sum(p.n_gpus for p in packs.values()),
+        excl_gpus=sum(max(1, int(r["n_gpus"] or 1)) for r in rows),
         gpu_hours=sum(r["gpu_hours"] for r in rows), excl_gpu_hours=sum(r["excl_gpu_hours"] for r in rows),
         gpu_hours_saved=sum(r["gpu_hours_saved"] for r in rows), report_path=report_path,
         seconds=seconds)

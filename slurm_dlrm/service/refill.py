@@ -5,9 +5,10 @@ allocation takes new work until its agents leave). Each dispatch round the servi
 offers the policy one `OpenGpu(pack=True)` per GPU of each RUNNING pack whose agents
 are alive and whose node has no `closed/<node_index>` marker, with that GPU's live
 members and the room left in the node's allocation. A join in the plan is recorded in
-the store first (job PENDING -> PLANNED in that pack) and only then written as
-`<pack_dir>/joins/<job_id>.json`, so a crash in between leaves a PLANNED joiner whose
-file the next round writes again; never a file the store does not know.
+the store first (job PENDING -> PLANNED in that pack; a multi-GPU job's W ranks in one
+transaction, all or none) and only then written as `<pack_dir>/joins/<job_id>.json`
+(a gang's: `{"members": [W entries]}`), so a crash in between leaves a PLANNED joiner
+whose file the next round writes again; never a file the store does not know.
 
 A joiner that did not start is sent back to PENDING without counting an attempt when
 its node's agent closed (marker, then a fresh read of the reports) or its pack ended.
@@ -141,7 +142,7 @@ class Refill:
         placement there is history, and a move must not be undone), and the round
         plans it elsewhere; the pack is offered again once no such job waits.
         """
-        from slurm_dlrm.packing.model import OpenGpu
+        from slurm_dlrm.packing.model import OpenGpu, rank_members
         from slurm_dlrm.store.states import PackState
 
         svc = self.svc
@@ -161,11 +162,16 @@ class Refill:
             if any(p.job_id in pending_ids for p in placements):
                 continue
             live_ids = set(pack_member_ids(svc.store, pack.id, ("PLANNED", "RUNNING")))
-            by_job = {p.job_id: p for p in placements if p.job_id in live_ids}
+            # one live member per (job, rank): a multi-GPU job holds a GPU per rank
+            by_rank = {(p.job_id, p.rank or 0): p for p in placements if p.job_id in live_ids}
             demands = {}
-            for j in by_job:
+            for j in {j for j, _ in by_rank}:
                 job = svc.store.get_job(j)
-                demands[j] = self._live_demand(svc.demand_of(job), by_job[j], now, self._steps_done(job))
+                ranks = rank_members(svc.demand_of(job))
+                for (jj, r), p in by_rank.items():
+                    if jj == j:
+                        demands[(j, r)] = self._live_demand(ranks[min(r, len(ranks) - 1)], p, now,
+                                                            self._steps_done(job))
             end_t = self.end_t.get(pack.id)  # squeue's EndTime, if the parser keeps it for running jobs
             if end_t is None and shape.time_limit_s is not None and pack.start_time is not None:
                 end_t = pack.start_time + shape.time_limit_s
@@ -173,12 +179,12 @@ class Refill:
             for node_index in range(max(1, pack.n_nodes)):
                 if node_index >= len(hosts) or closed_path(pack.pack_dir, node_index).exists():
                     continue
-                on_node = [p for p in by_job.values() if p.node_index == node_index]
+                on_node = [p for p in by_rank.values() if p.node_index == node_index]
                 free_cpus = shape.cpus_per_node - 1 - sum(p.cpus or 1 for p in on_node)
                 free_mem = (shape.mem_per_node_bytes - AGENT_MEM_MIB * MIB
                             - sum(p.host_mem_limit_bytes or 0 for p in on_node))
                 for gpu_index in range(shape.gpus_per_node):
-                    live = tuple(demands[p.job_id] for p in on_node if p.gpu_index == gpu_index)
+                    live = tuple(demands[(p.job_id, p.rank or 0)] for p in on_node if p.gpu_index == gpu_index)
                     gpu_key = f"{pack.id}:{node_index}:{gpu_index}"
                     out.append(OpenGpu(key=gpu_key, node_name=hosts[node_index], members=len(live), pack=True,
                                        gpu_model=pack.gpu_model or "", live=live, free_cpus=max(0, free_cpus),
@@ -215,45 +221,62 @@ class Refill:
 
     def record_joins(self, joins: tuple[Any, ...], where: dict[str, tuple[Any, int, int]],
                      by_id: dict[int, Any], stats: Any) -> int:
-        """Each join: into the store (PENDING -> PLANNED in the pack), then its join file."""
+        """Each joining job: into the store (PENDING -> PLANNED in the pack, a placement
+        row per rank, one transaction), then its join file. A multi-GPU job's W `Join`s
+        (one per rank, docs/interfaces.md 3b) are recorded together: all ranks or none."""
         from slurm_dlrm.store.errors import StoreError
         from slurm_dlrm.store.records import NewPlacement
 
+        by_job: dict[int, list[Any]] = {}
+        for join in joins:  # a gang's rank joins, in plan order, under its job
+            by_job.setdefault(join.member.job_id, []).append(join)
         done = 0
-        for join in joins:
-            target = where.get(join.gpu_key)
-            m = join.member
-            if target is None or m.job_id not in by_id:
-                log.warning("plan joins job %d to unknown GPU %s; ignored", m.job_id, join.gpu_key)
+        for job_id, group in by_job.items():
+            targets = [t for j in group if (t := where.get(j.gpu_key)) is not None]
+            if job_id not in by_id or len(targets) != len(group):
+                log.warning("plan joins job %d to unknown GPU(s) %s; ignored", job_id,
+                            ",".join(j.gpu_key for j in group))
                 continue
-            pack, node_index, gpu_index = target
-            placement = NewPlacement(job_id=m.job_id, node_index=node_index, gpu_index=gpu_index,
-                                     mps_thread_pct=m.mps_thread_pct, gpu_mem_limit_bytes=m.gpu_mem_limit_mib * MIB,
-                                     host_mem_limit_bytes=m.host_mem_limit_bytes, cpus=m.cpus,
-                                     predicted_speed=m.predicted_speed)
+            if len({t[0].id for t in targets}) != 1 or len({t[1] for t in targets}) != 1:
+                log.warning("plan joins job %d over several packs or nodes; ignored", job_id)
+                continue  # the policy never does this (a gang: one node of one pack)
+            pack = targets[0][0]
+            placements = []
+            for j, (_, node_index, gpu_index) in zip(group, targets, strict=True):
+                m = j.member
+                gang = m.world_size > 1
+                placements.append(NewPlacement(
+                    job_id=job_id, node_index=node_index, gpu_index=gpu_index, mps_thread_pct=m.mps_thread_pct,
+                    gpu_mem_limit_bytes=m.gpu_mem_limit_mib * MIB, host_mem_limit_bytes=m.host_mem_limit_bytes,
+                    cpus=m.cpus, predicted_speed=m.predicted_speed,
+                    rank=m.rank if gang else None, world_size=m.world_size if gang else None))
+            speed = min(j.member.predicted_speed for j in group)
             try:
-                self.svc.store.add_join(pack.id, placement, reason=f"{self.svc.policy}, predicted speed "
-                                        f"{m.predicted_speed:.2f}")
+                self.svc.store.add_join(pack.id, placements[0] if len(placements) == 1 else placements,
+                                        reason=f"{self.svc.policy}, predicted speed {speed:.2f}")
             except StoreError as exc:  # the pack ended or the job moved since the round began (StaleState)
-                log.info("join of job %d into pack %s not recorded: %s", m.job_id, pack.name, exc)
+                log.info("join of job %d into pack %s not recorded: %s", job_id, pack.name, exc)
                 continue
-            self.svc.waited_rounds.pop(m.job_id, None)
-            self.write_join_file(pack, self.svc.store.get_job(m.job_id))
+            self.svc.waited_rounds.pop(job_id, None)
+            self.write_join_file(pack, self.svc.store.get_job(job_id))
             done += 1
         stats.jobs_planned += done
         stats.transitions += done
         return done
 
     def write_join_file(self, pack: Any, job: Any) -> None:
-        """`<pack_dir>/joins/<job_id>.json`: one placement-file member entry, atomically."""
-        placement = next((p for p in self.svc.store.placements(pack_id=pack.id, job_id=job.id)), None)
-        if placement is None:
+        """`<pack_dir>/joins/<job_id>.json`, atomically: one placement-file member entry,
+        or `{"members": [...]}` with a multi-GPU job's W rank entries."""
+        placements = sorted((p for p in self.svc.store.placements(pack_id=pack.id, job_id=job.id)
+                             if p.attempt == job.attempt), key=lambda p: p.rank or 0)
+        if not placements:
             return
-        entry = self.svc.member_entry(job, placement)
+        entries = [self.svc.member_entry(job, p) for p in placements]
+        content: dict[str, Any] = entries[0] if len(entries) == 1 else {"members": entries}
         joins = Path(pack.pack_dir) / JOINS_DIR
         if not joins.is_dir():
             ensure_private_dir(joins)
-        write_atomic(joins / f"{job.id}.json", json.dumps(entry, sort_keys=True) + "\n")
+        write_atomic(joins / f"{job.id}.json", json.dumps(content, sort_keys=True) + "\n")
 
     # ------------------------------------------------------------ each round
 

@@ -507,17 +507,23 @@ class Store:
             "AND to_state = ? ORDER BY id LIMIT 1", (pack_id, PackState.SUBMITTING.value)).fetchone()
         return dict(json.loads(row[0])) if row and row[0] else {}
 
-    def add_join(self, pack_id: int, placement: NewPlacement, *, reason: str = "", t: float | None = None) -> Job:
-        """A PENDING job joins a GPU of a RUNNING pack (docs/interfaces.md section 3b).
+    def add_join(self, pack_id: int, placement: NewPlacement | Sequence[NewPlacement], *, reason: str = "",
+                 t: float | None = None) -> Job:
+        """A PENDING job joins a GPU of a RUNNING pack (docs/interfaces.md section 3b), or
+        for a multi-GPU job (a sequence: one placement per rank) W GPUs of one node of it.
 
-        One transaction: the job moves PENDING -> PLANNED in that pack, its placement row
-        is written (node name from the pack's allocation) and the event reads
-        "joined pack N: ...". Refused (`StaleState`) unless the pack is RUNNING and the
-        job PENDING, so a join is recorded at most once and never into an ended pack;
-        `StoreError` if the job was placed on that GPU of the pack before (the service
-        never offers a job a pack it left).
+        One transaction, all or none: the job moves PENDING -> PLANNED in that pack, its
+        placement row(s) are written (node name from the pack's allocation) and the event
+        reads "joined pack N: ...". Refused (`StaleState`) unless the pack is RUNNING and
+        the job PENDING, so a join is recorded at most once and never into an ended pack;
+        `StoreError` if the job was placed on one of those GPUs of the pack before (the
+        service never offers a job a pack it left), or if a gang's placements are not its
+        W ranks (one job, one node, distinct GPUs, ranks 0..W-1).
         The service writes the join file only after this returns.
         """
+        ranks = [placement] if isinstance(placement, NewPlacement) else sorted(placement, key=lambda p: p.rank or 0)
+        _check_gang_join(ranks)
+        first = ranks[0]
         now = self.clock() if t is None else t
         with self.write():
             rows = self.query("pack_by_id", {"id": pack_id})
@@ -526,25 +532,27 @@ class Store:
             pack = Pack.from_row(rows[0])
             if pack.state != PackState.RUNNING:
                 raise StaleState("pack", pack_id, PackState.RUNNING.value, pack.state.value)
-            where = f"node {placement.node_index} GPU {placement.gpu_index}"
+            gpus = ",".join(str(p.gpu_index) for p in ranks)
+            where = f"node {first.node_index} GPU{'s' if len(ranks) > 1 else ''} {gpus}"
             why = f"joined pack {pack_id}: {where} of {pack.name}" + (f", {reason}" if reason else "")
-            job = self.transition_job(placement.job_id, JobState.PLANNED, why, expect=JobState.PENDING,
+            job = self.transition_job(first.job_id, JobState.PLANNED, why, expect=JobState.PENDING,
                                       pack_id=pack_id, slurm_job_id=pack.slurm_job_id, data={"join": True}, t=now)
             hosts = expand_hostlist(pack.nodes) if pack.nodes else []
-            node = placement.node or (hosts[placement.node_index] if placement.node_index < len(hosts) else None)
-            if self.conn.execute("SELECT 1 FROM placements WHERE pack_id = ? AND job_id = ? AND node_index = ? "
-                                 "AND gpu_index = ?", (pack_id, job.id, placement.node_index,
-                                                       placement.gpu_index)).fetchone():
-                raise StoreError(f"job {job.id} already had GPU {placement.gpu_index} of node "
-                                 f"{placement.node_index} in pack {pack_id}")
-            self.conn.execute(
-                "INSERT INTO placements (pack_id, job_id, attempt, node_index, node, gpu_index, "
-                "mps_thread_pct, gpu_mem_limit_bytes, host_mem_limit_bytes, cpus, predicted_speed, rank, world_size) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (pack_id, job.id, job.attempt, placement.node_index, node, placement.gpu_index,
-                 placement.mps_thread_pct, placement.gpu_mem_limit_bytes, placement.host_mem_limit_bytes,
-                 placement.cpus, placement.predicted_speed, placement.rank, placement.world_size),
-            )
+            for p in ranks:
+                node = p.node or (hosts[p.node_index] if p.node_index < len(hosts) else None)
+                if self.conn.execute("SELECT 1 FROM placements WHERE pack_id = ? AND job_id = ? AND node_index = ? "
+                                     "AND gpu_index = ?", (pack_id, job.id, p.node_index, p.gpu_index)).fetchone():
+                    # raised inside the transaction: the state change and earlier rows roll back
+                    raise StoreError(f"job {job.id} already had GPU {p.gpu_index} of node "
+                                     f"{p.node_index} in pack {pack_id}")
+                self.conn.execute(
+                    "INSERT INTO placements (pack_id, job_id, attempt, node_index, node, gpu_index, "
+                    "mps_thread_pct, gpu_mem_limit_bytes, host_mem_limit_bytes, cpus, predicted_speed, rank, "
+                    "world_size) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (pack_id, job.id, job.attempt, p.node_index, node, p.gpu_index,
+                     p.mps_thread_pct, p.gpu_mem_limit_bytes, p.host_mem_limit_bytes,
+                     p.cpus, p.predicted_speed, p.rank, p.world_size),
+                )
             return job
 
     def get_pack(self, pack_id: int) -> Pack:
@@ -791,3 +799,22 @@ __all__ = [
     "CalibrationRow", "Job", "JobUsage", "NewPlacement", "Pack", "Placement", "Store", "StoreBusy",
     "current_user", "is_busy", "store_path_for",
 ]
+
+
+def _check_gang_join(ranks: list[NewPlacement]) -> None:
+    """A join's placements: one, or the W ranks of one job on W distinct GPUs of one node."""
+    if not ranks:
+        raise StoreError("a join needs at least one placement")
+    first = ranks[0]
+    if len(ranks) == 1 and (first.world_size or 1) <= 1:
+        return
+    world = first.world_size or 1
+    if any(p.job_id != first.job_id for p in ranks):
+        raise StoreError("a join holds the ranks of one job")
+    if any(p.node_index != first.node_index for p in ranks):
+        raise StoreError(f"job {first.job_id}: a gang joins one node")
+    if len({p.gpu_index for p in ranks}) != len(ranks):
+        raise StoreError(f"job {first.job_id}: two ranks on one GPU")
+    if [p.rank for p in ranks] != list(range(world)) or any((p.world_size or 1) != world for p in ranks):
+        raise StoreError(f"job {first.job_id}: a gang joins with all its {world} ranks (got ranks "
+                         f"{[p.rank for p in ranks]})")
