@@ -877,7 +877,9 @@ class Agent:
     def _explain(self, m: Member, state: str, code: int, reason: str) -> str:
         """The runner's own words where ours are generic: its one-line error for a
         failure, the step it checkpointed at for a cancel (docs/agent.md)."""
-        if state == "FAILED" and m.output_path is not None:
+        # Not for a death by signal (code 128 + signum): the process wrote no cause, and
+        # the log a job's ranks share may end with a sibling's error (gloo's lost peer).
+        if state == "FAILED" and m.output_path is not None and code <= 128:
             cause = error_line(tail_lines(m.output_path, 40))
             if cause:
                 return f"{short_reason(cause, REASON_MAX_CHARS - 20)} (exit code {code})"
