@@ -371,11 +371,13 @@ def test_a_pack_whose_allocation_never_holds_a_waiting_job_drains():
 def test_refill_policies_give_a_pack_its_gpus_share_of_the_node_as_headroom():
     node = NodeShape("h100", 2, 26, 200 * GIB, name="n")
     req = PackingRequest(jobs=(_demand(1, sm=10, bw=10, cpus=2),), gpu_models=(H100,), nodes=(node,))
-    wide = replace(req, limits=PackingLimits(refill_headroom_pct=10000.0))  # the bound above the share
+    for wide_pct in (10000.0, None):  # a bound above the share; "share"
+        wide = replace(req, limits=PackingLimits(refill_headroom_pct=wide_pct))
+        for policy in ("complementary", "mem-best-fit"):
+            (pk,) = plan(wide, policy).packs
+            assert pk.gpu_count == 1 and pk.cpus == 2
+            assert pk.alloc_cpus == 13 and pk.alloc_host_mem_bytes == 100 * GIB  # half the node for one of 2 GPUs
     for policy in ("complementary", "mem-best-fit"):
-        (pk,) = plan(wide, policy).packs
-        assert pk.gpu_count == 1 and pk.cpus == 2
-        assert pk.alloc_cpus == 13 and pk.alloc_host_mem_bytes == 100 * GIB  # half the node for one of 2 GPUs
         (pk,) = plan(req, policy).packs  # the default bound: as much again as the members' own
         assert pk.reserve_cpus == 2 and pk.reserve_host_mem_bytes == pk.host_mem_bytes
     for policy in ("exclusive", "first-fit"):
@@ -418,6 +420,11 @@ def test_refill_headroom_pct_is_validated(tmp_path):
             load_site(path)
     path.write_text(base.replace("refill_headroom_pct = 100.0", "refill_headroom_pct = 40"))
     assert load_site(path).packing.refill_headroom_pct == 40.0
+    path.write_text(base.replace("refill_headroom_pct = 100.0", 'refill_headroom_pct = "share"'))
+    assert load_site(path).packing.refill_headroom_pct is None
+    path.write_text(base.replace("refill_headroom_pct = 100.0", 'refill_headroom_pct = "all"'))
+    with pytest.raises(ConfigError, match='percentage .0..1000. or "share"'):
+        load_site(path)
 
 
 def test_refill_takes_a_known_length_joiner_behind_many_of_unknown_length():

@@ -193,3 +193,23 @@ def test_a_pack_too_small_for_a_waiting_job_drains_and_a_new_pack_takes_its_gpu(
     a, c, d = sorted(r.jobs, key=lambda o: o.job_id)
     assert r.packs == 1 and c.end_s < a.end_s and d.end_s < a.end_s
     assert r.held_cpu_s == pytest.approx(22 * (a.end_s - 2))  # 2 + 1000 % of 2, the members' 22 of 32
+
+
+@pytest.mark.parametrize("policy", ["complementary", "mem-best-fit"])
+def test_share_headroom_holds_the_gpus_whole_share_and_never_drains(policy):
+    # `refill_headroom_pct: share` (the benchmarks' dedicated nodes): a's pack holds the
+    # GPU's whole share of the node (32 CPUs), so c and d join it instead of waiting.
+    jobs = [_job("a", 0, 2000, cpus=2), _job("c", 50, 300, cpus=8), _job("d", 60, 300, cpus=1)]
+    share = dict(CLUSTER, packing={"round_seconds": 10, "refill_headroom_pct": "share"})
+    _, _, r = _run(jobs, policy, share)
+    a, c, d = sorted(r.jobs, key=lambda o: o.job_id)
+    assert r.packs == 1 and c.end_s < a.end_s and d.end_s < a.end_s
+    assert r.held_cpu_s == pytest.approx(32 * (a.end_s - 2))
+
+
+def test_headroom_key_in_a_cluster_file_is_a_percentage_or_share():
+    assert parse_cluster(dict(CLUSTER, packing={"refill_headroom_pct": "share"})).limits.refill_headroom_pct is None
+    assert parse_cluster(dict(CLUSTER, packing={"refill_headroom_pct": 40})).limits.refill_headroom_pct == 40.0
+    for bad in ("lots", -1, 1001, True):
+        with pytest.raises(BadInput, match="cluster.packing.refill_headroom_pct"):
+            parse_cluster(dict(CLUSTER, packing={"refill_headroom_pct": bad}))

@@ -117,7 +117,8 @@ class PackingLimits:
     # A refilling pack's headroom for later joiners, as a percentage of its members' own
     # CPUs and host memory (at most its GPUs' share of the node): bounded so that a pack
     # of small members does not hold the node's share it will never use (issue 24).
-    refill_headroom_pct: float = 100.0
+    # None: the whole share, for nodes nothing but packs use (`refill_headroom = "share"`).
+    refill_headroom_pct: float | None = 100.0
 
     @property
     def members_per_gpu(self) -> int:

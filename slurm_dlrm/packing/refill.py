@@ -193,7 +193,9 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
         queue = sorted(request.jobs, key=order_key)
     if not pgs or not queue:
         return [], queue
-    bound = _allocation_bound(pgs, queue, limits)
+    # Whole-share packs (`refill_headroom_pct` None) never drain: a new pack on the GPU
+    # would be no bigger.
+    bound = set() if limits.refill_headroom_pct is None else _allocation_bound(pgs, queue, limits)
     pgs = [pg for pg in pgs if pg.key not in bound]
     if not pgs:
         return [], queue
