@@ -22,6 +22,14 @@ docs/packing.md "Closer to the bound"):
 first-fit's and mem-best-fit's per-policy digests unchanged.
 After main's issue 16 (interference defaults 0, which change every model-driven plan)
 was merged in: f98c4da6864385360a3883690b20075249d98f118c7a9c8d2e1089c6456bb330.
+Issue 24's bounded refill headroom (`refill_headroom_pct`, then default 25) changes the
+reserves of mem-best-fit's and complementary's packs on purpose:
+b18e73b50bbfee8a5c42fa7a31559fb573ffda49c8037e99ac1dc2504cabf7b5, with exclusive's and
+first-fit's per-policy digests unchanged (same joins: 8374). With the default at 100 and
+a pack whose allocation never holds a waiting job taking no joins (drain):
+8b11f7a4fcb534a0a7e16e042f4dbd82654abac4b953f3df753aeaf40d9cc0b6 (joins: 8047).
+`--headroom share` (the whole share, no drain) gives main's digest before issue 24:
+fef096b6b805b3bde2c409defb2cb4e4b85fcbb10930d1e9f4331ce91f66ee49 (joins: 8383).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import hashlib
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +115,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=5000)
     ap.add_argument("--seed", type=int, default=15)
+    ap.add_argument("--headroom", default=None, metavar="PCT|share",
+                    help="refill_headroom_pct of every request (default: PackingLimits' own); "
+                         "'share' is the whole share, main's behaviour before issue 24")
     args = ap.parse_args()
+    headroom = None if args.headroom == "share" else float(args.headroom) if args.headroom else ...
     rng = random.Random(args.seed)
     digest = hashlib.sha256()
     per_policy = {p: hashlib.sha256() for p in POLICY_NAMES}
@@ -114,6 +127,8 @@ def main() -> None:
     t0 = time.perf_counter()
     for i in range(args.requests):
         req = request(rng)
+        if headroom is not ...:
+            req = replace(req, limits=replace(req.limits, refill_headroom_pct=headroom))
         for policy in POLICY_NAMES:
             try:
                 text = repr(plan(req, policy))

@@ -175,6 +175,9 @@ class PackingConfig:
     round_seconds: float
     round_batch_size: int
     max_wait_rounds: int
+    # A refilling pack's reserve, % of its members' CPUs / host memory; None ("share"):
+    # its GPUs' whole share of the node.
+    refill_headroom_pct: float | None = 100.0
 
 
 @dataclass(frozen=True)
@@ -335,6 +338,20 @@ def _split_top_level(expr: str) -> list[str]:
 
 
 # ---------------------------------------------------------------- loading
+
+def _headroom_pct(k: _Section) -> float | None:
+    """`[packing] refill_headroom_pct`: 0..1000, or "share" (None) for nodes that run
+    nothing but packs, where holding the GPUs' whole share costs no other job."""
+    raw = k.data.get("refill_headroom_pct")
+    if isinstance(raw, str):
+        k.seen.add("refill_headroom_pct")
+        if raw != "share":
+            raise ConfigError(k._key("refill_headroom_pct"), f'must be a percentage (0..1000) or "share", got {raw!r}',
+                              k.path)
+        return None
+    value: float = k.get("refill_headroom_pct", float, 100.0, min_value=0, max_value=1000)
+    return value
+
 
 def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
     top = _Section(data, "", path)
@@ -504,6 +521,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         round_seconds=k.get("round_seconds", float, 10.0, min_value=0.1),
         round_batch_size=k.get("round_batch_size", int, 16, min_value=1),
         max_wait_rounds=k.get("max_wait_rounds", int, 30, min_value=1),
+        refill_headroom_pct=_headroom_pct(k),
     )
     k.done()
     if packing.max_members_per_gpu > mps.client_limit:

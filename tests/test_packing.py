@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import random
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +35,7 @@ from slurm_dlrm.packing import (
 )
 from slurm_dlrm.packing.interference import predict_speeds_from_fractions
 from slurm_dlrm.packing.model import OpenGpu
+from slurm_dlrm.service.refill import pack_allocation
 from slurm_dlrm.site import GIB, MIB, GpuModel
 
 H100 = GpuModel("h100", 80, 132, 3350, 67, 494, 520, 32)
@@ -349,16 +353,78 @@ def test_an_urgent_job_that_cannot_join_holds_the_packs_room():
         assert [j.member.job_id for j in plan(calm, policy).joins] == [2]
 
 
+def test_a_pack_whose_allocation_never_holds_a_waiting_job_drains():
+    # Issue 24: the headroom is bounded and Slurm cannot grow a running job, so a pack
+    # whose CPUs (even with its live member ended: 2 + 2 free) never hold a waiting
+    # 6-CPU job takes no joins while it waits; its GPU then goes to a new pack.
+    live = (_demand(100, sm=10, bw=10),)
+    big, small = _demand(1, sm=10, bw=10, cpus=6), _demand(2, sm=10, bw=10, cpus=1)
+    for policy in ("complementary", "mem-best-fit"):
+        tight = PackingRequest(jobs=(big, small), gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live, 2),))
+        assert plan(tight, policy).joins == ()
+        roomy = PackingRequest(jobs=(big, small), gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live, 4),))
+        assert sorted(j.member.job_id for j in plan(roomy, policy).joins) == [2]  # 6 CPUs once the member ends
+        alone = PackingRequest(jobs=(small,), gpu_models=(H100,), nodes=(), open_gpus=(_pack_gpu(live, 2),))
+        assert [j.member.job_id for j in plan(alone, policy).joins] == [2]
+
+
 def test_refill_policies_give_a_pack_its_gpus_share_of_the_node_as_headroom():
     node = NodeShape("h100", 2, 26, 200 * GIB, name="n")
     req = PackingRequest(jobs=(_demand(1, sm=10, bw=10, cpus=2),), gpu_models=(H100,), nodes=(node,))
+    for wide_pct in (10000.0, None):  # a bound above the share; "share"
+        wide = replace(req, limits=PackingLimits(refill_headroom_pct=wide_pct))
+        for policy in ("complementary", "mem-best-fit"):
+            (pk,) = plan(wide, policy).packs
+            assert pk.gpu_count == 1 and pk.cpus == 2
+            assert pk.alloc_cpus == 13 and pk.alloc_host_mem_bytes == 100 * GIB  # half the node for one of 2 GPUs
     for policy in ("complementary", "mem-best-fit"):
-        (pk,) = plan(req, policy).packs
-        assert pk.gpu_count == 1 and pk.cpus == 2
-        assert pk.alloc_cpus == 13 and pk.alloc_host_mem_bytes == 100 * GIB  # half the node for one of 2 GPUs
+        (pk,) = plan(req, policy).packs  # the default bound: as much again as the members' own
+        assert pk.reserve_cpus == 2 and pk.reserve_host_mem_bytes == pk.host_mem_bytes
     for policy in ("exclusive", "first-fit"):
         (pk,) = plan(req, policy).packs
         assert (pk.alloc_cpus, pk.alloc_host_mem_bytes) == (pk.cpus, pk.host_mem_bytes)
+
+
+def test_a_small_pack_asks_for_its_members_plus_bounded_headroom_not_the_gpus_share():
+    # Issue 24: a one-GPU pack of members peaking at 1.5 GiB host memory asked for
+    # --mem=63G -c 9 (a 4-GPU node's share). It must ask for its members plus
+    # refill_headroom_pct of them (and the agent's CPU and memory).
+    node = NodeShape("h100", 4, 36, 252 * GIB, name="n")
+    small = JobDemand(job_id=1, user="u", submit_time_s=1.0, priority=0.0, gpu_mem_bytes=4 * GIB,
+                      host_mem_bytes=int(1.5 * GIB), sm_util_pct=10, membw_util_pct=10, host_cpu_cores=1,
+                      est_duration_s=600.0)
+    for pct in (25.0, 0.0, 100.0):
+        req = PackingRequest(jobs=(small,), gpu_models=(H100,), nodes=(node,),
+                             limits=PackingLimits(refill_headroom_pct=pct))
+        for policy in ("complementary", "mem-best-fit"):
+            (pk,) = plan(req, policy).packs
+            members = [{"node_index": m.node_index, "cpus": m.cpus, "host_mem_limit_bytes": m.host_mem_limit_bytes}
+                       for m in pk.members]
+            cpus, mem_mib = pack_allocation(members, 1, 36, 252 * 1024, 512, pk.reserve_cpus,
+                                            pk.reserve_host_mem_bytes)
+            member_mib = math.ceil(1.5 * 1024 * 1.05)  # the estimate + memory_margin_pct
+            assert cpus == 1 + math.ceil(pct / 100.0) + 1  # members, headroom, the agent
+            assert mem_mib == pytest.approx(member_mib * (1 + pct / 100.0) + 512, abs=2)
+            assert mem_mib < 4 * 1024 and cpus < 9  # not 63G -c 9
+
+
+def test_refill_headroom_pct_is_validated(tmp_path):
+    from slurm_dlrm.site import ConfigError, load_site
+
+    base = (Path(__file__).resolve().parents[1] / "site-config" / "site.toml").read_text()
+    assert "refill_headroom_pct = 100.0" in base
+    for bad in ("-1.0", "1001.0", '"lots"'):
+        path = tmp_path / "site.toml"
+        path.write_text(base.replace("refill_headroom_pct = 100.0", f"refill_headroom_pct = {bad}"))
+        with pytest.raises(ConfigError, match="packing.refill_headroom_pct"):
+            load_site(path)
+    path.write_text(base.replace("refill_headroom_pct = 100.0", "refill_headroom_pct = 40"))
+    assert load_site(path).packing.refill_headroom_pct == 40.0
+    path.write_text(base.replace("refill_headroom_pct = 100.0", 'refill_headroom_pct = "share"'))
+    assert load_site(path).packing.refill_headroom_pct is None
+    path.write_text(base.replace("refill_headroom_pct = 100.0", 'refill_headroom_pct = "all"'))
+    with pytest.raises(ConfigError, match='percentage .0..1000. or "share"'):
+        load_site(path)
 
 
 def test_refill_takes_a_known_length_joiner_behind_many_of_unknown_length():

@@ -100,7 +100,8 @@ def _sim(jobs: list[dict], margin_from_errors: bool = True, policy: str = "compl
                                                                   "cublas_workspace_mib": 0}},
                              "nodes": [{"name": "n", "gpu_model": "h100", "gpus": 1, "cpus": 32, "memory_gib": 256}],
                              "slurm": {"submit_to_start_s": 2, "member_startup_s": 20},
-                             "packing": {"round_seconds": 10}})
+                             # the later jobs join the first one's pack: its GPU's share as headroom
+                             "packing": {"round_seconds": 10, "refill_headroom_pct": 1000}})
     w = parse_workload({"name": "w", "jobs": jobs}, {g.name: g for g in cluster.gpu_models})
     return simulate(w, cluster, policy, margin_from_errors=margin_from_errors)
 

@@ -19,6 +19,7 @@ from slurm_dlrm.slurm.fake import FakeSlurm
 from slurm_dlrm.store import JobState, NewPlacement, PackState, StaleState, Store
 
 USER = "root"
+REAL_PLAN = policies.plan  # the fixture below replaces policies.plan
 MIB = 1 << 20
 GIB = 1 << 30
 
@@ -335,3 +336,40 @@ def test_a_forged_pack_marker_of_another_user_changes_nothing_here(world):
     assert after[1].state == PackState.RUNNING
     assert slurm.job(forged).state.name == "RUNNING"  # not ours to touch
     assert not any(method == "scancel" and forged in args[0] for method, args in slurm.calls)
+
+
+def test_refill_never_places_a_joiner_beyond_the_allocations_host_memory(world):
+    # The pack's --mem is its members plus the bounded refill headroom (issue 24), so
+    # the offer must be what that allocation has left, and the real policy must keep a
+    # joiner that does not fit out of it.
+    from slurm_dlrm.packing.model import JobDemand, PackingRequest
+
+    svc, store, slurm, clock, cluster, requests = world
+    pack, p, (a, b) = _running_pack(svc, store, cluster, host_gib=1.0)
+    limits = {m["job_id"]: m["host_mem_limit_bytes"] for m in p["members"]}
+    pct = svc.site.packing.refill_headroom_pct
+    assert pct == 100.0  # the documented default
+    assert p["reserve_host_mem_bytes"] <= sum(limits.values()) * pct / 100 + 1  # bounded, not the node's share
+    cluster.member(p, a, "COMPLETED", 0)
+    add_job(store, "c")
+    clock.advance(0.25)
+    requests.clear()
+    svc.run_round()
+    offered = [g for g in requests[-1].open_gpus if g.pack]
+    _, mem_mib = pack_allocation(p["members"], pack.n_nodes, *svc.node_limits(), 512,
+                                 p.get("reserve_cpus", 0), p.get("reserve_host_mem_bytes", 0))
+    free = mem_mib * MIB - 512 * MIB - limits[b]  # the allocation minus the agent and the live member
+    assert offered and all(g.free_host_mem_bytes == free for g in offered)
+
+    def joiner(job_id: int, host_bytes: int) -> JobDemand:
+        return JobDemand(job_id=job_id, user=USER, submit_time_s=0.0, priority=0.0, gpu_mem_bytes=1 * GIB,
+                         host_mem_bytes=host_bytes, sm_util_pct=5, membw_util_pct=5, host_cpu_cores=1,
+                         est_duration_s=10.0)
+
+    too_big, fits = joiner(900, free), joiner(901, GIB // 4)  # `free` plus its margin is over the room
+    for policy in ("complementary", "mem-best-fit"):
+        req = PackingRequest(jobs=(too_big, fits), gpu_models=requests[-1].gpu_models, nodes=(),
+                             open_gpus=tuple(offered), limits=requests[-1].limits)
+        joined = {j.member.job_id: j.member for j in REAL_PLAN(req, policy).joins}
+        assert set(joined) == {901}, policy
+        assert sum(m.host_mem_limit_bytes for m in joined.values()) <= free

@@ -174,3 +174,42 @@ def test_dmem_packs_on_estimates_and_evicts_the_member_above_its_soft_limit():
     assert r.evictions == 1 and r.ooms == 1 and r.completion_rate == 1.0
     assert {o.ooms for o in r.jobs if o.job_id != r.jobs[2].job_id} == {0, 1} and r.jobs[2].ooms == 0
     assert simulate(w, c, "complementary").evictions == 0  # fences alone never evict
+
+
+@pytest.mark.parametrize("policy", ["complementary", "mem-best-fit"])
+def test_a_pack_too_small_for_a_waiting_job_drains_and_a_new_pack_takes_its_gpu(policy):
+    # Issue 24: a's pack asks for its 2 CPUs plus 100 % (4); c (8 CPUs) never fits it,
+    # so the small d does not join either (it would keep the pack alive for ever): both
+    # start in a new pack once a ends. With the whole share as headroom, both join a's.
+    jobs = [_job("a", 0, 2000, cpus=2), _job("c", 50, 300, cpus=8), _job("d", 60, 300, cpus=1)]
+    _, _, r = _run(jobs, policy)
+    a, c, d = sorted(r.jobs, key=lambda o: o.job_id)
+    assert r.packs == 2 and r.completion_rate == 1.0
+    assert c.end_s > a.end_s and d.end_s > a.end_s
+    # What the packs held of the node: a's 4 CPUs while it ran, then the second pack's.
+    assert r.held_cpu_s >= 4 * (a.end_s - 2)
+    wide = dict(CLUSTER, packing={"round_seconds": 10, "refill_headroom_pct": 1000})
+    _, _, r = _run(jobs, policy, wide)
+    a, c, d = sorted(r.jobs, key=lambda o: o.job_id)
+    assert r.packs == 1 and c.end_s < a.end_s and d.end_s < a.end_s
+    assert r.held_cpu_s == pytest.approx(22 * (a.end_s - 2))  # 2 + 1000 % of 2, the members' 22 of 32
+
+
+@pytest.mark.parametrize("policy", ["complementary", "mem-best-fit"])
+def test_share_headroom_holds_the_gpus_whole_share_and_never_drains(policy):
+    # `refill_headroom_pct: share` (the benchmarks' dedicated nodes): a's pack holds the
+    # GPU's whole share of the node (32 CPUs), so c and d join it instead of waiting.
+    jobs = [_job("a", 0, 2000, cpus=2), _job("c", 50, 300, cpus=8), _job("d", 60, 300, cpus=1)]
+    share = dict(CLUSTER, packing={"round_seconds": 10, "refill_headroom_pct": "share"})
+    _, _, r = _run(jobs, policy, share)
+    a, c, d = sorted(r.jobs, key=lambda o: o.job_id)
+    assert r.packs == 1 and c.end_s < a.end_s and d.end_s < a.end_s
+    assert r.held_cpu_s == pytest.approx(32 * (a.end_s - 2))
+
+
+def test_headroom_key_in_a_cluster_file_is_a_percentage_or_share():
+    assert parse_cluster(dict(CLUSTER, packing={"refill_headroom_pct": "share"})).limits.refill_headroom_pct is None
+    assert parse_cluster(dict(CLUSTER, packing={"refill_headroom_pct": 40})).limits.refill_headroom_pct == 40.0
+    for bad in ("lots", -1, 1001, True):
+        with pytest.raises(BadInput, match="cluster.packing.refill_headroom_pct"):
+            parse_cluster(dict(CLUSTER, packing={"refill_headroom_pct": bad}))

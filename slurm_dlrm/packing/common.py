@@ -166,8 +166,18 @@ def finish_plan(policy: str, packs: list[list[Gpu]], deferred: list[Deferred], l
             # from what no member of this round took.
             share_cpus = node.offered_cpus * len(gpus) // node.offered_gpus
             share_mem = node.offered_mem_bytes * len(gpus) // node.offered_gpus
-            reserve_cpus = max(0, min(node.free_cpus, share_cpus - sum(m.cpus for m in members)))
-            reserve_mem = max(0, min(node.free_mem_bytes, share_mem - sum(m.host_mem_limit_bytes for m in members)))
+            used_cpus = sum(m.cpus for m in members)
+            used_mem = sum(m.host_mem_limit_bytes for m in members)
+            # ... and at most `refill_headroom_pct` of the members' own (a bounded reserve:
+            # issue 24; holding room for the jobs left waiting as well was measured: no
+            # throughput gained, longer JCTs, more memory held).
+            if limits.refill_headroom_pct is None:  # the whole share (a node nothing else uses)
+                want_cpus, want_mem = share_cpus, share_mem
+            else:
+                want_cpus = math.ceil(used_cpus * limits.refill_headroom_pct / 100.0)
+                want_mem = math.ceil(used_mem * limits.refill_headroom_pct / 100.0)
+            reserve_cpus = max(0, min(node.free_cpus, share_cpus - used_cpus, want_cpus))
+            reserve_mem = max(0, min(node.free_mem_bytes, share_mem - used_mem, want_mem))
             node.free_cpus -= reserve_cpus
             node.free_mem_bytes -= reserve_mem
         out.append(Pack(gpu_model=node.gpu.name, gpu_count=len(gpus), node_count=1, members=tuple(members),

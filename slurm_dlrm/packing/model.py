@@ -114,6 +114,11 @@ class PackingLimits:
     shards_per_gpu: int = 8  # the count-based slots of `first-fit` (gres/shard)
     target_load: float = 1.0  # `complementary` keeps summed SM and bandwidth use below this
     min_gain: float = 0.05  # a member beyond the load target must add this much throughput
+    # A refilling pack's headroom for later joiners, as a percentage of its members' own
+    # CPUs and host memory (at most its GPUs' share of the node): bounded so that a pack
+    # of small members does not hold the node's share it will never use (issue 24).
+    # None: the whole share, for nodes nothing but packs use (`refill_headroom = "share"`).
+    refill_headroom_pct: float | None = 100.0
 
     @property
     def members_per_gpu(self) -> int:
@@ -321,7 +326,8 @@ def limits_from_site(site: SiteConfig) -> PackingLimits:
     p = site.packing
     return PackingLimits(max_members_per_gpu=p.max_members_per_gpu, mps_client_limit=site.mps.client_limit,
                          memory_margin_pct=p.memory_margin_pct, max_gpus_per_pack=p.max_gpus_per_pack,
-                         shards_per_gpu=site.mps.shards_per_gpu or p.max_members_per_gpu)
+                         shards_per_gpu=site.mps.shards_per_gpu or p.max_members_per_gpu,
+                         refill_headroom_pct=p.refill_headroom_pct)
 
 
 def nodes_from_site(site: SiteConfig) -> tuple[NodeShape, ...]:

@@ -126,6 +126,27 @@ def _join_fits(pg: _PackGpu, job: JobDemand, limits: PackingLimits) -> bool:
             and host_fits(pg.node, job, limits))
 
 
+def _allocation_bound(pgs: list[_PackGpu], queue: list[JobDemand], limits: PackingLimits) -> set[str]:
+    """Keys of the pack GPUs that a waiting single-GPU job would fit (GPU memory) but
+    their allocation never would: it has too few CPUs or too little host memory even
+    with every live member ended. Slurm cannot grow a running job and the headroom is
+    bounded (`refill_headroom_pct`, issue 24), so such a GPU takes no joins while that
+    job waits: the pack drains and its GPU goes to a new pack sized for the queue."""
+    total: dict[int, tuple[int, int]] = {}
+    for pg in pgs:
+        cpus, mem = total.get(id(pg.node), (pg.node.free_cpus, pg.node.free_mem_bytes))
+        total[id(pg.node)] = (cpus + sum(j.cpus for j in pg.live),
+                              mem + sum(host_limit_bytes(j, limits) for j in pg.live))
+    out: set[str] = set()
+    singles = [j for j in queue if not j.is_gang]
+    for pg in pgs:
+        cpus, mem = total[id(pg.node)]
+        if any(member_fence_bytes(j, pg.gpu, limits) <= usable_gpu_bytes(pg.gpu)
+               and (j.cpus > cpus or host_limit_bytes(j, limits) > mem) for j in singles):
+            out.add(pg.key)
+    return out
+
+
 def _times_fit(pg: _PackGpu, members: list[JobDemand], speeds: list[float]) -> bool:
     """With the allocation's time left known: every joiner's time limit (or, without one,
     its expected run time at its predicted speed) and every live member's expected rest
@@ -171,6 +192,12 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
     else:
         queue = sorted(request.jobs, key=order_key)
     if not pgs or not queue:
+        return [], queue
+    # Whole-share packs (`refill_headroom_pct` None) never drain: a new pack on the GPU
+    # would be no bigger.
+    bound = set() if limits.refill_headroom_pct is None else _allocation_bound(pgs, queue, limits)
+    pgs = [pg for pg in pgs if pg.key not in bound]
+    if not pgs:
         return [], queue
     # An urgent job that cannot join holds the room (docs/packing.md, aging): nothing of
     # lower priority joins, so no join keeps a pack alive that the urgent job waits for.

@@ -128,6 +128,8 @@ class _Pack:
     gpus: list[_Gpu]
     start_s: float = math.nan
     live: int = 0
+    asked_cpus: int = 0  # what the pack asked Slurm for at its start (refill: its allocation)
+    asked_mem: int = 0
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,10 @@ class SimResult:
     backlog_work_s: float = 0.0  # solo-seconds of training done during that time
     evictions: int = 0  # dmem: members evicted under GPU memory pressure (counted in ooms too)
     resubmits: int = 0  # failed jobs submitted again by their users (retry.user_resubmits)
+    # Integrals over the packs' lives of the CPUs / host memory they asked Slurm for at
+    # their start: what our packs held of the nodes, i.e. not left to other users.
+    held_cpu_s: float = 0.0
+    held_mem_byte_s: float = 0.0
 
     @property
     def backlog_throughput_jobs_per_h(self) -> float:
@@ -291,6 +297,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     dirty = False
     rounds = ooms = packs_made = evictions = 0
     alloc_gpu_s = busy_gpu_s = member_s = 0.0
+    held_cpu_s = held_mem_byte_s = 0.0
     backlog_s = backlog_work_s = 0.0  # time with jobs waiting, and solo work done then
     fenced = policy in ("mem-best-fit", "complementary")
     # first-fit models gres/shard: each job is its own Slurm job on a shard of a GPU, so
@@ -375,8 +382,10 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         set_speeds(gpu)
         schedule_tick()  # a freed shard (first-fit) or, below, freed GPUs
         if pack.live == 0:
-            nonlocal alloc_gpu_s
+            nonlocal alloc_gpu_s, held_cpu_s, held_mem_byte_s
             alloc_gpu_s += pack.gpu_count * (now - pack.start_s)
+            held_cpu_s += pack.asked_cpus * (now - pack.start_s)
+            held_mem_byte_s += pack.asked_mem * (now - pack.start_s)
             pack.node.free_gpus += pack.gpu_count
             pack.node.free_cpus += pack.cpus
             pack.node.free_mem += pack.host_mem
@@ -581,7 +590,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             node.free_cpus -= pk.alloc_cpus
             node.free_mem -= pk.alloc_host_mem_bytes
             gpus = [_Gpu() for _ in range(pk.gpu_count)]
-            pack = _Pack(next_pack_id, node, pk.gpu_count, pk.alloc_cpus, pk.alloc_host_mem_bytes, pk.mps, gpus)
+            pack = _Pack(next_pack_id, node, pk.gpu_count, pk.alloc_cpus, pk.alloc_host_mem_bytes, pk.mps, gpus,
+                         asked_cpus=pk.alloc_cpus, asked_mem=pk.alloc_host_mem_bytes)
             next_pack_id += 1
             packs_made += 1
             for mp in pk.members:
@@ -776,6 +786,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     for pack in running_packs:
         if pack.start_s <= now:
             alloc_gpu_s += pack.gpu_count * (now - pack.start_s)
+            held_cpu_s += pack.asked_cpus * (now - pack.start_s)
+            held_mem_byte_s += pack.asked_mem * (now - pack.start_s)
     outcomes = []
     for j in workload.jobs:
         state = outcome_state.get(j.job_id, "PENDING")
@@ -785,7 +797,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                      jobs=tuple(outcomes), first_arrival_s=first_arrival, end_s=now, alloc_gpu_s=alloc_gpu_s,
                      busy_gpu_s=busy_gpu_s, ooms=ooms, rounds=rounds, packs=packs_made, member_s=member_s,
                      backlog_s=backlog_s, backlog_work_s=backlog_work_s, resubmits=sum(resubmits.values()),
-                     evictions=evictions)
+                     evictions=evictions, held_cpu_s=held_cpu_s, held_mem_byte_s=held_mem_byte_s)
 
 
 def _could_ever_fit(job: SimJob, gpu_mem_bytes: int, node: object, cluster: SimCluster) -> bool:

@@ -139,6 +139,16 @@ class _Table:
             raise BadInput(f"{self.key(k)}: must be <= {hi:g}, got {v!r}")
         return float(v)
 
+    def headroom(self, k: str) -> float | None:
+        """A percentage 0..1000, or "share" (None: the pack's GPUs' whole share)."""
+        raw = self.data.get(k)
+        if isinstance(raw, str):
+            if raw != "share":
+                raise BadInput(f'{self.key(k)}: must be a percentage (0..1000) or "share", got {raw!r}')
+            self.seen.add(k)
+            return None
+        return self.num(k, 100.0, lo=0, hi=1000)
+
     def int_(self, k: str, default: int | None = None, *, lo: int | None = None, hi: int | None = None) -> int:
         v = self.num(k, None if default is None else float(default), lo=lo, hi=hi)
         if v != int(v):
@@ -234,7 +244,8 @@ def parse_cluster(data: Any, default_gpu_models: Mapping[str, GpuModel] | None =
         max_gpus_per_pack=p.int_("max_gpus_per_pack", 4, lo=1, hi=64),
         shards_per_gpu=p.int_("shards_per_gpu", 8, lo=1, hi=48),
         target_load=p.num("target_load", 1.0, lo=0.1, hi=4.0),
-        min_gain=p.num("min_gain", 0.05, lo=0.0, hi=1.0))
+        min_gain=p.num("min_gain", 0.05, lo=0.0, hi=1.0),
+        refill_headroom_pct=p.headroom("refill_headroom_pct"))
     dispatch = DispatchConfig(
         round_seconds=p.num("round_seconds", 10.0, lo=0.1), round_batch_size=p.int_("round_batch_size", 16, lo=1),
         max_wait_rounds=p.int_("max_wait_rounds", 30, lo=1))
