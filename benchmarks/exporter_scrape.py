@@ -7,9 +7,10 @@ Builds 50 user stores (``<dir>/<user>/store.sqlite``, the layout ``store_dir =
 exporter's, not the builder's), scrapes it through the real collector and
 `prometheus_client.generate_latest`, and parses the text back:
 
-- cold: the first scrape (every store's acct GPU-seconds and histograms computed, the
-  lifecycle counters counted from the first event);
-- steady: --scrapes scrapes 15 s apart (a fake monotonic clock), as Prometheus would
+- warm-up: what `slurm-dlrm exporter` reads before it opens its port
+  (`StoreCollector.warm()`: every store's acct GPU-seconds and histograms computed, the
+  lifecycle counters counted from the first event), so no scrape pays for it;
+- steady: the first scrape right after, then --scrapes scrapes 15 s apart (a fake monotonic clock), as Prometheus would
   make them: each store's slow figures are refreshed once a minute, staggered; the
   summary's scrape_ms is the slowest of these;
 - baseline: what an admin has without the exporter, `acct --all-users` over the same
@@ -142,10 +143,13 @@ def measure(root: Path, scrapes: int) -> dict[str, float]:
         cpu.append((time.process_time() - c) * 1000)
         return (time.perf_counter() - t) * 1000, text
 
-    cold_ms, text = scrape()
+    c = time.process_time()
+    cold_ms = 1000 * col.warm()
+    cpu.append((time.process_time() - c) * 1000)
+    first_ms, text = scrape()
     fams = list(text_string_to_metric_families(text))
     n_series = sum(len(f.samples) for f in fams)
-    steady = []
+    steady = [first_ms]
     for _ in range(scrapes):
         fake_mono[0] += 15.0
         ms, text = scrape()
@@ -207,7 +211,8 @@ def main() -> None:
     print(f"active jobs: {r['active']:.0f} ({r['running']:.0f} running as {r['members']:.0f} GPU members), "
           f"{r['series']} series per scrape")
     print(f"{'':34} {'wall ms':>8} {'CPU ms':>8}")
-    print(f"{'exporter, first scrape (cold)':34} {r['cold_ms']:8.1f} {r['cold_cpu_ms']:8.1f}")
+    print(f"{'exporter, warm-up before serving':34} {r['cold_ms']:8.1f} {r['cold_cpu_ms']:8.1f}"
+          "   (at start, before the port opens)")
     print(f"{'exporter, steady, median':34} {r['steady_median_ms']:8.1f} {r['steady_cpu_median_ms']:8.1f}")
     print(f"{'exporter, steady, slowest':34} {r['steady_max_ms']:8.1f} {r['steady_cpu_max_ms']:8.1f}"
           "   (target < 200)")

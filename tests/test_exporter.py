@@ -308,3 +308,25 @@ def test_history_figures_refresh_at_most_every_slow_every_s_active_ones_every_sc
     mono[0] = due + 1e-6  # (1060 - s) - (1000 - s) can round to just under 60 for some paths' s
     f = scrape(col)
     assert value(f, "slurm_dlrm_jobs", state="COMPLETED", **u) == 2
+
+
+def test_warm_reads_history_before_serving_and_counts_nothing_twice(tmp_path):
+    # `slurm-dlrm exporter` warms before it opens its port: the first scrape finds the
+    # history figures already summed (they refresh only slow_every_s later) and its
+    # counters equal an unwarmed collector's first scrape.
+    ids = make_store(tmp_path / "alice" / "store.sqlite")
+    mono = [1000.0]
+    col = E.StoreCollector(site_for(tmp_path), all_users=True, clock=lambda: NOW, slow_every_s=60.0,
+                           monotonic=lambda: mono[0])
+    assert col.warm() > 0 and col.last_stores_read == 1
+    fresh = scrape(E.StoreCollector(site_for(tmp_path), all_users=True, clock=lambda: NOW, slow_every_s=60.0,
+                                    monotonic=lambda: mono[0]))
+    with Store(tmp_path / "alice" / "store.sqlite", clock=lambda: NOW) as s:
+        s.transition_job(ids["a"], JobState.COMPLETED, "exit 0", exit_code=0, t=NOW + 1)
+    f = scrape(col)
+    u = {"user": "alice", "partition": "dlrm", "gpu_model": "h100"}
+    assert value(f, "slurm_dlrm_jobs", state="COMPLETED", **u) == 1  # the warm-up's history
+    assert value(f, "slurm_dlrm_jobs", state="RUNNING", **u) == 2  # active figures: this scrape's
+    counters = [(x.name, x.labels, x.value) for samples in fresh.values() for x in samples
+                if x.name.endswith("_total") and x.name != "slurm_dlrm_store_errors_total"]
+    assert counters and all(value(f, name, **labels) == v for name, labels, v in counters)

@@ -63,6 +63,7 @@ def exporter(port: int, addr: str, all_users: bool, once: bool, as_json: bool, s
                                for fam in text_string_to_metric_families(text) for s in fam.samples],
                               indent=1))
         return
+    warm_s = collector.warm()  # before the port opens: no scrape pays for the history
     try:
         E.serve(registry, port, addr)
     except socket.gaierror as exc:
@@ -71,5 +72,6 @@ def exporter(port: int, addr: str, all_users: bool, once: bool, as_json: bool, s
         why = "port in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
         raise DlrmError(f"exporter: cannot listen on {addr}:{port}: {why}") from None
     click.echo(f"slurm-dlrm exporter: serving http://{addr}:{port}/metrics "
-               f"({'all users' if all_users else 'your store'})", err=True)
+               f"({'all users' if all_users else 'your store'}; {collector.last_stores_read} store(s) "
+               f"read in {1000 * warm_s:.0f} ms)", err=True)
     threading.Event().wait()  # the server runs in its own thread until SIGTERM/SIGINT
