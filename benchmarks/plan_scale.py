@@ -32,8 +32,7 @@ from slurm_dlrm.packing import NodeShape, PackingRequest, plan  # noqa: E402
 from slurm_dlrm.packing.interference import InterferenceParams  # noqa: E402
 from slurm_dlrm.packing.learned import fit_learned  # noqa: E402
 from slurm_dlrm.packing.model import OpenGpu  # noqa: E402
-from slurm_dlrm.sim import parse_cluster, parse_workload  # noqa: E402
-from slurm_dlrm.sim.engine import _demand  # noqa: E402
+from slurm_dlrm.sim import job_demand, parse_cluster, parse_workload  # noqa: E402
 from slurm_dlrm.sim.truth import synthetic_groups  # noqa: E402
 from slurm_dlrm.site import GIB  # noqa: E402
 
@@ -44,7 +43,7 @@ def request(n_jobs: int, cluster_models: tuple) -> PackingRequest:  # type: igno
     data = yaml.safe_load((SIM / "dlrm_mix.yaml").read_text())
     data["generate"]["jobs"] = n_jobs
     workload = parse_workload(data, {g.name: g for g in cluster_models})
-    jobs = tuple(_demand(j, j.gpu_mem_bytes, j.est_duration_s) for j in workload.jobs)
+    jobs = tuple(job_demand(j, j.gpu_mem_bytes, j.est_duration_s) for j in workload.jobs)
     gpus = max(1, n_jobs // 10)
     nodes = (NodeShape("h100", 4, 104, 800 * GIB, count=max(1, gpus // 4), name="n"),)
     return PackingRequest(jobs=jobs, gpu_models=cluster_models, nodes=nodes)
@@ -57,7 +56,7 @@ def busy_request(n_jobs: int, live_per_gpu: int, cluster_models: tuple) -> Packi
     data = yaml.safe_load((SIM / "dlrm_mix.yaml").read_text())
     data["generate"]["jobs"] = n_jobs + gpus * live_per_gpu
     workload = parse_workload(data, {g.name: g for g in cluster_models})
-    demands = [_demand(j, j.gpu_mem_bytes, j.est_duration_s) for j in workload.jobs]
+    demands = [job_demand(j, j.gpu_mem_bytes, j.est_duration_s) for j in workload.jobs]
     live, pending = demands[:gpus * live_per_gpu], demands[gpus * live_per_gpu:]
     open_gpus = tuple(
         OpenGpu(f"{g // 4}:0:{g % 4}", f"n{g // 4}", live_per_gpu, pack=True, gpu_model=cluster_models[0].name,

@@ -231,7 +231,9 @@ class SimResult:
                 "mean_members_per_gpu": round(self.mean_members_per_gpu, 2), "resubmits": self.resubmits}
 
 
-def _demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -> JobDemand:
+def job_demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -> JobDemand:
+    """What the planner is told of `job`: its estimated GPU memory and time left (the
+    truth stays in the simulator), rank by rank for a multi-GPU job."""
     ranks: tuple[RankDemand, ...] = ()
     if job.world_size > 1:
         ranks = tuple(RankDemand(gpu_mem_bytes=int(gpu_mem_bytes * x), host_mem_bytes=job.host_mem_bytes,
@@ -446,7 +448,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         job = jobs[jid]
         left = job.solo_duration_s - progress_saved.get(jid, 0.0)
         est_left = (job.est_duration_s or job.solo_duration_s) * left / job.solo_duration_s
-        pending[jid] = _demand(job, est_mem[jid], est_left)
+        pending[jid] = job_demand(job, est_mem[jid], est_left)
         schedule_tick()
 
     def oom_check(pack: _Pack, gpu: _Gpu, m: _Member) -> bool:
@@ -512,7 +514,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             free_mem = pk.host_mem - sum(m.host_mem for m in members)
             for gpu_index, gpu in enumerate(pk.gpus):
                 # A member past its peak reports it (the agent's NVML samples).
-                live = tuple(replace(rank_members(_demand(m.job, est_mem[m.job.job_id], est_left_s(m)))[m.rank],
+                live = tuple(replace(rank_members(job_demand(m.job, est_mem[m.job.job_id], est_left_s(m)))[m.rank],
                                      observed_gpu_mem_bytes=m.true_mem if m.peaked else None)
                              for m in gpu.members if not m.ended)
                 out.append(OpenGpu(f"{pk.pack_id}:0:{gpu_index}", pk.node.name, len(live), pack=True,
@@ -711,7 +713,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             if kind == _ARRIVAL:
                 assert isinstance(payload, int)
                 job = jobs[payload]
-                pending[payload] = _demand(job, job.gpu_mem_bytes, job.est_duration_s)
+                pending[payload] = job_demand(job, job.gpu_mem_bytes, job.est_duration_s)
                 if faults is not None:
                     pending[payload] = faults.arrival_demand(job, now)
                     est_mem[payload] = pending[payload].gpu_mem_bytes
@@ -804,7 +806,7 @@ def _could_ever_fit(job: SimJob, gpu_mem_bytes: int, node: object, cluster: SimC
     from slurm_dlrm.packing.model import host_limit_bytes, member_fence_bytes, usable_gpu_bytes
 
     gpu = cluster.gpu_model(node.gpu_model)  # type: ignore[attr-defined]
-    ranks = rank_members(_demand(job, gpu_mem_bytes, None))
+    ranks = rank_members(job_demand(job, gpu_mem_bytes, None))
     return (len(ranks) <= node.gpus  # type: ignore[attr-defined]
             and sum(d.cpus for d in ranks) <= node.cpus  # type: ignore[attr-defined]
             and sum(host_limit_bytes(d, cluster.limits) for d in ranks) <= node.memory_bytes  # type: ignore[attr-defined]
