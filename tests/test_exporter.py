@@ -15,6 +15,7 @@ import pwd
 import re
 import socket
 import sqlite3
+import threading
 import zlib
 from pathlib import Path
 
@@ -330,3 +331,20 @@ def test_warm_reads_history_before_serving_and_counts_nothing_twice(tmp_path):
     counters = [(x.name, x.labels, x.value) for samples in fresh.values() for x in samples
                 if x.name.endswith("_total") and x.name != "slurm_dlrm_store_errors_total"]
     assert counters and all(value(f, name, **labels) == v for name, labels, v in counters)
+
+
+def test_scrapes_on_other_threads_reuse_the_open_connections(tmp_path):
+    # prometheus_client's server answers each scrape on a new thread; the connections
+    # the collector keeps open (warm-up included) must serve them all.
+    make_store(tmp_path / "alice" / "store.sqlite")
+    col = E.StoreCollector(site_for(tmp_path), all_users=True, clock=lambda: NOW, slow_every_s=0.0)
+    col.warm()
+    out: list[dict[str, list]] = []
+    for _ in range(2):
+        t = threading.Thread(target=lambda: out.append(scrape(col)))
+        t.start()
+        t.join()
+    u = {"user": "alice", "partition": "dlrm", "gpu_model": "h100"}
+    for f in out:
+        assert value(f, "slurm_dlrm_jobs", state="RUNNING", **u) == 3
+        assert not any(s.value for s in f.get("slurm_dlrm_store_errors", []))

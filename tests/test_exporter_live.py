@@ -121,6 +121,11 @@ def test_exporter_scraped_while_a_pack_runs(live):
     fams = scrape(port)
     u = {"user": user}
     assert sum(s.value for s in samples(fams, "slurm_dlrm_jobs", state="RUNNING", **u)) == 3
+    # Each scrape is answered on a new thread of the exporter's HTTP server, which reads
+    # the stores through the connections the warm-up (and each scrape) left open.
+    again = scrape(port)
+    assert sum(s.value for s in samples(again, "slurm_dlrm_jobs", state="RUNNING", **u)) == 3
+    assert sum(s.value for s in samples(again, "slurm_dlrm_store_errors_total")) == 0
     assert sum(s.value for s in samples(fams, "slurm_dlrm_packs", state="RUNNING", **u)) >= 1
     members = samples(fams, "slurm_dlrm_gpu_members", **u)
     assert sum(s.value for s in members) == 3

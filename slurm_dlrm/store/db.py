@@ -75,7 +75,11 @@ def connect(path: Path, *, readonly: bool, busy_timeout_s: float) -> sqlite3.Con
         if not path.is_file():
             raise StoreError(f"no store at {path}")
         uri = "file:" + urllib.parse.quote(str(path)) + "?mode=ro"
-        conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=busy_timeout_s)
+        # Any thread may use it: the exporter keeps its read-only connections open between
+        # scrapes, and its HTTP server answers each scrape on a new thread (its collector's
+        # lock keeps the uses apart).
+        conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=busy_timeout_s,
+                               check_same_thread=False)
     else:
         ensure_private_dir(path.parent)
         ensure_private_file(path)
