@@ -7,6 +7,7 @@ variables the agent's member_env sets and behaves as MPS would, or as a broken n
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pwd
@@ -161,8 +162,15 @@ def test_site_file_without_write_access(tmp_path):
     site_file.chmod(0o644)
     runner = CliRunner()
 
+    # The child runs as nobody, who may not read the checkout (a clone under root's 0700
+    # home): what the command imports is imported here first, and it reads this site file.
+    for module in ("slurm_dlrm.commands.selftest", "slurm_dlrm.selftest.verdict", "slurm_dlrm.selftest.run",
+                   "slurm_dlrm.selftest.submit", "slurm_dlrm.selftest.sitefile", "slurm_dlrm.slurm",
+                   "rich.console", "rich.table", "getpass"):
+        importlib.import_module(module)
+
     def attempt() -> int:
-        result = runner.invoke(cli, ["selftest", "--fake", "--write-site", str(site_file)])
+        result = runner.invoke(cli, ["selftest", "--fake", "--site", str(site_file), "--write-site", str(site_file)])
         ok = result.exit_code == 2 and "no write access" in result.output and len(result.output.splitlines()) == 1
         return 0 if ok else 1
 
@@ -284,10 +292,10 @@ def test_another_users_daemon_refuses_and_starts_none(clean_env, tmp_path, monke
         pytest.skip("needs root to run a daemon as another user")
     folder = Path(tempfile.mkdtemp(prefix="selftest-other-"))  # pytest's folders are 0700 to root
     folder.chmod(0o777)
-    env = dict(os.environ, PYTHONPATH=str(Path(fake_mps_control.__file__).resolve().parents[2]),
-               CUDA_MPS_PIPE_DIRECTORY=str(folder / "p"), CUDA_MPS_LOG_DIRECTORY=str(folder / "l"))
-    as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/usr/bin/python3", "-m",
-                 "slurm_dlrm.agent.fake_mps_control"]
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(folder / "p"), CUDA_MPS_LOG_DIRECTORY=str(folder / "l"))
+    # the launcher runs a copy of the fake nobody can read (the checkout may be private)
+    launcher = fake_mps_control.install_launcher(folder / "bin")
+    as_nobody = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", str(launcher)]
     subprocess.run([*as_nobody, "-d"], env=env, check=True, timeout=30)  # noqa: S603
     started = []
     monkeypatch.setattr(run_mod, "open_mps", lambda *a, **k: started.append(a))

@@ -784,20 +784,49 @@ def main(argv: list[str] | None = None) -> int:
 
 def install_launcher(bin_dir: str | os.PathLike[str], python: str | None = None, v3: bool = False) -> Path:
     """Write `bin_dir/nvidia-cuda-mps-control` that runs this fake; returns its path.
-    v3=True: a driver with MPS v3 (r615+); otherwise an older one that refuses `-p`."""
+    v3=True: a driver with MPS v3 (r615+); otherwise an older one that refuses `-p`.
+
+    The fake (standard library only) runs from a copy beside the launcher, by the base
+    interpreter behind a venv's symlink: the daemon runs as the job's user, who may not
+    read the checkout or its venv (a clone under root's 0700 home)."""
     bin_path = Path(bin_dir)
     bin_path.mkdir(parents=True, exist_ok=True)
-    root = Path(__file__).resolve().parents[2]
+    lib = bin_path / "fake-mps-lib"
+    (lib / "slurm_dlrm" / "agent").mkdir(parents=True, exist_ok=True)
+    for rel, text in (("slurm_dlrm/__init__.py", ""), ("slurm_dlrm/agent/__init__.py", ""),
+                      ("slurm_dlrm/agent/fake_mps_control.py", Path(__file__).read_text())):
+        (lib / rel).write_text(text)
+        (lib / rel).chmod(0o644)
+    for folder in (lib, lib / "slurm_dlrm", lib / "slurm_dlrm" / "agent"):
+        folder.chmod(0o755)
     exe = bin_path / "nvidia-cuda-mps-control"
     exe.write_text(
         "#!/bin/sh\n"
         "# Fake MPS control daemon for machines without a GPU (slurm_dlrm.agent.fake_mps_control).\n"
-        f"PYTHONPATH={shlex.quote(str(root))}${{PYTHONPATH:+:$PYTHONPATH}}\n"
+        f"PYTHONPATH={shlex.quote(str(lib))}\n"
         "export PYTHONPATH\n"
         + (f"{ENV_V3}=1\nexport {ENV_V3}\n" if v3 else "")
-        + f"exec {shlex.quote(python or sys.executable)} -m slurm_dlrm.agent.fake_mps_control \"$@\"\n")
+        + f"exec {shlex.quote(_interpreter(python))} -m slurm_dlrm.agent.fake_mps_control \"$@\"\n")
     exe.chmod(0o755)
     return exe
+
+
+def _interpreter(python: str | None) -> str:
+    """`python`, else the interpreter behind this one's venv symlink if any user may run
+    it, else the system's python3 (3.11+, as Debian 12's) if present: the fake needs
+    only the standard library."""
+    if python:
+        return python
+    candidates = [os.path.realpath(sys.executable), "/usr/bin/python3"]
+    for path in candidates:
+        if os.path.exists(path) and _others_may_run(path):
+            return path
+    return candidates[0]
+
+
+def _others_may_run(path: str) -> bool:
+    p = Path(path)
+    return all(os.stat(d).st_mode & 0o001 for d in [p, *p.parents])
 
 
 if __name__ == "__main__":
