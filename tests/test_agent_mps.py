@@ -106,3 +106,45 @@ def test_a_refused_command_raises(fake_bin, tmp_path):
     d = MpsDaemon(tmp_path / "nopipe", tmp_path / "nolog", str(fake_bin / "nvidia-cuda-mps-control"), owned=True)
     with pytest.raises(MpsError, match="Cannot find MPS control daemon"):
         d.server_list()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")
+def test_a_client_of_another_user_connects_from_a_folder_it_cannot_enter(tmp_path):
+    # A fresh clone under root's 0700 home: a forked client that drops to nobody keeps
+    # that folder as its working directory and must still reach the daemon's socket.
+    import pwd
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    short = Path(tempfile.mkdtemp(prefix="mpsc", dir="/tmp"))
+    short.chmod(0o755)
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    nobody = pwd.getpwnam("nobody")
+    fake_mps_control.install_launcher(short / "bin")
+    env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=str(short / "p"), CUDA_MPS_LOG_DIRECTORY=str(short / "l"))
+    subprocess.run([str(short / "bin" / "nvidia-cuda-mps-control"), "-d"], env=env, check=True, timeout=30)  # noqa: S603
+    try:
+        rfd, wfd = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                os.close(rfd)
+                os.chdir(private)
+                os.setgid(nobody.pw_gid)
+                os.setuid(nobody.pw_uid)
+                os.write(wfd, json.dumps(fake_mps_control.connect_client(
+                    {"CUDA_MPS_PIPE_DIRECTORY": str(short / "p")})).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(wfd)
+        with os.fdopen(rfd) as r:
+            text = r.read()
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 and json.loads(text)
+    finally:
+        subprocess.run([str(short / "bin" / "nvidia-cuda-mps-control")], input="quit\n", text=True, env=env,  # noqa: S603
+                       timeout=30, check=False)
+        shutil.rmtree(short, ignore_errors=True)

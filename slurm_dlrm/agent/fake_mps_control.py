@@ -76,6 +76,7 @@ from typing import Any
 PID_FILE = "nvidia-cuda-mps-control.pid"
 STATE_FILE = "fake-mps-state.json"
 SOCKET_NAME = "control"
+_SUN_PATH_MAX = 108  # sockaddr_un.sun_path on Linux, with its terminating NUL
 ENV_V3 = "SLURM_DLRM_FAKE_MPS_V3"
 ENV_STATE_COPY = "SLURM_DLRM_FAKE_MPS_STATE_COPY"
 CLIENT_LINE = "fake_client_connect"
@@ -144,6 +145,16 @@ def _bind(path: Path) -> socket.socket:
 
 def _connect(path: Path) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if len(os.fsencode(path)) < _SUN_PATH_MAX:
+        try:
+            sock.connect(str(path))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+    # A longer path does not fit sockaddr_un: connect relative to its folder. The way
+    # back may be closed to us (a client that dropped to another user in a folder that
+    # user cannot enter): then we stay where the socket is.
     cwd = os.getcwd()
     try:
         os.chdir(path.parent)
@@ -152,7 +163,8 @@ def _connect(path: Path) -> socket.socket:
         sock.close()
         raise
     finally:
-        os.chdir(cwd)
+        with contextlib.suppress(OSError):
+            os.chdir(cwd)
     return sock
 
 
