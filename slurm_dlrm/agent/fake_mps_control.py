@@ -132,12 +132,16 @@ def _bind(path: Path) -> socket.socket:
     path.parent.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(OSError):
         path.unlink()
-    cwd = os.getcwd()
-    try:
-        os.chdir(path.parent)
-        sock.bind(path.name)
-    finally:
-        os.chdir(cwd)
+    if len(os.fsencode(path)) < _SUN_PATH_MAX:
+        sock.bind(str(path))
+    else:
+        cwd = os.getcwd()
+        try:
+            os.chdir(path.parent)
+            sock.bind(path.name)
+        finally:
+            with contextlib.suppress(OSError):  # as in _connect: the way back may be closed to us
+                os.chdir(cwd)
     sock.listen(8)
     os.chmod(path, 0o666)  # clients of every user connect (connect(2) needs write permission)
     return sock
