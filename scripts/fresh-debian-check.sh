@@ -56,7 +56,10 @@ for a in "$@"; do
 done
 [[ $(id -u) == 0 ]] || { echo "fresh-debian-check: run as root" >&2; exit 2; }
 
-mounts=(proc sys sys/fs/cgroup dev dev/pts dev/shm run root/.cache/pip opt/wheels opt/host-ca)
+# "" is the root itself, bound onto itself first (so unmounted last): on a real machine /
+# is a mount point, and `unshare --propagation private` (the CI's Slurm 24.11 leg,
+# scripts/slurm-matrix.sh) fails with EINVAL in a chroot whose / is not one.
+mounts=("" proc sys sys/fs/cgroup dev dev/pts dev/shm run root/.cache/pip opt/wheels opt/host-ca)
 umount_all() {
   local m i
   for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
@@ -142,6 +145,7 @@ cp /etc/resolv.conf "$root/etc/resolv.conf"
 { printf '127.0.0.1\tlocalhost\n127.0.1.1\t%s\n' "$(hostname)"; grep -vE '^\s*(#|$)' /etc/hosts || true; } >"$root/etc/hosts"
 
 trap cleanup EXIT
+mount --bind "$root" "$root"
 mount -t proc proc "$root/proc"
 mount -t sysfs sys "$root/sys"
 # A fresh sysfs has nothing on /sys/fs/cgroup; on a real machine systemd mounts it, and
