@@ -110,8 +110,12 @@ in_root() {
     "SLURM_DLRM_CLUSTER_DIR=/tmp/slurm-dlrm-matrix-$code"
     SLURM_DLRM_VENV="$repo/.venv-$code" SLURM_DLRM_SETUP_TORCH=0
     SLURM_DLRM_APT_OPTS="$(apt_opts "$code")")
-  [[ -f /etc/ssl/certs/ca-certificates.crt ]] && envs+=(PIP_CERT=/opt/host-ca/ca-certificates.crt)
-  unshare "${ns[@]}" env ROOT="$root" REPO="$repo" ISOLATED="$isolated" bash -c '
+  # pip's CA bundle: the one pip is given here (PIP_CERT, e.g. a proxy's CA inside
+  # scripts/fresh-debian-check.sh's root), else the system's.
+  local ca_dir=/etc/ssl/certs ca_file=ca-certificates.crt
+  if [[ -n ${PIP_CERT:-} && -f $PIP_CERT ]]; then ca_dir=$(dirname "$PIP_CERT"); ca_file=$(basename "$PIP_CERT"); fi
+  [[ -f $ca_dir/$ca_file ]] && envs+=("PIP_CERT=/opt/host-ca/$ca_file")
+  unshare "${ns[@]}" env ROOT="$root" REPO="$repo" ISOLATED="$isolated" CA_DIR="$ca_dir" bash -c '
     set -e
     if [[ $ISOLATED == 1 ]]; then
       # Only loopback. glibc getaddrinfo(AI_ADDRCONFIG), which slurmdbd and slurmctld use,
@@ -131,7 +135,7 @@ in_root() {
     mkdir -p "$ROOT$REPO" "$ROOT/root/.cache/pip" "$ROOT/opt/host-ca"
     mount --bind "$REPO" "$ROOT$REPO"
     [[ -d /root/.cache/pip ]] && mount --bind /root/.cache/pip "$ROOT/root/.cache/pip"
-    [[ -d /etc/ssl/certs ]] && mount --bind -o ro /etc/ssl/certs "$ROOT/opt/host-ca"
+    [[ -d $CA_DIR ]] && mount --bind -o ro "$CA_DIR" "$ROOT/opt/host-ca"
     # Not exec: this bash stays pid 1 of the namespace and reaps the orphans it adopts
     # (killed members, daemons), as init does; the tests kill -9 processes and wait for them.
     rc=0; chroot "$ROOT" "$@" || rc=$?; exit "$rc"
