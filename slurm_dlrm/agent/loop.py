@@ -823,7 +823,8 @@ class Agent:
                                 r.placement.rank)
                     r.stop_reason, r.cancel_since = "GANG", now
                     self._signal(r, signal.SIGTERM)
-        if all(r.done for r in ranks):
+        # Ranks that end in the same turn are all done by the first one's call: report once.
+        if all(r.done for r in ranks) and p.job_id not in self.job_states:
             self._job_ended(p.job_id, ranks)
 
     def _job_ended(self, job_id: int, ranks: list[Member]) -> None:
