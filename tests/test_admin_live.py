@@ -34,7 +34,7 @@ from slurm_dlrm.localcluster import (
 )
 from slurm_dlrm.site import REPO_SITE_FILE, load_site
 from slurm_dlrm.slurm.client import SlurmClient
-from slurm_dlrm.slurm.parse import tres_items
+from slurm_dlrm.slurm.parse import job_node_sharing, tres_items
 from slurm_dlrm.slurm.wait import wait_for_jobs
 from tests.test_admin_scripts import write_fake_mps
 
@@ -377,7 +377,7 @@ def test_one_user_mps_job_keeps_other_users_off_its_node(admin_cluster):
         while client.show_job_raw(mps_job)["JobState"] != "RUNNING" and time.monotonic() < deadline:
             time.sleep(0.3)
         rec = client.show_job_raw(mps_job)
-        assert rec["JobState"] == "RUNNING" and rec["OverSubscribe"] == "USER"
+        assert rec["JobState"] == "RUNNING" and job_node_sharing(rec) == "user"
         other = client.sbatch("#!/bin/bash\ntrue\n", [f"--partition={PARTITION}", "--nodelist=node1",
                                                           "--gres=gpu:1", "--mem=100M",
                                                           f"--output={admin_cluster.jobs}/root-%j.out"])
