@@ -5,7 +5,8 @@
 # (bounded) for it to exit, then cleans its pipes (and the node's shared memory once no
 # daemon is left). A non-zero exit drains the node: only when a daemon cannot be stopped.
 set -u
-# MPS clients (the jobs' users) must be able to reach the pipe directories.
+# The task prolog (the job's user) reads the job records; pipe folders are narrowed to the
+# GPU's users by restrict_pipe.
 umask 022
 # slurmd may run this with a bare environment; Slurm's and MPS's commands live here.
 export PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -36,6 +37,15 @@ is_alive() {
   stat=$(<"/proc/$1/stat") 2>/dev/null || return 1
   stat=${stat##*) }
   [[ ${stat%% *} != Z ]]
+}
+
+# One field of job $1 as slurmctld has it: squeue's one-letter format $2 (b = TresPerNode,
+# k = Comment, T = state) prints that field alone. Never grep `scontrol show job -o`: its
+# one line puts the job name, work dir and submit line (the user's text) before Comment=
+# and TresPerNode=, so a job named "x TresPerNode=mps:100" posed as its own request.
+# Bounded, so a slow controller cannot hang slurmd.
+job_field() {
+  timeout 10 squeue --noheader --states=all --jobs="$1" --format="%$2"
 }
 
 gpu_dir() { printf '%s/gpu%s' "$PIPE_ROOT" "$1"; }
@@ -97,6 +107,39 @@ daemon_up() {
   [[ -d $(pipe_dir "$1") ]] && daemon_answers "$1"
 }
 
+# GPU $1's pipe folder reachable by the users with jobs on that GPU only (their records in
+# gpu<i>/jobs: "<uid> <MiB>"): 0700, owned by the first of them, the others (jobs of
+# several users on one GPU: [mps] cross_user = time-slice) let in by an ACL entry each.
+# Otherwise any process on the node could point CUDA_MPS_PIPE_DIRECTORY at another GPU's
+# daemon, whose servers run outside the job's device cgroup.
+restrict_pipe() {
+  local gpu=$1 pipe f u owner
+  local -a uids=()
+  pipe=$(pipe_dir "$gpu")
+  [[ -d $pipe ]] || return 0
+  for f in "$(gpu_dir "$gpu")"/jobs/*; do
+    [[ -f $f ]] || continue
+    read -r u _ <"$f" 2>/dev/null || continue
+    [[ $u =~ ^[0-9]+$ ]] && uids+=("$u")
+  done
+  chmod 0700 "$pipe" || return 1
+  owner=$(stat -c %u "$pipe")
+  [[ -n ${uids[*]:-} ]] || return 0
+  # Keep the owner while they still have a job here; else the first user with one.
+  if [[ " ${uids[*]} " != *" $owner "* ]]; then
+    owner=${uids[0]}
+    chown "$owner" "$pipe" || return 1
+  fi
+  command -v setfacl >/dev/null 2>&1 && setfacl -b "$pipe" 2>/dev/null
+  for u in $(printf '%s\n' "${uids[@]}" | sort -un); do
+    [[ $u == "$owner" ]] && continue
+    if ! command -v setfacl >/dev/null 2>&1 || ! setfacl -m "u:$u:rwx" "$pipe" 2>/dev/null; then
+      log "GPU $gpu: cannot let uid $u reach the MPS daemon (setfacl missing or refused: install acl); its CUDA runs without MPS"
+    fi
+  done
+  return 0
+}
+
 any_daemon_running() {
   local d
   for d in "$PIPE_ROOT"/gpu*; do
@@ -144,14 +187,17 @@ SITE_EPILOG=''
 # [slurm] mps_stop_timeout_s, as a count of 0.1 s polls (per step: quit, SIGTERM, SIGKILL).
 STOP_POLLS=100
 
-# True only when Slurm says job $1 is over (an unreachable controller keeps the record).
+# True only when Slurm says job $1 is over (an unreachable controller keeps the record): its
+# state read alone (job_field), so no job name can pose as JobState=.
 job_is_over() {
   local out rc
-  out=$(timeout 10 scontrol show job -o "$1" 2>&1)
+  out=$(job_field "$1" T 2>&1)
   rc=$?
   [[ $out == *"Invalid job id"* ]] && return 0
   ((rc == 0)) || return 1
-  [[ $out =~ JobState=(COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|PREEMPTED|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE)[[:space:]] ]]
+  # A controller that answers with no line no longer knows the job (purged after MinJobAge).
+  [[ -z $out ]] && return 0
+  [[ $out =~ ^(COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|PREEMPTED|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE)$ ]]
 }
 
 # Ask GPU $1's daemon to quit in its protocol (v3: -q; v2: quit on the shell).
@@ -222,6 +268,9 @@ main() {
     done
     if ! compgen -G "$(gpu_dir "$gpu")/jobs/*" >/dev/null; then
       stop_daemon "$gpu" || rc=1
+    else
+      # A user whose last job on this GPU ended loses its way to the daemon.
+      restrict_pipe "$gpu" || log "GPU $gpu: cannot restrict its pipe folder to the GPU's users"
     fi
   done
   rm -f -- "$record"
