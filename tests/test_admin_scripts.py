@@ -489,7 +489,11 @@ def _client_as(uid: int, pipe: Path, limit: str | None) -> dict[str, Any]:
             os.close(rfd)
             os.setgid(uid)
             os.setuid(uid)
-            os.write(wfd, json.dumps(fake_mps_control.connect_client(env)).encode())
+            try:
+                record = fake_mps_control.connect_client(env)
+            except PermissionError as exc:  # the daemon refused this client
+                record = {"refused": str(exc)}
+            os.write(wfd, json.dumps(record).encode())
             code = 0
         finally:
             os._exit(code)
@@ -747,5 +751,32 @@ def test_pipe_folders_reach_only_the_gpus_users(short_root):
         assert pipe.stat().st_uid == NOBODY  # the first user keeps it while their job runs
         assert node.run("epilog.sh", 432).returncode == 0
         assert reach(1000) != 0 and reach(NOBODY) == 0
+    finally:
+        node.kill_daemons()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="clients of another user need root to start")
+def test_v3_daemon_serves_no_client_from_a_server_of_another_uid(short_root):
+    """Issue 32 item 11, the fake as the real daemon: a client reaches only a server of its
+    own uid (nvidia-cuda-mps-control(1)). Pointing CUDA_MPS_PIPE_DIRECTORY at another user's
+    server socket is refused; a same-uid client may pick a sibling socket (NVIDIA's
+    "Namespace Routing": the socket selects), which is why a user's own jobs are not fenced
+    from each other (docs/admin.md "Threat model")."""
+    node = Node(short_root, fake="v3")
+    try:
+        node.job_running(311, comment=format_marker("no-pack", gpu_mem_mib=3000, job_id=4))
+        assert node.run("prolog.sh", 311, SLURM_JOB_UID=str(NOBODY)).returncode == 0, node.events()
+        pipe = node.pipe_root / "gpu1" / "pipe"
+        server_socket_dir = pipe / f"uid{NOBODY}"
+        refused = _client_as(0, server_socket_dir, None)  # root passes the folder, not the daemon
+        assert "not the uid 65534" in refused["refused"]
+        own = _client_as(NOBODY, server_socket_dir, "0=99999M")
+        assert own["server"] == f"uid{NOBODY}" and own["effective_limit_mib"] == 3000
+        assert [c["uid"] for c in _fake_state(node, 1)["clients"].values()] == [NOBODY]  # root's not recorded
+        if shutil.which("setfacl") is not None:  # a second user's job on the GPU reaches the folder
+            node.job_running(312, comment=format_marker("no-pack", gpu_mem_mib=2000, job_id=5))
+            assert node.run("prolog.sh", 312, SLURM_JOB_UID="1000").returncode == 0, node.events()
+            assert "refused" in _client_as(1000, server_socket_dir, None)
+            assert _client_as(1000, pipe, None)["server"] == "uid1000"  # its own server, by uid
     finally:
         node.kill_daemons()
