@@ -705,6 +705,9 @@ def test_prolog_caps_every_value(node):
         ("gres:mps:10", "10", format_marker("no-pack", gpu_mem_mib=999999999), "1 10 81920 2\n"),
         ("gres:mps:10", "10", "slurm-dlrm:mode=no-pack,gpu_mem_mib=3000\nComment=x", "1 10 0 2\n"),
         ("gres:mps:10", "10", "slurm-dlrm:mode=no-pack,gpu_mem_mib=3000 TresPerNode=gres:mps:100", "1 10 0 2\n"),
+        # What job_submit.lua admits gets its fence, never none: empty items, leading zeros.
+        ("gres:mps:10", "10", "slurm-dlrm:mode=no-pack,,gpu_mem_mib=03000,", "1 10 3000 2\n"),
+        ("gres:mps:10", "10", "slurm-dlrm:mode=no-pack,gpu_mem_mib=0000000000003000", "1 10 3000 2\n"),
     ]
     for job, (tres, pct, comment, record) in enumerate(cases, start=410):
         node.job_running(job, comment=comment, tres_per_node=tres)

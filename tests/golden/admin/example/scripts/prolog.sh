@@ -286,34 +286,43 @@ job_thread_pct() {
 
 # The per-GPU memory a --no-pack job's --comment marker recorded (docs/interfaces.md
 # section 6), at most GPU_MEM_MIB_MAX, else 0 (no fence: packs, whose agent fences each
-# member, and other jobs). The whole comment must read as a marker.
+# member, and other jobs). The whole comment must read as a marker, by job_submit.lua's
+# grammar (comma-separated key=value, empty items skipped, a count may have leading
+# zeros): a marker it admits must get its fence here, never none.
 job_gpu_mem_mib() {
-  local comment=$JOB_COMMENT field mode='' mib=0
+  local comment=$JOB_COMMENT field mode='' mib=''
   local -a fields
-  local pair='[a-z_]{1,32}=[A-Za-z0-9._-]{1,64}'
   [[ $comment == "$MARKER_PREFIX"* ]] || { echo 0; return; }
-  comment=${comment#"$MARKER_PREFIX"}
-  if ! [[ $comment =~ ^$pair(,$pair)*$ ]]; then
-    log "the --comment marker does not read as key=value pairs; no memory fence"
+  # read takes one line: a comment of several lines is no marker (job_submit.lua refuses it).
+  if [[ $comment == *$'\n'* ]]; then
+    log "the --comment marker spans several lines; no memory fence"
     echo 0
     return
   fi
-  IFS=, read -ra fields <<<"$comment"
+  IFS=, read -ra fields <<<"${comment#"$MARKER_PREFIX"}"
   for field in "${fields[@]}"; do
+    [[ -z $field ]] && continue
+    if ! [[ $field =~ ^[a-z_]+=[A-Za-z0-9._-]+$ ]]; then
+      log "the --comment marker does not read as key=value pairs; no memory fence"
+      echo 0
+      return
+    fi
     case $field in
       mode=*) mode=${field#mode=} ;;
       gpu_mem_mib=*) mib=${field#gpu_mem_mib=} ;;
     esac
   done
-  if [[ $mode == "$MODE_NO_PACK" && $mib =~ ^[1-9][0-9]{0,8}$ ]]; then
-    if ((GPU_MEM_MIB_MAX > 0 && mib > GPU_MEM_MIB_MAX)); then
-      log "gpu_mem_mib=$mib in --comment exceeds the site's largest GPU; held to $GPU_MEM_MIB_MAX MiB"
-      mib=$GPU_MEM_MIB_MAX
-    fi
-    echo "$mib"
-  else
+  if [[ $mode != "$MODE_NO_PACK" || ! $mib =~ ^0*([1-9][0-9]*)$ ]]; then
     echo 0
+    return
   fi
+  mib=${BASH_REMATCH[1]}
+  # Past 9 digits the number is beyond any GPU (and bash's arithmetic): the cap.
+  if [[ ! $mib =~ ^[0-9]{1,9}$ ]] || ((GPU_MEM_MIB_MAX > 0 && mib > GPU_MEM_MIB_MAX)); then
+    log "gpu_mem_mib=$mib in --comment exceeds the site's largest GPU; held to $GPU_MEM_MIB_MAX MiB"
+    mib=$GPU_MEM_MIB_MAX
+  fi
+  echo "$mib"
 }
 
 # The MPS protocol a new daemon gets: [mps] mode, or with auto v3 where the driver has it.
