@@ -729,31 +729,69 @@ def test_epilog_takes_no_job_state_from_the_users_text(node):
     assert node.daemon_pid(1) == pid
 
 
+def _reach(uid: int, pipe: Path) -> bool:
+    """Whether a process of `uid` can reach the daemon's socket in `pipe`."""
+    probe = "import os, sys; sys.exit(0 if os.access(sys.argv[1] + '/control', os.F_OK) else 3)"
+    return subprocess.run(["setpriv", f"--reuid={uid}", "--regid=65534", "--clear-groups",  # noqa: S603,S607
+                           sys.executable, "-c", probe, str(pipe)], timeout=30).returncode == 0
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
 def test_pipe_folders_reach_only_the_gpus_users(short_root):
-    """Issue 32 item 10: a GPU's pipe folder is 0700, owned by the user whose job holds the
-    GPU; a second user's job there is let in by an ACL entry, dropped when its job ends."""
+    """Issue 32 item 10: a GPU's pipe folder stays root's (1700: users cannot replace the
+    daemon's socket or PID file) with an ACL entry for each user with a job on that GPU,
+    dropped when their last job there ends; nobody else reaches the daemon."""
+    if shutil.which("setfacl") is None:
+        pytest.skip("setfacl (acl) not installed: scripts/setup.sh installs it")
     node = Node(short_root / "n")
     try:
         node.job_running(431)
         assert node.run("prolog.sh", 431, gpus="1", SLURM_JOB_UID=str(NOBODY)).returncode == 0, node.events()
         pipe = node.pipe_root / "gpu1" / "pipe"
         st = pipe.stat()
-        assert (st.st_mode & 0o777, st.st_uid) == (0o700, NOBODY)
-        # Another user's process cannot reach GPU 1's daemon; the job's user can.
-        probe = "import os, sys; sys.exit(0 if os.access(sys.argv[1] + '/control', os.F_OK) else 3)"
-        def reach(uid: int) -> int:
-            return subprocess.run(["setpriv", f"--reuid={uid}", "--regid=65534", "--clear-groups",  # noqa: S603,S607
-                                   sys.executable, "-c", probe, str(pipe)], timeout=30).returncode
-        assert reach(NOBODY) == 0
-        assert reach(1000) != 0
-        if shutil.which("setfacl") is None:
-            pytest.skip("setfacl (acl) not installed: scripts/setup.sh installs it")
+        assert st.st_uid == 0 and st.st_mode & 0o1000 and not st.st_mode & 0o007
+        assert _reach(NOBODY, pipe) and not _reach(1000, pipe)
         node.job_running(432)
         assert node.run("prolog.sh", 432, gpus="1", SLURM_JOB_UID="1000").returncode == 0, node.events()
-        assert reach(1000) == 0 and reach(1001) != 0
-        assert pipe.stat().st_uid == NOBODY  # the first user keeps it while their job runs
+        assert _reach(1000, pipe) and not _reach(1001, pipe)
         assert node.run("epilog.sh", 432).returncode == 0
-        assert reach(1000) != 0 and reach(NOBODY) == 0
+        assert not _reach(1000, pipe) and _reach(NOBODY, pipe)
+    finally:
+        node.kill_daemons()
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_without_acls_the_gpus_first_user_owns_its_pipe_folder(short_root):
+    """No setfacl on the node: the folder is 0700 and owned by the first user with a job on
+    the GPU; a second user cannot reach it (events.log says so), and a PID file that user
+    writes there is not taken for the daemon's."""
+    node = Node(short_root / "n")
+    (node.bin / "setfacl").write_text("#!/bin/bash\nexit 127\n")
+    (node.bin / "setfacl").chmod(0o755)
+    try:
+        node.job_running(441)
+        assert node.run("prolog.sh", 441, gpus="1", SLURM_JOB_UID=str(NOBODY)).returncode == 0, node.events()
+        pipe = node.pipe_root / "gpu1" / "pipe"
+        assert (pipe.stat().st_mode & 0o7777, pipe.stat().st_uid) == (0o700, NOBODY)
+        assert _reach(NOBODY, pipe) and not _reach(1000, pipe)
+        node.job_running(442)
+        assert node.run("prolog.sh", 442, gpus="1", SLURM_JOB_UID="1000").returncode == 0, node.events()
+        assert not _reach(1000, pipe)
+        assert "uid 1000 cannot reach the MPS daemon without setfacl" in node.events()
+        # The owner swaps the PID file for one naming GPU 2's daemon (another user's job):
+        # the epilog must not signal it.
+        node.job_running(443)
+        assert node.run("prolog.sh", 443, gpus="2", SLURM_JOB_UID="1001").returncode == 0, node.events()
+        other = node.daemon_pid(2)
+        pid_file = pipe / "nvidia-cuda-mps-control.pid"
+        real = node.daemon_pid(1)
+        pid_file.unlink()
+        pid_file.write_text(f"{other}\n")
+        os.chown(pid_file, NOBODY, NOBODY)
+        assert node.run("epilog.sh", 442).returncode == 0
+        assert node.run("epilog.sh", 441).returncode == 0
+        assert real is not None and wait_gone(real)  # stopped by quit on its socket, not by that PID
+        assert other is not None and alive(other) and node.daemon_pid(2) == other
     finally:
         node.kill_daemons()
 

@@ -58,6 +58,8 @@ daemon_pid() {
   local pidfile pid cmdline
   pidfile="$(pipe_dir "$1")/nvidia-cuda-mps-control.pid"
   [[ -r $pidfile ]] || return 0
+  # Written by the daemon we started (as us), never by the user a pipe folder may belong to.
+  [[ $(stat -c %u "$pidfile" 2>/dev/null) == "$(id -u)" ]] || return 0
   pid=$(<"$pidfile") || return 0
   pid=${pid//[[:space:]]/}
   [[ $pid =~ ^[0-9]+$ ]] || return 0
@@ -107,11 +109,15 @@ daemon_up() {
   [[ -d $(pipe_dir "$1") ]] && daemon_answers "$1"
 }
 
+# True where ACLs can be set here (setfacl, from the acl package).
+have_acl() { setfacl --version >/dev/null 2>&1; }
+
 # GPU $1's pipe folder reachable by the users with jobs on that GPU only (their records in
-# gpu<i>/jobs: "<uid> <MiB>"): 0700, owned by the first of them, the others (jobs of
-# several users on one GPU: [mps] cross_user = time-slice) let in by an ACL entry each.
-# Otherwise any process on the node could point CUDA_MPS_PIPE_DIRECTORY at another GPU's
-# daemon, whose servers run outside the job's device cgroup.
+# gpu<i>/jobs: "<uid> <MiB>"). Otherwise any process on the node could point
+# CUDA_MPS_PIPE_DIRECTORY at another GPU's daemon, whose servers run outside the job's
+# device cgroup. With ACLs the folder stays root's (mode 1700: the sticky bit keeps users
+# from removing or replacing the daemon's socket and PID file) and each such user gets an
+# entry; without, the first of them owns it (0700) and the others cannot reach it.
 restrict_pipe() {
   local gpu=$1 pipe f u owner
   local -a uids=()
@@ -122,20 +128,23 @@ restrict_pipe() {
     read -r u _ <"$f" 2>/dev/null || continue
     [[ $u =~ ^[0-9]+$ ]] && uids+=("$u")
   done
+  if have_acl; then
+    chown "$(id -u):$(id -g)" "$pipe" && chmod 1700 "$pipe" && setfacl -b "$pipe" || return 1
+    for u in $(printf '%s\n' "${uids[@]}" | sort -un); do
+      setfacl -m "u:$u:rwx" "$pipe" || return 1
+    done
+    return 0
+  fi
   chmod 0700 "$pipe" || return 1
-  owner=$(stat -c %u "$pipe")
   [[ -n ${uids[*]:-} ]] || return 0
+  owner=$(stat -c %u "$pipe")
   # Keep the owner while they still have a job here; else the first user with one.
   if [[ " ${uids[*]} " != *" $owner "* ]]; then
     owner=${uids[0]}
     chown "$owner" "$pipe" || return 1
   fi
-  command -v setfacl >/dev/null 2>&1 && setfacl -b "$pipe" 2>/dev/null
   for u in $(printf '%s\n' "${uids[@]}" | sort -un); do
-    [[ $u == "$owner" ]] && continue
-    if ! command -v setfacl >/dev/null 2>&1 || ! setfacl -m "u:$u:rwx" "$pipe" 2>/dev/null; then
-      log "GPU $gpu: cannot let uid $u reach the MPS daemon (setfacl missing or refused: install acl); its CUDA runs without MPS"
-    fi
+    [[ $u == "$owner" ]] || log "GPU $gpu: uid $u cannot reach the MPS daemon without setfacl (install acl); its CUDA runs without MPS"
   done
   return 0
 }
