@@ -129,11 +129,15 @@ restrict_pipe() {
     [[ $u =~ ^[0-9]+$ ]] && uids+=("$u")
   done
   if have_acl; then
-    chown "$(id -u):$(id -g)" "$pipe" && chmod 1700 "$pipe" && setfacl -b "$pipe" || return 1
+    chown "$(id -u):$(id -g)" "$pipe" && chmod 1700 "$pipe" || return 1
+    local acl_ok=1
+    setfacl -b "$pipe" 2>/dev/null || acl_ok=0
     for u in $(printf '%s\n' "${uids[@]}" | sort -un); do
-      setfacl -m "u:$u:rwx" "$pipe" || return 1
+      ((acl_ok)) && { setfacl -m "u:$u:rwx" "$pipe" 2>/dev/null || acl_ok=0; }
     done
-    return 0
+    ((acl_ok)) && return 0
+    # A filesystem without ACLs under mps_pipe_root: as if setfacl were missing.
+    log "GPU $gpu: setfacl refused on $pipe (no ACL support there?); the folder goes to the GPU's first user"
   fi
   chmod 0700 "$pipe" || return 1
   [[ -n ${uids[*]:-} ]] || return 0
@@ -144,7 +148,7 @@ restrict_pipe() {
     chown "$owner" "$pipe" || return 1
   fi
   for u in $(printf '%s\n' "${uids[@]}" | sort -un); do
-    [[ $u == "$owner" ]] || log "GPU $gpu: uid $u cannot reach the MPS daemon without setfacl (install acl); its CUDA runs without MPS"
+    [[ $u == "$owner" ]] || log "GPU $gpu: uid $u cannot reach the MPS daemon without ACLs (install acl); its CUDA runs without MPS"
   done
   return 0
 }
