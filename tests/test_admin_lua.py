@@ -165,6 +165,8 @@ SUBMIT_CASES = [
     ("gpus-per-node-and-per-job", dict(WRAPPER_PACK, min_nodes=4, tres_per_job="gres:gpu:2"), INVALID_GRES,
      "8 GPUs in all is outside 1..6"),
     ("count-too-long", dict(WRAPPER_PACK, tres_per_node="gres:gpu:9999999999"), INVALID_GRES, "cannot read"),
+    # Admitted, so the prolog must fence it (test_prolog_caps_every_value in test_admin_scripts.py).
+    ("marker-empty-items-and-zeros", dict(WRAPPER_MPS, comment="slurm-dlrm:mode=no-pack,,gpu_mem_mib=03000,"), OK, ""),
 ]
 
 
