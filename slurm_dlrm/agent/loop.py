@@ -127,14 +127,20 @@ class Member:
     cgroup: Path | None = None  # its dmem cgroup, joined before exec
     master_port: int | None = None  # a rank of a multi-rank job: its job's MASTER_PORT
     rdzv_file: str | None = None  # and its job's private FileStore
+    oom_kills_at_launch: int | None = None  # the job cgroup's oom_kill count when it started
 
     @property
     def done(self) -> bool:
         return self.state not in ("PENDING", "RUNNING")
 
 
-def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool) -> tuple[str, int, str]:
-    """(state, exit code in shell convention, reason) for a member that ended."""
+def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool,
+                  oom_kills: int | None = None) -> tuple[str, int, str]:
+    """(state, exit code in shell convention, reason) for a member that ended.
+
+    `oom_kills`: how much the job cgroup's memory.events oom_kill rose while it ran
+    (None: unknown). Every kill the agent sends has a `stop_reason`, so a SIGKILL
+    without one came from outside: the counter tells the OOM killer from the rest."""
     signum = -returncode if returncode < 0 else None
     if via_srun and returncode > 128:
         signum = returncode - 128
@@ -158,9 +164,14 @@ def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool) -> t
         return "CANCELLED", code, "did not exit within term_grace_s after SIGTERM; killed"
     if stop_reason == "TERM":
         return "CANCELLED", code, f"stopped by {sig_name or f'exit code {returncode}'} without a checkpoint exit"
+    if signum == signal.SIGKILL:
+        if oom_kills:
+            return "FAILED", code, f"killed by SIGKILL: the kernel OOM killer (cgroup oom_kill +{oom_kills} while it ran)"
+        if oom_kills == 0:
+            return "FAILED", code, "killed by SIGKILL from outside the agent, not the OOM killer (Slurm, scancel, a user)"
+        return "FAILED", code, "killed by SIGKILL from outside the agent (OOM killer, Slurm or a user: no cgroup to tell)"
     if signum:
-        hint = " (the kernel OOM killer sends SIGKILL)" if signum == signal.SIGKILL else ""
-        return "FAILED", code, f"killed by {sig_name}{hint}"
+        return "FAILED", code, f"killed by {sig_name}"
     if returncode == TRAIN_EXIT_BAD_SPEC:
         return "FAILED", code, "the spec did not validate (runner exit code 2)"
     return "FAILED", code, f"exit code {returncode}"
@@ -259,6 +270,7 @@ class Agent:
         self.mps: MpsSetup = MpsSetup("off", None, "not started")
         self.run_dir = Path(opts.tmp_root) / f"slurm-dlrm-agent-{opts.slurm_job_id or os.getpid()}-{opts.node_index}"
         self._run_dir_ours = False
+        self._oom_cgroup = fences.oom_cgroup(fences.cgroup_root(), opts.slurm_job_id)
         self._term_signal: int | None = None
         self._terminating_since: float | None = None
         self._forwarded = False
@@ -615,6 +627,7 @@ class Agent:
         if self.opts.launch != "step":
             m.pid = m.popen.pid
         m.launched_at = time.monotonic()
+        m.oom_kills_at_launch = fences.oom_kill_count(self._oom_cgroup)
         # Rank 0 alone writes the job's metrics file: one rank's rows carry samples/s, not W.
         m.metrics = MetricsTail(p.metrics_path) if p.rank == 0 else None
         m.state = "RUNNING"
@@ -802,7 +815,10 @@ class Agent:
                 # The leader is gone; leftovers of its group (loader workers) go with it.
                 with contextlib.suppress(OSError):
                     os.killpg(m.pid, signal.SIGKILL)
-            state, code, reason = classify_exit(rc, m.stop_reason, via_srun=self.opts.launch == "step")
+            now_kills = fences.oom_kill_count(self._oom_cgroup)
+            rose = None if now_kills is None or m.oom_kills_at_launch is None else now_kills - m.oom_kills_at_launch
+            state, code, reason = classify_exit(rc, m.stop_reason, via_srun=self.opts.launch == "step",
+                                                oom_kills=rose)
             if state == m.stop_reason and m.stop_detail:
                 reason = m.stop_detail
             reason = self._explain(m, state, code, reason)
