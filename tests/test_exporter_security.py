@@ -375,3 +375,4 @@ def test_tls_and_client_certificates_through_prometheus_clients_server(tmp_path)
         res = CliRunner().invoke(cli, ["exporter", "--site", str(site), "--port", free, *args])
         assert res.exit_code == 2 and res.stderr.startswith(f"slurm-dlrm: error: {what}"), res.output
         assert len(res.stderr.strip().splitlines()) == 1
+
