@@ -29,9 +29,10 @@ from slurm_dlrm import exporter as E
 from slurm_dlrm.cli import cli
 from slurm_dlrm.service.daemon import ServicePaths, write_status
 from slurm_dlrm.store import Store
+from slurm_dlrm.store import service_status as S
 from slurm_dlrm.store.db import ensure_private_dir, ensure_private_file
 from slurm_dlrm.store.errors import StoreNotOwned, StoreTimeout, StoreUntrusted
-from slurm_dlrm.store.guard import open_other_store, store_user
+from slurm_dlrm.store.others import open_other_store, store_user
 from tests.test_exporter import NOW, make_store, scrape, site_file, site_for, value
 
 REPO = Path(__file__).resolve().parent.parent
@@ -134,8 +135,8 @@ status_docs = hs.one_of(
 @given(status_docs)
 def test_any_status_json_is_parsed_or_refused_in_one_line(doc):
     try:
-        st = E.parse_service_status(doc)
-    except E.BadStatus as exc:
+        st = S.parse_service_status(doc)
+    except S.BadStatus as exc:
         assert "\n" not in str(exc) and len(str(exc)) < 200
         return
     if st is None:
@@ -143,7 +144,7 @@ def test_any_status_json_is_parsed_or_refused_in_one_line(doc):
     for v in (st.last_round_t, *(() if st.round_s is None else (st.round_s,))):
         assert isinstance(v, float) and v >= 0 and v == v and v != float("inf")
     assert isinstance(st.slurm_ok, bool)
-    assert st.host == "" or E._HOST.fullmatch(st.host)
+    assert st.host == "" or S._HOST.fullmatch(st.host)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -169,8 +170,8 @@ def test_a_fifo_or_huge_status_file_does_not_block_or_load(tmp_path):
                and line.endswith(" 1.0") for line in res.stdout.splitlines())
     os.unlink(tmp_path / "alice" / E.SERVICE_STATUS_FILE)
     (tmp_path / "alice" / E.SERVICE_STATUS_FILE).write_text(json.dumps({"last_round_t": 1.0, "pad": "x" * 70000}))
-    with pytest.raises(E.BadStatus, match="larger than"):
-        E.read_service_status(tmp_path / "alice")
+    with pytest.raises(S.BadStatus, match="larger than"):
+        S.read_service_status(tmp_path / "alice")
 
 
 # ---------------------------------------------------------------- item 4: crafted stores

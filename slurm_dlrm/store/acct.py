@@ -348,7 +348,7 @@ def acct_all_users(site: SiteConfig, fetch: Callable[[Store], list[Any]]) -> tup
     store skipped. `fetch` is `acct_rows` or `acct_table_cells` with its arguments bound."""
     rows: list[Any] = []
     warnings: list[str] = []
-    from slurm_dlrm.store.guard import open_other_store
+    from slurm_dlrm.store.others import open_other_store
 
     for user, path in discover_user_stores(site):
         if not os.access(path, os.R_OK):
