@@ -290,6 +290,7 @@ class Store:
                     self._check_schema()  # inside the snapshot every read below sees
                 yield self
             finally:
+                self._deadline = None  # ending the snapshot is never interrupted
                 if self.conn.in_transaction:
                     self.conn.execute("COMMIT")
 
