@@ -145,6 +145,16 @@ def test_any_status_json_is_parsed_or_refused_in_one_line(doc):
         assert isinstance(v, float) and v >= 0 and v == v and v != float("inf")
     assert isinstance(st.slurm_ok, bool)
     assert st.host == "" or S._HOST.fullmatch(st.host)
+    assert st.user is None or S._USER.fullmatch(st.user)
+
+
+def test_a_label_field_that_is_no_name_is_dropped_not_the_figures():
+    st = S.parse_service_status({"last_round_t": 5, "host": "login1\nfake 1", "user": 'a"b'})
+    assert st is not None and st.last_round_t == 5.0 and st.host == "" and st.user is None
+    with pytest.raises(S.BadStatus, match="round_seconds"):
+        S.parse_service_status({"last_round_t": 5, "round_seconds": float("nan")})
+    with pytest.raises(S.BadStatus, match="slurm_ok"):
+        S.parse_service_status({"last_round_t": 5, "slurm_ok": "yes"})
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -67,12 +67,13 @@ def parse_service_status(data: Any) -> ServiceStatus | None:
     slurm_ok = data.get("slurm_ok", True)
     if not isinstance(slurm_ok, bool):
         raise BadStatus("slurm_ok: not true or false")
+    # label values only: one that is not a plain name is left out, not the figures
     host = data.get("host", "")
-    if not isinstance(host, str) or (host and not _HOST.fullmatch(host)):
-        raise BadStatus("host: not a host name")
+    if not isinstance(host, str) or not _HOST.fullmatch(host):
+        host = ""
     user = data.get("user")
-    if user is not None and not (isinstance(user, str) and _USER.fullmatch(user)):
-        raise BadStatus("user: not a user name")
+    if not isinstance(user, str) or not _USER.fullmatch(user):
+        user = None
     return ServiceStatus(t, round_s, slurm_ok, host, user)
 
 
