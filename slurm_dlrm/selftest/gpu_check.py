@@ -1,0 +1,776 @@
+"""`scripts/gpu-check.sh OUTDIR [--dry]`: one prepared run on a GPU machine (issue 33).
+
+Three steps, each written under OUTDIR as it finishes (a run cut short keeps what it had):
+
+1. `slurm-dlrm selftest --json` on GPU 0 -> selftest.json (what it cannot do there is
+   SKIP with the reason, e.g. the runner's torchrec model where torchrec is missing);
+2. memory: the estimator (`slurm_dlrm.estimate.estimate`) against a plain-torch DLRM
+   built from the same spec (`plain_dlrm`), one child process per config: torch's
+   max_memory_allocated / max_memory_reserved, NVML's memory of the process, the
+   optimizer state held; and which estimator rules the plain-torch model does not follow
+   -> memory.jsonl;
+3. co-location: job types from memory-bound to compute-bound, one warm worker process
+   each, timed alone (with NVML's SM and memory-controller busy shares) and in every pair
+   on the GPU, under our own MPS daemon (`slurm_dlrm.agent.mps.open_mps`, the members'
+   environment from the agent's `member_env`) or, when it does not start, time-slicing
+   -> colocation.jsonl and colocation.csv (the format `slurm-dlrm interference eval
+   --samples` reads).
+
+summary.txt says what was measured and whether the issue's targets were met.
+
+`--dry` runs the same steps here: the fake NVML and fake MPS control daemon, torch on
+the CPU, tiny sizes. Every dry record carries "dry": true, the CSV and the summary say
+DRY in their first line: nothing in them is a GPU measurement.
+
+This process never imports torch (a CUDA context here would be one more client on the
+GPU); the measuring is done by `python -m slurm_dlrm.selftest.gpu_worker`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.errors import BadInput
+
+MIB = 1 << 20
+GIB = 1 << 30
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_SITE = REPO / "site-config" / "site.toml"
+# The issue's targets for the estimator on the plain-torch configs.
+TARGET_MEDIAN_ERR_PCT = 3.0
+TARGET_MAX_UNDER_PCT = 3.0
+MEMORY_STEPS = 5
+MEMORY_TIMEOUT_S = 120.0
+WORKER_READY_TIMEOUT_S = 180.0
+GPU_WINDOW_S = 3.0
+DRY_WINDOW_S = 0.3
+NVML_SAMPLE_S = 0.1
+# Each co-location worker's MPS memory limit: a fence against a runaway, far above what
+# any job type here takes (the fence itself is the selftest's check).
+COLOCATE_MEM_LIMIT_MIB = 12 * 1024
+# The GPU run's whole budget (the lent machine runs a command at most 10 minutes; the
+# issue asks for under 8): the co-location windows shrink to end inside it.
+GPU_BUDGET_S = 450.0
+MIN_WINDOW_S = 0.5
+WINDOW_OVERHEAD_S = 0.5
+
+# ---------------------------------------------------------------- the configs
+
+_BASE: dict[str, Any] = {
+    "tables": [{"rows": 2_000_000, "dim": 64}, {"rows": 1_000_000, "dim": 64},
+               {"rows": 500_000, "dim": 64, "pooling_factor": 8.0}, {"rows": 100_000, "dim": 64}],
+    "dense_features": 13, "bottom_mlp": [512, 256, 64], "top_mlp": [512, 256, 1], "batch_size": 2048,
+    "steps": MEMORY_STEPS, "checkpoint_every_steps": 0, "metrics_every_steps": 1, "loader_workers": 0,
+}
+_DCN = {"type": "dcn", "layers": 2, "low_rank": 64}
+
+# sgd / adagrad / adam / row-wise, fused (sparse table gradients) and not, fp32 and bf16,
+# dot and DCN, batch 512 .. 16384.
+MEMORY_CONFIGS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("mem-sgd-dot-b2048", {"optimizer": {"type": "sgd"}}),
+    ("mem-adagrad-dot-b2048", {"optimizer": {"type": "adagrad"}}),
+    ("mem-adam-dot-b2048", {"optimizer": {"type": "adam"}}),
+    ("mem-rowwise-dot-b2048", {"optimizer": {"type": "rowwise_adagrad"}}),
+    ("mem-sgd-nonfused-b2048", {"optimizer": {"type": "sgd", "fused": False}}),
+    ("mem-adagrad-nonfused-b2048", {"optimizer": {"type": "adagrad", "fused": False}}),
+    ("mem-adam-nonfused-b2048", {"optimizer": {"type": "adam", "fused": False}}),
+    ("mem-sgd-dot-b512", {"optimizer": {"type": "sgd"}, "batch_size": 512}),
+    ("mem-sgd-dot-b16384", {"optimizer": {"type": "sgd"}, "batch_size": 16384}),
+    ("mem-adam-dot-bf16-b4096", {"optimizer": {"type": "adam"}, "mixed_precision": "bf16", "batch_size": 4096}),
+    ("mem-rowwise-dcn-b2048", {"optimizer": {"type": "rowwise_adagrad"}, "interaction": _DCN}),
+    ("mem-adagrad-dcn-bf16-b8192", {"optimizer": {"type": "adagrad"}, "interaction": _DCN,
+                                    "mixed_precision": "bf16", "batch_size": 8192}),
+    ("mem-adam-nonfused-dcn-b16384", {"optimizer": {"type": "adam", "fused": False}, "interaction": _DCN,
+                                      "batch_size": 16384}),
+    ("mem-rowwise-dot-bf16-b16384", {"optimizer": {"type": "rowwise_adagrad"}, "mixed_precision": "bf16",
+                                     "batch_size": 16384}),
+)
+
+
+def _tables(n: int, rows: int, dim: int, pooling: float) -> list[dict[str, Any]]:
+    return [{"rows": rows, "dim": dim, "pooling_factor": pooling} for _ in range(n)]
+
+
+# From memory-bound (many random row gathers, tiny MLPs) to compute-bound (wide MLPs,
+# one id per table). ~1-3 GiB each on a GPU, so eight sit on one GPU together.
+JOB_TYPES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("emb-gather-sgd", {"tables": _tables(4, 1_000_000, 128, 64.0), "bottom_mlp": [64, 128], "top_mlp": [64, 1],
+                        "batch_size": 4096, "optimizer": {"type": "sgd"}}),
+    ("emb-gather-adagrad", {"tables": _tables(4, 500_000, 128, 32.0), "bottom_mlp": [64, 128], "top_mlp": [64, 1],
+                            "batch_size": 4096, "optimizer": {"type": "adagrad"}}),
+    ("emb-rowwise-dcn", {"tables": _tables(8, 250_000, 64, 16.0), "bottom_mlp": [128, 64], "top_mlp": [256, 1],
+                         "batch_size": 4096, "optimizer": {"type": "rowwise_adagrad"}, "interaction": _DCN}),
+    ("balanced-dot", {"tables": _tables(8, 200_000, 64, 4.0), "bottom_mlp": [512, 256, 64],
+                      "top_mlp": [1024, 512, 1], "batch_size": 4096, "optimizer": {"type": "adam"}}),
+    ("balanced-dcn-bf16", {"tables": _tables(8, 200_000, 64, 4.0), "bottom_mlp": [512, 256, 64],
+                           "top_mlp": [1024, 512, 1], "batch_size": 8192, "optimizer": {"type": "adam"},
+                           "interaction": {"type": "dcn", "layers": 3, "low_rank": 256}, "mixed_precision": "bf16"}),
+    ("mlp-wide-fp32", {"tables": _tables(4, 50_000, 128, 1.0), "bottom_mlp": [1024, 1024, 128],
+                       "top_mlp": [2048, 2048, 1024, 1], "batch_size": 8192, "optimizer": {"type": "sgd"}}),
+    ("mlp-wide-bf16", {"tables": _tables(4, 50_000, 128, 1.0), "bottom_mlp": [2048, 2048, 128],
+                       "top_mlp": [4096, 4096, 2048, 1], "batch_size": 16384, "optimizer": {"type": "sgd"},
+                       "mixed_precision": "bf16"}),
+    ("dcn-deep-bf16", {"tables": _tables(26, 20_000, 128, 1.0), "bottom_mlp": [512, 256, 128],
+                       "top_mlp": [1024, 1024, 512, 1], "batch_size": 8192, "optimizer": {"type": "adagrad"},
+                       "interaction": {"type": "dcn", "layers": 3, "low_rank": 512}, "mixed_precision": "bf16"}),
+)
+
+
+def spec_data(name: str, overrides: dict[str, Any], dry: bool) -> dict[str, Any]:
+    """The spec of one config; `dry`: the same shape at CPU-test size (rows / 1000,
+    widths / 16, batch 32), so the plumbing runs in seconds."""
+    data = {**_BASE, **overrides, "name": name}
+    if dry:
+        data["tables"] = [{**t, "rows": max(64, t["rows"] // 1000), "dim": 8} for t in data["tables"]]
+        data["bottom_mlp"] = [max(8, w // 16) for w in data["bottom_mlp"][:-1]] + [8]
+        data["top_mlp"] = [max(4, w // 16) for w in data["top_mlp"][:-1]] + [1]
+        data["batch_size"] = 32
+        if data.get("interaction", {}).get("type") == "dcn":
+            data["interaction"] = {**data["interaction"], "low_rank": 4}
+    return data
+
+
+# ---------------------------------------------------------------- output
+
+
+@dataclass
+class Out:
+    folder: Path
+    dry: bool
+    log_lines: list[str] = field(default_factory=list)
+
+    def jsonl(self, name: str, record: dict[str, Any]) -> None:
+        with open(self.folder / name, "a") as f:
+            f.write(json.dumps({"dry": self.dry, **record}) + "\n")
+
+    def log(self, text: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {text}"
+        self.log_lines.append(line)
+        print(line, file=sys.stderr, flush=True)
+        with open(self.folder / "log.txt", "a") as f:
+            f.write(line + "\n")
+
+
+# ---------------------------------------------------------------- set-up
+
+
+@dataclass
+class Env:
+    """Where the check runs: the environment its children get, NVML, the GPU model."""
+
+    env: dict[str, str]
+    device: str  # "cuda" | "cpu"
+    nvml_index: int | None
+    gpu_name: str
+    model_name: str
+    model_note: str
+    work: Path
+    site_path: Path
+
+
+def prepare(out: Out, site_path: Path, model: str | None) -> Env:
+    from slurm_dlrm.agent import fake_mps_control, fake_nvml
+    from slurm_dlrm.agent.nvml import Nvml
+    from slurm_dlrm.selftest import verdict as V
+    from slurm_dlrm.site import load_site
+
+    site = load_site(site_path)
+    work = Path(tempfile.mkdtemp(prefix="gpuchk-"))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    if out.dry:
+        scenario = work / "fake-nvml.json"
+        gpu = {"name": "NVIDIA H100 80GB HBM3 (fake)", "memory_total_bytes": 80 * GIB,
+               "reserved_bytes": 512 * MIB, "compute_mode": fake_nvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS}
+        scenario.write_text(json.dumps({"gpus": [gpu], "discover_members": True}))
+        env[fake_nvml.ENV_FAKE_NVML] = str(scenario)
+        fake_mps_control.install_launcher(work / "bin")
+        env["PATH"] = f"{work / 'bin'}:{env.get('PATH', '')}"
+        env["CUDA_VISIBLE_DEVICES"] = "0"
+    os.environ.update({k: env[k] for k in (fake_nvml.ENV_FAKE_NVML,) if k in env})  # the NVML seam reads it here
+    nv = Nvml()
+    gpu_name, memory_total = "unknown", None
+    nvml_index = None
+    if nv.init() and nv.device_count() > 0:
+        nvml_index = 0
+        info = nv.device_info(0)
+        gpu_name, memory_total = info.name or "unknown", info.memory_total_bytes
+    nv.shutdown()
+    if model is not None:
+        chosen, note = site.gpu_model(model).name, "named with --model"
+    else:
+        matches = [m for m in site.gpu_models.values()
+                   if memory_total is not None and V.memory_matches(m.memory_gib, memory_total)]
+        if len(matches) == 1:
+            chosen, note = matches[0].name, "matched by NVML's memory total"
+        else:
+            chosen = "h100" if "h100" in site.gpu_models else next(iter(site.gpu_models))
+            note = (f"no site GPU model matches {gpu_name} ({(memory_total or 0) / GIB:.0f} GiB): the "
+                    f"estimates use {chosen}'s figures (CUDA context, cuBLAS workspace)")
+    device = "cpu" if out.dry else "cuda"
+    return Env(env, device, nvml_index, gpu_name, chosen, note, work, site_path)
+
+
+# ---------------------------------------------------------------- step 1: selftest
+
+
+def step_selftest(out: Out, where: Env, site_path: Path, timeout_s: float) -> dict[str, Any] | None:
+    argv = [sys.executable, "-m", "slurm_dlrm", "selftest", "--json", "--gpu", "0", "--site", str(site_path),
+            "--model", where.model_name, *(["--fake"] if out.dry else [])]
+    env = dict(where.env)
+    if out.dry:  # selftest --fake sets up its own fakes
+        env.pop("SLURM_DLRM_FAKE_NVML", None)
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    out.log("selftest: " + " ".join(argv[1:]))
+    try:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s,  # noqa: S603
+                              cwd=REPO, check=False)
+    except subprocess.TimeoutExpired:
+        data: dict[str, Any] = {"error": f"selftest did not finish in {timeout_s:.0f} s"}
+    else:
+        try:
+            data = json.loads(proc.stdout)
+        except ValueError:
+            data = {"error": f"selftest exit {proc.returncode}: {(proc.stderr or proc.stdout).strip()[-500:]}"}
+        data["exit_code"] = proc.returncode
+    data["dry"] = out.dry
+    (out.folder / "selftest.json").write_text(json.dumps(data, indent=2) + "\n")
+    return data
+
+
+# ---------------------------------------------------------------- step 2: memory
+
+
+def _run_worker(argv: list[str], env: dict[str, str], timeout_s: float) -> list[dict[str, Any]]:
+    """The worker's events; one "error" event when it broke before it said anything."""
+    try:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s,  # noqa: S603
+                              check=False)
+    except subprocess.TimeoutExpired:
+        return [{"event": "error", "error": f"no answer in {timeout_s:.0f} s"}]
+    events = []
+    for line in proc.stdout.splitlines():
+        with contextlib.suppress(ValueError):
+            ev = json.loads(line)
+            if isinstance(ev, dict) and "event" in ev:
+                events.append(ev)
+    return events or [{"event": "error", "error": f"exit {proc.returncode}: {proc.stderr.strip()[-300:]}"}]
+
+
+def _pct(est: int, measured: int | None) -> float | None:
+    return round(100.0 * (est - measured) / measured, 2) if measured else None
+
+
+def rules_that_differ(spec: Any) -> list[str]:
+    """Which of the estimator's (torchrec/fbgemm) rules the plain-torch model does not follow."""
+    out = []
+    if spec.optimizer.fused:
+        out.append("fused optimizer: the estimator counts no table gradient (fbgemm updates rows in backward); "
+                   "plain torch holds sparse table gradients (ids x dim) and runs a torch optimizer step")
+    else:
+        out.append("non-fused: the estimator counts DDP's gradient bucket beside the full-table gradient "
+                   "(embedding_gradients = 2 x tables); plain torch runs without DDP (1 x tables)")
+        if spec.optimizer.type == "rowwise_adagrad":
+            out.append("non-fused row-wise Adagrad: plain torch uses Adagrad's full-size state")
+    out.append("inputs: the estimator counts torchrec's KJT offsets (int32 + int64 copies); plain torch "
+               "passes int64 offsets per table")
+    if spec.interaction.type == "dot":
+        out.append("dot interaction: plain torch gathers the upper triangle by index (one B x P copy)")
+    return out
+
+
+def step_memory(out: Out, where: Env, configs: tuple[tuple[str, dict[str, Any]], ...]) -> list[dict[str, Any]]:
+    from slurm_dlrm.estimate import estimate
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.spec import parse_spec
+
+    model = load_site(where.site_path).gpu_model(where.model_name)
+    specs = []
+    for name, overrides in configs:
+        data = spec_data(name, overrides, out.dry)
+        (where.work / f"{name}.json").write_text(json.dumps(data))
+        specs.append((name, data, parse_spec(data, name)))
+    argv = [sys.executable, "-m", "slurm_dlrm.selftest.gpu_worker", "memory", "--device", where.device,
+            "--steps", str(MEMORY_STEPS)]
+    if where.nvml_index is not None:
+        argv += ["--nvml-index", str(where.nvml_index)]
+    env = dict(where.env, SLURM_DLRM_JOB_ID="800000")  # the fake NVML lists the worker as a GPU process
+    # On a GPU one process per config: torch's peaks and NVML's figure are per process.
+    # Dry, one process for all (a torch import costs seconds here; nothing is measured).
+    batches = [[n for n, _, _ in specs]] if out.dry else [[n] for n, _, _ in specs]
+    events: dict[str, dict[str, Any]] = {}
+    for names in batches:
+        t0 = time.monotonic()
+        got = _run_worker([*argv, *(str(where.work / f"{n}.json") for n in names)], env,
+                          MEMORY_TIMEOUT_S * len(names))
+        for n in names:
+            ev = next((e for e in got if e.get("spec") == n), None) or \
+                next((e for e in got if e.get("event") == "error" and "spec" not in e), None) or \
+                {"event": "error", "error": "the worker reported nothing for it"}
+            events[n] = dict(ev, seconds=round((time.monotonic() - t0) / len(names), 1))
+    records = []
+    for name, data, spec in specs:
+        rec = memory_record(name, data, spec, estimate(spec, model), events[name], where.model_name, out.dry)
+        out.jsonl("memory.jsonl", rec)
+        records.append(rec)
+        if rec["status"] == "ERROR":
+            out.log(f"memory {name}: ERROR {rec['error']}")
+        else:
+            r = rec["rules"]
+            out.log(f"memory {name}: estimate {rec['estimate_bytes'] / MIB:.0f} MiB, reserved "
+                    f"{(rec['measured']['max_memory_reserved_bytes'] or 0) / MIB:.0f} MiB "
+                    f"({r['estimate_without_context_vs_reserved_pct']}% w/o context), NVML "
+                    f"{(rec['measured']['nvml_process_bytes'] or 0) / MIB:.0f} MiB ({r['estimate_vs_nvml_pct']}%)")
+    return records
+
+
+def memory_record(name: str, data: dict[str, Any], spec: Any, est: Any, ev: dict[str, Any], model_name: str,
+                  dry: bool) -> dict[str, Any]:
+    """One config: the estimate, what the plain-torch run measured, each rule beside its figure."""
+    from slurm_dlrm.estimate.timeline import DENSE_OPT, EMB_OPT, EMB_WEIGHTS
+
+    bd = est.gpu_breakdown
+    rec: dict[str, Any] = {"config": name, "spec": data, "gpu_model": model_name, "estimate_bytes": est.gpu_peak_bytes,
+                           "estimate_breakdown": bd, "rules_that_differ": rules_that_differ(spec),
+                           "seconds": ev.get("seconds")}
+    if ev.get("event") != "memory":
+        rec.update(status="ERROR", error=ev.get("error"))
+        return rec
+    reserved, allocated = ev.get("max_memory_reserved_bytes"), ev.get("max_memory_allocated_bytes")
+    nvml_bytes, reserved_now = ev.get("nvml_process_bytes"), ev.get("memory_reserved_now_bytes")
+    context, rounding = bd.get("cuda_context", 0), bd.get("allocator_rounding", 0)
+    opt = ev.get("optimizer_state_bytes") or {}
+    measured = {k: ev.get(k) for k in ("max_memory_allocated_bytes", "max_memory_reserved_bytes",
+                                       "memory_reserved_now_bytes", "nvml_process_bytes", "segments_peak",
+                                       "inactive_split_bytes_peak", "table_bytes", "optimizer_state_bytes")}
+    rec.update(status="DRY" if dry else "MEASURED", notes=ev.get("notes"), measured=measured, rules={
+        # each estimator rule beside what the plain-torch run shows for it
+        "estimate_without_context_vs_reserved_pct": _pct(est.gpu_peak_bytes - context, reserved),
+        "estimate_tensors_vs_allocated_pct": _pct(est.gpu_peak_bytes - context - rounding, allocated),
+        "estimate_vs_nvml_pct": _pct(est.gpu_peak_bytes, nvml_bytes),
+        "cuda_context": {"estimate_bytes": context,
+                         "measured_bytes": nvml_bytes - reserved_now if nvml_bytes and reserved_now else None,
+                         "how": "NVML process memory minus torch's memory_reserved, after the run"},
+        "allocator_rounding": {"estimate_bytes": rounding,
+                               "measured_bytes": reserved - allocated if reserved and allocated else None,
+                               "how": "max_memory_reserved - max_memory_allocated (rounding + fragmentation)"},
+        "cublas_workspace": {"estimate_bytes": bd.get("cublas_workspace", 0),
+                             "how": "inside torch's allocator (max_memory_allocated), not separable here"},
+        "embedding_weights": {"estimate_bytes": bd.get(EMB_WEIGHTS, 0), "measured_bytes": ev.get("table_bytes")},
+        "optimizer_state": {"estimate_bytes": bd.get(EMB_OPT, 0) + bd.get(DENSE_OPT, 0),
+                            "estimate_embedding_bytes": bd.get(EMB_OPT, 0),
+                            "measured_bytes": opt.get("embedding", 0) + opt.get("dense", 0),
+                            "measured_embedding_bytes": opt.get("embedding", 0)},
+    })
+    return rec
+
+
+# ---------------------------------------------------------------- step 3: co-location
+
+
+@dataclass
+class Worker:
+    name: str
+    proc: subprocess.Popen[str]
+    ready: dict[str, Any] | None = None
+
+    def send(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def read(self, timeout_s: float) -> dict[str, Any]:
+        """The next event; an "error" event when the worker died or said nothing in time."""
+        import selectors
+
+        assert self.proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(self.proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                    break
+                line = self.proc.stdout.readline()
+                if not line:
+                    return {"event": "error", "error": f"worker exited ({self.proc.poll()})"}
+                with contextlib.suppress(ValueError):
+                    ev = json.loads(line)
+                    if isinstance(ev, dict) and "event" in ev:
+                        return ev
+        finally:
+            sel.close()
+        return {"event": "error", "error": f"no answer in {timeout_s:.0f} s"}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                self.send("quit")
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def _open_mps(out: Out, where: Env) -> Any:
+    from slurm_dlrm.agent.mps import open_mps
+
+    mps = open_mps(True, ["0"], where.work, "chk", env=where.env, site_mode="own")
+    out.log(f"co-location: MPS {mps.mode}: {mps.detail}")
+    return mps
+
+
+def _member_env(where: Env, mps: Any, i: int, name: str) -> dict[str, str]:
+    from slurm_dlrm.agent.loop import member_env
+    from slurm_dlrm.agent.placement import MemberPlacement
+
+    m = MemberPlacement(job_id=700_000 + i, name=name, node_index=0, gpu_index=0, mps_thread_pct=100,
+                        gpu_mem_limit_mib=COLOCATE_MEM_LIMIT_MIB, host_mem_limit_bytes=0, cpus=1, command=(),
+                        checkpoint_dir=str(where.work / name), metrics_path=str(where.work / name / "m.jsonl"))
+    gpus = [where.env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]]
+    return member_env(where.env, m, gpus, mps)
+
+
+def _window(out: Out, where: Env, workers: list[Worker], seconds: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Run one timed window on these workers at once; NVML sampled meanwhile."""
+    from slurm_dlrm.agent.nvml import Nvml
+
+    nv = Nvml()
+    nvml_ok = nv.init() and where.nvml_index is not None
+    for w in workers:
+        w.send(f"run {seconds}")
+    sm: list[float] = []
+    bw: list[float] = []
+    mem_by_pid: dict[int, int] = {}
+    t_end = time.monotonic() + seconds
+    while nvml_ok and time.monotonic() < t_end:
+        time.sleep(NVML_SAMPLE_S)
+        assert where.nvml_index is not None
+        snap = nv.sample([where.nvml_index])
+        if snap.gpus and time.monotonic() > t_end - seconds + min(0.5, seconds / 3):  # past the first kernels
+            g = snap.gpus[0]
+            if g.sm_util_pct is not None:
+                sm.append(g.sm_util_pct)
+            if g.mem_util_pct is not None:
+                bw.append(g.mem_util_pct)
+        for p in snap.processes:
+            if p.gpu_mem_bytes is not None:
+                mem_by_pid[p.pid] = max(mem_by_pid.get(p.pid, 0), p.gpu_mem_bytes)
+    nv.shutdown()
+    events = [w.read(seconds + 120) for w in workers]
+    nvml = {"sm_util_pct": round(statistics.fmean(sm), 1) if sm else None,
+            "membw_util_pct": round(statistics.fmean(bw), 1) if bw else None, "samples": len(sm),
+            "gpu_mem_bytes_by_pid": {str(k): v for k, v in mem_by_pid.items()}}
+    return events, nvml
+
+
+def _no_mps(detail: str) -> Any:
+    from slurm_dlrm.agent.mps import MpsSetup
+
+    return MpsSetup("off", None, detail)
+
+
+def _quit_mps(mps: Any) -> None:
+    if mps.daemon is not None and mps.mode == "own":
+        with contextlib.suppress(Exception):
+            mps.daemon.quit()
+
+
+def _start_workers(out: Out, where: Env, job_types: tuple[tuple[str, dict[str, Any]], ...], mps: Any) -> list[Worker]:
+    """One warm worker per job type, each an MPS client of `mps` when it is on; started
+    together, waited for one by one."""
+    workers = []
+    for i, (name, overrides) in enumerate(job_types):
+        spec_file = where.work / f"{name}.json"
+        spec_file.write_text(json.dumps(spec_data(name, overrides, out.dry)))
+        argv = [sys.executable, "-m", "slurm_dlrm.selftest.gpu_worker", "colocate", str(spec_file),
+                "--device", where.device]
+        if where.nvml_index is not None:
+            argv += ["--nvml-index", str(where.nvml_index)]
+        env = _member_env(where, mps, i, name)
+        if out.dry:
+            env["CUDA_VISIBLE_DEVICES"] = "0"  # the fake NVML's member discovery reads it
+        with open(where.work / f"{name}.err", "w") as err:  # the child keeps its own descriptor
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,  # noqa: S603
+                                    stderr=err, text=True)
+        workers.append(Worker(name, proc))
+    for w in workers:
+        w.ready = w.read(WORKER_READY_TIMEOUT_S)
+        if w.ready.get("event") != "ready":
+            with contextlib.suppress(OSError):
+                tail = (where.work / f"{w.name}.err").read_text().strip().splitlines()[-1:]
+                w.ready["stderr"] = tail[0][:300] if tail else ""
+            out.log(f"co-location {w.name}: did not start: {w.ready.get('error')} {w.ready.get('stderr', '')}")
+    return workers
+
+
+def fit_window_s(window_s: float, windows: int, seconds_left: float | None) -> float:
+    """The window that lets every alone and pair window finish in what is left of the
+    budget (each window also costs ~WINDOW_OVERHEAD_S of commands and NVML set-up)."""
+    if seconds_left is None or windows <= 0:
+        return window_s
+    return min(window_s, max(MIN_WINDOW_S, seconds_left / windows - WINDOW_OVERHEAD_S))
+
+
+def step_colocation(out: Out, where: Env, job_types: tuple[tuple[str, dict[str, Any]], ...],
+                    window_s: float, deadline: float | None = None) -> dict[str, Any]:
+    from slurm_dlrm.estimate import estimate
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.spec import parse_spec
+
+    model = load_site(where.site_path).gpu_model(where.model_name)
+    mps = _open_mps(out, where)
+    workers: list[Worker] = []
+    result: dict[str, Any] = {"mode": "mps" if mps.on else "time-slicing", "mps_detail": mps.detail, "alone": {},
+                              "pairs": []}
+    try:
+        workers = _start_workers(out, where, job_types, mps)
+        live = [w for w in workers if w.ready and w.ready.get("event") == "ready"]
+        if mps.on and len(live) < 2:
+            # The daemon started but its clients could not use it: time-slicing still gives a table.
+            why = "; ".join(f"{w.name}: {(w.ready or {}).get('error')}" for w in workers if w not in live)[:500]
+            for w in workers:
+                w.stop()
+            _quit_mps(mps)
+            mps = _no_mps(f"MPS daemon started, but {len(workers) - len(live)} of {len(workers)} clients failed "
+                          f"({why}): time-slicing instead")
+            out.log(f"co-location: {mps.detail}")
+            result.update(mode="time-slicing", mps_detail=mps.detail)
+            workers = _start_workers(out, where, job_types, mps)
+            live = [w for w in workers if w.ready and w.ready.get("event") == "ready"]
+        mode = result["mode"]
+        n = len(live)
+        left = None if deadline is None else deadline - time.monotonic()
+        fitted = fit_window_s(window_s, n + n * (n - 1) // 2, left)
+        if fitted < window_s:
+            out.log(f"co-location: {left:.0f} s of the budget left for {n + n * (n - 1) // 2} windows: "
+                    f"{fitted:.2f} s each instead of {window_s:g} s")
+        window_s = result["window_s"] = fitted
+        for w in live:
+            (ev,), nvml = _window(out, where, [w], window_s)
+            spec = parse_spec(spec_data(w.name, dict(job_types)[w.name], out.dry), w.name)
+            prof = estimate(spec, model).profile
+            mem = nvml["gpu_mem_bytes_by_pid"].get(str(w.proc.pid)) or (w.ready or {}).get("nvml_process_bytes")
+            rec = {"kind": "alone", "job": w.name, "mode": mode, "window": ev, "nvml": nvml,
+                   "gpu_mem_bytes": mem, "estimator_profile": {"sm_util_pct": prof.sm_util_pct,
+                                                               "membw_util_pct": prof.membw_util_pct,
+                                                               "label": prof.label},
+                   "from_step_times": step_time_profile(ev, prof, model, spec.mixed_precision != "none")}
+            result["alone"][w.name] = rec
+            out.jsonl("colocation.jsonl", rec)
+            out.log(f"alone {w.name}: {ev.get('steps_per_s', 0):.1f} steps/s, SM {nvml['sm_util_pct']}%, "
+                    f"mem-bw {nvml['membw_util_pct']}%")
+        for a in range(len(live)):
+            for b in range(a + 1, len(live)):
+                pair = [live[a], live[b]]
+                events, nvml = _window(out, where, pair, window_s)
+                rec = {"kind": "pair", "jobs": [w.name for w in pair], "mode": mode, "windows": events,
+                       "nvml": nvml}
+                result["pairs"].append(rec)
+                out.jsonl("colocation.jsonl", rec)
+                speeds = [_speed(result["alone"][w.name], ev) for w, ev in zip(pair, events, strict=True)]
+                out.log(f"pair {pair[0].name} + {pair[1].name}: speeds {speeds}")
+    finally:
+        for w in workers:
+            w.stop()
+        _quit_mps(mps)
+    write_colocation_csv(out, result)
+    return result
+
+
+def step_time_profile(ev: dict[str, Any], prof: Any, model: Any, half: bool) -> dict[str, Any] | None:
+    """The job's achieved FLOP/s and embedding bytes/s (the estimator's per-sample counts
+    times the measured samples/s) as shares of the GPU model's peaks: a second view of
+    the profile beside NVML's busy shares, which read ~100 % for any job that keeps a
+    kernel running."""
+    rate = ev.get("samples_per_s")
+    if not rate:
+        return None
+    tflops = rate * prof.flops_per_sample / 1e12
+    gbps = rate * prof.emb_bytes_per_sample / 1e9
+    peak_tflops = 2 * model.tf32_tflops if half else model.fp32_tflops
+    return {"achieved_tflops": round(tflops, 3), "sm_pct_of_peak": round(100 * tflops / peak_tflops, 2),
+            "achieved_emb_gbps": round(gbps, 2), "membw_pct_of_peak": round(100 * gbps / model.mem_bandwidth_gbps, 2),
+            "peak_tflops": peak_tflops, "peak_gbps": model.mem_bandwidth_gbps}
+
+
+def _speed(alone: dict[str, Any], ev: dict[str, Any]) -> float | None:
+    solo = (alone.get("window") or {}).get("steps_per_s")
+    together = ev.get("steps_per_s")
+    return round(together / solo, 4) if solo and together is not None else None
+
+
+def write_colocation_csv(out: Out, result: dict[str, Any]) -> Path:
+    """One row per member of each measured pair, in `interference eval --samples` form:
+    the solo profile (NVML's shares alone, else the estimator's, marked in the JSONL)."""
+    path = out.folder / "colocation.csv"
+    with open(path, "w", newline="") as f:
+        tag = "DRY: fake NVML/MPS, CPU torch: NOT a GPU measurement" if out.dry else "measured on a GPU"
+        f.write(f"# {tag}; mode {result['mode']}; speeds are co-located steps/s over alone steps/s\n")
+        w = csv.writer(f)
+        w.writerow(["group", "job", "sm_util_pct", "membw_util_pct", "gpu_mem_gib", "solo_rate", "colocated_rate"])
+        for i, pair in enumerate(result["pairs"]):
+            rows = []
+            for name, ev in zip(pair["jobs"], pair["windows"], strict=True):
+                alone = result["alone"][name]
+                solo = (alone.get("window") or {}).get("steps_per_s")
+                if not solo or ev.get("steps_per_s") is None:
+                    break
+                sm = alone["nvml"]["sm_util_pct"]
+                bw = alone["nvml"]["membw_util_pct"]
+                if sm is None or bw is None:
+                    sm, bw = alone["estimator_profile"]["sm_util_pct"], alone["estimator_profile"]["membw_util_pct"]
+                mem_gib = (alone.get("gpu_mem_bytes") or 0) / GIB
+                rows.append([f"p{i + 1:02d}", name, f"{min(100.0, sm):.1f}", f"{min(100.0, bw):.1f}",
+                             f"{mem_gib:.3f}", f"{solo:.4f}", f"{ev['steps_per_s']:.4f}"])
+            if len(rows) == 2:
+                w.writerows(rows)
+    return path
+
+
+# ---------------------------------------------------------------- summary
+
+
+def memory_targets(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets over the configs that ran: median |error| <= 3 %, none under by > 3 %."""
+    out: dict[str, Any] = {}
+    for key in ("estimate_without_context_vs_reserved_pct", "estimate_vs_nvml_pct"):
+        errs = [r["rules"][key] for r in records if r.get("rules") and r["rules"].get(key) is not None]
+        if not errs:
+            out[key] = {"configs": 0}
+            continue
+        med = statistics.median(abs(e) for e in errs)
+        worst = min(errs)
+        out[key] = {"configs": len(errs), "median_abs_pct": round(med, 2), "most_under_pct": round(worst, 2),
+                    "met": med <= TARGET_MEDIAN_ERR_PCT and worst >= -TARGET_MAX_UNDER_PCT}
+    return out
+
+
+def write_summary(out: Out, where: Env, selftest: dict[str, Any] | None, memory: list[dict[str, Any]],
+                  coloc: dict[str, Any] | None, seconds: float) -> str:
+    lines = []
+    if out.dry:
+        lines.append("DRY RUN: fake NVML, fake MPS daemon, torch on the CPU, tiny sizes. NOTHING HERE WAS MEASURED "
+                     "ON A GPU; it only shows that the steps run.")
+    lines.append(f"gpu-check on {where.gpu_name} (site model {where.model_name}: {where.model_note}), "
+                 f"{seconds:.0f} s")
+    if selftest is not None:
+        counts = (selftest.get("verdict") or {}).get("counts")
+        lines.append(f"selftest: exit {selftest.get('exit_code')}, {counts or selftest.get('error')}")
+        for c in selftest.get("checks", []):
+            lines.append(f"  {c['name']}: {c['status']} {c['figure']}"
+                         + (f" ({c['fix'] or c['detail']})" if c["status"] in ("FAIL", "SKIP") else ""))
+    ok = [r for r in memory if r.get("status") in ("MEASURED", "DRY")]
+    lines.append(f"memory: {len(ok)} of {len(memory)} plain-torch configs ran")
+    for key, t in memory_targets(ok).items():
+        if t.get("configs"):
+            verdict = "DRY" if out.dry else ("target met" if t["met"] else "target NOT met")
+            lines.append(f"  {key}: median |err| {t['median_abs_pct']}%, lowest {t['most_under_pct']:+}% over "
+                         f"{t['configs']} configs: {verdict}")
+    for r in memory:
+        if r.get("status") == "ERROR":
+            lines.append(f"  {r['config']}: ERROR {r.get('error')}")
+    if coloc is not None:
+        n_pairs = sum(1 for line in (out.folder / "colocation.csv").read_text().splitlines()
+                      if line and not line.startswith("#")) // 2
+        lines.append(f"co-location ({coloc['mode']}; {coloc['mps_detail']}): {len(coloc['alone'])} job types "
+                     f"alone, {n_pairs} pairs in colocation.csv (target 28)")
+    text = "\n".join(lines) + "\n"
+    (out.folder / "summary.txt").write_text(text)
+    return text
+
+
+# ---------------------------------------------------------------- main
+
+
+def run(out_dir: Path, dry: bool, site_path: Path, model: str | None, window_s: float,
+        skip: frozenset[str] = frozenset()) -> int:
+    t0 = time.monotonic()
+    out = Out(out_dir, dry)
+    where = prepare(out, site_path, model)
+    out.log(f"gpu-check{' (DRY)' if dry else ''}: GPU {where.gpu_name}, NVML index {where.nvml_index}, "
+            f"model {where.model_name} ({where.model_note}), device {where.device}")
+    selftest = memory = coloc = None
+    try:
+        if "selftest" not in skip:
+            selftest = step_selftest(out, where, site_path, 420.0)
+        memory = step_memory(out, where, MEMORY_CONFIGS) if "memory" not in skip else []
+        if "colocation" not in skip:
+            coloc = step_colocation(out, where, JOB_TYPES, window_s, None if dry else t0 + GPU_BUDGET_S - 15)
+    finally:
+        text = write_summary(out, where, selftest, memory or [], coloc, time.monotonic() - t0)
+        shutil.rmtree(where.work, ignore_errors=True)
+    sys.stdout.write(text)
+    return 0
+
+
+def _need_a_gpu() -> None:
+    """Without --dry, only the driver's NVML and a GPU: a fake could never pass for one."""
+    from slurm_dlrm.agent import fake_nvml
+    from slurm_dlrm.agent.nvml import Nvml
+
+    if os.environ.get(fake_nvml.ENV_FAKE_NVML):
+        raise BadInput(f"${fake_nvml.ENV_FAKE_NVML} is set: a GPU run never uses the fake NVML (unset it, or use --dry)")
+    logging.getLogger("slurm_dlrm.agent.nvml").setLevel(logging.ERROR)  # our one line says it
+    nv = Nvml()
+    try:
+        if not nv.init():
+            raise BadInput(f"no GPU here ({nv.reason}): run on the GPU machine, or use --dry")
+        if nv.device_count() < 1:
+            raise BadInput("NVML lists no GPU here: run on the GPU machine, or use --dry")
+    finally:
+        nv.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/gpu-check.sh", description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir", metavar="OUTDIR", help="an empty or new folder for the results")
+    p.add_argument("--dry", action="store_true", help="fakes and the CPU: checks the steps run (nothing measured)")
+    p.add_argument("--site", default=str(DEFAULT_SITE), help="site config whose GPU models the estimates use")
+    p.add_argument("--model", default=None, help="the site's GPU model (default: matched by NVML's memory)")
+    p.add_argument("--window-s", type=float, default=None,
+                   help=f"seconds per co-location window (default {GPU_WINDOW_S}, dry {DRY_WINDOW_S})")
+    p.add_argument("--skip", action="append", default=[], choices=("selftest", "memory", "colocation"),
+                   help="leave a step out (repeatable)")
+    args = p.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise BadInput(f"{out_dir}: must be a new or empty folder (results are never mixed with old ones)")
+    window_s = args.window_s if args.window_s is not None else (DRY_WINDOW_S if args.dry else GPU_WINDOW_S)
+    if not (math.isfinite(window_s) and 0 < window_s <= 60):
+        raise BadInput(f"--window-s {args.window_s}: must be > 0 and <= 60")
+    site = Path(args.site)
+    if not site.is_file():
+        raise BadInput(f"--site {site}: no such file")
+    from slurm_dlrm.site import load_site
+
+    if args.model is not None:
+        load_site(site).gpu_model(args.model)  # an unknown name: bad input, before anything runs
+    if not args.dry:
+        _need_a_gpu()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return run(out_dir, args.dry, site.resolve(), args.model, window_s, frozenset(args.skip))
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except BadInput as exc:
+        print(f"gpu-check: error: {exc}", file=sys.stderr)
+        sys.exit(2)
