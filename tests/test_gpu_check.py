@@ -202,3 +202,39 @@ def test_colocation_windows_shrink_to_end_inside_the_budget():
     fitted = fit_window_s(3.0, 36, 90.0)
     assert fitted == pytest.approx(90.0 / 36 - WINDOW_OVERHEAD_S) and 36 * (fitted + WINDOW_OVERHEAD_S) <= 90.0
     assert fit_window_s(3.0, 36, 5.0) == MIN_WINDOW_S  # never below a measurable window
+
+
+@pytest.mark.torch
+def test_a_worker_that_dies_costs_its_own_pairs_only(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from slurm_dlrm.agent import fake_nvml
+    from slurm_dlrm.selftest import gpu_check as G
+
+    monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, "")
+    out = G.Out(tmp_path / "out", dry=True)
+    out.folder.mkdir()
+    where = G.prepare(out, G.DEFAULT_SITE, None)
+    real = G._start_workers
+
+    def start(out_, where_, job_types, mps):
+        workers = real(out_, where_, job_types[:2], mps)
+        # says it is ready, then dies (a CUDA error, an OOM) before its first window
+        proc = subprocess.Popen([sys.executable, "-c", "print('{\"event\": \"ready\"}', flush=True)"],  # noqa: S603
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        proc.wait(timeout=60)
+        dying = G.Worker(job_types[2][0], proc)
+        dying.ready = dying.read(60)
+        assert dying.ready["event"] == "ready"
+        return [*workers, dying]
+
+    monkeypatch.setattr(G, "_start_workers", start)
+    try:
+        result = G.step_colocation(out, where, G.JOB_TYPES[:3], 0.2)
+    finally:
+        import shutil
+
+        shutil.rmtree(where.work, ignore_errors=True)
+    assert result["alone"][G.JOB_TYPES[2][0]]["window"]["event"] == "error"
+    assert len(result["pairs"]) == 3  # every pair was tried
+    (group,), _ = read_groups(str(out.folder / "colocation.csv"))  # only the pair of the two that ran
+    assert {str(j) for j in group.jobs} == {G.JOB_TYPES[0][0], G.JOB_TYPES[1][0]}

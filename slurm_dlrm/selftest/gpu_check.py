@@ -391,8 +391,11 @@ class Worker:
 
     def send(self, line: str) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
+        # A worker that died (CUDA error, OOM) shows as an "error" event at the next read,
+        # not as a broken pipe that would end the whole table.
+        with contextlib.suppress(OSError, ValueError):
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
 
     def read(self, timeout_s: float) -> dict[str, Any]:
         """The next event; an "error" event when the worker died or said nothing in time."""
@@ -419,8 +422,7 @@ class Worker:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            with contextlib.suppress(OSError, ValueError):
-                self.send("quit")
+            self.send("quit")
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
