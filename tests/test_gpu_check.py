@@ -160,12 +160,13 @@ def test_colocation_falls_back_to_time_slicing_when_mps_clients_fail(tmp_path, m
     pytest.importorskip("torch")
     from slurm_dlrm.agent import fake_nvml
     from slurm_dlrm.selftest import gpu_check as G
+    from slurm_dlrm.selftest import gpu_colocation as C
 
     monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, "")  # prepare() points it at its scenario; restored after
     out = G.Out(tmp_path / "out", dry=True)
     out.folder.mkdir()
     where = G.prepare(out, G.DEFAULT_SITE, None)
-    real = G._start_workers
+    real = C._start_workers
     calls = []
 
     def start(out_, where_, job_types, mps):
@@ -176,12 +177,12 @@ def test_colocation_falls_back_to_time_slicing_when_mps_clients_fail(tmp_path, m
         for name, _ in job_types:  # clients that die at CUDA's first call
             proc = subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE,  # noqa: S603
                                     stdout=subprocess.PIPE, text=True)
-            workers.append(G.Worker(name, proc, ready={"event": "error", "error": "CUDA error: MPS client failed"}))
+            workers.append(C.Worker(name, proc, ready={"event": "error", "error": "CUDA error: MPS client failed"}))
         return workers
 
-    monkeypatch.setattr(G, "_start_workers", start)
+    monkeypatch.setattr(C, "_start_workers", start)
     try:
-        result = G.step_colocation(out, where, G.JOB_TYPES[:2], 0.2)
+        result = C.step_colocation(out, where, G.JOB_TYPES[:2], 0.2)
     finally:
         import shutil
 
@@ -195,7 +196,7 @@ def test_colocation_falls_back_to_time_slicing_when_mps_clients_fail(tmp_path, m
 
 
 def test_colocation_windows_shrink_to_end_inside_the_budget():
-    from slurm_dlrm.selftest.gpu_check import MIN_WINDOW_S, WINDOW_OVERHEAD_S, fit_window_s
+    from slurm_dlrm.selftest.gpu_colocation import MIN_WINDOW_S, WINDOW_OVERHEAD_S, fit_window_s
 
     assert fit_window_s(3.0, 36, None) == 3.0  # dry: no budget
     assert fit_window_s(3.0, 36, 600.0) == 3.0  # room enough
@@ -209,12 +210,13 @@ def test_a_worker_that_dies_costs_its_own_pairs_only(tmp_path, monkeypatch):
     pytest.importorskip("torch")
     from slurm_dlrm.agent import fake_nvml
     from slurm_dlrm.selftest import gpu_check as G
+    from slurm_dlrm.selftest import gpu_colocation as C
 
     monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, "")
     out = G.Out(tmp_path / "out", dry=True)
     out.folder.mkdir()
     where = G.prepare(out, G.DEFAULT_SITE, None)
-    real = G._start_workers
+    real = C._start_workers
 
     def start(out_, where_, job_types, mps):
         workers = real(out_, where_, job_types[:2], mps)
@@ -222,14 +224,14 @@ def test_a_worker_that_dies_costs_its_own_pairs_only(tmp_path, monkeypatch):
         proc = subprocess.Popen([sys.executable, "-c", "print('{\"event\": \"ready\"}', flush=True)"],  # noqa: S603
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         proc.wait(timeout=60)
-        dying = G.Worker(job_types[2][0], proc)
+        dying = C.Worker(job_types[2][0], proc)
         dying.ready = dying.read(60)
         assert dying.ready["event"] == "ready"
         return [*workers, dying]
 
-    monkeypatch.setattr(G, "_start_workers", start)
+    monkeypatch.setattr(C, "_start_workers", start)
     try:
-        result = G.step_colocation(out, where, G.JOB_TYPES[:3], 0.2)
+        result = C.step_colocation(out, where, G.JOB_TYPES[:3], 0.2)
     finally:
         import shutil
 
