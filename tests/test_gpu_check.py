@@ -64,6 +64,7 @@ def test_dry_run_writes_what_the_gpu_run_writes_and_says_dry(tmp_path):
         assert r["estimate_bytes"] > 0 and r["rules_that_differ"]
         assert r["measured"]["max_memory_reserved_bytes"] is None  # no CUDA: nothing of torch's peaks is made up
         assert r["measured"]["nvml_process_bytes"] > 0  # the fake NVML saw the worker through the agent's seam
+        assert r["measured"]["batches_on_device"] == 1  # as the estimator counts: the batch in use
         opt = r["rules"]["optimizer_state"]
         assert opt["measured_embedding_bytes"] == opt["estimate_embedding_bytes"], r["config"]
 

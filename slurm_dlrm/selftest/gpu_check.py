@@ -244,7 +244,8 @@ def memory_record(name: str, data: dict[str, Any], spec: Any, est: Any, ev: dict
     opt = ev.get("optimizer_state_bytes") or {}
     measured = {k: ev.get(k) for k in ("max_memory_allocated_bytes", "max_memory_reserved_bytes",
                                        "memory_reserved_now_bytes", "nvml_process_bytes", "segments_peak",
-                                       "inactive_split_bytes_peak", "table_bytes", "optimizer_state_bytes")}
+                                       "inactive_split_bytes_peak", "table_bytes", "optimizer_state_bytes",
+                                       "batches_on_device")}
     rec.update(status="DRY" if dry else "MEASURED", notes=ev.get("notes"), measured=measured, rules={
         # each estimator rule beside what the plain-torch run shows for it
         "estimate_without_context_vs_reserved_pct": _pct(est.gpu_peak_bytes - context, reserved),

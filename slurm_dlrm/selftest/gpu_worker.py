@@ -74,7 +74,7 @@ def role_memory(args: argparse.Namespace) -> int:
     for path in args.spec:  # one spec per process on a GPU (its own context and NVML entry)
         spec = _load(path)
         try:
-            trainer = build_trainer(spec, device)
+            trainer = build_trainer(spec, device, batches=1)  # the estimator counts the batch in use only
             for _ in range(args.steps):  # Adam's state appears at the first step; the peak is in the first two
                 trainer.step()
             _sync(device)
@@ -90,6 +90,7 @@ def role_memory(args: argparse.Namespace) -> int:
              inactive_split_bytes_peak=stats.get("inactive_split_bytes.all.peak"),
              optimizer_state_bytes=trainer.optimizer_state_bytes(),
              table_bytes=sum(p.numel() * p.element_size() for p in trainer.model.tables.parameters()),
+             batches_on_device=len(trainer.batches),
              nvml_process_bytes=nvml_process_bytes(args.nvml_index))
         del trainer
     return 0
