@@ -241,3 +241,29 @@ def test_a_worker_that_dies_costs_its_own_pairs_only(tmp_path, monkeypatch):
     assert len(result["pairs"]) == 3  # every pair was tried
     (group,), _ = read_groups(str(out.folder / "colocation.csv"))  # only the pair of the two that ran
     assert {str(j) for j in group.jobs} == {G.JOB_TYPES[0][0], G.JOB_TYPES[1][0]}
+
+
+def test_gpu_sizes_cover_the_issue_and_fit_the_gpu():
+    """The GPU-size configs (the dry run uses the small ones): they parse, cover what the
+    issue asks, and the eight job types fit their MPS limits and one 80 GB GPU together."""
+    from slurm_dlrm.estimate import estimate
+    from slurm_dlrm.selftest.gpu_colocation import COLOCATE_MEM_LIMIT_MIB
+    from slurm_dlrm.selftest.gpu_configs import JOB_TYPES, MEMORY_CONFIGS, spec_data
+    from slurm_dlrm.site import REPO_SITE_FILE, load_site
+    from slurm_dlrm.spec import parse_spec
+
+    h100 = load_site(REPO_SITE_FILE).gpu_model("h100")
+    memory = [parse_spec(spec_data(n, o, dry=False), n) for n, o in MEMORY_CONFIGS]
+    assert len(memory) >= 12
+    assert {s.optimizer.type for s in memory} >= {"sgd", "adagrad", "adam"}
+    assert {s.mixed_precision for s in memory} == {"none", "bf16"}
+    assert {s.interaction.type for s in memory} == {"dot", "dcn"}
+    assert min(s.batch_size for s in memory) == 512 and max(s.batch_size for s in memory) == 16384
+    assert {s.optimizer.fused for s in memory} == {True, False}
+    jobs = [parse_spec(spec_data(n, o, dry=False), n) for n, o in JOB_TYPES]
+    assert len(jobs) >= 8 and len({s.name for s in jobs}) == len(jobs)
+    peaks = [estimate(s, h100).gpu_peak_bytes for s in jobs]
+    assert max(peaks) < COLOCATE_MEM_LIMIT_MIB * (1 << 20) / 2  # the fence is a guard, never the limit met
+    assert sum(peaks) < 0.5 * h100.memory_gib * (1 << 30)  # all eight warm workers on one GPU
+    ids = [sum(t.ids_per_sample for t in s.tables) * s.batch_size for s in jobs]
+    assert max(ids) / min(ids) >= 32  # ids per step: gather-heavy (1 M) to one id per table (32 k)
