@@ -6,7 +6,8 @@ a CUDA client under MPS does, from the variables the agent's `member_env` set:
 `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` ("0=<MiB>M") ends the allocation loop with an
 out-of-memory event. `FAKE_CUDA_BROKEN` names what a broken node would do instead:
 "share" (no throttling), "fence" (no memory limit), "neighbour" (the steady client dies),
-"estimate" (the run peaks far above any estimate), "cuda" (no CUDA client starts).
+"estimate" (the run peaks far above any estimate), "cuda" (no CUDA client starts),
+"torchrec" (torch without torchrec: the estimate role says it cannot run).
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def main() -> int:
         wait_stop()
         return 0 if "fence" in BROKEN else 3
     elif a.role == "estimate":
+        if "torchrec" in BROKEN:  # the probe's answer on a machine with torch alone
+            emit("unavailable", reason="torchrec is not installed: the runner trains torchrec's model")
+            return 0
         from slurm_dlrm.estimate import estimate
         from slurm_dlrm.site import load_site
         from slurm_dlrm.spec import parse_spec

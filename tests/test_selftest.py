@@ -459,6 +459,39 @@ def test_probe_runs_the_runner_and_reports_cuda_errors_as_events(tmp_path):
         assert bench.returncode == 1 and event["event"] == "error" and event["error"]
 
 
+def test_probe_without_torchrec_says_unavailable_not_error(tmp_path):
+    """A GPU machine with torch alone (scripts/gpu-check.sh's): the estimate role says the
+    runner's libraries are missing, as an "unavailable" event, not as a broken node."""
+    pytest.importorskip("torch")
+    data = run_mod.estimator_spec(dict(run_mod.ESTIMATOR_SPECS[0]), steps=2)
+    (tmp_path / "spec.json").write_text(json.dumps(data))
+    status = tmp_path / "events.jsonl"
+    argv = ["estimate", "--device", "cpu", "--spec", str(tmp_path / "spec.json"), "--workdir", str(tmp_path),
+            "--status", str(status)]
+    code = ("import sys; sys.modules['torchrec'] = None\n"
+            "from slurm_dlrm.selftest import probe\n"
+            f"sys.exit(probe.main({argv!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,  # noqa: S603
+                         check=False)
+    (event,) = [json.loads(x) for x in status.read_text().splitlines()]
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert event["event"] == "unavailable" and event["reason"].startswith("torchrec is not installed")
+
+
+def test_gpu_path_without_torchrec_skips_the_runner_specs_and_says_why(gpu_node, monkeypatch):
+    monkeypatch.setenv("FAKE_CUDA_BROKEN", "torchrec")
+    code, data = _run_json("--fake")
+    checks = {c["name"]: c for c in data["checks"]}
+    assert code == 0, [(c["name"], c["status"], c["figure"]) for c in data["checks"] if c["status"] == V.FAIL]
+    for overrides in run_mod.ESTIMATOR_SPECS:
+        check = checks[f"estimator.{overrides['name']}"]
+        assert check["status"] == V.SKIP and "torchrec is not installed" in check["detail"]
+    assert checks["estimator.cuda_context"]["status"] == V.SKIP
+    assert checks["mps.memory_fence"]["status"] == V.PASS  # the other steps still ran
+    assert not data["verdict"]["accepted"]  # a SKIP is never an acceptance
+    assert _fake_daemons() == set()
+
+
 def test_the_estimator_specs_cover_what_the_issue_asks():
     specs = [parse_spec(run_mod.estimator_spec(o, 5)) for o in run_mod.ESTIMATOR_SPECS]
     assert {s.interaction.type for s in specs} == {"dot", "dcn"}

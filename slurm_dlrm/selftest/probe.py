@@ -9,7 +9,8 @@ CUDA context, MPS client variables and NVML process entry are its own:
     steady    like bench, then keeps computing until --stop appears, printing progress
     greedy    allocates --chunk-mib blocks until CUDA says out of memory; holds them until --stop
     estimate  trains SPEC (JSON file) for --steps with the runner on CUDA; prints torch's peaks
-              and NVML's memory of this process
+              and NVML's memory of this process ("unavailable" when torchrec/fbgemm-gpu
+              are not installed)
     calibrate CUDA context and cuBLAS workspace, GEMM efficiency, copy and gather bandwidth,
               kernel launch overhead
 
@@ -141,11 +142,31 @@ def role_greedy(args: argparse.Namespace, out: TextIO) -> int:
     return code
 
 
+# What the runner's model needs beyond torch; missing, the estimate role says so.
+RUNNER_LIBRARIES = ("torchrec", "fbgemm_gpu")
+
+
 def role_estimate(args: argparse.Namespace, out: TextIO) -> int:
     import torch
 
     from slurm_dlrm.spec import parse_spec
-    from slurm_dlrm.train.runner import RunOptions, StopFlag, quiet_library_logs, setup, teardown
+
+    try:
+        from slurm_dlrm.train.runner import (
+            RunOptions,
+            StopFlag,
+            quiet_library_logs,
+            setup,
+            teardown,
+        )
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing not in RUNNER_LIBRARIES:
+            raise
+        # A GPU machine with torch alone (scripts/gpu-check.sh's): not a broken node.
+        emit(out, "unavailable", reason=f"{missing} is not installed: the runner trains torchrec's model "
+             "(scripts/gpu-check.sh compares the estimator with plain-torch DLRMs instead)")
+        return 0
 
     quiet_library_logs()
     spec = parse_spec(json.loads(Path(args.spec).read_text()), args.spec)

@@ -579,9 +579,13 @@ class Selftest:
         env = dict(self.env, CUDA_VISIBLE_DEVICES=self.ctx.gpu_name, CUDA_DEVICE_ORDER="PCI_BUS_ID")
         for k in ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"):
             env.pop(k, None)
+        unavailable = ""
         for overrides in ESTIMATOR_SPECS:
             data = estimator_spec(overrides, self.opts.steps)
             spec = parse_spec(data, data["name"])
+            if unavailable:  # the same libraries are missing for every spec
+                self.add(f"estimator.{spec.name}", SKIP, "not measured", unavailable)
+                continue
             est = estimate(spec, self.model)
             work = self.work / spec.name
             work.mkdir()
@@ -590,8 +594,12 @@ class Selftest:
                                                       str(work), "--steps", str(self.opts.steps), "--nvml-index",
                                                       str(self.ctx.nvml_index)), env, self.work)
             self.children.append(child)
-            ev = child.wait_for(("estimate",), PROBE_TIMEOUT_S)
+            ev = child.wait_for(("estimate", "unavailable"), PROBE_TIMEOUT_S)
             child.kill()
+            if ev is not None and ev.get("event") == "unavailable":
+                unavailable = str(ev.get("reason"))
+                self.add(f"estimator.{spec.name}", SKIP, "not measured", unavailable)
+                continue
             if ev is None or ev.get("event") != "estimate":
                 self.add(f"estimator.{spec.name}", FAIL, "the run did not finish", _child_error(child),
                          fix="train the spec by hand with slurm-dlrm train to see why (CUDA build of torch/fbgemm?)")
