@@ -225,6 +225,12 @@ class SiteConfig:
     # acct's per-job aggregates stay (Store.prune_samples).
     sample_retention_days: float = 30.0
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
+    # [store] filesystem: "auto" asks statfs whether the store folder is on a network
+    # filesystem (no WAL there: store/fstype.py); "network"/"local" declare it.
+    store_filesystem: str = "auto"
+    # [service] lease_s: how long the service's lease on the store lasts without a
+    # renewal (0: 3 rounds, at least 30 s); another host's service takes over after it.
+    service_lease_s: float = 0.0
 
     def store_dir_for(self, user: str) -> Path:
         return Path(os.path.expanduser(self.store_dir.replace("{user}", user)))
@@ -550,9 +556,15 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         learned_min_groups=r.get("learned_min_groups", int, d.learned_min_groups, min_value=5),
     )
     r.done()
+    st = top.table("store")
+    store_filesystem = st.get("filesystem", str, "auto", choices=("auto", "network", "local"))
+    st.done()
+    sv = top.table("service")
+    service_lease_s = sv.get("lease_s", float, 0.0, min_value=0)
+    sv.done()
     top.done()
     return SiteConfig(name, store_dir, spool_dir, gpu_models, tuple(nodes), tuple(partitions), mps, packing, agent,
-                      path, slurm, sample_retention_days, adapt)
+                      path, slurm, sample_retention_days, adapt, store_filesystem, service_lease_s)
 
 
 def _abs_path(section: _Section, key: str, default: str) -> str:

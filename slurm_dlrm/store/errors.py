@@ -46,3 +46,8 @@ class StoreBusy(StoreError):
 
 class SchemaTooNew(StoreError):
     """The database was migrated by a newer slurm-dlrm than this one."""
+
+
+class StoreWalOnNetwork(StoreError):
+    """A WAL store on a network filesystem that could not be switched to the rollback
+    journal (another process has it open); nothing was changed."""

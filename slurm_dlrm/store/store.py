@@ -95,13 +95,16 @@ class Store:
         clock: Clock = time.time,
         busy_timeout_s: float = 10.0,
         retry_s: float = 300.0,
+        filesystem: str = "auto",
+        immutable: bool = False,
     ) -> None:
         self.path = Path(path)
         self.readonly = readonly
         self.clock = clock
         self.retry_s = retry_s
         try:
-            self.conn: sqlite3.Connection = connect(self.path, readonly=readonly, busy_timeout_s=busy_timeout_s)
+            self.conn: sqlite3.Connection = connect(self.path, readonly=readonly, busy_timeout_s=busy_timeout_s,
+                                                        filesystem=filesystem, immutable=immutable)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open store {self.path}: {exc}") from exc
         self._db: Any = None
@@ -136,6 +139,7 @@ class Store:
 
     @classmethod
     def for_user(cls, site: SiteConfig, user: str | None = None, **kw: Any) -> Store:
+        kw.setdefault("filesystem", site.store_filesystem)
         return cls(store_path_for(site, user), **kw)
 
     def close(self) -> None:
