@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.service.daemon import ServiceLock, read_pid, this_host, write_status
+from slurm_dlrm.service.hosts import LeaseHolder, lease_ttl_s
 from slurm_dlrm.service.loop import LoopControl, run_loop
 from slurm_dlrm.service.submit import service_paths
 from slurm_dlrm.site import SiteConfig
@@ -29,7 +30,6 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
     """
     from slurm_dlrm.service.core import PackingService, ServiceSettings
     from slurm_dlrm.store.states import PACK_ACTIVE, JobState
-    from slurm_dlrm.store.store import Store
 
     paths = service_paths(site, user)
     if control is None:
@@ -60,8 +60,11 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
                 # Unreachable is not unsupported: the rounds back off and retry, and
                 # `queue`/`show` say why jobs wait (docs/service.md, failures are visible).
                 log.warning("Slurm not reachable at start (%s); retrying in the rounds", exc)
-        store = Store.for_user(site, user)
         period = round_seconds if round_seconds is not None else site.packing.round_seconds
+        holder = LeaseHolder(site, user, paths, lease_ttl_s(site, period))
+        store = holder.wait(control, period, idle_exit_s)
+        if store is None:
+            return 0
         # A little under the period, so a timer round never just misses its window.
         svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy,
                                                                  dispatch_window_s=0.9 * period))
@@ -72,6 +75,9 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
 
         def one_round() -> float | None:
             nonlocal idle_since
+            if not holder.renew(store):
+                control.stop = True  # another host's service holds the store now: write nothing more
+                return None
             stats = svc.run_round()
             busy = bool(store.jobs([JobState.PENDING, JobState.PLANNED, JobState.RUNNING], user=user)
                         or store.packs(PACK_ACTIVE, user=user))
@@ -95,6 +101,7 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         try:
             return run_loop(one_round, control, period)
         finally:
+            holder.release(store)
             store.close()
             log.info("packing service for %s stopped", user)
             if handler is not None:
