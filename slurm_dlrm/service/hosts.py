@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.service.daemon import ServicePaths, _write_atomic, this_host
+from slurm_dlrm.service.daemon import ServicePaths, this_host
 from slurm_dlrm.site import SiteConfig
 from slurm_dlrm.store.lease import Lease, acquire, release
 
@@ -40,7 +40,16 @@ def lease_ttl_s(site: SiteConfig, round_seconds: float) -> float:
 
 
 def write_lease_file(paths: ServicePaths, lease: Lease) -> None:
-    _write_atomic(lease_path(paths), json.dumps(lease.to_dict(), sort_keys=True) + "\n")
+    """Atomic replace; the temporary name is per process (a standby may write what it found)."""
+    path = lease_path(paths)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (json.dumps(lease.to_dict(), sort_keys=True) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 def read_lease_file(paths: ServicePaths) -> Lease | None:
@@ -72,7 +81,7 @@ class LeaseHolder:
         self.host = this_host()
         self.lease: Lease | None = None
 
-    def _take(self, store: Any) -> Lease | None:
+    def take(self, store: Any) -> Lease | None:
         # This process holds this host's service flock (run.py takes it first), so a
         # lease of this host's that is still running is a dead service's.
         lease, prev = acquire(store, host=self.host, pid=os.getpid(), token=self.token, ttl_s=self.ttl_s,
@@ -100,7 +109,7 @@ class LeaseHolder:
             if other is None:
                 store = Store.for_user(self.site, self.user)
                 try:
-                    if self._take(store) is not None:
+                    if self.take(store) is not None:
                         log.info("holding the store's lease on host %s for %.0f s at a time", self.host, self.ttl_s)
                         return store
                 except BaseException:
@@ -123,7 +132,7 @@ class LeaseHolder:
     def renew(self, store: Any) -> bool:
         """At the start of each round. False: another host took the store (this service
         was paused past its lease); the caller stops without writing."""
-        if self._take(store) is not None:
+        if self.take(store) is not None:
             return True
         holder = read_lease_file(self.paths)
         log.error("lost the store's lease to host %s (pid %s); stopping without writing",

@@ -9,8 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.service.daemon import ServiceLock, read_pid, this_host, write_status
+from slurm_dlrm.service.dropbox import ingest_requests
 from slurm_dlrm.service.hosts import LeaseHolder, lease_ttl_s
 from slurm_dlrm.service.loop import LoopControl, run_loop
+from slurm_dlrm.service.remote import appliers
+from slurm_dlrm.service.snapshot import SnapshotPublisher
 from slurm_dlrm.service.submit import service_paths
 from slurm_dlrm.site import SiteConfig
 
@@ -68,6 +71,8 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         # A little under the period, so a timer round never just misses its window.
         svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy,
                                                                  dispatch_window_s=0.9 * period))
+        requests = appliers(site, user, slurm)
+        snapshots = SnapshotPublisher(paths.store_dir)
         idle_since = time.monotonic()
         host, started_t = this_host(), time.time()  # several login nodes may see this store folder
         log.info("packing service for %s: pid file %s, round every %.1f s, policy %s",
@@ -78,6 +83,10 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
             if not holder.renew(store):
                 control.stop = True  # another host's service holds the store now: write nothing more
                 return None
+            # requests other login nodes dropped (service/dropbox.py), before this round plans
+            took = ingest_requests(store, paths.store_dir, user, requests)
+            if took.applied or took.refused:
+                log.info("requests from other hosts: %d applied, %d refused", took.applied, took.refused)
             stats = svc.run_round()
             busy = bool(store.jobs([JobState.PENDING, JobState.PLANNED, JobState.RUNNING], user=user)
                         or store.packs(PACK_ACTIVE, user=user))
@@ -93,6 +102,7 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
                 log.info("round %d: %d packs submitted, %d jobs planned, %d transitions, %d report lines "
                          "(%.3f s)", svc.rounds, stats.packs_submitted, stats.jobs_planned, stats.transitions,
                          stats.ingested_lines, stats.seconds)
+            snapshots.publish_if_changed(store)  # what other hosts' queue/acct read
             if idle_exit_s > 0 and not busy and now - idle_since >= idle_exit_s:
                 log.info("nothing to do for %.0f s: exiting", idle_exit_s)
                 control.stop = True
