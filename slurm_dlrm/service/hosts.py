@@ -93,6 +93,27 @@ class LeaseHolder:
         self.lease = lease
         return lease
 
+    def wait_free(self, control: Any, period_s: float, idle_exit_s: float = 0.0,
+                  sleep: Callable[[float], None] = time.sleep) -> bool:
+        """Stand by while another host's live lease holds the store, polling its lease
+        file at least once a round. False: stopped, or idle for `idle_exit_s`."""
+        waited_s = 0.0
+        told = None
+        while not control.stop:
+            other = writer_elsewhere(self.paths)
+            if other is None:
+                return True
+            if told != other.token:
+                told = other.token
+                log.info("standing by: the service on host %s (pid %d) holds the store until %s", other.host,
+                         other.pid, time.strftime("%H:%M:%S", time.localtime(other.expires_t)))
+            if idle_exit_s > 0 and waited_s >= idle_exit_s:
+                return False
+            step = min(period_s, 1.0, max(0.05, other.expires_t - time.time()))
+            sleep(step)
+            waited_s += step
+        return False
+
     def wait(self, control: Any, period_s: float, idle_exit_s: float = 0.0,
              sleep: Callable[[float], None] = time.sleep) -> Any:
         """Block until this service holds the lease; returns the store, opened read-write
@@ -102,31 +123,17 @@ class LeaseHolder:
         standby never opens a database another host writes."""
         from slurm_dlrm.store.store import Store
 
-        waited_s = 0.0
-        told = None
-        while not control.stop:
-            other = writer_elsewhere(self.paths)
-            if other is None:
-                store = Store.for_user(self.site, self.user)
-                try:
-                    if self.take(store) is not None:
-                        log.info("holding the store's lease on host %s for %.0f s at a time", self.host, self.ttl_s)
-                        return store
-                except BaseException:
-                    store.close()
-                    raise
+        while self.wait_free(control, period_s, idle_exit_s, sleep):
+            store = Store.for_user(self.site, self.user)
+            try:
+                if self.take(store) is not None:
+                    log.info("holding the store's lease on host %s for %.0f s at a time", self.host, self.ttl_s)
+                    return store
+            except BaseException:
                 store.close()
-                other = read_lease_file(self.paths)
-            if other is not None and told != other.token:
-                told = other.token
-                log.info("standing by: the service on host %s (pid %d) holds the store until %s", other.host,
-                         other.pid, time.strftime("%H:%M:%S", time.localtime(other.expires_t)))
-            if idle_exit_s > 0 and waited_s >= idle_exit_s:
-                return None
-            # At least once a round: a takeover comes within a round of the lease's end.
-            step = min(period_s, max(0.05, (other.expires_t - time.time()) if other else period_s), 1.0)
-            sleep(step)
-            waited_s += step
+                raise
+            store.close()  # another host took it first: stand by again
+            sleep(min(period_s, 1.0))
         return None
 
     def renew(self, store: Any) -> bool:

@@ -40,6 +40,13 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         # send SIGUSR1 at once, and its default action would kill us.
         control = LoopControl()
         control.install_signal_handlers()
+    period = round_seconds if round_seconds is not None else site.packing.round_seconds
+    holder = LeaseHolder(site, user, paths, lease_ttl_s(site, period))
+    # A service on another login node holds the store: stand by (reading only its lease
+    # file) until that lease ends, before anything here is taken, the flock included: a
+    # network filesystem may share flocks between hosts, or not.
+    if not holder.wait_free(control, period, idle_exit_s):
+        return 0
     lock = ServiceLock.acquire(paths)
     if lock is None:
         log.info("a packing service already runs for %s (pid %s)", user, read_pid(paths))
@@ -63,8 +70,6 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
                 # Unreachable is not unsupported: the rounds back off and retry, and
                 # `queue`/`show` say why jobs wait (docs/service.md, failures are visible).
                 log.warning("Slurm not reachable at start (%s); retrying in the rounds", exc)
-        period = round_seconds if round_seconds is not None else site.packing.round_seconds
-        holder = LeaseHolder(site, user, paths, lease_ttl_s(site, period))
         store = holder.wait(control, period, idle_exit_s)
         if store is None:
             return 0
