@@ -246,6 +246,8 @@ def test_queue_and_cancel_elsewhere_use_the_copy(other_host):
     res = CliRunner().invoke(cli, ["queue", "--json"])
     assert res.exit_code == 0, res.output
     assert "later" not in res.output and '"a"' in res.output
+    res = CliRunner().invoke(cli, ["queue"])
+    assert res.exit_code == 0 and "not running" not in res.output  # its lease says it runs, on login9
     res = CliRunner().invoke(cli, ["acct", "--json"])
     assert res.exit_code == 0, res.output
     res = CliRunner().invoke(cli, ["cancel", "999"])

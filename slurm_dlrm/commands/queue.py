@@ -27,6 +27,11 @@ def _context(site_path: str | None) -> tuple[Any, str, dict[str, Any]]:
     reconcile_orphan_packs(site, user)  # packs a stopped or killed service left open
     pid = running_pid(paths)
     service = {**read_status(paths), "running": pid is not None} if pid is not None else {"running": False}
+    from slurm_dlrm.service.remote import lease_elsewhere
+
+    lease = lease_elsewhere(site, user)
+    if lease is not None:  # its flock may not be seen from here (a network filesystem); its lease is
+        service = {**read_status(paths), "running": True, "host": lease.host, "pid": lease.pid}
     return site, user, service
 
 
