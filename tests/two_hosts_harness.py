@@ -15,8 +15,9 @@ their share of the jobs at once through the real `submit` command (in-process, t
 click, with `--no-service`: each host's service is its driver's child, as a systemd unit
 would run it, so no submit restarts the killed one on login-a and the takeover is
 login-b's). Midway login-a's service is SIGKILLed; login-b's
-takes over when the lease ends. Then login-a, now the other host, times `submit` and
-`queue` as whole commands (a new interpreter each).
+takes over when the lease ends. Login-a times `submit` and `queue` as whole commands (a
+new interpreter each) on the service's host first (the baseline), and again once it is
+the other host.
 
 Every `sqlite3.connect` in every process is audited: a read-write open of the live
 store while the lease file names a live holder on another host, or any open of the live
@@ -130,6 +131,13 @@ def write_site(work: Path, *, round_s: float, lease_s: float) -> Path:
     assert f"round_seconds = {round_s}" in text and f"lease_s = {lease_s}" in text
     site = work / "site.toml"
     site.write_text(text)
+    # What `submit` asks of Slurm itself (its release, `scontrol ping`) when the service's
+    # status is not fresh; the service has SharedFakeSlurm.
+    bin_dir = work / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in (("sinfo", 'echo "slurm 22.05.8"'), ("scontrol", 'echo "Slurmctld(primary) at fake is UP"')):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
     return site
 
 
@@ -138,6 +146,7 @@ def _env(work: Path) -> dict[str, str]:
     env["SLURM_DLRM_SITE"] = str(work / "site.toml")
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
     env.pop("SLURM_CONF", None)
+    env["PATH"] = os.pathsep.join([str(work / "bin"), env.get("PATH", "")])
     return env
 
 
@@ -198,12 +207,16 @@ def driver_main(work: Path, host: str, cfg: dict[str, Any]) -> None:
     (work / f"ready-{host}").touch()
     _wait(lambda: all((work / f"ready-{h}").exists() for h in HOSTS), 30, "the other host never came up")
     n = cfg["submits_per_host"]
-    tail = cfg["timed_submits"] if first else 0
+    timed = cfg["timed_submits"] if first else 0
     out: dict[str, Any] = {"host": host, "submits": [], "kill_t": None}
+    env = _env(work)
+    if first:
+        # The baseline: the same whole commands on the service's own host, before the kill.
+        _whole_commands(work, host, env, out, range(timed), cfg["timed_queues"], "service_host")
     runner = CliRunner()
     killed = False
-    for i in range(n - tail):
-        if first and not killed and i >= (n - tail) // 2:
+    for i in range(timed, n - timed):
+        if first and not killed and i >= n // 2:
             service.send_signal(signal.SIGKILL)  # mid-way, as a login node's watchdog does
             service.wait()
             out["kill_t"] = time.time()
@@ -219,25 +232,9 @@ def driver_main(work: Path, host: str, cfg: dict[str, Any]) -> None:
         out["submits"].append({"name": f"{host}-{i}", "rc": res.exit_code, "out": res.output.strip(),
                                "elsewhere": elsewhere, "ms": round(ms, 2)})
     if first:
-        # Now the other host: whole commands, a new interpreter each, as a user types them.
+        # Now the other host: the same whole commands, as a user types them.
         _wait(lambda: _lease_host(work) == HOSTS[1], 60, "login-b never took over")
-        env = _env(work)
-        for i in range(n - tail, n):
-            t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "slurm_dlrm", "submit", "--parsable", "-J",  # noqa: S603
-                                   f"{host}-{i}", str(SPEC)], cwd=work, env=env, capture_output=True, text=True)
-            ms = (time.perf_counter() - t0) * 1000
-            out["submits"].append({"name": f"{host}-{i}", "rc": proc.returncode, "out": proc.stdout.strip(),
-                                   "err": proc.stderr.strip()[-300:], "elsewhere": True, "ms": round(ms, 2),
-                                   "whole_command": True})
-        out["queue_ms"] = []
-        for _ in range(cfg["timed_queues"]):
-            t0 = time.perf_counter()
-            proc = subprocess.run([sys.executable, "-m", "slurm_dlrm", "queue", "--all"],  # noqa: S603
-                                  cwd=work, env=env, capture_output=True, text=True)
-            out["queue_ms"].append(round((time.perf_counter() - t0) * 1000, 2))
-            if proc.returncode != 0:
-                out.setdefault("queue_errors", []).append(proc.stderr.strip()[-300:])
+        _whole_commands(work, host, env, out, range(n - timed, n), cfg["timed_queues"], "other_host")
     (work / f"result-{host}.json").write_text(json.dumps(out))
     _wait(lambda: (work / "stop").exists(), 120, "never told to stop")
     if service.poll() is None:
@@ -245,9 +242,32 @@ def driver_main(work: Path, host: str, cfg: dict[str, Any]) -> None:
         service.wait(timeout=30)
 
 
+def _whole_commands(work: Path, host: str, env: dict[str, str], out: dict[str, Any], indexes: range,
+                    queues: int, where: str) -> None:
+    """`submit` and `queue --all` as whole commands (a new interpreter each), timed."""
+    for i in indexes:
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "slurm_dlrm", "submit", "--parsable", "-J",  # noqa: S603
+                               f"{host}-{i}", str(SPEC)], cwd=work, env=env, capture_output=True, text=True)
+        ms = (time.perf_counter() - t0) * 1000
+        out["submits"].append({"name": f"{host}-{i}", "rc": proc.returncode, "out": proc.stdout.strip(),
+                               "err": proc.stderr.strip()[-300:], "elsewhere": where == "other_host",
+                               "ms": round(ms, 2), "whole_command": where})
+    for _ in range(queues):
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "slurm_dlrm", "queue", "--all"],  # noqa: S603
+                              cwd=work, env=env, capture_output=True, text=True)
+        out.setdefault(f"queue_ms_{where}", []).append(round((time.perf_counter() - t0) * 1000, 2))
+        if proc.returncode != 0:
+            out.setdefault("queue_errors", []).append(proc.stderr.strip()[-300:])
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)  # noqa: S603 - the interpreter's own start
+    out.setdefault("python_start_ms", []).append(round((time.perf_counter() - t0) * 1000, 2))
+
+
 # ---------------------------------------------------------------- the whole run
 
-def run_two_hosts(work: Path, *, seed: int = 1, submits: int = 200, round_s: float = 0.5, lease_s: float = 2.0,
+def run_two_hosts(work: Path, *, seed: int = 1, submits: int = 200, round_s: float = 0.5, lease_s: float = 4.0,
                   timed_submits: int = 10, timed_queues: int = 5, max_gap_s: float = 0.02,
                   timeout_s: float = 150.0) -> dict[str, Any]:
     """Both hosts at once; returns the figures and what the checks found."""
@@ -327,9 +347,12 @@ def check(work: Path, submits: int) -> dict[str, Any]:
     took = [e for e in takeovers if (e.get("data") or {}).get("host") == HOSTS[1]]
     takeover_t = took[0]["t"] if took else None
     prev = (took[0].get("data") or {}).get("previous") if took else None
-    other = [s["ms"] for r in results for s in r["submits"] if s.get("whole_command")]
+    def p50(xs: list[float]) -> float | None:
+        return round(statistics.median(xs), 1) if xs else None
+
+    whole = {w: [s["ms"] for r in results for s in r["submits"] if s.get("whole_command") == w]
+             for w in ("service_host", "other_host")}
     other_inproc = [s["ms"] for r in results for s in r["submits"] if s["elsewhere"] and not s.get("whole_command")]
-    queue_ms = results[0].get("queue_ms", [])
     return {
         "submits": len(expected),
         "lost": sum(1 for n in set(expected) if names[n] == 0),
@@ -348,9 +371,12 @@ def check(work: Path, submits: int) -> dict[str, Any]:
         "takeover_s": None if takeover_t is None or kill_t is None else round(takeover_t - kill_t, 3),
         "takeover_after_expiry_s": None if takeover_t is None or prev is None
         else round(takeover_t - float(prev["expires_t"]), 3),
-        "submit_p50_ms_other_host": round(statistics.median(other), 1) if other else None,
-        "submit_inprocess_p50_ms_other_host": round(statistics.median(other_inproc), 1) if other_inproc else None,
-        "queue_p50_ms_other_host": round(statistics.median(queue_ms), 1) if queue_ms else None,
+        "submit_p50_ms_other_host": p50(whole["other_host"]),
+        "submit_p50_ms_service_host": p50(whole["service_host"]),
+        "submit_inprocess_p50_ms_other_host": p50(other_inproc),
+        "queue_p50_ms_other_host": p50(results[0].get("queue_ms_other_host", [])),
+        "queue_p50_ms_service_host": p50(results[0].get("queue_ms_service_host", [])),
+        "python_start_ms": p50(results[0].get("python_start_ms", [])),
         "queue_errors": results[0].get("queue_errors", []),
         "drop_path_submits": sum(1 for r in results for s in r["submits"] if s["elsewhere"]),
     }

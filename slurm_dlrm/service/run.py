@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.service.daemon import ServiceLock, read_pid, this_host, write_status
+from slurm_dlrm.service.daemon import ServiceLock, elsewhere, read_pid, this_host, write_status
 from slurm_dlrm.service.dropbox import ingest_requests
 from slurm_dlrm.service.hosts import LeaseHolder, lease_ttl_s
 from slurm_dlrm.service.loop import LoopControl, run_loop
@@ -45,12 +45,18 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
     # A service on another login node holds the store: stand by (reading only its lease
     # file) until that lease ends, before anything here is taken, the flock included: a
     # network filesystem may share flocks between hosts, or not.
-    if not holder.wait_free(control, period, idle_exit_s):
-        return 0
-    lock = ServiceLock.acquire(paths)
-    if lock is None:
-        log.info("a packing service already runs for %s (pid %s)", user, read_pid(paths))
-        return 0
+    while True:
+        if not holder.wait_free(control, period, idle_exit_s):
+            return 0
+        lock = ServiceLock.acquire(paths)
+        if lock is not None:
+            break
+        if elsewhere(paths) is None:
+            log.info("a packing service already runs for %s (pid %s)", user, read_pid(paths))
+            return 0
+        # This filesystem shares flocks between hosts and the holder runs on another one,
+        # its lease not yet written or just renewed: stand by on the lease again.
+        time.sleep(min(period, 1.0))
     with lock:
         handler = None
         if log_file is not None:
@@ -76,6 +82,9 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         # A little under the period, so a timer round never just misses its window.
         svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy,
                                                                  dispatch_window_s=0.9 * period))
+        if not holder.renew(store):  # building the service may take a while: renew before the first round
+            store.close()
+            return 0
         requests = appliers(site, user, slurm)
         snapshots = SnapshotPublisher(paths.store_dir)
         idle_since = time.monotonic()
