@@ -84,6 +84,9 @@ def main() -> int:
           f"bare interpreter start {med('python_start_ms'):.0f} ms)")
     print(f"baseline (the service's own host, same runs): submit p50 {med('submit_p50_ms_service_host'):.0f} ms, "
           f"queue p50 {med('queue_p50_ms_service_host'):.0f} ms")
+    print(f"CPU time (user + system of the command's process), other host vs the service's: submit "
+          f"{med('submit_cpu_p50_ms_other_host'):.0f} vs {med('submit_cpu_p50_ms_service_host'):.0f} ms, queue "
+          f"{med('queue_cpu_p50_ms_other_host'):.0f} vs {med('queue_cpu_p50_ms_service_host'):.0f} ms")
     lost = sum(r["lost"] for r in rows)
     dup = sum(r["duplicated"] for r in rows)
     print(f"two_hosts: submits={args.submits} lost={lost} duplicated={dup} takeover_s={med('takeover_s')} "

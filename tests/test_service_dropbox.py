@@ -260,6 +260,11 @@ def test_queue_and_cancel_elsewhere_use_the_copy(other_host):
         assert st.get_job(a).state == JobState.CANCELLED
 
 
+def test_serve_status_elsewhere_names_the_lease_holder(other_host):
+    res = CliRunner().invoke(cli, ["serve", "status"])
+    assert res.exit_code == 0 and "running on host login9" in res.output and "pid 77" in res.output, res.output
+
+
 def test_no_copy_yet_says_so(other_host):
     site, store_dir, _a, _opened = other_host
     snapshot_path(store_dir).unlink()

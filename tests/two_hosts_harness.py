@@ -32,6 +32,7 @@ import json
 import os
 import pickle
 import random
+import resource
 import signal
 import socket
 import statistics
@@ -245,19 +246,24 @@ def driver_main(work: Path, host: str, cfg: dict[str, Any]) -> None:
 def _whole_commands(work: Path, host: str, env: dict[str, str], out: dict[str, Any], indexes: range,
                     queues: int, where: str) -> None:
     """`submit` and `queue --all` as whole commands (a new interpreter each), timed."""
+    def cpu_ms() -> float:  # the children's CPU time: what a command costs, whatever the load
+        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (ru.ru_utime + ru.ru_stime) * 1000
+
     for i in indexes:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_ms()
         proc = subprocess.run([sys.executable, "-m", "slurm_dlrm", "submit", "--parsable", "-J",  # noqa: S603
                                f"{host}-{i}", str(SPEC)], cwd=work, env=env, capture_output=True, text=True)
         ms = (time.perf_counter() - t0) * 1000
         out["submits"].append({"name": f"{host}-{i}", "rc": proc.returncode, "out": proc.stdout.strip(),
                                "err": proc.stderr.strip()[-300:], "elsewhere": where == "other_host",
-                               "ms": round(ms, 2), "whole_command": where})
+                               "ms": round(ms, 2), "cpu_ms": round(cpu_ms() - c0, 2), "whole_command": where})
     for _ in range(queues):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), cpu_ms()
         proc = subprocess.run([sys.executable, "-m", "slurm_dlrm", "queue", "--all"],  # noqa: S603
                               cwd=work, env=env, capture_output=True, text=True)
         out.setdefault(f"queue_ms_{where}", []).append(round((time.perf_counter() - t0) * 1000, 2))
+        out.setdefault(f"queue_cpu_ms_{where}", []).append(round(cpu_ms() - c0, 2))
         if proc.returncode != 0:
             out.setdefault("queue_errors", []).append(proc.stderr.strip()[-300:])
     t0 = time.perf_counter()
@@ -374,6 +380,12 @@ def check(work: Path, submits: int) -> dict[str, Any]:
         "submit_p50_ms_other_host": p50(whole["other_host"]),
         "submit_p50_ms_service_host": p50(whole["service_host"]),
         "submit_inprocess_p50_ms_other_host": p50(other_inproc),
+        "submit_cpu_p50_ms_other_host": p50([s["cpu_ms"] for r in results for s in r["submits"]
+                                             if s.get("whole_command") == "other_host"]),
+        "submit_cpu_p50_ms_service_host": p50([s["cpu_ms"] for r in results for s in r["submits"]
+                                               if s.get("whole_command") == "service_host"]),
+        "queue_cpu_p50_ms_other_host": p50(results[0].get("queue_cpu_ms_other_host", [])),
+        "queue_cpu_p50_ms_service_host": p50(results[0].get("queue_cpu_ms_service_host", [])),
         "queue_p50_ms_other_host": p50(results[0].get("queue_ms_other_host", [])),
         "queue_p50_ms_service_host": p50(results[0].get("queue_ms_service_host", [])),
         "python_start_ms": p50(results[0].get("python_start_ms", [])),

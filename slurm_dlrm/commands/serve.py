@@ -101,6 +101,7 @@ def status(as_json: bool, site_path: str | None) -> None:
     Exit code 0 if it runs, 1 if not.
     """
     from slurm_dlrm.service.daemon import read_status, running_pid, this_host
+    from slurm_dlrm.service.hosts import writer_elsewhere
     from slurm_dlrm.service.submit import service_paths
     from slurm_dlrm.site import load_site
     from slurm_dlrm.store.store import current_user
@@ -108,6 +109,10 @@ def status(as_json: bool, site_path: str | None) -> None:
     paths = service_paths(load_site(site_path), current_user())
     pid = running_pid(paths)
     st = read_status(paths)
+    lease = writer_elsewhere(paths)
+    if lease is not None:  # its flock may not be seen from this host; its live lease is
+        pid = pid if pid is not None else lease.pid
+        st = {**st, "host": lease.host}
     here = this_host()
     host = st.get("host") or here  # a status written before hosts were: this host's
     if as_json:
