@@ -260,6 +260,15 @@ def test_queue_and_cancel_elsewhere_use_the_copy(other_host):
         assert st.get_job(a).state == JobState.CANCELLED
 
 
+def test_estimate_elsewhere_reads_history_from_the_copy(other_host):
+    _site, _store_dir, _a, opened = other_host
+    spec = os.path.join(os.path.dirname(__file__), "..", "examples", "sweep", "tiny-a.yaml")
+    opened.clear()
+    res = CliRunner().invoke(cli, ["estimate", spec])
+    assert res.exit_code == 0, res.output
+    assert opened == []
+
+
 def test_serve_status_elsewhere_names_the_lease_holder(other_host):
     res = CliRunner().invoke(cli, ["serve", "status"])
     assert res.exit_code == 0 and "running on host login9" in res.output and "pid 77" in res.output, res.output
