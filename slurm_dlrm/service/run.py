@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = None,
                   idle_exit_s: float = 0.0, slurm: Any = None, control: LoopControl | None = None,
-                  policy: str | None = None, log_file: Path | None = None) -> int:
+                  policy: str | None = None, log_file: Path | None = None, slurm_job: bool = False) -> int:
     """Run the service until SIGTERM (or `idle_exit_s` with nothing to do). Returns rounds run.
 
     If another service of this user holds the lock, returns 0 at once: two `submit`s
@@ -85,6 +85,9 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         if not holder.renew(store):  # building the service may take a while: renew before the first round
             store.close()
             return 0
+        own_job = int(os.environ.get("SLURM_JOB_ID", "0") or 0) or None
+        if slurm_job:  # [service] run_as = "slurm-job": a successor waits (singleton) to follow this job
+            _queue_successor(site, user, slurm, own_job)
         requests = appliers(site, user, slurm)
         snapshots = SnapshotPublisher(paths.store_dir)
         idle_since = time.monotonic()
@@ -120,6 +123,8 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
             if idle_exit_s > 0 and not busy and now - idle_since >= idle_exit_s:
                 log.info("nothing to do for %.0f s: exiting", idle_exit_s)
                 control.stop = True
+                if slurm_job:
+                    _cancel_successors(slurm, user, own_job)
             return svc.next_delay_s()
 
         try:
@@ -130,3 +135,23 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
             log.info("packing service for %s stopped", user)
             if handler is not None:
                 servicelog.uninstall(handler)
+
+
+def _queue_successor(site: SiteConfig, user: str, slurm: Any, own_job: int | None) -> None:
+    from slurm_dlrm.service.slurmjob import queue_service_job
+    from slurm_dlrm.slurm import SlurmError
+
+    try:
+        queue_service_job(site, user, slurm, running_id=own_job)
+    except SlurmError as exc:  # the next submit queues one; this service runs on meanwhile
+        log.warning("could not queue the next service job: %s", exc)
+
+
+def _cancel_successors(slurm: Any, user: str, own_job: int | None) -> None:
+    from slurm_dlrm.service.slurmjob import cancel_successors
+    from slurm_dlrm.slurm import SlurmError
+
+    try:
+        cancel_successors(slurm, user, own_job)
+    except SlurmError as exc:
+        log.warning("could not cancel the waiting service job: %s", exc)

@@ -203,6 +203,8 @@ def ensure_service(site: SiteConfig, user: str,
     lease = writer_elsewhere(paths)
     if lease is not None:  # its lease is live: it takes the requests at its next round
         return f"running on host {lease.host}"
+    if site.service_run_as == "slurm-job":
+        return ensure_service_job(site, user)
     restarted = False
     if running_pid(paths) is not None:
         host = elsewhere(paths)
@@ -224,6 +226,20 @@ def ensure_service(site: SiteConfig, user: str,
         env["SLURM_DLRM_SITE"] = os.path.abspath(site.path)
     spawn_service(paths, list(serve_args), env=env)
     return "restarted with this SLURM_CONF" if restarted else "started"
+
+
+def ensure_service_job(site: SiteConfig, user: str, slurm: Any = None) -> str:
+    """`[service] run_as = "slurm-job"`: a service job queued or running, else queue one
+    (service/slurmjob.py). Nothing to wake: it takes new jobs at its next round."""
+    from slurm_dlrm.service.slurmjob import queue_service_job
+
+    if slurm is None:
+        from slurm_dlrm.slurm import SlurmClient
+
+        slurm = SlurmClient(timeout_s=15.0)
+    job_id, new = queue_service_job(site, user, slurm)
+    return f"{'queued' if new else 'already queued or running'} as Slurm job {job_id} in partition " \
+           f"{site.service_partition}"
 
 
 def check_slurm_reachable(slurm: Any, site: SiteConfig, user: str) -> None:
