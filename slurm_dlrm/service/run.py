@@ -83,10 +83,9 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy,
                                                                  dispatch_window_s=0.9 * period))
         if not holder.renew(store):  # building the service may take a while: renew before the first round
-            store.close()
-            return 0
+            control.stop = True  # lost meanwhile: no round runs (the loop below returns at once)
         own_job = int(os.environ.get("SLURM_JOB_ID", "0") or 0) or None
-        if slurm_job:  # [service] run_as = "slurm-job": a successor waits (singleton) to follow this job
+        if slurm_job and not control.stop:  # [service] run_as = "slurm-job": a successor waits (singleton)
             _queue_successor(site, user, slurm, own_job)
         requests = appliers(site, user, slurm)
         snapshots = SnapshotPublisher(paths.store_dir)
