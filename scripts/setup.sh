@@ -10,8 +10,9 @@ venv=${SLURM_DLRM_VENV:-$here/.venv}
 stamp=$venv/.slurm-dlrm-setup-v1-torch${SLURM_DLRM_SETUP_TORCH:-1}
 
 # lua5.1: the Lua that job_submit_lua.so links (tests run job_submit.lua in it); shellcheck: lints the rendered prolog scripts;
-# chromium: tests open the HTML report in a real (headless) browser.
-apt_pkgs=(slurm-wlm munge mariadb-server slurmdbd python3-venv lua5.1 shellcheck chromium)
+# chromium: tests open the HTML report in a real (headless) browser; acl: setfacl, with which the
+# prolog lets a second user's jobs reach a GPU's MPS pipe folder (tests check it).
+apt_pkgs=(slurm-wlm munge mariadb-server slurmdbd python3-venv lua5.1 shellcheck chromium acl)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -20,6 +20,12 @@ the end. Roles:
 then: gpu and big cancelled, multi requeued (squeue_after.json, scontrol_show_job_*_after.txt).
 Best run right after `cluster up` on a fresh state folder: `squeue --states=all` also
 lists every job that ended less than MinJobAge (300 s) ago, e.g. a whole test run's.
+
+    .venv/bin/python scripts/slurm-capture.py --sharing   # any local cluster, no accounting needed
+
+records only how `scontrol show job -o` shows node sharing (26.05 moved it from
+OverSubscribe= to a new Exclusive= field): one job of each of SHARING_JOBS, each saved as
+scontrol_show_job_<role>.txt, then cancelled.
 """
 
 from __future__ import annotations
@@ -47,13 +53,41 @@ JOBS = {
     "big": ("big", ["-N", "2", "--gres=gpu:4"], "sleep 300"),
 }
 
+SHARING_JOBS = {
+    "exclusive_user": ("excl user", ["--gres=mps:25", "--exclusive=user"]),
+    "exclusive_node": ("excl node", ["--gres=gpu:1", "--exclusive"]),
+}
+
+
+def capture_sharing(client: SlurmClient, out: Path) -> int:
+    ids = {}
+    try:
+        for role, (name, args) in SHARING_JOBS.items():
+            proc = client.run(["sbatch", "--parsable", f"--job-name={name}", "--output=/dev/null", *args],
+                              input_text="#!/bin/bash\nsleep 300\n")
+            ids[role] = parse.parse_sbatch_parsable(proc.stdout)
+        deadline = time.monotonic() + 60
+        while any(client.show_job_raw(i).get("JobState") != "RUNNING" for i in ids.values()):
+            if time.monotonic() > deadline:
+                raise SystemExit("slurm-capture: error: the sharing jobs did not all start")
+            time.sleep(0.5)
+        for role, job_id in ids.items():
+            (out / f"scontrol_show_job_{role}.txt").write_text(
+                client.run(["scontrol", "show", "job", "-o", str(job_id)]).stdout)
+    finally:
+        if ids:
+            subprocess.run(["scancel", *map(str, ids.values())], env=client.child_env(), check=False)  # noqa: S603,S607
+    print(f"slurm-capture: {out.name}: {len(ids)} sharing files in {out.relative_to(REPO)}")
+    return 0
+
 
 def main() -> int:
+    sharing_only = sys.argv[1:] == ["--sharing"]
     cluster = LocalCluster.at()
     if cluster is None or not cluster.status(query_nodes=False).up:
         print("slurm-capture: error: no local cluster: run `slurm-dlrm cluster up --accounting`", file=sys.stderr)
         return 1
-    if not cluster.config.accounting:
+    if not cluster.config.accounting and not sharing_only:
         print("slurm-capture: error: the cluster runs without accounting (sacct): `cluster up --accounting`",
               file=sys.stderr)
         return 1
@@ -62,6 +96,8 @@ def main() -> int:
     version = version_text.split()[-1]
     out = REPO / "tests" / "data" / "slurm" / version
     out.mkdir(parents=True, exist_ok=True)
+    if sharing_only:
+        return capture_sharing(client, out)
 
     def save(name: str, argv: list[str], *, check: bool = True) -> str:
         proc = client.run(argv, check=check)

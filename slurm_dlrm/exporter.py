@@ -7,8 +7,13 @@ writes the exposition format. Metric names, units and labels: docs/admin.md
 ("Prometheus and Grafana").
 
 A store that cannot be read (corrupt, locked, being migrated, owned by someone else,
-unreadable) is skipped: `slurm_dlrm_store_errors_total{reason}` counts it and one log
-line says why (again only after it was readable in between), never a failed scrape.
+unreadable, a schema that is not ours, a read past its time budget) is skipped:
+`slurm_dlrm_store_errors_total{reason}` counts it and one log line says why (again only
+after it was readable in between), never a failed scrape. With --all-users every store
+is someone else's file: its series are labelled with its file's owner, never with the
+user its rows or its service status name (store/others.py), its schema is checked and
+each read is bounded in time; a service status file that is not what the service
+writes is skipped and counted as reason="status".
 
 Counters are derived from the stores (totals, not increments the exporter saw), so a
 figure that moves backwards (a pack's end time corrected by sacct, a solo run changing
@@ -19,11 +24,12 @@ collector therefore never reports less than it reported before for the same seri
 from __future__ import annotations
 
 import bisect
-import json
 import logging
 import os
 import pwd
+import socket
 import sqlite3
+import stat
 import threading
 import time
 import zlib
@@ -43,19 +49,35 @@ from prometheus_client.registry import CollectorRegistry
 
 from slurm_dlrm.site import SiteConfig
 from slurm_dlrm.store.acct import discover_user_stores
-from slurm_dlrm.store.errors import SchemaTooNew, StoreBusy, StoreError
+from slurm_dlrm.store.errors import (
+    SchemaTooNew,
+    StoreBusy,
+    StoreError,
+    StoreNotOwned,
+    StoreTimeout,
+    StoreUntrusted,
+)
 from slurm_dlrm.store.metrics import StoreCursor, StoreMetrics, read_store
 from slurm_dlrm.store.migrations import LATEST_VERSION
+from slurm_dlrm.store.others import store_user
+from slurm_dlrm.store.service_status import SERVICE_STATUS_FILE, BadStatus, read_service_status
 from slurm_dlrm.store.states import JobState, PackState
 from slurm_dlrm.store.store import Store, current_user, store_path_for
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 9867
+# Loopback only unless the site says otherwise: /metrics names users and their GPU use,
+# and prometheus_client serves it to anyone who connects (docs/admin.md, "Exporter security").
+DEFAULT_ADDRESS = "127.0.0.1"
 # measured / estimated peak GPU memory: < 1 over-estimated, > 1 under-estimated
 EST_ERROR_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 WAIT_BUCKETS_S = (10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 7200.0, 21600.0, 86400.0)
-STORE_ERROR_REASONS = ("permission", "owner", "corrupt", "locked", "schema", "missing", "other")
+STORE_ERROR_REASONS = ("permission", "owner", "corrupt", "locked", "schema", "missing", "untrusted",
+                       "timeout", "status", "other")
+# One store's reads per scrape stop after this (a crafted or huge store cannot hold the
+# scrape, and the collector's lock, for long).
+READ_BUDGET_S = 10.0
 
 # Connections kept open between scrapes (file descriptors: 3 each with -wal and -shm),
 # and the page cache each may hold.
@@ -69,7 +91,7 @@ GPU_LABELS = ("user", "partition", "gpu_model", "node", "gpu", "slurm_job_id")
 
 @dataclass(frozen=True)
 class StoreRef:
-    user: str
+    user: str  # from the folder's name (discovery); the label comes from the file's owner
     path: Path
 
 
@@ -78,7 +100,8 @@ class StoreCollector:
 
     def __init__(self, site: SiteConfig, *, all_users: bool = False, user: str | None = None,
                  slow_every_s: float = 60.0, sample_window_s: float | None = None,
-                 busy_timeout_s: float = 0.25, clock: Any = time.time, monotonic: Any = time.monotonic) -> None:
+                 busy_timeout_s: float = 0.25, read_budget_s: float = READ_BUDGET_S,
+                 clock: Any = time.time, monotonic: Any = time.monotonic, host: str | None = None) -> None:
         self.site = site
         self.all_users = all_users
         self.user = user or current_user()
@@ -88,6 +111,8 @@ class StoreCollector:
         self.sample_window_s = (sample_window_s if sample_window_s is not None
                                 else max(60.0, 5 * site.agent.sample_interval_s))
         self.busy_timeout_s = busy_timeout_s
+        self.read_budget_s = read_budget_s
+        self.host = host or socket.gethostname()
         self.clock = clock
         self.monotonic = monotonic
         self.cursors: dict[str, StoreCursor] = {}
@@ -96,6 +121,8 @@ class StoreCollector:
         self._floor: dict[tuple[str, tuple[str, ...]], float] = {}
         self._open: dict[str, tuple[Store, tuple[int, int]]] = {}
         self._uids: dict[str, tuple[int | None, float]] = {}
+        self._names: dict[int, tuple[str, float]] = {}
+        self._labels: dict[str, tuple[str, int]] = {}  # path -> (user label, owner uid), per scrape
         self._found: tuple[list[StoreRef], float] | None = None
         self._lock = threading.Lock()
         self.last_stores_read = 0
@@ -139,6 +166,7 @@ class StoreCollector:
         default_partition = self.site.default_partition.name if self.site.partitions else ""
         read: list[tuple[StoreRef, StoreMetrics, StoreCursor]] = []
         seen: set[str] = set()
+        self._labels = {}
         for ref in self.stores():
             key = str(ref.path)
             seen.add(key)
@@ -155,26 +183,36 @@ class StoreCollector:
         yield from self._counters(read)
         yield from self._histograms(read)
         yield from self._services(read, now)
+        # host: which exporter (one per login node) saw these, whatever Prometheus relabels
         errors = CounterMetricFamily("slurm_dlrm_store_errors", "Stores skipped by a scrape, by reason.",
-                                     labels=("reason",))
+                                     labels=("reason", "host"))
         for reason, n in self.store_errors.items():
-            errors.add_metric((reason,), n)
+            errors.add_metric((reason, self.host), n)
         yield errors
         self.last_scrape_s = time.perf_counter() - t0
-        yield GaugeMetricFamily("slurm_dlrm_exporter_stores", "Stores read by this scrape.",
-                                value=len(read))
-        yield GaugeMetricFamily("slurm_dlrm_exporter_scrape_duration_seconds",
-                                "Time this scrape took to read the stores.", value=self.last_scrape_s)
+        info = GaugeMetricFamily("slurm_dlrm_exporter_info", "1, labelled with the host the exporter runs on.",
+                                 labels=("host",))
+        info.add_metric((self.host,), 1)
+        yield info
+        stores = GaugeMetricFamily("slurm_dlrm_exporter_stores", "Stores read by this scrape.", labels=("host",))
+        stores.add_metric((self.host,), len(read))
+        yield stores
+        dur = GaugeMetricFamily("slurm_dlrm_exporter_scrape_duration_seconds",
+                                "Time this scrape took to read the stores.", labels=("host",))
+        dur.add_metric((self.host,), self.last_scrape_s)
+        yield dur
 
     def _read_one(self, ref: StoreRef, now: float, default_partition: str) -> StoreMetrics | None:
         key = str(ref.path)
         reason, detail, ident = self._refuse(ref)
         if reason is None:
             try:
+                label = self._labels[key][0]
                 st = self._store(key, ref.path, ident)
+                st.owner_user = label if self.all_users and label != "*" else None
                 try:
                     cursor = self.cursors.setdefault(key, StoreCursor())
-                    m = read_store(st, cursor, user=ref.user, default_partition=default_partition,
+                    m = read_store(st, cursor, user=label, default_partition=default_partition,
                                    now=now, sample_window_s=self.sample_window_s,
                                    slow_every_s=self.slow_every_s,
                                    stagger_s=self.slow_every_s * (zlib.crc32(key.encode()) % 1000) / 1000,
@@ -211,7 +249,9 @@ class StoreCollector:
             if held_ident == ident and st.schema_version == LATEST_VERSION:
                 return st
             self._drop(key, st)
-        st = Store(path, readonly=True, busy_timeout_s=self.busy_timeout_s, retry_s=self.busy_timeout_s)
+        # all users: someone else's file (schema checked on open and whenever it changes)
+        st = Store(path, readonly=True, busy_timeout_s=self.busy_timeout_s, retry_s=self.busy_timeout_s,
+                   read_budget_s=self.read_budget_s, untrusted=self.all_users)
         st.conn.execute(f"PRAGMA cache_size = -{CACHE_KIB_PER_STORE}")
         if len(self._open) < MAX_OPEN:
             self._open[key] = (st, ident)
@@ -241,8 +281,20 @@ class StoreCollector:
             self._uids[user] = hit
         return hit[0]
 
+    def _name(self, uid: int) -> str:
+        now = self.monotonic()
+        hit = self._names.get(uid)
+        if hit is None or now - hit[1] > 300:
+            try:
+                hit = (pwd.getpwuid(uid).pw_name, now)
+            except KeyError:
+                hit = (f"uid:{uid}", now)
+            self._names[uid] = hit
+        return hit[0]
+
     def _refuse(self, ref: StoreRef) -> tuple[str | None, str, tuple[int, int]]:
-        """Checks before opening: the file exists, we may read it, its owner is its user."""
+        """Checks before opening: the file exists, we may read it, and whose it is (the
+        label of its series: its owner, store/others.py's `store_user`)."""
         try:
             st = os.stat(ref.path)
         except FileNotFoundError:
@@ -252,11 +304,16 @@ class StoreCollector:
         ident = (st.st_dev, st.st_ino)
         if not os.access(ref.path, os.R_OK):
             return "permission", "not readable by the exporter", ident
-        if self.all_users and ref.user != "*":
-            uid = self._uid(ref.user)
-            if uid is not None and st.st_uid != uid:
+        if not stat.S_ISREG(st.st_mode):
+            return "corrupt", "not a regular file", ident
+        label = ref.user
+        if self.all_users:
+            try:
+                label = store_user(ref.user, st.st_uid, uid_of=self._uid, name_of=self._name)
+            except StoreNotOwned as exc:
                 # someone else's file in a user's store folder: not that user's figures
-                return "owner", f"owned by uid {st.st_uid}, not {ref.user} ({uid})", ident
+                return "owner", str(exc), ident
+        self._labels[str(ref.path)] = (label, st.st_uid)
         return None, "", ident
 
     # ------------------------------------------------------------ families
@@ -389,35 +446,33 @@ class StoreCollector:
     def _services(self, read: Sequence[tuple[StoreRef, StoreMetrics, StoreCursor]], now: float) -> Iterator[Metric]:
         age = GaugeMetricFamily("slurm_dlrm_service_last_round_age_seconds",
                                 "Time since the user's packing service finished a dispatch round.",
-                                labels=("user",))
+                                labels=("user", "host"))
         dur = GaugeMetricFamily("slurm_dlrm_service_round_duration_seconds",
-                                "How long the service's last dispatch round took.", labels=("user",))
+                                "How long the service's last dispatch round took.", labels=("user", "host"))
         ok = GaugeMetricFamily("slurm_dlrm_service_slurm_reachable",
                                "1 if the service's last round reached Slurm, 0 if Slurm was unreachable.",
-                               labels=("user",))
+                               labels=("user", "host"))
         for ref, _, _ in read:
-            st = read_service_status(ref.path.parent)
-            if not st.get("last_round_t"):
+            label, owner_uid = self._labels[str(ref.path)]
+            path = ref.path.parent / SERVICE_STATUS_FILE
+            try:
+                status = read_service_status(ref.path.parent, owner_uid=owner_uid if self.all_users else None)
+            except BadStatus as exc:
+                self.store_errors["status"] += 1
+                if self._failing.get(str(path)) != "status":
+                    log.warning("service status %s (%s) skipped: %s", path, label, exc)
+                    self._failing[str(path)] = "status"
+                continue
+            self._failing.pop(str(path), None)
+            if status is None:
                 continue  # this user never ran a service
-            u = (str(st.get("user") or ref.user),)
-            age.add_metric(u, max(0.0, now - float(st["last_round_t"])))
-            if st.get("round_seconds") is not None:
-                dur.add_metric(u, float(st["round_seconds"]))
-            ok.add_metric(u, 1.0 if st.get("slurm_ok", True) else 0.0)
+            # the store's user, never the file's "user" field: a file names whom it likes
+            u = ((status.user or label) if label == "*" else label, status.host)
+            age.add_metric(u, max(0.0, now - status.last_round_t))
+            if status.round_s is not None:
+                dur.add_metric(u, status.round_s)
+            ok.add_metric(u, 1.0 if status.slurm_ok else 0.0)
         yield from (age, dur, ok)
-
-
-# What each user's packing service writes after every round, in its store folder
-# (`service.daemon.ServicePaths.status`; the exporter sits beside `service/`, not above it).
-SERVICE_STATUS_FILE = "service.status.json"
-
-
-def read_service_status(store_dir: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((store_dir / SERVICE_STATUS_FILE).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _le(b: float) -> str:
@@ -431,6 +486,12 @@ def _buckets(values: list[float], bounds: Sequence[float]) -> tuple[list[int], f
 
 
 def _classify(exc: BaseException) -> str:
+    if isinstance(exc, StoreNotOwned):
+        return "owner"
+    if isinstance(exc, StoreUntrusted):
+        return "untrusted"
+    if isinstance(exc, StoreTimeout):
+        return "timeout"
     if isinstance(exc, StoreBusy):
         return "locked"
     if isinstance(exc, SchemaTooNew):
@@ -457,8 +518,21 @@ def make_registry(collector: StoreCollector) -> CollectorRegistry:
     return registry
 
 
-def serve(registry: CollectorRegistry, port: int, addr: str = "0.0.0.0") -> Any:
-    """Start the HTTP server (a thread); raises OSError when the port is taken."""
+@dataclass(frozen=True)
+class Tls:
+    """HTTPS for /metrics through prometheus_client's own server (0.26:
+    start_http_server's certfile/keyfile/client_cafile/client_auth_required)."""
+
+    certfile: str
+    keyfile: str
+    client_cafile: str | None = None  # set: clients must present a certificate it signed
+
+
+def serve(registry: CollectorRegistry, port: int, addr: str = DEFAULT_ADDRESS, tls: Tls | None = None) -> Any:
+    """Start the HTTP(S) server (a thread); raises OSError when the port is taken."""
     from prometheus_client import start_http_server
 
-    return start_http_server(port, addr=addr, registry=registry)
+    if tls is None:
+        return start_http_server(port, addr=addr, registry=registry)
+    return start_http_server(port, addr=addr, registry=registry, certfile=tls.certfile, keyfile=tls.keyfile,
+                             client_cafile=tls.client_cafile, client_auth_required=tls.client_cafile is not None)

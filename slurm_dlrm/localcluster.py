@@ -498,7 +498,8 @@ class LocalCluster:
             if not daemonizes and proc.poll() is not None:
                 break
             time.sleep(0.1)
-        tail = _tail(c.log_dir / f"{name}.out") or _tail(c.log_dir / f"{name}.log")
+        logs = [c.log_dir / f"{name}.out", c.log_dir / f"{name}.log"]
+        tail = _fatal_line(logs) or _tail(logs[0]) or _tail(logs[1])
         raise ClusterError(f"{name} did not start (see {c.log_dir}): {tail}")
 
     def _start_munged(self) -> None:
@@ -709,7 +710,8 @@ class LocalCluster:
                 if not by_name["slurmdbd"].running:
                     self._start_slurmdbd()
             if not by_name["slurmctld"].running:
-                self._spawn("slurmctld", ["slurmctld", "-f", str(c.slurm_conf)], daemonizes=True)
+                self._spawn("slurmctld", ["slurmctld", "-f", str(c.slurm_conf), *self._ctld_recovery_flags()],
+                            daemonizes=True)
             for name in c.node_names:
                 if not by_name[f"slurmd-{name}"].running:
                     self._spawn(f"slurmd-{name}", ["slurmd", "-f", str(c.slurm_conf), "-N", name],
@@ -725,6 +727,19 @@ class LocalCluster:
             raise
         log.info("local cluster up in %.1f s", time.monotonic() - t0)
         return self.status()
+
+    def _ctld_recovery_flags(self) -> list[str]:
+        """`-i` when the last slurmctld died before its first state save (killed, crashed,
+        the machine stopped): its state folder then has `clustername` but no
+        `assoc_usage`, which Slurm 26.05 refuses with accounting on ("fatal: No Assoc usage
+        file ... to recover"; 22.05 and 24.11 only log it). `-i` ignores the missing file
+        and keeps whatever job and node state is there (issue 28)."""
+        ctld = self.config.state_dir / "ctld"
+        if (ctld / "clustername").exists() and not (ctld / "assoc_usage").exists():
+            log.warning("%s: no assoc_usage beside clustername (a slurmctld ended before saving its "
+                        "state): starting slurmctld with -i", ctld)
+            return ["-i"]
+        return []
 
     def wait_idle(self, wait_s: float) -> None:
         """Wait until every node answers and is not down/drained (idle, or busy with jobs)."""
@@ -893,6 +908,18 @@ def _wait_for(cond: Any, timeout_s: float, what: str, log_file: Path) -> None:
             return
         time.sleep(0.2)
     raise ClusterError(f"timed out after {timeout_s:g} s waiting for {what}: {_tail(log_file)}")
+
+
+def _fatal_line(paths: list[Path]) -> str:
+    """The last `fatal:` line of a daemon's logs: why it stopped, which its last lines
+    (config warnings printed after it) may not say."""
+    found = ""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            for line in path.read_text(errors="replace").splitlines():
+                if "fatal:" in line:
+                    found = line.strip()
+    return found
 
 
 def _tail(path: Path, lines: int = 3) -> str:

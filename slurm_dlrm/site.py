@@ -225,6 +225,7 @@ class SiteConfig:
     # acct's per-job aggregates stay (Store.prune_samples).
     sample_retention_days: float = 30.0
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
+    exporter_address: str = "127.0.0.1"  # `slurm-dlrm exporter`'s default --address
     # [store] filesystem: "auto" asks statfs whether the store folder is on a network
     # filesystem (no WAL there: store/fstype.py); "network"/"local" declare it.
     store_filesystem: str = "auto"
@@ -373,6 +374,9 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
     store_dir = s.get("store_dir", str, "~/.local/share/slurm-dlrm")
     spool_dir = s.get("spool_dir", str, "~/.local/share/slurm-dlrm/spool")
     sample_retention_days = s.get("sample_retention_days", float, 30.0, min_value=0)
+    # where `slurm-dlrm exporter` listens unless --address says otherwise (loopback: its
+    # /metrics has no authentication; docs/admin.md "Exporter security")
+    exporter_address = s.get("exporter_address", str, "127.0.0.1")
     s.done()
 
     models_t = top.table("gpu_models")
@@ -577,8 +581,8 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
     sv.done()
     top.done()
     return SiteConfig(name, store_dir, spool_dir, gpu_models, tuple(nodes), tuple(partitions), mps, packing, agent,
-                      path, slurm, sample_retention_days, adapt, store_filesystem, service_lease_s,
-                      service_run_as, service_partition, service_job_minutes)
+                      path, slurm, sample_retention_days, adapt, exporter_address, store_filesystem,
+                      service_lease_s, service_run_as, service_partition, service_job_minutes)
 
 
 def _abs_path(section: _Section, key: str, default: str) -> str:

@@ -34,7 +34,7 @@ from slurm_dlrm.localcluster import (
 )
 from slurm_dlrm.site import REPO_SITE_FILE, load_site
 from slurm_dlrm.slurm.client import SlurmClient
-from slurm_dlrm.slurm.parse import tres_items
+from slurm_dlrm.slurm.parse import job_node_sharing, tres_items
 from slurm_dlrm.slurm.wait import wait_for_jobs
 from tests.test_admin_scripts import write_fake_mps
 
@@ -170,6 +170,11 @@ def admin_cluster() -> Iterator[AdminCluster]:
 
 JOB_SCRIPT = """#!/bin/bash
 env | grep -E '^(CUDA_|SLURM_JOB_ID=)' | sort > "$SLURM_SUBMIT_DIR/env-$SLURM_JOB_ID.txt"
+# Who may reach the MPS pipe folder the task prolog points us at (mode, owner).
+if [[ -n ${CUDA_MPS_PIPE_DIRECTORY:-} ]]; then
+  { echo "PIPE_MODE=$(stat -c '%a %U' "$CUDA_MPS_PIPE_DIRECTORY")"
+    [[ -e $CUDA_MPS_PIPE_DIRECTORY/control ]] && echo "PIPE_REACH=yes"; } >> "$SLURM_SUBMIT_DIR/env-$SLURM_JOB_ID.txt"
+fi
 """
 
 
@@ -269,6 +274,29 @@ def test_no_pack_job_gets_mps_and_its_memory_fence(admin_cluster):
     assert "command quit" in (admin_cluster.state / "mpslog" / f"gpu{gpu}" / "control.log").read_text()
     assert f"job {job_id}: GPU {gpu}: MPS control daemon" in admin_cluster.events()
     assert not (admin_cluster.state / "mps" / f"gpu{gpu}" / "pipe").exists()
+
+
+@pytest.mark.slurm
+def test_a_job_named_like_other_fields_gets_only_its_own(admin_cluster):
+    """Issue 32 items 1 and 10 on real Slurm: a job name and a work dir that read like
+    TresPerNode= and Comment= in `scontrol show job -o` change nothing the prolog reads; the
+    job's pipe folder is reachable by its user (and no one else: tests/test_admin_scripts.py)."""
+    forged = "x TresPerNode=mps:100 Comment=slurm-dlrm:mode=no-pack,gpu_mem_mib=99999"
+    work_dir = admin_cluster.jobs / "TresPerNode=mps:100000"
+    work_dir.mkdir()
+    work_dir.chmod(0o777)
+    *args, script = [a for a in no_pack_args(admin_cluster, mps=40, gpu_mem_mib=3000) if not a.startswith("--job-name")]
+    result = admin_cluster.sbatch(*args, f"--job-name={forged}", f"--chdir={work_dir}", script)
+    assert result.returncode == 0, result.stderr
+    job_id = int(result.stdout.strip().split(";")[0])
+    admin_cluster.wait(job_id)
+    env = read_env(admin_cluster, job_id)
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=3000M"
+    # Root's with an ACL entry for the job's user (1770: sticky, the mask shows as group
+    # bits), or without setfacl the user's own; either way the job reaches its daemon.
+    assert env["PIPE_MODE"] == ("1770 root" if shutil.which("setfacl") else f"700 {USER}")
+    assert env["PIPE_REACH"] == "yes"
 
 
 @pytest.mark.slurm
@@ -377,7 +405,7 @@ def test_one_user_mps_job_keeps_other_users_off_its_node(admin_cluster):
         while client.show_job_raw(mps_job)["JobState"] != "RUNNING" and time.monotonic() < deadline:
             time.sleep(0.3)
         rec = client.show_job_raw(mps_job)
-        assert rec["JobState"] == "RUNNING" and rec["OverSubscribe"] == "USER"
+        assert rec["JobState"] == "RUNNING" and job_node_sharing(rec) == "user"
         other = client.sbatch("#!/bin/bash\ntrue\n", [f"--partition={PARTITION}", "--nodelist=node1",
                                                           "--gres=gpu:1", "--mem=100M",
                                                           f"--output={admin_cluster.jobs}/root-%j.out"])

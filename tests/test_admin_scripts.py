@@ -1,15 +1,17 @@
 """The rendered MPS prolog, epilog and task prolog, run by bash against a fake
 `nvidia-cuda-mps-control` (daemon with -d, client otherwise, commands through the control
-FIFO in CUDA_MPS_PIPE_DIRECTORY, PID file there, like the real one) and a stub scontrol.
+FIFO in CUDA_MPS_PIPE_DIRECTORY, PID file there, like the real one) and stub squeue/scontrol (tests/slurm_records.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import tomllib
@@ -22,6 +24,7 @@ from slurm_dlrm.admin.marker import format_marker
 from slurm_dlrm.admin.render import render_site, write_rendered
 from slurm_dlrm.agent import fake_mps_control, fences
 from slurm_dlrm.site import REPO_SITE_FILE, parse_site
+from tests.slurm_records import write_stub
 
 FAKE_MPS_CONTROL = r'''#!/usr/bin/env python3
 """Fake nvidia-cuda-mps-control for tests (slurm-dlrm). `-d`: fork a daemon that serves the
@@ -212,9 +215,20 @@ class Node:
         p = self.log_root / "events.log"
         return p.read_text() if p.exists() else ""
 
-    def job_running(self, job: int, comment: str = "(null)", mps: int = 40) -> None:
-        (self.stub / f"job_{job}").write_text(f"JobId={job} JobName=x JobState=RUNNING Reason=None "
-                                              f"Comment={comment} TresPerNode=gres:mps:{mps}\n")
+    def job_running(self, job: int, comment: str = "", mps: int | None = 40, *, release: str = "22.05.8",
+                    name: str = "x", work_dir: str = "/home/u", tres_per_node: str | None = None,
+                    submit_line: str = "sbatch x.sh", state: str = "RUNNING") -> None:
+        """Job `job` as Slurm `release` shows it to squeue (and scontrol), fields as given."""
+        if tres_per_node is None:
+            sep = ":" if release.startswith("22.") else "/"
+            tres_per_node = f"gres{sep}mps:{mps}" if mps is not None else ""
+        write_stub(self.bin, self.stub, release, job, name=name, work_dir=work_dir, comment=comment,
+                   tres_per_node=tres_per_node, submit_line=submit_line, state=state)
+
+    def slurm_unreachable(self, message: str = "") -> None:
+        """squeue and scontrol fail as with the controller down."""
+        for name in ("squeue", "scontrol"):
+            (self.bin / name).write_text(f"#!/bin/bash\necho {shlex.quote(message)} >&2\nexit 1\n")
 
     def kill_daemons(self) -> None:
         for f in self.pipe_root.glob("gpu*/pipe/nvidia-cuda-mps-control.pid*"):
@@ -262,9 +276,7 @@ def test_prolog_ignores_jobs_without_mps(node):
 
 def test_daemon_lives_from_first_prolog_to_last_epilog(node):
     (node.shm / "cuda.shm.0.999.1").write_text("stale")  # left by a crashed daemon
-    node.job_running(11)
-    node.job_running(12)
-    (node.stub / "job_11").write_text("JobId=11 JobState=RUNNING TresPerNode=gres:mps:40\n")
+    node.job_running(11, mps=40)
     assert node.run("prolog.sh", 11, pct="500").returncode == 0  # 22.05 + shards: bogus percentage
     pid = node.daemon_pid(1)
     assert pid is not None
@@ -274,7 +286,7 @@ def test_daemon_lives_from_first_prolog_to_last_epilog(node):
     assert (node.pipe_root / "jobs" / "11").read_text() == "1 40 0 2\n"  # no marker: no fence; protocol 2
     assert not (node.shm / "cuda.shm.0.999.1").exists()  # no daemon ran: stale segments went
 
-    (node.stub / "job_12").write_text("JobId=12 JobState=RUNNING TresPerNode=gres:mps:30\n")
+    node.job_running(12, mps=30)
     assert node.run("prolog.sh", 12, pct="375").returncode == 0
     assert node.daemon_pid(1) == pid  # one daemon per GPU, shared
     assert node.control_log(1).count("start ") == 1
@@ -381,8 +393,7 @@ def test_epilog_keeps_the_daemon_while_the_controller_is_unreachable(node):
     assert node.run("prolog.sh", 71).returncode == 0
     pid = node.daemon_pid(1)
     (node.pipe_root / "gpu1" / "jobs" / "70").write_text("")
-    (node.stub / "job_70").write_text("")  # exists but the stub prints no state
-    (node.bin / "scontrol").write_text("#!/bin/bash\necho 'Unable to contact slurm controller' >&2\nexit 1\n")
+    node.slurm_unreachable("Unable to contact slurm controller")
     assert node.run("epilog.sh", 71).returncode == 0
     assert node.daemon_pid(1) == pid
 
@@ -406,7 +417,7 @@ def task_env(output: str) -> dict[str, Any]:
 def test_task_prolog_points_a_no_pack_job_at_its_daemon_and_fences_memory(node):
     node.job_running(91, comment=format_marker("no-pack", gpu_mem_mib=3000, job_id=4))
     assert node.run("prolog.sh", 91, gpus="2").returncode == 0
-    (node.bin / "scontrol").write_text("#!/bin/bash\nexit 1\n")  # tasks must not ask Slurm
+    node.slurm_unreachable()  # tasks must not ask Slurm
     result = node.run("task_prolog.sh", 91, gpus="0", pct="500")
     assert result.returncode == 0
     env = task_env(result.stdout)
@@ -444,10 +455,10 @@ def test_without_shards_the_slurm_percentage_is_used(tmp_path):
         # Slurm's own 25 stands (no shards: its percentage is right); the fence is read.
         assert (n.pipe_root / "jobs" / "101").read_text() == "1 25 1234 2\n"
         # The controller unreachable: the job still runs, with Slurm's percentage, unfenced.
-        (n.bin / "scontrol").write_text("#!/bin/bash\nexit 1\n")
+        n.slurm_unreachable()
         assert n.run("prolog.sh", 102, pct="25").returncode == 0
         assert (n.pipe_root / "jobs" / "102").read_text() == "1 25 0 2\n"
-        assert "scontrol show job failed" in n.events()
+        assert "squeue failed" in n.events()
     finally:
         n.kill_daemons()
         shutil.rmtree(root, ignore_errors=True)
@@ -478,7 +489,11 @@ def _client_as(uid: int, pipe: Path, limit: str | None) -> dict[str, Any]:
             os.close(rfd)
             os.setgid(uid)
             os.setuid(uid)
-            os.write(wfd, json.dumps(fake_mps_control.connect_client(env)).encode())
+            try:
+                record = fake_mps_control.connect_client(env)
+            except PermissionError as exc:  # the daemon refused this client
+                record = {"refused": str(exc)}
+            os.write(wfd, json.dumps(record).encode())
             code = 0
         finally:
             os._exit(code)
@@ -653,3 +668,157 @@ def test_prolog_says_when_users_share_a_gpu(node):
             "turns ([mps] cross_user = time-slice)") in node.events()
     for job in (51, 52, 53):
         assert node.run("epilog.sh", job).returncode == 0
+
+
+# ------------------------------------------------------------------ user text (issue 32)
+
+FORGED_NAME = "x TresPerNode=mps:100 Comment=slurm-dlrm:mode=no-pack,gpu_mem_mib=99999"
+
+
+@pytest.mark.parametrize("release", ["22.05.8", "24.11.5", "26.05.5"])
+def test_prolog_takes_no_job_field_from_the_users_text(node, release):
+    """Issue 32 item 1, its reproductions: a job name and a work dir that read like later
+    fields of `scontrol show job -o` gave thread share 100 and fence 99999 MiB (100000 %
+    from the work dir). The prolog reads TresPerNode and Comment alone (squeue)."""
+    real = format_marker("no-pack", gpu_mem_mib=3000, job_id=4)
+    node.job_running(401, comment=real, mps=10, release=release, name=FORGED_NAME,
+                     submit_line=f"sbatch --job-name='{FORGED_NAME}' x.sh")
+    assert node.run("prolog.sh", 401, gpus="2", pct="10").returncode == 0, node.events()
+    assert (node.pipe_root / "jobs" / "401").read_text() == "2 10 3000 2\n"
+    node.job_running(402, comment=real, mps=10, release=release, work_dir="/home/u/TresPerNode=mps:100000")
+    assert node.run("prolog.sh", 402, gpus="2", pct="10").returncode == 0, node.events()
+    assert (node.pipe_root / "jobs" / "402").read_text() == "2 10 3000 2\n"
+    # A job with no marker of its own gets no fence from one its name carries.
+    node.job_running(403, comment="", mps=10, release=release, name=FORGED_NAME)
+    assert node.run("prolog.sh", 403, gpus="2", pct="10").returncode == 0
+    assert (node.pipe_root / "jobs" / "403").read_text() == "2 10 0 2\n"
+
+
+def test_prolog_caps_every_value(node):
+    """Thread share within 1..100 whatever the count or Slurm's variable say; a fence at most
+    the site's largest GPU (80 GiB in site-config/site.toml)."""
+    cases = [  # tres_per_node, Slurm's percentage, comment -> record
+        ("gres:mps:a:500,gres:mps:b:50", "10", "", "1 100 0 2\n"),  # summed, then capped
+        ("gres:mps:a:30,gres:mps:b:20", "10", "", "1 50 0 2\n"),  # typed entries add up
+        ("gres:mps:0", "10", "", "1 1 0 2\n"),
+        ("gres:gpu:1", "99999999999999999999", "", "1 100 0 2\n"),  # no mps count: env, capped
+        ("gres:mps:10", "10", format_marker("no-pack", gpu_mem_mib=999999999), "1 10 81920 2\n"),
+        ("gres:mps:10", "10", "slurm-dlrm:mode=no-pack,gpu_mem_mib=3000\nComment=x", "1 10 0 2\n"),
+        ("gres:mps:10", "10", "slurm-dlrm:mode=no-pack,gpu_mem_mib=3000 TresPerNode=gres:mps:100", "1 10 0 2\n"),
+        # What job_submit.lua admits gets its fence, never none: empty items, leading zeros.
+        ("gres:mps:10", "10", "slurm-dlrm:mode=no-pack,,gpu_mem_mib=03000,", "1 10 3000 2\n"),
+        ("gres:mps:10", "10", "slurm-dlrm:mode=no-pack,gpu_mem_mib=0000000000003000", "1 10 3000 2\n"),
+    ]
+    for job, (tres, pct, comment, record) in enumerate(cases, start=410):
+        node.job_running(job, comment=comment, tres_per_node=tres)
+        assert node.run("prolog.sh", job, pct=pct).returncode == 0, node.events()
+        assert (node.pipe_root / "jobs" / str(job)).read_text() == record, (tres, pct, comment)
+    assert "held to 81920 MiB" in node.events()
+
+
+def test_epilog_takes_no_job_state_from_the_users_text(node):
+    """A running job named like a finished one keeps its record and its daemon."""
+    node.job_running(421)
+    assert node.run("prolog.sh", 421).returncode == 0
+    pid = node.daemon_pid(1)
+    node.job_running(422, name="x JobState=COMPLETED Reason=None")
+    assert node.run("prolog.sh", 422).returncode == 0
+    assert node.run("epilog.sh", 421).returncode == 0
+    assert "dropping job 422" not in node.events()
+    assert (node.pipe_root / "gpu1" / "jobs" / "422").exists()
+    assert node.daemon_pid(1) == pid
+
+
+def _reach(uid: int, pipe: Path) -> bool:
+    """Whether a process of `uid` can reach the daemon's socket in `pipe`."""
+    probe = "import os, sys; sys.exit(0 if os.access(sys.argv[1] + '/control', os.F_OK) else 3)"
+    return subprocess.run(["setpriv", f"--reuid={uid}", "--regid=65534", "--clear-groups",  # noqa: S603,S607
+                           sys.executable, "-c", probe, str(pipe)], timeout=30).returncode == 0
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_pipe_folders_reach_only_the_gpus_users(short_root):
+    """Issue 32 item 10: a GPU's pipe folder stays root's (1700: users cannot replace the
+    daemon's socket or PID file) with an ACL entry for each user with a job on that GPU,
+    dropped when their last job there ends; nobody else reaches the daemon."""
+    if shutil.which("setfacl") is None:
+        pytest.skip("setfacl (acl) not installed: scripts/setup.sh installs it")
+    node = Node(short_root / "n")
+    try:
+        node.job_running(431)
+        assert node.run("prolog.sh", 431, gpus="1", SLURM_JOB_UID=str(NOBODY)).returncode == 0, node.events()
+        pipe = node.pipe_root / "gpu1" / "pipe"
+        st = pipe.stat()
+        assert st.st_uid == 0 and st.st_mode & 0o1000 and not st.st_mode & 0o007
+        assert _reach(NOBODY, pipe) and not _reach(1000, pipe)
+        node.job_running(432)
+        assert node.run("prolog.sh", 432, gpus="1", SLURM_JOB_UID="1000").returncode == 0, node.events()
+        assert _reach(1000, pipe) and not _reach(1001, pipe)
+        assert node.run("epilog.sh", 432).returncode == 0
+        assert not _reach(1000, pipe) and _reach(NOBODY, pipe)
+    finally:
+        node.kill_daemons()
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_without_acls_the_gpus_first_user_owns_its_pipe_folder(short_root):
+    """No ACLs on the node: the folder is 0700 and owned by the first user with a job on
+    the GPU; a second user cannot reach it (events.log says so), and a PID file that user
+    writes there is not taken for the daemon's."""
+    node = Node(short_root / "n")
+    # setfacl there but refused (a filesystem without ACLs) reads as no setfacl.
+    (node.bin / "setfacl").write_text('#!/bin/bash\n[[ $1 == --version ]] && exit 0\necho "Operation not supported" >&2\nexit 1\n')
+    (node.bin / "setfacl").chmod(0o755)
+    try:
+        node.job_running(441)
+        assert node.run("prolog.sh", 441, gpus="1", SLURM_JOB_UID=str(NOBODY)).returncode == 0, node.events()
+        pipe = node.pipe_root / "gpu1" / "pipe"
+        assert (pipe.stat().st_mode & 0o7777, pipe.stat().st_uid) == (0o700, NOBODY)
+        assert _reach(NOBODY, pipe) and not _reach(1000, pipe)
+        node.job_running(442)
+        assert node.run("prolog.sh", 442, gpus="1", SLURM_JOB_UID="1000").returncode == 0, node.events()
+        assert not _reach(1000, pipe)
+        assert "uid 1000 cannot reach the MPS daemon without ACLs" in node.events()
+        # The owner swaps the PID file for one naming GPU 2's daemon (another user's job):
+        # the epilog must not signal it.
+        node.job_running(443)
+        assert node.run("prolog.sh", 443, gpus="2", SLURM_JOB_UID="1001").returncode == 0, node.events()
+        other = node.daemon_pid(2)
+        pid_file = pipe / "nvidia-cuda-mps-control.pid"
+        real = node.daemon_pid(1)
+        pid_file.unlink()
+        pid_file.write_text(f"{other}\n")
+        os.chown(pid_file, NOBODY, NOBODY)
+        assert node.run("epilog.sh", 442).returncode == 0
+        assert node.run("epilog.sh", 441).returncode == 0
+        assert real is not None and wait_gone(real)  # stopped by quit on its socket, not by that PID
+        assert other is not None and alive(other) and node.daemon_pid(2) == other
+    finally:
+        node.kill_daemons()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="clients of another user need root to start")
+def test_v3_daemon_serves_no_client_from_a_server_of_another_uid(short_root):
+    """Issue 32 item 11, the fake as the real daemon: a client reaches only a server of its
+    own uid (nvidia-cuda-mps-control(1)). Pointing CUDA_MPS_PIPE_DIRECTORY at another user's
+    server socket is refused; a same-uid client may pick a sibling socket (NVIDIA's
+    "Namespace Routing": the socket selects), which is why a user's own jobs are not fenced
+    from each other (docs/admin.md "Threat model")."""
+    node = Node(short_root, fake="v3")
+    try:
+        node.job_running(311, comment=format_marker("no-pack", gpu_mem_mib=3000, job_id=4))
+        assert node.run("prolog.sh", 311, SLURM_JOB_UID=str(NOBODY)).returncode == 0, node.events()
+        pipe = node.pipe_root / "gpu1" / "pipe"
+        server_socket_dir = pipe / f"uid{NOBODY}"
+        refused = _client_as(0, server_socket_dir, None)  # root passes the folder, not the daemon
+        assert "not the uid 65534" in refused["refused"]
+        own = _client_as(NOBODY, server_socket_dir, "0=99999M")
+        assert own["server"] == f"uid{NOBODY}" and own["effective_limit_mib"] == 3000
+        assert [c["uid"] for c in _fake_state(node, 1)["clients"].values()] == [NOBODY]  # root's not recorded
+        if shutil.which("setfacl") is not None:  # a second user's job on the GPU reaches the folder
+            node.job_running(312, comment=format_marker("no-pack", gpu_mem_mib=2000, job_id=5))
+            assert node.run("prolog.sh", 312, SLURM_JOB_UID="1000").returncode == 0, node.events()
+            assert "refused" in _client_as(1000, server_socket_dir, None)
+            assert _client_as(1000, pipe, None)["server"] == "uid1000"  # its own server, by uid
+    finally:
+        node.kill_daemons()

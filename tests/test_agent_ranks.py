@@ -157,6 +157,27 @@ def test_ranks_get_their_gpu_fence_and_one_port_and_the_job_reports_once(world):
     assert not any(r["samples_per_s"] for r in samples if r["rank"] == 1)  # rank 0's metrics are counted once
 
 
+def test_ranks_that_end_in_the_same_turn_report_the_job_once(world):
+    # On a busy machine both ranks can end between two turns of the loop (issue 28): the
+    # agent then reaps them together, and the job must still get exactly one end record.
+    pack = world / "pack"
+    ranks = rank_entries(member_entry(pack, 5, 0, args=["--steps", "5", "--step-s", "0.05"]), [0, 1])
+    agent = Agent(parse_placement(placement_dict(pack, ranks, sample_interval_s=0.1)), _opts(world))
+    reap = agent._reap
+
+    def reap_once_both_ended():
+        if any(m.popen is None or m.popen.poll() is None for m in agent.members):
+            return
+        reap()
+
+    agent._reap = reap_once_both_ended  # type: ignore[method-assign]
+    agent.run()
+    ends = [r for r in read_reports(pack / "reports" / "n1.jsonl")
+            if r["type"] == "member" and r["state"] != "RUNNING"]
+    assert [(e["job_id"], e["state"]) for e in ends] == [(5, "COMPLETED")]
+    assert agent.job_states == {5: "COMPLETED"}
+
+
 def test_a_killed_rank_stops_its_sibling_not_the_neighbour(world):
     pack, pd = _pack(world, LONG, single_args=["--steps", "10000", "--step-s", "0.05"], term_grace_s=3)
     agent = Agent(parse_placement(pd), _opts(world))

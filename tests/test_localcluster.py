@@ -21,6 +21,7 @@ from slurm_dlrm.cli import cli
 from slurm_dlrm.errors import BadInput
 from slurm_dlrm.slurm import JobState
 from slurm_dlrm.slurm.base import AccountingDisabled
+from slurm_dlrm.slurm.wait import wait_for_jobs
 
 
 def _cfg(tmp_path: Path, **kw) -> lc.ClusterConfig:
@@ -439,3 +440,36 @@ def test_admin_check_passes_on_the_local_cluster(slurm_cluster, monkeypatch):
             more.unlink()
         assert changed.exit_code == 1
         assert "config: AccountingStorageTRES:" in changed.output and "(missing license/x)" in changed.output
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(240)
+def test_up_after_a_slurmctld_killed_before_its_first_save(slurm_cluster):
+    """A slurmctld killed before it first saved its state leaves `clustername` without
+    `assoc_usage`; with accounting, Slurm 26.05 then refuses to start ("fatal: No Assoc
+    usage file ... to recover", issue 28: the demo after the suite, a second matrix leg).
+    `up` starts it anyway (-i) and the cluster runs jobs."""
+    state_dir = Path("/tmp") / f"sdlrm-k-{os.getpid()}"
+    cfg = lc.config_from_site(state_dir=state_dir, nodes=1, gpus_per_node=1, accounting=True,
+                              base_port=lc.pick_base_port(state_dir, nodes=1))
+    cluster = lc.LocalCluster(cfg)
+    try:
+        cluster.up(wait_s=90)
+        ctld = next(d for d in cluster.daemons() if d.name == "slurmctld")
+        assert ctld.pid is not None
+        os.kill(ctld.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while lc._is_ours(ctld.pid, state_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (state_dir / "ctld" / "clustername").exists()
+        # What the kill leaves: no save yet (should a slow machine have saved first, this
+        # makes the state the same as a kill before it).
+        (state_dir / "ctld" / "assoc_usage").unlink(missing_ok=True)
+        cluster.up(wait_s=90)
+        client = cluster.client()
+        job_id = client.sbatch(_script("true"), ["--output=/dev/null"])
+        wait_for_jobs(client, [job_id], timeout_s=60, poll_s=0.2, max_poll_s=1.0)
+        assert client.show_job(job_id).state is JobState.COMPLETED
+    finally:
+        cluster.down()
+        shutil.rmtree(state_dir, ignore_errors=True)

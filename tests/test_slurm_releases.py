@@ -128,6 +128,17 @@ def test_scontrol_tres_per_node_either_spelling(rec):
     assert parse.tres_items(rec.scontrol_job("shard")[0]["TresPerNode"]) == {"gres/shard": "2"}
 
 
+def test_node_sharing_from_either_field(rec):
+    # 22.05/24.11: OverSubscribe=NO|USER|OK; 26.05: Exclusive=NODE|USER|NO beside OverSubscribe=NO
+    # (issue 28: a live test read OverSubscribe=NO on 26.05 for an --exclusive=user job).
+    def sharing(name):
+        return parse.job_node_sharing(parse.parse_scontrol_oneliner(rec.text(name))[0])
+
+    assert sharing("scontrol_show_job_mps.txt") == "any"
+    assert sharing("scontrol_show_job_exclusive_user.txt") == "user"
+    assert sharing("scontrol_show_job_exclusive_node.txt") == "node"
+
+
 def test_scontrol_show_job_after_cancel_and_requeue(rec):
     _, gpu = rec.scontrol_job("gpu", after=True)
     assert gpu.state is JobState.CANCELLED and gpu.end_time is not None

@@ -168,6 +168,10 @@ def build_context(site: SiteConfig) -> dict[str, Any]:
     scripts = {"prolog": f"{s.script_dir}/prolog.sh", "epilog": f"{s.script_dir}/epilog.sh",
                "task_prolog": f"{s.script_dir}/task_prolog.sh"}
     max_gpu_index = max((g.gpus for g in site.nodes), default=1) - 1
+    # The prolog's ceiling on a --comment gpu_mem_mib: the largest GPU of the site (a fence
+    # beyond the GPU's memory fences nothing; job_submit.lua holds each partition tighter).
+    gpu_mem_mib_max = max((int(site.gpu_models[g.gpu_model].memory_bytes // MIB) for g in site.nodes if g.gpus > 0),
+                          default=0)
     return {
         "site_name": site.name,
         "site_path": os.path.basename(site.path) if site.path else "(built in)",
@@ -216,6 +220,7 @@ def build_context(site: SiteConfig) -> dict[str, Any]:
             "marker_prefix": MARKER_PREFIX,
             "mode_no_pack": MODE_NO_PACK,
             "max_gpu_index": max_gpu_index,
+            "gpu_mem_mib_max": gpu_mem_mib_max,
             "fence_mode": site.mps.mode,
             "dmem_mode": site.mps.dmem,
             "cross_user": site.mps.cross_user,

@@ -43,7 +43,13 @@ Clients: the real client protocol lives in libcuda; the fake takes one private l
 (`connect_client()` sends it, the stand-in member calls it with `--mps-client`) and records
 the client with the limit the daemon holds it to: on a v3 namespace socket the namespace's
 `pinned_memory_limit` (the client's own variable can only lower it), on v2 the client's own
-variable if set (the hole MPS v2 has), else its server's or the default limit.
+variable if set (the hole MPS v2 has), else its server's or the default limit. Like the
+real daemon (nvidia-cuda-mps-control(1): a client is served only by a server of its own
+uid), a v3 client whose uid (SO_PEERCRED) is not the server's, on that server's or one of
+its namespaces' sockets, is refused (`refused: ...`; `connect_client()` raises
+PermissionError) and not recorded. A client of the server's own uid on a sibling
+namespace's socket is taken there, as NVIDIA documents ("Namespace Routing": the socket
+selects the namespace).
 `$SLURM_DLRM_FAKE_MPS_STATE_COPY=<dir>` keeps a copy of the state there (the pipe folder is
 removed when the agent quits its daemon).
 
@@ -78,6 +84,7 @@ STATE_FILE = "fake-mps-state.json"
 SOCKET_NAME = "control"
 _SUN_PATH_MAX = 108  # sockaddr_un.sun_path on Linux, with its terminating NUL
 ENV_V3 = "SLURM_DLRM_FAKE_MPS_V3"
+REFUSED = "refused:"  # the daemon's reply to a client it does not connect
 ENV_STATE_COPY = "SLURM_DLRM_FAKE_MPS_STATE_COPY"
 CLIENT_LINE = "fake_client_connect"
 _END = b"\0"  # ends one reply on the control socket (private to the fake)
@@ -351,6 +358,11 @@ class _Daemon:
             if server_name is None:  # the main control socket routes by uid (NVIDIA: Namespace Routing)
                 server_name = next((n for n, s in self.state["v3_servers"].items() if s["uid"] == peer_uid), None)
             server = self.state["v3_servers"].get(server_name or "", {})
+            if server and peer_uid is not None and peer_uid != server["uid"]:
+                # MPS hands a client only a server of the client's own uid (nvidia-cuda-mps-control(1));
+                # a client of another uid on a server's or namespace's socket gets nothing there.
+                self.write_log(f"Refused client {pid}: uid {peer_uid} is not server {server_name}'s uid {server['uid']}")
+                return f"{REFUSED} client uid {peer_uid} is not the uid {server['uid']} of server {server_name}"
             ns = server.get("namespaces", {}).get(ns_name or "", {})
             held = ns.get("pinned_memory_limit_mib", server.get("pinned_memory_limit_mib"))
             effective = min(want, held) if (want and held) else (held or want)
@@ -732,6 +744,8 @@ def connect_client(env: dict[str, str] | None = None) -> dict[str, Any]:
     rc, replies = _send([f"{CLIENT_LINE} {os.getpid()} {limit.replace(' ', '')}"], pipe / SOCKET_NAME)
     if rc or not replies:
         raise OSError(f"no MPS daemon at {pipe}")
+    if replies[0].startswith(REFUSED):
+        raise PermissionError(replies[0])
     return json.loads(replies[0])  # type: ignore[no-any-return]
 
 

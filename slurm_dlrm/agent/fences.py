@@ -280,6 +280,40 @@ def own_cgroup(root: Path, proc_cgroup: str = "/proc/self/cgroup") -> Path:
     raise FenceError(f"{proc_cgroup}: no cgroup v2 entry (0::)")
 
 
+def oom_cgroup(root: Path, slurm_job_id: str | None, proc_cgroup: str = "/proc/self/cgroup") -> Path | None:
+    """The cgroup whose memory.events tells whether the kernel OOM-killed one of the
+    agent's members: the Slurm job's own (cgroup v2 layout ``.../job_<id>/step_<id>``,
+    where every step of the job, members run as steps included, sits below), else the
+    agent's own (members run as its children sit there or below). None: no cgroup v2."""
+    try:
+        own = own_cgroup(root, proc_cgroup)
+    except FenceError:
+        return None
+    if slurm_job_id:
+        for folder in (own, *own.parents):
+            if folder.name == f"job_{slurm_job_id}":
+                return folder
+            if folder == root:
+                break
+    return own
+
+
+def oom_kill_count(folder: Path | None) -> int | None:
+    """`oom_kill` of the folder's memory.events (hierarchical in cgroup v2: kills in any
+    descendant count); None if it cannot be read (no memory controller, no cgroup v2)."""
+    if folder is None:
+        return None
+    try:
+        text = (folder / "memory.events").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
 def region_for_gpu(regions: dict[str, int], gpu_position: int, pci_bus_id: str | None = None) -> str:
     """The dmem region of a GPU: the nvidia region naming its PCI bus id, else the
     `gpu_position`-th nvidia region in PCI order (the order NVML and CUDA_DEVICE_ORDER=PCI_BUS_ID use)."""

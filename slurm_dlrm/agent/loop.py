@@ -20,8 +20,10 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,6 +78,11 @@ _MPS_CLIENT_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE
 DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
              "GROUP_RANK", "SLURM_DLRM_RDZV_FILE")
 MASTER_ADDR = "127.0.0.1"  # a job's ranks share one node (gang placement, docs/interfaces.md section 3)
+# The ranks' rendezvous: a torch.distributed FileStore in a 0700 folder of the agent's
+# run folder, which our runner prefers to env:// (train/runner.py). A TCPStore on
+# 127.0.0.1:MASTER_PORT authenticates nothing: any process on the node could join or
+# feed it. MASTER_ADDR/MASTER_PORT stay set for a `command` of the user's own.
+ENV_RDZV_FILE = "SLURM_DLRM_RDZV_FILE"
 # The order in which a multi-rank job's end state is chosen from its ranks' (the worst wins).
 _GANG_STATE_ORDER = ("FAILED", "OOM_GPU", "OOM_HOST", "CANCELLED", "PREEMPTED", "COMPLETED")
 
@@ -119,14 +126,21 @@ class Member:
     fence: dict[str, Any] = field(default_factory=dict)  # what holds it to its memory limit
     cgroup: Path | None = None  # its dmem cgroup, joined before exec
     master_port: int | None = None  # a rank of a multi-rank job: its job's MASTER_PORT
+    rdzv_file: str | None = None  # and its job's private FileStore
+    oom_kills_at_launch: int | None = None  # the job cgroup's oom_kill count when it started
 
     @property
     def done(self) -> bool:
         return self.state not in ("PENDING", "RUNNING")
 
 
-def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool) -> tuple[str, int, str]:
-    """(state, exit code in shell convention, reason) for a member that ended."""
+def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool,
+                  oom_kills: int | None = None) -> tuple[str, int, str]:
+    """(state, exit code in shell convention, reason) for a member that ended.
+
+    `oom_kills`: how much the job cgroup's memory.events oom_kill rose while it ran
+    (None: unknown). Every kill the agent sends has a `stop_reason`, so a SIGKILL
+    without one came from outside: the counter tells the OOM killer from the rest."""
     signum = -returncode if returncode < 0 else None
     if via_srun and returncode > 128:
         signum = returncode - 128
@@ -150,9 +164,14 @@ def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool) -> t
         return "CANCELLED", code, "did not exit within term_grace_s after SIGTERM; killed"
     if stop_reason == "TERM":
         return "CANCELLED", code, f"stopped by {sig_name or f'exit code {returncode}'} without a checkpoint exit"
+    if signum == signal.SIGKILL:
+        if oom_kills:
+            return "FAILED", code, f"killed by SIGKILL: the kernel OOM killer (cgroup oom_kill +{oom_kills} while it ran)"
+        if oom_kills == 0:
+            return "FAILED", code, "killed by SIGKILL from outside the agent, not the OOM killer (Slurm, scancel, a user)"
+        return "FAILED", code, "killed by SIGKILL from outside the agent (OOM killer, Slurm or a user: no cgroup to tell)"
     if signum:
-        hint = " (the kernel OOM killer sends SIGKILL)" if signum == signal.SIGKILL else ""
-        return "FAILED", code, f"killed by {sig_name}{hint}"
+        return "FAILED", code, f"killed by {sig_name}"
     if returncode == TRAIN_EXIT_BAD_SPEC:
         return "FAILED", code, "the spec did not validate (runner exit code 2)"
     return "FAILED", code, f"exit code {returncode}"
@@ -166,7 +185,8 @@ def _signal_name(signum: int) -> str:
 
 
 def member_env(base: dict[str, str], m: MemberPlacement, gpus: list[str], mps: MpsSetup,
-               pipe_dir: str | None = None, master_port: int | None = None) -> dict[str, str]:
+               pipe_dir: str | None = None, master_port: int | None = None,
+               rdzv_file: str | None = None) -> dict[str, str]:
     """The environment of one member (docs/agent.md lists every variable). pipe_dir: the
     member's MPS v3 namespace folder (its socket picks the namespace); master_port: its
     job's rendezvous port when it is one rank of several."""
@@ -181,6 +201,8 @@ def member_env(base: dict[str, str], m: MemberPlacement, gpus: list[str], mps: M
         # One torch.distributed job on one node: env:// rendezvous at rank 0's TCP store.
         env.update(RANK=str(m.rank), LOCAL_RANK=str(m.rank), WORLD_SIZE=str(m.world_size),
                    LOCAL_WORLD_SIZE=str(m.world_size), MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(master_port))
+        if rdzv_file is not None:
+            env[ENV_RDZV_FILE] = rdzv_file
     if mps.daemon is not None and mps.mode == "own":
         # Our daemon sees only the allocation's GPUs and renumbers them 0..n-1 for clients.
         env["CUDA_VISIBLE_DEVICES"] = str(m.gpu_index)
@@ -205,7 +227,7 @@ def member_env(base: dict[str, str], m: MemberPlacement, gpus: list[str], mps: M
 STEP_OVERRIDES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
                   "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY",
                   "OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT")
+                  "MASTER_PORT", ENV_RDZV_FILE)
 
 
 def free_port(taken: set[int], host: str = MASTER_ADDR) -> int:
@@ -247,6 +269,8 @@ class Agent:
         self.reports = ReportWriter(placement.pack_dir, opts.node_name, placement.pack_id)
         self.mps: MpsSetup = MpsSetup("off", None, "not started")
         self.run_dir = Path(opts.tmp_root) / f"slurm-dlrm-agent-{opts.slurm_job_id or os.getpid()}-{opts.node_index}"
+        self._run_dir_ours = False
+        self._oom_cgroup = fences.oom_cgroup(fences.cgroup_root(), opts.slurm_job_id)
         self._term_signal: int | None = None
         self._terminating_since: float | None = None
         self._forwarded = False
@@ -306,6 +330,13 @@ class Agent:
     def _start(self) -> None:
         o = self.opts
         self.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = self.run_dir.lstat()
+        # a predictable name in a shared /tmp: one someone else made first is not ours to use
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise BadInput(f"agent: {self.run_dir} exists and is not a folder of this user's; remove it")
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(self.run_dir, 0o700)
+        self._run_dir_ours = True
         self.reports.agent("start", f"{len(self.members)} members on {o.node_name}, GPUs {','.join(o.gpus)}, "
                            f"launch {o.launch}, interval {self.interval_s:g}s", pid=os.getpid(),
                            members=[m.placement.job_id for m in self.members])
@@ -547,12 +578,15 @@ class Agent:
         if p.world_size > 1:
             try:
                 port = free_port({m.master_port for m in self.members if m.master_port and not m.done})
+                # fresh per launch (a FileStore left by a killed attempt would mislead the next)
+                rdzv = Path(tempfile.mkdtemp(prefix=f"rdzv-{p.job_id}-", dir=self.run_dir)) / "store"
             except OSError as exc:
                 for m in ms:
                     self._refuse(m, f"could not launch: {exc}")
                 return
             for m in ms:
                 m.master_port = port
+                m.rdzv_file = str(rdzv)
         for m in ms:
             if any(r.done for r in ms):  # a rank failed to launch: the rest are not started
                 if not m.done:
@@ -568,7 +602,7 @@ class Agent:
             pipe_dir = str(self.mps.daemon.pipe_dir / m.fence["server"] / m.fence["namespace"])
         try:
             m.env = member_env(self.base_env, p, self.opts.gpus, self.mps, pipe_dir=pipe_dir,
-                               master_port=m.master_port)
+                               master_port=m.master_port, rdzv_file=m.rdzv_file)
             for d in (Path(p.checkpoint_dir), Path(p.metrics_path).parent):
                 d.mkdir(parents=True, exist_ok=True)
             m.output_path = Path(p.metrics_path).parent / f"output-{self.opts.node_name}.log"
@@ -593,6 +627,7 @@ class Agent:
         if self.opts.launch != "step":
             m.pid = m.popen.pid
         m.launched_at = time.monotonic()
+        m.oom_kills_at_launch = fences.oom_kill_count(self._oom_cgroup)
         # Rank 0 alone writes the job's metrics file: one rank's rows carry samples/s, not W.
         m.metrics = MetricsTail(p.metrics_path) if p.rank == 0 else None
         m.state = "RUNNING"
@@ -780,7 +815,10 @@ class Agent:
                 # The leader is gone; leftovers of its group (loader workers) go with it.
                 with contextlib.suppress(OSError):
                     os.killpg(m.pid, signal.SIGKILL)
-            state, code, reason = classify_exit(rc, m.stop_reason, via_srun=self.opts.launch == "step")
+            now_kills = fences.oom_kill_count(self._oom_cgroup)
+            rose = None if now_kills is None or m.oom_kills_at_launch is None else now_kills - m.oom_kills_at_launch
+            state, code, reason = classify_exit(rc, m.stop_reason, via_srun=self.opts.launch == "step",
+                                                oom_kills=rose)
             if state == m.stop_reason and m.stop_detail:
                 reason = m.stop_detail
             reason = self._explain(m, state, code, reason)
@@ -823,7 +861,8 @@ class Agent:
                                 r.placement.rank)
                     r.stop_reason, r.cancel_since = "GANG", now
                     self._signal(r, signal.SIGTERM)
-        if all(r.done for r in ranks):
+        # Ranks that end in the same turn are all done by the first one's call: report once.
+        if all(r.done for r in ranks) and p.job_id not in self.job_states:
             self._job_ended(p.job_id, ranks)
 
     def _job_ended(self, job_id: int, ranks: list[Member]) -> None:
@@ -982,7 +1021,8 @@ class Agent:
             self.reports.agent("mps_stopped", f"sent quit to daemon {pid}; removed {self.mps.daemon.root_dir}",
                                daemon_pid=pid)
         self.nvml.shutdown()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self._run_dir_ours:  # never empty a folder someone else made (see _start)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
         states: dict[str, int] = {}
         for m in self.members:
             states[m.state] = states.get(m.state, 0) + 1

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from slurm_dlrm.agent import fences
-from slurm_dlrm.errors import EXIT_RUNTIME
+from slurm_dlrm.errors import EXIT_RUNTIME, BadInput
 from slurm_dlrm.site import load_site
 
 SITE_OPTION = click.option("--site", "site_path", type=click.Path(dir_okay=False), default=None,
@@ -35,8 +35,11 @@ def admin() -> None:
 @SITE_OPTION
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
               help="Folder to write the rendered files into (created).")
+@click.option("--site-gres-conf", "site_gres_conf", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="The cluster's current gres.conf: its lines for other nodes and other gres are kept in "
+                   "the rendered one (ours replaces only gpu/mps/shard and AutoDetect of the site file's nodes).")
 @JSON_OPTION
-def render(site_path: str | None, out_dir: str, as_json: bool) -> None:
+def render(site_path: str | None, out_dir: str, site_gres_conf: str | None, as_json: bool) -> None:
     """Render slurm-dlrm.conf (a slurm.conf fragment), gres.conf, job_submit.lua and the MPS
     prolog, epilog and task prolog from the site file.
 
@@ -48,11 +51,23 @@ def render(site_path: str | None, out_dir: str, as_json: bool) -> None:
     Example:
       slurm-dlrm admin render --site site-config/site.toml --out /tmp/slurm-dlrm-conf
       slurm-dlrm admin render --out rendered/ --json
+      slurm-dlrm admin render --out rendered/ --site-gres-conf /etc/slurm/gres.conf
     """
     from slurm_dlrm.admin.render import render_site, write_rendered
 
     site = load_site(site_path)
     files = render_site(site)  # everything renders before anything is written
+    if site_gres_conf is not None:
+        import dataclasses
+
+        from slurm_dlrm.admin.gres_merge import merge_gres_conf
+
+        try:
+            site_text = Path(site_gres_conf).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise BadInput(f"--site-gres-conf: cannot read {site_gres_conf}: {exc}") from None
+        files = [dataclasses.replace(f, text=merge_gres_conf(f.text, site_text, site, site_gres_conf))
+                 if f.name == "gres.conf" else f for f in files]
     written = write_rendered(files, out_dir)
     rows = [{"file": f.name, "path": str(p), "install_path": f.install_path, "mode": f"{f.mode:04o}"}
             for f, p in zip(files, written, strict=True)]

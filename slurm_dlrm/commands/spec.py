@@ -32,7 +32,7 @@ prefetch_batches: 2
 steps: 200                    # or epochs: N (with a data file)
 data: {type: synthetic, zipf_alpha: 1.05}   # or {type: criteo-tsv, path: day_0.tsv} / {type: criteo-npy, path: DIR}
 seed: 0
-world_size: 1                 # processes (GPUs) per job; > 1 only with submit --no-pack
+world_size: 1                 # ranks (GPUs) per job, all on one node: packed (W GPUs of a pack) or --no-pack
 checkpoint_every_steps: 50    # cancel/requeue and preemption resume from the last one
 metrics_every_steps: 10
 # command: [python, train.py] # optional argv replacing `slurm-dlrm train SPEC`

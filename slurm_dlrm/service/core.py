@@ -676,10 +676,10 @@ class PackingService:
     def write_pack_dir(self, pack: Any, members: Sequence[Any]) -> str:
         """placement.json, the members' specs and the batch script; returns the script text.
 
-        Rewritten in full before every sbatch attempt, so plain writes suffice (no fsync):
-        a service killed mid-write rewrites the folder before it submits. Only a power
-        loss after sbatch could leave a pack with a torn file; its agent then fails on the
-        placement and the members fail with that reason.
+        Rewritten in full before every sbatch attempt, each file replaced atomically
+        (`write_private`: temporary file, fsync, rename), so an agent that reads the
+        placement while a resubmission rewrites it, or after a crash or power loss,
+        finds the whole old file or the whole new one, never a torn one.
         """
         pack_dir = Path(pack.pack_dir)
         if not self._spool_ready:

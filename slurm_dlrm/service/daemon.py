@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.errors import DlrmError
+from slurm_dlrm.store.db import refuse_foreign
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,9 @@ class ServicePaths:
 def ensure_private_dir(path: Path) -> Path:
     """Create `path` (and parents) and make it 0700: it holds the user's job data."""
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if path.stat().st_mode & 0o077:
+    st = path.stat()
+    refuse_foreign(path, st, "folder")  # made first by someone else under a shared parent
+    if st.st_mode & 0o077:
         path.chmod(0o700)
     return path
 

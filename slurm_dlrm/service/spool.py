@@ -4,10 +4,10 @@ slurm_dlrm.service.core so that `submit` does not import the service)."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
+from slurm_dlrm.service.common import write_atomic
 from slurm_dlrm.service.daemon import ensure_private_dir
 
 SPEC_FILE = "spec.json"  # <spool_dir>/jobs/<job_id>/spec.json: what the member's `train` reads
@@ -24,6 +24,6 @@ def write_job_spec(spool_dir: Path, job_id: int, spec: dict[str, Any]) -> Path:
 
 
 def write_private(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    """0600, replaced atomically: an agent or runner reading placement.json or spec.json
+    while the service rewrites it (a resubmission) sees the whole old file or the new."""
+    write_atomic(path, text)

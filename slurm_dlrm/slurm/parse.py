@@ -254,6 +254,22 @@ def job_from_scontrol(rec: dict[str, str]) -> JobInfo:
     )
 
 
+# What a job allows on its nodes besides itself (sbatch --exclusive[=user|mcs|topo]).
+_OVERSUBSCRIBE_SHARING = {"NO": "node", "USER": "user", "MCS": "mcs", "TOPO": "topo"}
+
+
+def job_node_sharing(rec: dict[str, str]) -> str:
+    """Whom a job shares its nodes with, from `scontrol show job -o`: "node" (nobody,
+    --exclusive), "user" (the job's user only, --exclusive=user), "mcs", "topo", or "any".
+    Slurm 26.05 prints exclusivity in its own `Exclusive=` field (NO, NODE, USER, ...) and
+    keeps `OverSubscribe=` for CPU oversubscription alone; 22.05 and 24.11 print it as
+    `OverSubscribe=NO|USER|MCS|TOPO` (OK/YES/FORCE: may share)."""
+    if "Exclusive" in rec:
+        value = rec["Exclusive"].upper()
+        return "any" if value == "NO" else value.lower()
+    return _OVERSUBSCRIBE_SHARING.get(rec.get("OverSubscribe", "").upper(), "any")
+
+
 # ---------------------------------------------------------------- nodes and partitions
 
 # Base node states (slurm.h node_state_string); anything after '+' is a flag.

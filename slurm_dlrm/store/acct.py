@@ -14,6 +14,7 @@ import logging
 import os
 import pwd
 import re
+import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -209,11 +210,17 @@ def _params(store: Store, f: AcctFilter, now: float) -> dict[str, Any] | None:
             if p is None:
                 return None
             pack_id = p.id
+    users = f.users
+    if store.owner_user is not None and users is not None:
+        # the rows' own user column is not trusted: the store's owner is who they are
+        if store.owner_user not in users:
+            return None
+        users = None
     return {
         "now": now,
         "job_ids": None if f.job_ids is None else json.dumps(list(f.job_ids)),
         "states": None if f.states is None else json.dumps([s.value for s in f.states]),
-        "users": None if f.users is None else json.dumps(list(f.users)),
+        "users": None if users is None else json.dumps(list(users)),
         "pack_id": pack_id, "since": f.since, "until": f.until,
     }
 
@@ -223,7 +230,11 @@ def acct_rows(store: Store, f: AcctFilter, now: float | None = None) -> list[dic
     now = store.clock() if now is None else now
     with store.read():
         params = _params(store, f, now)
-        return [] if params is None else store.query("acct", params)
+        rows = [] if params is None else store.query("acct", params)
+    if store.owner_user is not None:
+        for r in rows:
+            r["user"] = store.owner_user
+    return rows
 
 
 def _sql_dur(s: str) -> str:
@@ -266,7 +277,12 @@ def acct_table_cells(store: Store, f: AcctFilter, cols: Sequence[tuple[Column, i
         params = _params(store, f, now)
         if params is None:
             return []
-        return store.conn.execute(sql, params).fetchall()
+        rows: list[tuple[Any, ...]] = store.conn.execute(sql, params).fetchall()
+    owner = store.owner_user
+    if owner is None:
+        return rows
+    at = [3 + i for i, (c, _) in enumerate(cols) if c.key == "user"]
+    return [tuple(owner if i == 1 or i in at else v for i, v in enumerate(r)) for r in rows]
 
 
 def acct_table(store: Store, f: AcctFilter, cols: Sequence[tuple[Column, int | None]],
@@ -332,15 +348,19 @@ def acct_all_users(site: SiteConfig, fetch: Callable[[Store], list[Any]]) -> tup
     store skipped. `fetch` is `acct_rows` or `acct_table_cells` with its arguments bound."""
     rows: list[Any] = []
     warnings: list[str] = []
+    from slurm_dlrm.store.others import open_other_store
+
     for user, path in discover_user_stores(site):
         if not os.access(path, os.R_OK):
             warnings.append(f"{user}: cannot read {path} (permission denied); skipped")
             continue
         try:
-            with Store(path, readonly=True) as st:
+            # someone else's file: owner checked, schema checked, every read bounded
+            with open_other_store(path, user) as st:
                 rows.extend(fetch(st))
-        except StoreError as exc:
-            warnings.append(f"{user}: {exc}; skipped")
+        except (StoreError, sqlite3.Error, OSError) as exc:
+            first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+            warnings.append(f"{user}: {path}: {first}; skipped")
     return rows, warnings
 
 
@@ -392,7 +412,11 @@ def acct_totals(store: Store, f: AcctFilter, now: float | None = None) -> list[d
     now = store.clock() if now is None else now
     with store.read():
         params = _params(store, f, now)
-        return [] if params is None else store.query("acct_totals", params)
+        rows = [] if params is None else store.query("acct_totals", params)
+    if store.owner_user is not None:
+        for r in rows:
+            r["user"] = store.owner_user  # summed again per user by Totals.add
+    return rows
 
 
 def render_totals(totals: Totals, fmt: str, header: bool = True) -> str:

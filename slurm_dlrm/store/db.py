@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import random
 import sqlite3
 import stat
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from slurm_dlrm.store.errors import StoreBusy, StoreError, StoreWalOnNetwork
+from slurm_dlrm.store.errors import StoreBusy, StoreError, StoreNotOwned, StoreWalOnNetwork
 from slurm_dlrm.store.fstype import FsInfo, filesystem_of
 
 log = logging.getLogger(__name__)
@@ -43,15 +44,32 @@ def is_busy(exc: BaseException) -> bool:
     return "locked" in msg or "busy" in msg
 
 
+def _owner_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"uid {uid}"
+
+
+def refuse_foreign(path: Path, st: os.stat_result, what: str) -> None:
+    """StoreNotOwned unless we own `path`: under a shared parent (``/shared/{user}``) a
+    folder or file someone else made first would let them read and replace our data."""
+    me = os.geteuid()
+    if st.st_uid != me:
+        raise StoreNotOwned(f"{what} {path} belongs to {_owner_name(st.st_uid)}, not to you "
+                            f"({_owner_name(me)}); remove it or set another store_dir")
+
+
 def ensure_private_dir(path: Path) -> None:
-    """Create `path` as 0700; tighten it if we own it and it is open to others."""
+    """Create `path` as 0700 (tightened if it is open to others); refuse one we do not own."""
     path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     st = path.stat()
     mode = stat.S_IMODE(st.st_mode)
     if mode & (stat.S_ISVTX | stat.S_IWOTH):
         # A shared folder such as /tmp: tightening it would break every other user of it.
         raise StoreError(f"store folder {path} is shared (mode {mode:o}); give the store a folder of its own")
-    if st.st_uid == os.geteuid() and mode != DIR_MODE:
+    refuse_foreign(path, st, "store folder")
+    if mode != DIR_MODE:
         log.warning("store folder %s had mode %o; setting 0700", path, stat.S_IMODE(st.st_mode))
         os.chmod(path, DIR_MODE)
 
@@ -62,13 +80,21 @@ def ensure_private_file(path: Path) -> None:
     SQLite gives the -wal and -shm files the mode of the database file, so they stay
     private too.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, FILE_MODE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
     try:
         st = os.fstat(fd)
-        if st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != FILE_MODE:
+        refuse_foreign(path, st, "store file")
+        if stat.S_IMODE(st.st_mode) != FILE_MODE:
             os.fchmod(fd, FILE_MODE)
     finally:
         os.close(fd)
+    # a -wal or -shm file left by someone else would be opened as it is, and written to
+    for suffix in ("-wal", "-shm"):
+        try:
+            side = os.lstat(f"{path}{suffix}")
+        except FileNotFoundError:
+            continue
+        refuse_foreign(Path(f"{path}{suffix}"), side, "store file")
 
 
 def connect(path: Path, *, readonly: bool, busy_timeout_s: float, filesystem: str = "auto",
@@ -95,6 +121,10 @@ def connect(path: Path, *, readonly: bool, busy_timeout_s: float, filesystem: st
         conn = sqlite3.connect(str(path), isolation_level=None, timeout=busy_timeout_s)
     conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
     conn.execute("PRAGMA foreign_keys = ON")
+    if readonly:
+        # read-only: maybe another user's file; its views, triggers and indexes may call
+        # only innocuous functions (SQLite 3.31+; store/guard.py checks the rest)
+        conn.execute("PRAGMA trusted_schema = OFF")
     if not readonly:
         try:
             set_journal_mode(conn, path, fs)

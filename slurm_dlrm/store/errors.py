@@ -48,6 +48,24 @@ class SchemaTooNew(StoreError):
     """The database was migrated by a newer slurm-dlrm than this one."""
 
 
+class StoreNotOwned(StoreError):
+    """The store's folder or file belongs to another uid (exit 2: pick a folder of your own).
+
+    Under a shared parent (``store_dir = "/shared/{user}"``) whoever creates the folder
+    first owns it: using it as found would put our data where its owner can read and
+    replace it."""
+
+    exit_code = 2  # errors.EXIT_USAGE: bad input (the site's store_dir), not a runtime fault
+
+
+class StoreUntrusted(StoreError):
+    """Another user's store whose schema is not ours (views, unknown columns): not read."""
+
+
+class StoreTimeout(StoreError):
+    """A read of the store ran past its time budget and was interrupted."""
+
+
 class StoreWalOnNetwork(StoreError):
     """A WAL store on a network filesystem that could not be switched to the rollback
     journal (another process has it open); nothing was changed."""

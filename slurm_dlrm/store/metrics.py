@@ -89,8 +89,8 @@ class StoreMetrics:
     gpus: list[GpuRow]
 
 
-def _key(row: dict[str, Any], default_user: str, default_partition: str) -> Key:
-    return (str(row.get("user") or default_user), str(row.get("partition") or default_partition),
+def _key(row: dict[str, Any], default_user: str, default_partition: str, forced_user: str | None = None) -> Key:
+    return (forced_user or str(row.get("user") or default_user), str(row.get("partition") or default_partition),
             str(row.get("gpu_model") or ""))
 
 
@@ -101,7 +101,8 @@ def read_store(store: Store, cursor: StoreCursor, *, user: str, default_partitio
 
     One read transaction, so every figure comes from the same snapshot. `user` labels
     rows without one; `default_partition` labels jobs that name none (where the service
-    would send them). `stagger_s` (< `slow_every_s`) shifts this store's slow refreshes
+    would send them); `store.owner_user`, when set (another user's store read by an
+    admin), labels every row instead of the user its rows name. `stagger_s` (< `slow_every_s`) shifts this store's slow refreshes
     so that the stores of a cluster do not all refresh on the same scrape.
     """
     mono = time.monotonic() if monotonic is None else monotonic
@@ -122,7 +123,7 @@ def read_store(store: Store, cursor: StoreCursor, *, user: str, default_partitio
 def _count_by_state(store: Store, query: str, states: str, into: dict[tuple[str, str, str, str], int],
                     user: str, default_partition: str) -> None:
     for r in store.query(query, {"states": states}):
-        k = (*_key(r, user, default_partition), str(r["state"]))
+        k = (*_key(r, user, default_partition, store.owner_user), str(r["state"]))
         into[k] = into.get(k, 0) + int(r["n"])
 
 
@@ -142,7 +143,7 @@ def _gpus(store: Store, user: str, default_partition: str, since: float) -> list
             # samples name it; unambiguous when one node reported this GPU index
             s = by_pack_gpu[(pack_id, gpu)][0]
             node = str(s["node"])
-        k = _key(r, user, default_partition)
+        k = _key(r, user, default_partition, store.owner_user)
         row = GpuRow(user=k[0], partition=k[1], gpu_model=k[2], node=node, gpu=gpu,
                      slurm_job_id=str(r["slurm_job_id"] or ""), members=int(r["members"] or 0),
                      fenced_bytes=None if r["fenced_bytes"] is None else int(r["fenced_bytes"]))
@@ -167,7 +168,7 @@ def _count_events(store: Store, cursor: StoreCursor, user: str, default_partitio
     if top == cursor.last_event_id:
         return
     for r in store.query("metric_events", {"after_id": cursor.last_event_id, "upto_id": top}):
-        c = cursor.events[_key(r, user, default_partition)]
+        c = cursor.events[_key(r, user, default_partition, store.owner_user)]
         c.ooms += r["ooms"] or 0
         c.requeues += r["requeues"] or 0
         c.recovered_oom += r["recovered_oom"] or 0
@@ -181,13 +182,13 @@ def _slow_refresh(store: Store, cursor: StoreCursor, user: str, default_partitio
               "since": None, "until": None}
     gpu_s: dict[Key, tuple[float, float]] = {}
     for r in store.query("metric_gpu_seconds", params):
-        k = _key(r, user, default_partition)
+        k = _key(r, user, default_partition, store.owner_user)
         c, e = gpu_s.get(k, (0.0, 0.0))
         gpu_s[k] = (c + float(r["charged_s"] or 0.0), e + float(r["exclusive_s"] or 0.0))
     ratios: dict[Key, list[float]] = defaultdict(list)
     waits: dict[Key, list[float]] = defaultdict(list)
     for r in store.query("metric_job_figures"):
-        k = _key(r, user, default_partition)
+        k = _key(r, user, default_partition, store.owner_user)
         if r["est_error_ratio"] is not None:
             ratios[k].append(float(r["est_error_ratio"]))
         if r["wait_s"] is not None:

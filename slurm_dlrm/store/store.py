@@ -33,6 +33,7 @@ from slurm_dlrm.store.errors import (
     StaleState,
     StoreBusy,
     StoreError,
+    StoreTimeout,
     UnknownEntity,
 )
 from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS, MIGRATIONS_TABLE
@@ -95,13 +96,25 @@ class Store:
         clock: Clock = time.time,
         busy_timeout_s: float = 10.0,
         retry_s: float = 300.0,
+        read_budget_s: float | None = None,
+        untrusted: bool = False,
         filesystem: str = "auto",
         immutable: bool = False,
     ) -> None:
+        """`untrusted` (read-only only): another user's file, so its schema is checked
+        on open and again whenever it changes (store/guard.py). `read_budget_s`: each
+        read transaction or query is interrupted past this (StoreTimeout)."""
         self.path = Path(path)
         self.readonly = readonly
         self.clock = clock
         self.retry_s = retry_s
+        self.read_budget_s = read_budget_s
+        self.untrusted = untrusted
+        # The user every row is labelled with when this store is read on an admin's
+        # behalf: its file's owner, not what its rows say (exporter, acct --all-users).
+        self.owner_user: str | None = None
+        self._deadline: float | None = None
+        self._checked_cookie: int | None = None
         try:
             self.conn: sqlite3.Connection = connect(self.path, readonly=readonly, busy_timeout_s=busy_timeout_s,
                                                         filesystem=filesystem, immutable=immutable)
@@ -112,9 +125,15 @@ class Store:
         self._known_jobs: set[int] = set()
         self._known_packs: set[int] = set()
         self._warned_unknown: set[tuple[str, int]] = set()
+        if read_budget_s is not None:
+            # every 1000 VM steps: a few microseconds each, and a crafted query still ends
+            self.conn.set_progress_handler(self._past_deadline, 1000)
         try:
             if readonly:
-                self._check_version()
+                with self._budget():
+                    self._check_version()
+                    if untrusted:
+                        self._check_schema()
             else:
                 self._migrate()
         except sqlite3.DatabaseError as exc:  # e.g. "file is not a database"
@@ -163,6 +182,36 @@ class Store:
             raise SchemaTooNew(f"{self.path}: schema version {v} is newer than this slurm-dlrm ({LATEST_VERSION})")
         if v < LATEST_VERSION:
             raise StoreError(f"{self.path}: schema version {v} is older than {LATEST_VERSION}; open it read-write once to migrate")
+
+    def _past_deadline(self) -> int:
+        return 1 if self._deadline is not None and time.monotonic() > self._deadline else 0
+
+    def _check_schema(self) -> None:
+        """The schema check of an untrusted store, again only when its schema cookie moved
+        (any CREATE/DROP/ALTER bumps it), so a checked-then-swapped table is caught."""
+        from slurm_dlrm.store.guard import check_schema
+
+        cookie = int(self.conn.execute("PRAGMA schema_version").fetchone()[0])
+        if cookie != self._checked_cookie:
+            check_schema(self.conn, str(self.path))
+            self._checked_cookie = cookie
+
+    @contextmanager
+    def _budget(self) -> Iterator[None]:
+        """Bound what runs inside to read_budget_s (outermost call only)."""
+        if self.read_budget_s is None or self._deadline is not None:
+            yield
+            return
+        self._deadline = time.monotonic() + self.read_budget_s
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            if "interrupted" in str(exc):
+                raise StoreTimeout(f"{self.path}: a read took over {self.read_budget_s:g} s; "
+                                   f"interrupted") from None
+            raise
+        finally:
+            self._deadline = None
 
     def _migrate(self) -> None:
         if self.schema_version > LATEST_VERSION:
@@ -238,12 +287,16 @@ class Store:
         if self._depth or self.conn.in_transaction:
             yield self
             return
-        retry_busy(lambda: self.conn.execute("BEGIN"), self.retry_s)
-        try:
-            yield self
-        finally:
-            if self.conn.in_transaction:
-                self.conn.execute("COMMIT")
+        with self._budget():
+            retry_busy(lambda: self.conn.execute("BEGIN"), self.retry_s)
+            try:
+                if self.untrusted:
+                    self._check_schema()  # inside the snapshot every read below sees
+                yield self
+            finally:
+                self._deadline = None  # ending the snapshot is never interrupted
+                if self.conn.in_transaction:
+                    self.conn.execute("COMMIT")
 
     def query(self, name: str, params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         """Run a named query from `queries.QUERIES`; rows as dicts."""
@@ -254,7 +307,10 @@ class Store:
             cols = [d[0] for d in cur.description]
             return [dict(zip(cols, row, strict=True)) for row in cur.fetchall()]
 
-        return retry_busy(run, self.retry_s)
+        with self._budget():
+            if self.untrusted and not self.conn.in_transaction:
+                self._check_schema()
+            return retry_busy(run, self.retry_s)
 
     # ------------------------------------------------------------ events
 

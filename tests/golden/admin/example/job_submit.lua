@@ -89,7 +89,10 @@ local function slurm_user_uid()
   return slurm_user_uid_cache
 end
 
--- "gres:gpu:h100:2,gres:mps:50" -> {gpu = {count = 2, type = "h100"}, mps = {count = 50}}
+-- "gres:gpu:h100:2,gres:gpu:a100:1,gres:mps:50" -> {gpu = {count = 3}, mps = {count = 50}}: every
+-- entry of a name counts (typed entries add up: "gres:gpu:big:9,gres:gpu:small:1" is 10
+-- GPUs; keeping only the last entry let such a request past the caps). A count has at most
+-- 9 digits, so sums stay exact.
 local function parse_tres(s)
   local out = {}
   if s == nil then
@@ -101,23 +104,25 @@ local function parse_tres(s)
     for part in string.gmatch(spec, "[^:]+") do
       f[#f + 1] = part
     end
-    local name, typ, count = f[1], nil, 1
+    local name, count = f[1], 1
+    local function digits(x)
+      return x:match("^%d%d?%d?%d?%d?%d?%d?%d?%d?$") and tonumber(x) or nil
+    end
     if #f == 2 then
       if f[2]:match("^%d+$") then
-        count = tonumber(f[2])
-      else
-        typ = f[2]
+        count = digits(f[2])
       end
     elseif #f == 3 then
-      typ = f[2]
-      count = f[3]:match("^%d+$") and tonumber(f[3]) or nil
+      count = digits(f[3])
     elseif #f > 3 then
       count = nil
     end
     if name == nil or count == nil then
       return nil, "cannot read the request '" .. item .. "'"
     end
-    out[name] = {count = count, type = typ}
+    local entry = out[name] or {count = 0}
+    entry.count = entry.count + count
+    out[name] = entry
   end
   return out
 end
@@ -225,7 +230,8 @@ local function check_gres(v, rule, problem)
     end
   elseif gpu_node or gpu_job then
     local nodes = v.min_nodes or 1
-    local total = gpu_job and gpu_job.count or gpu_node.count * nodes
+    -- Per job and per node may both be given: the larger total binds.
+    local total = math.max(gpu_job and gpu_job.count or 0, gpu_node and gpu_node.count * nodes or 0)
     if gpu_node and (gpu_node.count < 1 or gpu_node.count > rule.max_gpus_per_node) then
       problem("ESLURM_INVALID_GRES", string.format("--gres=gpu:%d is outside 1..%d GPUs per node",
         gpu_node.count, rule.max_gpus_per_node))

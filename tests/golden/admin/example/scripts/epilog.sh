@@ -5,7 +5,8 @@
 # (bounded) for it to exit, then cleans its pipes (and the node's shared memory once no
 # daemon is left). A non-zero exit drains the node: only when a daemon cannot be stopped.
 set -u
-# MPS clients (the jobs' users) must be able to reach the pipe directories.
+# The task prolog (the job's user) reads the job records; pipe folders are narrowed to the
+# GPU's users by restrict_pipe.
 umask 022
 # slurmd may run this with a bare environment; Slurm's and MPS's commands live here.
 export PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -38,6 +39,15 @@ is_alive() {
   [[ ${stat%% *} != Z ]]
 }
 
+# One field of job $1 as slurmctld has it: squeue's one-letter format $2 (b = TresPerNode,
+# k = Comment, T = state) prints that field alone. Never grep `scontrol show job -o`: its
+# one line puts the job name, work dir and submit line (the user's text) before Comment=
+# and TresPerNode=, so a job named "x TresPerNode=mps:100" posed as its own request.
+# Bounded, so a slow controller cannot hang slurmd.
+job_field() {
+  timeout 10 squeue --noheader --states=all --jobs="$1" --format="%$2"
+}
+
 gpu_dir() { printf '%s/gpu%s' "$PIPE_ROOT" "$1"; }
 pipe_dir() { printf '%s/gpu%s/pipe' "$PIPE_ROOT" "$1"; }
 log_dir() { printf '%s/gpu%s' "$LOG_ROOT" "$1"; }
@@ -48,6 +58,8 @@ daemon_pid() {
   local pidfile pid cmdline
   pidfile="$(pipe_dir "$1")/nvidia-cuda-mps-control.pid"
   [[ -r $pidfile ]] || return 0
+  # Written by the daemon we started (as us), never by the user a pipe folder may belong to.
+  [[ $(stat -c %u "$pidfile" 2>/dev/null) == "$(id -u)" ]] || return 0
   pid=$(<"$pidfile") || return 0
   pid=${pid//[[:space:]]/}
   [[ $pid =~ ^[0-9]+$ ]] || return 0
@@ -97,6 +109,50 @@ daemon_up() {
   [[ -d $(pipe_dir "$1") ]] && daemon_answers "$1"
 }
 
+# True where ACLs can be set here (setfacl, from the acl package).
+have_acl() { setfacl --version >/dev/null 2>&1; }
+
+# GPU $1's pipe folder reachable by the users with jobs on that GPU only (their records in
+# gpu<i>/jobs: "<uid> <MiB>"). Otherwise any process on the node could point
+# CUDA_MPS_PIPE_DIRECTORY at another GPU's daemon, whose servers run outside the job's
+# device cgroup. With ACLs the folder stays root's (mode 1700: the sticky bit keeps users
+# from removing or replacing the daemon's socket and PID file) and each such user gets an
+# entry; without, the first of them owns it (0700) and the others cannot reach it.
+restrict_pipe() {
+  local gpu=$1 pipe f u owner
+  local -a uids=()
+  pipe=$(pipe_dir "$gpu")
+  [[ -d $pipe ]] || return 0
+  for f in "$(gpu_dir "$gpu")"/jobs/*; do
+    [[ -f $f ]] || continue
+    read -r u _ <"$f" 2>/dev/null || continue
+    [[ $u =~ ^[0-9]+$ ]] && uids+=("$u")
+  done
+  if have_acl; then
+    chown "$(id -u):$(id -g)" "$pipe" && chmod 1700 "$pipe" || return 1
+    local acl_ok=1
+    setfacl -b "$pipe" 2>/dev/null || acl_ok=0
+    for u in $(printf '%s\n' "${uids[@]}" | sort -un); do
+      ((acl_ok)) && { setfacl -m "u:$u:rwx" "$pipe" 2>/dev/null || acl_ok=0; }
+    done
+    ((acl_ok)) && return 0
+    # A filesystem without ACLs under mps_pipe_root: as if setfacl were missing.
+    log "GPU $gpu: setfacl refused on $pipe (no ACL support there?); the folder goes to the GPU's first user"
+  fi
+  chmod 0700 "$pipe" || return 1
+  [[ -n ${uids[*]:-} ]] || return 0
+  owner=$(stat -c %u "$pipe")
+  # Keep the owner while they still have a job here; else the first user with one.
+  if [[ " ${uids[*]} " != *" $owner "* ]]; then
+    owner=${uids[0]}
+    chown "$owner" "$pipe" || return 1
+  fi
+  for u in $(printf '%s\n' "${uids[@]}" | sort -un); do
+    [[ $u == "$owner" ]] || log "GPU $gpu: uid $u cannot reach the MPS daemon without ACLs (install acl); its CUDA runs without MPS"
+  done
+  return 0
+}
+
 any_daemon_running() {
   local d
   for d in "$PIPE_ROOT"/gpu*; do
@@ -144,14 +200,17 @@ SITE_EPILOG=''
 # [slurm] mps_stop_timeout_s, as a count of 0.1 s polls (per step: quit, SIGTERM, SIGKILL).
 STOP_POLLS=100
 
-# True only when Slurm says job $1 is over (an unreachable controller keeps the record).
+# True only when Slurm says job $1 is over (an unreachable controller keeps the record): its
+# state read alone (job_field), so no job name can pose as JobState=.
 job_is_over() {
   local out rc
-  out=$(timeout 10 scontrol show job -o "$1" 2>&1)
+  out=$(job_field "$1" T 2>&1)
   rc=$?
   [[ $out == *"Invalid job id"* ]] && return 0
   ((rc == 0)) || return 1
-  [[ $out =~ JobState=(COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|PREEMPTED|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE)[[:space:]] ]]
+  # A controller that answers with no line no longer knows the job (purged after MinJobAge).
+  [[ -z $out ]] && return 0
+  [[ $out =~ ^(COMPLETED|CANCELLED|FAILED|TIMEOUT|NODE_FAIL|PREEMPTED|OUT_OF_MEMORY|BOOT_FAIL|DEADLINE)$ ]]
 }
 
 # Ask GPU $1's daemon to quit in its protocol (v3: -q; v2: quit on the shell).
@@ -222,6 +281,9 @@ main() {
     done
     if ! compgen -G "$(gpu_dir "$gpu")/jobs/*" >/dev/null; then
       stop_daemon "$gpu" || rc=1
+    else
+      # A user whose last job on this GPU ended loses its way to the daemon.
+      restrict_pipe "$gpu" || log "GPU $gpu: cannot restrict its pipe folder to the GPU's users"
     fi
   done
   rm -f -- "$record"

@@ -5,7 +5,8 @@
 # jobs on it) and records the job, so the epilog stops the daemon after its last job.
 # A non-zero exit drains the node and requeues the job: we exit 1 only when MPS cannot start.
 set -u
-# MPS clients (the jobs' users) must be able to reach the pipe directories.
+# The task prolog (the job's user) reads the job records; pipe folders are narrowed to the
+# GPU's users by restrict_pipe.
 umask 022
 # slurmd may run this with a bare environment; Slurm's and MPS's commands live here.
 export PATH=${PATH:+$PATH:}/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
@@ -38,6 +39,15 @@ is_alive() {
   [[ ${stat%% *} != Z ]]
 }
 
+# One field of job $1 as slurmctld has it: squeue's one-letter format $2 (b = TresPerNode,
+# k = Comment, T = state) prints that field alone. Never grep `scontrol show job -o`: its
+# one line puts the job name, work dir and submit line (the user's text) before Comment=
+# and TresPerNode=, so a job named "x TresPerNode=mps:100" posed as its own request.
+# Bounded, so a slow controller cannot hang slurmd.
+job_field() {
+  timeout 10 squeue --noheader --states=all --jobs="$1" --format="%$2"
+}
+
 gpu_dir() { printf '%s/gpu%s' "$PIPE_ROOT" "$1"; }
 pipe_dir() { printf '%s/gpu%s/pipe' "$PIPE_ROOT" "$1"; }
 log_dir() { printf '%s/gpu%s' "$LOG_ROOT" "$1"; }
@@ -48,6 +58,8 @@ daemon_pid() {
   local pidfile pid cmdline
   pidfile="$(pipe_dir "$1")/nvidia-cuda-mps-control.pid"
   [[ -r $pidfile ]] || return 0
+  # Written by the daemon we started (as us), never by the user a pipe folder may belong to.
+  [[ $(stat -c %u "$pidfile" 2>/dev/null) == "$(id -u)" ]] || return 0
   pid=$(<"$pidfile") || return 0
   pid=${pid//[[:space:]]/}
   [[ $pid =~ ^[0-9]+$ ]] || return 0
@@ -95,6 +107,50 @@ daemon_answers() {
 daemon_up() {
   [[ -n $(daemon_pid "$1") ]] && return 0
   [[ -d $(pipe_dir "$1") ]] && daemon_answers "$1"
+}
+
+# True where ACLs can be set here (setfacl, from the acl package).
+have_acl() { setfacl --version >/dev/null 2>&1; }
+
+# GPU $1's pipe folder reachable by the users with jobs on that GPU only (their records in
+# gpu<i>/jobs: "<uid> <MiB>"). Otherwise any process on the node could point
+# CUDA_MPS_PIPE_DIRECTORY at another GPU's daemon, whose servers run outside the job's
+# device cgroup. With ACLs the folder stays root's (mode 1700: the sticky bit keeps users
+# from removing or replacing the daemon's socket and PID file) and each such user gets an
+# entry; without, the first of them owns it (0700) and the others cannot reach it.
+restrict_pipe() {
+  local gpu=$1 pipe f u owner
+  local -a uids=()
+  pipe=$(pipe_dir "$gpu")
+  [[ -d $pipe ]] || return 0
+  for f in "$(gpu_dir "$gpu")"/jobs/*; do
+    [[ -f $f ]] || continue
+    read -r u _ <"$f" 2>/dev/null || continue
+    [[ $u =~ ^[0-9]+$ ]] && uids+=("$u")
+  done
+  if have_acl; then
+    chown "$(id -u):$(id -g)" "$pipe" && chmod 1700 "$pipe" || return 1
+    local acl_ok=1
+    setfacl -b "$pipe" 2>/dev/null || acl_ok=0
+    for u in $(printf '%s\n' "${uids[@]}" | sort -un); do
+      ((acl_ok)) && { setfacl -m "u:$u:rwx" "$pipe" 2>/dev/null || acl_ok=0; }
+    done
+    ((acl_ok)) && return 0
+    # A filesystem without ACLs under mps_pipe_root: as if setfacl were missing.
+    log "GPU $gpu: setfacl refused on $pipe (no ACL support there?); the folder goes to the GPU's first user"
+  fi
+  chmod 0700 "$pipe" || return 1
+  [[ -n ${uids[*]:-} ]] || return 0
+  owner=$(stat -c %u "$pipe")
+  # Keep the owner while they still have a job here; else the first user with one.
+  if [[ " ${uids[*]} " != *" $owner "* ]]; then
+    owner=${uids[0]}
+    chown "$owner" "$pipe" || return 1
+  fi
+  for u in $(printf '%s\n' "${uids[@]}" | sort -un); do
+    [[ $u == "$owner" ]] || log "GPU $gpu: uid $u cannot reach the MPS daemon without ACLs (install acl); its CUDA runs without MPS"
+  done
+  return 0
 }
 
 any_daemon_running() {
@@ -177,48 +233,109 @@ other_users() {
   printf '%s\n' "${uids[@]}" | sort -un | paste -sd, -
 }
 
-# The job as slurmctld has it, one line (read once per job and node; the task prolog
-# only reads what we record, so tasks never ask the controller).
-JOB_RECORD=
-read_job_record() {
-  JOB_RECORD=$(timeout 10 scontrol show job -o "$SLURM_JOB_ID" 2>/dev/null) ||
-    log "scontrol show job failed; no memory fence, Slurm's thread percentage"
+# The memory of the site's largest GPU ([gpu_models], MiB): a --comment gpu_mem_mib above it
+# is held to it (job_submit.lua holds each partition to its own GPUs at submit).
+GPU_MEM_MIB_MAX=81920
+
+# The job's gres request per node and its --comment, each read alone (job_field) once per
+# job and node; the task prolog only reads what we record, so tasks never ask the controller.
+JOB_TRES_PER_NODE=
+JOB_COMMENT=
+read_job_fields() {
+  if ! JOB_TRES_PER_NODE=$(job_field "$SLURM_JOB_ID" b 2>/dev/null) ||
+    ! JOB_COMMENT=$(job_field "$SLURM_JOB_ID" k 2>/dev/null); then
+    JOB_TRES_PER_NODE='' JOB_COMMENT=''
+    log "squeue failed; no memory fence, Slurm's thread percentage"
+  fi
 }
 
-# Thread percentage from the job's gres/mps count (fallback: what Slurm put in the env).
+
+# The gres/mps count per node in TresPerNode $1: the sum of its mps entries (typed ones too:
+# "gres/mps:a:30,gres/mps:b:20" is 50), "gres:" on 22.05, "gres/" later. Fails when $1 is not
+# a list of gres entries or names no mps.
+mps_count() {
+  local tres=$1 item sum=0 found=0
+  local -a items f
+  [[ $tres =~ ^[A-Za-z0-9_.:/,-]{1,1024}$ ]] || return 1
+  IFS=, read -ra items <<<"$tres"
+  for item in "${items[@]}"; do
+    [[ $item == gres[:/]* ]] || return 1
+    IFS=: read -ra f <<<"${item:5}"
+    [[ ${#f[@]} -ge 1 && ${f[0]} =~ ^[A-Za-z0-9_-]+$ ]] || return 1
+    [[ ${f[0]} == mps ]] || continue
+    case ${#f[@]} in
+      1) ((sum += 1)) ;;
+      2) if [[ ${f[1]} =~ ^[0-9]{1,9}$ ]]; then ((sum += 10#${f[1]})); else ((sum += 1)); fi ;;
+      3) [[ ${f[2]} =~ ^[0-9]{1,9}$ ]] || return 1; ((sum += 10#${f[2]})) ;;
+      *) return 1 ;;
+    esac
+    found=1
+  done
+  ((found)) || return 1
+  echo "$sum"
+}
+
+# Thread percentage, always within 1..100: from the job's gres/mps count (fallback: what
+# Slurm put in the environment).
 job_thread_pct() {
+  local pct
   # Slurm 22.05.8 with gres/shard configured too divides by the shard count (mps:50 gave 625).
-  local tres count
-  tres=$(grep -o 'TresPerNode=[^ ]*' <<<"$JOB_RECORD")
-  if [[ $tres =~ mps(:[A-Za-z0-9_-]+)?:([0-9]+) ]]; then
-    count=${BASH_REMATCH[2]}
-    echo $(((count * 100 + MPS_PER_GPU - 1) / MPS_PER_GPU))
+  local count
+  if count=$(mps_count "$JOB_TRES_PER_NODE"); then
+    pct=$(((count * 100 + MPS_PER_GPU - 1) / MPS_PER_GPU))
+    ((pct > 100)) && pct=100
+    ((pct < 1)) && pct=1
+    echo "$pct"
     return
   fi
-  log "cannot read the gres/mps count from scontrol; using CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
-  local pct=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
-  [[ $pct =~ ^[0-9]+$ ]] || pct=100
+  log "cannot read the gres/mps count from squeue; using CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+  pct=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE
+  [[ $pct =~ ^[0-9]{1,9}$ ]] || pct=100
+  pct=$((10#$pct))
   ((pct > 100)) && pct=100
+  ((pct < 1)) && pct=1
   echo "$pct"
 }
 
 # The per-GPU memory a --no-pack job's --comment marker recorded (docs/interfaces.md
-# section 6), else 0 (no fence: packs, whose agent fences each member, and other jobs).
+# section 6), at most GPU_MEM_MIB_MAX, else 0 (no fence: packs, whose agent fences each
+# member, and other jobs). The whole comment must read as a marker, by job_submit.lua's
+# grammar (comma-separated key=value, empty items skipped, a count may have leading
+# zeros): a marker it admits must get its fence here, never none.
 job_gpu_mem_mib() {
-  local comment field mode='' mib=0
-  comment=$(grep -o "Comment=${MARKER_PREFIX}[^ ]*" <<<"$JOB_RECORD") || { echo 0; return; }
-  IFS=, read -ra fields <<<"${comment#"Comment=$MARKER_PREFIX"}"
+  local comment=$JOB_COMMENT field mode='' mib=''
+  local -a fields
+  [[ $comment == "$MARKER_PREFIX"* ]] || { echo 0; return; }
+  # read takes one line: a comment of several lines is no marker (job_submit.lua refuses it).
+  if [[ $comment == *$'\n'* ]]; then
+    log "the --comment marker spans several lines; no memory fence"
+    echo 0
+    return
+  fi
+  IFS=, read -ra fields <<<"${comment#"$MARKER_PREFIX"}"
   for field in "${fields[@]}"; do
+    [[ -z $field ]] && continue
+    if ! [[ $field =~ ^[a-z_]+=[A-Za-z0-9._-]+$ ]]; then
+      log "the --comment marker does not read as key=value pairs; no memory fence"
+      echo 0
+      return
+    fi
     case $field in
       mode=*) mode=${field#mode=} ;;
       gpu_mem_mib=*) mib=${field#gpu_mem_mib=} ;;
     esac
   done
-  if [[ $mode == "$MODE_NO_PACK" && $mib =~ ^[1-9][0-9]{0,8}$ ]]; then
-    echo "$mib"
-  else
+  if [[ $mode != "$MODE_NO_PACK" || ! $mib =~ ^0*([1-9][0-9]*)$ ]]; then
     echo 0
+    return
   fi
+  mib=${BASH_REMATCH[1]}
+  # Past 9 digits the number is beyond any GPU (and bash's arithmetic): the cap.
+  if [[ ! $mib =~ ^[0-9]{1,9}$ ]] || ((GPU_MEM_MIB_MAX > 0 && mib > GPU_MEM_MIB_MAX)); then
+    log "gpu_mem_mib=$mib in --comment exceeds the site's largest GPU; held to $GPU_MEM_MIB_MAX MiB"
+    mib=$GPU_MEM_MIB_MAX
+  fi
+  echo "$mib"
 }
 
 # The MPS protocol a new daemon gets: [mps] mode, or with auto v3 where the driver has it.
@@ -244,6 +361,8 @@ start_daemon() {
   logs=$(log_dir "$gpu")
   clean_stale "$gpu"
   mkdir -p "$pipe" "$logs" || return 1
+  # Nobody but root until restrict_pipe lets the GPU's users in (before the daemon starts).
+  chmod 0700 "$pipe" || return 1
   proto=$(wanted_protocol)
   local -a v3_args=()
   if [[ $proto == 3 ]]; then
@@ -372,7 +491,7 @@ main() {
   for gpu in "${gpus[@]}"; do
     [[ $gpu =~ ^[0-9]+$ ]] || { log "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES is not a list of indices"; return 1; }
   done
-  read_job_record
+  read_job_fields
   pct=$(job_thread_pct)
   mem_mib=$(job_gpu_mem_mib)
   mkdir -p "$PIPE_ROOT" "$JOBS_DIR" || return 1
@@ -381,6 +500,11 @@ main() {
   for gpu in "${gpus[@]}"; do
     mkdir -p "$(gpu_dir "$gpu")/jobs" && echo "${uid:--} $mem_mib" >"$(gpu_dir "$gpu")/jobs/$job" || return 1
     if ! daemon_up "$gpu" && ! start_daemon "$gpu" "$pct"; then
+      rm -f -- "$(gpu_dir "$gpu")/jobs/$job"
+      return 1
+    fi
+    if ! restrict_pipe "$gpu"; then
+      log "GPU $gpu: cannot restrict its pipe folder to the GPU's users"
       rm -f -- "$(gpu_dir "$gpu")/jobs/$job"
       return 1
     fi
