@@ -172,7 +172,8 @@ def test_cancel_and_requeue_requests(env):
 def test_snapshot_published_when_changed_and_readable_immutable(env):
     site, store_dir, store = env
     add_job(store, "a", user=USER)
-    pub = SnapshotPublisher(store_dir)
+    now = [0.0]
+    pub = SnapshotPublisher(store_dir, clock=lambda: now[0])  # copies take no time on this clock
     assert pub.publish_if_changed(store)
     assert not pub.publish_if_changed(store)
     with Store(snapshot_path(store_dir), readonly=True, immutable=True) as snap:
@@ -185,6 +186,37 @@ def test_snapshot_published_when_changed_and_readable_immutable(env):
     add_job(other, "b", user=USER)
     other.close()
     assert pub.publish_if_changed(store)
+
+
+def test_a_slow_copy_is_made_less_often(env):
+    site, store_dir, store = env
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    pub = SnapshotPublisher(store_dir, clock=clock)
+    real_publish = __import__("slurm_dlrm.service.snapshot", fromlist=["publish"]).publish
+
+    def slow_publish(st, d):
+        now[0] += 2.0  # a copy that takes 2 s: at most one per 40 s
+        return real_publish(st, d)
+
+    import slurm_dlrm.service.snapshot as snapshot_mod
+
+    snapshot_mod.publish, orig = slow_publish, snapshot_mod.publish
+    try:
+        add_job(store, "a", user=USER)
+        assert pub.publish_if_changed(store)
+        add_job(store, "b", user=USER)
+        now[0] += 10.0
+        assert not pub.publish_if_changed(store)  # changed, but 12 s after a 2 s copy
+        now[0] += 30.0
+        assert pub.publish_if_changed(store)
+        with Store(snapshot_path(store_dir), readonly=True, immutable=True) as snap:
+            assert [j.name for j in snap.jobs()] == ["a", "b"]
+    finally:
+        snapshot_mod.publish = orig
 
 
 # ---------------------------------------------------------------- the commands elsewhere
