@@ -226,6 +226,17 @@ class SiteConfig:
     sample_retention_days: float = 30.0
     adapt: AdaptConfig = field(default_factory=AdaptConfig)
     exporter_address: str = "127.0.0.1"  # `slurm-dlrm exporter`'s default --address
+    # [store] filesystem: "auto" asks statfs whether the store folder is on a network
+    # filesystem (no WAL there: store/fstype.py); "network"/"local" declare it.
+    store_filesystem: str = "auto"
+    # [service] lease_s: how long the service's lease on the store lasts without a
+    # renewal (0: 3 rounds, at least 30 s); another host's service takes over after it.
+    service_lease_s: float = 0.0
+    # [service] run_as: "login" (a process on a login node) or "slurm-job" (a small batch
+    # job in `partition`, `job_minutes` long, chained by --dependency=singleton).
+    service_run_as: str = "login"
+    service_partition: str = ""
+    service_job_minutes: int = 60
 
     def store_dir_for(self, user: str) -> Path:
         return Path(os.path.expanduser(self.store_dir.replace("{user}", user)))
@@ -554,9 +565,24 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         learned_min_groups=r.get("learned_min_groups", int, d.learned_min_groups, min_value=5),
     )
     r.done()
+    st = top.table("store")
+    store_filesystem = st.get("filesystem", str, "auto", choices=("auto", "network", "local"))
+    st.done()
+    sv = top.table("service")
+    service_lease_s = sv.get("lease_s", float, 0.0, min_value=0)
+    service_run_as = sv.get("run_as", str, "login", choices=("login", "slurm-job"))
+    service_partition = sv.get("partition", str, "")
+    service_job_minutes = sv.get("job_minutes", int, 60, min_value=5, max_value=7 * 24 * 60)
+    if service_partition and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", service_partition):
+        raise ConfigError("service.partition", "a Slurm partition name (letters, digits, '_', '.', '-')", path)
+    if service_run_as == "slurm-job" and not service_partition:
+        raise ConfigError("service.partition", 'run_as = "slurm-job" needs the CPU partition the service runs in',
+                          path)
+    sv.done()
     top.done()
     return SiteConfig(name, store_dir, spool_dir, gpu_models, tuple(nodes), tuple(partitions), mps, packing, agent,
-                      path, slurm, sample_retention_days, adapt, exporter_address)
+                      path, slurm, sample_retention_days, adapt, exporter_address, store_filesystem,
+                      service_lease_s, service_run_as, service_partition, service_job_minutes)
 
 
 def _abs_path(section: _Section, key: str, default: str) -> str:

@@ -126,12 +126,17 @@ def _history(site: Any, fingerprint: str) -> list[Any]:
     from slurm_dlrm.estimate import HistoryRecord
 
     try:
+        from slurm_dlrm.service.remote import lease_elsewhere, open_snapshot
         from slurm_dlrm.store import Store, store_path_for
+        from slurm_dlrm.store.store import current_user
 
-        path = store_path_for(site)
-        if not path.exists():
+        user = current_user()
+        lease = lease_elsewhere(site, user)
+        path = store_path_for(site, user)
+        if lease is None and not path.exists():
             return []
-        with Store(path, readonly=True) as store:
+        # on a login node whose service does not hold the store: the copy it publishes
+        with (open_snapshot(site, user, lease) if lease is not None else Store(path, readonly=True)) as store:
             rows = store.calibration(fingerprint, limit=20)
     except (DlrmError, OSError, ImportError) as exc:  # no history is not an error
         log.warning("no calibration history: %s", exc)

@@ -27,12 +27,23 @@ def _context(site_path: str | None) -> tuple[Any, str, dict[str, Any]]:
     reconcile_orphan_packs(site, user)  # packs a stopped or killed service left open
     pid = running_pid(paths)
     service = {**read_status(paths), "running": pid is not None} if pid is not None else {"running": False}
+    from slurm_dlrm.service.remote import lease_elsewhere
+
+    lease = lease_elsewhere(site, user)
+    if lease is not None:  # its flock may not be seen from here (a network filesystem); its lease is
+        service = {**read_status(paths), "running": True, "host": lease.host, "pid": lease.pid}
     return site, user, service
 
 
 def _open_store(site: Any, user: str, readonly: bool = True) -> Any:
+    """The user's store; on a login node whose service does not hold it, the copy that
+    service publishes (read-only: cancel and requeue then send it a request)."""
+    from slurm_dlrm.service.remote import lease_elsewhere, open_snapshot
     from slurm_dlrm.store.store import Store, store_path_for
 
+    lease = lease_elsewhere(site, user)
+    if lease is not None:
+        return open_snapshot(site, user, lease)
     if not store_path_for(site, user).exists():
         return None
     return Store.for_user(site, user, readonly=readonly)
@@ -325,10 +336,22 @@ def cancel(job_ids: tuple[int, ...], names: str | None, states: str | None, pack
             if not selected:
                 click.echo("slurm-dlrm cancel: no active job of yours matches", err=True)
                 return
+        if store.readonly:  # another host's service writes the store: it cancels them
+            _request_elsewhere(site, user, "cancel", selected)
+            return
         slurm = SlurmClient(timeout_s=15.0)
         for jid in selected:
             click.echo(cancel_job(store, slurm, jid, user=user))
     wake(service_paths(site, user))
+
+
+def _request_elsewhere(site: Any, user: str, kind: str, job_ids: list[int]) -> None:
+    from slurm_dlrm.service.remote import drop, lease_elsewhere
+
+    lease = lease_elsewhere(site, user)
+    name = drop(site, user, kind, {"job_ids": job_ids})
+    click.echo(f"{kind} of job(s) {','.join(map(str, job_ids))} requested ({name}) from your packing service on "
+               f"host {lease.host if lease else '?'}; it applies it at its next round")
 
 
 @click.command("log", context_settings=CTX)
@@ -438,6 +461,9 @@ def requeue(job_ids: tuple[int, ...], no_service: bool, site_path: str | None) -
                 raise BadInput(f"job {jid}: belongs to {job.user}, not {user}")
             if job.state not in (JobState.CANCELLED, JobState.FAILED):
                 raise BadInput(f"job {jid}: is {job.state}; only CANCELLED or FAILED jobs can be requeued")
+        if store.readonly:  # another host's service writes the store: it requeues them
+            _request_elsewhere(site, user, "requeue", list(job_ids))
+            return
         for jid in job_ids:
             click.echo(requeue_job(store, site.spool_dir_for(user), jid, user=user))
     if not no_service:

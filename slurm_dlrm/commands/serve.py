@@ -24,10 +24,12 @@ from slurm_dlrm.errors import DlrmError
               help="Log to FILE (with times), rotated at 10 MiB, 3 old files kept; stdout and stderr go there too. "
                    "--daemon and submit use <store>/service.log; without it the log goes to stderr "
                    "(the journal under systemd).")
+@click.option("--slurm-job", is_flag=True, hidden=True,
+              help="Run as the [service] run_as = \"slurm-job\" batch job (queues its successor).")
 @site_option
 @click.pass_context
 def serve(ctx: click.Context, daemon: bool, round_seconds: float | None, idle_exit: float, policy: str | None,
-          log_file: str | None, site_path: str | None) -> None:
+          log_file: str | None, slurm_job: bool, site_path: str | None) -> None:
     """Run your packing service: it packs your pending jobs into Slurm jobs.
 
     One service per user (a lock in your store folder). `slurm-dlrm submit` starts
@@ -83,7 +85,7 @@ def serve(ctx: click.Context, daemon: bool, round_seconds: float | None, idle_ex
     from pathlib import Path
 
     serve_forever(site, user, round_seconds=round_seconds, idle_exit_s=idle_exit, policy=policy,
-                  log_file=Path(log_file).resolve() if log_file else None)
+                  log_file=Path(log_file).resolve() if log_file else None, slurm_job=slurm_job)
 
 
 @serve.command("status", context_settings={"help_option_names": ["-h", "--help"]})
@@ -101,6 +103,7 @@ def status(as_json: bool, site_path: str | None) -> None:
     Exit code 0 if it runs, 1 if not.
     """
     from slurm_dlrm.service.daemon import read_status, running_pid, this_host
+    from slurm_dlrm.service.hosts import writer_elsewhere
     from slurm_dlrm.service.submit import service_paths
     from slurm_dlrm.site import load_site
     from slurm_dlrm.store.store import current_user
@@ -108,6 +111,10 @@ def status(as_json: bool, site_path: str | None) -> None:
     paths = service_paths(load_site(site_path), current_user())
     pid = running_pid(paths)
     st = read_status(paths)
+    lease = writer_elsewhere(paths)
+    if lease is not None:  # its flock may not be seen from this host; its live lease is
+        pid = pid if pid is not None else lease.pid
+        st = {**st, "host": lease.host}
     here = this_host()
     host = st.get("host") or here  # a status written before hosts were: this host's
     if as_json:

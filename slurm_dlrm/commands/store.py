@@ -12,19 +12,25 @@ import click
 from slurm_dlrm.errors import BadInput
 
 
-def _store_path(db: str | None, site_path: str | None) -> Path:
+def _open_store(db: str | None, site_path: str | None) -> Any:
+    from slurm_dlrm.store import Store
+
     if db is not None:
-        return Path(db)
+        return Store(Path(db))
     from slurm_dlrm.service.reconcile import reconcile_orphan_packs
+    from slurm_dlrm.service.remote import lease_elsewhere, open_snapshot
     from slurm_dlrm.site import load_site
-    from slurm_dlrm.store import store_path_for
     from slurm_dlrm.store.store import current_user
 
     site = load_site(site_path)
+    user = current_user()
+    lease = lease_elsewhere(site, user)
+    if lease is not None:  # another host's service writes it: read the copy it publishes
+        return open_snapshot(site, user, lease)
     # your own store: settle packs a stopped or killed service left open, so they are
     # not charged up to now (issue 17); --db names a file to read as it is
-    reconcile_orphan_packs(site, current_user())
-    return store_path_for(site)
+    reconcile_orphan_packs(site, user)
+    return Store.for_user(site, user)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -129,9 +135,8 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
         rows.sort(key=(lambda r: tuple(r[:3])) if out_fmt == "table"
                   else (lambda r: (r["submit_time"], r["user"], r["job_id"])))
     else:
-        from slurm_dlrm.store import Store
 
-        with Store(_store_path(db, site_path)) as store:
+        with _open_store(db, site_path) as store:
             rows = fetch(store)
         if totals:
             tot.add(rows, default_partition)
@@ -182,7 +187,6 @@ def report(since: str | None, until: str | None, output: str, max_gpus: int, max
       slurm-dlrm report --since 2026-11-20 --until 2026-11-21 -o nov20.html
       slurm-dlrm report --all-users -S 7d -o cluster.html   # admin: every user's store
     """
-    from slurm_dlrm.store import Store
     from slurm_dlrm.store import acct as A
     from slurm_dlrm.store.report import write_report
 
@@ -206,7 +210,7 @@ def report(since: str | None, until: str | None, output: str, max_gpus: int, max
         else:
             click.echo(str(cw.html))
         return
-    with Store(_store_path(db, site_path)) as store:
+    with _open_store(db, site_path) as store:
         written = write_report(store, Path(output), since=t_since, until=t_until,
                                max_gpus=max_gpus, max_packs=max_packs, now=now)
     if as_json:

@@ -121,6 +121,29 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         return
     if no_pack and dependency:
         raise BadInput("--dependency: with --no-pack, use sbatch's own -d with Slurm job ids")
+    from slurm_dlrm.service.remote import lease_elsewhere
+
+    lease = lease_elsewhere(site, user)
+    if lease is not None:
+        # Another login node's service writes the store: hand it the jobs (docs/service.md).
+        if no_pack or wait_:
+            from slurm_dlrm.errors import DlrmError
+
+            raise DlrmError(f"submit {'--no-pack' if no_pack else '--wait'}: your packing service runs on host "
+                            f"{lease.host}, which alone writes your store; run this there")
+        name, subs = svc.submit_elsewhere(specs, cli_options, site=site, user=user, cwd=cwd, sets=sets,
+                                          array=array, dependency=dependency)
+        if as_json:
+            click.echo(json.dumps({"request": name, "service_host": lease.host,
+                                   "jobs": [{"name": s.name, "spec": s.path, "gpu_model": s.gpu.name,
+                                             "options": s.options.to_dict(), "estimate": s.estimate.to_dict()}
+                                            for s in subs]}, indent=1, default=str))
+        elif parsable:
+            click.echo(name)
+        else:
+            click.echo(f"Submitted request {name}: {len(subs)} job(s) for your packing service on host "
+                       f"{lease.host}; it records them at its next round (slurm-dlrm queue shows their ids)")
+        return
     if no_pack:
         from slurm_dlrm.slurm import SlurmClient
 

@@ -26,11 +26,14 @@ def reconcile_orphan_packs(site: SiteConfig, user: str, *, slurm: Any = None) ->
     """Settle the user's QUEUED/RUNNING packs if no service runs. Returns packs ended."""
     from slurm_dlrm.errors import DlrmError
     from slurm_dlrm.service.daemon import ServiceLock, running_pid
+    from slurm_dlrm.service.hosts import LeaseHolder, writer_elsewhere
     from slurm_dlrm.service.submit import service_paths
     from slurm_dlrm.store.states import PackState
     from slurm_dlrm.store.store import Store, store_path_for
 
     paths = service_paths(site, user)
+    if writer_elsewhere(paths) is not None:
+        return 0  # a service on another host holds the store (and settles its packs)
     if not store_path_for(site, user).exists() or running_pid(paths) is not None:
         return 0  # nothing recorded yet, or the service does this every round
     from slurm_dlrm.service.native import active_native_jobs
@@ -47,11 +50,18 @@ def reconcile_orphan_packs(site: SiteConfig, user: str, *, slurm: Any = None) ->
         if lock is None:
             return 0  # a service just started
         with lock, Store.for_user(site, user) as store:
+            # No service holds the store anywhere: hold its lease while settling, so a
+            # service starting on another host waits for us (service/hosts.py).
+            holder = LeaseHolder(site, user, paths, ttl_s=60.0)
+            if holder.take(store) is None:
+                return 0
             try:
                 return _reconcile(store, site, user, slurm)
             except DlrmError as exc:
                 log.warning("could not reconcile packs with Slurm: %s", exc)
                 return 0
+            finally:
+                holder.release(store)
     finally:
         signal.signal(signal.SIGUSR1, old)
 

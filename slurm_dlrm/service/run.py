@@ -8,8 +8,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.service.daemon import ServiceLock, read_pid, this_host, write_status
+from slurm_dlrm.service.daemon import ServiceLock, elsewhere, read_pid, this_host, write_status
+from slurm_dlrm.service.dropbox import ingest_requests
+from slurm_dlrm.service.hosts import LeaseHolder, lease_ttl_s
 from slurm_dlrm.service.loop import LoopControl, run_loop
+from slurm_dlrm.service.remote import appliers
+from slurm_dlrm.service.snapshot import SnapshotPublisher
 from slurm_dlrm.service.submit import service_paths
 from slurm_dlrm.site import SiteConfig
 
@@ -18,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = None,
                   idle_exit_s: float = 0.0, slurm: Any = None, control: LoopControl | None = None,
-                  policy: str | None = None, log_file: Path | None = None) -> int:
+                  policy: str | None = None, log_file: Path | None = None, slurm_job: bool = False) -> int:
     """Run the service until SIGTERM (or `idle_exit_s` with nothing to do). Returns rounds run.
 
     If another service of this user holds the lock, returns 0 at once: two `submit`s
@@ -29,7 +33,6 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
     """
     from slurm_dlrm.service.core import PackingService, ServiceSettings
     from slurm_dlrm.store.states import PACK_ACTIVE, JobState
-    from slurm_dlrm.store.store import Store
 
     paths = service_paths(site, user)
     if control is None:
@@ -37,10 +40,23 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         # send SIGUSR1 at once, and its default action would kill us.
         control = LoopControl()
         control.install_signal_handlers()
-    lock = ServiceLock.acquire(paths)
-    if lock is None:
-        log.info("a packing service already runs for %s (pid %s)", user, read_pid(paths))
-        return 0
+    period = round_seconds if round_seconds is not None else site.packing.round_seconds
+    holder = LeaseHolder(site, user, paths, lease_ttl_s(site, period))
+    # A service on another login node holds the store: stand by (reading only its lease
+    # file) until that lease ends, before anything here is taken, the flock included: a
+    # network filesystem may share flocks between hosts, or not.
+    while True:
+        if not holder.wait_free(control, period, idle_exit_s):
+            return 0
+        lock = ServiceLock.acquire(paths)
+        if lock is not None:
+            break
+        if elsewhere(paths) is None:
+            log.info("a packing service already runs for %s (pid %s)", user, read_pid(paths))
+            return 0
+        # This filesystem shares flocks between hosts and the holder runs on another one,
+        # its lease not yet written or just renewed: stand by on the lease again.
+        time.sleep(min(period, 1.0))
     with lock:
         handler = None
         if log_file is not None:
@@ -60,11 +76,19 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
                 # Unreachable is not unsupported: the rounds back off and retry, and
                 # `queue`/`show` say why jobs wait (docs/service.md, failures are visible).
                 log.warning("Slurm not reachable at start (%s); retrying in the rounds", exc)
-        store = Store.for_user(site, user)
-        period = round_seconds if round_seconds is not None else site.packing.round_seconds
+        store = holder.wait(control, period, idle_exit_s)
+        if store is None:
+            return 0
         # A little under the period, so a timer round never just misses its window.
         svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy,
                                                                  dispatch_window_s=0.9 * period))
+        if not holder.renew(store):  # building the service may take a while: renew before the first round
+            control.stop = True  # lost meanwhile: no round runs (the loop below returns at once)
+        own_job = int(os.environ.get("SLURM_JOB_ID", "0") or 0) or None
+        if slurm_job and not control.stop:  # [service] run_as = "slurm-job": a successor waits (singleton)
+            _queue_successor(site, user, slurm, own_job)
+        requests = appliers(site, user, slurm)
+        snapshots = SnapshotPublisher(paths.store_dir)
         idle_since = time.monotonic()
         host, started_t = this_host(), time.time()  # several login nodes may see this store folder
         log.info("packing service for %s: pid file %s, round every %.1f s, policy %s",
@@ -72,6 +96,13 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
 
         def one_round() -> float | None:
             nonlocal idle_since
+            if not holder.renew(store):
+                control.stop = True  # another host's service holds the store now: write nothing more
+                return None
+            # requests other login nodes dropped (service/dropbox.py), before this round plans
+            took = ingest_requests(store, paths.store_dir, user, requests)
+            if took.applied or took.refused:
+                log.info("requests from other hosts: %d applied, %d refused", took.applied, took.refused)
             stats = svc.run_round()
             busy = bool(store.jobs([JobState.PENDING, JobState.PLANNED, JobState.RUNNING], user=user)
                         or store.packs(PACK_ACTIVE, user=user))
@@ -87,15 +118,39 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
                 log.info("round %d: %d packs submitted, %d jobs planned, %d transitions, %d report lines "
                          "(%.3f s)", svc.rounds, stats.packs_submitted, stats.jobs_planned, stats.transitions,
                          stats.ingested_lines, stats.seconds)
+            snapshots.publish_if_changed(store)  # what other hosts' queue/acct read
             if idle_exit_s > 0 and not busy and now - idle_since >= idle_exit_s:
                 log.info("nothing to do for %.0f s: exiting", idle_exit_s)
                 control.stop = True
+                if slurm_job:
+                    _cancel_successors(slurm, user, own_job)
             return svc.next_delay_s()
 
         try:
             return run_loop(one_round, control, period)
         finally:
+            holder.release(store)
             store.close()
             log.info("packing service for %s stopped", user)
             if handler is not None:
                 servicelog.uninstall(handler)
+
+
+def _queue_successor(site: SiteConfig, user: str, slurm: Any, own_job: int | None) -> None:
+    from slurm_dlrm.service.slurmjob import queue_service_job
+    from slurm_dlrm.slurm import SlurmError
+
+    try:
+        queue_service_job(site, user, slurm, running_id=own_job)
+    except SlurmError as exc:  # the next submit queues one; this service runs on meanwhile
+        log.warning("could not queue the next service job: %s", exc)
+
+
+def _cancel_successors(slurm: Any, user: str, own_job: int | None) -> None:
+    from slurm_dlrm.service.slurmjob import cancel_successors
+    from slurm_dlrm.slurm import SlurmError
+
+    try:
+        cancel_successors(slurm, user, own_job)
+    except SlurmError as exc:
+        log.warning("could not cancel the waiting service job: %s", exc)

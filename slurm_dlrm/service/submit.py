@@ -13,7 +13,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,31 +141,43 @@ def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | 
     millisecond here instead of in the service's round; the service writes any that
     a crash left missing, from the store).
     """
+    return record_rows(store, [job_row(s, dependency) for s in subs], user, spool_dir, dependency=dependency)
+
+
+def job_row(s: Submission, dependency: str | None = None) -> dict[str, Any]:
+    """What `record_rows` stores for one submission, as plain JSON (a request file from
+    another host carries these: service/dropbox.py)."""
     from slurm_dlrm.service.custom_trace import pending_trace_estimate, submit_search_path
 
+    sbatch = s.options.to_dict()
+    if dependency:
+        sbatch["dependency"] = dependency  # ours, not the pack's: depend.py reads it
+    est = s.estimate.to_dict()
+    if s.spec.custom_module:  # its analytic figures are placeholders until the service traced it
+        est = pending_trace_estimate(est, s.source, submit_search_path(os.getcwd()))
+    return {"name": s.name, "spec": s.spec_data, "spec_fingerprint": s.fingerprint, "estimate": est,
+            "gpu_model": s.gpu.name, "sbatch": sbatch,
+            "reason": f"submitted from {s.path}" + (f"; --dependency={dependency}" if dependency else "")}
+
+
+def record_rows(store: Any, rows: Sequence[Mapping[str, Any]], user: str, spool_dir: Path | None = None,
+                dependency: str | None = None) -> list[int]:
     ids = []
     with store.write():
         if dependency:
             from slurm_dlrm.service.depend import check_known, parse_dependency
 
             check_known(parse_dependency(dependency), store, user)  # in the transaction: nothing half-done
-        for s in subs:
-            sbatch = s.options.to_dict()
-            if dependency:
-                sbatch["dependency"] = dependency  # ours, not the pack's: depend.py reads it
-            est = s.estimate.to_dict()
-            if s.spec.custom_module:  # its analytic figures are placeholders until the service traced it
-                est = pending_trace_estimate(est, s.source, submit_search_path(os.getcwd()))
+        for r in rows:
             ids.append(int(store.add_job(
-                user=user, name=s.name, spec=s.spec_data, spec_fingerprint=s.fingerprint,
-                estimate=est, gpu_model=s.gpu.name, sbatch=sbatch,
-                reason=f"submitted from {s.path}" + (f"; --dependency={dependency}" if dependency else ""))))
+                user=user, name=r["name"], spec=r["spec"], spec_fingerprint=r["spec_fingerprint"],
+                estimate=r["estimate"], gpu_model=r["gpu_model"], sbatch=r["sbatch"], reason=r["reason"])))
     if spool_dir is not None:
         from slurm_dlrm.service.spool import write_job_spec
 
         ensure_private_dir(spool_dir)
-        for job_id, s in zip(ids, subs, strict=True):
-            write_job_spec(spool_dir, job_id, s.spec_data)
+        for job_id, r in zip(ids, rows, strict=True):
+            write_job_spec(spool_dir, job_id, r["spec"])
     return ids
 
 
@@ -185,8 +197,14 @@ def ensure_service(site: SiteConfig, user: str,
     SLURM_CONF`) would go on talking to the wrong Slurm, or none: it is stopped (it is
     crash-safe; SIGTERM ends it after its round) and started again with this environment."""
     from slurm_dlrm.service.daemon import elsewhere, read_status, stop
+    from slurm_dlrm.service.hosts import writer_elsewhere
 
     paths = service_paths(site, user)
+    lease = writer_elsewhere(paths)
+    if lease is not None:  # its lease is live: it takes the requests at its next round
+        return f"running on host {lease.host}"
+    if site.service_run_as == "slurm-job":
+        return ensure_service_job(site, user)
     restarted = False
     if running_pid(paths) is not None:
         host = elsewhere(paths)
@@ -208,6 +226,20 @@ def ensure_service(site: SiteConfig, user: str,
         env["SLURM_DLRM_SITE"] = os.path.abspath(site.path)
     spawn_service(paths, list(serve_args), env=env)
     return "restarted with this SLURM_CONF" if restarted else "started"
+
+
+def ensure_service_job(site: SiteConfig, user: str, slurm: Any = None) -> str:
+    """`[service] run_as = "slurm-job"`: a service job queued or running, else queue one
+    (service/slurmjob.py). Nothing to wake: it takes new jobs at its next round."""
+    from slurm_dlrm.service.slurmjob import queue_service_job
+
+    if slurm is None:
+        from slurm_dlrm.slurm import SlurmClient
+
+        slurm = SlurmClient(timeout_s=15.0)
+    job_id, new = queue_service_job(site, user, slurm)
+    return f"{'queued' if new else 'already queued or running'} as Slurm job {job_id} in partition " \
+           f"{site.service_partition}"
 
 
 def check_slurm_reachable(slurm: Any, site: SiteConfig, user: str) -> None:
@@ -286,6 +318,30 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
         what = ensure_service(site, user)
         log.info("packing service %s", what)
     return ids, subs
+
+
+def submit_elsewhere(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
+                     sets: Sequence[str] = (), array: str | None = None,
+                     dependency: str | None = None) -> tuple[str, list[Submission]]:
+    """`submit` on a login node whose service does not hold the store: validate and
+    estimate as on its host, then drop one request with every job (service/remote.py).
+    Returns the request file's name. Slurm is not asked here: the service that records
+    the jobs talks to it."""
+    from slurm_dlrm.service.daemon import this_host
+    from slurm_dlrm.service.dropbox import write_request
+
+    if dependency:
+        from slurm_dlrm.service.depend import parse_dependency
+
+        parse_dependency(dependency)
+    subs = prepare(paths, cli_options, site, cwd, sets, array)
+    for sub in subs:
+        if sub.spec.world_size > 1:
+            check_ranks_fit(sub, site, os.path.relpath(sub.path, cwd))
+    rows = [job_row(s, dependency) for s in subs]
+    name = write_request(site.store_dir_for(user), "submit", {"rows": rows, "dependency": dependency}, user=user,
+                         host=this_host())
+    return name, subs
 
 
 def check_ranks_fit(sub: Submission, site: SiteConfig, where: str) -> None:

@@ -21,7 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from slurm_dlrm.store.errors import StoreBusy, StoreError, StoreNotOwned
+from slurm_dlrm.store.errors import StoreBusy, StoreError, StoreNotOwned, StoreWalOnNetwork
+from slurm_dlrm.store.fstype import FsInfo, filesystem_of
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +97,18 @@ def ensure_private_file(path: Path) -> None:
         refuse_foreign(Path(f"{path}{suffix}"), side, "store file")
 
 
-def connect(path: Path, *, readonly: bool, busy_timeout_s: float) -> sqlite3.Connection:
+def connect(path: Path, *, readonly: bool, busy_timeout_s: float, filesystem: str = "auto",
+            immutable: bool = False) -> sqlite3.Connection:
+    """Open the store. Read-write: WAL on a local folder, the rollback journal on a
+    network filesystem (`fstype.py`; `filesystem` is the site's `[store] filesystem`).
+
+    `immutable`: a read-only copy nobody writes (the snapshot the service publishes for
+    other hosts): SQLite then takes no locks at all, which a network filesystem may not
+    honour between hosts anyway."""
     if readonly:
         if not path.is_file():
             raise StoreError(f"no store at {path}")
-        uri = "file:" + urllib.parse.quote(str(path)) + "?mode=ro"
+        uri = "file:" + urllib.parse.quote(str(path)) + ("?immutable=1" if immutable else "?mode=ro")
         # Any thread may use it: the exporter keeps its read-only connections open between
         # scrapes, and its HTTP server answers each scrape on a new thread (its collector's
         # lock keeps the uses apart).
@@ -108,6 +116,7 @@ def connect(path: Path, *, readonly: bool, busy_timeout_s: float) -> sqlite3.Con
                                check_same_thread=False)
     else:
         ensure_private_dir(path.parent)
+        fs = filesystem_of(path.parent, filesystem)
         ensure_private_file(path)
         conn = sqlite3.connect(str(path), isolation_level=None, timeout=busy_timeout_s)
     conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
@@ -117,14 +126,52 @@ def connect(path: Path, *, readonly: bool, busy_timeout_s: float) -> sqlite3.Con
         # only innocuous functions (SQLite 3.31+; store/guard.py checks the rest)
         conn.execute("PRAGMA trusted_schema = OFF")
     if not readonly:
-        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
-        if str(mode).lower() != "wal":
+        try:
+            set_journal_mode(conn, path, fs)
+            conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+        except BaseException:
+            conn.close()
+            raise
+    return conn
+
+
+def set_journal_mode(conn: sqlite3.Connection, path: Path, fs: FsInfo) -> None:
+    mode = str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+    if not fs.network:
+        if mode != "wal":
             # Persistent once set; needs the write lock, so retry like a write.
             retry_busy(lambda: conn.execute("PRAGMA journal_mode = WAL").fetchone(), 60.0)
         # WAL + NORMAL: a commit survives a process crash; a power cut may lose the
         # last commits but never corrupts, and offsets roll back with their samples.
         conn.execute("PRAGMA synchronous = NORMAL")
-    return conn
+        return
+    if mode == "wal":
+        # A store made before this check (or on a folder that moved to a network mount).
+        # Only the writer's host gets here (the service's, or no service anywhere): copy
+        # the log into the database, then leave WAL. Both need every other connection
+        # gone; if one is open, nothing changes and the user is told what to do.
+        try:
+            conn.execute("PRAGMA busy_timeout = 2000")
+            busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            new = str(conn.execute("PRAGMA journal_mode = DELETE").fetchone()[0]).lower() if not busy else "wal"
+        except sqlite3.OperationalError as exc:
+            if not is_busy(exc):
+                raise
+            new = "wal"
+        if new != "delete":
+            raise StoreWalOnNetwork(
+                f"store {path} is in WAL mode on a network filesystem ({fs.name}), where WAL can tear it, and "
+                f"another process still has it open, so it was left as it is (nothing changed, nothing lost); stop "
+                f"the packing service (`slurm-dlrm serve status` names its host; `slurm-dlrm serve stop` there) "
+                f"and every slurm-dlrm command using this store on every host, then run `slurm-dlrm queue` once on "
+                f"one host: it switches the store to the rollback journal")
+        log.warning("store %s: on a network filesystem (%s): switched from WAL to the rollback journal", path,
+                    fs.name)
+    elif mode != "delete":
+        retry_busy(lambda: conn.execute("PRAGMA journal_mode = DELETE").fetchone(), 60.0)
+    # The rollback journal: FULL syncs the journal before the database is written, so a
+    # crash or power cut rolls back to the last commit.
+    conn.execute("PRAGMA synchronous = FULL")
 
 
 def retry_busy(fn: Callable[[], T], deadline_s: float) -> T:

@@ -64,3 +64,8 @@ class StoreUntrusted(StoreError):
 
 class StoreTimeout(StoreError):
     """A read of the store ran past its time budget and was interrupted."""
+
+
+class StoreWalOnNetwork(StoreError):
+    """A WAL store on a network filesystem that could not be switched to the rollback
+    journal (another process has it open); nothing was changed."""

@@ -98,6 +98,8 @@ class Store:
         retry_s: float = 300.0,
         read_budget_s: float | None = None,
         untrusted: bool = False,
+        filesystem: str = "auto",
+        immutable: bool = False,
     ) -> None:
         """`untrusted` (read-only only): another user's file, so its schema is checked
         on open and again whenever it changes (store/guard.py). `read_budget_s`: each
@@ -114,7 +116,8 @@ class Store:
         self._deadline: float | None = None
         self._checked_cookie: int | None = None
         try:
-            self.conn: sqlite3.Connection = connect(self.path, readonly=readonly, busy_timeout_s=busy_timeout_s)
+            self.conn: sqlite3.Connection = connect(self.path, readonly=readonly, busy_timeout_s=busy_timeout_s,
+                                                        filesystem=filesystem, immutable=immutable)
         except sqlite3.Error as exc:
             raise StoreError(f"cannot open store {self.path}: {exc}") from exc
         self._db: Any = None
@@ -155,6 +158,7 @@ class Store:
 
     @classmethod
     def for_user(cls, site: SiteConfig, user: str | None = None, **kw: Any) -> Store:
+        kw.setdefault("filesystem", site.store_filesystem)
         return cls(store_path_for(site, user), **kw)
 
     def close(self) -> None:

@@ -1,0 +1,157 @@
+"""Which host writes a user's store, as every host sees it without opening the store.
+
+The lease itself is a row in the store (`slurm_dlrm/store/lease.py`); its holder also
+writes it to `<store_dir>/service.lease.json` (atomic replace) after each renewal, so a
+command or a standby service on another login node learns who writes the store from a
+small file, never by opening a database another host writes (docs/service.md,
+"Several login nodes").
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.service.daemon import ServicePaths, this_host
+from slurm_dlrm.site import SiteConfig
+from slurm_dlrm.store.lease import Lease, acquire, release
+
+log = logging.getLogger(__name__)
+
+LEASE_FILE = "service.lease.json"
+MIN_LEASE_S = 30.0
+
+
+def lease_path(paths: ServicePaths) -> Path:
+    return paths.store_dir / LEASE_FILE
+
+
+def lease_ttl_s(site: SiteConfig, round_seconds: float) -> float:
+    """`[service] lease_s`, or 3 rounds and at least 30 s: a round that runs long must
+    not lose the lease, and a takeover waits at most this long plus a round."""
+    return site.service_lease_s if site.service_lease_s > 0 else max(3 * round_seconds, MIN_LEASE_S)
+
+
+def write_lease_file(paths: ServicePaths, lease: Lease) -> None:
+    """Atomic replace; the temporary name is per process (a standby may write what it found)."""
+    path = lease_path(paths)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (json.dumps(lease.to_dict(), sort_keys=True) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def read_lease_file(paths: ServicePaths) -> Lease | None:
+    try:
+        return Lease.from_dict(json.loads(lease_path(paths).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def writer_elsewhere(paths: ServicePaths, now_t: float | None = None) -> Lease | None:
+    """The live lease of a service on another host, or None (it is here, or nobody's)."""
+    lease = read_lease_file(paths)
+    now = time.time() if now_t is None else now_t
+    if lease is None or not lease.live(now) or lease.host == this_host():
+        return None
+    return lease
+
+
+class LeaseHolder:
+    """The service's side of the lease: wait for it (standby), renew it each round,
+    give it back on a clean stop."""
+
+    def __init__(self, site: SiteConfig, user: str, paths: ServicePaths, ttl_s: float) -> None:
+        self.site = site
+        self.user = user
+        self.paths = paths
+        self.ttl_s = ttl_s
+        self.token = secrets.token_hex(8)
+        self.host = this_host()
+        self.lease: Lease | None = None
+
+    def take(self, store: Any) -> Lease | None:
+        # This process holds this host's service flock (run.py takes it first), so a
+        # lease of this host's that is still running is a dead service's.
+        lease, prev = acquire(store, host=self.host, pid=os.getpid(), token=self.token, ttl_s=self.ttl_s,
+                              holds_host_lock=True)
+        if lease is not None:
+            write_lease_file(self.paths, lease)
+        elif prev is not None:
+            write_lease_file(self.paths, prev)  # what we found, so this host's commands see it too
+        self.lease = lease
+        return lease
+
+    def wait_free(self, control: Any, period_s: float, idle_exit_s: float = 0.0,
+                  sleep: Callable[[float], None] = time.sleep) -> bool:
+        """Stand by while another host's live lease holds the store, polling its lease
+        file at least once a round. False: stopped, or idle for `idle_exit_s`."""
+        waited_s = 0.0
+        told = None
+        while not control.stop:
+            other = writer_elsewhere(self.paths)
+            if other is None:
+                return True
+            if told != other.token:
+                told = other.token
+                log.info("standing by: the service on host %s (pid %d) holds the store until %s", other.host,
+                         other.pid, time.strftime("%H:%M:%S", time.localtime(other.expires_t)))
+            if idle_exit_s > 0 and waited_s >= idle_exit_s:
+                return False
+            step = min(period_s, 1.0, max(0.05, other.expires_t - time.time()))
+            sleep(step)
+            waited_s += step
+        return False
+
+    def wait(self, control: Any, period_s: float, idle_exit_s: float = 0.0,
+             sleep: Callable[[float], None] = time.sleep) -> Any:
+        """Block until this service holds the lease; returns the store, opened read-write
+        (None: stopped, or idle for `idle_exit_s` while another host's service held it).
+
+        The store is opened only once the lease file names no live holder elsewhere: a
+        standby never opens a database another host writes."""
+        from slurm_dlrm.store.store import Store
+
+        while self.wait_free(control, period_s, idle_exit_s, sleep):
+            store = Store.for_user(self.site, self.user)
+            try:
+                if self.take(store) is not None:
+                    log.info("holding the store's lease on host %s for %.0f s at a time", self.host, self.ttl_s)
+                    return store
+            except BaseException:
+                store.close()
+                raise
+            store.close()  # another host took it first: stand by again
+            sleep(min(period_s, 1.0))
+        return None
+
+    def renew(self, store: Any) -> bool:
+        """At the start of each round. False: another host took the store (this service
+        was paused past its lease); the caller stops without writing."""
+        if self.take(store) is not None:
+            return True
+        holder = read_lease_file(self.paths)
+        log.error("lost the store's lease to host %s (pid %s); stopping without writing",
+                  holder.host if holder else "?", holder.pid if holder else "?")
+        return False
+
+    def release(self, store: Any) -> None:
+        if self.lease is None:
+            return
+        try:
+            release(store, self.token)
+            write_lease_file(self.paths, replace(self.lease, expires_t=time.time()))
+        except Exception:  # the store may be the reason we stop: the lease then runs out
+            log.exception("could not give the lease back; it expires by itself")
+        self.lease = None
