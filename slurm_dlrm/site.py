@@ -33,7 +33,7 @@ POLICIES = ("exclusive", "first-fit", "mem-best-fit", "complementary")
 # 87 characters (seen with driver 535, CUDA 12.2).
 MPS_DIR_MAX_CHARS = 87
 _SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-# Size limits (issue 32; docs/admin.md "Site file limits"). A site file is a few KiB;
+# Size limits (issue 32; docs/admin.md, above "1. Write the site file"). A site file is a few KiB;
 # the largest Slurm clusters have tens of thousands of nodes.
 MAX_SITE_BYTES = 1 << 20
 MAX_HOSTS = 100_000  # names one hostlist expands to

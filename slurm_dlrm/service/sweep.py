@@ -162,6 +162,7 @@ def expand(spec: Any, sets: Sequence[tuple[str, list[Any]]], array: Sequence[int
                 _assign(data, key, value, key)
                 labels.append(_label(key, value))
         data["name"] = f"{spec.name}-{'-'.join(labels)}"[:64]
-        src = f"{spec.source} [{', '.join(f'{k}={v}' if k != '__array__' else f'array={v}' for k, v in combo)}]"
+        # names the variant in its errors: each value cut short, as every error does
+        src = f"{spec.source} [{', '.join(f'{k}={_cut(str(v))}' if k != '__array__' else f'array={v}' for k, v in combo)}]"
         out.append(parse_spec(data, src))
     return out
