@@ -151,6 +151,9 @@ def test_a_spec_file_past_the_size_limit_is_refused_unread(tmp_path):
         f.write("#" * (5 << 20) + "\n")
     with pytest.raises(SpecError, match="larger than 4 MiB"):
         load_spec(path)
+    # /dev/zero never ends: both commands read at most the limit (submit read it whole)
+    for argv in (["estimate", "/dev/zero"], ["submit", "--test-only", "/dev/zero"], ["submit", "--test-only", str(path)]):
+        assert_refused(run_cli(tmp_path, *argv, wall_limit_s=30), "larger than 4 MiB")
 
 
 # ---------------------------------------------------------------- item 7: sweeps
@@ -311,3 +314,26 @@ def test_hostlists_expand_as_before():
     assert len(expand_hostlist("n[0-99999]")) == 100_000
     with pytest.raises(ValueError, match="more than 100,000"):
         expand_hostlist("n[0-99999],m")
+
+
+def test_rank_tables_heap_places_tables_as_the_scan_of_every_rank_did():
+    """rank_tables keeps the ranks' costs in a heap (64 ranks x 10,000 tables scanned
+    every rank per table); the placement is the old scan's, ties to the lowest rank."""
+    import random
+
+    from slurm_dlrm.estimate.analytic import _table_total_bytes, rank_tables
+    from slurm_dlrm.spec import parse_spec
+
+    rng = random.Random(32)
+    for world_size in (2, 3, 8, 64):
+        spec = parse_spec({"name": "x", "dense_features": 13, "bottom_mlp": [16], "top_mlp": [16, 1],
+                           "batch_size": 64, "optimizer": {"type": "adagrad"}, "world_size": world_size,
+                           "tables": [{"rows": rng.choice([10, 1000, 10**6]), "dim": 16,
+                                       "pooling_factor": rng.choice([1.0, 1.0, 2.5, 20.0])} for _ in range(500)]})
+        cost = [0.0] * world_size
+        owned: list[list[int]] = [[] for _ in range(world_size)]
+        for i in sorted(range(len(spec.tables)), key=lambda i: -_table_total_bytes(spec, i)):
+            r = cost.index(min(cost))
+            cost[r] += spec.tables[i].dim * 4 * (1 + 0.5 * spec.tables[i].ids_per_sample)
+            owned[r].append(i)
+        assert rank_tables(spec) == [sorted(o) for o in owned]

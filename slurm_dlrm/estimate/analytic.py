@@ -9,6 +9,7 @@ profile used by the packing policy. See docs/estimator.md for every term's sourc
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from functools import wraps
@@ -29,7 +30,7 @@ from slurm_dlrm.estimate.timeline import (
     static_parts,
 )
 from slurm_dlrm.site import GpuModel
-from slurm_dlrm.spec import JobSpec
+from slurm_dlrm.spec import MAX_WORLD_SIZE, JobSpec
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -37,10 +38,11 @@ GIB = 1 << 30
 _R = TypeVar("_R")
 
 
-def _per_spec(fn: Callable[..., _R]) -> Callable[..., _R]:
-    """Remember a spec-wide figure for the last few specs, by identity: a world_size W
-    estimate asks for it once per rank, and each is a pass over every table (64 ranks
-    of 10,000 tables took seconds, issue 32). Specs are frozen, so it cannot go stale."""
+def _per_spec(fn: Callable[..., _R], keep: int = 8) -> Callable[..., _R]:
+    """Remember a spec-wide figure for the last `keep` (spec, arguments), the spec by
+    identity: a world_size W estimate asks for it once per rank, and each is a pass over
+    every table (64 ranks of 10,000 tables took seconds, issue 32). Specs are frozen,
+    so a figure cannot go stale; what is returned is shared, and only read."""
     recent: list[tuple[JobSpec, tuple[Any, ...], _R]] = []
 
     @wraps(fn)
@@ -50,7 +52,7 @@ def _per_spec(fn: Callable[..., _R]) -> Callable[..., _R]:
                 return value
         value = fn(spec, *args)
         recent.insert(0, (spec, args, value))
-        del recent[8:]
+        del recent[keep:]
         return value
 
     return once
@@ -162,14 +164,16 @@ def rank_tables(spec: JobSpec) -> list[list[int]]:
     """
     if spec.world_size <= 1:
         return [list(range(len(spec.tables)))]
-    cost = [0.0] * spec.world_size
+    # (cost so far, rank): the heap's least is the least cost, ties the lowest rank, as
+    # a scan of every rank per table would find (64 ranks x 10,000 tables, issue 32)
+    heap = [(0.0, r) for r in range(spec.world_size)]
     owned: list[list[int]] = [[] for _ in range(spec.world_size)]
     for i in sorted(range(len(spec.tables)), key=lambda i: -_table_total_bytes(spec, i)):  # stable
         t = spec.tables[i]
-        r = cost.index(min(cost))
+        cost, r = heap[0]
         # pooled output per table dominates, each id adds about half of it (fitted to
         # the placements torchrec 1.8 chose on the benchmark's multi-rank configs)
-        cost[r] += t.dim * 4 * (1 + 0.5 * t.ids_per_sample)
+        heapq.heapreplace(heap, (cost + t.dim * 4 * (1 + 0.5 * t.ids_per_sample), r))
         owned[r].append(i)
     return [sorted(o) for o in owned]
 
@@ -198,9 +202,18 @@ def table_bytes_with_state(spec: JobSpec, i: int) -> int:
 
 
 def _peak_tape(spec: JobSpec, device: str, tables: list[int]) -> Tape:
+    return _peak_tape_once(spec, device, tables)
+
+
+def _replay_peak_tape(spec: JobSpec, device: str, tables: list[int]) -> Tape:
     steady = simulate_step(spec, device, tables)
     first = simulate_step(spec, device, tables, first_step=True)
     return first if first.peak > steady.peak else steady
+
+
+# The tape depends on the device kind, not on the GPU model: `estimate` for each model
+# of a site replays each rank's step once, not once per model.
+_peak_tape_once = _per_spec(_replay_peak_tape, keep=2 * MAX_WORLD_SIZE + 4)
 
 
 def allocator_rounding_bytes(live_sizes: list[int]) -> int:
