@@ -307,7 +307,8 @@ class _Section:
     def done(self) -> None:
         unknown = sorted(set(self.data) - self.seen)
         if unknown:
-            raise ConfigError(self._key(unknown[0]), "unknown key", self.path)
+            key = unknown[0] if len(unknown[0]) <= 60 else unknown[0][:60] + "..."  # never a whole value
+            raise ConfigError(self._key(key), "unknown key", self.path)
 
 
 def _kind_name(kinds: tuple[type, ...]) -> str:
@@ -396,7 +397,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
     gpu_models: dict[str, GpuModel] = {}
     for model_name in list(models_t.data):
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", model_name):
-            raise ConfigError(f"gpu_models.{model_name}", "letters, digits, '_' and '-' only (it becomes the gres Type=)",
+            raise ConfigError(f"gpu_models.{_short(model_name)}", "letters, digits, '_' and '-' only (it becomes the gres Type=)",
                               path)
         g = models_t.table(model_name)
         gpu_models[model_name] = GpuModel(

@@ -309,7 +309,8 @@ class _Obj:
     def done(self) -> None:
         unknown = sorted(set(map(str, self.data)) - self.seen)
         if unknown:
-            raise self.error(unknown[0], "unknown field")
+            key = unknown[0] if len(unknown[0]) <= 60 else unknown[0][:60] + "..."  # a key is user text too
+            raise self.error(key, "unknown field")
 
 
 def _type_name(value: Any) -> str:

@@ -138,6 +138,14 @@ def test_deep_nesting_and_unreadable_values_are_one_line(tmp_path, suffix, text,
     assert_refused(run_cli(tmp_path, "estimate", path), needle)
 
 
+def test_a_long_unknown_key_is_cut_in_the_error(tmp_path):
+    # an explicit key (`? KEY`): YAML's implicit keys stop at 1,024 characters
+    path = write(tmp_path, "s.yaml", spec_text(extra="? " + "x" * 100_000 + "\n: 1\n"))
+    assert_refused(run_cli(tmp_path, "estimate", path), ": " + "x" * 60 + "...: unknown field")
+    site = write(tmp_path, "site.toml", SITE.read_text().replace("[packing]", "[packing]\n" + "k" * 100_000 + " = 1", 1))
+    assert_refused(run_cli(tmp_path, "estimate", "--site", site, str(TINY)), "packing." + "k" * 60 + "...: unknown key")
+
+
 def test_json_nesting_limit_matches_yaml():
     assert load_json("[" * 64 + "]" * 64) is not None
     with pytest.raises(InputLimitError, match="nested deeper than 64"):
