@@ -397,7 +397,8 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
     gpu_models: dict[str, GpuModel] = {}
     for model_name in list(models_t.data):
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", model_name):
-            raise ConfigError(f"gpu_models.{_short(model_name)}", "letters, digits, '_' and '-' only (it becomes the gres Type=)",
+            cut = model_name if len(model_name) <= 60 else model_name[:60] + "..."
+            raise ConfigError(f"gpu_models.{cut}", "letters, digits, '_' and '-' only (it becomes the gres Type=)",
                               path)
         g = models_t.table(model_name)
         gpu_models[model_name] = GpuModel(
