@@ -34,6 +34,14 @@ def short_repr(value: Any) -> str:
     return _REPR.repr(value)
 
 
+def one_line(text: str) -> str:
+    """`text` with control and format characters escaped (a newline in a file name or a
+    --set value, a right-to-left override), so an error stays one line, as printed."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class DlrmError(Exception):
     """Base of every error the CLI reports as one line."""
 

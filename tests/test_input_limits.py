@@ -146,6 +146,14 @@ def test_a_long_unknown_key_is_cut_in_the_error(tmp_path):
     assert_refused(run_cli(tmp_path, "estimate", "--site", site, str(TINY)), "packing." + "k" * 60 + "...: unknown key")
 
 
+def test_an_error_quoting_user_text_stays_one_line(tmp_path):
+    # a --set value and a file name with a newline (or a right-to-left override) in them
+    assert_refused(run_cli(tmp_path, "submit", "--test-only", str(TINY), "--set", "optimizer.lr=0\x1f\n0"),
+                   "optimizer.lr=0\\x1f\\n0")
+    odd = write(tmp_path, "a\nb\u202e.yaml", "name: [1]\n")
+    assert_refused(run_cli(tmp_path, "estimate", odd), "a\\nb\\u202e.yaml: name: must be a string")
+
+
 def test_json_nesting_limit_matches_yaml():
     assert load_json("[" * 64 + "]" * 64) is not None
     with pytest.raises(InputLimitError, match="nested deeper than 64"):
