@@ -353,3 +353,19 @@ def test_rank_tables_heap_places_tables_as_the_scan_of_every_rank_did():
             cost[r] += spec.tables[i].dim * 4 * (1 + 0.5 * spec.tables[i].ids_per_sample)
             owned[r].append(i)
         assert rank_tables(spec) == [sorted(o) for o in owned]
+
+
+def test_the_pure_python_loader_keeps_the_same_limits(monkeypatch):
+    """Where PyYAML has no libyaml, the pure-Python parser and composer run: the limits
+    are checked on its events the same way (its composer recurses, so depth matters)."""
+    from slurm_dlrm import strict_load
+
+    monkeypatch.setattr(strict_load, "_CLoader", None)
+    monkeypatch.setattr(strict_load, "_STRICT_C", None)
+    with pytest.raises(InputLimitError, match="once aliases are expanded"):
+        load_yaml(alias_bomb())
+    with pytest.raises(InputLimitError, match="nested deeper than 64"):
+        load_yaml("name: " + "[" * 5000 + "]" * 5000 + "\n")
+    with pytest.raises(InputLimitError, match="a value cannot be read"):
+        load_yaml("seed: " + "9" * 5000 + "\n")
+    assert load_yaml(TINY.read_text()) == strict_load.yaml.safe_load(TINY.read_text())
