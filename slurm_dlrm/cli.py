@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from slurm_dlrm import __version__
-from slurm_dlrm.errors import EXIT_RUNTIME, EXIT_USAGE, DlrmError
+from slurm_dlrm.errors import EXIT_RUNTIME, EXIT_USAGE, DlrmError, one_line
 
 # name -> "module:attribute"; each command module owns its own options and help.
 COMMANDS: dict[str, str] = {
@@ -67,10 +67,10 @@ class LazyGroup(click.Group):
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as exc:
-            click.echo(f"slurm-dlrm: error: {usage_message(exc)}", err=True)
+            click.echo(f"slurm-dlrm: error: {one_line(usage_message(exc))}", err=True)
             sys.exit(exc.exit_code if exc.exit_code else EXIT_USAGE)
         except click.ClickException as exc:
-            click.echo(f"slurm-dlrm: error: {exc.format_message()}", err=True)
+            click.echo(f"slurm-dlrm: error: {one_line(exc.format_message())}", err=True)
             sys.exit(exc.exit_code)
         except click.exceptions.Abort:
             click.echo("slurm-dlrm: interrupted", err=True)
@@ -81,7 +81,7 @@ class LazyGroup(click.Group):
         try:
             return super().invoke(ctx)
         except DlrmError as exc:
-            click.echo(f"slurm-dlrm: error: {exc}", err=True)
+            click.echo(f"slurm-dlrm: error: {one_line(str(exc))}", err=True)
             ctx.exit(exc.exit_code)
 
 

@@ -12,9 +12,34 @@ exit code, so nothing below the CLI prints or exits.
 
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
 EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
+
+
+# Values in error messages are cut short: an error never prints a whole value (a YAML
+# alias bomb's repr was 3.6 GB, issue 32).
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxdict = 6
+_REPR.maxlevel = 2
+
+
+def short_repr(value: Any) -> str:
+    """repr(value), at most about 60 characters and 2 levels deep; never walks the
+    whole value (reprlib stops at its limits)."""
+    return _REPR.repr(value)
+
+
+def one_line(text: str) -> str:
+    """`text` with control and format characters escaped (a newline in a file name or a
+    --set value, a right-to-left override), so an error stays one line, as printed."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
 
 
 class DlrmError(Exception):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.errors import ConfigError
+from slurm_dlrm.errors import ConfigError, short_repr
 from slurm_dlrm.package_data import data_dir
 
 MIB = 1 << 20
@@ -33,6 +33,14 @@ POLICIES = ("exclusive", "first-fit", "mem-best-fit", "complementary")
 # 87 characters (seen with driver 535, CUDA 12.2).
 MPS_DIR_MAX_CHARS = 87
 _SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# Size limits (issue 32; docs/admin.md, above "1. Write the site file"). A site file is a few KiB;
+# the largest Slurm clusters have tens of thousands of nodes.
+MAX_SITE_BYTES = 1 << 20
+MAX_HOSTS = 100_000  # names one hostlist expands to
+MAX_INT = 1 << 53  # any integer key: exact in JSON and SQLite, printable by str()
+
+
+_short = short_repr
 
 
 @dataclass(frozen=True)
@@ -289,13 +297,19 @@ class _Section:
         if float in kinds and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kinds):
-            raise ConfigError(self._key(key), f"must be {_kind_name(kinds)}, got {type(value).__name__} {value!r}", self.path)
+            raise ConfigError(self._key(key), f"must be {_kind_name(kinds)}, got {type(value).__name__} {_short(value)}",
+                              self.path)
+        # TOML has inf and nan, and integers of any size: neither is a count or a size here.
+        if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
+            raise ConfigError(self._key(key), f"must be a finite number, got {value!r}", self.path)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise ConfigError(self._key(key), f"must be at most {MAX_INT:,} in size, got {_short(value)}", self.path)
         if min_value is not None and value < min_value:  # type: ignore[operator]
-            raise ConfigError(self._key(key), f"must be >= {min_value:g}, got {value!r}", self.path)
+            raise ConfigError(self._key(key), f"must be >= {min_value:g}, got {_short(value)}", self.path)
         if max_value is not None and value > max_value:  # type: ignore[operator]
-            raise ConfigError(self._key(key), f"must be <= {max_value:g}, got {value!r}", self.path)
+            raise ConfigError(self._key(key), f"must be <= {max_value:g}, got {_short(value)}", self.path)
         if choices is not None and value not in choices:
-            raise ConfigError(self._key(key), f"must be one of {', '.join(choices)}; got {value!r}", self.path)
+            raise ConfigError(self._key(key), f"must be one of {', '.join(choices)}; got {_short(value)}", self.path)
         return value
 
     def table(self, key: str) -> _Section:
@@ -305,7 +319,8 @@ class _Section:
     def done(self) -> None:
         unknown = sorted(set(self.data) - self.seen)
         if unknown:
-            raise ConfigError(self._key(unknown[0]), "unknown key", self.path)
+            key = unknown[0] if len(unknown[0]) <= 60 else unknown[0][:60] + "..."  # never a whole value
+            raise ConfigError(self._key(key), "unknown key", self.path)
 
 
 def _kind_name(kinds: tuple[type, ...]) -> str:
@@ -316,22 +331,36 @@ def _kind_name(kinds: tuple[type, ...]) -> str:
 _HOSTLIST = re.compile(r"^([A-Za-z0-9_.-]*)(?:\[([0-9,\-]+)\])?([A-Za-z0-9_.-]*)$")
 
 
-def expand_hostlist(expr: str) -> list[str]:
-    """Expand a Slurm hostlist such as ``node[1-3,7],gpu01`` (one bracket per name)."""
-    out: list[str] = []
+def expand_hostlist(expr: str, max_hosts: int = MAX_HOSTS) -> list[str]:
+    """Expand a Slurm hostlist such as ``node[1-3,7],gpu01`` (one bracket per name).
+    ValueError past `max_hosts` names, counted from the ranges' bounds before any name
+    is made (``node[0-999999999]`` was a MemoryError, issue 32)."""
+    if len(expr) > 64 * max_hosts:
+        raise ValueError(f"hostlist of {len(expr):,} characters: at most {max_hosts:,} hosts")
+    parsed: list[tuple[str, str, list[tuple[int, int, int]]]] = []
+    count = 0
     for part in _split_top_level(expr):
         m = _HOSTLIST.match(part)
         if not m or not part:
-            raise ValueError(f"bad hostlist {expr!r}")
+            raise ValueError(f"bad hostlist {_short(expr)}")
         prefix, ranges, suffix = m.groups()
-        if ranges is None:
-            out.append(prefix + suffix)
-            continue
-        for r in ranges.split(","):
+        spans = []
+        for r in (ranges.split(",") if ranges is not None else []):
             lo, _, hi = r.partition("-")
-            width = len(lo)
-            for i in range(int(lo), int(hi or lo) + 1):
-                out.append(f"{prefix}{i:0{width}d}{suffix}")
+            if not lo or len(lo) > 18 or len(hi) > 18:  # int() of thousands of digits fails
+                raise ValueError(f"bad hostlist range {_short(r)} in {_short(expr)}")
+            spans.append((int(lo), int(hi or lo), len(lo)))
+            count += max(0, spans[-1][1] - spans[-1][0] + 1)
+        count += ranges is None
+        if count > max_hosts:
+            raise ValueError(f"hostlist {_short(expr)} names more than {max_hosts:,} hosts")
+        parsed.append((prefix, suffix, spans) if ranges is not None else (prefix + suffix, "", []))
+    out: list[str] = []
+    for prefix, suffix, spans in parsed:
+        if not spans:
+            out.append(prefix)
+        for lo_i, hi_i, width in spans:
+            out.extend(f"{prefix}{i:0{width}d}{suffix}" for i in range(lo_i, hi_i + 1))
     return out
 
 
@@ -383,7 +412,8 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
     gpu_models: dict[str, GpuModel] = {}
     for model_name in list(models_t.data):
         if not re.fullmatch(r"[A-Za-z0-9_-]{1,32}", model_name):
-            raise ConfigError(f"gpu_models.{model_name}", "letters, digits, '_' and '-' only (it becomes the gres Type=)",
+            cut = model_name if len(model_name) <= 60 else model_name[:60] + "..."
+            raise ConfigError(f"gpu_models.{cut}", "letters, digits, '_' and '-' only (it becomes the gres Type=)",
                               path)
         g = models_t.table(model_name)
         gpu_models[model_name] = GpuModel(
@@ -652,9 +682,12 @@ def default_site_path() -> Path:
 def load_site(path: str | os.PathLike[str] | None = None) -> SiteConfig:
     p = Path(path) if path is not None else default_site_path()
     try:
-        raw = p.read_bytes()
+        with p.open("rb") as f:
+            raw = f.read(MAX_SITE_BYTES + 1)
     except OSError as exc:
         raise ConfigError("site", f"cannot read {p}: {exc.strerror}") from None
+    if len(raw) > MAX_SITE_BYTES:
+        raise ConfigError("site", f"file is larger than {MAX_SITE_BYTES >> 20} MiB (the limit)", str(p))
     try:
         text = raw.decode()
         data = tomllib.loads(text)
@@ -662,6 +695,10 @@ def load_site(path: str | os.PathLike[str] | None = None) -> SiteConfig:
         raise ConfigError("site", f"not valid TOML: {exc}", str(p)) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError("site", _toml_error(text, exc), str(p)) from None
+    except RecursionError:  # tomllib recurses into nested arrays and inline tables
+        raise ConfigError("site", "not valid TOML: arrays or tables nested too deep", str(p)) from None
+    except ValueError as exc:  # an integer past 4,300 digits
+        raise ConfigError("site", f"not valid TOML: {_short(str(exc))}", str(p)) from None
     return parse_site(data, str(p))
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.errors import SpecError
+from slurm_dlrm.errors import SpecError, short_repr
 from slurm_dlrm.presets import PRESET_NAMES, PRESETS
 
 DTYPES = ("fp32", "fp16", "bf16")
@@ -31,6 +31,33 @@ MIXED_PRECISION = ("none", "fp16", "bf16")
 DATA_TYPES = ("synthetic", "criteo-tsv", "criteo-npy")
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _CUSTOM_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*")
+
+# Size limits (issue 32; docs/interfaces.md section 1 lists them). Each is far above
+# any real DLRM, so that none refuses a real job, and low enough that reading and
+# estimating the largest spec they allow stays under 2 s (benchmarks/spec_limits.py).
+# torchrec's production models have hundreds to about a thousand tables; the largest
+# published tables have about 1e10 rows; MLPs have 2-10 layers of at most a few
+# thousand units; DCN v2 uses 2-4 cross layers. The estimate replays every layer once
+# per rank, so layers x world_size is what its time grows with.
+MAX_SPEC_BYTES = 4 << 20  # a 10,000-table spec written out in full is about 1.5 MiB
+MAX_TABLES = 10_000
+MAX_ROWS = 1 << 40  # about 1.1e12
+MAX_DIM = 65_536
+MAX_IDS_PER_SAMPLE = 100_000  # pooling_factor and multi_hot (long user histories: thousands)
+MAX_MLP_LAYERS = 100  # bottom_mlp, top_mlp, and DCN's interaction.layers
+MAX_WIDTH = 1 << 20  # an MLP width, dense_features, DCN's low_rank
+MAX_BATCH_SIZE = 1 << 24  # per process
+# A job's ranks share one node (docs/packing.md "Multi-GPU jobs"); sites allow at most
+# 64 GPUs per node (site.py).
+MAX_WORLD_SIZE = 64
+# Loader threads and batches they keep ready: more than any node has cores.
+MAX_LOADER_WORKERS = 1_024
+MAX_PREFETCH_BATCHES = 1_024
+MAX_COUNT = 1 << 53  # steps, epochs, seed, every-N-steps: exact in JSON and in SQLite
+MAX_COMMAND_ARGS = 4_096
+MAX_COMMAND_BYTES = 128 << 10  # Linux's MAX_ARG_STRLEN for one argument; here for all
+MAX_PATH_CHARS = 4_096  # PATH_MAX
+MAX_CUSTOM_MODULE_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -225,24 +252,27 @@ class _Obj:
             return default
         return self.data[key]
 
-    def int_(self, key: str, default: Any = _MISSING, *, min_value: int = 1) -> Any:
+    def int_(self, key: str, default: Any = _MISSING, *, min_value: int = 1, max_value: int = MAX_COUNT) -> Any:
         value = self.raw(key, default)
         if value is None and default is None:
             return None
         if key not in self.data:
             return value
-        return _as_int(value, self.field(key), self.source, min_value)
+        return _as_int(value, self.field(key), self.source, min_value, max_value)
 
-    def float_(self, key: str, default: Any = _MISSING, *, positive: bool = True) -> Any:
+    def float_(self, key: str, default: Any = _MISSING, *, positive: bool = True,
+               max_value: float | None = None) -> Any:
         value = self.raw(key, default)
         if key not in self.data or (value is None and default is None):
             return value
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise self.error(key, f"must be a number, got {_type_name(value)} {value!r}")
+            raise self.error(key, f"must be a number, got {_type_name(value)} {short_repr(value)}")
         if value != value or value in (float("inf"), float("-inf")):
             raise self.error(key, "must be a finite number")
         if positive and value <= 0:
-            raise self.error(key, f"must be > 0, got {value!r}")
+            raise self.error(key, f"must be > 0, got {short_repr(value)}")
+        if max_value is not None and value > max_value:
+            raise self.error(key, f"must be <= {max_value:,g}, got {short_repr(value)}")
         return float(value)
 
     def str_(self, key: str, default: Any = _MISSING, *, choices: tuple[str, ...] | None = None) -> Any:
@@ -250,9 +280,9 @@ class _Obj:
         if key not in self.data or (value is None and default is None):
             return value
         if not isinstance(value, str):
-            raise self.error(key, f"must be a string, got {_type_name(value)} {value!r}")
+            raise self.error(key, f"must be a string, got {_type_name(value)} {short_repr(value)}")
         if choices is not None and value not in choices:
-            raise self.error(key, f"must be one of {', '.join(choices)}; got {value!r}")
+            raise self.error(key, f"must be one of {', '.join(choices)}; got {short_repr(value)}")
         return value
 
     def bool_(self, key: str, default: Any = _MISSING) -> Any:
@@ -260,23 +290,27 @@ class _Obj:
         if key not in self.data:
             return value
         if not isinstance(value, bool):
-            raise self.error(key, f"must be true or false, got {_type_name(value)} {value!r}")
+            raise self.error(key, f"must be true or false, got {_type_name(value)} {short_repr(value)}")
         return value
 
-    def int_list(self, key: str, default: Any = _MISSING) -> Any:
+    def int_list(self, key: str, default: Any = _MISSING, *, max_len: int = MAX_MLP_LAYERS,
+                 max_value: int = MAX_WIDTH) -> Any:
         value = self.raw(key, default)
         if key not in self.data:
             return value
         if not isinstance(value, list):
-            raise self.error(key, f"must be a list of integers, got {_type_name(value)} {value!r}")
+            raise self.error(key, f"must be a list of integers, got {_type_name(value)} {short_repr(value)}")
         if not value:
             raise self.error(key, "must not be empty")
-        return tuple(_as_int(v, f"{self.field(key)}[{i}]", self.source, 1) for i, v in enumerate(value))
+        if len(value) > max_len:
+            raise self.error(key, f"at most {max_len:,} layers, got {len(value):,}")
+        return tuple(_as_int(v, f"{self.field(key)}[{i}]", self.source, 1, max_value) for i, v in enumerate(value))
 
     def done(self) -> None:
         unknown = sorted(set(map(str, self.data)) - self.seen)
         if unknown:
-            raise self.error(unknown[0], "unknown field")
+            key = unknown[0] if len(unknown[0]) <= 60 else unknown[0][:60] + "..."  # a key is user text too
+            raise self.error(key, "unknown field")
 
 
 def _type_name(value: Any) -> str:
@@ -285,15 +319,17 @@ def _type_name(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _as_int(value: Any, field: str, source: str | None, min_value: int) -> int:
+def _as_int(value: Any, field: str, source: str | None, min_value: int, max_value: int = MAX_COUNT) -> int:
     # YAML may give 1.0e+7 for a row count; accept a float only if it is integral.
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(field, f"must be an integer, got {_type_name(value)} {value!r}", source)
+        raise SpecError(field, f"must be an integer, got {_type_name(value)} {short_repr(value)}", source)
     if value < min_value:
         what = "> 0" if min_value == 1 else f">= {min_value}"
         raise SpecError(field, f"must be {what}, got {value}", source)
+    if value > max_value:
+        raise SpecError(field, f"must be <= {max_value:,} (the limit), got {short_repr(value)}", source)
     return value
 
 
@@ -320,6 +356,8 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
         raise view.error("tables", f"must be a list of tables, got {_type_name(raw_tables)}")
     if not raw_tables:
         raise view.error("tables", "must not be empty")
+    if len(raw_tables) > MAX_TABLES:
+        raise view.error("tables", f"at most {MAX_TABLES:,} tables, got {len(raw_tables):,}")
     tables = tuple(_parse_table(raw, i, source, scale) for i, raw in enumerate(raw_tables))
     seen_names: set[str] = set()
     for i, t in enumerate(tables):
@@ -332,7 +370,7 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
             # torchrec's DLRM interacts all embeddings with the bottom MLP's output.
             raise SpecError(f"tables[{i}].dim", f"must equal tables[0].dim ({dim}): DLRM needs one embedding dim", source)
 
-    dense_features = view.int_("dense_features")
+    dense_features = view.int_("dense_features", max_value=MAX_WIDTH)
     bottom_mlp = view.int_list("bottom_mlp")
     if scale is not None and scale.dim is not None:
         bottom_mlp = bottom_mlp[:-1] + (scale.dim,)
@@ -345,11 +383,11 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
         raise view.error("top_mlp", "needs at least two layers (torchrec's OverArch refuses one)")
 
     interaction = _parse_interaction(view.raw("interaction", {"type": "dot"}), source)
-    batch_size = view.int_("batch_size")
+    batch_size = view.int_("batch_size", max_value=MAX_BATCH_SIZE)
     optimizer = _parse_optimizer(view.raw("optimizer", {"type": "adagrad"}), source)
     mixed_precision = view.str_("mixed_precision", "none", choices=MIXED_PRECISION)
-    loader_workers = view.int_("loader_workers", 2, min_value=0)
-    prefetch_batches = view.int_("prefetch_batches", 2, min_value=0)
+    loader_workers = view.int_("loader_workers", 2, min_value=0, max_value=MAX_LOADER_WORKERS)
+    prefetch_batches = view.int_("prefetch_batches", 2, min_value=0, max_value=MAX_PREFETCH_BATCHES)
     data_spec = _parse_data(view.raw("data", {"type": "synthetic"}), source)
 
     has_steps, has_epochs = view.has("steps"), view.has("epochs")
@@ -366,7 +404,7 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
         view.seen.add("epochs")
         epochs = None
     seed = view.int_("seed", 0, min_value=0)
-    world_size = view.int_("world_size", 1)
+    world_size = view.int_("world_size", 1, max_value=MAX_WORLD_SIZE)
     checkpoint_every_steps = view.int_("checkpoint_every_steps", 500, min_value=0)
     metrics_every_steps = view.int_("metrics_every_steps", 10)
 
@@ -375,14 +413,22 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
     if command_raw is not None:
         if not isinstance(command_raw, list) or not command_raw:
             raise view.error("command", "must be a non-empty list of strings (an argv) or null")
+        if len(command_raw) > MAX_COMMAND_ARGS:
+            raise view.error("command", f"at most {MAX_COMMAND_ARGS:,} arguments, got {len(command_raw):,}")
         for i, arg in enumerate(command_raw):
             if not isinstance(arg, str):
-                raise SpecError(f"command[{i}]", f"must be a string, got {_type_name(arg)} {arg!r}", source)
+                raise SpecError(f"command[{i}]", f"must be a string, got {_type_name(arg)} {short_repr(arg)}", source)
+            if "\0" in arg:  # no argv can carry it (execve would refuse it at run time)
+                raise SpecError(f"command[{i}]", "must not contain a NUL character", source)
+        if sum(len(arg.encode("utf-8", "surrogatepass")) + 1 for arg in command_raw) > MAX_COMMAND_BYTES:
+            raise view.error("command", f"at most {MAX_COMMAND_BYTES // 1024} KiB of arguments in all")
         command = tuple(command_raw)
 
     custom_module = view.str_("custom_module", None)
+    if custom_module is not None and len(custom_module) > MAX_CUSTOM_MODULE_CHARS:
+        raise view.error("custom_module", f"at most {MAX_CUSTOM_MODULE_CHARS} characters, got {len(custom_module):,}")
     if custom_module is not None and not _CUSTOM_MODULE_RE.fullmatch(custom_module):
-        raise view.error("custom_module", f"must look like 'package.module:factory', got {custom_module!r}")
+        raise view.error("custom_module", f"must look like 'package.module:factory', got {short_repr(custom_module)}")
 
     view.done()
     return JobSpec(
@@ -400,7 +446,8 @@ def _parse_scale(top: _Obj, source: str | None) -> Scale | None:
     if raw is None:
         return None
     s = _Obj(raw, "scale", source)
-    scale = Scale(max_rows_per_table=s.int_("max_rows_per_table", None), dim=s.int_("dim", None))
+    scale = Scale(max_rows_per_table=s.int_("max_rows_per_table", None, max_value=MAX_ROWS),
+                  dim=s.int_("dim", None, max_value=MAX_DIM))
     s.done()
     return scale
 
@@ -410,12 +457,12 @@ def _parse_table(raw: Any, i: int, source: str | None, scale: Scale | None) -> T
     name = t.str_("name", f"t{i}")
     if not _NAME_RE.fullmatch(name):
         raise t.error("name", "1-64 of letters, digits, '.', '_' and '-'")
-    rows = t.int_("rows")
-    dim = t.int_("dim")
+    rows = t.int_("rows", max_value=MAX_ROWS)
+    dim = t.int_("dim", max_value=MAX_DIM)
     if t.has("pooling_factor") and t.has("multi_hot"):
         raise t.error("multi_hot", "give pooling_factor or multi_hot, not both")
-    multi_hot = t.int_("multi_hot", None)
-    pooling_factor = t.float_("pooling_factor", None)
+    multi_hot = t.int_("multi_hot", None, max_value=MAX_IDS_PER_SAMPLE)
+    pooling_factor = t.float_("pooling_factor", None, max_value=MAX_IDS_PER_SAMPLE)
     if multi_hot is None and pooling_factor is None:
         pooling_factor = 1.0
     dtype = t.str_("dtype", "fp32", choices=DTYPES)
@@ -436,7 +483,8 @@ def _parse_interaction(raw: Any, source: str | None) -> Interaction:
     if kind == "dot":
         o.done()
         return Interaction("dot")
-    inter = Interaction("dcn", layers=o.int_("layers", 3), low_rank=o.int_("low_rank", 512))
+    inter = Interaction("dcn", layers=o.int_("layers", 3, max_value=MAX_MLP_LAYERS),
+                        low_rank=o.int_("low_rank", 512, max_value=MAX_WIDTH))
     o.done()
     return inter
 
@@ -459,6 +507,8 @@ def _parse_data(raw: Any, source: str | None) -> DataSpec:
         path = o.str_("path")
         if not path:
             raise o.error("path", "must not be empty")
+        if len(path) > MAX_PATH_CHARS or "\0" in path:
+            raise o.error("path", f"must be at most {MAX_PATH_CHARS:,} characters, without NUL")
         spec = DataSpec(kind, zipf_alpha=None, path=path)
     o.done()
     return spec
@@ -468,17 +518,21 @@ def load_spec(path: str | Path) -> JobSpec:
     """Read a spec file (YAML; JSON accepted) and validate it."""
     import yaml  # parsing only; kept local so `import slurm_dlrm.spec` stays cheap
 
-    from slurm_dlrm.strict_load import DuplicateKeyError, load_json, load_yaml
+    from slurm_dlrm.strict_load import DuplicateKeyError, InputLimitError, load_json, load_yaml
 
     p = Path(path)
     try:
-        text = p.read_text()
+        with p.open("rb") as f:
+            raw = f.read(MAX_SPEC_BYTES + 1)  # bounded: a FIFO or /dev/zero never ends
+        text = raw.decode()
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise SpecError("spec", f"cannot read {p}: {reason}") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError("spec", f"file is larger than {MAX_SPEC_BYTES >> 20} MiB (the limit)", str(p))
     try:
         data = load_json(text) if p.suffix.lower() == ".json" else load_yaml(text)
-    except DuplicateKeyError as exc:
+    except (DuplicateKeyError, InputLimitError) as exc:
         raise SpecError("spec", str(exc), str(p)) from None
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         first = " ".join(str(exc).split())[:200]

@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from slurm_dlrm.errors import BadInput, DlrmError
+from slurm_dlrm.errors import BadInput, DlrmError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def estimate_cmd(spec_paths: tuple[str, ...], gpu_name: str | None, site_path: s
     if misfits:
         # as submit would: a job no GPU holds is bad input (exit 2), said with what would fix it
         for line in misfits[1:]:
-            click.echo(f"slurm-dlrm: error: {line}", err=True)
+            click.echo(f"slurm-dlrm: error: {one_line(line)}", err=True)
         raise BadInput(misfits[0])
 
 

@@ -9,8 +9,11 @@ profile used by the packing policy. See docs/estimator.md for every term's sourc
 
 from __future__ import annotations
 
+import heapq
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from functools import wraps
+from typing import Any, TypeVar
 
 from slurm_dlrm.estimate.timeline import (
     EMB_OPT,
@@ -27,10 +30,32 @@ from slurm_dlrm.estimate.timeline import (
     static_parts,
 )
 from slurm_dlrm.site import GpuModel
-from slurm_dlrm.spec import JobSpec
+from slurm_dlrm.spec import MAX_WORLD_SIZE, JobSpec
 
 MIB = 1 << 20
 GIB = 1 << 30
+
+_R = TypeVar("_R")
+
+
+def _per_spec(fn: Callable[..., _R], keep: int = 8) -> Callable[..., _R]:
+    """Remember a spec-wide figure for the last `keep` (spec, arguments), the spec by
+    identity: a world_size W estimate asks for it once per rank, and each is a pass over
+    every table (64 ranks of 10,000 tables took seconds, issue 32). Specs are frozen,
+    so a figure cannot go stale; what is returned is shared, and only read."""
+    recent: list[tuple[JobSpec, tuple[Any, ...], _R]] = []
+
+    @wraps(fn)
+    def once(spec: JobSpec, *args: Any) -> _R:
+        for known, known_args, value in recent:
+            if known is spec and known_args == args:
+                return value
+        value = fn(spec, *args)
+        recent.insert(0, (spec, args, value))
+        del recent[keep:]
+        return value
+
+    return once
 
 # PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): every block is
 # rounded up to 512 B; small blocks (<= 1 MiB) come from 2 MiB segments, large ones
@@ -139,14 +164,16 @@ def rank_tables(spec: JobSpec) -> list[list[int]]:
     """
     if spec.world_size <= 1:
         return [list(range(len(spec.tables)))]
-    cost = [0.0] * spec.world_size
+    # (cost so far, rank): the heap's least is the least cost, ties the lowest rank, as
+    # a scan of every rank per table would find (64 ranks x 10,000 tables, issue 32)
+    heap = [(0.0, r) for r in range(spec.world_size)]
     owned: list[list[int]] = [[] for _ in range(spec.world_size)]
     for i in sorted(range(len(spec.tables)), key=lambda i: -_table_total_bytes(spec, i)):  # stable
         t = spec.tables[i]
-        r = cost.index(min(cost))
+        cost, r = heap[0]
         # pooled output per table dominates, each id adds about half of it (fitted to
         # the placements torchrec 1.8 chose on the benchmark's multi-rank configs)
-        cost[r] += t.dim * 4 * (1 + 0.5 * t.ids_per_sample)
+        heapq.heapreplace(heap, (cost + t.dim * 4 * (1 + 0.5 * t.ids_per_sample), r))
         owned[r].append(i)
     return [sorted(o) for o in owned]
 
@@ -160,8 +187,9 @@ def device_tables(spec: JobSpec, all_placements: bool = False) -> list[int]:
     if spec.world_size <= 1:
         return chosen
     owned = rank_tables(spec)
-    mem = [sum(_table_total_bytes(spec, i) for i in o if i in chosen) for o in owned]
-    return sorted(i for i in owned[mem.index(max(mem))] if i in chosen)
+    chosen_set = set(chosen)  # not list membership per table: quadratic at 10,000 tables
+    mem = [sum(_table_total_bytes(spec, i) for i in o if i in chosen_set) for o in owned]
+    return sorted(i for i in owned[mem.index(max(mem))] if i in chosen_set)
 
 
 def _table_total_bytes(spec: JobSpec, i: int) -> int:
@@ -174,9 +202,18 @@ def table_bytes_with_state(spec: JobSpec, i: int) -> int:
 
 
 def _peak_tape(spec: JobSpec, device: str, tables: list[int]) -> Tape:
+    return _peak_tape_once(spec, device, tables)
+
+
+def _replay_peak_tape(spec: JobSpec, device: str, tables: list[int]) -> Tape:
     steady = simulate_step(spec, device, tables)
     first = simulate_step(spec, device, tables, first_step=True)
     return first if first.peak > steady.peak else steady
+
+
+# The tape depends on the device kind, not on the GPU model: `estimate` for each model
+# of a site replays each rank's step once, not once per model.
+_peak_tape_once = _per_spec(_replay_peak_tape, keep=2 * MAX_WORLD_SIZE + 4)
 
 
 def allocator_rounding_bytes(live_sizes: list[int]) -> int:
@@ -223,7 +260,7 @@ def _memory(spec: JobSpec, gpu: GpuModel | None, tables: list[int],
     workers = spec.loader_workers
     one_batch = batch_bytes(spec)
     pools = synthetic_pool_bytes(spec)
-    ring = synthetic_ring_bytes(spec, pinned=gpu is not None)
+    ring = synthetic_ring_bytes(spec, gpu is not None)
     snapshot = checkpoint_snapshot_bytes(spec, tables, device)
 
     if gpu is not None:
@@ -273,11 +310,12 @@ def rank_estimates(spec: JobSpec, gpu: GpuModel | None) -> tuple[RankEstimate, .
     return tuple(out)
 
 
-def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
+def estimate(spec: JobSpec, gpu: GpuModel | None, *, ranks: bool = True) -> Estimate:
     """Estimate one job. `gpu=None` means a CPU run (the benchmark's mode): all tensors
     then live in host memory and the GPU parts are zero. With world_size > 1 the job's
     figures are its fullest rank's (host tables counted whole) and `ranks` holds every
-    rank's own."""
+    rank's own (`ranks=False`: left empty, for a caller that needs only the job's
+    figures, e.g. fit advice trying dozens of variants)."""
     device = "cuda" if gpu is not None else "cpu"
     # On a CPU run every table is in the one (host) memory.
     tables = device_tables(spec, all_placements=gpu is None)
@@ -294,10 +332,11 @@ def estimate(spec: JobSpec, gpu: GpuModel | None) -> Estimate:
         gpu_peak_bytes=sum(gpu_breakdown.values()), host_peak_bytes=sum(host_breakdown.values()),
         gpu_breakdown=gpu_breakdown, host_breakdown=host_breakdown, profile=compute_profile(spec, gpu),
         tensor_peak_bytes=tape.peak, peak_phase=tape.peak_where, gpu_model=gpu.name if gpu is not None else None,
-        notes=tuple(notes), ranks=rank_estimates(spec, gpu),
+        notes=tuple(notes), ranks=rank_estimates(spec, gpu) if ranks else (),
     )
 
 
+@_per_spec
 def synthetic_ring_bytes(spec: JobSpec, pinned: bool) -> int:
     """The runner's synthetic source keeps up to 32 ready batches (slurm_dlrm/train/data.py
     SyntheticBatches.ring). Their ids and lengths are their own memory, dense rows and
@@ -335,6 +374,7 @@ def static_bytes(spec: JobSpec, tables: list[int], device: str) -> int:
             + st.dense_opt_state)
 
 
+@_per_spec
 def uvm_cache_bytes(spec: JobSpec) -> int:
     """HBM cache of UVM-cached tables: cached rows in the table's dtype, plus fbgemm's
     cache state (int64 per slot, int32 per row; torchrec planner
@@ -348,6 +388,7 @@ def uvm_cache_bytes(spec: JobSpec) -> int:
     return total
 
 
+@_per_spec
 def synthetic_pool_bytes(spec: JobSpec) -> int:
     """Host bytes of the runner's synthetic data pools (numpy, outside torch)."""
     if spec.data.type != "synthetic":
@@ -418,6 +459,11 @@ def _emb_bytes(spec: JobSpec, chosen: list[Any], state_rw: int) -> float:
     return total
 
 
+@_per_spec
+def _ids_per_sample(spec: JobSpec) -> float:
+    return sum(t.ids_per_sample for t in spec.tables)
+
+
 def _kernels_per_step(spec: JobSpec) -> int:
     s = Shapes.of(spec)
     layers = len(s.bottom) + len(s.top) + 2 * s.dcn_layers
@@ -452,7 +498,7 @@ def compute_profile(spec: JobSpec, gpu: GpuModel | None, tables: list[int] | Non
     t_memory = B * (emb_bytes / gather_bw + act_bytes / stream_bw)
     t_launch = _kernels_per_step(spec) * launch_s
     t_gpu = t_compute + t_memory + t_launch
-    ids_per_sample = sum(t.ids_per_sample for t in spec.tables)
+    ids_per_sample = _ids_per_sample(spec)
     per_sample_host = HOST_SECONDS_PER_SAMPLE.get(spec.data.type, 1e-6) + ids_per_sample * HOST_SECONDS_PER_ID
     inline = spec.data.type == "synthetic"  # the runner makes synthetic batches in the training thread
     workers = 1 if inline else max(spec.loader_workers, 1)

@@ -60,7 +60,7 @@ def fit_advice(spec: JobSpec, gpu: GpuModel, margin_pct: float = 0.0, max_gpus: 
     from slurm_dlrm.estimate.analytic import estimate
 
     def fits(s: JobSpec) -> bool:
-        return copies_per_gpu(estimate(s, gpu), gpu, margin_pct).fits
+        return copies_per_gpu(estimate(s, gpu, ranks=False), gpu, margin_pct).fits
 
     out: list[str] = []
     w = 2
@@ -76,13 +76,26 @@ def fit_advice(spec: JobSpec, gpu: GpuModel, margin_pct: float = 0.0, max_gpus: 
             out.append("half precision (dtype: fp16 on the tables, mixed_precision: bf16)")
     hbm = sorted((i for i, t in enumerate(spec.tables) if t.placement == "hbm"),
                  key=lambda i: -spec.tables[i].rows * spec.tables[i].dim)
-    moved = list(spec.tables)
-    for k, i in enumerate(hbm):
-        moved[i] = replace(moved[i], placement="uvm")
-        if fits(replace(spec, tables=tuple(moved))):
-            names = ", ".join(spec.tables[j].name for j in hbm[: k + 1])
-            out.append(f"placement: uvm for table{'s' if k else ''} {names} (in host memory, cached on the GPU)")
-            break
+
+    def largest_to_uvm(k: int) -> JobSpec:
+        moved = list(spec.tables)
+        for i in hbm[:k]:
+            moved[i] = replace(moved[i], placement="uvm")
+        return replace(spec, tables=tuple(moved))
+
+    # The fewest of the largest tables to move: a binary search over how many (a few
+    # dozen estimates), not one estimate per table (10,000 tables ran for minutes,
+    # issue 32). Moving a table frees its weights and state and costs a cache of a
+    # fifth of its rows plus 5.6 bytes a row, so for tables of dim >= 4 more moved never
+    # needs more GPU memory (below that the count found may be more than the fewest;
+    # it always fits).
+    if hbm and fits(largest_to_uvm(len(hbm))):
+        lo, hi = 1, len(hbm)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(largest_to_uvm(mid)) else (mid + 1, hi)
+        names = ", ".join(spec.tables[j].name for j in hbm[:lo][:10]) + (f" and {lo - 10} more" if lo > 10 else "")
+        out.append(f"placement: uvm for table{'s' if lo > 1 else ''} {names} (in host memory, cached on the GPU)")
     biggest = max((t.rows for t in spec.tables), default=0)
 
     def capped(cap: int) -> JobSpec:

@@ -1,17 +1,32 @@
 """A sweep over one spec at submit: `--set KEY=V1,V2` (the product over every --set) and
-`--array 0-3` (copies with seeds), as one sbatch array or a submitit sweep would give."""
+`--array 0-3` (copies with seeds), as one sbatch array or a submitit sweep would give.
+
+Every count is checked before anything is built (issue 32: `--array 0-3000000000`
+and six `--set` lists of 60 values were built in full, to a MemoryError): an array's
+size from its ranges' bounds, a sweep's from the product of its list sizes.
+"""
 
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from slurm_dlrm.errors import BadInput
 
-MAX_VARIANTS = 1000
+MAX_VARIANTS = 1000  # jobs one submit makes from one spec (Slurm's default MaxArraySize is 1001)
+# Slurm's largest MaxArraySize is 4,000,001, so no array index is above 4,000,000.
+MAX_ARRAY_INDEX = 4_000_000
+# One --set value is a YAML scalar or a small list/mapping (an MLP, a table).
+MAX_SET_VALUE_NODES = 10_000
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def _cut(text: str, limit: int = 60) -> str:
+    """What an error quotes of an option's text: never all of it."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def split_values(text: str) -> list[str]:
@@ -32,38 +47,65 @@ def split_values(text: str) -> list[str]:
 
 
 def parse_sets(sets: Sequence[str]) -> list[tuple[str, list[Any]]]:
-    """`optimizer.lr=0.01,0.1` -> ("optimizer.lr", [0.01, 0.1]); values read as YAML."""
+    """`optimizer.lr=0.01,0.1` -> ("optimizer.lr", [0.01, 0.1]); values read as YAML
+    (with the spec's duplicate-key and size checks). The sweep's size (the product of
+    the lists) is checked before any value is read."""
     import yaml
 
-    out = []
+    from slurm_dlrm.strict_load import DuplicateKeyError, InputLimitError, load_yaml
+
+    split = []
     for item in sets:
         key, eq, values = item.partition("=")
         if not eq or not key.strip() or not values.strip():
-            raise BadInput(f"--set {item}: expected KEY=VALUE[,VALUE...] (a dotted spec field, e.g. optimizer.lr=0.01,0.1)")
+            raise BadInput(f"--set {_cut(item)}: expected KEY=VALUE[,VALUE...] (a dotted spec field, e.g. "
+                           "optimizer.lr=0.01,0.1)")
+        split.append((item, key.strip(), split_values(values)))
+    check_variant_count([len(v) for _, _, v in split], 1)
+    out = []
+    for item, key, texts in split:
         try:
-            parsed = [yaml.safe_load(v) for v in split_values(values)]
-        except yaml.YAMLError:
-            raise BadInput(f"--set {item}: a value is not valid YAML") from None
-        out.append((key.strip(), parsed))
+            parsed = [load_yaml(v, max_nodes=MAX_SET_VALUE_NODES) for v in texts]
+        except (DuplicateKeyError, InputLimitError) as exc:
+            raise BadInput(f"--set {_cut(item)}: {_cut(str(exc), 120)}") from None
+        except yaml.YAMLError as exc:
+            why = " ".join(str(exc).split())
+            raise BadInput(f"--set {_cut(item)}: a value is not valid YAML ({_cut(why, 120)})") from None
+        out.append((key, parsed))
     return out
 
 
+def check_variant_count(list_sizes: Sequence[int], array_size: int) -> None:
+    """Refuse a sweep of more than MAX_VARIANTS jobs, from the sizes alone."""
+    n = math.prod(list_sizes) * max(array_size, 1)
+    if n > MAX_VARIANTS:
+        what = " x ".join(str(k) for k in [*list_sizes, *([array_size] if array_size > 1 else [])])
+        raise BadInput(f"--set/--array: {what} = {n:,} variants of one spec; at most {MAX_VARIANTS}")
+
+
 def parse_array(text: str) -> list[int]:
-    """sbatch's --array forms: `0-3`, `1,3,5`, `0-15:4` (a `%N` limit is accepted, unused)."""
-    idx: list[int] = []
+    """sbatch's --array forms: `0-3`, `1,3,5`, `0-15:4` (a `%N` limit is accepted, unused).
+    The task count is summed from each range's bounds before any index is listed."""
+    ranges: list[range] = []
+    count = 0
     for part in text.split("%", 1)[0].split(","):
         m = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+))?)?", part.strip())
         if not m:
-            raise BadInput(f"--array {text}: expected N, N-M, N-M:STEP or a comma list of them")
+            raise BadInput(f"--array {_cut(text)}: expected N, N-M, N-M:STEP or a comma list of them")
+        numbers = [g for g in m.groups() if g is not None]
+        if any(len(g) > 7 or int(g) > MAX_ARRAY_INDEX for g in numbers):  # len first: int() of 5,000 digits fails
+            raise BadInput(f"--array {_cut(text)}: {_cut(part)}: indexes and steps are at most {MAX_ARRAY_INDEX:,} "
+                           "(Slurm's largest MaxArraySize)")
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) else lo
         step = int(m.group(3)) if m.group(3) else 1
         if hi < lo or step < 1:
-            raise BadInput(f"--array {text}: {part} is an empty range")
-        idx.extend(range(lo, hi + 1, step))
-    if len(idx) > MAX_VARIANTS:
-        raise BadInput(f"--array {text}: {len(idx)} tasks; at most {MAX_VARIANTS}")
-    return sorted(set(idx))
+            raise BadInput(f"--array {_cut(text)}: {_cut(part)} is an empty range")
+        ranges.append(range(lo, hi + 1, step))
+        count += len(ranges[-1])
+        if count > MAX_VARIANTS:
+            raise BadInput(f"--array {_cut(text)}: {count:,} tasks or more; at most {MAX_VARIANTS}")
+    return sorted(set(itertools.chain.from_iterable(ranges)))
 
 
 def _assign(data: Any, key: str, value: Any, raw_key: str) -> None:
@@ -73,7 +115,7 @@ def _assign(data: Any, key: str, value: Any, raw_key: str) -> None:
         last = i == len(parts) - 1
         if isinstance(cur, list):
             if not p.isdigit() or int(p) >= len(cur):
-                raise BadInput(f"--set {raw_key}: {'.'.join(parts[:i + 1])}: no such list item")
+                raise BadInput(f"--set {_cut(raw_key)}: {_cut('.'.join(parts[:i + 1]))}: no such list item")
             if last:
                 cur[int(p)] = value
             else:
@@ -86,7 +128,7 @@ def _assign(data: Any, key: str, value: Any, raw_key: str) -> None:
                     cur[p] = {}
                 cur = cur[p]
         else:
-            raise BadInput(f"--set {raw_key}: {'.'.join(parts[:i])} is not a mapping or list")
+            raise BadInput(f"--set {_cut(raw_key)}: {_cut('.'.join(parts[:i]))} is not a mapping or list")
 
 
 def _label(key: str, value: Any) -> str:
@@ -101,12 +143,11 @@ def expand(spec: Any, sets: Sequence[tuple[str, list[Any]]], array: Sequence[int
 
     if not sets and not array:
         return [spec]
+    check_variant_count([len(values) for _, values in sets], len(array or ()))
     axes: list[list[tuple[str, Any]]] = [[(k, v) for v in values] for k, values in sets]
     if array:
         axes.append([("__array__", i) for i in array])
     combos = list(itertools.product(*axes))
-    if len(combos) > MAX_VARIANTS:
-        raise BadInput(f"--set/--array: {len(combos)} variants of {spec.name}; at most {MAX_VARIANTS}")
     base = spec.to_dict()
     out = []
     for combo in combos:
@@ -121,6 +162,7 @@ def expand(spec: Any, sets: Sequence[tuple[str, list[Any]]], array: Sequence[int
                 _assign(data, key, value, key)
                 labels.append(_label(key, value))
         data["name"] = f"{spec.name}-{'-'.join(labels)}"[:64]
-        src = f"{spec.source} [{', '.join(f'{k}={v}' if k != '__array__' else f'array={v}' for k, v in combo)}]"
+        # names the variant in its errors: each value cut short, as every error does
+        src = f"{spec.source} [{', '.join(f'{k}={_cut(str(v))}' if k != '__array__' else f'array={v}' for k, v in combo)}]"
         out.append(parse_spec(data, src))
     return out
