@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tomllib
@@ -100,12 +101,14 @@ def run_cases(tmp_path: Path, cases: list[tuple[str, dict, dict | None, int]], r
         lines.append(f"run({lua_str(name)}, {to_lua(desc)}, {'nil' if rec is None else to_lua(rec)}, {uid})")
     driver = tmp_path / "driver.lua"
     driver.write_text("\n".join(lines) + "\n")
-    proc = subprocess.run([LUA, str(driver)], capture_output=True, text=True, timeout=30)  # noqa: S603
+    # Bytes, not text=True: universal newlines would turn a \r in a message into a line end.
+    proc = subprocess.run([LUA, str(driver)], capture_output=True, timeout=30)  # noqa: S603
     assert proc.returncode == 0, proc.stderr
     out = {}
-    for line in proc.stdout.split("\n")[:-1]:  # not splitlines(): a message may hold \r, \x1c, ...
+    stdout = proc.stdout.decode("utf-8", "surrogateescape")
+    for line in stdout.split("\n")[:-1]:  # not splitlines(): a message may hold \r, \x1c, ...
         name, rc, msg = line.split("\t", 2)
-        out[name] = (int(rc), msg.replace("\\n", "\n").replace("\\\\", "\\"))
+        out[name] = (int(rc), re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), msg))
     assert len(out) == len(cases)
     return out
 
@@ -425,3 +428,14 @@ def test_one_user_per_gpu_gives_mps_jobs_exclusive_user(tmp_path):
     assert plain == {"mps": "0 nil", "mps-root": "0 nil", "pack": "0 nil", "mps-other-partition": "0 nil",
                      "refused": f"{ACCESS_DENIED} nil", "modify-oversubscribe": "0 1",
                      "modify-other": "0 65534"}
+
+
+def test_harness_keeps_a_carriage_return_in_a_message(tmp_path):
+    """The comment is echoed in the refusal; a \\r in it must not split the harness's record
+    (text=True's universal newlines did: the adversarial suite failed on such a comment)."""
+    if LUA is None:
+        pytest.skip("lua5.1 not installed (scripts/setup.sh installs it)")
+    desc = {"partition": "dlrm", "comment": "slurm-dlrm:mode=no-pack,gpu_mem_mib=3000\rX",
+            "min_mem_per_node": 4096, "tres_per_node": "gres:mps:40"}
+    rc, msg = run_cases(tmp_path, [("cr", desc, None, USER_UID)], site_raw())["cr"]
+    assert rc != OK and "'gpu_mem_mib=3000\rX'" in msg

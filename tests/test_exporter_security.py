@@ -353,12 +353,18 @@ def test_tls_and_client_certificates_through_prometheus_clients_server(tmp_path)
     make_store(tmp_path / "alice" / "store.sqlite")
     d = tmp_path / "pki"
     d.mkdir()
+    # The extensions a real CA sets: Python 3.13+ verifies with VERIFY_X509_STRICT, which
+    # refuses a CA without keyUsage and a leaf without authorityKeyIdentifier.
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=test-ca",
-             "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+             "-addext", "subjectKeyIdentifier=hash", "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
     for name in ("server", "client"):
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
                  "-out", f"{name}.csr", cwd=d)
-        (d / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+        (d / f"{name}.ext").write_text(
+            "subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n"
+            "keyUsage=critical,digitalSignature,keyEncipherment\n"
+            f"extendedKeyUsage={name}Auth\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n")
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
                  "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=d)
     col = E.StoreCollector(site_for(tmp_path), all_users=True, clock=lambda: NOW)
