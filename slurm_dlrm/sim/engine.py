@@ -43,6 +43,7 @@ from slurm_dlrm.packing.interference import (
     predict_speeds_from_fractions,
 )
 from slurm_dlrm.packing.model import (
+    FairConfig,
     JobDemand,
     Join,
     NodeShape,
@@ -248,15 +249,21 @@ def job_demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -
 def simulate(workload: Workload, cluster: SimCluster, policy: str,
              true_params: InterferenceParams | None = None, plan_params: InterferenceParams | None = None,
              max_sim_s: float = 365 * 86400.0, faults: FaultRuntime | None = None, dmem: bool = False,
-             margin_from_errors: bool = True) -> SimResult:
+             margin_from_errors: bool = True, fairness: str | None = None,
+             fair_config: FairConfig | None = None) -> SimResult:
     """Replay `workload` on `cluster` through `policy`; see the module docstring.
 
     With `faults`, node failures and straggler checks are injected and OOMs, node
     failures and stragglers are handled by its recovery decisions (sim/faults.py).
     `margin_from_errors` (fenced policies): each round's memory margin is the larger of
-    the configured one and the estimate's error observed at members' peaks so far."""
+    the configured one and the estimate's error observed at members' peaks so far.
+    `fairness`: "slowdown" or "rounds" (DispatchConfig.fairness; None: the cluster's)."""
     truth = true_params or DEFAULT_PARAMS
     limits, dispatch, slurm, retry = cluster.limits, cluster.dispatch, cluster.slurm, cluster.retry
+    if fairness is not None:
+        dispatch = replace(dispatch, fairness=fairness)
+    if fair_config is not None:
+        dispatch = replace(dispatch, fair_config=fair_config)
     nodes = [_NodeState(n.name, n.gpu_model, n.gpus, n.cpus, n.memory_bytes, n.gpus, n.cpus, n.memory_bytes)
              for n in cluster.nodes]
     by_name = {n.name: n for n in nodes}
@@ -564,7 +571,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                                count=1, name=n.name) for n in nodes
                      if (n.free_gpus > 0 or n.name in with_open) and not n.down)
         request = PackingRequest(jobs=aged(sorted(pending.values(), key=lambda d: d.job_id), waited, dispatch),
-                                 gpu_models=cluster.gpu_models, nodes=free, limits=round_limits(), open_gpus=open_gpus)
+                                 gpu_models=cluster.gpu_models, nodes=free, limits=round_limits(), open_gpus=open_gpus,
+                                 fair=dispatch.fair, now_s=now)
         result = make_plan(request, policy, plan_params)
         waited = after_round(waited, result)
         for jn in result.joins:
