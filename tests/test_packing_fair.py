@@ -17,7 +17,7 @@ from slurm_dlrm.sim import parse_cluster, parse_workload, simulate
 from slurm_dlrm.site import GIB, GpuModel
 
 H100 = GpuModel("h100", 80, 132, 3350, 67, 494, 520, 32)
-FAIR = FairConfig()
+FAIR = FairConfig(overdue_slowdown=3.0)  # a low bound: small numbers in the tests
 
 
 def job(i: int, *, submit: float = 0.0, dur: float | None = 1800.0, prio: float = 0.0, world: int = 1,

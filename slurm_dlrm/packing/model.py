@@ -167,7 +167,7 @@ class FairConfig:
     the node that frees its GPUs soonest take only joiners that end before then, and
     that node's free GPUs only new packs that do (backfill)."""
 
-    overdue_slowdown: float = 3.0
+    overdue_slowdown: float = 10.0
     gang_reserve_slowdown: float = 2.0
     gang_vs_single: float = 1.0  # ... or this times the waiting one-GPU jobs' median slowdown, if higher
     min_wait_s: float = 600.0  # nobody is overdue before waiting this long

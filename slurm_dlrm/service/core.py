@@ -461,6 +461,8 @@ class PackingService:
         # a no-pack job is PENDING only until its own sbatch answers: never planned
         pending = [j for j in self.store.jobs([JobState.PENDING], user=self.settings.user) if not j.no_pack]
         pending, never = ready_jobs(self.store, pending)  # submit --dependency
+        now = self.clock()
+        pending = [j for j in pending if j.begin_time is None or j.begin_time <= now]  # submit --begin
         for job, why in never:
             self.store.transition_job(job.id, JobState.FAILED, why, expect=JobState.PENDING)
             stats.transitions += 1
@@ -547,7 +549,7 @@ class PackingService:
         request = PackingRequest(jobs=aged(demands, self.waited_rounds, cfg),
                                  gpu_models=tuple(self.site.gpu_models.values()), nodes=nodes,
                                  limits=limits_from_site(self.site), max_gpus=max(0, total - busy),
-                                 open_gpus=open_gpus, gang_joins=True)
+                                 open_gpus=open_gpus, gang_joins=True, fair=cfg.fair, now_s=self.clock())
         result = plan(request, self.policy, self.recovery.interference_params)  # refitted from samples
         self.waited_rounds.update(after_round(self.waited_rounds, result))
         for d in result.deferred:
@@ -604,8 +606,11 @@ class PackingService:
         steps = spec.get("steps") or 0
         samples = float(steps * int(spec.get("batch_size") or 0)) if steps else None
         est = job.estimate or {}
+        # --nice orders the user's own jobs (higher later); --begin starts its wait (issue 31)
         d = demand_from_estimate(est, job_id=job.id, user=job.user, submit_time_s=job.submit_time,
-                                 name=job.name, samples_to_train=samples)
+                                 priority=-float(job.nice or 0), name=job.name, samples_to_train=samples)
+        if job.begin_time is not None:
+            d = replace(d, eligible_s=job.begin_time)
         minutes = job_options(job).time_minutes
         if minutes is not None and minutes > 0:  # a joiner's own time limit must fit its pack's time left
             d = replace(d, time_limit_s=minutes * 60.0)

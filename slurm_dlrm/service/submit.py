@@ -159,6 +159,7 @@ def record(store: Any, subs: Sequence[Submission], user: str, spool_dir: Path | 
             ids.append(int(store.add_job(
                 user=user, name=s.name, spec=s.spec_data, spec_fingerprint=s.fingerprint,
                 estimate=est, gpu_model=s.gpu.name, sbatch=sbatch,
+                nice=s.options.nice or 0, begin_time=s.options.begin_time,
                 reason=f"submitted from {s.path}" + (f"; --dependency={dependency}" if dependency else ""))))
     if spool_dir is not None:
         from slurm_dlrm.service.spool import write_job_spec

@@ -48,6 +48,9 @@ class SimJob:
     # CPUs per rank as the job's. Empty scales: every rank as the job.
     world_size: int = 1
     rank_scales: tuple[float, ...] = ()
+    # When its wait began, if before `arrival_s` (None: its arrival): a job carried into a
+    # forward run from a snapshot (sim/start_estimate.py) keeps its wait so far.
+    submitted_s: float | None = None
 
     @property
     def scales(self) -> tuple[float, ...]:
