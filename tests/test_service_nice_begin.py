@@ -181,3 +181,58 @@ def test_the_users_nice_order_holds_in_the_service(world):
     svc.run_round()
     states = {i: store.get_job(i).state for i in ids}
     assert states == {ids[0]: JobState.PENDING, ids[1]: JobState.PENDING, ids[2]: JobState.PLANNED}
+
+
+# ---------------------------------------------------------------- queue: reason and --start
+
+def test_queue_says_why_a_job_waits_and_when_it_should_start(world):
+    from slurm_dlrm.service.queue import queue_rows
+    from slurm_dlrm.service.start_times import expected_start_times
+
+    svc, store, clock = world
+    est = add_job.__globals__["estimate_dict"]
+    spec = {"name": "j", "steps": 36_000, "batch_size": 5_000}  # 5000 x 36000 / 50000 per s = 1 h alone
+    first = store.add_job(user=USER, name="first", spec=spec, spec_fingerprint="a", estimate=est(gpu_gib=70.0),
+                          gpu_model="h100")
+    second = store.add_job(user=USER, name="second", spec=spec, spec_fingerprint="b", estimate=est(gpu_gib=70.0),
+                           gpu_model="h100")
+    later = store.add_job(user=USER, name="later", spec=spec, spec_fingerprint="c", estimate=est(),
+                          gpu_model="h100", begin_time=clock() + 7200)
+    original = svc.node_shapes
+
+    def one_gpu(partition):  # type: ignore[no-untyped-def]
+        from dataclasses import replace
+        return tuple(replace(s, gpus=1, count=1) for s in original(partition))[:1]
+
+    svc.node_shapes = one_gpu  # type: ignore[method-assign]
+    svc.run_round()
+    status = {**svc.status(), "running": True}
+    rows = {r["job_id"]: r for r in queue_rows(store, user=USER, service=status, now_s=clock())}
+    assert rows[first]["state"] == "PLANNED"
+    assert rows[second]["reason"] == "no room left this round"  # the policy's words
+    assert rows[later]["reason"].startswith("BeginTime: not before ")
+    # the forward run: `second` after `first` (1 h on the site's GPUs, which hold it),
+    # `later` not before its begin time
+    starts = expected_start_times(store, svc.site, USER, clock())
+    assert starts[later] >= clock() + 7200
+    assert set(starts) == {second, later}
+
+
+def test_queue_start_prints_start_time_for_waiting_jobs(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from slurm_dlrm.cli import cli
+
+    spec = str(_cli_site(tmp_path, monkeypatch))
+    run = CliRunner().invoke
+    assert run(cli, ["submit", "--no-service", spec]).exit_code == 0
+    assert run(cli, ["submit", "--no-service", "--begin", "now+2hours", spec]).exit_code == 0
+    r = run(cli, ["queue", "--start", "--no-slurm"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["JOBID", "NAME", "STATE", "START_TIME", "REASON"]
+    assert len(lines) == 3 and "BeginTime: not before" in lines[2]
+    r = run(cli, ["queue", "--start", "--no-slurm", "--json"])
+    import json
+    jobs = json.loads(r.stdout)["jobs"]
+    assert jobs[1]["start_epoch_s"] >= jobs[0]["start_epoch_s"] + 7000

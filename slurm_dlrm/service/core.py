@@ -119,6 +119,7 @@ class PackingService:
         self.slurm_error: str | None = None
         self.heartbeats: dict[int, float] = {}
         self.waited_rounds: dict[int, int] = {}
+        self.deferred_reasons: dict[int, str] = {}  # why the last round left each job waiting (queue)
         self.rounds = 0
         self._spool_ready = False
         self.last_dispatch_t: float | None = None
@@ -174,6 +175,8 @@ class PackingService:
             "slurm_retry_in_s": None if self.slurm_error is None else round(max(0.0, self.slurm_retry_at - now), 1),
             "next_dispatch_in_s": 0.0 if self.last_dispatch_t is None else
             round(max(0.0, self.last_dispatch_t + self.dispatch_window_s - now), 1),
+            # the policy's words for each waiting job (issue 31), the 1000 newest
+            "deferred": {str(k): v for k, v in sorted(self.deferred_reasons.items())[-1000:]},
         }
 
     # ------------------------------------------------------------ Slurm availability
@@ -552,6 +555,9 @@ class PackingService:
                                  open_gpus=open_gpus, gang_joins=True, fair=cfg.fair, now_s=self.clock())
         result = plan(request, self.policy, self.recovery.interference_params)  # refitted from samples
         self.waited_rounds.update(after_round(self.waited_rounds, result))
+        for jid in result.placed_job_ids:
+            self.deferred_reasons.pop(jid, None)
+        self.deferred_reasons.update((d.job_id, d.reason) for d in result.deferred)
         for d in result.deferred:
             if _never_fits(d.reason):
                 self.store.transition_job(d.job_id, JobState.FAILED, f"cannot run on this site: {d.reason}")

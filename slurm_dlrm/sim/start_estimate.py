@@ -28,7 +28,8 @@ def forward_workload(snapshot: Snapshot, jobs: dict[int, SimJob]) -> Workload:
 
     def as_known(job: SimJob, left_s: float, gpu_bytes: int) -> SimJob:
         left = max(1.0, left_s)
-        return replace(job, arrival_s=now, solo_duration_s=left, est_duration_s=left, gpu_mem_bytes=gpu_bytes,
+        # a job with a later --begin arrives then
+        return replace(job, arrival_s=max(now, job.arrival_s), solo_duration_s=left, est_duration_s=left, gpu_mem_bytes=gpu_bytes,
                        true_gpu_mem_bytes=gpu_bytes, true_sm_util_pct=job.sm_util_pct,
                        true_membw_util_pct=job.membw_util_pct, peak_at_frac=0.0)
 
@@ -37,7 +38,8 @@ def forward_workload(snapshot: Snapshot, jobs: dict[int, SimJob]) -> Workload:
     for jid, left, gpu_bytes in snapshot.pending:
         job = jobs[jid]
         waited_from = job.arrival_s if job.submitted_s is None else job.submitted_s
-        out.append(replace(as_known(job, left, gpu_bytes), submitted_s=waited_from))
+        out.append(replace(as_known(job, left, gpu_bytes), submitted_s=min(waited_from, now)))
+    out.sort(key=lambda j: (j.arrival_s, -j.priority, j.job_id))
     return Workload(name="forward", jobs=tuple(out))
 
 
