@@ -23,10 +23,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from slurm_dlrm.packing.common import OVERDUE_PRIORITY, URGENT_PRIORITY
+from slurm_dlrm.packing.common import OVERDUE_PRIORITY, URGENT_PRIORITY, drain_tail
 from slurm_dlrm.packing.model import FairConfig, JobDemand, OpenGpu, PackingRequest
 
 assert OVERDUE_PRIORITY * 100 <= URGENT_PRIORITY
+TAIL_FACTOR = 0.25  # as refill's and complementary's `_TAIL_FACTOR`
 
 
 def wait_s(job: JobDemand, now_s: float) -> float:
@@ -157,6 +158,13 @@ def apply_fairness(request: PackingRequest) -> tuple[PackingRequest, GangHold | 
     if cfg is None or now is None:
         return request, None, None
     jobs = tuple(replace(j, priority=fair_priority(j, now, cfg)) for j in request.jobs)
+    if cfg.tail_in_band:
+        # The drain tail (jobs that would end last if started late, `drain_tail`) joins the
+        # band at its top: otherwise the most overdue short jobs would push the longest
+        # ones to the end of a backlog, where they run alone and cost throughput.
+        tail = drain_tail(request, TAIL_FACTOR)
+        jobs = tuple(replace(j, priority=OVERDUE_PRIORITY + j.priority + 0.95)
+                     if j.job_id in tail and j.priority < OVERDUE_PRIORITY / 2 else j for j in jobs)
     request = replace(request, jobs=jobs)
     bound = gang_reserve_bound(jobs, now, cfg)
     gangs = sorted((j for j in jobs if j.is_gang and is_overdue(j, now, cfg, bound)),

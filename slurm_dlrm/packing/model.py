@@ -173,6 +173,7 @@ class FairConfig:
     min_wait_s: float = 600.0  # nobody is overdue before waiting this long
     unknown_duration_s: float = 3600.0  # a job of unknown length counts as this long
     backfill_speed: float = 0.8  # a backfilled job must end by the reservation at this speed
+    tail_in_band: bool = False  # measured worse (docs/packing.md); True: the drain tail goes first in the overdue band (fairness.apply_fairness)
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,9 @@ _TAIL_FACTOR = 0.25
 # Switches for benchmarks/bound_ablation.py (what each mechanism contributes).
 _PRICED = True
 _RESERVE = True
+# Overdue single-GPU jobs join through the priced fill, first in its order (True), or
+# each onto the GPU it adds most to, ahead of it (False: measured worse, docs/packing.md).
+_PRICED_OVERDUE = True
 
 
 def _join_key(job: JobDemand) -> tuple[float, bool, float, float, int]:
@@ -240,6 +243,8 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
             if request.gang_joins:
                 _join_gangs(open_pgs, [job], placed, limits, params, policy == "complementary", set())
             continue
+        if _PRICED_OVERDUE:
+            continue  # they lead the queue the priced fill scans (`_fill_by_gain`)
         target = _best_gain_gpu(open_pgs, job, limits, params)
         if target is not None:
             _join(target, job, limits)
