@@ -159,3 +159,24 @@ def test_a_gang_behind_a_stream_of_one_gpu_jobs_starts_within_its_bound(policy: 
     assert before > 10  # refill kept both GPUs busy until the stream ended
     # reserved at slowdown 2, started once the packs it waits for drained (<= 1 h more)
     assert after <= 4.5
+
+
+# ---------------------------------------------------------------- queue --start's forward run
+
+def test_expected_starts_from_a_snapshot_match_the_run_when_estimates_are_right():
+    from slurm_dlrm.sim.start_estimate import expected_starts, within_share
+
+    c = parse_cluster({**CLUSTER, "nodes": [{"name": "n", "gpu_model": "h100", "gpus": 1, "cpus": 64,
+                                            "memory_gib": 512}]})
+    big = {"sm_util_pct": 10, "membw_util_pct": 10, "gpu_mem_gib": 60, "host_mem_gib": 4, "host_cpu_cores": 2}
+    jobs = [{"name": f"j{i}", "arrival_s": 0.0, "solo_duration_s": 1000.0 * (i + 1), "profile": big}
+            for i in range(4)]  # one at a time: each waits for the ones before it
+    w = parse_workload({"name": "w", "jobs": jobs}, {g.name: g for g in c.gpu_models})
+    r = simulate(w, c, "complementary", snapshot_at_s=(500.0,))
+    (snap,) = r.snapshots
+    assert len(snap.running) == 1 and len(snap.pending) == 3
+    pred = expected_starts(snap, {j.job_id: j for j in w.jobs}, c, "complementary")
+    actual = {o.job_id: o.start_s for o in r.jobs if o.job_id in pred}
+    assert set(pred) == {jid for jid, _, _ in snap.pending}
+    assert sorted(pred, key=pred.__getitem__) == sorted(actual, key=actual.__getitem__)
+    assert within_share(pred, actual, snap.now_s) == (3, 3)  # type: ignore[arg-type]

@@ -62,6 +62,7 @@ from slurm_dlrm.site import MIB
 _ARRIVAL, _TICK, _PACK_START, _MEMBER_READY = 0, 1, 2, 3
 _NODE_FAIL, _NODE_BACK, _OBSERVE = 4, 5, 6  # only with `faults` (sim/faults.py)
 _RESUBMIT = 7  # a user resubmits a failed job (retry.user_resubmits)
+_SNAPSHOT = 8  # snapshot_at_s: the loop stops there to record one
 _EPS = 1e-9
 
 
@@ -152,6 +153,7 @@ class Snapshot:
     now_s: float
     pending: tuple[tuple[int, float, int], ...]  # (job id, expected run left s, estimated GPU bytes)
     running: tuple[tuple[int, float, int], ...]  # likewise, for jobs on GPUs now
+    memory_margin_pct: float | None = None  # the fences' margin then (None: the cluster's)
 
 
 @dataclass(frozen=True)
@@ -292,6 +294,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
 
     for j in workload.jobs:
         push(j.arrival_s, _ARRIVAL, j.job_id)
+    for t in snapshot_at_s:
+        push((workload.jobs[0].arrival_s if workload.jobs else 0.0) + t, _SNAPSHOT, None)
 
     pending: dict[int, JobDemand] = {}
     waited: dict[int, int] = {}
@@ -575,7 +579,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                         running.setdefault(m.job.job_id, (m.job.job_id, est_left_s(m), est_mem[m.job.job_id]))
         waiting = tuple((jid, d.est_duration_s if d.est_duration_s is not None else jobs[jid].solo_duration_s,
                          d.gpu_mem_bytes) for jid, d in sorted(pending.items()))
-        return Snapshot(now, waiting, tuple(running[k] for k in sorted(running)))
+        return Snapshot(now, waiting, tuple(running[k] for k in sorted(running)), round_limits().memory_margin_pct)
 
     def placed(jid: int) -> None:
         # The first member of a job placed this round leaves the queue (a gang has several).
@@ -759,6 +763,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             elif kind == _RESUBMIT:
                 assert isinstance(payload, int)
                 requeue(payload)
+            elif kind == _SNAPSHOT:
+                pass  # recorded below, once this instant's events are handled
             elif kind == _TICK:
                 tick_at = None
             elif kind == _PACK_START:

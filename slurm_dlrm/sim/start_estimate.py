@@ -50,7 +50,10 @@ def expected_starts(snapshot: Snapshot, jobs: dict[int, SimJob], cluster: SimClu
     if not snapshot.pending:
         return {}
     waiting = {jid for jid, _, _ in snapshot.pending}
-    result = simulate(forward_workload(snapshot, jobs), cluster, policy, fairness=fairness)
+    if snapshot.memory_margin_pct is not None:  # fences as wide as they are now (learned from errors seen)
+        cluster = replace(cluster, limits=replace(cluster.limits, memory_margin_pct=snapshot.memory_margin_pct))
+    result = simulate(forward_workload(snapshot, jobs), cluster, policy, fairness=fairness,
+                      margin_from_errors=False)
     return {o.job_id: o.start_s for o in result.jobs if o.job_id in waiting and o.start_s is not None}
 
 
