@@ -180,3 +180,17 @@ def test_expected_starts_from_a_snapshot_match_the_run_when_estimates_are_right(
     assert set(pred) == {jid for jid, _, _ in snap.pending}
     assert sorted(pred, key=pred.__getitem__) == sorted(actual, key=actual.__getitem__)
     assert within_share(pred, actual, snap.now_s) == (3, 3)  # type: ignore[arg-type]
+
+
+def test_the_rule_is_a_site_and_cluster_key(tmp_path):
+    from service_harness import make_site
+
+    from slurm_dlrm.errors import BadInput
+    from slurm_dlrm.packing.dispatch import DispatchConfig
+
+    assert DispatchConfig.from_site(make_site(tmp_path)).fair is None  # default: round-based aging
+    assert DispatchConfig.from_site(make_site(tmp_path, fairness="slowdown")).fair == FairConfig()
+    assert parse_cluster(CLUSTER).dispatch.fairness == "rounds"
+    assert parse_cluster({**CLUSTER, "packing": {"fairness": "slowdown"}}).dispatch.fairness == "slowdown"
+    with pytest.raises(BadInput, match="fairness"):
+        parse_cluster({**CLUSTER, "packing": {"fairness": "fifo"}})

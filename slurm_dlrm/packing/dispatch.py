@@ -31,10 +31,10 @@ class DispatchConfig:
     round_batch_size: int = 16
     max_wait_rounds: int = 30
     age_weight: float = 1.0  # priority added per age band
-    # "slowdown" (issue 31): the slowdown bound of slurm_dlrm.packing.fairness orders the
-    # queue and reserves GPUs for waiting gangs; round-based aging is off. "rounds": the
-    # rule before it (aging by passed-over rounds alone), kept to compare.
-    fairness: str = "slowdown"
+    # "rounds" (the default): aging by passed-over rounds. "slowdown" (issue 31): the
+    # slowdown bound of slurm_dlrm.packing.fairness orders the queue and reserves GPUs for
+    # waiting gangs; round-based aging is off (docs/packing.md: what each costs).
+    fairness: str = "rounds"
     fair_config: FairConfig = FairConfig()
 
     @property
@@ -45,7 +45,7 @@ class DispatchConfig:
     def from_site(cls, site: SiteConfig) -> DispatchConfig:
         p = site.packing
         return cls(round_seconds=p.round_seconds, round_batch_size=p.round_batch_size, max_wait_rounds=p.max_wait_rounds,
-                   fairness=getattr(p, "fairness", "slowdown"))
+                   fairness=p.fairness)
 
     @property
     def fair(self) -> FairConfig | None:

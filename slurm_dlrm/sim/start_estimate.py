@@ -44,16 +44,28 @@ def forward_workload(snapshot: Snapshot, jobs: dict[int, SimJob]) -> Workload:
 
 
 def expected_starts(snapshot: Snapshot, jobs: dict[int, SimJob], cluster: SimCluster, policy: str,
-                    fairness: str | None = None) -> dict[int, float]:
+                    fairness: str | None = None, repeat_recent_s: float = 0.0) -> dict[int, float]:
     """Job id -> expected start (the time a plan places it) for every waiting job of the
-    snapshot that the forward run places."""
+    snapshot that the forward run places. `repeat_recent_s` > 0: the jobs submitted in
+    that long before the snapshot are assumed to come again as long after it (the
+    stream goes on at its recent pace), so later jobs that would overtake are counted."""
     if not snapshot.pending:
         return {}
     waiting = {jid for jid, _, _ in snapshot.pending}
+    workload = forward_workload(snapshot, jobs)
+    if repeat_recent_s > 0:
+        top = max(jobs) + 1
+        again = [replace(j, job_id=top + k, arrival_s=j.arrival_s + repeat_recent_s, submitted_s=None,
+                         true_gpu_mem_bytes=j.gpu_mem_bytes, true_sm_util_pct=j.sm_util_pct,
+                         true_membw_util_pct=j.membw_util_pct,
+                         solo_duration_s=j.est_duration_s or j.solo_duration_s, peak_at_frac=0.0)
+                 for k, j in enumerate(sorted(jobs.values(), key=lambda j: j.job_id))
+                 if snapshot.now_s - repeat_recent_s < j.arrival_s <= snapshot.now_s]
+        workload = Workload(workload.name, tuple(sorted(workload.jobs + tuple(again),
+                                                        key=lambda j: (j.arrival_s, -j.priority, j.job_id))))
     if snapshot.memory_margin_pct is not None:  # fences as wide as they are now (learned from errors seen)
         cluster = replace(cluster, limits=replace(cluster.limits, memory_margin_pct=snapshot.memory_margin_pct))
-    result = simulate(forward_workload(snapshot, jobs), cluster, policy, fairness=fairness,
-                      margin_from_errors=False)
+    result = simulate(workload, cluster, policy, fairness=fairness, margin_from_errors=False)
     return {o.job_id: o.start_s for o in result.jobs if o.job_id in waiting and o.start_s is not None}
 
 
