@@ -34,7 +34,7 @@ SIM = ROOT / "benchmarks" / "sim"
 
 # (name, rule, FairConfig or None, overdue jobs through the priced fill)
 VARIANTS: tuple[tuple[str, str, FairConfig | None, bool], ...] = (
-    ("rounds (before; today)", "rounds", None, True),
+    ("rounds (the default rule; today)", "rounds", None, True),
     ("gang reservation alone", "slowdown", FairConfig(overdue_slowdown=1e6), True),
     ("bound 3, fixed gang point 2, best-gain", "slowdown", FairConfig(overdue_slowdown=3, gang_vs_single=0), False),
     ("bound 3, median gang point, best-gain", "slowdown", FairConfig(overdue_slowdown=3), False),
@@ -42,7 +42,7 @@ VARIANTS: tuple[tuple[str, str, FairConfig | None, bool], ...] = (
     ("bound 20, median gang point, best-gain", "slowdown", FairConfig(overdue_slowdown=20), False),
     ("bound 10, gang point 2 x median, best-gain", "slowdown", FairConfig(gang_vs_single=2), False),
     ("bound 10, tail atop the band, best-gain", "slowdown", FairConfig(tail_in_band=True), False),
-    ("bound 10, median gang point (default)", "slowdown", FairConfig(), True),
+    ("bound 10, median gang point (FairConfig())", "slowdown", FairConfig(), True),
 )
 
 
