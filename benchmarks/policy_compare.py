@@ -22,6 +22,13 @@ or 4 (rank 0 the fullest, the others 0.5-1.0 of it), placed as rank members all 
 none; line `multi: tput_vs_exclusive=X tput_vs_firstfit=X ooms=N done_pct=X`
 (complementary's), printed before the last line.
 
+Fairness (issue 31): on the multi run, complementary under the slowdown bound
+(`fairness="slowdown"`) against the default rule (round-based aging, "rounds"), and
+`queue --start`'s expected starts (sim/start_estimate.py, asked at 2, 6, 10 and 20 h)
+against the actual ones; line `fair: slowdown_p50_single=X slowdown_p50_multi=X
+slowdown_p99_all=X max_wait_h=X tput_vs_today=X start_estimate_within_25pct=X`.
+`--fair-only` runs just that (complementary on the multi run, a few minutes).
+
 Run:  /work/main/.venv/bin/python benchmarks/policy_compare.py [--dmem]
 Last line:  policy: tput_vs_exclusive_1gpu=X tput_vs_exclusive_4gpu=X share_of_bound_1gpu=X
             share_of_bound_4gpu=X tput_vs_firstfit=X jct_cut_vs_firstfit_pct=X ooms=N
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import random
 import sys
 import time
@@ -66,6 +74,7 @@ from slurm_dlrm.packing.interference import (  # noqa: E402
 )
 from slurm_dlrm.packing.learned import fit_learned  # noqa: E402
 from slurm_dlrm.sim import (  # noqa: E402
+    SimResult,
     Workload,
     comparison_table,
     ideal_throughput_bounds_jobs_per_h,
@@ -75,6 +84,7 @@ from slurm_dlrm.sim import (  # noqa: E402
     simulate,
     workload_summary,
 )
+from slurm_dlrm.sim.start_estimate import expected_starts, within_share  # noqa: E402
 from slurm_dlrm.sim.truth import SyntheticColocation  # noqa: E402
 
 SIM = ROOT / "benchmarks" / "sim"
@@ -130,7 +140,8 @@ def robustness() -> tuple[float, int]:
 def run(cluster_file: str, scale: int, mem_noise_pct: float | None = None,
         policies: tuple[str, ...] = POLICY_NAMES, user_resubmits: int | None = None,
         truth: InterferenceParams | None = None, plan_params: InterferenceParams | None = None,
-        plan_fit: bool = False, dmem: bool = False, multi_gpu_share: float = 0.0) -> dict[str, object]:
+        plan_fit: bool = False, dmem: bool = False, multi_gpu_share: float = 0.0,
+        snapshot_at_s: tuple[float, ...] = ()) -> dict[str, object]:
     cluster_data = yaml.safe_load((SIM / cluster_file).read_text())
     if user_resubmits is not None:
         cluster_data["retry"]["user_resubmits"] = user_resubmits
@@ -150,7 +161,7 @@ def run(cluster_file: str, scale: int, mem_noise_pct: float | None = None,
     for policy in policies:
         t0 = time.perf_counter()
         results[policy] = simulate(workload, cluster, policy, true_params=truth, plan_params=plan_params,
-                                   dmem=dmem)
+                                   dmem=dmem, snapshot_at_s=snapshot_at_s)
         print(f"  simulated {policy} on {cluster.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return {"cluster": cluster, "workload": workload, "results": results,
             "ideal": ideal_throughput_jobs_per_h(workload, cluster)}
@@ -190,10 +201,75 @@ def show_dmem(cases: list[tuple[str, dict[str, object], dict[str, object]]]) -> 
                   f"{a.ooms:>6d} {b.ooms:>6d} {b.evictions:>5d}")
 
 
+def pct(values: list[float], q: float) -> float:
+    """Nearest-rank percentile."""
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))] if v else 0.0
+
+
+# Moments (h after the first arrival) at which `queue --start` is asked in the multi run.
+START_ASKED_H = (2.0, 6.0, 10.0, 20.0)
+
+
+def fairness(multi: dict[str, object]) -> None:
+    """Issue 31: the slowdown bound against the rule before it ("rounds") on the multi
+    run, per-job slowdown (JCT / solo run), waits, and queue --start's accuracy."""
+    w, cluster = multi["workload"], multi["cluster"]
+    today = multi["results"]["complementary"]  # type: ignore[index]  (the default rule: "rounds")
+    t0 = time.perf_counter()
+    fair = simulate(w, cluster, "complementary", fairness="slowdown",  # type: ignore[arg-type]
+                    snapshot_at_s=tuple(h * 3600 for h in START_ASKED_H))
+    print(f"  simulated complementary under the slowdown bound in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    world = {j.job_id: j.world_size for j in w.jobs}  # type: ignore[attr-defined]
+
+    def figures(r: SimResult) -> dict[str, float]:
+        sd = {o.job_id: (o.end_s - o.arrival_s) / o.solo_duration_s for o in r.completed if o.end_s is not None}
+        waits = [(o.start_s - o.arrival_s) / 3600 for o in r.jobs if o.start_s is not None]
+        return {"tput": r.throughput_jobs_per_h,
+                "p50_single": pct([v for k, v in sd.items() if world[k] == 1], 0.5),
+                "p50_multi": pct([v for k, v in sd.items() if world[k] > 1], 0.5),
+                "p99_all": pct(list(sd.values()), 0.99), "max_wait_h": max(waits, default=0.0)}
+
+    a, b = figures(today), figures(fair)
+    print("\n== fairness (issue 31): complementary on the multi run, per-job slowdown = JCT / solo run")
+    print(f"{'rule':<34} {'tput/h':>7} {'p50 1-GPU':>9} {'p50 multi':>9} {'p99 all':>8} {'max wait h':>10}")
+    for name, f in (("rounds (default; tput_vs_today=1)", a), ("slowdown bound (fairness=slowdown)", b)):
+        print(f"{name:<34} {f['tput']:>7.2f} {f['p50_single']:>9.2f} {f['p50_multi']:>9.2f} {f['p99_all']:>8.2f} "
+              f"{f['max_wait_h']:>10.1f}")
+    jobs = {j.job_id: j for j in w.jobs}  # type: ignore[attr-defined]
+    shares = {}
+    for rule, r in (("rounds", today), ("slowdown", fair)):
+        actual = {o.job_id: o.start_s for o in r.jobs if o.start_s is not None}
+        ok = n = 0
+        for snap in r.snapshots:
+            t0 = time.perf_counter()
+            pred = expected_starts(snap, jobs, cluster, "complementary", fairness=rule)  # type: ignore[arg-type]
+            got = {jid: actual[jid] for jid, _, _ in snap.pending if jid in actual}
+            k, m = within_share(pred, got, snap.now_s)
+            ok, n = ok + k, n + m
+            print(f"queue --start ({rule}) at {(snap.now_s - r.first_arrival_s) / 3600:.0f} h: {len(snap.pending)} "
+                  f"waiting, {k} of {m} expected starts within 25% of the actual wait "
+                  f"({time.perf_counter() - t0:.1f} s)")
+        shares[rule] = 100 * ok / max(1, n)
+    print(f"queue --start within 25%: {shares['rounds']:.1f}% under the default rule, {shares['slowdown']:.1f}% "
+          f"under the bound (the fair: line's)")
+    print(f"fair: slowdown_p50_single={b['p50_single']:.2f} slowdown_p50_multi={b['p50_multi']:.2f} "
+          f"slowdown_p99_all={b['p99_all']:.2f} max_wait_h={b['max_wait_h']:.1f} "
+          f"tput_vs_today={b['tput'] / a['tput']:.3f} start_estimate_within_25pct={shares['slowdown']:.1f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dmem", action="store_true", help="also run the fenced policies with cgroup dmem fences")
+    ap.add_argument("--fair-only", action="store_true",
+                    help="only the multi run and its fair: line (issue 31; a few minutes instead of the whole run)")
     args = ap.parse_args()
+    if args.fair_only:
+        multi = run("cluster_4gpu.yaml", 4, multi_gpu_share=0.25, policies=("complementary",),
+                    snapshot_at_s=tuple(h * 3600 for h in START_ASKED_H))
+        fairness(multi)
+        return
     one = run("cluster_1gpu.yaml", 1)
     four = run("cluster_4gpu.yaml", 4)
     show("1 GPU", one)
@@ -239,7 +315,7 @@ def main() -> None:
     robust_min, robust_ooms = robustness()
     print(f"robust: min_tput_vs_firstfit={robust_min:.2f} ooms={robust_ooms}")
     # Issue 18: the 4-GPU mix with 25% of the jobs on 2 or 4 GPUs (ranks fenced one per GPU).
-    multi = run("cluster_4gpu.yaml", 4, multi_gpu_share=0.25)
+    multi = run("cluster_4gpu.yaml", 4, multi_gpu_share=0.25, snapshot_at_s=tuple(h * 3600 for h in START_ASKED_H))
     show("4 GPUs, 25% of jobs with 2 or 4 ranks (multi-GPU, issue 18)", multi)
     mc = multi["results"]["complementary"]  # type: ignore[index]
     gangs = sum(1 for j in multi["workload"].jobs if j.world_size > 1)  # type: ignore[attr-defined]
@@ -256,6 +332,7 @@ def main() -> None:
     print(f"multi: tput_vs_exclusive={tput(multi, 'complementary') / tput(multi, 'exclusive'):.2f} "
           f"tput_vs_firstfit={tput(multi, 'complementary') / tput(multi, 'first-fit'):.2f} "
           f"ooms={mc.ooms} done_pct={100 * mc.completion_rate:.1f}")
+    fairness(multi)
     done = min(one["results"]["complementary"].completion_rate, four["results"]["complementary"].completion_rate)  # type: ignore[index]
     nz = noisy["results"]["complementary"]  # type: ignore[index]
     nz_share = nz.throughput_jobs_per_h / noisy["ideal"]  # type: ignore[operator]

@@ -186,6 +186,9 @@ class PackingConfig:
     # A refilling pack's reserve, % of its members' CPUs / host memory; None ("share"):
     # its GPUs' whole share of the node.
     refill_headroom_pct: float | None = 100.0
+    # "rounds": round-based aging (the default: the most throughput, but gangs wait);
+    # "slowdown": the slowdown bound of issue 31 (docs/packing.md "Every job gets its turn").
+    fairness: str = "rounds"
 
 
 @dataclass(frozen=True)
@@ -567,6 +570,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         round_batch_size=k.get("round_batch_size", int, 16, min_value=1),
         max_wait_rounds=k.get("max_wait_rounds", int, 30, min_value=1),
         refill_headroom_pct=_headroom_pct(k),
+        fairness=k.get("fairness", str, "rounds", choices=("rounds", "slowdown")),
     )
     k.done()
     if packing.max_members_per_gpu > mps.client_limit:

@@ -264,7 +264,7 @@ def test_completion_scripts_complete_job_ids_and_columns(env):
 
     assert complete("slurm-dlrm show ", 2) == [str(b), str(a)]
     assert complete("slurm-dlrm cancel ", 2) == [str(b), str(a)]
-    assert complete("slurm-dlrm queue -o JOBID,ST", 3) == ["JOBID,STATE"]
+    assert complete("slurm-dlrm queue -o JOBID,ST", 3) == ["JOBID,STATE", "JOBID,START_TIME"]  # START_TIME: with --start
     assert "requeue" in complete("slurm-dlrm re", 1)
 
 

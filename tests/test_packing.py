@@ -293,7 +293,7 @@ def test_waited_rounds_count_only_rounds_that_placed_something():
 
 
 def test_urgent_job_holds_the_room_it_waits_for():
-    cfg = DispatchConfig(max_wait_rounds=3)
+    cfg = DispatchConfig(max_wait_rounds=3, fairness="rounds")
     big = job(1, cpus=16)
     small = [job(10 + i, cpus=2) for i in range(5)]
     free_now = (NodeShape("h100", 1, 10, 512 * GIB, name="n"),)  # 10 CPUs free: big must wait

@@ -315,3 +315,16 @@ def test_no_copy_yet_says_so(other_host):
 
 def test_dropbox_module_has_no_store_import():
     assert "slurm_dlrm.store.store" not in open(dropbox.__file__).read()
+
+
+def test_a_submit_from_another_host_keeps_nice_and_begin(env):
+    """--nice/--begin (issue 31) travel in the request's rows; a bad one refuses the request."""
+    site, store_dir, store = env
+    write_request(store_dir, "submit", {"rows": [dict(row("a"), nice=50, begin_time=2.0e9)]}, user=USER,
+                  host="login2")
+    assert ingest(site, store_dir, store).applied == 1
+    job = store.jobs()[0]
+    assert (job.nice, job.begin_time) == (50, 2.0e9)
+    write_request(store_dir, "submit", {"rows": [dict(row("b"), nice="-5")]}, user=USER, host="login2")
+    assert ingest(site, store_dir, store).applied == 0
+    assert len(store.jobs()) == 1 and any("nice must be a number" in r for r in reasons(store))

@@ -120,23 +120,35 @@ def complete_job_ids(ctx: click.Context, param: click.Parameter, incomplete: str
               help="Columns: JOBID,NAME,STATE,PACK,SLURMID,NODE,GPU,MPS%,GPU_MiB,TRY,REASON (any case).")
 @click.option("--noheader", is_flag=True, help="No header line (like squeue -h).")
 @click.option("--no-slurm", is_flag=True, help="Do not ask Slurm for the reasons queued packs wait.")
+@click.option("--start", "start", is_flag=True,
+              help="Waiting jobs and their expected start (START_TIME), like squeue --start: the simulator "
+                   "run forward from the current state (running jobs' time left, the queue, --nice, --begin).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 @site_option
 def queue(include_ended: bool, jobs: str | None, states: str | None, names: str | None, users: str | None,
-          me: bool, fmt: str | None, noheader: bool, no_slurm: bool, as_json: bool, site_path: str | None) -> None:
+          me: bool, fmt: str | None, noheader: bool, no_slurm: bool, start: bool, as_json: bool,
+          site_path: str | None) -> None:
     """List your DLRM jobs, like squeue: pack, node, GPU, MPS share, state, reason.
 
-    A job's REASON says what it waits for: a dispatch round, Slurm (when slurmctld
+    A job's REASON says what it waits for: its --begin time, the policy's reason from
+    the last dispatch round (no free GPU, GPUs reserved for a waiting multi-GPU job,
+    room held for a job that waited longest), a dispatch round, Slurm (when slurmctld
     cannot be reached the service retries with back-off), its pack's Slurm reason,
     or why it ended.
 
     \b
     Example:
       slurm-dlrm queue
+      slurm-dlrm queue --start
       slurm-dlrm queue --me -t PD,R -o JOBID,NAME,STATE,REASON
       slurm-dlrm queue --all --json
     """
-    from slurm_dlrm.service.queue import format_table, queue_rows, slurm_pending_reasons
+    from slurm_dlrm.service.queue import (
+        START_COLUMNS,
+        format_table,
+        queue_rows,
+        slurm_pending_reasons,
+    )
     from slurm_dlrm.store.states import JOB_TERMINAL
 
     site, user, service = _context(site_path)
@@ -158,6 +170,10 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, names: str 
                 reasons = slurm_pending_reasons(SlurmClient(timeout_s=10.0), user)
             rows = queue_rows(store, user=user, service=service, include_ended=include_ended,
                               slurm_reasons=reasons)
+            if start:
+                rows = with_start_times(store, site, user, [r for r in rows if r["state"] == "PENDING"])
+                if fmt is None:
+                    columns = list(START_COLUMNS)
     rows = [r for r in rows if (wanted["job_ids"] is None or r["job_id"] in wanted["job_ids"])
             and (wanted["states"] is None or r["state"] in wanted["states"])
             and (wanted["names"] is None or r["name"] in wanted["names"])]
@@ -175,6 +191,21 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, names: str 
     table = format_table(rows, columns)
     click.echo(table.split("\n", 1)[1] if noheader and "\n" in table else "" if noheader else table,
                nl=bool(rows) or not noheader)
+
+
+def with_start_times(store: Any, site: Any, user: str, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows with START_TIME: the expected start in local time (N/A: the forward run
+    did not place it)."""
+    from slurm_dlrm.service.start_times import expected_start_times
+
+    now = time.time()
+    starts = expected_start_times(store, site, user, now)
+    out = []
+    for r in rows:
+        t = starts.get(r["job_id"])
+        out.append({**r, "start_time": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(max(t, now)))
+                    if t is not None else "N/A", "start_epoch_s": t})
+    return out
 
 
 def job_files(spool_dir: Any, job_id: int, tail: int) -> dict[str, Any]:

@@ -24,12 +24,18 @@ _SBATCH_OPTIONS = (
     ("mail_user", ("--mail-user",), "ADDRESS", "Where Slurm sends mail."),
     ("output", ("-o", "--output"), "PATTERN", "Batch output of the pack (sbatch patterns like %j)."),
     ("error", ("-e", "--error"), "PATTERN", "Batch error output of the pack."),
+    ("begin_time", ("-b", "--begin"), "TIME",
+     "Start no sooner than TIME, as sbatch: now+1hour, 16:00, 2026-12-24T08:00, tomorrow (docs/service.md)."),
 )
 
 
 def sbatch_option_decorators(fn: Any) -> Any:
     for attr, names, metavar, help_text in reversed(_SBATCH_OPTIONS):
         fn = click.option(*names, attr, metavar=metavar, default=None, help=help_text)(fn)
+    # sbatch --nice[=N]: a bare --nice lowers the priority by 100.
+    fn = click.option("--nice", "nice", metavar="[N]", default=None, is_flag=False, flag_value="100",
+                      help="Priority among your own jobs, as sbatch --nice: higher N goes later "
+                           "(0..2147483645; negative: root only; bare --nice: 100).")(fn)
     return fn
 
 

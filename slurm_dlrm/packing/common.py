@@ -39,7 +39,16 @@ POLICY_NAMES = ("exclusive", "first-fit", "mem-best-fit", "complementary")
 REFILL_POLICIES = ("mem-best-fit", "complementary")
 # A priority at or above this marks a job that waited past the age bound: nothing of
 # lower priority is admitted ahead of it (see slurm_dlrm.packing.dispatch).
-URGENT_PRIORITY = 1e9
+URGENT_PRIORITY = 1e15  # above any nice (|nice| < 2^31) and the overdue band (fairness.py)
+
+# The overdue band of the slowdown bound (slurm_dlrm.packing.fairness): above any base
+# priority a nice value gives (|nice| < 2^31), below the urgent band.
+OVERDUE_PRIORITY = 1e12
+
+
+def is_overdue_priority(priority: float) -> bool:
+    """In the overdue band (the band's base priorities spread it by +-2^31)."""
+    return OVERDUE_PRIORITY / 2 <= priority < URGENT_PRIORITY
 
 NO_FREE_GPU = "no free GPU this round"
 NO_ROOM = "no room left this round"

@@ -19,8 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from slurm_dlrm.packing.common import URGENT_PRIORITY
-from slurm_dlrm.packing.model import JobDemand, PackingPlan
+from slurm_dlrm.packing.model import FairConfig, JobDemand, PackingPlan
 from slurm_dlrm.site import SiteConfig
+
+FAIRNESS_RULES = ("slowdown", "rounds")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,11 @@ class DispatchConfig:
     round_batch_size: int = 16
     max_wait_rounds: int = 30
     age_weight: float = 1.0  # priority added per age band
+    # "rounds" (the default): aging by passed-over rounds. "slowdown" (issue 31): the
+    # slowdown bound of slurm_dlrm.packing.fairness orders the queue and reserves GPUs for
+    # waiting gangs; round-based aging is off (docs/packing.md: what each costs).
+    fairness: str = "rounds"
+    fair_config: FairConfig = FairConfig()
 
     @property
     def age_band_rounds(self) -> int:
@@ -37,7 +44,13 @@ class DispatchConfig:
     @classmethod
     def from_site(cls, site: SiteConfig) -> DispatchConfig:
         p = site.packing
-        return cls(round_seconds=p.round_seconds, round_batch_size=p.round_batch_size, max_wait_rounds=p.max_wait_rounds)
+        return cls(round_seconds=p.round_seconds, round_batch_size=p.round_batch_size, max_wait_rounds=p.max_wait_rounds,
+                   fairness=p.fairness)
+
+    @property
+    def fair(self) -> FairConfig | None:
+        """The request's slowdown bound (None under the "rounds" rule)."""
+        return self.fair_config if self.fairness == "slowdown" else None
 
 
 def should_run_round(now_s: float, last_round_s: float | None, pending: int, arrived_since_last: int,
@@ -64,7 +77,10 @@ def effective_priority(base_priority: float, waited_rounds: int, cfg: DispatchCo
 
 
 def aged(jobs: Sequence[JobDemand], waited_rounds: Mapping[int, int], cfg: DispatchConfig) -> tuple[JobDemand, ...]:
-    """The jobs with their priority replaced by the effective (aged) priority."""
+    """The jobs with their priority replaced by the effective (aged) priority; under the
+    slowdown bound (`cfg.fairness`) unchanged: the policy applies the bound itself."""
+    if cfg.fairness == "slowdown":
+        return tuple(jobs)
     return tuple(replace(j, priority=effective_priority(j.priority, waited_rounds.get(j.job_id, 0), cfg))
                  for j in jobs)
 

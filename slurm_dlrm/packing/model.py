@@ -47,6 +47,9 @@ class JobDemand:
     world_size: int = 1
     ranks: tuple[RankDemand, ...] = ()
     rank: int = 0
+    # When it could first start: its --begin time if later than its submission, else
+    # None (= submit_time_s). Its wait, and so its slowdown, counts from here (`fairness`).
+    eligible_s: float | None = None
 
     @property
     def cpus(self) -> int:
@@ -154,6 +157,26 @@ class OpenGpu:
 
 
 @dataclass(frozen=True)
+class FairConfig:
+    """The slowdown bound (docs/packing.md "Every job gets its turn", slurm_dlrm.packing.fairness).
+
+    A pending job's slowdown if it started now is (wait + expected run) / expected run.
+    Past `overdue_slowdown` the job is *overdue*: it goes ahead of every job that is not
+    (within its user's nice), the most overdue first. A multi-GPU job past
+    `gang_reserve_slowdown` that no node can take now gets a reservation: the packs on
+    the node that frees its GPUs soonest take only joiners that end before then, and
+    that node's free GPUs only new packs that do (backfill)."""
+
+    overdue_slowdown: float = 10.0
+    gang_reserve_slowdown: float = 2.0
+    gang_vs_single: float = 1.0  # ... or this times the waiting one-GPU jobs' median slowdown, if higher
+    min_wait_s: float = 600.0  # nobody is overdue before waiting this long
+    unknown_duration_s: float = 3600.0  # a job of unknown length counts as this long
+    backfill_speed: float = 0.8  # a backfilled job must end by the reservation at this speed
+    tail_in_band: bool = False  # measured worse (docs/packing.md); True: the drain tail goes first in the overdue band (fairness.apply_fairness)
+
+
+@dataclass(frozen=True)
 class PackingRequest:
     jobs: tuple[JobDemand, ...]
     gpu_models: tuple[GpuModel, ...]
@@ -162,6 +185,10 @@ class PackingRequest:
     max_gpus: int | None = None  # GPUs this round may use in total (None: what nodes offer)
     open_gpus: tuple[OpenGpu, ...] = ()
     gang_joins: bool = True  # multi-GPU jobs may join running packs (refill); False: new packs only
+    # The slowdown bound (None: off, as before issue 31: round-based aging only); it
+    # needs `now_s`, the round's time on the clock of the jobs' submit_time_s.
+    fair: FairConfig | None = None
+    now_s: float | None = None
 
     def gpu_model(self, name: str) -> GpuModel:
         for g in self.gpu_models:

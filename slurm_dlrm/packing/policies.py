@@ -30,6 +30,7 @@ from slurm_dlrm.packing.common import (
 )
 from slurm_dlrm.packing.complementary import plan_complementary
 from slurm_dlrm.packing.exclusive import plan_exclusive
+from slurm_dlrm.packing.fairness import apply_fairness, backfill_jobs
 from slurm_dlrm.packing.first_fit import plan_first_fit
 from slurm_dlrm.packing.interference import (
     DEFAULT_PARAMS,
@@ -37,6 +38,7 @@ from slurm_dlrm.packing.interference import (
 )
 from slurm_dlrm.packing.mem_best_fit import plan_mem_best_fit
 from slurm_dlrm.packing.model import (
+    Deferred,
     PackingPlan,
     PackingRequest,
 )
@@ -59,6 +61,38 @@ def plan(request: PackingRequest, policy: str = "complementary", params: Interfe
     if len(set(ids)) != len(ids):
         raise BadInput("jobs: job ids must be unique")
     params = params or DEFAULT_PARAMS
+    if request.fair is not None and request.now_s is not None:
+        return _plan_fair(request, fn, policy, params)
+    return _plan(request, fn, policy, params)
+
+
+def _plan_fair(request: PackingRequest, fn: Callable[[PackingRequest, InterferenceParams], PackingPlan],
+               policy: str, params: InterferenceParams) -> PackingPlan:
+    """The slowdown bound (slurm_dlrm.packing.fairness): overdue jobs first, and a
+    reservation for the most overdue multi-GPU job nothing can take now; the held
+    node's free GPUs then take only jobs that end before it (backfill)."""
+    main, hold, backfill = apply_fairness(request)
+    result = _plan(main, fn, policy, params)
+    if hold is None:
+        return result
+    packs, joins = result.packs, result.joins
+    deferred = {d.job_id: d for d in result.deferred}
+    assert main.fair is not None
+    if backfill is not None:
+        short = backfill_jobs(tuple(j for j in main.jobs if j.job_id in deferred and not deferred[j.job_id].permanent),
+                              hold, main.fair)
+        if short:
+            extra = _plan(replace(backfill, jobs=short), fn, policy, params)
+            packs += extra.packs
+            for jid in extra.placed_job_ids:
+                deferred.pop(jid, None)
+    if hold.job_id in deferred:
+        deferred[hold.job_id] = Deferred(hold.job_id, hold.reason)
+    return PackingPlan(result.policy, packs, tuple(sorted(deferred.values(), key=lambda d: d.job_id)), joins)
+
+
+def _plan(request: PackingRequest, fn: Callable[[PackingRequest, InterferenceParams], PackingPlan],
+          policy: str, params: InterferenceParams) -> PackingPlan:
     if policy not in REFILL_POLICIES or not any(o.pack for o in request.open_gpus):
         return fn(request, params)
     # Refill first (docs/packing.md "Refilling running packs"); the rest of the queue goes

@@ -13,6 +13,7 @@ from slurm_dlrm.packing.common import (
     Node,
     drain_tail,
     host_fits,
+    is_overdue_priority,
     order_key,
     rank_load,
     thread_pcts,
@@ -20,6 +21,7 @@ from slurm_dlrm.packing.common import (
 from slurm_dlrm.packing.common import (
     tail_first as _tail_first,
 )
+from slurm_dlrm.packing.fairness import gang_reserve_bound, is_overdue
 from slurm_dlrm.packing.interference import (
     InterferenceParams,
     predict_speeds_from_fractions,
@@ -51,6 +53,9 @@ _TAIL_FACTOR = 0.25
 # Switches for benchmarks/bound_ablation.py (what each mechanism contributes).
 _PRICED = True
 _RESERVE = True
+# Overdue single-GPU jobs join through the priced fill, first in its order (True), or
+# each onto the GPU it adds most to, ahead of it (False: measured worse, docs/packing.md).
+_PRICED_OVERDUE = True
 
 
 def _join_key(job: JobDemand) -> tuple[float, bool, float, float, int]:
@@ -207,16 +212,53 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
         return bool(held) and job.priority < held[0].priority
 
     placed: set[int] = set()
-    # Multi-GPU jobs first, all ranks or none (docs/packing.md "Multi-GPU jobs").
+    # Overdue jobs (the slowdown bound, slurm_dlrm.packing.fairness) join first, in
+    # their order, gangs and single-GPU jobs alike: otherwise the gang pass below, and
+    # then the gain-driven fill, would take the room ahead of them.
+    # A gang past the bound's reservation point that cannot join now reserves its W
+    # GPUs of one pack node first (`_reserve_for_gang`): they take no single-GPU joins
+    # and drain for it; the pack's other GPUs carry on.
     reserved: set[str] = set()
-    stuck = _join_gangs(pgs, [j for j in queue if j.is_gang] if request.gang_joins else [], placed, limits, params,
-                        policy == "complementary", reserved)
+    fair, now = request.fair, request.now_s
+    backfill = False
+    if fair is not None and now is not None and request.gang_joins:
+        reserve_at = gang_reserve_bound(request.jobs, now, fair)
+        for job in queue:
+            if job.is_gang and is_overdue(job, now, fair, reserve_at):
+                _join_gangs(pgs, [job], placed, limits, params, policy == "complementary", reserved)
+                if reserved:
+                    break
+        # EASY backfill on the reserved GPUs: a joiner must end before their live
+        # members do (their time left is capped there; `_times_fit`).
+        for pg in pgs:
+            if pg.key in reserved:
+                rest = max((j.est_duration_s if j.est_duration_s is not None else math.inf for j in pg.live), default=0.0)
+                pg.remaining_s = min(rest, pg.remaining_s if pg.remaining_s is not None else math.inf)
+        reserved = {pg.key for pg in pgs if pg.key in reserved and pg.remaining_s == math.inf}
+        backfill = True
+    open_pgs = [pg for pg in pgs if pg.key not in reserved]
+    overdue = [j for j in queue if is_overdue_priority(j.priority) and j.job_id not in placed]
+    for job in overdue:
+        if job.is_gang:
+            if request.gang_joins:
+                _join_gangs(open_pgs, [job], placed, limits, params, policy == "complementary", set())
+            continue
+        if _PRICED_OVERDUE:
+            continue  # they lead the queue the priced fill scans (`_fill_by_gain`)
+        target = _best_gain_gpu(open_pgs, job, limits, params)
+        if target is not None:
+            _join(target, job, limits)
+            placed.add(job.job_id)
+    # Multi-GPU jobs first, all ranks or none (docs/packing.md "Multi-GPU jobs").
+    stuck = _join_gangs(pgs, [j for j in queue if j.is_gang and j.job_id not in placed] if request.gang_joins else [],
+                        placed, limits, params, policy == "complementary", reserved)
     # Single-GPU jobs do not join the GPUs a waiting gang reserved.
     all_pgs = pgs
-    pgs = [pg for pg in pgs if pg.key not in reserved] if reserved else pgs
+    if not backfill:
+        pgs = [pg for pg in pgs if pg.key not in reserved] if reserved else pgs
     if stuck is not None:
         held.append(stuck)  # an urgent gang that cannot join holds the room (as an urgent single)
-    singles = [j for j in queue if not j.is_gang]
+    singles = [j for j in queue if not j.is_gang and j.job_id not in placed]
     if policy == "mem-best-fit":
         for job in singles:
             if held_back(job):
@@ -242,23 +284,15 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
         for job in singles:
             if job.priority < URGENT_PRIORITY:
                 break
-            best_gpu: _PackGpu | None = None
-            best_gain = -math.inf
-            for pg in pgs:
-                if not _join_fits(pg, job, limits):
-                    continue
-                members = pg.members + [job]
-                speeds = _join_speeds(members, params)
-                gain = sum(speeds) - (sum(_join_speeds(pg.members, params)) if pg.members else 0.0)
-                if gain > best_gain + 1e-12 and _times_fit(pg, members, speeds):
-                    best_gpu, best_gain = pg, gain
+            best_gpu = _best_gain_gpu(pgs, job, limits, params)
             if best_gpu is None:
                 held.append(job)
                 break
             _join(best_gpu, job, limits)
             placed.add(job.job_id)
         if not held and pgs:  # (a waiting gang may have reserved every pack GPU)
-            _fill_by_gain(pgs, singles, placed, limits, params, tail)
+            # An overdue job that fits nowhere gets the reservation a drain-tail job gets.
+            _fill_by_gain(pgs, singles, placed, limits, params, tail | {j.job_id for j in overdue})
     joins: list[Join] = []
     for pg in all_pgs:
         members = pg.members
@@ -273,6 +307,22 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
                     host_mem_limit_bytes=host_limit_bytes(j, limits), cpus=j.cpus,
                     predicted_speed=speed, rank=j.rank, world_size=j.world_size)))
     return joins, [j for j in queue if j.job_id not in placed]
+
+
+def _best_gain_gpu(pgs: list[_PackGpu], job: JobDemand, limits: PackingLimits,
+                   params: InterferenceParams) -> _PackGpu | None:
+    """The pack GPU where `job` fits and adds most predicted summed speed, or None."""
+    best_gpu: _PackGpu | None = None
+    best_gain = -math.inf
+    for pg in pgs:
+        if not _join_fits(pg, job, limits):
+            continue
+        members = pg.members + [job]
+        speeds = _join_speeds(members, params)
+        gain = sum(speeds) - (sum(_join_speeds(pg.members, params)) if pg.members else 0.0)
+        if gain > best_gain + 1e-12 and _times_fit(pg, members, speeds):
+            best_gpu, best_gain = pg, gain
+    return best_gpu
 
 
 def _join_gangs(pgs: list[_PackGpu], gangs: list[JobDemand], placed: set[int], limits: PackingLimits,

@@ -119,6 +119,7 @@ class PackingService:
         self.slurm_error: str | None = None
         self.heartbeats: dict[int, float] = {}
         self.waited_rounds: dict[int, int] = {}
+        self.deferred_reasons: dict[int, str] = {}  # why the last round left each job waiting (queue)
         self.rounds = 0
         self._spool_ready = False
         self.last_dispatch_t: float | None = None
@@ -174,6 +175,8 @@ class PackingService:
             "slurm_retry_in_s": None if self.slurm_error is None else round(max(0.0, self.slurm_retry_at - now), 1),
             "next_dispatch_in_s": 0.0 if self.last_dispatch_t is None else
             round(max(0.0, self.last_dispatch_t + self.dispatch_window_s - now), 1),
+            # the policy's words for each waiting job (issue 31), the 1000 newest
+            "deferred": {str(k): v for k, v in sorted(self.deferred_reasons.items())[-1000:]},
         }
 
     # ------------------------------------------------------------ Slurm availability
@@ -461,6 +464,8 @@ class PackingService:
         # a no-pack job is PENDING only until its own sbatch answers: never planned
         pending = [j for j in self.store.jobs([JobState.PENDING], user=self.settings.user) if not j.no_pack]
         pending, never = ready_jobs(self.store, pending)  # submit --dependency
+        now = self.clock()
+        pending = [j for j in pending if j.begin_time is None or j.begin_time <= now]  # submit --begin
         for job, why in never:
             self.store.transition_job(job.id, JobState.FAILED, why, expect=JobState.PENDING)
             stats.transitions += 1
@@ -547,9 +552,12 @@ class PackingService:
         request = PackingRequest(jobs=aged(demands, self.waited_rounds, cfg),
                                  gpu_models=tuple(self.site.gpu_models.values()), nodes=nodes,
                                  limits=limits_from_site(self.site), max_gpus=max(0, total - busy),
-                                 open_gpus=open_gpus, gang_joins=True)
+                                 open_gpus=open_gpus, gang_joins=True, fair=cfg.fair, now_s=self.clock())
         result = plan(request, self.policy, self.recovery.interference_params)  # refitted from samples
         self.waited_rounds.update(after_round(self.waited_rounds, result))
+        for jid in result.placed_job_ids:
+            self.deferred_reasons.pop(jid, None)
+        self.deferred_reasons.update((d.job_id, d.reason) for d in result.deferred)
         for d in result.deferred:
             if _never_fits(d.reason):
                 self.store.transition_job(d.job_id, JobState.FAILED, f"cannot run on this site: {d.reason}")
@@ -604,8 +612,11 @@ class PackingService:
         steps = spec.get("steps") or 0
         samples = float(steps * int(spec.get("batch_size") or 0)) if steps else None
         est = job.estimate or {}
+        # --nice orders the user's own jobs (higher later); --begin starts its wait (issue 31)
         d = demand_from_estimate(est, job_id=job.id, user=job.user, submit_time_s=job.submit_time,
-                                 name=job.name, samples_to_train=samples)
+                                 priority=-float(job.nice or 0), name=job.name, samples_to_train=samples)
+        if job.begin_time is not None:
+            d = replace(d, eligible_s=job.begin_time)
         minutes = job_options(job).time_minutes
         if minutes is not None and minutes > 0:  # a joiner's own time limit must fit its pack's time left
             d = replace(d, time_limit_s=minutes * 60.0)

@@ -18,7 +18,9 @@ QUEUE_COLUMNS = ("job_id", "name", "state", "pack", "slurm_job_id", "node", "gpu
                  "gpu_mem_mib", "attempt", "reason")
 HEADERS = {"job_id": "JOBID", "name": "NAME", "state": "STATE", "pack": "PACK", "slurm_job_id": "SLURMID",
            "node": "NODE", "gpu": "GPU", "mps_pct": "MPS%", "gpu_mem_mib": "GPU_MiB", "attempt": "TRY",
-           "reason": "REASON"}
+           "reason": "REASON", "start_time": "START_TIME"}
+# `queue --start`, as squeue --start: waiting jobs and when each is expected to start
+START_COLUMNS = ("job_id", "name", "state", "start_time", "reason")
 
 
 def pending_reason(service: dict[str, Any]) -> str:
@@ -42,10 +44,30 @@ def slurm_error_line(error: str | None, limit: int = 60) -> str:
     return short_reason(text, limit) or "no answer"
 
 
+def waiting_reason(job: Any, service: dict[str, Any], now_s: float) -> str:
+    """Why a pending job waits, in words: its --begin time, else the policy's reason from
+    the service's last round (no free GPU, reserved GPUs for a waiting gang, held room,
+    ...), else what the service is doing."""
+    import time as _time
+
+    if job.begin_time is not None and job.begin_time > now_s:
+        return f"BeginTime: not before {_time.strftime('%Y-%m-%dT%H:%M:%S', _time.localtime(job.begin_time))} (--begin)"
+    base = pending_reason(service)
+    why = (service.get("deferred") or {}).get(str(job.id)) if service.get("running") else None
+    if why and service.get("slurm_ok") is not False:
+        return f"{why} (nice {job.nice})" if job.nice else str(why)
+    return base
+
+
 def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended: bool = False,
-               slurm_reasons: dict[str, str] | None = None, job_ids: Sequence[int] | None = None) -> list[dict[str, Any]]:
+               slurm_reasons: dict[str, str] | None = None, job_ids: Sequence[int] | None = None,
+               now_s: float | None = None) -> list[dict[str, Any]]:
     """One row per job (current placement), oldest first."""
+    import time as _time
+
     from slurm_dlrm.store.states import JOB_TERMINAL, JobState, PackState
+
+    now_s = _time.time() if now_s is None else now_s
 
     with store.read():
         jobs = store.jobs(None if include_ended else
@@ -73,7 +95,7 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
         if j.state == JobState.PENDING and PENDING_TRACE in (j.estimate or {}):
             reason = ESTIMATING_REASON + f": the service traces {j.spec.get('custom_module')}"
         elif j.state == JobState.PENDING:
-            reason = pending_reason(service)
+            reason = waiting_reason(j, service, now_s)
             if getattr(j, "sbatch_json", None) and '"dependency"' in j.sbatch_json:
                 reason = _dependency_reason(store, j) or reason
         elif j.state in JOB_TERMINAL:

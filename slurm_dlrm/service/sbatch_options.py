@@ -11,8 +11,10 @@ Pure: no I/O except `render_pack_script` reading its template once.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from functools import cache
@@ -113,6 +115,10 @@ class SbatchOptions:
     mail_user: str | None = None
     output: str | None = None  # sbatch filename pattern (%j, %x, ...)
     error: str | None = None
+    # Per job, not per pack (issue 31): the service orders and holds jobs by them; they
+    # never reach a pack's sbatch line and do not split packs.
+    nice: int | None = None  # sbatch --nice: the job's priority among its user's jobs, lower first
+    begin_time: float | None = None  # sbatch --begin, as epoch seconds (resolved at submit)
 
     def merged_over(self, base: SbatchOptions) -> SbatchOptions:
         """These options with `base` filling the gaps (self wins, as the command line)."""
@@ -143,14 +149,14 @@ class SbatchOptions:
         Time limits differ freely: the pack asks for the longest (`pack_time_minutes`).
         """
         return tuple(sorted((k, str(v)) for k, v in self.to_dict().items()
-                            if k not in ("job_name", "time_minutes")))
+                            if k not in ("job_name", "time_minutes") + PER_JOB))
 
     def sbatch_flags(self, *, include_job_name: bool = True) -> list[str]:
         """`--flag=value` argv items (unquoted: for an argv list or `sbatch_line`)."""
         flags = []
         for spec in OPTIONS:
             value = getattr(self, spec.attr)
-            if value is None or (spec.attr == "job_name" and not include_job_name):
+            if value is None or (spec.attr == "job_name" and not include_job_name) or spec.attr in PER_JOB:
                 continue
             text = format_time_minutes(value) if spec.attr == "time_minutes" else str(value)
             flags.append(f"{spec.long}={text}")
@@ -213,6 +219,30 @@ def _time(value: str) -> int:
     return parse_time_minutes(value)
 
 
+# sbatch --nice: "The adjustment range is +/- 2147483645. Only privileged users can
+# specify a negative adjustment" (sbatch(1)); without a value the adjustment is 100.
+NICE_MAX = 2147483645
+NICE_DEFAULT = 100
+
+
+def _nice(value: str) -> int:
+    try:
+        n = int(value.strip())
+    except ValueError:
+        raise ValueError(f"bad adjustment {value!r} (an integer, 0..{NICE_MAX}; negative: root only)") from None
+    if not -NICE_MAX <= n <= NICE_MAX:
+        raise ValueError(f"{n} is outside -{NICE_MAX}..{NICE_MAX}")
+    if n < 0 and os.geteuid() != 0:
+        raise ValueError(f"{n}: only root may give a negative adjustment (0..{NICE_MAX}), as sbatch")
+    return n
+
+
+def _begin(value: str) -> float:
+    from slurm_dlrm.service.begin_time import parse_begin
+
+    return parse_begin(value, time.time())
+
+
 OPTIONS: tuple[_OptionSpec, ...] = (
     _OptionSpec("account", "--account", "-A", _text(_NAME, "account name")),
     _OptionSpec("constraint", "--constraint", "-C", _text(_CONSTRAINT, "feature expression", 1000)),
@@ -224,7 +254,10 @@ OPTIONS: tuple[_OptionSpec, ...] = (
     _OptionSpec("partition", "--partition", "-p", _text(_NAME_LIST, "partition name")),
     _OptionSpec("qos", "--qos", "-q", _text(_NAME, "QOS name")),
     _OptionSpec("time_minutes", "--time", "-t", _time),
+    _OptionSpec("nice", "--nice", None, _nice),
+    _OptionSpec("begin_time", "--begin", "-b", _begin),
 )
+PER_JOB = ("nice", "begin_time")
 _BY_LONG = {o.long: o for o in OPTIONS}
 _BY_SHORT = {o.short: o for o in OPTIONS if o.short}
 _BY_ATTR = {o.attr: o for o in OPTIONS}
@@ -289,6 +322,8 @@ def parse_sbatch_args(args: Iterable[str], where: str = "command line") -> Sbatc
             reason = ("sized by slurm-dlrm from the estimate; remove it" if name in _SIZED_BY_US
                       else "not an sbatch option slurm-dlrm applies to a pack")
             raise SbatchOptionError(where, name, reason)
+        if value is None and spec.attr == "nice" and (i >= len(items) or not _is_number(items[i])):
+            value = str(NICE_DEFAULT)  # sbatch: a bare --nice lowers the priority by 100
         if value is None:
             if i >= len(items):
                 raise SbatchOptionError(where, spec.long, "needs a value")
@@ -296,6 +331,10 @@ def parse_sbatch_args(args: Iterable[str], where: str = "command line") -> Sbatc
             i += 1
         values[spec.attr] = check_option(spec.attr, value, where)
     return SbatchOptions(**values)
+
+
+def _is_number(text: str) -> bool:
+    return re.fullmatch(r"[+-]?\d+", text.strip()) is not None
 
 
 def _unique_prefix(name: str, where: str) -> _OptionSpec | None:

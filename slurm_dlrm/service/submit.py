@@ -160,8 +160,16 @@ def job_row(s: Submission, dependency: str | None = None) -> dict[str, Any]:
     if s.spec.custom_module:  # its analytic figures are placeholders until the service traced it
         est = pending_trace_estimate(est, s.source, submit_search_path(os.getcwd()))
     return {"name": s.name, "spec": s.spec_data, "spec_fingerprint": s.fingerprint, "estimate": est,
-            "gpu_model": s.gpu.name, "sbatch": sbatch,
+            "gpu_model": s.gpu.name, "sbatch": sbatch, "nice": s.options.nice or 0, "begin_time": s.options.begin_time,
             "reason": f"submitted from {s.path}" + (f"; --dependency={dependency}" if dependency else "")}
+
+
+def _row_number(row: Mapping[str, Any], key: str, default: float | None, kinds: type | tuple[type, ...]) -> Any:
+    """A job row's number (a request file from another host carries rows as JSON)."""
+    value = row.get(key, default)
+    if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+        raise BadInput(f"job row: {key} must be a number, not {type(value).__name__}")
+    return value
 
 
 def record_rows(store: Any, rows: Sequence[Mapping[str, Any]], user: str, spool_dir: Path | None = None,
@@ -175,7 +183,8 @@ def record_rows(store: Any, rows: Sequence[Mapping[str, Any]], user: str, spool_
         for r in rows:
             ids.append(int(store.add_job(
                 user=user, name=r["name"], spec=r["spec"], spec_fingerprint=r["spec_fingerprint"],
-                estimate=r["estimate"], gpu_model=r["gpu_model"], sbatch=r["sbatch"], reason=r["reason"])))
+                estimate=r["estimate"], gpu_model=r["gpu_model"], sbatch=r["sbatch"], reason=r["reason"],
+                nice=_row_number(r, "nice", 0, int), begin_time=_row_number(r, "begin_time", None, (int, float)))))
     if spool_dir is not None:
         from slurm_dlrm.service.spool import write_job_spec
 

@@ -1,7 +1,7 @@
 """Discrete-event simulator: replay a workload on a cluster through the packing
 policies (pure; the CLI `slurm-dlrm simulate` reads the files and draws the plots)."""
 
-from slurm_dlrm.sim.engine import JobOutcome, SimResult, job_demand, simulate
+from slurm_dlrm.sim.engine import JobOutcome, SimResult, Snapshot, job_demand, simulate
 from slurm_dlrm.sim.files import (
     SimCluster,
     SimJob,
@@ -20,7 +20,7 @@ from slurm_dlrm.sim.report import (
     ideal_throughput_jobs_per_h,
 )
 
-__all__ = ["JobOutcome", "SimCluster", "SimJob", "SimNode", "SimResult", "Workload", "comparison_table",
+__all__ = ["JobOutcome", "SimCluster", "SimJob", "SimNode", "SimResult", "Snapshot", "Workload", "comparison_table",
            "generate_jobs", "ideal_makespan_bounds_s", "ideal_makespan_s", "ideal_throughput_bounds_jobs_per_h",
            "ideal_throughput_jobs_per_h", "job_demand",
            "parse_cluster", "parse_workload", "simulate", "workload_summary"]

@@ -43,6 +43,7 @@ from slurm_dlrm.packing.interference import (
     predict_speeds_from_fractions,
 )
 from slurm_dlrm.packing.model import (
+    FairConfig,
     JobDemand,
     Join,
     NodeShape,
@@ -61,6 +62,7 @@ from slurm_dlrm.site import MIB
 _ARRIVAL, _TICK, _PACK_START, _MEMBER_READY = 0, 1, 2, 3
 _NODE_FAIL, _NODE_BACK, _OBSERVE = 4, 5, 6  # only with `faults` (sim/faults.py)
 _RESUBMIT = 7  # a user resubmits a failed job (retry.user_resubmits)
+_SNAPSHOT = 8  # snapshot_at_s: the loop stops there to record one
 _EPS = 1e-9
 
 
@@ -140,6 +142,18 @@ class JobOutcome:
     end_s: float | None  # None: never completed
     state: str  # COMPLETED | FAILED | UNPLACEABLE | PENDING
     ooms: int
+    start_s: float | None = None  # when a plan first placed it (it left the queue)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """The queue and the running jobs at one moment, as the service sees them (estimates
+    only): what `queue --start` simulates forward from (sim/start_estimate.py)."""
+
+    now_s: float
+    pending: tuple[tuple[int, float, int], ...]  # (job id, expected run left s, estimated GPU bytes)
+    running: tuple[tuple[int, float, int], ...]  # likewise, for jobs on GPUs now
+    memory_margin_pct: float | None = None  # the fences' margin then (None: the cluster's)
 
 
 @dataclass(frozen=True)
@@ -165,6 +179,7 @@ class SimResult:
     # their start: what our packs held of the nodes, i.e. not left to other users.
     held_cpu_s: float = 0.0
     held_mem_byte_s: float = 0.0
+    snapshots: tuple[Snapshot, ...] = ()  # simulate(snapshot_at_s=...)
 
     @property
     def backlog_throughput_jobs_per_h(self) -> float:
@@ -239,7 +254,8 @@ def job_demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -
         ranks = tuple(RankDemand(gpu_mem_bytes=int(gpu_mem_bytes * x), host_mem_bytes=job.host_mem_bytes,
                                  sm_util_pct=job.sm_util_pct * x, membw_util_pct=job.membw_util_pct * x,
                                  host_cpu_cores=job.host_cpu_cores) for x in job.scales)
-    return JobDemand(job_id=job.job_id, user=job.user, submit_time_s=job.arrival_s, priority=job.priority,
+    submitted = job.arrival_s if job.submitted_s is None else job.submitted_s
+    return JobDemand(job_id=job.job_id, user=job.user, submit_time_s=submitted, priority=job.priority,
                      gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=job.host_mem_bytes, sm_util_pct=job.sm_util_pct,
                      membw_util_pct=job.membw_util_pct, host_cpu_cores=job.host_cpu_cores, label=job.label,
                      est_duration_s=est_remaining_s, name=job.name, world_size=job.world_size, ranks=ranks)
@@ -248,15 +264,22 @@ def job_demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -
 def simulate(workload: Workload, cluster: SimCluster, policy: str,
              true_params: InterferenceParams | None = None, plan_params: InterferenceParams | None = None,
              max_sim_s: float = 365 * 86400.0, faults: FaultRuntime | None = None, dmem: bool = False,
-             margin_from_errors: bool = True) -> SimResult:
+             margin_from_errors: bool = True, fairness: str | None = None,
+             fair_config: FairConfig | None = None, snapshot_at_s: tuple[float, ...] = ()) -> SimResult:
     """Replay `workload` on `cluster` through `policy`; see the module docstring.
 
     With `faults`, node failures and straggler checks are injected and OOMs, node
     failures and stragglers are handled by its recovery decisions (sim/faults.py).
     `margin_from_errors` (fenced policies): each round's memory margin is the larger of
-    the configured one and the estimate's error observed at members' peaks so far."""
+    the configured one and the estimate's error observed at members' peaks so far.
+    `fairness`: "slowdown" or "rounds" (DispatchConfig.fairness; None: the cluster's).
+    `snapshot_at_s`: times (from the first arrival) at which to record a `Snapshot`."""
     truth = true_params or DEFAULT_PARAMS
     limits, dispatch, slurm, retry = cluster.limits, cluster.dispatch, cluster.slurm, cluster.retry
+    if fairness is not None:
+        dispatch = replace(dispatch, fairness=fairness)
+    if fair_config is not None:
+        dispatch = replace(dispatch, fair_config=fair_config)
     nodes = [_NodeState(n.name, n.gpu_model, n.gpus, n.cpus, n.memory_bytes, n.gpus, n.cpus, n.memory_bytes)
              for n in cluster.nodes]
     by_name = {n.name: n for n in nodes}
@@ -271,6 +294,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
 
     for j in workload.jobs:
         push(j.arrival_s, _ARRIVAL, j.job_id)
+    for t in snapshot_at_s:
+        push((workload.jobs[0].arrival_s if workload.jobs else 0.0) + t, _SNAPSHOT, None)
 
     pending: dict[int, JobDemand] = {}
     waited: dict[int, int] = {}
@@ -279,6 +304,9 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     resubmits: dict[int, int] = {}
     est_mem: dict[int, int] = {j.job_id: j.gpu_mem_bytes for j in workload.jobs}
     outcome_end: dict[int, float] = {}
+    first_start: dict[int, float] = {}
+    snapshots: list[Snapshot] = []
+    snap_times = sorted(snapshot_at_s)
     outcome_state: dict[int, str] = {}
     oom_of: dict[int, int] = {}
     running_packs: list[_Pack] = []
@@ -542,8 +570,20 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         placed(job.job_id)
         push(member.ready_at, _MEMBER_READY, pack)
 
+    def take_snapshot() -> Snapshot:
+        running: dict[int, tuple[int, float, int]] = {}
+        for pk in running_packs:
+            for gpu in pk.gpus:
+                for m in gpu.members:
+                    if not m.ended:
+                        running.setdefault(m.job.job_id, (m.job.job_id, est_left_s(m), est_mem[m.job.job_id]))
+        waiting = tuple((jid, d.est_duration_s if d.est_duration_s is not None else jobs[jid].solo_duration_s,
+                         d.gpu_mem_bytes) for jid, d in sorted(pending.items()))
+        return Snapshot(now, waiting, tuple(running[k] for k in sorted(running)), round_limits().memory_margin_pct)
+
     def placed(jid: int) -> None:
         # The first member of a job placed this round leaves the queue (a gang has several).
+        first_start.setdefault(jid, now)
         if jid in pending:
             if faults is not None:
                 faults.on_placed(pending[jid], now)
@@ -564,7 +604,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                                count=1, name=n.name) for n in nodes
                      if (n.free_gpus > 0 or n.name in with_open) and not n.down)
         request = PackingRequest(jobs=aged(sorted(pending.values(), key=lambda d: d.job_id), waited, dispatch),
-                                 gpu_models=cluster.gpu_models, nodes=free, limits=round_limits(), open_gpus=open_gpus)
+                                 gpu_models=cluster.gpu_models, nodes=free, limits=round_limits(), open_gpus=open_gpus,
+                                 fair=dispatch.fair, now_s=now)
         result = make_plan(request, policy, plan_params)
         waited = after_round(waited, result)
         for jn in result.joins:
@@ -722,6 +763,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             elif kind == _RESUBMIT:
                 assert isinstance(payload, int)
                 requeue(payload)
+            elif kind == _SNAPSHOT:
+                pass  # recorded below, once this instant's events are handled
             elif kind == _TICK:
                 tick_at = None
             elif kind == _PACK_START:
@@ -770,6 +813,9 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                 if running_packs:
                     observe_armed = True
                     push(now + faults.recovery.observe_s, _OBSERVE, None)
+        while snap_times and now - first_arrival >= snap_times[0] - _EPS:
+            snap_times.pop(0)
+            snapshots.append(take_snapshot())
         # Dispatch.
         slots = max(1, min(limits.shards_per_gpu, limits.members_per_gpu))
         any_free = (any(n.free_gpus > 0 and not n.down for n in nodes)
@@ -794,12 +840,13 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     for j in workload.jobs:
         state = outcome_state.get(j.job_id, "PENDING")
         outcomes.append(JobOutcome(j.job_id, j.arrival_s, j.solo_duration_s, outcome_end.get(j.job_id), state,
-                                   oom_of.get(j.job_id, 0)))
+                                   oom_of.get(j.job_id, 0), first_start.get(j.job_id)))
     return SimResult(policy=policy, workload=workload.name, cluster=cluster.name, gpus=cluster.gpu_count,
                      jobs=tuple(outcomes), first_arrival_s=first_arrival, end_s=now, alloc_gpu_s=alloc_gpu_s,
                      busy_gpu_s=busy_gpu_s, ooms=ooms, rounds=rounds, packs=packs_made, member_s=member_s,
                      backlog_s=backlog_s, backlog_work_s=backlog_work_s, resubmits=sum(resubmits.values()),
-                     evictions=evictions, held_cpu_s=held_cpu_s, held_mem_byte_s=held_mem_byte_s)
+                     evictions=evictions, held_cpu_s=held_cpu_s, held_mem_byte_s=held_mem_byte_s,
+                     snapshots=tuple(snapshots))
 
 
 def _could_ever_fit(job: SimJob, gpu_mem_bytes: int, node: object, cluster: SimCluster) -> bool:

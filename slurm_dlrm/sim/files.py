@@ -48,6 +48,9 @@ class SimJob:
     # CPUs per rank as the job's. Empty scales: every rank as the job.
     world_size: int = 1
     rank_scales: tuple[float, ...] = ()
+    # When its wait began, if before `arrival_s` (None: its arrival): a job carried into a
+    # forward run from a snapshot (sim/start_estimate.py) keeps its wait so far.
+    submitted_s: float | None = None
 
     @property
     def scales(self) -> tuple[float, ...]:
@@ -248,7 +251,8 @@ def parse_cluster(data: Any, default_gpu_models: Mapping[str, GpuModel] | None =
         refill_headroom_pct=p.headroom("refill_headroom_pct"))
     dispatch = DispatchConfig(
         round_seconds=p.num("round_seconds", 10.0, lo=0.1), round_batch_size=p.int_("round_batch_size", 16, lo=1),
-        max_wait_rounds=p.int_("max_wait_rounds", 30, lo=1))
+        max_wait_rounds=p.int_("max_wait_rounds", 30, lo=1),
+        fairness=p.str_("fairness", "rounds", choices=("rounds", "slowdown")))
     p.done()
     s = top.sub("slurm")
     slurm = SlurmTiming(submit_to_start_s=s.num("submit_to_start_s", 2.0, lo=0),

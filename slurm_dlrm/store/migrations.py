@@ -239,6 +239,13 @@ _V6 = (
     "ALTER TABLE placements ADD COLUMN world_size INTEGER",
 )
 
+_V7 = (
+    # issue 31: sbatch --nice (the job's priority among its user's jobs; higher goes
+    # later) and --begin (epoch seconds; NULL: at once), as the service plans by them.
+    "ALTER TABLE jobs ADD COLUMN nice INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE jobs ADD COLUMN begin_time REAL",
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -255,6 +262,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(4, "placements.predicted_speed (acct's slowdown correction)", _V4),
     Migration(5, "jobs.mode, nodes, gpu_idx, gpu_share (submit --no-pack jobs in the store)", _V5),
     Migration(6, "placements.rank, placements.world_size (multi-GPU jobs)", _V6),
+    Migration(7, "jobs.nice, jobs.begin_time (submit --nice, --begin)", _V7),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

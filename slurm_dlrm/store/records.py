@@ -53,12 +53,15 @@ class Job:
     nodes: str | None = None
     gpu_idx: str | None = None
     gpu_share: float | None = None
+    nice: int = 0  # submit --nice (issue 31): higher goes later among the user's jobs
+    begin_time: float | None = None  # submit --begin: not planned before this (epoch seconds)
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Job:
         d = _row_fields(cls, row)
         d["state"] = JobState(d["state"])
         d["mode"] = d["mode"] or "pack"
+        d["nice"] = d.get("nice") or 0
         return cls(**d)
 
     @property

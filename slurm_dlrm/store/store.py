@@ -352,6 +352,7 @@ class Store:
         gpu_mem_request_bytes: int | None = None, host_mem_request_bytes: int | None = None,
         submit_time: float | None = None, reason: str = "submitted",
         sbatch: Mapping[str, Any] | None = None, mode: str = "pack", gpu_share: float | None = None,
+        nice: int = 0, begin_time: float | None = None,
     ) -> int:
         """A new PENDING job. `estimate` is `Estimate.to_dict()` (docs/interfaces.md section 2).
 
@@ -374,6 +375,7 @@ class Store:
             "gpu_mem_request_bytes": est_gpu if gpu_mem_request_bytes is None else gpu_mem_request_bytes,
             "host_mem_request_bytes": est_host if host_mem_request_bytes is None else host_mem_request_bytes,
             "submit_time": now, "updated_time": now, "mode": mode, "gpu_share": gpu_share,
+            "nice": nice, "begin_time": begin_time,
         }
         with self.write():
             cols = ", ".join(row)

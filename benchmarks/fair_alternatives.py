@@ -1,0 +1,97 @@
+"""The fairness rules of issue 31 side by side (docs/packing.md "Every job gets its turn").
+
+policy_compare.py's multi run (800 jobs, 25% with 2 or 4 ranks, one 4-GPU node) under
+complementary with: the rule before issue 31 ("rounds"), and the slowdown bound with
+several settings (`FairConfig`; `refill._PRICED_OVERDUE` False: overdue one-GPU jobs
+each join the GPU they add most to, ahead of the priced fill). Per workload seed:
+throughput (solo-equivalent jobs/h), p50 slowdown (JCT / solo run) of one-GPU and of
+multi-GPU jobs, p99 over all jobs, the longest wait.
+
+Run:  .venv/bin/python benchmarks/fair_alternatives.py [--seeds 7 1]   (about 2 min per
+variant and seed on this machine)
+Last line:  fair_alternatives: best_tput_vs_today=X default_tput_vs_today=X (mean over seeds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import slurm_dlrm.packing.refill as refill  # noqa: E402
+from slurm_dlrm.packing.model import FairConfig  # noqa: E402
+from slurm_dlrm.sim import SimResult, parse_cluster, parse_workload, simulate  # noqa: E402
+
+SIM = ROOT / "benchmarks" / "sim"
+
+# (name, rule, FairConfig or None, overdue jobs through the priced fill)
+VARIANTS: tuple[tuple[str, str, FairConfig | None, bool], ...] = (
+    ("rounds (the default rule; today)", "rounds", None, True),
+    ("gang reservation alone", "slowdown", FairConfig(overdue_slowdown=1e6), True),
+    ("bound 3, fixed gang point 2, best-gain", "slowdown", FairConfig(overdue_slowdown=3, gang_vs_single=0), False),
+    ("bound 3, median gang point, best-gain", "slowdown", FairConfig(overdue_slowdown=3), False),
+    ("bound 10, median gang point, best-gain", "slowdown", FairConfig(overdue_slowdown=10), False),
+    ("bound 20, median gang point, best-gain", "slowdown", FairConfig(overdue_slowdown=20), False),
+    ("bound 10, gang point 2 x median, best-gain", "slowdown", FairConfig(gang_vs_single=2), False),
+    ("bound 10, tail atop the band, best-gain", "slowdown", FairConfig(tail_in_band=True), False),
+    ("bound 10, median gang point (FairConfig())", "slowdown", FairConfig(), True),
+)
+
+
+def pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))] if v else 0.0
+
+
+def figures(r: SimResult, world: dict[int, int]) -> tuple[float, float, float, float, float]:
+    sd = {o.job_id: (o.end_s - o.arrival_s) / o.solo_duration_s for o in r.completed if o.end_s is not None}
+    waits = [(o.start_s - o.arrival_s) / 3600 for o in r.jobs if o.start_s is not None]
+    return (r.throughput_jobs_per_h, pct([v for k, v in sd.items() if world[k] == 1], 0.5),
+            pct([v for k, v in sd.items() if world[k] > 1], 0.5), pct(list(sd.values()), 0.99), max(waits, default=0.0))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[7, 1])
+    args = ap.parse_args()
+    cluster = parse_cluster(yaml.safe_load((SIM / "cluster_4gpu.yaml").read_text()))
+    rows: dict[str, list[tuple[float, float, float, float, float]]] = {v[0]: [] for v in VARIANTS}
+    for seed in args.seeds:
+        data = copy.deepcopy(yaml.safe_load((SIM / "dlrm_mix.yaml").read_text()))
+        data["seed"] = seed
+        data["generate"]["jobs"] *= 4
+        data["generate"]["arrival_rate_per_h"] *= 4
+        data["generate"]["multi_gpu_share"] = 0.25
+        workload = parse_workload(data, {g.name: g for g in cluster.gpu_models})
+        world = {j.job_id: j.world_size for j in workload.jobs}
+        for name, rule, cfg, priced in VARIANTS:
+            refill._PRICED_OVERDUE = priced
+            t0 = time.perf_counter()
+            r = simulate(workload, cluster, "complementary", fairness=rule, fair_config=cfg)
+            rows[name].append(figures(r, world))
+            print(f"  seed {seed}: {name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    refill._PRICED_OVERDUE = True
+    seeds = " | ".join(str(s) for s in args.seeds)
+    print(f"complementary, multi run; per seed ({seeds}); slowdown = JCT / solo run")
+    print(f"{'rule':<44} {'tput/h':>15} {'p50 1-GPU':>15} {'p50 multi':>15} {'p99 all':>13} {'max wait h':>13}")
+    today = rows[VARIANTS[0][0]]
+    gains = {}
+    for name, _, _, _ in VARIANTS:
+        r = rows[name]
+        cells = [" | ".join(f"{x[k]:.2f}" if k < 3 else f"{x[k]:.0f}" for x in r) for k in range(5)]
+        print(f"{name:<44} {cells[0]:>15} {cells[1]:>15} {cells[2]:>15} {cells[3]:>13} {cells[4]:>13}")
+        gains[name] = sum(x[0] / t[0] for x, t in zip(r, today, strict=True)) / len(r)
+    best = max(v for k, v in gains.items() if k != VARIANTS[0][0])
+    print(f"fair_alternatives: best_tput_vs_today={best:.3f} default_tput_vs_today={gains[VARIANTS[-1][0]]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""The slowdown bound (issue 31, slurm_dlrm.packing.fairness): overdue jobs go first with
+their user's order kept, and a waiting gang gets a reservation that drains only the
+GPUs it needs, with short jobs backfilled; in the simulator a gang behind a steady
+stream of one-GPU jobs no longer starves."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from slurm_dlrm.packing import POLICY_NAMES, JobDemand, NodeShape, PackingRequest, plan
+from slurm_dlrm.packing.common import OVERDUE_PRIORITY, URGENT_PRIORITY, is_overdue_priority
+from slurm_dlrm.packing.fairness import fair_priority, gang_hold, is_overdue, slowdown_now
+from slurm_dlrm.packing.model import FairConfig, OpenGpu
+from slurm_dlrm.sim import parse_cluster, parse_workload, simulate
+from slurm_dlrm.site import GIB, GpuModel
+
+H100 = GpuModel("h100", 80, 132, 3350, 67, 494, 520, 32)
+FAIR = FairConfig(overdue_slowdown=3.0)  # a low bound: small numbers in the tests
+
+
+def job(i: int, *, submit: float = 0.0, dur: float | None = 1800.0, prio: float = 0.0, world: int = 1,
+        mem_gib: float = 4, sm: float = 10) -> JobDemand:
+    return JobDemand(job_id=i, user="u", submit_time_s=submit, priority=prio, gpu_mem_bytes=int(mem_gib * GIB),
+                     host_mem_bytes=2 * GIB, sm_util_pct=sm, membw_util_pct=10, host_cpu_cores=2,
+                     est_duration_s=dur, world_size=world)
+
+
+def pack_gpu(pack: int, live_rest_s: float, node: str = "n", members: int = 1) -> OpenGpu:
+    live = tuple(replace(job(9000 + pack * 10 + k, dur=live_rest_s), rank=0) for k in range(members))
+    return OpenGpu(f"{pack}:0:0", node, members, pack=True, gpu_model="h100", live=live, free_cpus=16,
+                   free_host_mem_bytes=64 * GIB)
+
+
+# ---------------------------------------------------------------- the bound
+
+def test_slowdown_counts_from_begin_and_overdue_needs_both_bounds():
+    j = job(1, submit=0.0, dur=600.0)
+    assert slowdown_now(j, 1200.0, FAIR) == pytest.approx(3.0)
+    assert is_overdue(j, 1200.0, FAIR)  # slowdown 3 after 20 min >= min_wait 10 min
+    assert not is_overdue(j, 1199.0, FAIR)
+    assert slowdown_now(replace(j, eligible_s=600.0), 1200.0, FAIR) == pytest.approx(2.0)  # --begin: waits from then
+    short = job(2, dur=60.0)
+    assert slowdown_now(short, 300.0, FAIR) > 3 and not is_overdue(short, 300.0, FAIR)  # under min_wait_s
+    unknown = job(3, dur=None)
+    assert slowdown_now(unknown, 3600.0, FAIR) == pytest.approx(2.0)  # counted as unknown_duration_s
+
+
+def test_overdue_band_keeps_the_users_nice_order_then_the_most_overdue_first():
+    now = 10 * 3600.0
+    nice0_a = job(1, dur=3600.0)  # slowdown 11
+    nice0_b = job(2, dur=600.0)  # slowdown 61: more overdue
+    nice10 = job(3, dur=60.0, prio=-10.0)  # far more overdue, but the user put it later
+    fresh = job(4, submit=now - 60, dur=3600.0, prio=5.0)  # not overdue: below the band whatever its nice
+    p = {j.job_id: fair_priority(j, now, FAIR) for j in (nice0_a, nice0_b, nice10, fresh)}
+    assert OVERDUE_PRIORITY - 2**31 < p[3] < p[1] < p[2] < URGENT_PRIORITY
+    assert p[4] == 5.0 and is_overdue_priority(p[3]) and not is_overdue_priority(p[4])
+    urgent = job(5, prio=URGENT_PRIORITY + 1)
+    assert fair_priority(urgent, now, FAIR) == urgent.priority
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_every_policy_places_the_overdue_job_first(policy: str):
+    # One GPU, room for one 60 GiB job: the overdue one gets it (complementary would
+    # otherwise start the shortest first).
+    now = 5 * 3600.0
+    early = [job(i, submit=now - 60, dur=300.0, mem_gib=60) for i in range(10, 30)]  # a backlog: no drain tail
+    old = job(9, submit=0.0, dur=600.0, mem_gib=60)
+    req = PackingRequest(jobs=(old, *early), gpu_models=(H100,), nodes=(NodeShape("h100", 1, 64, 512 * GIB, name="n"),),
+                         fair=FAIR, now_s=now)
+    assert 9 in plan(req, policy).placed_job_ids
+    if policy == "complementary":  # before: shortest first within a priority
+        assert 9 not in plan(replace(req, fair=None), policy).placed_job_ids
+
+
+# ---------------------------------------------------------------- gang reservation
+
+def _gang_request(fair: FairConfig | None, free_gpus: int = 0) -> PackingRequest:
+    now = 4 * 3600.0
+    # node n: four one-GPU packs (three end within an hour, one in 3 h) and maybe free GPUs
+    pgs = (pack_gpu(1, 1800.0), pack_gpu(2, 2400.0), pack_gpu(3, 3600.0), pack_gpu(4, 3 * 3600.0))[:4 - free_gpus]
+    gang = job(1, submit=0.0, dur=3600.0, world=4)  # waited 4 h: slowdown 5
+    short = job(2, submit=now - 60, dur=900.0)
+    long_ = job(3, submit=now - 60, dur=5 * 3600.0)
+    nodes = (NodeShape("h100", free_gpus, 64, 512 * GIB, name="n"),) if free_gpus else ()
+    return PackingRequest(jobs=(gang, short, long_), gpu_models=(H100,), nodes=nodes, open_gpus=pgs, fair=fair,
+                          now_s=now)
+
+
+def test_a_waiting_gang_reserves_the_packs_that_free_its_gpus_soonest():
+    req = _gang_request(FAIR)
+    hold = gang_hold(req, req.jobs[0], FAIR)
+    assert hold is not None and hold.node_name == "n" and hold.gpus == 4
+    assert hold.start_in_s == pytest.approx(3 * 3600.0) and len(hold.pack_ids) == 4
+    for policy in ("mem-best-fit", "complementary"):
+        p = plan(req, policy)
+        joined = {j.member.job_id for j in p.joins}
+        assert 3 not in joined, policy  # would keep a reserved pack alive past the reservation
+        assert 2 in joined, policy  # backfill: ends before the reservation
+        assert "reserved 4 GPUs on n" in {d.job_id: d.reason for d in p.deferred}[1]
+        # without the bound the long job joins (and the packs live on)
+        assert 3 in {j.member.job_id for j in plan(replace(req, fair=None), policy).joins}
+
+
+def test_held_free_gpus_take_only_jobs_that_end_before_the_reservation():
+    req = _gang_request(FAIR, free_gpus=1)
+    for policy in POLICY_NAMES:
+        p = plan(req, policy)
+        on_free = {m.job_id for pk in p.packs for m in pk.members}
+        assert 3 not in on_free, policy
+        if policy in ("exclusive", "first-fit"):  # they do not refill: the short job backfills the free GPU
+            assert on_free == {2}, policy
+        if policy in ("mem-best-fit", "complementary"):
+            before = plan(replace(req, fair=None), policy)
+            assert 3 in {m.job_id for pk in before.packs for m in pk.members} | {j.member.job_id for j in before.joins}
+
+
+def test_no_reservation_while_a_node_can_take_the_gang():
+    req = _gang_request(FAIR, free_gpus=4)
+    assert plan(req, "complementary").packs[0].members[0].job_id == 1  # placed at once
+
+
+# ---------------------------------------------------------------- simulator: no starvation
+
+CLUSTER = {"name": "c", "gpu_models": {"h100": {"memory_gib": 80, "cuda_context_mib": 512, "cublas_workspace_mib": 0}},
+           "nodes": [{"name": "n", "gpu_model": "h100", "gpus": 2, "cpus": 64, "memory_gib": 512}],
+           "slurm": {"submit_to_start_s": 2, "member_startup_s": 20},
+           "packing": {"round_seconds": 10, "max_members_per_gpu": 2}}
+
+
+def _stream() -> list[dict[str, object]]:
+    # A one-GPU job every 10 minutes for 20 h, each 1 h and 40 GiB (two fill a GPU), and a
+    # two-rank job submitted after the first hour.
+    jobs: list[dict[str, object]] = [
+        {"name": f"s{i}", "arrival_s": 600.0 * i, "solo_duration_s": 3600.0,
+         "profile": {"sm_util_pct": 10, "membw_util_pct": 10, "gpu_mem_gib": 36, "host_mem_gib": 4,
+                     "host_cpu_cores": 2}} for i in range(120)]
+    jobs.append({"name": "gang", "arrival_s": 3600.0, "solo_duration_s": 3600.0, "world_size": 2,
+                 "profile": {"sm_util_pct": 10, "membw_util_pct": 10, "gpu_mem_gib": 36, "host_mem_gib": 4,
+                             "host_cpu_cores": 2}})
+    return jobs
+
+
+@pytest.mark.parametrize("policy", ("mem-best-fit", "complementary"))
+def test_a_gang_behind_a_stream_of_one_gpu_jobs_starts_within_its_bound(policy: str):
+    c = parse_cluster(CLUSTER)
+    w = parse_workload({"name": "w", "jobs": _stream()}, {g.name: g for g in c.gpu_models})
+    gang_id = next(j.job_id for j in w.jobs if j.world_size == 2)
+
+    def gang_slowdown(rule: str) -> float:
+        r = simulate(w, c, policy, fairness=rule)
+        o = next(o for o in r.jobs if o.job_id == gang_id)
+        assert o.state == "COMPLETED"
+        return (o.end_s - o.arrival_s) / o.solo_duration_s  # type: ignore[operator]
+
+    before = gang_slowdown("rounds")
+    after = gang_slowdown("slowdown")
+    assert before > 10  # refill kept both GPUs busy until the stream ended
+    # reserved at slowdown 2, started once the packs it waits for drained (<= 1 h more)
+    assert after <= 4.5
+
+
+# ---------------------------------------------------------------- queue --start's forward run
+
+def test_expected_starts_from_a_snapshot_match_the_run_when_estimates_are_right():
+    from slurm_dlrm.sim.start_estimate import expected_starts, within_share
+
+    c = parse_cluster({**CLUSTER, "nodes": [{"name": "n", "gpu_model": "h100", "gpus": 1, "cpus": 64,
+                                            "memory_gib": 512}]})
+    big = {"sm_util_pct": 10, "membw_util_pct": 10, "gpu_mem_gib": 60, "host_mem_gib": 4, "host_cpu_cores": 2}
+    jobs = [{"name": f"j{i}", "arrival_s": 0.0, "solo_duration_s": 1000.0 * (i + 1), "profile": big}
+            for i in range(4)]  # one at a time: each waits for the ones before it
+    w = parse_workload({"name": "w", "jobs": jobs}, {g.name: g for g in c.gpu_models})
+    r = simulate(w, c, "complementary", snapshot_at_s=(500.0,))
+    (snap,) = r.snapshots
+    assert len(snap.running) == 1 and len(snap.pending) == 3
+    pred = expected_starts(snap, {j.job_id: j for j in w.jobs}, c, "complementary")
+    actual = {o.job_id: o.start_s for o in r.jobs if o.job_id in pred}
+    assert set(pred) == {jid for jid, _, _ in snap.pending}
+    assert sorted(pred, key=pred.__getitem__) == sorted(actual, key=actual.__getitem__)
+    assert within_share(pred, actual, snap.now_s) == (3, 3)  # type: ignore[arg-type]
+
+
+def test_the_rule_is_a_site_and_cluster_key(tmp_path):
+    from service_harness import make_site
+
+    from slurm_dlrm.errors import BadInput
+    from slurm_dlrm.packing.dispatch import DispatchConfig
+
+    assert DispatchConfig.from_site(make_site(tmp_path)).fair is None  # default: round-based aging
+    assert DispatchConfig.from_site(make_site(tmp_path, fairness="slowdown")).fair == FairConfig()
+    assert parse_cluster(CLUSTER).dispatch.fairness == "rounds"
+    assert parse_cluster({**CLUSTER, "packing": {"fairness": "slowdown"}}).dispatch.fairness == "slowdown"
+    with pytest.raises(BadInput, match="fairness"):
+        parse_cluster({**CLUSTER, "packing": {"fairness": "fifo"}})
