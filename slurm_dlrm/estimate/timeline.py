@@ -13,6 +13,11 @@ The result is the peak of live tensor bytes and, at that moment, how the live by
 split into named parts (the breakdown). It models what torch allocates through its
 operators; kernel-internal scratch (cuBLAS workspace, fbgemm sort buffers) is not a
 tensor and is added by the device rules in `analytic.py`.
+
+Over 600 lines on purpose: the replay is one ordered sequence of allocations and frees,
+forward then backward then the optimizer, checked op by op against one allocation log;
+split across modules, the order a reader must follow (and keep in step with torch) would
+be cut in pieces.
 """
 
 from __future__ import annotations
