@@ -45,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_WORKLOAD = HERE / "sim" / "live_small.yaml"
 DEFAULT_CLUSTER = HERE / "sim" / "cluster_local.yaml"
 EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # as a shell reports Ctrl-C
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,10 @@ def run_live(policies: list[str], workload: Any, specs: list[dict[str, Any]], tr
     return rows
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def _err(sim: float, live: float) -> float:
     return 100.0 * (sim - live) / live if live else math.inf
 
@@ -295,10 +300,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sim_vs_live: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     # SIGTERM (a CI timeout) cleans up as Ctrl-C does: the finally blocks run.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    signal.signal(signal.SIGTERM, _interrupt)
     root = Path(tempfile.mkdtemp(prefix="sim-vs-live-"))
-    live = {r.policy: r for r in run_live(policies, workload, specs, _truth_for_live(args.truth),
-                                          args.round_seconds, args.timeout_s, root)}
+    try:
+        live = {r.policy: r for r in run_live(policies, workload, specs, _truth_for_live(args.truth),
+                                              args.round_seconds, args.timeout_s, root)}
+    except KeyboardInterrupt:
+        print(f"sim_vs_live: interrupted; its packs were cancelled and its service stopped ({root})", file=sys.stderr)
+        return EXIT_INTERRUPTED
     sim = {p: sim_row(workload, cluster, truth, p) for p in policies}
     print(f"{'policy':<14} {'live tput/h':>11} {'sim tput/h':>10} {'err%':>6} {'live JCT s':>10} {'sim JCT s':>9} "
           f"{'err%':>6} {'live GPUh':>9} {'sim GPUh':>8} {'err%':>6} {'live done%':>10} {'live OOMs':>9}")

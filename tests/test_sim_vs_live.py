@@ -5,7 +5,10 @@ job done and the simulator's figures beside the live ones."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,3 +106,48 @@ def test_small_workload_live_and_simulated_under_three_minutes(bench, slurm_clus
     for key in ("live_tput_vs_exclusive", "sim_tput_vs_exclusive", "tput_err_pct", "jct_err_pct", "gpuh_err_pct"):
         assert m[key] not in ("nan", "inf", "-inf"), line
     assert "complementary" in out and "exclusive" in out
+
+
+def _holding(root: str) -> list[int]:
+    """Pids whose command line or environment names `root` (the run's service, agents,
+    stand-ins, fake MPS daemons: all run with the run's folders)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            blob = (d / "cmdline").read_bytes() + (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if root.encode() in blob:
+            out.append(int(d.name))
+    return out
+
+
+def _live_packs(client):
+    return [j for j in client.squeue() if j.name.startswith("dlrm-") and not j.state.is_terminal]
+
+
+@pytest.mark.slurm
+def test_an_interrupted_run_leaves_no_pack_service_or_daemon(slurm_cluster, tmp_path):
+    env = dict(os.environ, SLURM_CONF=str(slurm_cluster.slurm_conf))
+    proc = subprocess.Popen([sys.executable, str(BENCH)], env=env, stderr=subprocess.PIPE, text=True)  # noqa: S603
+    client = slurm_cluster.client()
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not _live_packs(client):
+            time.sleep(1.0)
+        assert _live_packs(client), "no pack started"
+        time.sleep(3.0)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "interrupted" in err.strip().splitlines()[-1]
+    root = re.search(r"\((/\S+sim-vs-live-\w+)\)$", err.strip()).group(1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (_live_packs(client) or _holding(root)):
+        time.sleep(1.0)
+    assert not _live_packs(client)
+    assert not _holding(root)
