@@ -151,3 +151,20 @@ def test_margin_rule_is_the_simulators():
     assert peak_error(8.0, 10.0) == pytest.approx(0.2)
     assert peak_error(13.0, 10.0, fence_bytes=10.5) == pytest.approx(0.06)  # killed at its fence
     assert peak_error(5.0, 0.0) is None
+
+
+def test_a_member_that_never_used_gpu_memory_teaches_the_margin_nothing(world):
+    """NVML's 0 bytes for a member without a CUDA context says nothing about the
+    estimate; taken as an error of 100% it would triple every later fence."""
+    svc, store, slurm, clock, cluster, requests = world
+    a = add_job(store, "a", gpu_gib=10.0, sps=100.0)
+    pack, p = _start(svc, store, slurm, cluster, [a])
+    _sample(cluster, p, a, 0)
+    clock.advance(svc.recovery.config.warmup_s)
+    _sample(cluster, p, a, 0)
+    svc.run_round()
+    add_job(store, "b", gpu_gib=10.0, sps=100.0)
+    clock.advance(1.0)
+    requests.clear()
+    svc.run_round()
+    assert requests[-1].limits.memory_margin_pct == svc.site.packing.memory_margin_pct

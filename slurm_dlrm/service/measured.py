@@ -60,7 +60,9 @@ def peak_errors(store: Any, site: SiteConfig, user: str, warmup_s: float) -> lis
             continue
         if not isinstance(estimate, dict):
             continue
-        measured = max(0, int(r["gpu_mem_peak_bytes"]) - context_bytes(site, r["gpu_model"]))
+        measured = int(r["gpu_mem_peak_bytes"]) - context_bytes(site, r["gpu_model"])
+        if measured <= 0:
+            continue  # no memory beyond a context (none, e.g. a member that never used CUDA): nothing learnt
         err = peak_error(measured, own_gpu_bytes(estimate))
         if err is not None:
             out.append(err)
