@@ -9,7 +9,7 @@ Each policy runs live on this checkout's local Slurm cluster (2 nodes x 4 fake G
 their arrival times through `submit` -> the packing service (`serve --policy P`) ->
 Slurm -> the agent, and each member is a stand-in (slurm_dlrm/agent/standin.py) that
 runs its solo time (`solo_duration_s`) slowed down by the truth `--truth` with what
-really shares its fake GPU, at its *true* profile. The same workload, cluster file and
+really shares its fake GPU, at its *true* profile, its memory growing to its true peak. The same workload, cluster file and
 truth then go through the simulator. Per policy it prints live and simulated
 throughput (completed jobs per hour over the makespan), mean JCT and allocated
 GPU-hours, and the errors (sim - live) / live; the last line:
@@ -149,7 +149,10 @@ def _standin_spec(spec: dict[str, Any], job: Any, truth_text: str, python: str) 
     steps = int(spec["steps"])
     argv = [python, "-m", "slurm_dlrm.agent.standin", "--steps", str(steps),
             "--step-s", f"{job.solo_duration_s / steps:.6f}", "--checkpoint-every", str(max(1, steps // 10)),
-            "--truth", truth_text, "--sm-pct", f"{job.true_sm_util_pct:g}", "--bw-pct", f"{job.true_membw_util_pct:g}"]
+            "--truth", truth_text, "--sm-pct", f"{job.true_sm_util_pct:g}", "--bw-pct", f"{job.true_membw_util_pct:g}",
+            # its true peak (the fake NVML counts RSS as GPU memory), reached where the simulator's is
+            "--peak-mib", f"{job.true_gpu_mem_bytes / (1 << 20):.3f}",
+            "--peak-at-step", str(max(1, math.ceil(job.peak_at_frac * steps)))]
     return {**spec, "name": job.name, "command": argv}
 
 

@@ -83,6 +83,8 @@ def test_the_simulated_side_runs_the_same_jobs_with_the_services_estimates(bench
     argv = bench._standin_spec(specs[0], workload.jobs[0], "synthetic", "py")["command"]
     assert argv[argv.index("--step-s") + 1] == f"{workload.jobs[0].solo_duration_s / specs[0]['steps']:.6f}"
     assert argv[argv.index("--truth") + 1] == "synthetic"
+    assert float(argv[argv.index("--peak-mib") + 1]) == pytest.approx(workload.jobs[0].true_gpu_mem_bytes / (1 << 20),
+                                                                       abs=1e-3)
 
 
 @pytest.mark.slurm
