@@ -9,6 +9,10 @@ It appends a metrics line per step to $SLURM_DLRM_METRICS_FILE, resumes from and
 checkpoints in $SLURM_DLRM_CHECKPOINT_DIR, on SIGTERM/SIGUSR1 writes a checkpoint and exits
 with TRAIN_EXIT_PREEMPTED, can grow its host memory every step (to trip the agent's host
 budget), and ends with the exit code asked for (3 = TRAIN_EXIT_OOM_GPU, ...).
+With `--truth T --sm-pct S --bw-pct B` (T as `simulate --truth` takes it) each step
+takes `--step-s` over its speed under that truth with the stand-ins that share its fake
+GPU at that moment (agent/standin_gpu.py); `--peak-mib M --peak-at-step K` grows its RSS,
+which the fake NVML reports as its GPU memory, to the job's true peak M by step K.
 `--set-env` changes its own environment first (what a member that lifts its own fence
 does: one line of Python before CUDA starts); `--mps-client` then "starts CUDA" against
 the fake MPS daemon (`fake_mps_control.connect_client`), which records the limit it holds
@@ -23,10 +27,12 @@ checkpoints, every rank resumes from the shared checkpoint, and `--env-out PATH`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,7 @@ from typing import Any
 from slurm_dlrm.errors import ENV_CHECKPOINT_DIR, ENV_JOB_ID, ENV_METRICS_FILE, TRAIN_EXIT_PREEMPTED
 
 _stop: list[int] = []
+_SLICE_S = 0.05  # how often a stand-in with --truth looks at what shares its GPU
 
 
 def _on_signal(signum: int, frame: Any) -> None:
@@ -66,7 +73,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only on stop)")
     ap.add_argument("--set-env", action="append", default=[], metavar="K=V", help="set in its own environment first")
     ap.add_argument("--mps-client", action="store_true", help="connect to the (fake) MPS daemon as a CUDA client")
+    # A GPU that slows down like one (agent/standin_gpu.py): --step-s is the solo step
+    # time, each step's time follows the truth for what shares the fake GPU meanwhile.
+    ap.add_argument("--truth", default=None, help="co-location truth as `simulate --truth` takes it")
+    ap.add_argument("--sm-pct", type=float, default=0.0, help="solo SM use, %% (with --truth)")
+    ap.add_argument("--bw-pct", type=float, default=0.0, help="solo memory-bandwidth use, %% (with --truth)")
+    ap.add_argument("--peak-mib", type=float, default=0.0,
+                    help="true peak memory: RSS (the fake NVML's GPU memory) grows to it by --peak-at-step")
+    ap.add_argument("--peak-at-step", type=int, default=1)
+    ap.add_argument("--registry", default=None,
+                    help="the stand-ins' per-GPU registry folder (default $SLURM_DLRM_STANDIN_REGISTRY, else in $TMPDIR)")
     args = ap.parse_args(argv)
+    truth = None
+    if args.truth is not None:
+        from slurm_dlrm.errors import BadInput
+        from slurm_dlrm.interference_io import parse_truth
+
+        try:
+            truth = parse_truth(args.truth)
+        except BadInput as exc:
+            print(f"standin: {exc}", file=sys.stderr)
+            return 2
     for item in args.set_env:
         key, _, value = item.partition("=")
         os.environ[key] = value
@@ -94,16 +121,45 @@ def main(argv: list[str] | None = None) -> int:
     hog: list[bytearray] = []
     out = open(metrics, "a", buffering=1) if metrics else None  # noqa: SIM115
     writes_ckpt = ckpt_dir if rank in (None, "0") else None
+    registry = None
+    if truth is not None:
+        from slurm_dlrm.agent.standin_gpu import ENV_STANDIN_REGISTRY, GpuRegistry, gpu_name
+
+        root = (args.registry or os.environ.get(ENV_STANDIN_REGISTRY)
+                or str(Path(tempfile.gettempdir()) / f"slurm-dlrm-standins-{os.getuid()}"))
+        registry = GpuRegistry(root, gpu_name(), os.environ.get(ENV_JOB_ID), args.sm_pct, args.bw_pct)
+    with registry or contextlib.nullcontext():
+        return _run(args, step, hog, out, writes_ckpt, registry, truth)
+
+
+def _run(args: Any, step: int, hog: list[bytearray], out: Any, writes_ckpt: Path | None,
+         registry: Any, truth: Any) -> int:
+    peak_bytes = int(args.peak_mib * (1 << 20))
     while step < args.steps:
         if _stop:
             _checkpoint(writes_ckpt, step)
             return TRAIN_EXIT_PREEMPTED
         t0 = time.monotonic()
-        if args.busy:
+        if registry is not None:
+            # Progress at the speed of each short slice: co-runners come and go mid-step.
+            done = 0.0
+            while done < args.step_s and not _stop:
+                speed = registry.speed(truth)
+                dt_s = min(_SLICE_S, (args.step_s - done) / speed)
+                time.sleep(dt_s)
+                done += dt_s * speed
+        elif args.busy:
             while time.monotonic() - t0 < args.step_s:
                 pass
         else:
             time.sleep(args.step_s)
+        if peak_bytes:
+            want = peak_bytes * min(1.0, (step + 1) / max(1, args.peak_at_step))
+            have = sum(len(b) for b in hog)
+            if want > have:
+                block = bytearray(int(want - have))
+                block[::4096] = b"x" * len(block[::4096])  # touch every page so it counts in RSS
+                hog.append(block)
         if args.grow_mib_per_step:
             block = bytearray(int(args.grow_mib_per_step * (1 << 20)))
             block[::4096] = b"x" * len(block[::4096])  # touch every page so it counts in RSS

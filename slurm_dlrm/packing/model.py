@@ -377,6 +377,11 @@ def _context_bytes(breakdown: Any) -> int:
                if any(word in k.lower() for word in ("context", "cublas", "workspace")))
 
 
+def own_gpu_bytes(estimate: Any) -> int:
+    """An estimate's peak GPU bytes without the CUDA context (`JobDemand.gpu_mem_bytes`)."""
+    return max(0, int(_get(estimate, "gpu_peak_bytes", 0) or 0) - _context_bytes(_get(estimate, "gpu_breakdown")))
+
+
 def demand_from_estimate(estimate: Any, *, job_id: int, user: str, submit_time_s: float, priority: float = 0.0,
                          name: str = "", samples_to_train: float | None = None) -> JobDemand:
     """A `JobDemand` from an estimator `Estimate` (docs/interfaces.md section 2).

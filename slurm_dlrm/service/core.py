@@ -536,6 +536,7 @@ class PackingService:
         from slurm_dlrm.packing.dispatch import DispatchConfig, after_round, aged
         from slurm_dlrm.packing.model import PackingRequest, limits_from_site
         from slurm_dlrm.packing.policies import plan
+        from slurm_dlrm.service.measured import learned_limits, peak_errors
         from slurm_dlrm.store.states import JobState
 
         options = job_options(jobs[0])
@@ -549,9 +550,12 @@ class PackingService:
         open_gpus, where = self.refill.open_gpus(options.pack_key(), {j.id for j in jobs})
         # Gangs (world_size > 1) join too: all ranks on one node of one pack, recorded in one
         # transaction and written as one join file of W entries (docs/interfaces.md 3b).
+        # The margin learned from the estimate's error at measured peaks (service/measured.py)
+        errors = peak_errors(self.store, self.site, self.settings.user, self.recovery.config.warmup_s)
         request = PackingRequest(jobs=aged(demands, self.waited_rounds, cfg),
                                  gpu_models=tuple(self.site.gpu_models.values()), nodes=nodes,
-                                 limits=limits_from_site(self.site), max_gpus=max(0, total - busy),
+                                 limits=learned_limits(limits_from_site(self.site), errors),
+                                 max_gpus=max(0, total - busy),
                                  open_gpus=open_gpus, gang_joins=True, fair=cfg.fair, now_s=self.clock())
         result = plan(request, self.policy, self.recovery.interference_params)  # refitted from samples
         self.waited_rounds.update(after_round(self.waited_rounds, result))

@@ -31,6 +31,7 @@ from slurm_dlrm.service.common import (
     write_atomic,
 )
 from slurm_dlrm.service.daemon import ensure_private_dir
+from slurm_dlrm.service.measured import member_peaks
 from slurm_dlrm.service.sbatch_options import pack_time_minutes
 from slurm_dlrm.site import MIB, expand_hostlist
 
@@ -164,14 +165,17 @@ class Refill:
             live_ids = set(pack_member_ids(svc.store, pack.id, ("PLANNED", "RUNNING")))
             # one live member per (job, rank): a multi-GPU job holds a GPU per rank
             by_rank = {(p.job_id, p.rank or 0): p for p in placements if p.job_id in live_ids}
+            # A member past its warm-up counts at its measured peak, not its fence (service/measured.py)
+            peaks = member_peaks(svc.store, svc.site, pack, sorted({j for j, _ in by_rank}),
+                                 svc.recovery.config.warmup_s)
             demands = {}
             for j in {j for j, _ in by_rank}:
                 job = svc.store.get_job(j)
                 ranks = rank_members(svc.demand_of(job))
                 for (jj, r), p in by_rank.items():
                     if jj == j:
-                        demands[(j, r)] = self._live_demand(ranks[min(r, len(ranks) - 1)], p, now,
-                                                            self._steps_done(job))
+                        d = self._live_demand(ranks[min(r, len(ranks) - 1)], p, now, self._steps_done(job))
+                        demands[(j, r)] = replace(d, observed_gpu_mem_bytes=peaks.get((j, p.gpu_index)))
             end_t = self.end_t.get(pack.id)  # squeue's EndTime, if the parser keeps it for running jobs
             if end_t is None and shape.time_limit_s is not None and pack.start_time is not None:
                 end_t = pack.start_time + shape.time_limit_s

@@ -35,6 +35,7 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 
+from slurm_dlrm.adapt.margin import learned_margin_pct, peak_error
 from slurm_dlrm.packing.common import REFILL_POLICIES
 from slurm_dlrm.packing.dispatch import after_round, aged, should_run_round
 from slurm_dlrm.packing.interference import (
@@ -495,12 +496,12 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         # The estimate's error as the agents see it at a member's peak (its NVML
         # samples); a member killed at its fence shows only that its error passed it.
         est = est_mem[m.job.job_id] * m.scale
-        if est <= 0 or not learn_margin:
+        if not learn_margin:
             return
-        err = m.true_mem / est - 1.0
-        if m.fence_bytes is not None:
-            err = min(err, (m.fence_bytes - ctx_bytes(pack.node)) / est - 1.0 + 0.01)
-        mem_errors.append(abs(err))
+        fence = None if m.fence_bytes is None else m.fence_bytes - ctx_bytes(pack.node)
+        err = peak_error(m.true_mem, est, fence)
+        if err is not None:
+            mem_errors.append(err)
 
     def round_limits() -> PackingLimits:
         # Fences from the estimate's known error (docs/packing.md "Fences"): the
@@ -508,8 +509,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         # by (n+1)/n (the unbiased bound of a uniform error), whichever is larger.
         if not learn_margin or not mem_errors:
             return plan_limits
-        n = len(mem_errors)
-        pct = 100.0 * max(mem_errors) * (n + 1) / n
+        pct = learned_margin_pct(mem_errors, plan_limits.memory_margin_pct)
         return replace(plan_limits, memory_margin_pct=pct) if pct > plan_limits.memory_margin_pct else plan_limits
 
     def oom_victim(pack: _Pack, gpu: _Gpu, m: _Member) -> _Member | None:

@@ -152,6 +152,26 @@ ORDER BY j.end_time DESC, j.id DESC
 LIMIT :limit
 """
 
+# Live members' measured GPU peaks in one pack (NVML's per-process bytes, the CUDA
+# context included), per rank GPU, with the span their samples cover: refill counts a
+# member past its warm-up at its peak (service/measured.py). The job index serves it.
+MEMBER_PEAKS = """
+SELECT job_id, gpu_index, MAX(gpu_mem_bytes) AS gpu_mem_peak_bytes, MIN(t) AS first_t, MAX(t) AS last_t
+FROM samples
+WHERE job_id IN (SELECT value FROM json_each(:job_ids)) AND pack_id = :pack_id AND gpu_mem_bytes IS NOT NULL
+GROUP BY job_id, gpu_index
+"""
+
+# A user's most recent measured jobs: estimate vs measured GPU peak, for the margin
+# learned from the estimate's error (service/measured.py, adapt/margin.py).
+PEAK_ERRORS = """
+SELECT j.id AS job_id, s.estimate_json, j.gpu_model, u.gpu_mem_peak_bytes, u.first_t, u.last_t
+FROM jobs j JOIN job_usage u ON u.job_id = j.id JOIN job_specs s ON s.job_id = j.id
+WHERE j.user = :user AND u.gpu_mem_peak_bytes IS NOT NULL
+ORDER BY j.id DESC
+LIMIT :limit
+"""
+
 USAGE_MISMATCH = """
 SELECT job_id, n_usage, n_samples FROM (
     SELECT u.job_id, u.n_samples AS n_usage,
@@ -313,6 +333,8 @@ QUERIES: dict[str, str] = {
     ),
     "acct": ACCT,
     "calibration": CALIBRATION,
+    "member_peaks": MEMBER_PEAKS,
+    "peak_errors": PEAK_ERRORS,
     "usage_mismatch": USAGE_MISMATCH,
     "gpu_timeline": GPU_TIMELINE,
     "sample_span": SAMPLE_SPAN,

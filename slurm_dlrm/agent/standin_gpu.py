@@ -1,0 +1,105 @@
+"""What a stand-in member "feels" of its fake GPU: which stand-ins share it right now,
+and how fast that lets each run under a co-location truth (issue 29 item 1).
+
+The fake NVML and fake MPS daemon know a GPU's clients but not their solo profiles, so
+each stand-in that runs with `--truth` announces itself in a small per-GPU registry:
+`<root>/<node>/gpu<index>/<pid>.json` = `{"pid", "job_id", "sm_util_pct",
+"membw_util_pct"}` (root: `$SLURM_DLRM_STANDIN_REGISTRY`). A stand-in reads its GPU's
+folder at every slice of a step; entries of dead processes are ignored (a killed member
+leaves its file behind). The GPU is named as the fake NVML names it: the node
+(`$SLURMD_NODENAME`, several slurmd share one host here) and the first
+`CUDA_VISIBLE_DEVICES` index, remapped through the fake MPS daemon's device list when
+the member is an MPS client (the real MPS server remaps the same way).
+
+Speeds are the simulator's: `predict_speeds_from_fractions` on the members' solo
+fractions with the truth `simulate --truth` takes (`parse_truth`), a lone member at 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from slurm_dlrm.agent.fake_nvml import MPS_STATE_FILE
+from slurm_dlrm.packing.interference import InterferenceParams, predict_speeds_from_fractions
+
+ENV_STANDIN_REGISTRY = "SLURM_DLRM_STANDIN_REGISTRY"
+
+
+def gpu_name(env: dict[str, str] | None = None) -> str:
+    """`<node>/gpu<index>`: the physical fake GPU this process runs on."""
+    env = dict(os.environ) if env is None else env
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    token = (env.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
+    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY")
+    if pipe:
+        try:
+            state = json.loads((Path(pipe) / MPS_STATE_FILE).read_text())
+        except (OSError, ValueError):
+            state = None
+        running = isinstance(state, dict) and state.get("running")
+        visible = (state.get("visible_devices") or []) if running and isinstance(state, dict) else []
+        if token.isdigit() and int(token) < len(visible):
+            token = str(visible[int(token)])
+    return f"{node}/gpu{token}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class GpuRegistry:
+    """This stand-in's entry in its GPU's folder, and the live co-runners it sees."""
+
+    def __init__(self, root: str | os.PathLike[str], gpu: str, job_id: str | None,
+                 sm_util_pct: float, membw_util_pct: float) -> None:
+        self.folder = Path(root) / gpu
+        self.pid = os.getpid()
+        self.entry = {"pid": self.pid, "job_id": job_id, "sm_util_pct": float(sm_util_pct),
+                      "membw_util_pct": float(membw_util_pct)}
+        self.path = self.folder / f"{self.pid}.json"
+
+    def __enter__(self) -> GpuRegistry:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / f".{self.pid}.tmp"
+        tmp.write_text(json.dumps(self.entry))
+        os.replace(tmp, self.path)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+    def live(self) -> list[dict[str, Any]]:
+        """The live stand-ins on this GPU, this one included, in pid order."""
+        out = []
+        for f in sorted(self.folder.glob("*.json")):
+            try:
+                e = json.loads(f.read_text())
+                pid = int(e["pid"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # being replaced, or not ours
+            if pid == self.pid or _alive(pid):
+                out.append(e)
+        return out
+
+    def speed(self, truth: InterferenceParams) -> float:
+        """This stand-in's speed (relative to solo) under `truth` with what runs now."""
+        live = self.live()
+        if len(live) <= 1:
+            return 1.0
+        sm = [min(1.0, float(e["sm_util_pct"]) / 100.0) for e in live]
+        bw = [min(1.0, float(e["membw_util_pct"]) / 100.0) for e in live]
+        speeds = predict_speeds_from_fractions(sm, bw, truth)
+        mine = next((i for i, e in enumerate(live) if int(e["pid"]) == self.pid), None)
+        return 1.0 if mine is None else max(1e-3, float(speeds[mine]))
