@@ -7,7 +7,7 @@ reduced: the small workload, not yet the 60-job one).
 Each policy runs live on this checkout's local Slurm cluster (2 nodes x 4 fake GPUs,
 `slurm-dlrm cluster up`; started if not running, left running): jobs are submitted at
 their arrival times through `submit` -> the packing service (`serve --policy P`) ->
-Slurm -> the agent, and each member is a stand-in (slurm_dlrm/agent/standin.py) that
+Slurm -> the agent, and each member is a stand-in (slurm_dlrm/agent/standin/) that
 runs its solo time (`solo_duration_s`) slowed down by the truth `--truth` with what
 really shares its fake GPU, at its *true* profile, its memory growing to its true peak. The same workload, cluster file and
 truth then go through the simulator. Per policy it prints live and simulated

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from slurm_dlrm.agent.standin.__main__ import speeds_under
 from slurm_dlrm.agent.standin_gpu import GpuRegistry, gpu_name
 from slurm_dlrm.interference_io import parse_truth
 from slurm_dlrm.packing.interference import predict_speeds_from_fractions
@@ -69,7 +70,7 @@ def test_a_dead_members_entry_does_not_slow_the_gpu(tmp_path):
     env = {"SLURMD_NODENAME": "nodeT", "CUDA_VISIBLE_DEVICES": "0"}
     with GpuRegistry(tmp_path, gpu_name(env), "5", 80.0, 30.0) as reg:
         assert [int(e["pid"]) for e in reg.live()] == [os.getpid()]
-        assert reg.speed(parse_truth("synthetic")) == 1.0
+        assert reg.speed(speeds_under("synthetic")) == 1.0
 
 
 def test_gpu_name_follows_the_fake_mps_daemons_device_list(tmp_path):

@@ -1,5 +1,5 @@
 """Recovery on the local Slurm cluster: the packing service (in this process, rounds every
-0.5 s) with stand-in members (slurm_dlrm/agent/standin.py, no torch) under the real agent.
+0.5 s) with stand-in members (slurm_dlrm/agent/standin/, no torch) under the real agent.
 
 - A member that grows past its host budget is stopped by the agent (OOM_HOST), requeued
   with a raise from its measured peak, resumes from its checkpoint and completes; its
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-STANDIN = REPO / "slurm_dlrm" / "agent" / "standin.py"
+STANDIN = ["-m", "slurm_dlrm.agent.standin"]
 pytestmark = pytest.mark.slurm
 MIB = 1 << 20
 
@@ -55,7 +55,7 @@ def live(slurm_cluster, tmp_path):
 def add_standin(store, user: str, name: str, args: list[str], host_mib: int = 64) -> int:
     spec = {"name": name, "tables": [{"name": "t0", "rows": 100, "dim": 8}], "dense_features": 4,
             "bottom_mlp": [8], "top_mlp": [8, 1], "batch_size": 16, "steps": 100,
-            "command": [sys.executable, str(STANDIN), *args]}
+            "command": [sys.executable, *STANDIN, *args]}
     est = {"gpu_peak_bytes": 1 << 30, "host_peak_bytes": host_mib * MIB,
            "gpu_breakdown": {"embeddings": (1 << 30) - 600 * MIB, "cuda_context": 600 * MIB},
            "host_breakdown": {"python": host_mib * MIB},

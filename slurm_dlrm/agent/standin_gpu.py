@@ -12,7 +12,9 @@ leaves its file behind). The GPU is named as the fake NVML names it: the node
 the member is an MPS client (the real MPS server remaps the same way).
 
 Speeds are the simulator's: `predict_speeds_from_fractions` on the members' solo
-fractions with the truth `simulate --truth` takes (`parse_truth`), a lone member at 1.
+fractions with the truth `simulate --truth` takes (`parse_truth`), a lone member at 1;
+the stand-in's entry point (standin/__main__.py) hands that function in, since the
+agent's floor may not import packing or the truth readers.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import contextlib
 import json
 import os
 import socket
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.agent.fake_nvml import MPS_STATE_FILE
-from slurm_dlrm.packing.interference import InterferenceParams, predict_speeds_from_fractions
+
+SpeedsOf = Callable[[Sequence[float], Sequence[float]], Sequence[float]]
 
 ENV_STANDIN_REGISTRY = "SLURM_DLRM_STANDIN_REGISTRY"
 
@@ -93,13 +97,14 @@ class GpuRegistry:
                 out.append(e)
         return out
 
-    def speed(self, truth: InterferenceParams) -> float:
-        """This stand-in's speed (relative to solo) under `truth` with what runs now."""
+    def speed(self, speeds_of: SpeedsOf) -> float:
+        """This stand-in's speed (relative to solo) with what runs now; `speeds_of(sm, bw)`
+        gives every member's speed from their solo SM and bandwidth fractions."""
         live = self.live()
         if len(live) <= 1:
             return 1.0
         sm = [min(1.0, float(e["sm_util_pct"]) / 100.0) for e in live]
         bw = [min(1.0, float(e["membw_util_pct"]) / 100.0) for e in live]
-        speeds = predict_speeds_from_fractions(sm, bw, truth)
+        speeds = speeds_of(sm, bw)
         mine = next((i for i, e in enumerate(live) if int(e["pid"]) == self.pid), None)
         return 1.0 if mine is None else max(1e-3, float(speeds[mine]))

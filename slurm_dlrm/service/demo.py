@@ -171,7 +171,7 @@ def default_specs(count: int | None = None) -> list[Path]:
 
 
 def standin_specs(specs: Sequence[Path], workdir: Path, python: str, step_s: float = 0.1) -> list[Path]:
-    """Copies of `specs` whose members run the stand-in (slurm_dlrm/agent/standin.py, no
+    """Copies of `specs` whose members run the stand-in (slurm_dlrm/agent/standin/, no
     torch) for the same steps, so the demo's Slurm path runs where torch is not installed
     (scripts/slurm-matrix.sh on Python 3.13+). Everything else, estimate, packing, fences,
     the agent, accounting, is the real path."""

@@ -34,6 +34,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,9 @@ def _checkpoint(ckpt_dir: Path | None, step: int) -> None:
     os.replace(tmp, ckpt_dir / "checkpoint.json")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, parse_truth: Callable[[str], Any] | None = None) -> int:
+    """The program; `parse_truth` (passed by __main__.py, which stands above the agent's
+    floor) turns --truth into the speeds function GpuRegistry.speed takes."""
     ap = argparse.ArgumentParser(prog="standin")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--step-s", type=float, default=0.1)
@@ -87,8 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     truth = None
     if args.truth is not None:
         from slurm_dlrm.errors import BadInput
-        from slurm_dlrm.interference_io import parse_truth
 
+        if parse_truth is None:
+            print("standin: --truth needs the program's entry point (python -m slurm_dlrm.agent.standin)",
+                  file=sys.stderr)
+            return 2
         try:
             truth = parse_truth(args.truth)
         except BadInput as exc:
@@ -175,10 +181,6 @@ def _run(args: Any, step: int, hog: list[bytearray], out: Any, writes_ckpt: Path
     if out is not None:
         out.close()
     return args.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 def member_entry(pack_dir: str | os.PathLike[str], job_id: int, gpu_index: int, *, node_index: int = 0,
