@@ -194,3 +194,32 @@ def test_the_rule_is_a_site_and_cluster_key(tmp_path):
     assert parse_cluster({**CLUSTER, "packing": {"fairness": "slowdown"}}).dispatch.fairness == "slowdown"
     with pytest.raises(BadInput, match="fairness"):
         parse_cluster({**CLUSTER, "packing": {"fairness": "fifo"}})
+
+
+def test_a_reserved_gpu_takes_a_long_joiner_that_leaves_the_gang_its_rank_room():
+    # A two-GPU pack: GPU 0 has room for a rank, GPU 1 is full of memory for another
+    # hour, so the waiting 2-rank gang reserves both. It needs one rank's room on each,
+    # not the GPUs drained: a long light job may join GPU 0 beside the room (before
+    # issue 31's second pass it could not: it ends after GPU 0's live member), a long
+    # job that would take the room may not.
+    now = 4 * 3600.0
+    light = OpenGpu("5:0:0", "n", 1, pack=True, gpu_model="h100", free_cpus=32, free_host_mem_bytes=128 * GIB,
+                    live=(replace(job(9001, dur=3 * 3600.0), rank=0),))
+    full = OpenGpu("5:0:1", "n", 1, pack=True, gpu_model="h100", free_cpus=32, free_host_mem_bytes=128 * GIB,
+                   live=(replace(job(9002, dur=3600.0, mem_gib=74), rank=0),))
+    gang = job(1, submit=0.0, dur=3600.0, world=2)  # waited 4 h: slowdown 5, past the reservation point
+    long_light = job(2, submit=now - 60, dur=5 * 3600.0)
+    long_heavy = job(3, submit=now - 60, dur=5 * 3600.0, mem_gib=68)  # fits beside the live member, not the rank too
+    req = PackingRequest(jobs=(gang, long_light, long_heavy), gpu_models=(H100,), nodes=(), open_gpus=(light, full),
+                         fair=FAIR, now_s=now)
+    p = plan(req, "complementary")
+    joined = {j.member.job_id: j.gpu_key for j in p.joins}
+    assert 1 not in joined  # the gang cannot join yet (GPU 1's memory)
+    assert joined.get(2) == "5:0:0"
+    assert 3 not in joined
+    assert 3 in {j.member.job_id for j in plan(replace(req, jobs=(long_heavy,), fair=None), "complementary").joins}
+    # the joiner left the rank its room: once GPU 1's member ends, the gang joins both
+    later = replace(req, jobs=(gang,), now_s=now + 3600.0,
+                    open_gpus=(replace(light, members=2, live=light.live + (replace(long_light, rank=0),)),
+                               replace(full, members=0, live=())))
+    assert {j.member.job_id for j in plan(later, "complementary").joins} == {1}
