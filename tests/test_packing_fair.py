@@ -196,6 +196,26 @@ def test_the_rule_is_a_site_and_cluster_key(tmp_path):
         parse_cluster({**CLUSTER, "packing": {"fairness": "fifo"}})
 
 
+def test_the_rules_tuning_is_a_site_and_cluster_key(tmp_path):
+    # (so a live test can use a small bound and wait)
+    from service_harness import make_site
+
+    from slurm_dlrm.errors import BadInput, ConfigError
+    from slurm_dlrm.packing.dispatch import DispatchConfig
+
+    site = make_site(tmp_path, fairness="slowdown", overdue_slowdown=3.0, gang_reserve_slowdown=1.5,
+                     overdue_min_wait_s=20.0)
+    assert DispatchConfig.from_site(site).fair == FairConfig(overdue_slowdown=3.0, gang_reserve_slowdown=1.5,
+                                                             min_wait_s=20.0)
+    packing = {"fairness": "slowdown", "overdue_slowdown": 3, "gang_reserve_slowdown": 1.5, "overdue_min_wait_s": 20}
+    assert parse_cluster({**CLUSTER, "packing": packing}).dispatch.fair == FairConfig(
+        overdue_slowdown=3.0, gang_reserve_slowdown=1.5, min_wait_s=20.0)
+    with pytest.raises(BadInput, match="overdue_slowdown"):
+        parse_cluster({**CLUSTER, "packing": {"overdue_slowdown": 0.5}})
+    with pytest.raises(ConfigError, match="overdue_min_wait_s"):
+        make_site(tmp_path, overdue_min_wait_s=-1.0)
+
+
 def test_a_reserved_gpu_takes_a_long_joiner_that_leaves_the_gang_its_rank_room():
     # A two-GPU pack: GPU 0 has room for a rank, GPU 1 is full of memory for another
     # hour, so the waiting 2-rank gang reserves both. It needs one rank's room on each,
