@@ -243,3 +243,19 @@ def test_a_reserved_gpu_takes_a_long_joiner_that_leaves_the_gang_its_rank_room()
                     open_gpus=(replace(light, members=2, live=light.live + (replace(long_light, rank=0),)),
                                replace(full, members=0, live=())))
     assert {j.member.job_id for j in plan(later, "complementary").joins} == {1}
+
+
+def test_the_simulator_is_causal_so_a_run_without_later_arrivals_is_the_same_until_then():
+    # policy_compare.py measures queue --start against the run with the jobs submitted
+    # after the question left out ("given the queue"): that run must be the same run up
+    # to that moment, or the comparison measures something else.
+    c = parse_cluster(CLUSTER)
+    w = parse_workload({"name": "w", "jobs": _stream()}, {g.name: g for g in c.gpu_models})
+    full = simulate(w, c, "complementary", fairness="slowdown")
+    for cut_s in (2 * 3600.0, 5 * 3600.0):
+        part = simulate(replace(w, jobs=tuple(j for j in w.jobs if j.arrival_s <= cut_s)), c, "complementary",
+                        fairness="slowdown")
+        a = {o.job_id: o.start_s for o in full.jobs if o.start_s is not None and o.start_s <= cut_s}
+        b = {o.job_id: o.start_s for o in part.jobs if o.start_s is not None and o.start_s <= cut_s}
+        assert a == b and len(a) > 5
+        assert any(o.start_s is None or o.start_s > cut_s for o in part.jobs)  # some were still waiting then
