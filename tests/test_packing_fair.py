@@ -259,3 +259,24 @@ def test_the_simulator_is_causal_so_a_run_without_later_arrivals_is_the_same_unt
         b = {o.job_id: o.start_s for o in part.jobs if o.start_s is not None and o.start_s <= cut_s}
         assert a == b and len(a) > 5
         assert any(o.start_s is None or o.start_s > cut_s for o in part.jobs)  # some were still waiting then
+
+
+def test_joiners_on_any_reserved_gpu_leave_the_gang_its_cpus_on_the_node():
+    # A 3-rank gang reserved three GPUs of one pack node (GPU 2 is full for an hour).
+    # The allocation's CPUs are the node's, shared by its GPUs: long joiners that leave
+    # the ranks' room must leave their CPUs too, wherever they join. 8 free CPUs, the
+    # ranks take 6: one long 2-CPU joiner, not two (one per GPU would each fit alone).
+    now = 4 * 3600.0
+
+    def gpu(k: int, mem_gib: float, rest_s: float) -> OpenGpu:
+        return OpenGpu(f"5:0:{k}", "n", 1, pack=True, gpu_model="h100", free_cpus=8, free_host_mem_bytes=128 * GIB,
+                       live=(replace(job(9000 + k, dur=rest_s, mem_gib=mem_gib), rank=0),))
+
+    gang = job(1, submit=0.0, dur=3600.0, world=3)
+    longs = (job(2, submit=now - 60, dur=5 * 3600.0), job(3, submit=now - 60, dur=5 * 3600.0))
+    assert gang.cpus * 3 == 6 and all(j.cpus == 2 for j in longs)
+    req = PackingRequest(jobs=(gang, *longs), gpu_models=(H100,), nodes=(),
+                         open_gpus=(gpu(0, 4, 3 * 3600.0), gpu(1, 4, 3 * 3600.0), gpu(2, 74, 3600.0)),
+                         fair=FAIR, now_s=now)
+    joined = {j.member.job_id for j in plan(req, "complementary").joins}
+    assert 1 not in joined and len(joined & {2, 3}) == 1

@@ -514,7 +514,7 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
                     break  # nothing from here on fits
                 if (fence[i] > free_mem or cpus[i] > free_cpus or host[i] > free_host
                         or (res is not None and not _backfills(res, rest[i], fence[i], cpus[i], sm[i], bw[i],
-                                                               len(pg.joined)))):
+                                                               len(pg.joined), host[i]))):
                     i = untaken(i + 1)
                     continue
                 scanned += 1
@@ -538,6 +538,9 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
                 res.slack_cpus -= cpus[pick]
                 res.slack_sm -= sm[pick]
                 res.slack_bw -= bw[pick]
+                if res.node_slack is not None:  # shared by the node's reserved GPUs
+                    res.node_slack[0] -= cpus[pick]
+                    res.node_slack[1] -= host[pick]
             skip[pick] = pick + 1
             placed.add(rest[pick].job_id)
 
@@ -563,6 +566,9 @@ class _Reservation:
     slack_sm: float = math.inf
     slack_bw: float = math.inf
     max_joined: int | None = None
+    # The allocation's CPUs and host memory the gang's ranks leave on the node: one list
+    # shared by the holds of that node, since a joiner on any of its GPUs takes from it.
+    node_slack: list[int] | None = None
 
 
 def _ends_before(res: _Reservation, job: JobDemand) -> bool:
@@ -570,12 +576,14 @@ def _ends_before(res: _Reservation, job: JobDemand) -> bool:
 
 
 def _backfills(res: _Reservation, job: JobDemand, fence: int, cpus: int, sm: float = 0.0, bw: float = 0.0,
-               joined: int = 0) -> bool:
+               joined: int = 0, host_bytes: int = 0) -> bool:
     """Whether `job` may join the reserved GPU: it ends before the reservation's start,
     or it leaves the reserved job its room."""
     return _ends_before(res, job) or (fence <= res.slack_bytes and cpus <= res.slack_cpus
                                       and sm <= res.slack_sm + 1e-9 and bw <= res.slack_bw + 1e-9
-                                      and (res.max_joined is None or joined < res.max_joined))
+                                      and (res.max_joined is None or joined < res.max_joined)
+                                      and (res.node_slack is None
+                                           or (cpus <= res.node_slack[0] and host_bytes <= res.node_slack[1])))
 
 
 def _gang_holds(gpus: list[_PackGpu], gang: JobDemand, limits: PackingLimits,
@@ -587,19 +595,22 @@ def _gang_holds(gpus: list[_PackGpu], gang: JobDemand, limits: PackingLimits,
     order (unknown length: never, and then only joiners that leave the room join)."""
     ranks = rank_members(gang)
     heavy = min(ranks, key=rank_load)
-    cpus = sum(m.cpus for m in ranks)  # on the node, whichever of its GPUs the joiner takes
     sm_r, bw_r = util_fraction(heavy.sm_util_pct), util_fraction(heavy.membw_util_pct)
     start_s = 0.0
     out: dict[str, _Reservation] = {}
+    node_slack: dict[int, list[int]] = {}
     for pg in gpus:
+        shared = node_slack.setdefault(id(pg.node), [pg.node.free_cpus - sum(m.cpus for m in ranks),
+                                                     pg.node.free_mem_bytes - sum(host_limit_bytes(m, limits)
+                                                                                  for m in ranks)])
         fence = max(member_fence_bytes(m, pg.gpu, limits) for m in ranks)
         free = usable_gpu_bytes(pg.gpu) - pg.used_bytes
         sm = sum(util_fraction(j.sm_util_pct) for j in pg.members)
         bw = sum(util_fraction(j.membw_util_pct) for j in pg.members)
         target = limits.target_load if load_target else math.inf
         slots = pg.slots - len(pg.joined)
-        out[pg.key] = _Reservation(pg, 0.0, free - fence, pg.node.free_cpus - cpus,
-                                   target - sm - sm_r, target - bw - bw_r, pg.slots - 1)
+        out[pg.key] = _Reservation(pg, 0.0, free - fence, 1 << 62, target - sm - sm_r, target - bw - bw_r,
+                                   pg.slots - 1, shared)
         t = 0.0
         live = sorted(pg.live, key=lambda x: math.inf if x.est_duration_s is None else x.est_duration_s)
         for k, m in enumerate(live):
@@ -610,6 +621,9 @@ def _gang_holds(gpus: list[_PackGpu], gang: JobDemand, limits: PackingLimits,
             sm -= util_fraction(m.sm_util_pct)
             bw -= util_fraction(m.membw_util_pct)
             slots += 1
+        if not (fence <= free and slots >= 1
+                and (len(live) == len(pg.members) or max(sm + sm_r, bw + bw_r) <= target + 1e-9)):
+            t = math.inf  # no room even with every live member ended (this round's joiners stay)
         start_s = max(start_s, t)
     for r in out.values():
         r.start_s = 0.0 if start_s == math.inf else start_s
