@@ -189,6 +189,11 @@ class PackingConfig:
     # "rounds": round-based aging (the default: the most throughput, but gangs wait);
     # "slowdown": the slowdown bound of issue 31 (docs/packing.md "Every job gets its turn").
     fairness: str = "rounds"
+    # The slowdown rule's tuning (`FairConfig`): a job is overdue past this slowdown
+    # (wait + run) / run and this wait; a waiting gang reserves room past its own point.
+    overdue_slowdown: float = 10.0
+    gang_reserve_slowdown: float = 2.0
+    overdue_min_wait_s: float = 600.0
 
 
 @dataclass(frozen=True)
@@ -571,6 +576,9 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         max_wait_rounds=k.get("max_wait_rounds", int, 30, min_value=1),
         refill_headroom_pct=_headroom_pct(k),
         fairness=k.get("fairness", str, "rounds", choices=("rounds", "slowdown")),
+        overdue_slowdown=k.get("overdue_slowdown", float, 10.0, min_value=1.0),
+        gang_reserve_slowdown=k.get("gang_reserve_slowdown", float, 2.0, min_value=1.0),
+        overdue_min_wait_s=k.get("overdue_min_wait_s", float, 600.0, min_value=0.0),
     )
     k.done()
     if packing.max_members_per_gpu > mps.client_limit:

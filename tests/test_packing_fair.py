@@ -194,3 +194,89 @@ def test_the_rule_is_a_site_and_cluster_key(tmp_path):
     assert parse_cluster({**CLUSTER, "packing": {"fairness": "slowdown"}}).dispatch.fairness == "slowdown"
     with pytest.raises(BadInput, match="fairness"):
         parse_cluster({**CLUSTER, "packing": {"fairness": "fifo"}})
+
+
+def test_the_rules_tuning_is_a_site_and_cluster_key(tmp_path):
+    # (so a live test can use a small bound and wait)
+    from service_harness import make_site
+
+    from slurm_dlrm.errors import BadInput, ConfigError
+    from slurm_dlrm.packing.dispatch import DispatchConfig
+
+    site = make_site(tmp_path, fairness="slowdown", overdue_slowdown=3.0, gang_reserve_slowdown=1.5,
+                     overdue_min_wait_s=20.0)
+    assert DispatchConfig.from_site(site).fair == FairConfig(overdue_slowdown=3.0, gang_reserve_slowdown=1.5,
+                                                             min_wait_s=20.0)
+    packing = {"fairness": "slowdown", "overdue_slowdown": 3, "gang_reserve_slowdown": 1.5, "overdue_min_wait_s": 20}
+    assert parse_cluster({**CLUSTER, "packing": packing}).dispatch.fair == FairConfig(
+        overdue_slowdown=3.0, gang_reserve_slowdown=1.5, min_wait_s=20.0)
+    with pytest.raises(BadInput, match="overdue_slowdown"):
+        parse_cluster({**CLUSTER, "packing": {"overdue_slowdown": 0.5}})
+    with pytest.raises(ConfigError, match="overdue_min_wait_s"):
+        make_site(tmp_path, overdue_min_wait_s=-1.0)
+
+
+def test_a_reserved_gpu_takes_a_long_joiner_that_leaves_the_gang_its_rank_room():
+    # A two-GPU pack: GPU 0 has room for a rank, GPU 1 is full of memory for another
+    # hour, so the waiting 2-rank gang reserves both. It needs one rank's room on each,
+    # not the GPUs drained: a long light job may join GPU 0 beside the room (before
+    # issue 31's second pass it could not: it ends after GPU 0's live member), a long
+    # job that would take the room may not.
+    now = 4 * 3600.0
+    light = OpenGpu("5:0:0", "n", 1, pack=True, gpu_model="h100", free_cpus=32, free_host_mem_bytes=128 * GIB,
+                    live=(replace(job(9001, dur=3 * 3600.0), rank=0),))
+    full = OpenGpu("5:0:1", "n", 1, pack=True, gpu_model="h100", free_cpus=32, free_host_mem_bytes=128 * GIB,
+                   live=(replace(job(9002, dur=3600.0, mem_gib=74), rank=0),))
+    gang = job(1, submit=0.0, dur=3600.0, world=2)  # waited 4 h: slowdown 5, past the reservation point
+    long_light = job(2, submit=now - 60, dur=5 * 3600.0)
+    long_heavy = job(3, submit=now - 60, dur=5 * 3600.0, mem_gib=68)  # fits beside the live member, not the rank too
+    req = PackingRequest(jobs=(gang, long_light, long_heavy), gpu_models=(H100,), nodes=(), open_gpus=(light, full),
+                         fair=FAIR, now_s=now)
+    p = plan(req, "complementary")
+    joined = {j.member.job_id: j.gpu_key for j in p.joins}
+    assert 1 not in joined  # the gang cannot join yet (GPU 1's memory)
+    assert joined.get(2) == "5:0:0"
+    assert 3 not in joined
+    assert 3 in {j.member.job_id for j in plan(replace(req, jobs=(long_heavy,), fair=None), "complementary").joins}
+    # the joiner left the rank its room: once GPU 1's member ends, the gang joins both
+    later = replace(req, jobs=(gang,), now_s=now + 3600.0,
+                    open_gpus=(replace(light, members=2, live=light.live + (replace(long_light, rank=0),)),
+                               replace(full, members=0, live=())))
+    assert {j.member.job_id for j in plan(later, "complementary").joins} == {1}
+
+
+def test_the_simulator_is_causal_so_a_run_without_later_arrivals_is_the_same_until_then():
+    # policy_compare.py measures queue --start against the run with the jobs submitted
+    # after the question left out ("given the queue"): that run must be the same run up
+    # to that moment, or the comparison measures something else.
+    c = parse_cluster(CLUSTER)
+    w = parse_workload({"name": "w", "jobs": _stream()}, {g.name: g for g in c.gpu_models})
+    full = simulate(w, c, "complementary", fairness="slowdown")
+    for cut_s in (2 * 3600.0, 5 * 3600.0):
+        part = simulate(replace(w, jobs=tuple(j for j in w.jobs if j.arrival_s <= cut_s)), c, "complementary",
+                        fairness="slowdown")
+        a = {o.job_id: o.start_s for o in full.jobs if o.start_s is not None and o.start_s <= cut_s}
+        b = {o.job_id: o.start_s for o in part.jobs if o.start_s is not None and o.start_s <= cut_s}
+        assert a == b and len(a) > 5
+        assert any(o.start_s is None or o.start_s > cut_s for o in part.jobs)  # some were still waiting then
+
+
+def test_joiners_on_any_reserved_gpu_leave_the_gang_its_cpus_on_the_node():
+    # A 3-rank gang reserved three GPUs of one pack node (GPU 2 is full for an hour).
+    # The allocation's CPUs are the node's, shared by its GPUs: long joiners that leave
+    # the ranks' room must leave their CPUs too, wherever they join. 8 free CPUs, the
+    # ranks take 6: one long 2-CPU joiner, not two (one per GPU would each fit alone).
+    now = 4 * 3600.0
+
+    def gpu(k: int, mem_gib: float, rest_s: float) -> OpenGpu:
+        return OpenGpu(f"5:0:{k}", "n", 1, pack=True, gpu_model="h100", free_cpus=8, free_host_mem_bytes=128 * GIB,
+                       live=(replace(job(9000 + k, dur=rest_s, mem_gib=mem_gib), rank=0),))
+
+    gang = job(1, submit=0.0, dur=3600.0, world=3)
+    longs = (job(2, submit=now - 60, dur=5 * 3600.0), job(3, submit=now - 60, dur=5 * 3600.0))
+    assert gang.cpus * 3 == 6 and all(j.cpus == 2 for j in longs)
+    req = PackingRequest(jobs=(gang, *longs), gpu_models=(H100,), nodes=(),
+                         open_gpus=(gpu(0, 4, 3 * 3600.0), gpu(1, 4, 3 * 3600.0), gpu(2, 74, 3600.0)),
+                         fair=FAIR, now_s=now)
+    joined = {j.member.job_id for j in plan(req, "complementary").joins}
+    assert 1 not in joined and len(joined & {2, 3}) == 1

@@ -45,7 +45,10 @@ class DispatchConfig:
     def from_site(cls, site: SiteConfig) -> DispatchConfig:
         p = site.packing
         return cls(round_seconds=p.round_seconds, round_batch_size=p.round_batch_size, max_wait_rounds=p.max_wait_rounds,
-                   fairness=p.fairness)
+                   fairness=p.fairness,
+                   fair_config=FairConfig(overdue_slowdown=p.overdue_slowdown,
+                                          gang_reserve_slowdown=p.gang_reserve_slowdown,
+                                          min_wait_s=p.overdue_min_wait_s))
 
     @property
     def fair(self) -> FairConfig | None:

@@ -56,6 +56,9 @@ _RESERVE = True
 # Overdue single-GPU jobs join through the priced fill, first in its order (True), or
 # each onto the GPU it adds most to, ahead of it (False: measured worse, docs/packing.md).
 _PRICED_OVERDUE = True
+# Issue 31: a waiting gang holds one rank's room on its reserved GPUs (`_gang_holds`);
+# False: the whole GPU drains (EASY on the live members' end), measured worse.
+_GANG_ROOM = True
 
 
 def _join_key(job: JobDemand) -> tuple[float, bool, float, float, int]:
@@ -219,6 +222,8 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
     # GPUs of one pack node first (`_reserve_for_gang`): they take no single-GPU joins
     # and drain for it; the pack's other GPUs carry on.
     reserved: set[str] = set()
+    holds: dict[str, _Reservation] = {}
+    gang: JobDemand | None = None
     fair, now = request.fair, request.now_s
     backfill = False
     if fair is not None and now is not None and request.gang_joins:
@@ -227,14 +232,22 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
             if job.is_gang and is_overdue(job, now, fair, reserve_at):
                 _join_gangs(pgs, [job], placed, limits, params, policy == "complementary", reserved)
                 if reserved:
+                    gang = job
                     break
-        # EASY backfill on the reserved GPUs: a joiner must end before their live
-        # members do (their time left is capped there; `_times_fit`).
-        for pg in pgs:
-            if pg.key in reserved:
-                rest = max((j.est_duration_s if j.est_duration_s is not None else math.inf for j in pg.live), default=0.0)
-                pg.remaining_s = min(rest, pg.remaining_s if pg.remaining_s is not None else math.inf)
-        reserved = {pg.key for pg in pgs if pg.key in reserved and pg.remaining_s == math.inf}
+        if _GANG_ROOM and reserved and gang is not None:
+            # The gang needs one rank's room on each reserved GPU, not the whole GPU:
+            # a joiner may take a reserved GPU if it ends before that room is expected
+            # free on all of them, or if it leaves the room (`_gang_holds`).
+            holds = _gang_holds([pg for pg in pgs if pg.key in reserved], gang, limits,
+                                policy == "complementary")
+        else:
+            # EASY backfill on the reserved GPUs: a joiner must end before their live
+            # members do (their time left is capped there; `_times_fit`).
+            for pg in pgs:
+                if pg.key in reserved:
+                    rest = max((j.est_duration_s if j.est_duration_s is not None else math.inf for j in pg.live), default=0.0)
+                    pg.remaining_s = min(rest, pg.remaining_s if pg.remaining_s is not None else math.inf)
+            reserved = {pg.key for pg in pgs if pg.key in reserved and pg.remaining_s == math.inf}
         backfill = True
     open_pgs = [pg for pg in pgs if pg.key not in reserved]
     overdue = [j for j in queue if is_overdue_priority(j.priority) and j.job_id not in placed]
@@ -292,7 +305,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
             placed.add(job.job_id)
         if not held and pgs:  # (a waiting gang may have reserved every pack GPU)
             # An overdue job that fits nowhere gets the reservation a drain-tail job gets.
-            _fill_by_gain(pgs, singles, placed, limits, params, tail | {j.job_id for j in overdue})
+            _fill_by_gain(pgs, singles, placed, limits, params, tail | {j.job_id for j in overdue}, holds)
     joins: list[Join] = []
     for pg in all_pgs:
         members = pg.members
@@ -399,7 +412,8 @@ def _reserve_for_gang(groups: dict[int, list[_PackGpu]], ranks: list[JobDemand],
 
 
 def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int], limits: PackingLimits,
-                  params: InterferenceParams, tail: frozenset[int] = frozenset()) -> None:
+                  params: InterferenceParams, tail: frozenset[int] = frozenset(),
+                  holds: dict[str, _Reservation] | None = None) -> None:
     """complementary's refill: each pack GPU in turn takes the job, among the next
     `_JOIN_SCAN` that fit in the given order, that raises its predicted summed speed most,
     while that gain is at least `min_gain`.
@@ -473,7 +487,7 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
         fence, min_fence = fences[pg.gpu.name]
         usable = usable_gpu_bytes(pg.gpu)
         node = pg.node
-        res = reservation if reservation is not None and reservation.gpu is pg else None
+        res = reservation if reservation is not None and reservation.gpu is pg else (holds or {}).get(pg.key)
         while len(pg.joined) < pg.slots:
             free_mem, free_cpus, free_host = usable - pg.used_bytes, node.free_cpus, node.free_mem_bytes
             live_sm = [util_fraction(j.sm_util_pct) for j in pg.members]
@@ -499,7 +513,8 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
                 if min_fence[i] > free_mem or min_cpus[i] > free_cpus or min_host[i] > free_host:
                     break  # nothing from here on fits
                 if (fence[i] > free_mem or cpus[i] > free_cpus or host[i] > free_host
-                        or (res is not None and not _backfills(res, rest[i], fence[i], cpus[i]))):
+                        or (res is not None and not _backfills(res, rest[i], fence[i], cpus[i], sm[i], bw[i],
+                                                               len(pg.joined), host[i]))):
                     i = untaken(i + 1)
                     continue
                 scanned += 1
@@ -521,6 +536,11 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
             if res is not None and not _ends_before(res, rest[pick]):
                 res.slack_bytes -= fence[pick]
                 res.slack_cpus -= cpus[pick]
+                res.slack_sm -= sm[pick]
+                res.slack_bw -= bw[pick]
+                if res.node_slack is not None:  # shared by the node's reserved GPUs
+                    res.node_slack[0] -= cpus[pick]
+                    res.node_slack[1] -= host[pick]
             skip[pick] = pick + 1
             placed.add(rest[pick].job_id)
 
@@ -541,16 +561,73 @@ class _Reservation:
     start_s: float  # when enough of its live members are expected to have ended
     slack_bytes: int  # GPU memory a longer joiner may still take beside the reserved job
     slack_cpus: int
+    # For a gang's rank (`_gang_holds`): SM and bandwidth shares a longer joiner may
+    # still take under the load target, and the joined members that leave it a slot.
+    slack_sm: float = math.inf
+    slack_bw: float = math.inf
+    max_joined: int | None = None
+    # The allocation's CPUs and host memory the gang's ranks leave on the node: one list
+    # shared by the holds of that node, since a joiner on any of its GPUs takes from it.
+    node_slack: list[int] | None = None
 
 
 def _ends_before(res: _Reservation, job: JobDemand) -> bool:
     return job.est_duration_s is not None and job.est_duration_s <= res.start_s
 
 
-def _backfills(res: _Reservation, job: JobDemand, fence: int, cpus: int) -> bool:
+def _backfills(res: _Reservation, job: JobDemand, fence: int, cpus: int, sm: float = 0.0, bw: float = 0.0,
+               joined: int = 0, host_bytes: int = 0) -> bool:
     """Whether `job` may join the reserved GPU: it ends before the reservation's start,
     or it leaves the reserved job its room."""
-    return _ends_before(res, job) or (fence <= res.slack_bytes and cpus <= res.slack_cpus)
+    return _ends_before(res, job) or (fence <= res.slack_bytes and cpus <= res.slack_cpus
+                                      and sm <= res.slack_sm + 1e-9 and bw <= res.slack_bw + 1e-9
+                                      and (res.max_joined is None or joined < res.max_joined)
+                                      and (res.node_slack is None
+                                           or (cpus <= res.node_slack[0] and host_bytes <= res.node_slack[1])))
+
+
+def _gang_holds(gpus: list[_PackGpu], gang: JobDemand, limits: PackingLimits,
+                load_target: bool) -> dict[str, _Reservation]:
+    """A reservation of one rank's room on each GPU a waiting gang reserved: memory for
+    its heaviest rank's fence, a client slot and (`load_target`, complementary) SM and
+    bandwidth under the target, as `_join_gangs` asks. Its start is when the last of
+    these GPUs is expected to have that room, its live members ending in their expected
+    order (unknown length: never, and then only joiners that leave the room join)."""
+    ranks = rank_members(gang)
+    heavy = min(ranks, key=rank_load)
+    sm_r, bw_r = util_fraction(heavy.sm_util_pct), util_fraction(heavy.membw_util_pct)
+    start_s = 0.0
+    out: dict[str, _Reservation] = {}
+    node_slack: dict[int, list[int]] = {}
+    for pg in gpus:
+        shared = node_slack.setdefault(id(pg.node), [pg.node.free_cpus - sum(m.cpus for m in ranks),
+                                                     pg.node.free_mem_bytes - sum(host_limit_bytes(m, limits)
+                                                                                  for m in ranks)])
+        fence = max(member_fence_bytes(m, pg.gpu, limits) for m in ranks)
+        free = usable_gpu_bytes(pg.gpu) - pg.used_bytes
+        sm = sum(util_fraction(j.sm_util_pct) for j in pg.members)
+        bw = sum(util_fraction(j.membw_util_pct) for j in pg.members)
+        target = limits.target_load if load_target else math.inf
+        slots = pg.slots - len(pg.joined)
+        out[pg.key] = _Reservation(pg, 0.0, free - fence, 1 << 62, target - sm - sm_r, target - bw - bw_r,
+                                   pg.slots - 1, shared)
+        t = 0.0
+        live = sorted(pg.live, key=lambda x: math.inf if x.est_duration_s is None else x.est_duration_s)
+        for k, m in enumerate(live):
+            if fence <= free and slots >= 1 and (k == len(pg.members) or max(sm + sm_r, bw + bw_r) <= target + 1e-9):
+                break
+            t = math.inf if m.est_duration_s is None else m.est_duration_s
+            free += live_gpu_bytes(m, pg.gpu, limits)
+            sm -= util_fraction(m.sm_util_pct)
+            bw -= util_fraction(m.membw_util_pct)
+            slots += 1
+        if not (fence <= free and slots >= 1
+                and (len(live) == len(pg.members) or max(sm + sm_r, bw + bw_r) <= target + 1e-9)):
+            t = math.inf  # no room even with every live member ended (this round's joiners stay)
+        start_s = max(start_s, t)
+    for r in out.values():
+        r.start_s = 0.0 if start_s == math.inf else start_s
+    return out
 
 
 def _reserve(pgs: list[_PackGpu], tail: list[JobDemand], limits: PackingLimits) -> _Reservation | None:

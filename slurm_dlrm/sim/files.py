@@ -15,7 +15,7 @@ from typing import Any
 
 from slurm_dlrm.errors import BadInput
 from slurm_dlrm.packing.dispatch import DispatchConfig
-from slurm_dlrm.packing.model import LABELS, PackingLimits
+from slurm_dlrm.packing.model import LABELS, FairConfig, PackingLimits
 from slurm_dlrm.site import GIB, MIB, GpuModel
 
 # ---------------------------------------------------------------- data
@@ -252,7 +252,10 @@ def parse_cluster(data: Any, default_gpu_models: Mapping[str, GpuModel] | None =
     dispatch = DispatchConfig(
         round_seconds=p.num("round_seconds", 10.0, lo=0.1), round_batch_size=p.int_("round_batch_size", 16, lo=1),
         max_wait_rounds=p.int_("max_wait_rounds", 30, lo=1),
-        fairness=p.str_("fairness", "rounds", choices=("rounds", "slowdown")))
+        fairness=p.str_("fairness", "rounds", choices=("rounds", "slowdown")),
+        fair_config=FairConfig(overdue_slowdown=p.num("overdue_slowdown", 10.0, lo=1.0),
+                               gang_reserve_slowdown=p.num("gang_reserve_slowdown", 2.0, lo=1.0),
+                               min_wait_s=p.num("overdue_min_wait_s", 600.0, lo=0.0)))
     p.done()
     s = top.sub("slurm")
     slurm = SlurmTiming(submit_to_start_s=s.num("submit_to_start_s", 2.0, lo=0),
