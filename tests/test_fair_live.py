@@ -3,7 +3,7 @@ gets its turn"): a 2-rank job submitted behind a steady stream of one-GPU jobs, 
 big to share a GPU, starts within its bound. The service runs in this process (rounds
 0.5 s apart) with the site's `fairness = "slowdown"` and a small bound and wait
 (`[packing] overdue_slowdown`, `overdue_min_wait_s`, `gang_reserve_slowdown`), so the
-test takes about 30 s; the members are stand-ins (slurm_dlrm/agent/standin.py).
+test takes about 30 s; the members are stand-ins (slurm_dlrm/agent/standin/).
 
 It checks the rule's promise live; it does not tell the rules apart: with jobs of one
 length, the gang waits about 10 s under the default "rounds" too (refill places gangs
@@ -63,7 +63,7 @@ def add_job(store, user: str, name: str, world_size: int = 1) -> int:
            "host_breakdown": {"python": 64 * MIB}, "profile": profile}
     spec = {"name": name, "tables": [{"name": f"t{r}", "rows": 100, "dim": 8} for r in range(world_size)],
             "dense_features": 4, "bottom_mlp": [8], "top_mlp": [8, 1], "batch_size": 16, "steps": 100,
-            "command": [sys.executable, str(STANDIN), "--steps", str(int(RUN_S / 0.25)), "--step-s", "0.25"]}
+            "command": [sys.executable, *STANDIN, "--steps", str(int(RUN_S / 0.25)), "--step-s", "0.25"]}
     if world_size > 1:
         spec["world_size"] = world_size
         est["ranks"] = [{"rank": r, "tables": [r], "gpu_peak_bytes": gpu, "host_peak_bytes": 64 * MIB,

@@ -29,7 +29,7 @@ def add_member(store, user: str, name: str, args: list[str], gpu_gib: float, wor
                        "label": "compute-bound", "solo_samples_per_s": 20000.0}}
     spec = {"name": name, "tables": [{"name": f"t{r}", "rows": 100, "dim": 8} for r in range(world_size)],
             "dense_features": 4, "bottom_mlp": [8], "top_mlp": [8, 1], "batch_size": 16, "steps": 100,
-            "command": [sys.executable, str(STANDIN), *args]}
+            "command": [sys.executable, *STANDIN, *args]}
     if world_size > 1:
         spec["world_size"] = world_size
         est["ranks"] = [{"rank": r, "tables": [r], "gpu_peak_bytes": gpu, "host_peak_bytes": 64 * MIB,
