@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -449,7 +450,9 @@ def test_up_after_a_slurmctld_killed_before_its_first_save(slurm_cluster):
     `assoc_usage`; with accounting, Slurm 26.05 then refuses to start ("fatal: No Assoc
     usage file ... to recover", issue 28: the demo after the suite, a second matrix leg).
     `up` starts it anyway (-i) and the cluster runs jobs."""
-    state_dir = Path("/tmp") / f"sdlrm-k-{os.getpid()}"
+    # A new folder each run: in a leg's fresh pid namespace the pid repeats, and a run killed
+    # midway leaves a half-made MariaDB datadir that mariadb-install-db refuses.
+    state_dir = Path(tempfile.mkdtemp(prefix="sdlrm-k-", dir="/tmp"))
     cfg = lc.config_from_site(state_dir=state_dir, nodes=1, gpus_per_node=1, accounting=True,
                               base_port=lc.pick_base_port(state_dir, nodes=1))
     cluster = lc.LocalCluster(cfg)
