@@ -72,9 +72,11 @@ def _script(tmp_path: Path, placement: Path) -> str:
     ])
 
 
-def _job_procs(job: int) -> dict[int, dict[str, str]]:
+def _job_procs(job: int, tmp: Path) -> dict[int, dict[str, str]]:
     """pid -> environment of the live processes the agent launched for `job` (read from
-    /proc, not from the agent's own reports; the runner's children are left out)."""
+    /proc, not from the agent's own reports; the runner's children are left out). Only
+    this test's (TMPDIR = its tmp_path, from the batch script): another run on the machine
+    may have a job of the same number."""
     out = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -85,7 +87,8 @@ def _job_procs(job: int) -> dict[int, dict[str, str]]:
         except OSError:
             continue
         env = dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
-        if env.get("SLURM_DLRM_JOB_ID") == str(job) and stat.rpartition(")")[2].split()[0] != "Z":
+        if env.get("SLURM_DLRM_JOB_ID") == str(job) and env.get("TMPDIR") == str(tmp) \
+                and stat.rpartition(")")[2].split()[0] != "Z":
             if int(stat.rpartition(")")[2].split()[3]) == int(d.name):  # a process group leader
                 out[int(d.name)] = env
     return out
@@ -123,7 +126,7 @@ def test_two_rank_job_beside_two_single_members(slurm_cluster, tmp_path):
     pack, placement, members = _placement(tmp_path, 1, spec)
     sid = client.sbatch(_script(tmp_path, placement))
     _wait("job 5's first checkpoint", lambda: _ckpt_steps(tmp_path), 300, out)
-    ranks = _job_procs(JOB)
+    ranks = _job_procs(JOB, tmp_path)
     assert len(ranks) == 2, ranks
     by_rank = {env["RANK"]: (pid, env) for pid, env in ranks.items()}
     envs = {r: by_rank[r][1] for r in ("0", "1")}
@@ -132,7 +135,7 @@ def test_two_rank_job_beside_two_single_members(slurm_cluster, tmp_path):
     assert [envs[r]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for r in ("0", "1")] == ["40", "60"]
     assert {envs[r]["WORLD_SIZE"] for r in envs} == {"2"} and {envs[r]["MASTER_ADDR"] for r in envs} == {"127.0.0.1"}
     assert envs["0"]["MASTER_PORT"] == envs["1"]["MASTER_PORT"]
-    neighbours = {job: _job_procs(job) for job in (6, 7)}
+    neighbours = {job: _job_procs(job, tmp_path) for job in (6, 7)}
     assert [next(iter(n.values()))["CUDA_VISIBLE_DEVICES"] for n in neighbours.values()] == ["0", "1"]
     metrics = json.loads((tmp_path / "job-5" / "metrics.jsonl").read_text().splitlines()[-1])
     assert metrics["world_size"] == 2 and metrics["device"] == "cpu"  # gloo on the CPU, fake GPUs
@@ -140,8 +143,8 @@ def test_two_rank_job_beside_two_single_members(slurm_cluster, tmp_path):
     os.kill(by_rank["1"][0], signal.SIGKILL)
     _wait("job 5's end record", lambda: any(r["type"] == "member" and r["job_id"] == JOB and r["state"] != "RUNNING"
                                             for r in _records(pack)), 120, out)
-    assert not _job_procs(JOB)  # rank 0 was stopped too
-    assert {job: len(_job_procs(job)) for job in (6, 7)} == {6: 1, 7: 1}  # the neighbours run on
+    assert not _job_procs(JOB, tmp_path)  # rank 0 was stopped too
+    assert {job: len(_job_procs(job, tmp_path)) for job in (6, 7)} == {6: 1, 7: 1}  # the neighbours run on
     sizes = {job: Path(members[job - 4]["metrics_path"]).stat().st_size for job in (6, 7)}
     time.sleep(2)
     assert all(Path(members[job - 4]["metrics_path"]).stat().st_size > sizes[job] for job in (6, 7))
@@ -166,7 +169,7 @@ def test_two_rank_job_beside_two_single_members(slurm_cluster, tmp_path):
     pack2, placement2, _ = _placement(tmp_path, 2, spec)
     sid2 = client.sbatch(_script(tmp_path, placement2))
     _wait("a checkpoint after the resume", lambda: _ckpt_steps(tmp_path)[-1] > stopped_at, 300, out)
-    assert len(_job_procs(JOB)) == 2
+    assert len(_job_procs(JOB, tmp_path)) == 2
     (pack2 / "cancel").mkdir()
     (pack2 / "cancel" / str(JOB)).touch()
     slurm_cluster.wait([sid2], timeout_s=120)
