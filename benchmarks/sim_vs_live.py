@@ -145,13 +145,16 @@ def sim_row(workload: Any, cluster: Any, truth: Any, policy: str) -> Row:
 
 # ---------------------------------------------------------------- live
 
-def _standin_spec(spec: dict[str, Any], job: Any, truth_text: str, python: str) -> dict[str, Any]:
+def _standin_spec(spec: dict[str, Any], job: Any, truth_text: str, python: str, ctx_bytes: int) -> dict[str, Any]:
     steps = int(spec["steps"])
     argv = [python, "-m", "slurm_dlrm.agent.standin", "--steps", str(steps),
-            "--step-s", f"{job.solo_duration_s / steps:.6f}", "--checkpoint-every", str(max(1, steps // 10)),
+            "--step-s", f"{job.solo_duration_s / steps:.9f}",
+            "--checkpoint-every", str(int(spec.get("checkpoint_every_steps") or max(1, steps // 10))),
+            "--metrics-every", str(int(spec.get("metrics_every_steps") or 1)),
             "--truth", truth_text, "--sm-pct", f"{job.true_sm_util_pct:g}", "--bw-pct", f"{job.true_membw_util_pct:g}",
-            # its true peak (the fake NVML counts RSS as GPU memory), reached where the simulator's is
-            "--peak-mib", f"{job.true_gpu_mem_bytes / (1 << 20):.3f}",
+            # its true peak as device memory the fake NVML reports (with the CUDA context and
+            # cuBLAS workspace, as NVML counts a process), reached where the simulator's is
+            "--gpu-peak-mib", f"{(job.true_gpu_mem_bytes + ctx_bytes) / (1 << 20):.3f}",
             "--peak-at-step", str(max(1, math.ceil(job.peak_at_frac * steps)))]
     return {**spec, "name": job.name, "command": argv}
 
@@ -193,7 +196,8 @@ class LiveRun:
         if wait_until_running(self.paths, timeout_s=60) is None:
             raise RuntimeError(f"the packing service did not start; see {self.paths.log}")
 
-    def run(self, workload: Any, specs: list[dict[str, Any]], truth_text: str, timeout_s: float) -> Row:
+    def run(self, workload: Any, specs: list[dict[str, Any]], truth_text: str, timeout_s: float,
+            ctx_bytes: int) -> Row:
         from slurm_dlrm.service.demo import wait_packs_final
         from slurm_dlrm.service.sbatch_options import SbatchOptions
         from slurm_dlrm.service.submit import submit
@@ -202,12 +206,18 @@ class LiveRun:
 
         spec_dir = self.workdir / "specs"
         spec_dir.mkdir(exist_ok=True)
+        for spec in specs:  # a data file submit checks exists; a stand-in never reads it
+            rel = (spec.get("data") or {}).get("path")
+            if rel and not os.path.isabs(rel) and not (spec_dir / rel).exists():
+                (spec_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                (spec_dir / rel).write_text("0\t0\n")
         t0 = time.monotonic()
         first_arrival = min(j.arrival_s for j in workload.jobs)
         ids = []
         for job, spec in sorted(zip(workload.jobs, specs, strict=True), key=lambda x: x[0].arrival_s):
             path = spec_dir / f"{job.job_id:03d}-{job.name}.yaml"
-            path.write_text(yaml.safe_dump(_standin_spec(spec, job, truth_text, sys.executable), sort_keys=False))
+            path.write_text(yaml.safe_dump(_standin_spec(spec, job, truth_text, sys.executable, ctx_bytes),
+                                           sort_keys=False))
             time.sleep(max(0.0, t0 + job.arrival_s - first_arrival - time.monotonic()))
             got, _ = submit([str(path)], SbatchOptions(), site=self.site, user=self.user, cwd=str(self.workdir),
                             start_service=False)
@@ -256,7 +266,7 @@ class LiveRun:
 
 
 def run_live(policies: list[str], workload: Any, specs: list[dict[str, Any]], truth_text: str,
-             round_seconds: float, timeout_s: float, root: Path) -> list[Row]:
+             round_seconds: float, timeout_s: float, root: Path, ctx_bytes: int) -> list[Row]:
     from slurm_dlrm.service.demo import ensure_cluster
 
     cluster = ensure_cluster(lambda s: print(f"sim_vs_live: {s}", file=sys.stderr))
@@ -267,7 +277,7 @@ def run_live(policies: list[str], workload: Any, specs: list[dict[str, Any]], tr
         try:
             run.start()
             print(f"sim_vs_live: live {policy}: running ({run.workdir})", file=sys.stderr)
-            rows.append(run.run(workload, specs, truth_text, timeout_s))
+            rows.append(run.run(workload, specs, truth_text, timeout_s, ctx_bytes))
         finally:
             run.cleanup()
     return rows
@@ -306,8 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     root = Path(tempfile.mkdtemp(prefix="sim-vs-live-"))
     try:
+        gpu = cluster.gpu_model(cluster.nodes[0].gpu_model)
         live = {r.policy: r for r in run_live(policies, workload, specs, _truth_for_live(args.truth),
-                                              args.round_seconds, args.timeout_s, root)}
+                                              args.round_seconds, args.timeout_s, root,
+                                              gpu.cuda_context_bytes + gpu.cublas_workspace_bytes)}
     except KeyboardInterrupt:
         print(f"sim_vs_live: interrupted; its packs were cancelled and its service stopped ({root})", file=sys.stderr)
         return EXIT_INTERRUPTED

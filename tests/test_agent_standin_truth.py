@@ -96,3 +96,55 @@ def test_standin_memory_follows_the_true_peak_and_a_bad_truth_is_refused(tmp_pat
     bad = subprocess.run([sys.executable, "-m", "slurm_dlrm.agent.standin", "--truth", "nope"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--truth" in bad.stderr
+
+
+def test_a_standins_device_memory_is_what_the_fake_nvml_reports_not_its_rss(tmp_path, monkeypatch):
+    # 40 GiB of device memory on a 24 GiB machine: only the registry can hold it.
+    from slurm_dlrm.agent import fake_nvml
+    from slurm_dlrm.agent.nvml import Nvml
+
+    scenario = tmp_path / "nvml.json"
+    scenario.write_text(json.dumps({"gpu_count": 2}))
+    monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, str(scenario))
+    monkeypatch.setenv("SLURMD_NODENAME", "nodeT")
+    p = _launch(tmp_path, 8, 1, 10, 10, 400, "--gpu-peak-mib", "40960", "--peak-at-step", "2")
+    try:
+        nv = Nvml()
+        assert nv.init()
+        deadline = time.monotonic() + 20
+        seen = 0
+        while time.monotonic() < deadline and seen < 40 << 30:
+            seen = nv.sample([0, 1]).by_pid().get(p.pid, None)
+            seen = (seen.gpu_mem_bytes or 0) if seen is not None else 0
+            time.sleep(0.1)
+        assert seen == 40 << 30
+        status = Path(f"/proc/{p.pid}/status").read_text()
+        assert int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) < 1 << 20
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_a_standin_past_its_mps_memory_limit_exits_as_a_cuda_oom(tmp_path):
+    from slurm_dlrm.errors import TRAIN_EXIT_OOM_GPU
+
+    env_limit = ["--set-env", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=3000M"]
+    over = _launch(tmp_path, 9, 0, 10, 10, 20, "--gpu-peak-mib", "3100", "--peak-at-step", "4", *env_limit)
+    under = _launch(tmp_path, 10, 1, 10, 10, 20, "--gpu-peak-mib", "2900", "--peak-at-step", "4", *env_limit)
+    assert over.wait(timeout=60) == TRAIN_EXIT_OOM_GPU
+    assert under.wait(timeout=60) == 0
+    # it reached past 3000 MiB at its 4th step: three steps were done before it died
+    assert [json.loads(x)["step"] for x in (tmp_path / "m9.jsonl").read_text().splitlines()] == [1, 2, 3]
+
+
+def test_metrics_every_k_steps_keeps_the_step_count_and_time(tmp_path):
+    t0 = time.monotonic()
+    p = _launch(tmp_path, 11, 2, 10, 10, 45, "--metrics-every", "10")
+    assert p.wait(timeout=60) == 0
+    lines = [json.loads(x) for x in (tmp_path / "m11.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [10, 20, 30, 40, 45]
+    assert lines[0]["step_time_s"] == pytest.approx(STEP_S, rel=0.3)  # per step, not per line
+    assert time.monotonic() - t0 >= 45 * STEP_S
+    bad = subprocess.run([sys.executable, "-m", "slurm_dlrm.agent.standin", "--gpu-peak-mib", "5"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--gpu-peak-mib" in bad.stderr

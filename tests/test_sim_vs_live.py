@@ -80,11 +80,13 @@ def test_the_simulated_side_runs_the_same_jobs_with_the_services_estimates(bench
     assert all(j.est_duration_s is not None and j.est_duration_s < j.solo_duration_s for j in told.jobs)
     row = bench.sim_row(told, cluster, truth, "exclusive")
     assert row.done_pct == 100.0 and row.gpu_h > 0
-    argv = bench._standin_spec(specs[0], workload.jobs[0], "synthetic", "py")["command"]
-    assert argv[argv.index("--step-s") + 1] == f"{workload.jobs[0].solo_duration_s / specs[0]['steps']:.6f}"
+    argv = bench._standin_spec(specs[0], workload.jobs[0], "synthetic", "py", 552 << 20)["command"]
+    assert float(argv[argv.index("--step-s") + 1]) == pytest.approx(
+        workload.jobs[0].solo_duration_s / specs[0]["steps"], rel=1e-6)
     assert argv[argv.index("--truth") + 1] == "synthetic"
-    assert float(argv[argv.index("--peak-mib") + 1]) == pytest.approx(workload.jobs[0].true_gpu_mem_bytes / (1 << 20),
-                                                                       abs=1e-3)
+    # the true peak plus the context, as NVML counts a process's device memory
+    assert float(argv[argv.index("--gpu-peak-mib") + 1]) == pytest.approx(
+        workload.jobs[0].true_gpu_mem_bytes / (1 << 20) + 552, abs=1e-3)
 
 
 @pytest.mark.slurm

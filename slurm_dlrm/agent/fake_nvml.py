@@ -180,7 +180,7 @@ class FakeNvml:
         self._device_calls: dict[int, int] = {}
         self._lost: set[int] = set()
         self._removed_pids: set[int] = set()
-        self._env_cache: dict[int, tuple[int, str | None] | None] = {}
+        self._env_cache: dict[int, tuple[int, str | None, dict[str, str]] | None] = {}
         self._cpu_prev: dict[int, tuple[float, float]] = {}
         self._discovered: list[dict[str, Any]] = []
         self._discovered_at = -1.0
@@ -379,13 +379,16 @@ class FakeNvml:
             if client is not None:
                 clients[pid] = client
         found = []
-        for pid, (gpu_index, pipe) in clients.items():
+        for pid, (gpu_index, pipe, env) in clients.items():
             if _parent(pid) in clients:
                 continue  # a child of a client (a loader worker): the driver sees the client only
             stat = _rss_and_cpu(pid)
             if stat is None:
                 continue
             rss, cpu_s = stat
+            declared = _standin_gpu_mem(env, pid, gpu_index)
+            if declared is not None:
+                rss = declared  # a stand-in's device memory (standin_gpu.py), not its host pages
             prev = self._cpu_prev.get(pid)
             self._cpu_prev[pid] = (cpu_s, now)
             sm = 0.0
@@ -396,7 +399,7 @@ class FakeNvml:
         self._discovered = found
         return found
 
-    def _client_of(self, pid: int, gpus: list[dict[str, Any]]) -> tuple[int, str | None] | None:
+    def _client_of(self, pid: int, gpus: list[dict[str, Any]]) -> tuple[int, str | None, dict[str, str]] | None:
         env = _environ(pid)
         if env is None or ENV_JOB_ID not in env or not env.get("CUDA_VISIBLE_DEVICES"):
             return None
@@ -418,13 +421,25 @@ class FakeNvml:
                     token = str(visible[int(token)])  # the MPS server remaps client indices
             else:
                 pipe = None
+        keep = {k: env[k] for k in ("SLURMD_NODENAME", "SLURM_DLRM_STANDIN_REGISTRY") if k in env}
         if token.isdigit():
             index = int(token)
-            return (index, pipe) if index < len(gpus) else None
+            return (index, pipe, keep) if index < len(gpus) else None
         for i, gpu in enumerate(gpus):
             if str(gpu.get("uuid") or _uuid_for(i)).startswith(token):
-                return i, pipe
+                return i, pipe, keep
         return None
+
+
+def _standin_gpu_mem(env: dict[str, str], pid: int, gpu_index: int) -> int | None:
+    if "SLURM_DLRM_STANDIN_REGISTRY" not in env:
+        return None
+    import socket
+
+    from slurm_dlrm.agent.standin_gpu import registered_gpu_mem_bytes  # it imports this module
+
+    node = env.get("SLURMD_NODENAME") or socket.gethostname()
+    return registered_gpu_mem_bytes(env, pid, node, gpu_index)
 
 
 def _uuid_for(index: int) -> str:

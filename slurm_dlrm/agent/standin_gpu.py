@@ -4,7 +4,10 @@ and how fast that lets each run under a co-location truth (issue 29 item 1).
 The fake NVML and fake MPS daemon know a GPU's clients but not their solo profiles, so
 each stand-in that runs with `--truth` announces itself in a small per-GPU registry:
 `<root>/<node>/gpu<index>/<pid>.json` = `{"pid", "job_id", "sm_util_pct",
-"membw_util_pct"}` (root: `$SLURM_DLRM_STANDIN_REGISTRY`). A stand-in reads its GPU's
+"membw_util_pct", "gpu_mem_bytes"}` (root: `$SLURM_DLRM_STANDIN_REGISTRY`). `gpu_mem_bytes`
+is the device memory the stand-in holds (`--gpu-peak-mib`): the fake NVML reports it as
+the process's GPU memory in place of its RSS, so a job of tens of GiB is emulated
+without the host memory. A stand-in reads its GPU's
 folder at every slice of a step; entries of dead processes are ignored (a killed member
 leaves its file behind). The GPU is named as the fake NVML names it: the node
 (`$SLURMD_NODENAME`, several slurmd share one host here) and the first
@@ -69,16 +72,24 @@ class GpuRegistry:
                  sm_util_pct: float, membw_util_pct: float) -> None:
         self.folder = Path(root) / gpu
         self.pid = os.getpid()
-        self.entry = {"pid": self.pid, "job_id": job_id, "sm_util_pct": float(sm_util_pct),
-                      "membw_util_pct": float(membw_util_pct)}
+        self.entry: dict[str, Any] = {"pid": self.pid, "job_id": job_id, "sm_util_pct": float(sm_util_pct),
+                                      "membw_util_pct": float(membw_util_pct)}
         self.path = self.folder / f"{self.pid}.json"
 
     def __enter__(self) -> GpuRegistry:
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._write()
+        return self
+
+    def _write(self) -> None:
         tmp = self.folder / f".{self.pid}.tmp"
         tmp.write_text(json.dumps(self.entry))
-        os.replace(tmp, self.path)
-        return self
+        os.replace(tmp, self.path)  # readers never see a half-written entry
+
+    def set_gpu_mem(self, nbytes: int) -> None:
+        """The device memory this stand-in now holds (what the fake NVML reports)."""
+        self.entry["gpu_mem_bytes"] = int(nbytes)
+        self._write()
 
     def __exit__(self, *exc: Any) -> None:
         with contextlib.suppress(OSError):
@@ -108,3 +119,17 @@ class GpuRegistry:
         speeds = speeds_of(sm, bw)
         mine = next((i for i, e in enumerate(live) if int(e["pid"]) == self.pid), None)
         return 1.0 if mine is None else max(1e-3, float(speeds[mine]))
+
+
+def registered_gpu_mem_bytes(env: dict[str, str], pid: int, node: str, gpu_index: int) -> int | None:
+    """The device memory stand-in `pid` declared on `node`'s GPU `gpu_index`, or None when
+    it declared none (then the fake NVML falls back to its RSS)."""
+    root = env.get(ENV_STANDIN_REGISTRY)
+    if not root:
+        return None
+    try:
+        entry = json.loads((Path(root) / node / f"gpu{gpu_index}" / f"{pid}.json").read_text())
+        value = entry.get("gpu_mem_bytes")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) and value >= 0 else None

@@ -12,7 +12,13 @@ budget), and ends with the exit code asked for (3 = TRAIN_EXIT_OOM_GPU, ...).
 With `--truth T --sm-pct S --bw-pct B` (T as `simulate --truth` takes it) each step
 takes `--step-s` over its speed under that truth with the stand-ins that share its fake
 GPU at that moment (agent/standin_gpu.py); `--peak-mib M --peak-at-step K` grows its RSS,
-which the fake NVML reports as its GPU memory, to the job's true peak M by step K.
+which the fake NVML reports as its GPU memory, to the job's true peak M by step K;
+`--gpu-peak-mib M` instead declares M MiB of *device* memory in the registry (the fake
+NVML reports that, so tens of GiB cost no host memory) and, like a CUDA allocation past
+the MPS client's `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`, exits 3 (TRAIN_EXIT_OOM_GPU) when
+the next allocation would pass it. `--metrics-every K` writes one metrics line (and
+looks at the stop signal) every K steps, as the runner's `metrics_every_steps`: a job of
+thousands of short steps then costs a few hundred wake-ups, not thousands.
 `--set-env` changes its own environment first (what a member that lifts its own fence
 does: one line of Python before CUDA starts); `--mps-client` then "starts CUDA" against
 the fake MPS daemon (`fake_mps_control.connect_client`), which records the limit it holds
@@ -84,6 +90,9 @@ def main(argv: list[str] | None = None, parse_truth: Callable[[str], Any] | None
     ap.add_argument("--peak-mib", type=float, default=0.0,
                     help="true peak memory: RSS (the fake NVML's GPU memory) grows to it by --peak-at-step")
     ap.add_argument("--peak-at-step", type=int, default=1)
+    ap.add_argument("--gpu-peak-mib", type=float, default=0.0,
+                    help="true peak device memory, declared in the registry (needs --truth), by --peak-at-step")
+    ap.add_argument("--metrics-every", type=int, default=1, help="steps per metrics line (and per wake-up)")
     ap.add_argument("--registry", default=None,
                     help="the stand-ins' per-GPU registry folder (default $SLURM_DLRM_STANDIN_REGISTRY, else in $TMPDIR)")
     args = ap.parse_args(argv)
@@ -100,6 +109,13 @@ def main(argv: list[str] | None = None, parse_truth: Callable[[str], Any] | None
         except BadInput as exc:
             print(f"standin: {exc}", file=sys.stderr)
             return 2
+    if args.gpu_peak_mib and truth is None:
+        print("standin: --gpu-peak-mib needs --truth (device memory lives in the stand-ins' registry)",
+              file=sys.stderr)
+        return 2
+    if args.metrics_every < 1:
+        print("standin: --metrics-every must be >= 1", file=sys.stderr)
+        return 2
     for item in args.set_env:
         key, _, value = item.partition("=")
         os.environ[key] = value
@@ -138,29 +154,52 @@ def main(argv: list[str] | None = None, parse_truth: Callable[[str], Any] | None
         return _run(args, step, hog, out, writes_ckpt, registry, truth)
 
 
+def _pinned_limit_bytes() -> int | None:
+    """The device memory the MPS server lets this client allocate (its own environment's
+    CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, as the agent sets it), or None without a limit."""
+    from slurm_dlrm.agent.fake_mps_control import _parse_client_limit
+
+    mib = _parse_client_limit(os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""))
+    return None if mib is None else mib << 20
+
+
 def _run(args: Any, step: int, hog: list[bytearray], out: Any, writes_ckpt: Path | None,
          registry: Any, truth: Any) -> int:
+    from slurm_dlrm.errors import TRAIN_EXIT_OOM_GPU
+
     peak_bytes = int(args.peak_mib * (1 << 20))
+    gpu_peak_bytes = int(args.gpu_peak_mib * (1 << 20))
+    gpu_limit = _pinned_limit_bytes() if gpu_peak_bytes else None
     while step < args.steps:
         if _stop:
             _checkpoint(writes_ckpt, step)
             return TRAIN_EXIT_PREEMPTED
         t0 = time.monotonic()
+        chunk = min(args.metrics_every, args.steps - step)
+        step_s = args.step_s * chunk
+        if gpu_peak_bytes:
+            want_gpu = int(gpu_peak_bytes * min(1.0, (step + chunk) / max(1, args.peak_at_step)))
+            if gpu_limit is not None and want_gpu > gpu_limit:
+                print(f"standin: CUDA out of memory: {want_gpu >> 20} MiB over the MPS limit {gpu_limit >> 20} MiB",
+                      file=sys.stderr)
+                return TRAIN_EXIT_OOM_GPU  # as the runner exits on torch.cuda.OutOfMemoryError
+            if want_gpu > int(registry.entry.get("gpu_mem_bytes", 0)):
+                registry.set_gpu_mem(want_gpu)
         if registry is not None:
             # Progress at the speed of each short slice: co-runners come and go mid-step.
             done = 0.0
-            while done < args.step_s and not _stop:
+            while done < step_s and not _stop:
                 speed = registry.speed(truth)
-                dt_s = min(_SLICE_S, (args.step_s - done) / speed)
+                dt_s = min(_SLICE_S, (step_s - done) / speed)
                 time.sleep(dt_s)
                 done += dt_s * speed
         elif args.busy:
-            while time.monotonic() - t0 < args.step_s:
+            while time.monotonic() - t0 < step_s:
                 pass
         else:
-            time.sleep(args.step_s)
+            time.sleep(step_s)
         if peak_bytes:
-            want = peak_bytes * min(1.0, (step + 1) / max(1, args.peak_at_step))
+            want = peak_bytes * min(1.0, (step + chunk) / max(1, args.peak_at_step))
             have = sum(len(b) for b in hog)
             if want > have:
                 block = bytearray(int(want - have))
@@ -170,13 +209,15 @@ def _run(args: Any, step: int, hog: list[bytearray], out: Any, writes_ckpt: Path
             block = bytearray(int(args.grow_mib_per_step * (1 << 20)))
             block[::4096] = b"x" * len(block[::4096])  # touch every page so it counts in RSS
             hog.append(block)
-        step += 1
-        if args.checkpoint_every and step % args.checkpoint_every == 0:
+        before = step
+        step += chunk
+        if args.checkpoint_every and step // args.checkpoint_every > before // args.checkpoint_every:
             _checkpoint(writes_ckpt, step)  # what a killed run resumes from (as the runner's periodic ones)
         dt = time.monotonic() - t0
         if out is not None:
-            out.write(json.dumps({"t": time.time(), "step": step, "samples_per_s": args.samples_per_step / dt,
-                                  "step_time_s": dt, "loss": 1.0 / step, "job_id": os.environ.get(ENV_JOB_ID)}) + "\n")
+            out.write(json.dumps({"t": time.time(), "step": step, "samples_per_s": args.samples_per_step * chunk / dt,
+                                  "step_time_s": dt / chunk, "loss": 1.0 / step,
+                                  "job_id": os.environ.get(ENV_JOB_ID)}) + "\n")
     _checkpoint(writes_ckpt, step)
     if out is not None:
         out.close()
