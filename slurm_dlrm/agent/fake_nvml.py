@@ -421,7 +421,7 @@ class FakeNvml:
                     token = str(visible[int(token)])  # the MPS server remaps client indices
             else:
                 pipe = None
-        keep = {k: env[k] for k in ("SLURMD_NODENAME", "SLURM_DLRM_STANDIN_REGISTRY") if k in env}
+        keep: dict[str, str] = {k: env[k] for k in ("SLURMD_NODENAME", "SLURM_DLRM_STANDIN_REGISTRY") if k in env}
         if token.isdigit():
             index = int(token)
             return (index, pipe, keep) if index < len(gpus) else None
