@@ -56,6 +56,7 @@ class Row:
     gpu_h: float
     done_pct: float
     ooms: int
+    timing: dict[str, float] | None = None  # the live path's constants, measured (live rows only)
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any]]:
@@ -159,6 +160,31 @@ def _standin_spec(spec: dict[str, Any], job: Any, truth_text: str, python: str, 
     return {**spec, "name": job.name, "command": argv}
 
 
+def live_timing(packs: list[Any], placements: list[Any], solo_s: dict[int, float]) -> dict[str, float]:
+    """The live path's constants as the simulator names them (issue 29 item 4), medians
+    over this run: `submit_to_start_s` (the service's plan -> the pack running: sbatch,
+    the scheduler's pass, prolog, agent start), `pack_release_s` (a pack's last member
+    ended -> its GPUs free: the agent's join grace, its exit, the epilog) and, given solo
+    run times (a run where each member runs alone), `member_startup_s` (a member's time on
+    its GPU beyond its solo run: process start, imports, its last checkpoint)."""
+    def median(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else math.nan
+
+    by_pack: dict[int, list[Any]] = {}
+    for pl in placements:
+        by_pack.setdefault(pl.pack_id, []).append(pl)
+    start = [p.start_time - p.create_time for p in packs if p.start_time and p.id in by_pack]
+    release = [p.end_time - max(pl.end_time for pl in by_pack[p.id]) for p in packs
+               if p.end_time and p.id in by_pack and all(pl.end_time for pl in by_pack[p.id])]
+    member = [pl.end_time - pl.start_time - solo_s[pl.job_id] for pl in placements
+              if pl.job_id in solo_s and pl.start_time and pl.end_time and pl.attempt == 0]
+    out = {"submit_to_start_s": median(start), "pack_release_s": median(release)}
+    if member:
+        out["member_startup_s"] = median(member)
+    return out
+
+
 def _truth_for_live(text: str) -> str:
     kind, sep, arg = text.partition(":")
     if kind.strip().lower() in ("table", "learned") and sep:
@@ -235,13 +261,17 @@ class LiveRun:
             jobs = [store.get_job(i) for i in ids]
             packs = store.packs(user=self.user)
             ooms = sum(1 for i in ids for e in store.events(job_id=i) if e.get("to_state") == "OOM")
+            placements = [pl for i in ids for pl in store.placements(job_id=i)]
+        solo = {i: j.solo_duration_s for i, j in zip(ids, sorted(workload.jobs, key=lambda j: j.arrival_s),
+                                                         strict=True)}
+        timing = live_timing(packs, placements, solo if self.policy == "exclusive" else {})
         done = [j for j in jobs if str(j.state) == "COMPLETED" and j.end_time is not None]
         first = min(j.submit_time for j in jobs)
         span = max(j.end_time for j in done) - first if done else 0.0
         gpu_s = sum(p.n_gpus * ((p.end_time or time.time()) - p.start_time) for p in packs if p.start_time)
         return Row(self.policy, len(done) * 3600.0 / span if span > 0 else 0.0,
                    sum(j.end_time - j.submit_time for j in done) / max(1, len(done)), gpu_s / 3600.0,
-                   100.0 * len(done) / max(1, len(jobs)), ooms)
+                   100.0 * len(done) / max(1, len(jobs)), ooms, timing)
 
     def cleanup(self) -> None:
         """Cancel this run's packs still known to Slurm, then stop its service."""
@@ -335,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{p:<14} {lv.tput_jobs_per_h:>11.1f} {sm.tput_jobs_per_h:>10.1f} {e[0]:>6.1f} {lv.jct_s:>10.1f} "
               f"{sm.jct_s:>9.1f} {e[1]:>6.1f} {lv.gpu_h:>9.4f} {sm.gpu_h:>8.4f} {e[2]:>6.1f} {lv.done_pct:>10.1f} "
               f"{lv.ooms:>9d}")
+    for p in policies:  # what the cluster file's slurm: constants should be (item 4)
+        t = live[p].timing or {}
+        print(f"live timing ({p}): " + " ".join(f"{k}={v:.2f}" for k, v in sorted(t.items()))
+              + f"  (cluster file: submit_to_start_s={cluster.slurm.submit_to_start_s:g} "
+              f"member_startup_s={cluster.slurm.member_startup_s:g} "
+              f"pack_release_s={cluster.slurm.pack_release_s:g})")
     main_p = next((p for p in policies if p != "exclusive"), "exclusive")
 
     def worst(values: list[float]) -> float:

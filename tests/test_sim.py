@@ -213,3 +213,23 @@ def test_headroom_key_in_a_cluster_file_is_a_percentage_or_share():
     for bad in ("lots", -1, 1001, True):
         with pytest.raises(BadInput, match="cluster.packing.refill_headroom_pct"):
             parse_cluster(dict(CLUSTER, packing={"refill_headroom_pct": bad}))
+
+
+def test_a_pack_holds_its_gpus_pack_release_s_after_its_last_member():
+    # The live agent waits for joiners, exits, and the epilog runs before Slurm frees the
+    # GPUs (issue 29 item 4): the next exclusive job starts that much later, and the GPU
+    # time counts it.
+    slow = dict(CLUSTER, slurm={"submit_to_start_s": 2, "member_startup_s": 20, "pack_release_s": 30})
+    _, _, base = _run([_job("a", 0, 1000), _job("b", 0, 500)], "exclusive")
+    _, _, held = _run([_job("a", 0, 1000), _job("b", 0, 500)], "exclusive", slow)
+    b_base = max(o.start_s for o in base.jobs)
+    b_held = max(o.start_s for o in held.jobs)
+    assert b_held - b_base == pytest.approx(30, abs=10)  # one round period of slack
+    assert held.alloc_gpu_s - base.alloc_gpu_s == pytest.approx(2 * 30)
+    # A job arriving within the agent's join grace (two rounds) after the pack's last
+    # member ended joins the idle pack, as the live service offers it; later, a new pack.
+    _, _, joined = _run([_job("a", 0, 100), _job("b", 130, 100)], "complementary", slow)
+    assert joined.packs == 1 and joined.completion_rate == 1.0
+    assert [o.start_s for o in joined.jobs] == [0.0, 130.0]
+    _, _, late = _run([_job("a", 0, 100), _job("b", 150, 100)], "complementary", slow)
+    assert late.packs == 2

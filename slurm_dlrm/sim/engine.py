@@ -9,7 +9,9 @@ The mechanism is the same for every policy, only `plan()` differs:
 - Each planned pack is one Slurm job: its GPUs, CPUs and host memory are taken at once;
   it starts `submit_to_start_s` later (scheduler pass + prolog); every member then
   spends `member_startup_s` (imports, CUDA context) before it trains. A pack gives its
-  GPUs back only when its last member has ended (a Slurm allocation does not shrink).
+  GPUs back only when its last member has ended (a Slurm allocation does not shrink),
+  and `pack_release_s` after that (the agent's join grace, its exit, the epilog; a
+  joiner planned meanwhile keeps the pack).
 - Members of one GPU progress at the speeds the *truth* gives for their true profiles
   (`true_params`: the analytic model by default, or any `speed_model` such as the
   synthetic generator of sim/truth.py); the policies plan with `plan_params`.
@@ -64,6 +66,7 @@ _ARRIVAL, _TICK, _PACK_START, _MEMBER_READY = 0, 1, 2, 3
 _NODE_FAIL, _NODE_BACK, _OBSERVE = 4, 5, 6  # only with `faults` (sim/faults.py)
 _RESUBMIT = 7  # a user resubmits a failed job (retry.user_resubmits)
 _SNAPSHOT = 8  # snapshot_at_s: the loop stops there to record one
+_PACK_RELEASE = 9  # slurm.pack_release_s after a pack's last member ended: its GPUs are free
 _EPS = 1e-9
 
 
@@ -133,6 +136,7 @@ class _Pack:
     live: int = 0
     asked_cpus: int = 0  # what the pack asked Slurm for at its start (refill: its allocation)
     asked_mem: int = 0
+    idle_since_s: float | None = None  # its last member ended (slurm.pack_release_s pending)
 
 
 @dataclass(frozen=True)
@@ -413,6 +417,14 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         set_speeds(gpu)
         schedule_tick()  # a freed shard (first-fit) or, below, freed GPUs
         if pack.live == 0:
+            pack.idle_since_s = now
+            if slurm.pack_release_s > 0 and not shard_mode:
+                push(now + slurm.pack_release_s, _PACK_RELEASE, pack)  # a join may still come meanwhile
+            else:
+                release_pack(pack)
+
+    def release_pack(pack: _Pack) -> None:
+        if pack.live == 0 and pack in running_packs:
             nonlocal alloc_gpu_s, held_cpu_s, held_mem_byte_s
             alloc_gpu_s += pack.gpu_count * (now - pack.start_s)
             held_cpu_s += pack.asked_cpus * (now - pack.start_s)
@@ -535,7 +547,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         # allocation holds beyond them (it never shrinks, docs/simulate.md).
         out = []
         for pk in sorted(running_packs, key=lambda p: p.pack_id):
-            if pk.live == 0 or pk.node.down:
+            if not joinable(pk):
                 continue
             members = [m for gpu in pk.gpus for m in gpu.members if not m.ended]
             free_cpus = pk.cpus - sum(m.cpus for m in members)
@@ -549,6 +561,13 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                                    gpu_model=pk.node.gpu_model, live=live, free_cpus=free_cpus,
                                    free_host_mem_bytes=free_mem, remaining_s=None))
         return tuple(out)
+
+    def joinable(pk: _Pack) -> bool:
+        # An idle pack takes joiners for the agent's join grace (two rounds, as the
+        # service's default agent.join_grace_s), not for the rest of its release.
+        if pk.node.down:
+            return False
+        return pk.live > 0 or (pk.idle_since_s is not None and now - pk.idle_since_s < 2.0 * dispatch.round_seconds)
 
     def est_left_s(m: _Member) -> float:
         job = m.job
@@ -567,6 +586,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                          rank=jn.member.rank)
         pack.gpus[gpu_index].members.append(member)
         pack.live += 1
+        pack.idle_since_s = None
         placed(job.job_id)
         push(member.ready_at, _MEMBER_READY, pack)
 
@@ -765,6 +785,9 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                 requeue(payload)
             elif kind == _SNAPSHOT:
                 pass  # recorded below, once this instant's events are handled
+            elif kind == _PACK_RELEASE:
+                assert isinstance(payload, _Pack)
+                release_pack(payload)  # unless a joiner came during the grace
             elif kind == _TICK:
                 tick_at = None
             elif kind == _PACK_START:
@@ -820,7 +843,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         slots = max(1, min(limits.shards_per_gpu, limits.members_per_gpu))
         any_free = (any(n.free_gpus > 0 and not n.down for n in nodes)
                     or any(sum(1 for m in pk.gpus[gi].members if not m.ended) < slots for pk, gi in shard_gpus.values())
-                    or (refill and any(pk.live > 0 for pk in running_packs)))
+                    or (refill and any(joinable(pk) for pk in running_packs)))
         if dirty and any_free and should_run_round(now, last_round, len(pending), arrived_since, dispatch):
             run_round()
         if dirty and pending and tick_at is None and any_free:
