@@ -41,10 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.errors import ENV_JOB_ID
+from slurm_dlrm.errors import ENV_FAKE_NVML, ENV_JOB_ID
 
-ENV_FAKE_NVML = "SLURM_DLRM_FAKE_NVML"
-MPS_STATE_FILE = "fake-mps-state.json"  # written by fake_mps_control into its pipe folder
+MPS_STATE_FILE = "fake-mps-state.json"  # written by the fake MPS daemon (mps_control.py) into its pipe folder
 
 # Codes as in pynvml.py (nvml.h). tests/test_agent_nvml.py checks them against the real module.
 NVML_SUCCESS = 0
