@@ -31,8 +31,8 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from slurm_dlrm.agent import fake_mps_control  # noqa: E402
-from slurm_dlrm.agent.standin import member_entry, placement_dict  # noqa: E402
+from slurm_dlrm.emulated import mps_control as fake_mps_control  # noqa: E402
+from slurm_dlrm.emulated.standin import member_entry, placement_dict  # noqa: E402
 
 BASELINE = """
 import sys, time, psutil

@@ -1,6 +1,6 @@
 """How well the interference models predict co-located speeds on the synthetic generator.
 
-The truth is `slurm_dlrm.sim.truth.SyntheticColocation` (a roofline with queuing, L2
+The truth is `slurm_dlrm.truth.SyntheticColocation` (a roofline with queuing, L2
 thrash and launch queuing: not the analytic formula's shape, so neither model is judged
 on its own prior). Groups of 2-6 jobs drawn from a pool of jobs that recur across
 groups, as on a cluster. Printed side by side, MAE of each member's relative speed:
@@ -37,7 +37,7 @@ from slurm_dlrm.packing.interference_eval import (  # noqa: E402
     evaluate,
 )
 from slurm_dlrm.packing.learned import fit_learned  # noqa: E402
-from slurm_dlrm.sim.truth import synthetic_groups  # noqa: E402
+from slurm_dlrm.truth import synthetic_groups  # noqa: E402
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ a running pack with live members (1, 2, 4 or 6 per GPU) and the 10,000 pending j
 offered to those GPUs first (refill, docs/packing.md), then to the free ones (none).
 
 A third figure plans the same 10,000 jobs with a learned interference model (fit on
-3,000 groups of the synthetic generator, slurm_dlrm/sim/truth.py) instead of the
+3,000 groups of the synthetic generator, slurm_dlrm/truth.py) instead of the
 analytic one: the policies call it in their inner loops (compiled trees, memoised).
 
 Run:  /work/main/.venv/bin/python benchmarks/plan_scale.py
@@ -33,8 +33,8 @@ from slurm_dlrm.packing.interference import InterferenceParams  # noqa: E402
 from slurm_dlrm.packing.learned import fit_learned  # noqa: E402
 from slurm_dlrm.packing.model import OpenGpu  # noqa: E402
 from slurm_dlrm.sim import job_demand, parse_cluster, parse_workload  # noqa: E402
-from slurm_dlrm.sim.truth import synthetic_groups  # noqa: E402
 from slurm_dlrm.site import GIB  # noqa: E402
+from slurm_dlrm.truth import synthetic_groups  # noqa: E402
 
 SIM = ROOT / "benchmarks" / "sim"
 

@@ -88,7 +88,7 @@ from slurm_dlrm.sim import (  # noqa: E402
     workload_summary,
 )
 from slurm_dlrm.sim.start_estimate import expected_starts, within_share  # noqa: E402
-from slurm_dlrm.sim.truth import SyntheticColocation  # noqa: E402
+from slurm_dlrm.truth import SyntheticColocation  # noqa: E402
 
 SIM = ROOT / "benchmarks" / "sim"
 

@@ -45,7 +45,7 @@ from slurm_dlrm.packing.interference import (  # noqa: E402
     predict_speeds_from_fractions,
 )
 from slurm_dlrm.sim import SimCluster, Workload, simulate  # noqa: E402
-from slurm_dlrm.sim.truth import SyntheticColocation  # noqa: E402
+from slurm_dlrm.truth import SyntheticColocation  # noqa: E402
 
 GIB = 1 << 30
 

@@ -7,7 +7,7 @@ reduced: the small workload, not yet the 60-job one).
 Each policy runs live on this checkout's local Slurm cluster (2 nodes x 4 fake GPUs,
 `slurm-dlrm cluster up`; started if not running, left running): jobs are submitted at
 their arrival times through `submit` -> the packing service (`serve --policy P`) ->
-Slurm -> the agent, and each member is a stand-in (slurm_dlrm/agent/standin/) that
+Slurm -> the agent, and each member is a stand-in (slurm_dlrm/emulated/standin/) that
 runs its solo time (`solo_duration_s`) slowed down by the truth `--truth` with what
 really shares its fake GPU, at its *true* profile, its memory growing to its true peak. The same workload, cluster file and
 truth then go through the simulator. Per policy it prints live and simulated
@@ -148,7 +148,7 @@ def sim_row(workload: Any, cluster: Any, truth: Any, policy: str) -> Row:
 
 def _standin_spec(spec: dict[str, Any], job: Any, truth_text: str, python: str, ctx_bytes: int) -> dict[str, Any]:
     steps = int(spec["steps"])
-    argv = [python, "-m", "slurm_dlrm.agent.standin", "--steps", str(steps),
+    argv = [python, "-m", "slurm_dlrm.emulated.standin", "--steps", str(steps),
             "--step-s", f"{job.solo_duration_s / steps:.9f}",
             "--checkpoint-every", str(int(spec.get("checkpoint_every_steps") or max(1, steps // 10))),
             "--metrics-every", str(int(spec.get("metrics_every_steps") or 1)),

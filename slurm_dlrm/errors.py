@@ -89,3 +89,5 @@ TRAIN_EXIT_PREEMPTED = 5  # stopped by SIGTERM/SIGUSR1 after writing a checkpoin
 ENV_METRICS_FILE = "SLURM_DLRM_METRICS_FILE"  # JSON lines of progress, appended
 ENV_CHECKPOINT_DIR = "SLURM_DLRM_CHECKPOINT_DIR"  # where checkpoints go / resume from
 ENV_JOB_ID = "SLURM_DLRM_JOB_ID"  # the member's id in the store
+# A scenario file: the agent's NVML seam then samples the fake NVML (slurm_dlrm/emulated/).
+ENV_FAKE_NVML = "SLURM_DLRM_FAKE_NVML"

@@ -343,7 +343,7 @@ __all__ = ["load_model", "model_file_problem", "parse_truth", "read_groups", "re
 def parse_truth(text: str, what: str = "--truth") -> InterferenceParams:
     """``analytic[:A,B,G]`` | ``learned:FILE`` | ``table:FILE`` | ``synthetic[:SEED]`` ->
     the InterferenceParams the simulator uses (the speed model attached)."""
-    from slurm_dlrm.sim.truth import NearestTable, SyntheticColocation
+    from slurm_dlrm.truth import NearestTable, SyntheticColocation
 
     kind, _, arg = text.partition(":")
     kind = kind.strip().lower()

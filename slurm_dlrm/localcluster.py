@@ -642,7 +642,7 @@ class LocalCluster:
 
         from slurm_dlrm.admin.localsite import dump_toml, local_site_raw
         from slurm_dlrm.admin.render import MODULE_NAME, render_site, write_rendered
-        from slurm_dlrm.agent.fake_mps_control import install_launcher
+        from slurm_dlrm.emulated.mps_control import install_launcher
         from slurm_dlrm.site import REPO_SITE_FILE
 
         c = self.config
@@ -799,6 +799,8 @@ class LocalCluster:
         """The fake MPS control daemons the rendered prolog started and no epilog stopped
         (slurmd gone first): `quit` through their pipe, then SIGKILL the pid their pid
         file names, only if that process runs the fake in our root."""
+        from slurm_dlrm.emulated.mps_control import LAUNCHER_MODULES
+
         c = self.config
         fake = c.state_dir / "admin" / "bin" / "nvidia-cuda-mps-control"
         stopped = []
@@ -810,7 +812,7 @@ class LocalCluster:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"fake_mps_control" not in cmdline or not _same_root(pid):
+            if not any(m.encode() in cmdline for m in LAUNCHER_MODULES) or not _same_root(pid):
                 continue
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 subprocess.run([str(fake)], input="quit\n", text=True, timeout=10, capture_output=True,  # noqa: S603

@@ -22,7 +22,8 @@ import pytest
 
 from slurm_dlrm.admin.marker import format_marker
 from slurm_dlrm.admin.render import render_site, write_rendered
-from slurm_dlrm.agent import fake_mps_control, fences
+from slurm_dlrm.agent import fences
+from slurm_dlrm.emulated import mps_control as fake_mps_control
 from slurm_dlrm.site import REPO_SITE_FILE, parse_site
 from tests.slurm_records import write_stub
 

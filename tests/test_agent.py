@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from slurm_dlrm.agent import fake_mps_control, fake_nvml
 from slurm_dlrm.agent.loop import Agent, AgentOptions, classify_exit, member_env, step_argv
 from slurm_dlrm.agent.mps import MpsDaemon, MpsSetup
 from slurm_dlrm.agent.placement import parse_placement
 from slurm_dlrm.agent.procstat import MetricsTail, TreeSampler
 from slurm_dlrm.agent.reports import ReportWriter, read_reports
-from slurm_dlrm.agent.standin import member_entry, placement_dict
 from slurm_dlrm.cli import cli
+from slurm_dlrm.emulated import mps_control as fake_mps_control
+from slurm_dlrm.emulated import nvml as fake_nvml
+from slurm_dlrm.emulated.standin import member_entry, placement_dict
 from slurm_dlrm.errors import BadInput
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +57,7 @@ def _opts(world, **kw):
 def test_placement_validation_names_the_field(tmp_path):
     good = placement_dict(tmp_path, [member_entry(tmp_path, 1, 0)])
     p = parse_placement(good)
-    assert p.members[0].command[1:3] == ("-m", "slurm_dlrm.agent.standin")
+    assert p.members[0].command[1:3] == ("-m", "slurm_dlrm.emulated.standin")
     for mutate, field in [
         (lambda d: d["members"][0].pop("gpu_mem_limit_mib"), "members[0].gpu_mem_limit_mib: missing"),
         (lambda d: d["members"][0].update(mps_thread_pct=150), "members[0].mps_thread_pct"),

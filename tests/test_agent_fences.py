@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from slurm_dlrm.agent import fake_mps_control, fake_nvml, fences
+from slurm_dlrm.agent import fences
 from slurm_dlrm.agent.loop import Agent, AgentOptions
 from slurm_dlrm.agent.placement import parse_placement
 from slurm_dlrm.agent.reports import read_reports
-from slurm_dlrm.agent.standin import member_entry, placement_dict, rank_entries
+from slurm_dlrm.emulated import mps_control as fake_mps_control
+from slurm_dlrm.emulated import nvml as fake_nvml
+from slurm_dlrm.emulated.standin import member_entry, placement_dict, rank_entries
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20

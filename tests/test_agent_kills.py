@@ -17,7 +17,7 @@ from slurm_dlrm.agent import fences
 from slurm_dlrm.agent.loop import Agent, classify_exit
 from slurm_dlrm.agent.placement import parse_placement
 from slurm_dlrm.agent.reports import read_reports
-from slurm_dlrm.agent.standin import member_entry, placement_dict
+from slurm_dlrm.emulated.standin import member_entry, placement_dict
 from tests.test_agent_ranks import _opts, world  # noqa: F401 - world is a fixture
 
 

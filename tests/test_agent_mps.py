@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from slurm_dlrm.agent import fake_mps_control
 from slurm_dlrm.agent.mps import MpsDaemon, MpsError, open_mps
+from slurm_dlrm.emulated import mps_control as fake_mps_control
 
 
 @pytest.fixture

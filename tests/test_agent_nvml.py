@@ -10,9 +10,9 @@ import time
 import pynvml
 import pytest
 
-from slurm_dlrm.agent import fake_nvml
-from slurm_dlrm.agent.fake_nvml import FakeNvml
 from slurm_dlrm.agent.nvml import Nvml
+from slurm_dlrm.emulated import nvml as fake_nvml
+from slurm_dlrm.emulated.nvml import FakeNvml
 from slurm_dlrm.errors import ENV_JOB_ID
 
 USED = [
@@ -180,3 +180,22 @@ def test_the_real_binding_without_a_driver_is_unavailable(monkeypatch):
         pass
     assert nv.init() is False and "NVML Shared Library Not Found" in (nv.reason or "")
     assert nv.sample([0]).gpus == () and nv.device_count() == 0
+
+
+def test_the_real_path_never_loads_the_emulated_node(tmp_path):
+    """The agent meets the fake NVML only when $SLURM_DLRM_FAKE_NVML selects it: without it,
+    the agent's modules and an initialised seam leave slurm_dlrm.emulated unimported."""
+    code = ("import sys\nfrom slurm_dlrm.agent import loop, mps, nvml\nnv = nvml.Nvml()\nnv.init()\n"
+            "print(any(m.startswith('slurm_dlrm.emulated') for m in sys.modules), nv.is_fake)\n")
+    env = {k: v for k, v in os.environ.items() if k != fake_nvml.ENV_FAKE_NVML}
+    real = subprocess.run([sys.executable, "-c", code], env=env,  # noqa: S603
+                          capture_output=True, text=True, timeout=60)
+    assert real.returncode == 0, real.stderr
+    assert real.stdout.split() == ["False", "False"]
+    scenario = tmp_path / "scenario.json"
+    scenario.write_text(json.dumps({"gpu_count": 1}))
+    fake = subprocess.run([sys.executable, "-c", code],  # noqa: S603
+                          env={**env, fake_nvml.ENV_FAKE_NVML: str(scenario)},
+                          capture_output=True, text=True, timeout=60)
+    assert fake.returncode == 0, fake.stderr
+    assert fake.stdout.split() == ["True", "True"]

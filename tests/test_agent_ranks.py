@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from slurm_dlrm.agent import fake_mps_control, fake_nvml
 from slurm_dlrm.agent.loop import Agent, AgentOptions, free_port, member_env
 from slurm_dlrm.agent.mps import MpsSetup
 from slurm_dlrm.agent.placement import parse_join, parse_placement
 from slurm_dlrm.agent.reports import read_reports
-from slurm_dlrm.agent.standin import member_entry, placement_dict, rank_entries
+from slurm_dlrm.emulated import mps_control as fake_mps_control
+from slurm_dlrm.emulated import nvml as fake_nvml
+from slurm_dlrm.emulated.standin import member_entry, placement_dict, rank_entries
 from slurm_dlrm.errors import BadInput
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slurm_dlrm.agent import fake_mps_control, fake_nvml
 from slurm_dlrm.agent.reports import read_reports
-from slurm_dlrm.agent.standin import member_entry, placement_dict, rank_entries
+from slurm_dlrm.emulated import mps_control as fake_mps_control
+from slurm_dlrm.emulated import nvml as fake_nvml
+from slurm_dlrm.emulated.standin import member_entry, placement_dict, rank_entries
 
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 ROOT = Path(__file__).resolve().parents[1]

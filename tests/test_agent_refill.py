@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from slurm_dlrm.agent import fake_mps_control, fake_nvml
 from slurm_dlrm.agent.loop import Agent, AgentOptions
 from slurm_dlrm.agent.placement import parse_placement
 from slurm_dlrm.agent.reports import read_reports
-from slurm_dlrm.agent.standin import member_entry, placement_dict
+from slurm_dlrm.emulated import mps_control as fake_mps_control
+from slurm_dlrm.emulated import nvml as fake_nvml
+from slurm_dlrm.emulated.standin import member_entry, placement_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from slurm_dlrm.agent import fake_mps_control, fake_nvml
 from slurm_dlrm.agent.reports import read_reports
-from slurm_dlrm.agent.standin import member_entry, placement_dict
+from slurm_dlrm.emulated import mps_control as fake_mps_control
+from slurm_dlrm.emulated import nvml as fake_nvml
+from slurm_dlrm.emulated.standin import member_entry, placement_dict
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[1]

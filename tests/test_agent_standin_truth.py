@@ -1,5 +1,5 @@
 """Stand-in members that slow each other down as a co-location truth says (issue 29
-item 1; slurm_dlrm/agent/standin_gpu.py): each step's time is the solo step over the
+item 1; slurm_dlrm/emulated/registry.py): each step's time is the solo step over the
 member's speed under the truth, with what shares its fake GPU at that moment."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_dlrm.agent.standin.__main__ import speeds_under
-from slurm_dlrm.agent.standin_gpu import GpuRegistry, gpu_name
+from slurm_dlrm.emulated.registry import GpuRegistry, gpu_name
+from slurm_dlrm.emulated.standin.__main__ import speeds_under
 from slurm_dlrm.interference_io import parse_truth
 from slurm_dlrm.packing.interference import predict_speeds_from_fractions
 
@@ -27,7 +27,7 @@ def _launch(tmp: Path, job_id: int, gpu: int, sm: float, bw: float, steps: int, 
                SLURM_DLRM_STANDIN_REGISTRY=str(tmp / "registry"), SLURM_DLRM_JOB_ID=str(job_id),
                SLURM_DLRM_METRICS_FILE=str(tmp / f"m{job_id}.jsonl"))
     env.pop("CUDA_MPS_PIPE_DIRECTORY", None)
-    return subprocess.Popen([sys.executable, "-m", "slurm_dlrm.agent.standin", "--steps", str(steps),  # noqa: S603
+    return subprocess.Popen([sys.executable, "-m", "slurm_dlrm.emulated.standin", "--steps", str(steps),  # noqa: S603
                              "--step-s", str(STEP_S), "--truth", "synthetic", "--sm-pct", str(sm),
                              "--bw-pct", str(bw), *extra], env=env)
 
@@ -93,15 +93,15 @@ def test_standin_memory_follows_the_true_peak_and_a_bad_truth_is_refused(tmp_pat
     finally:
         p.kill()
         p.wait()
-    bad = subprocess.run([sys.executable, "-m", "slurm_dlrm.agent.standin", "--truth", "nope"],
+    bad = subprocess.run([sys.executable, "-m", "slurm_dlrm.emulated.standin", "--truth", "nope"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--truth" in bad.stderr
 
 
 def test_a_standins_device_memory_is_what_the_fake_nvml_reports_not_its_rss(tmp_path, monkeypatch):
     # 40 GiB of device memory on a 24 GiB machine: only the registry can hold it.
-    from slurm_dlrm.agent import fake_nvml
     from slurm_dlrm.agent.nvml import Nvml
+    from slurm_dlrm.emulated import nvml as fake_nvml
 
     scenario = tmp_path / "nvml.json"
     scenario.write_text(json.dumps({"gpu_count": 2}))
@@ -145,6 +145,6 @@ def test_metrics_every_k_steps_keeps_the_step_count_and_time(tmp_path):
     assert [x["step"] for x in lines] == [10, 20, 30, 40, 45]
     assert lines[0]["step_time_s"] == pytest.approx(STEP_S, rel=0.3)  # per step, not per line
     assert time.monotonic() - t0 >= 45 * STEP_S
-    bad = subprocess.run([sys.executable, "-m", "slurm_dlrm.agent.standin", "--gpu-peak-mib", "5"],
+    bad = subprocess.run([sys.executable, "-m", "slurm_dlrm.emulated.standin", "--gpu-peak-mib", "5"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--gpu-peak-mib" in bad.stderr

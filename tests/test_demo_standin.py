@@ -16,7 +16,7 @@ def test_standin_specs_keep_the_spec_and_its_sbatch_lines_and_run_the_standin(tm
     assert [c.name for c in copies] == [o.name for o in originals]
     for orig, copy in zip(originals, copies, strict=True):
         a, b = load_spec(orig), load_spec(copy)
-        assert b.command is not None and b.command[:3] == (sys.executable, "-m", "slurm_dlrm.agent.standin")
+        assert b.command is not None and b.command[:3] == (sys.executable, "-m", "slurm_dlrm.emulated.standin")
         assert b.command[b.command.index("--steps") + 1] == str(a.steps)
         # everything the estimate and the packing read is the original's
         assert a.to_dict() | {"command": None} == b.to_dict() | {"command": None}

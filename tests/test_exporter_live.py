@@ -1,7 +1,7 @@
 """`slurm-dlrm exporter` scraped over HTTP while a pack runs on the local Slurm cluster.
 
 The packing service runs in this process (rounds every 0.5 s, its status file written
-as `serve` writes it), its members are stand-ins (slurm_dlrm/agent/standin/, no
+as `serve` writes it), its members are stand-ins (slurm_dlrm/emulated/standin/, no
 torch) under the real agent, NVML is the fake that plays the driver for the members
 (`discover_members`), and the exporter is the real command in its own process. Its text
 is parsed with prometheus_client's parser, as Prometheus would.

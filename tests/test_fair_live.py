@@ -3,7 +3,7 @@ gets its turn"): a 2-rank job submitted behind a steady stream of one-GPU jobs, 
 big to share a GPU, starts within its bound. The service runs in this process (rounds
 0.5 s apart) with the site's `fairness = "slowdown"` and a small bound and wait
 (`[packing] overdue_slowdown`, `overdue_min_wait_s`, `gang_reserve_slowdown`), so the
-test takes about 30 s; the members are stand-ins (slurm_dlrm/agent/standin/).
+test takes about 30 s; the members are stand-ins (slurm_dlrm/emulated/standin/).
 
 It checks the rule's promise live; it does not tell the rules apart: with jobs of one
 length, the gang waits about 10 s under the default "rounds" too (refill places gangs

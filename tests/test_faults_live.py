@@ -1,5 +1,5 @@
 """Recovery on the local Slurm cluster: the packing service (in this process, rounds every
-0.5 s) with stand-in members (slurm_dlrm/agent/standin/, no torch) under the real agent.
+0.5 s) with stand-in members (slurm_dlrm/emulated/standin/, no torch) under the real agent.
 
 - A member that grows past its host budget is stopped by the agent (OOM_HOST), requeued
   with a raise from its measured peak, resumes from its checkpoint and completes; its
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-STANDIN = ["-m", "slurm_dlrm.agent.standin"]
+STANDIN = ["-m", "slurm_dlrm.emulated.standin"]
 pytestmark = pytest.mark.slurm
 MIB = 1 << 20
 

@@ -1,7 +1,7 @@
 """A 2-rank job joins a running pack on the local Slurm cluster (issue 18, docs/interfaces.md
 3b): the packing service (in this process, rounds 0.5 s apart, the site's `complementary`)
 records the gang's join, writes one join file of two entries, and the pack's real agent
-launches both ranks (stand-ins, slurm_dlrm/agent/standin/, no torch) in the same Slurm
+launches both ranks (stand-ins, slurm_dlrm/emulated/standin/, no torch) in the same Slurm
 allocation, each on its own GPU; the job completes there.
 """
 

@@ -159,7 +159,7 @@ def test_colocation_falls_back_to_time_slicing_when_mps_clients_fail(tmp_path, m
     """The daemon starts but its clients cannot use it (a driver or VM without working
     MPS): the table is still measured, by time-slicing, and says so."""
     pytest.importorskip("torch")
-    from slurm_dlrm.agent import fake_nvml
+    from slurm_dlrm.emulated import nvml as fake_nvml
     from slurm_dlrm.selftest import gpu_check as G
     from slurm_dlrm.selftest import gpu_colocation as C
 
@@ -209,7 +209,7 @@ def test_colocation_windows_shrink_to_end_inside_the_budget():
 @pytest.mark.torch
 def test_a_worker_that_dies_costs_its_own_pairs_only(tmp_path, monkeypatch):
     pytest.importorskip("torch")
-    from slurm_dlrm.agent import fake_nvml
+    from slurm_dlrm.emulated import nvml as fake_nvml
     from slurm_dlrm.selftest import gpu_check as G
     from slurm_dlrm.selftest import gpu_colocation as C
 

@@ -186,9 +186,9 @@ def test_a_module_over_600_lines_says_why_at_its_top() -> None:
 # (they start a command) and stand above every floor.
 FLOORS = {
     "slurm_dlrm": 0, "errors": 0, "presets": 0, "strict_load": 0, "package_data": 0,
-    "site": 1, "spec": 1,
+    "site": 1, "spec": 1, "emulated": 1,
     "estimate": 2, "packing": 2, "adapt": 2, "slurm": 2, "agent": 2,
-    "store": 3, "sim": 3, "admin": 3, "train": 3,
+    "store": 3, "sim": 3, "admin": 3, "train": 3, "truth": 3,
     "localcluster": 4,
     "interference_io": 5, "service": 5, "exporter": 5, "selftest": 5,
     "commands": 6, "cli": 6,
@@ -215,3 +215,38 @@ def test_areas_import_only_lower_floors() -> None:
             if b != a and FLOORS.get(b, 99) >= FLOORS.get(a, -1):
                 bad.append(f"{mod} (floor {FLOORS.get(a)}) -> {target} (floor {FLOORS.get(b)})")
     assert sorted(bad) == []
+
+
+# The agent's one door to the emulated GPU node (slurm_dlrm/emulated/): its NVML seam
+# loads the fake NVML when $SLURM_DLRM_FAKE_NVML selects it. The fake MPS daemon is
+# reached as an executable on PATH, the stand-in as a member's command, never imported.
+AGENT_MAY_IMPORT_EMULATED = {("slurm_dlrm.agent.nvml", "slurm_dlrm.emulated.nvml")}
+
+
+def _emulated_imports_of(area: str) -> set[tuple[str, str]]:
+    return {(mod, target) for mod, targets in _graph().items() if _area(mod) == area
+            for target in targets if _area(target) == "emulated"}
+
+
+def test_the_agent_reaches_the_emulated_node_only_through_its_nvml_seam() -> None:
+    assert _emulated_imports_of("agent") - AGENT_MAY_IMPORT_EMULATED == set()
+
+
+def test_the_emulated_node_imports_neither_the_simulator_nor_the_truth() -> None:
+    """Its modules sit on floor 1; only the stand-in's entry point (a `__main__`) hands
+    the truth in, so the fakes stay free of the simulator's internals."""
+    bad = [(mod, target) for mod, targets in _graph().items()
+           if _area(mod) == "emulated" and not mod.endswith("__main__")
+           for target in targets if _area(target) in ("sim", "truth", "interference_io", "packing")]
+    assert bad == []
+
+
+def test_the_emulated_door_check_can_fail() -> None:
+    """A made-up agent module importing the fake MPS daemon is caught."""
+    TREES["slurm_dlrm.agent._probe"] = ast.parse("from slurm_dlrm.emulated import mps_control\n")
+    MODULES["slurm_dlrm.agent._probe"] = PKG / "agent" / "_probe.py"
+    try:
+        assert _emulated_imports_of("agent") - AGENT_MAY_IMPORT_EMULATED == {
+            ("slurm_dlrm.agent._probe", "slurm_dlrm.emulated.mps_control")}
+    finally:
+        del TREES["slurm_dlrm.agent._probe"], MODULES["slurm_dlrm.agent._probe"]

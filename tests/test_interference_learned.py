@@ -33,7 +33,7 @@ from slurm_dlrm.packing.interference_eval import (
     model_predictor,
 )
 from slurm_dlrm.packing.learned import CORE_FEATURES, LearnedInterference, fit_learned
-from slurm_dlrm.sim.truth import NearestTable, SyntheticColocation, synthetic_groups
+from slurm_dlrm.truth import NearestTable, SyntheticColocation, synthetic_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 

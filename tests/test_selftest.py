@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from slurm_dlrm.agent import fake_mps_control, fake_nvml
 from slurm_dlrm.cli import cli
+from slurm_dlrm.emulated import mps_control as fake_mps_control
+from slurm_dlrm.emulated import nvml as fake_nvml
 from slurm_dlrm.errors import BadInput
 from slurm_dlrm.estimate import estimate
 from slurm_dlrm.selftest import run as run_mod
@@ -208,7 +209,7 @@ def _fake_daemons() -> set[int]:
                 env = Path(f"/proc/{d}/environ").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"slurm_dlrm.agent.fake_mps_control" in argv and b"-d" in argv and any(
+            if b"slurm_dlrm.emulated.mps_control" in argv and b"-d" in argv and any(
                     e.startswith(b"CUDA_MPS_PIPE_DIRECTORY=" + ours) for e in env):
                 out.add(int(d))
     return out
@@ -406,7 +407,7 @@ def test_sigterm_stops_the_daemon_and_the_clients(clean_env):
             except OSError:
                 continue
             if b"CUDA_MPS_PIPE_DIRECTORY=" + ours in environ:
-                if b"-d" in argv and b"slurm_dlrm.agent.fake_mps_control" in argv:
+                if b"-d" in argv and b"slurm_dlrm.emulated.mps_control" in argv:
                     daemon = int(d)
                 elif argv[:2] == [b"sleep", b"600"]:
                     sleeper = int(d)  # the hanging client, in the agent's member environment
@@ -546,3 +547,17 @@ def test_write_site_without_a_gpu_writes_nothing(clean_env, tmp_path):
     row = {c["name"]: c for c in data["checks"]}["calibration.write_site"]
     assert code == 0 and row["status"] == V.SKIP and "nothing was measured" in row["detail"]
     assert site_file.read_text() == SITE_TEXT
+
+
+def test_a_fake_launcher_installed_before_the_move_is_still_the_fake(tmp_path):
+    """A local cluster brought up before the fakes moved to slurm_dlrm/emulated/ keeps its
+    launcher, which runs the old module name: selftest must still see it as the fake."""
+    old = tmp_path / "old" / "nvidia-cuda-mps-control"
+    old.parent.mkdir()
+    old.write_text("#!/bin/sh\nexec /usr/bin/python3 -m slurm_dlrm.agent.fake_mps_control \"$@\"\n")
+    assert run_mod.is_fake_mps_control(str(old))
+    assert run_mod.is_fake_mps_control(str(fake_mps_control.install_launcher(tmp_path / "bin")))
+    other = tmp_path / "other" / "nvidia-cuda-mps-control"
+    other.parent.mkdir()
+    other.write_text("#!/bin/sh\nexec /usr/bin/nvidia-cuda-mps-control.real \"$@\"\n")
+    assert not run_mod.is_fake_mps_control(str(other))

@@ -330,8 +330,8 @@ def _synthetic_history(store, clock, groups: int = 60, seed: int = 3):
     synthetic generator (not the analytic shape, so the learned model can win)."""
     import random
 
-    from slurm_dlrm.sim.truth import SyntheticColocation
     from slurm_dlrm.store.records import NewPlacement
+    from slurm_dlrm.truth import SyntheticColocation
 
     truth = SyntheticColocation(noise_pct=1.0)
     rng = random.Random(seed)
@@ -415,7 +415,7 @@ def test_the_learned_model_is_not_adopted_when_the_analytic_one_is_as_good(tmp_p
 def test_a_site_model_file_others_can_write_is_refused(tmp_path):
     from slurm_dlrm.interference_io import save_model
     from slurm_dlrm.packing.learned import fit_learned
-    from slurm_dlrm.sim.truth import synthetic_groups
+    from slurm_dlrm.truth import synthetic_groups
 
     path = tmp_path / "site-model.json"
     save_model(fit_learned(synthetic_groups(200, seed=1)[0]), path)

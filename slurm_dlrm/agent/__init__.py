@@ -1,5 +1,8 @@
 """The per-node agent: MPS, member launch, sampling and enforcement inside a pack allocation.
 
-Seams: `nvml` (the only importer of pynvml, with `fake_nvml`), `mps` (the MPS control
-daemon, with the `fake_mps_control` executable). The loop lives in `loop`.
+Seams: `nvml` (the only importer of pynvml; `$SLURM_DLRM_FAKE_NVML` selects the fake,
+`slurm_dlrm.emulated.nvml`), `mps` (the MPS control daemon, whichever
+`nvidia-cuda-mps-control` is on PATH: the fake one is `slurm_dlrm.emulated.mps_control`).
+The loop lives in `loop`. Everything that stands in for GPU hardware lives in
+`slurm_dlrm/emulated/`, not here.
 """

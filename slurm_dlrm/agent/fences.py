@@ -31,7 +31,7 @@ configuration keys' names, dashes for underscores) and whether a v3 client's own
 is what the namespace limit is for; `selftest` checks it on hardware).
 
 Everything here is plain functions over paths and strings; the agent (loop.py) and the
-admin scripts call them, the fakes (fake_mps_control.py, `make_fake_cgroup_tree`) serve
+admin scripts call them, the fakes (emulated/mps_control.py, `make_fake_cgroup_tree`) serve
 them in tests.
 """
 

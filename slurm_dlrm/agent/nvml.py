@@ -4,18 +4,22 @@ NVML is initialised once per process. Nothing here raises on a GPU problem: a fu
 the GPU does not support gives `None`, a lost GPU gives a `GpuSample` with `lost=True`,
 processes that vanish between two calls are skipped. Snapshots carry units in names.
 
-`$SLURM_DLRM_FAKE_NVML=<scenario.json>` swaps in `fake_nvml.FakeNvml` (machines without a
-GPU, tests, and Slurm jobs on the local test cluster); the code path is otherwise the same.
+`$SLURM_DLRM_FAKE_NVML=<scenario.json>` swaps in `slurm_dlrm.emulated.nvml.FakeNvml`
+(machines without a GPU, tests, and Slurm jobs on the local test cluster); the code path
+is otherwise the same. That selection is the agent's one door to the emulated node: the
+fake is imported only when the variable names a scenario.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from slurm_dlrm.agent import fake_nvml
+from slurm_dlrm.errors import ENV_FAKE_NVML
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +89,11 @@ class Nvml:
         if self._initialized:
             return self.available
         self._initialized = True
-        if self._nv is None:
+        if self._nv is None and os.environ.get(ENV_FAKE_NVML):
+            from slurm_dlrm.emulated import (
+                nvml as fake_nvml,  # selected: the real path never loads it
+            )
+
             self._nv = fake_nvml.from_env()
         if self._nv is None:
             try:
@@ -120,7 +128,8 @@ class Nvml:
     @property
     def is_fake(self) -> bool:
         """True when the binding is the fake NVML ($SLURM_DLRM_FAKE_NVML), not the driver's."""
-        return isinstance(self._nv, fake_nvml.FakeNvml)
+        fake_nvml = sys.modules.get("slurm_dlrm.emulated.nvml")  # not loaded: it cannot be the fake
+        return fake_nvml is not None and isinstance(self._nv, fake_nvml.FakeNvml)
 
     def cuda_driver_version(self) -> int | None:
         """The CUDA version the driver supports, as nvml.h encodes it (12040 = 12.4)."""

@@ -44,7 +44,7 @@ class SoloProfile:
 class SpeedModel(Protocol):
     """Anything that predicts co-located speeds from solo SM and bandwidth fractions:
     the learned model (`slurm_dlrm.packing.learned`) or a simulator's truth
-    (`slurm_dlrm.sim.truth`). Must be cheap: the policies call it in their inner loops."""
+    (`slurm_dlrm.truth`). Must be cheap: the policies call it in their inner loops."""
 
     @property
     def name(self) -> str: ...

@@ -71,8 +71,9 @@ GPU_BUDGET_S = 450.0
 
 
 def prepare(out: Out, site_path: Path, model: str | None) -> Env:
-    from slurm_dlrm.agent import fake_mps_control, fake_nvml
     from slurm_dlrm.agent.nvml import Nvml
+    from slurm_dlrm.emulated import mps_control as fake_mps_control
+    from slurm_dlrm.emulated import nvml as fake_nvml
     from slurm_dlrm.selftest import verdict as V
     from slurm_dlrm.site import load_site
 
@@ -350,8 +351,8 @@ def run(out_dir: Path, dry: bool, site_path: Path, model: str | None, window_s: 
 
 def _need_a_gpu() -> None:
     """Without --dry, only the driver's NVML and a GPU: a fake could never pass for one."""
-    from slurm_dlrm.agent import fake_nvml
     from slurm_dlrm.agent.nvml import Nvml
+    from slurm_dlrm.emulated import nvml as fake_nvml
 
     if os.environ.get(fake_nvml.ENV_FAKE_NVML):
         raise BadInput(f"${fake_nvml.ENV_FAKE_NVML} is set: a GPU run never uses the fake NVML (unset it, or use --dry)")

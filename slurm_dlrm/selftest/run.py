@@ -35,11 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.agent import fake_mps_control, fake_nvml
 from slurm_dlrm.agent.loop import member_env
 from slurm_dlrm.agent.mps import MPS_CONTROL, MpsSetup, open_mps
 from slurm_dlrm.agent.nvml import Nvml
 from slurm_dlrm.agent.placement import MemberPlacement, allocation_gpus
+from slurm_dlrm.emulated import mps_control as fake_mps_control
+from slurm_dlrm.emulated import nvml as fake_nvml
 from slurm_dlrm.errors import BadInput, DlrmError
 from slurm_dlrm.selftest import verdict as V
 from slurm_dlrm.selftest.verdict import DRY, FAIL, PASS, SKIP, Check
@@ -106,9 +107,10 @@ class Context:
 def is_fake_mps_control(path: str) -> bool:
     try:
         with open(path, "rb") as f:
-            return b"slurm_dlrm.agent.fake_mps_control" in f.read(4096)
+            head = f.read(4096)
     except OSError:
         return False
+    return any(m.encode() in head for m in fake_mps_control.LAUNCHER_MODULES)
 
 
 def other_users_mps_daemons(uid: int) -> list[tuple[int, str]]:
@@ -125,7 +127,8 @@ def other_users_mps_daemons(uid: int) -> list[tuple[int, str]]:
         if st.st_uid == uid or not argv or not argv[0]:
             continue
         exe = os.path.basename(argv[0].decode(errors="replace"))
-        fake = b"slurm_dlrm.agent.fake_mps_control" in argv and (b"-d" in argv or b"-f" in argv)
+        fake = (any(m.encode() in argv for m in fake_mps_control.LAUNCHER_MODULES)
+                and (b"-d" in argv or b"-f" in argv))
         if exe in ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server") or fake:
             try:
                 user = pwd.getpwuid(st.st_uid).pw_name

@@ -171,7 +171,7 @@ def default_specs(count: int | None = None) -> list[Path]:
 
 
 def standin_specs(specs: Sequence[Path], workdir: Path, python: str, step_s: float = 0.1) -> list[Path]:
-    """Copies of `specs` whose members run the stand-in (slurm_dlrm/agent/standin/, no
+    """Copies of `specs` whose members run the stand-in (slurm_dlrm/emulated/standin/, no
     torch) for the same steps, so the demo's Slurm path runs where torch is not installed
     (scripts/slurm-matrix.sh on Python 3.13+). Everything else, estimate, packing, fences,
     the agent, accounting, is the real path."""
@@ -188,7 +188,7 @@ def standin_specs(specs: Sequence[Path], workdir: Path, python: str, step_s: flo
         spec = yaml.safe_load(text)
         steps = int(spec.get("steps") or 50)
         every = int(spec.get("checkpoint_every_steps") or 10)
-        argv = [python, "-m", "slurm_dlrm.agent.standin", "--steps", str(steps), "--step-s", str(step_s),
+        argv = [python, "-m", "slurm_dlrm.emulated.standin", "--steps", str(steps), "--step-s", str(step_s),
                 "--checkpoint-every", str(every)]
         # JSON is YAML: appended as one flow line after the original (its #SBATCH lines stay).
         copy = out_dir / path.name

@@ -87,6 +87,12 @@ ENV_V3 = "SLURM_DLRM_FAKE_MPS_V3"
 REFUSED = "refused:"  # the daemon's reply to a client it does not connect
 ENV_STATE_COPY = "SLURM_DLRM_FAKE_MPS_STATE_COPY"
 CLIENT_LINE = "fake_client_connect"
+MODULE = "slurm_dlrm.emulated.mps_control"  # what the launcher runs (`python -m`)
+# Launchers installed before the fake moved here from agent/ (a local cluster brought up
+# earlier keeps its admin/bin launcher with its own copy of the fake) still run the old
+# name: their daemons are still the fake's. Drop the old name once no cluster up from
+# before the move remains (`cluster up` installs the new launcher).
+LAUNCHER_MODULES = (MODULE, "slurm_dlrm.agent.fake_mps_control")
 _END = b"\0"  # ends one reply on the control socket (private to the fake)
 _ERROR = "Error: "  # a v3 reply that the client turns into exit 1 and stderr
 
@@ -259,7 +265,7 @@ def parse_v3_config(text: str) -> dict[str, dict[str, Any]]:
     return servers
 
 
-def _parse_client_limit(value: str) -> int | None:
+def client_limit_mib(value: str) -> int | None:
     """MiB of device 0 from CUDA_MPS_PINNED_DEVICE_MEM_LIMIT ("0=3000M,1=2G" or "3000M")."""
     if not value or value == "-":
         return None
@@ -352,7 +358,7 @@ class _Daemon:
 
     def client_connect(self, route: tuple[str | None, str | None], peer_uid: int | None, pid: str,
                        requested: str = "-") -> str:
-        want = _parse_client_limit(requested)
+        want = client_limit_mib(requested)
         server_name, ns_name = route
         if self.protocol == 3:
             if server_name is None:  # the main control socket routes by uid (NVIDIA: Namespace Routing)
@@ -822,21 +828,21 @@ def install_launcher(bin_dir: str | os.PathLike[str], python: str | None = None,
     bin_path = Path(bin_dir)
     bin_path.mkdir(parents=True, exist_ok=True)
     lib = bin_path / "fake-mps-lib"
-    (lib / "slurm_dlrm" / "agent").mkdir(parents=True, exist_ok=True)
-    for rel, text in (("slurm_dlrm/__init__.py", ""), ("slurm_dlrm/agent/__init__.py", ""),
-                      ("slurm_dlrm/agent/fake_mps_control.py", Path(__file__).read_text())):
+    (lib / "slurm_dlrm" / "emulated").mkdir(parents=True, exist_ok=True)
+    for rel, text in (("slurm_dlrm/__init__.py", ""), ("slurm_dlrm/emulated/__init__.py", ""),
+                      ("slurm_dlrm/emulated/mps_control.py", Path(__file__).read_text())):
         (lib / rel).write_text(text)
         (lib / rel).chmod(0o644)
-    for folder in (lib, lib / "slurm_dlrm", lib / "slurm_dlrm" / "agent"):
+    for folder in (lib, lib / "slurm_dlrm", lib / "slurm_dlrm" / "emulated"):
         folder.chmod(0o755)
     exe = bin_path / "nvidia-cuda-mps-control"
     exe.write_text(
         "#!/bin/sh\n"
-        "# Fake MPS control daemon for machines without a GPU (slurm_dlrm.agent.fake_mps_control).\n"
+        f"# Fake MPS control daemon for machines without a GPU ({MODULE}).\n"
         f"PYTHONPATH={shlex.quote(str(lib))}\n"
         "export PYTHONPATH\n"
         + (f"{ENV_V3}=1\nexport {ENV_V3}\n" if v3 else "")
-        + f"exec {shlex.quote(_interpreter(python))} -m slurm_dlrm.agent.fake_mps_control \"$@\"\n")
+        + f"exec {shlex.quote(_interpreter(python))} -m {MODULE} \"$@\"\n")
     exe.chmod(0o755)
     return exe
 

@@ -17,7 +17,7 @@ the member is an MPS client (the real MPS server remaps the same way).
 Speeds are the simulator's: `predict_speeds_from_fractions` on the members' solo
 fractions with the truth `simulate --truth` takes (`parse_truth`), a lone member at 1;
 the stand-in's entry point (standin/__main__.py) hands that function in, since the
-agent's floor may not import packing or the truth readers.
+emulated node's floor (below the agent's) may not import packing or the truth reader.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.agent.fake_nvml import MPS_STATE_FILE
+from slurm_dlrm.emulated.mps_control import STATE_FILE as MPS_STATE_FILE
 
 SpeedsOf = Callable[[Sequence[float], Sequence[float]], Sequence[float]]
 

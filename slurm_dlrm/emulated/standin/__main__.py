@@ -1,11 +1,11 @@
-"""`python -m slurm_dlrm.agent.standin`: the stand-in member as a program. An entry point,
-so it may hand the program what the agent's floor may not import: the truth reader
+"""`python -m slurm_dlrm.emulated.standin`: the stand-in member as a program. An entry point,
+so it may hand the program what the emulated node's floor may not import: the truth reader
 (interference_io) and the simulator's speed rule (packing.interference)."""
 
 import sys
 from collections.abc import Sequence
 
-from slurm_dlrm.agent.standin import main
+from slurm_dlrm.emulated.standin import main
 from slurm_dlrm.interference_io import parse_truth
 from slurm_dlrm.packing.interference import predict_speeds_from_fractions
 

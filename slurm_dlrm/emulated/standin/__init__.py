@@ -1,7 +1,7 @@
 """A stand-in pack member for tests and benchmarks (no torch): it behaves like
 `slurm-dlrm train` towards the agent and does nothing else.
 
-    python -m slurm_dlrm.agent.standin --steps 50 --step-s 0.1 [--grow-mib-per-step 8]
+    python -m slurm_dlrm.emulated.standin --steps 50 --step-s 0.1 [--grow-mib-per-step 8]
         [--exit-code 3] [--env-out PATH] [--busy] [--checkpoint-every 10]
         [--set-env CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=99999M] [--mps-client]
 
@@ -11,7 +11,7 @@ with TRAIN_EXIT_PREEMPTED, can grow its host memory every step (to trip the agen
 budget), and ends with the exit code asked for (3 = TRAIN_EXIT_OOM_GPU, ...).
 With `--truth T --sm-pct S --bw-pct B` (T as `simulate --truth` takes it) each step
 takes `--step-s` over its speed under that truth with the stand-ins that share its fake
-GPU at that moment (agent/standin_gpu.py); `--peak-mib M --peak-at-step K` grows its RSS,
+GPU at that moment (emulated/registry.py); `--peak-mib M --peak-at-step K` grows its RSS,
 which the fake NVML reports as its GPU memory, to the job's true peak M by step K;
 `--gpu-peak-mib M` instead declares M MiB of *device* memory in the registry (the fake
 NVML reports that, so tens of GiB cost no host memory) and, like a CUDA allocation past
@@ -21,7 +21,7 @@ looks at the stop signal) every K steps, as the runner's `metrics_every_steps`: 
 thousands of short steps then costs a few hundred wake-ups, not thousands.
 `--set-env` changes its own environment first (what a member that lifts its own fence
 does: one line of Python before CUDA starts); `--mps-client` then "starts CUDA" against
-the fake MPS daemon (`fake_mps_control.connect_client`), which records the limit it holds
+the fake MPS daemon (`emulated/mps_control.py`, `connect_client`), which records the limit it holds
 the member to.
 
 Launched as one rank of a multi-rank job (`RANK` in its environment, docs/agent.md
@@ -68,7 +68,7 @@ def _checkpoint(ckpt_dir: Path | None, step: int) -> None:
 
 
 def main(argv: list[str] | None = None, parse_truth: Callable[[str], Any] | None = None) -> int:
-    """The program; `parse_truth` (passed by __main__.py, which stands above the agent's
+    """The program; `parse_truth` (passed by __main__.py, which stands above the emulated node's
     floor) turns --truth into the speeds function GpuRegistry.speed takes."""
     ap = argparse.ArgumentParser(prog="standin")
     ap.add_argument("--steps", type=int, default=50)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None, parse_truth: Callable[[str], Any] | None
     ap.add_argument("--checkpoint-every", type=int, default=0, help="also checkpoint every N steps (0: only on stop)")
     ap.add_argument("--set-env", action="append", default=[], metavar="K=V", help="set in its own environment first")
     ap.add_argument("--mps-client", action="store_true", help="connect to the (fake) MPS daemon as a CUDA client")
-    # A GPU that slows down like one (agent/standin_gpu.py): --step-s is the solo step
+    # A GPU that slows down like one (emulated/registry.py): --step-s is the solo step
     # time, each step's time follows the truth for what shares the fake GPU meanwhile.
     ap.add_argument("--truth", default=None, help="co-location truth as `simulate --truth` takes it")
     ap.add_argument("--sm-pct", type=float, default=0.0, help="solo SM use, %% (with --truth)")
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None, parse_truth: Callable[[str], Any] | None
         from slurm_dlrm.errors import BadInput
 
         if parse_truth is None:
-            print("standin: --truth needs the program's entry point (python -m slurm_dlrm.agent.standin)",
+            print("standin: --truth needs the program's entry point (python -m slurm_dlrm.emulated.standin)",
                   file=sys.stderr)
             return 2
         try:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None, parse_truth: Callable[[str], Any] | None
         key, _, value = item.partition("=")
         os.environ[key] = value
     if args.mps_client and os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
-        from slurm_dlrm.agent.fake_mps_control import connect_client
+        from slurm_dlrm.emulated.mps_control import connect_client
 
         connect_client()
     for sig in (signal.SIGTERM, signal.SIGUSR1):
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None, parse_truth: Callable[[str], Any] | None
     writes_ckpt = ckpt_dir if rank in (None, "0") else None
     registry = None
     if truth is not None:
-        from slurm_dlrm.agent.standin_gpu import ENV_STANDIN_REGISTRY, GpuRegistry, gpu_name
+        from slurm_dlrm.emulated.registry import ENV_STANDIN_REGISTRY, GpuRegistry, gpu_name
 
         root = (args.registry or os.environ.get(ENV_STANDIN_REGISTRY)
                 or str(Path(tempfile.gettempdir()) / f"slurm-dlrm-standins-{os.getuid()}"))
@@ -157,9 +157,9 @@ def main(argv: list[str] | None = None, parse_truth: Callable[[str], Any] | None
 def _pinned_limit_bytes() -> int | None:
     """The device memory the MPS server lets this client allocate (its own environment's
     CUDA_MPS_PINNED_DEVICE_MEM_LIMIT, as the agent sets it), or None without a limit."""
-    from slurm_dlrm.agent.fake_mps_control import _parse_client_limit
+    from slurm_dlrm.emulated.mps_control import client_limit_mib
 
-    mib = _parse_client_limit(os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""))
+    mib = client_limit_mib(os.environ.get("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""))
     return None if mib is None else mib << 20
 
 
@@ -233,7 +233,7 @@ def member_entry(pack_dir: str | os.PathLike[str], job_id: int, gpu_index: int, 
         "job_id": job_id, "name": f"standin-{job_id}", "node_index": node_index, "gpu_index": gpu_index,
         "mps_thread_pct": mps_thread_pct, "gpu_mem_limit_mib": gpu_mem_limit_mib,
         "host_mem_limit_bytes": host_mem_limit_mib << 20, "cpus": 1,
-        "command": [python or sys.executable, "-m", "slurm_dlrm.agent.standin", *(args or [])],
+        "command": [python or sys.executable, "-m", "slurm_dlrm.emulated.standin", *(args or [])],
         "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
     }
 

@@ -41,10 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.errors import ENV_JOB_ID
-
-ENV_FAKE_NVML = "SLURM_DLRM_FAKE_NVML"
-MPS_STATE_FILE = "fake-mps-state.json"  # written by fake_mps_control into its pipe folder
+from slurm_dlrm.emulated.mps_control import STATE_FILE as MPS_STATE_FILE
+from slurm_dlrm.emulated.registry import registered_gpu_mem_bytes
+from slurm_dlrm.errors import ENV_FAKE_NVML, ENV_JOB_ID
 
 # Codes as in pynvml.py (nvml.h). tests/test_agent_nvml.py checks them against the real module.
 NVML_SUCCESS = 0
@@ -388,7 +387,7 @@ class FakeNvml:
             rss, cpu_s = stat
             declared = _standin_gpu_mem(env, pid, gpu_index)
             if declared is not None:
-                rss = declared  # a stand-in's device memory (standin_gpu.py), not its host pages
+                rss = declared  # a stand-in's device memory (emulated/registry.py), not its host pages
             prev = self._cpu_prev.get(pid)
             self._cpu_prev[pid] = (cpu_s, now)
             sm = 0.0
@@ -435,8 +434,6 @@ def _standin_gpu_mem(env: dict[str, str], pid: int, gpu_index: int) -> int | Non
     if "SLURM_DLRM_STANDIN_REGISTRY" not in env:
         return None
     import socket
-
-    from slurm_dlrm.agent.standin_gpu import registered_gpu_mem_bytes  # it imports this module
 
     node = env.get("SLURMD_NODENAME") or socket.gethostname()
     return registered_gpu_mem_bytes(env, pid, node, gpu_index)

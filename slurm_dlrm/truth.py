@@ -1,4 +1,9 @@
-"""What "really" happens on a shared GPU in the simulator, apart from the planner's model.
+"""What "really" happens on a shared GPU, apart from the planner's model: the one
+co-location truth of the simulator (`sim/`) and of the emulated GPU node's stand-in members
+(`emulated/standin`), both reaching it through `interference_io.parse_truth`. It sits apart
+from both so that neither imports the other's internals, and above the planner (it takes
+`packing.interference`'s types), which is why it is not inside `emulated/`: the agent
+imports the emulated node's fakes, so that package sits below the agent and the planner.
 
 `simulate --truth` picks one of (pure; the CLI reads the files):
 
