@@ -15,6 +15,11 @@ from typing import Any
 
 from slurm_dlrm.site import MIB, GpuModel, SiteConfig
 
+# The per-node agent of a pack takes one CPU and this much host memory of its
+# allocation beyond the members (service/refill.pack_allocation asks Slurm for them).
+AGENT_CPUS = 1
+AGENT_MEM_MIB = 512
+
 LABELS = ("compute-bound", "memory-bound", "host-bound")
 
 

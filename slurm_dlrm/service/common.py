@@ -12,12 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+# What the agent itself takes of each node of a pack, added to --cpus-per-task/--mem
+# (the simulator counts them too: packing/model.py).
+from slurm_dlrm.packing.model import AGENT_CPUS, AGENT_MEM_MIB  # noqa: F401 - re-exported
 from slurm_dlrm.service.sbatch_options import SbatchOptions
 
 SBATCH_MARKER = "sbatch.started"
 PLACEMENT_FILE = "placement.json"
 SCRIPT_FILE = "pack.sbatch"
-AGENT_MEM_MIB = 512  # host memory the agent itself needs on each node, added to --mem
 
 
 # Slurm's messages when slurmctld cannot be reached (Slurm 22.05 slurm_strerror texts):

@@ -546,6 +546,10 @@ class PackingService:
         cfg = DispatchConfig.from_site(self.site)
         busy = self.busy_gpus(partition)
         total = sum(n.gpus * n.count for n in nodes)
+        max_gpus = max(0, total - busy)
+        free = self.free_capacity(partition)
+        if free is not None:  # plan new packs where Slurm can start them now (service/capacity.py)
+            nodes, max_gpus = free.nodes, min(max_gpus, free.free_gpus)
         # GPUs of running packs to refill (not packs one of these jobs already ran in)
         open_gpus, where = self.refill.open_gpus(options.pack_key(), {j.id for j in jobs})
         # Gangs (world_size > 1) join too: all ranks on one node of one pack, recorded in one
@@ -555,7 +559,7 @@ class PackingService:
         request = PackingRequest(jobs=aged(demands, self.waited_rounds, cfg),
                                  gpu_models=tuple(self.site.gpu_models.values()), nodes=nodes,
                                  limits=learned_limits(limits_from_site(self.site), errors),
-                                 max_gpus=max(0, total - busy),
+                                 max_gpus=max_gpus,
                                  open_gpus=open_gpus, gang_joins=True, fair=cfg.fair, now_s=self.clock())
         result = plan(request, self.policy, self.recovery.interference_params)  # refitted from samples
         self.waited_rounds.update(after_round(self.waited_rounds, result))
@@ -598,6 +602,26 @@ class PackingService:
                 shapes.append(NodeShape(gpu_model=g.gpu_model, gpus=g.gpus, cpus=g.cpus,
                                         memory_bytes=g.memory_mib * MIB, count=len(hosts), name=g.names))
         return tuple(shapes)
+
+    def free_capacity(self, partition: Any) -> Any:
+        """Each usable node's free GPUs, CPUs and memory as Slurm reports them, less this
+        user's packs Slurm has not started; None when Slurm cannot say (the round then
+        plans on whole nodes and the store's count of busy GPUs, as before)."""
+        from slurm_dlrm.service.capacity import free_capacity
+        from slurm_dlrm.slurm import SlurmError
+        from slurm_dlrm.slurm.parse import ParseError
+        from slurm_dlrm.store.states import PackState
+
+        try:
+            infos = self.slurm.show_nodes()
+        except (SlurmError, ParseError) as exc:
+            log.warning("scontrol show nodes failed; planning on whole nodes: %s", exc)
+            return None
+        name = partition.name if partition is not None else None
+        waiting = sum(p.n_gpus for p in self.store.packs([PackState.SUBMITTING, PackState.QUEUED],
+                                                         user=self.settings.user)
+                      if name is None or p.partition in (None, name))
+        return free_capacity(self.site, infos, partition, waiting)
 
     def busy_gpus(self, partition: Any) -> int:
         """GPUs the user's packs already hold or wait for: the policy plans only the rest."""

@@ -24,6 +24,7 @@ from typing import Any
 
 from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR
 from slurm_dlrm.service.common import (
+    AGENT_CPUS,
     AGENT_MEM_MIB,
     PLACEMENT_FILE,
     job_options,
@@ -67,7 +68,7 @@ def pack_allocation(members: list[dict[str, Any]], n_nodes: int, node_cpus: int 
     for m in members:
         cpus[m["node_index"]] += int(m["cpus"])
         mem[m["node_index"]] += int(m["host_mem_limit_bytes"])
-    cpu_count = max(1, max(cpus)) + max(0, reserve_cpus) + 1
+    cpu_count = max(1, max(cpus)) + max(0, reserve_cpus) + AGENT_CPUS
     if node_cpus is not None:
         cpu_count = min(cpu_count, node_cpus)
     mem_mib = (max(mem) + max(0, reserve_mem_bytes)) // MIB + agent_mem_mib
@@ -184,7 +185,7 @@ class Refill:
                 if node_index >= len(hosts) or closed_path(pack.pack_dir, node_index).exists():
                     continue
                 on_node = [p for p in by_rank.values() if p.node_index == node_index]
-                free_cpus = shape.cpus_per_node - 1 - sum(p.cpus or 1 for p in on_node)
+                free_cpus = shape.cpus_per_node - AGENT_CPUS - sum(p.cpus or 1 for p in on_node)
                 free_mem = (shape.mem_per_node_bytes - AGENT_MEM_MIB * MIB
                             - sum(p.host_mem_limit_bytes or 0 for p in on_node))
                 for gpu_index in range(shape.gpus_per_node):

@@ -14,7 +14,7 @@ The mechanism is the same for every policy, only `plan()` differs:
   joiner planned meanwhile keeps the pack).
 - Members of one GPU progress at the speeds the *truth* gives for their true profiles
   (`true_params`: the analytic model by default, or any `speed_model` such as the
-  synthetic generator of sim/truth.py); the policies plan with `plan_params`.
+  synthetic generator of slurm_dlrm/truth.py); the policies plan with `plan_params`.
 - At `peak_at_frac` of its run a member reaches its true peak memory. With a fence
   (mem-best-fit, complementary: CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) it dies if its own
   peak passes its fence; without one (exclusive, first-fit) it dies if the GPU's
@@ -46,6 +46,8 @@ from slurm_dlrm.packing.interference import (
     predict_speeds_from_fractions,
 )
 from slurm_dlrm.packing.model import (
+    AGENT_CPUS,
+    AGENT_MEM_MIB,
     FairConfig,
     JobDemand,
     Join,
@@ -137,6 +139,8 @@ class _Pack:
     asked_cpus: int = 0  # what the pack asked Slurm for at its start (refill: its allocation)
     asked_mem: int = 0
     idle_since_s: float | None = None  # its last member ended (slurm.pack_release_s pending)
+    agent_cpus: int = 0  # the pack's agent (AGENT_CPUS, AGENT_MEM_MIB), held beside its members
+    agent_mem: int = 0
 
 
 @dataclass(frozen=True)
@@ -338,6 +342,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     # first-fit models gres/shard: each job is its own Slurm job on a shard of a GPU, so
     # a busy GPU with a free shard takes new jobs (the other policies own whole GPUs).
     shard_mode = policy == "first-fit"
+    # Each pack's agent (one per node of a pack); first-fit's members are Slurm jobs of their own.
+    agent_cpus, agent_mem = (0, 0) if shard_mode else (AGENT_CPUS, AGENT_MEM_MIB * MIB)
     shard_gpus: dict[str, tuple[_Pack, int]] = {}  # f"{pack_id}:{gpu_index}" -> its pack and GPU
     # mem-best-fit and complementary refill their running packs: pending jobs join pack
     # GPUs with room (OpenGpu.pack, docs/packing.md), as the live service does.
@@ -427,11 +433,11 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         if pack.live == 0 and pack in running_packs:
             nonlocal alloc_gpu_s, held_cpu_s, held_mem_byte_s
             alloc_gpu_s += pack.gpu_count * (now - pack.start_s)
-            held_cpu_s += pack.asked_cpus * (now - pack.start_s)
-            held_mem_byte_s += pack.asked_mem * (now - pack.start_s)
+            held_cpu_s += (pack.asked_cpus + pack.agent_cpus) * (now - pack.start_s)
+            held_mem_byte_s += (pack.asked_mem + pack.agent_mem) * (now - pack.start_s)
             pack.node.free_gpus += pack.gpu_count
-            pack.node.free_cpus += pack.cpus
-            pack.node.free_mem += pack.host_mem
+            pack.node.free_cpus += pack.cpus + pack.agent_cpus
+            pack.node.free_mem += pack.host_mem + pack.agent_mem
             running_packs.remove(pack)
             for gi in range(pack.gpu_count):
                 shard_gpus.pop(f"{pack.pack_id}:{gi}", None)
@@ -620,7 +626,9 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         with_open = {o.node_name for o in open_gpus}
         if refill:
             open_gpus += pack_gpus()
-        free = tuple(NodeShape(gpu_model=n.gpu_model, gpus=n.free_gpus, cpus=n.free_cpus, memory_bytes=n.free_mem,
+        # A new pack's agent takes a CPU and some memory beside its members (not first-fit's shards).
+        free = tuple(NodeShape(gpu_model=n.gpu_model, gpus=n.free_gpus, cpus=max(0, n.free_cpus - agent_cpus),
+                               memory_bytes=max(0, n.free_mem - agent_mem),
                                count=1, name=n.name) for n in nodes
                      if (n.free_gpus > 0 or n.name in with_open) and not n.down)
         request = PackingRequest(jobs=aged(sorted(pending.values(), key=lambda d: d.job_id), waited, dispatch),
@@ -650,11 +658,12 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             # The allocation takes the members' CPUs and memory plus the policy's refill
             # headroom (Pack.reserve_*), and keeps them until its last member ends.
             node.free_gpus -= pk.gpu_count
-            node.free_cpus -= pk.alloc_cpus
-            node.free_mem -= pk.alloc_host_mem_bytes
+            node.free_cpus -= pk.alloc_cpus + agent_cpus
+            node.free_mem -= pk.alloc_host_mem_bytes + agent_mem
             gpus = [_Gpu() for _ in range(pk.gpu_count)]
             pack = _Pack(next_pack_id, node, pk.gpu_count, pk.alloc_cpus, pk.alloc_host_mem_bytes, pk.mps, gpus,
-                         asked_cpus=pk.alloc_cpus, asked_mem=pk.alloc_host_mem_bytes)
+                         asked_cpus=pk.alloc_cpus, asked_mem=pk.alloc_host_mem_bytes, agent_cpus=agent_cpus,
+                         agent_mem=agent_mem)
             next_pack_id += 1
             packs_made += 1
             for mp in pk.members:
@@ -857,8 +866,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     for pack in running_packs:
         if pack.start_s <= now:
             alloc_gpu_s += pack.gpu_count * (now - pack.start_s)
-            held_cpu_s += pack.asked_cpus * (now - pack.start_s)
-            held_mem_byte_s += pack.asked_mem * (now - pack.start_s)
+            held_cpu_s += (pack.asked_cpus + pack.agent_cpus) * (now - pack.start_s)
+            held_mem_byte_s += (pack.asked_mem + pack.agent_mem) * (now - pack.start_s)
     outcomes = []
     for j in workload.jobs:
         state = outcome_state.get(j.job_id, "PENDING")

@@ -328,6 +328,40 @@ def node_from_scontrol(rec: dict[str, str]) -> NodeInfo:
     )
 
 
+def _index_list(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if lo.isdigit() and (not hi or hi.isdigit()):
+            out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def busy_gpu_count(gres_used: str) -> int:
+    """How many of a node's GPUs its jobs hold, from `scontrol show node`'s GresUsed: a
+    GPU given whole (`gpu:h100:3(IDX:0-2)`) or in part (an `mps` or `shard` share on it:
+    22.05 `mps:h100:1(IDX:0)`, 24.11+ per device `shard:h100:2(0/8,0/8,0/8,2/8)`, 26.05
+    `-/8` for a device given whole). Slurm gives a GPU either whole or as shares, never
+    both, so any use makes it busy for a pack."""
+    busy: set[int] = set()
+    unplaced = 0
+    for item in re.findall(r"(\w+)(?::[^:(,]+)?:(\d+)\(([^)]*)\)", gres_used or ""):
+        name, count, detail = item[0], int(item[1]), item[2]
+        if name not in ("gpu", "mps", "shard") or count == 0:
+            continue
+        if detail.startswith("IDX:"):
+            idx = _index_list(detail[4:])
+            busy |= idx
+            if not idx:  # IDX:N/A with a count: held, on devices not named
+                unplaced = max(unplaced, count if name == "gpu" else 1)
+        else:  # per device: used/total
+            for i, used_total in enumerate(detail.split(",")):
+                used = used_total.split("/")[0].strip()
+                if used.isdigit() and int(used) > 0:
+                    busy.add(i)
+    return len(busy) + unplaced
+
+
 def parse_scontrol_nodes(stdout: str) -> list[NodeInfo]:
     """`scontrol show node -o` (one node per line)."""
     return [node_from_scontrol(r) for r in parse_scontrol_oneliner(stdout)]
