@@ -121,6 +121,30 @@ def test_no_reservation_while_a_node_can_take_the_gang():
     assert plan(req, "complementary").packs[0].members[0].job_id == 1  # placed at once
 
 
+def test_the_services_view_reserves_too_and_new_packs_only_backfill():
+    # The service names the site's node groups at full size (count 2, 4 GPUs each) and
+    # says how many GPUs are free in all (`max_gpus`), not where. Every GPU of node n1
+    # is a one-GPU pack; one GPU is free somewhere. Before, a node "of 4 GPUs" counted as
+    # room for the gang: no reservation was ever made there, and refill kept the packs
+    # alive for good (tests/test_fair_live.py). Now the gang reserves two packs of n1;
+    # the free GPU (it may be on n1) takes only a new pack that ends before them.
+    base = _gang_request(FAIR)
+    gang = replace(base.jobs[0], world_size=2)
+    req = replace(base, jobs=(gang, *base.jobs[1:]), max_gpus=1,
+                  open_gpus=tuple(replace(og, node_name="n1") for og in base.open_gpus),
+                  nodes=(NodeShape("h100", 4, 64, 512 * GIB, count=2, name="n[1-2]"),))
+    for policy in ("mem-best-fit", "complementary"):
+        p = plan(req, policy)
+        assert "reserved 2 GPUs on n1" in {d.job_id: d.reason for d in p.deferred}[1], policy
+        on_new = {m.job_id for pk in p.packs for m in pk.members}
+        joined = {j.member.job_id for j in p.joins}
+        assert 3 not in on_new, policy  # would hold the free GPU past the reservation
+        assert 2 in on_new | joined, policy  # short: backfills
+        assert 3 in joined or 3 in {d.job_id for d in p.deferred}, policy
+    # two GPUs free in all: the gang's pack is planned (Slurm finds them on one node or queues it)
+    assert 1 in plan(replace(req, max_gpus=2), "complementary").placed_job_ids
+
+
 # ---------------------------------------------------------------- simulator: no starvation
 
 CLUSTER = {"name": "c", "gpu_models": {"h100": {"memory_gib": 80, "cuda_context_mib": 512, "cublas_workspace_mib": 0}},

@@ -92,10 +92,19 @@ def _pack_id(key: str) -> str:
     return key.split(":", 1)[0]
 
 
+def _per_node(request: PackingRequest) -> bool:
+    """Whether `request.nodes` names each node with its free GPUs (the simulator's view),
+    rather than the site's node groups at full size with `max_gpus` free in all (the
+    service's: it does not know which node a freed GPU is on)."""
+    return all(n.count == 1 and n.name for n in request.nodes)
+
+
 def _fits_now(job: JobDemand, request: PackingRequest) -> bool:
     """Some node offers `world_size` free GPUs, or some pack node `world_size` GPUs of one
-    pack (a join may take it; the refill checks the rest)."""
-    if any(n.gpus >= job.world_size for n in request.nodes):
+    pack (a join may take it; the refill checks the rest). Without per-node free GPUs,
+    `max_gpus` free in all is the most any node can offer."""
+    free_at_most = math.inf if _per_node(request) or request.max_gpus is None else request.max_gpus
+    if any(min(n.gpus, free_at_most) >= job.world_size for n in request.nodes):
         return True
     per_pack: dict[str, int] = {}
     for og in request.open_gpus:
@@ -186,6 +195,14 @@ def apply_fairness(request: PackingRequest) -> tuple[PackingRequest, GangHold | 
         for og in request.open_gpus
         # first-fit's shard GPUs on the held node take no new shards (they drain too)
         if og.pack or og.node_name != hold.node_name)
+    if not _per_node(request):
+        # The service's view: a freed GPU may be on the held node, and a new pack there
+        # would outlast the reservation. So every new pack is a backfill one (its jobs end
+        # before the reservation); running packs elsewhere still take joins.
+        main = replace(request, open_gpus=open_gpus, max_gpus=0)
+        free = request.max_gpus if request.max_gpus is not None else sum(n.gpus * n.count for n in request.nodes)
+        backfill = replace(request, jobs=(), open_gpus=(), max_gpus=free) if free > 0 else None
+        return main, hold, backfill
     held_node = [n for n in request.nodes if n.count == 1 and n.name == hold.node_name]
     nodes = tuple(replace(n, gpus=0) if n in held_node else n for n in request.nodes)
     main = replace(request, nodes=nodes, open_gpus=open_gpus)
