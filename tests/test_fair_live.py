@@ -26,10 +26,12 @@ import tomllib
 import pytest
 from test_faults_live import STANDIN, run_until
 
+from slurm_dlrm.packing.model import FairConfig
+
 pytestmark = pytest.mark.slurm
 MIB = 1 << 20
 GIB = 1 << 30
-RUN_S = 10.0  # the gang's run; its estimate says so
+RUN_S = 5.0  # the gang's run; its estimate says so
 SINGLE_RUNS_S = (6.0, 10.0, 14.0)  # the one-GPU jobs' runs, in turn (mixed: a pack's members end apart)
 OVERDUE = 2.0
 MIN_WAIT_S = 5.0
@@ -105,9 +107,12 @@ def test_a_gang_behind_a_stream_of_one_gpu_jobs_starts_within_its_bound(fair_liv
     assert len(packs) == gpus and all(p.n_gpus == 1 for p in packs), [(p.id, p.n_gpus) for p in packs]
     gang = add_job(store, user, "gang", world_size=2)
     submitted = time.monotonic()
-    # Its bound: past its reservation point (wait >= MIN_WAIT_S, slowdown >= 1.5) the two
-    # packs it reserved drain, each within its longest member's run; then its start-up.
-    bound_s = MIN_WAIT_S + max(SINGLE_RUNS_S) + STARTUP_S
+    # Its bound: past its reservation point (wait >= MIN_WAIT_S, slowdown >= 1.5 and >=
+    # gang_vs_single x the waiting one-GPU jobs' median slowdown so far, which stays under
+    # 2 here: 16 slots churn, four jobs wait a few seconds) the two packs it reserved
+    # drain, each within its longest member's run; then its start-up.
+    point = max(1.5, FairConfig().gang_vs_single * 2.0)
+    bound_s = max(MIN_WAIT_S, (point - 1) * RUN_S) + max(SINGLE_RUNS_S) + STARTUP_S
     run_until(svc, lambda: stream(4) >= 0 and store.get_job(gang).state not in WAITING, bound_s,
               f"the 2-rank job to start behind the stream (fairness = {RULE!r})")
     waited_s = time.monotonic() - submitted

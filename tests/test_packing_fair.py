@@ -142,8 +142,14 @@ def test_the_services_view_reserves_too_and_new_packs_only_backfill():
         assert 3 not in on_new, policy  # would hold the free GPU past the reservation
         assert 2 in on_new | joined, policy  # short: backfills
         assert 3 in joined or 3 in {d.job_id for d in p.deferred}, policy
-    # two GPUs free in all: the gang's pack is planned (Slurm finds them on one node or queues it)
+    # two GPUs free in all, on n2 (no pack of ours there): the gang's pack is planned
     assert 1 in plan(replace(req, max_gpus=2), "complementary").placed_job_ids
+    # two GPUs free in all, one on each node (each runs three packs of ours): still held,
+    # or Slurm would queue the gang's pack while refill kept both nodes busy for good
+    split = tuple(replace(og, node_name=f"n{1 + k % 2}") for k, og in enumerate(base.open_gpus[:3] * 2))
+    split = tuple(replace(og, key=f"{10 + k}:0:0") for k, og in enumerate(split))
+    p = plan(replace(req, max_gpus=2, open_gpus=split), "complementary")
+    assert 1 not in p.placed_job_ids and "reserved 2 GPUs on n" in {d.job_id: d.reason for d in p.deferred}[1]
 
 
 # ---------------------------------------------------------------- simulator: no starvation

@@ -99,12 +99,33 @@ def _per_node(request: PackingRequest) -> bool:
     return all(n.count == 1 and n.name for n in request.nodes)
 
 
+def _free_gpus(request: PackingRequest) -> tuple[dict[str, int], int]:
+    """Free GPUs per named node, and the most free on one node none of those names.
+    The simulator's view: its nodes, and 0. The service's view: a node running our packs
+    (named in `open_gpus`) has its GPUs less theirs free (another user's job there is not
+    seen, as `max_gpus` does not see it either), and a node running none has its group's
+    GPUs, within what `max_gpus` leaves (queued packs count there)."""
+    if _per_node(request):
+        return {n.name: n.gpus for n in request.nodes if n.name}, 0
+    size = {n.gpu_model: n.gpus for n in request.nodes}
+    busy: dict[str, int] = {}
+    model: dict[str, str] = {}
+    for og in request.open_gpus:
+        if og.pack:
+            busy[og.node_name] = busy.get(og.node_name, 0) + 1
+            model[og.node_name] = og.gpu_model
+    seen = {name: max(0, size.get(model[name], 0) - n) for name, n in busy.items()}
+    total = request.max_gpus if request.max_gpus is not None else sum(n.gpus * n.count for n in request.nodes)
+    unseen_nodes = sum(n.count for n in request.nodes) - len(seen)
+    other = min(max((n.gpus for n in request.nodes), default=0), total - sum(seen.values())) if unseen_nodes > 0 else 0
+    return seen, max(0, other)
+
+
 def _fits_now(job: JobDemand, request: PackingRequest) -> bool:
-    """Some node offers `world_size` free GPUs, or some pack node `world_size` GPUs of one
-    pack (a join may take it; the refill checks the rest). Without per-node free GPUs,
-    `max_gpus` free in all is the most any node can offer."""
-    free_at_most = math.inf if _per_node(request) or request.max_gpus is None else request.max_gpus
-    if any(min(n.gpus, free_at_most) >= job.world_size for n in request.nodes):
+    """Some node offers `world_size` free GPUs (`_free_gpus`), or some pack node
+    `world_size` GPUs of one pack (a join may take it; the refill checks the rest)."""
+    seen, other = _free_gpus(request)
+    if other >= job.world_size or any(n >= job.world_size for n in seen.values()):
         return True
     per_pack: dict[str, int] = {}
     for og in request.open_gpus:
@@ -129,7 +150,7 @@ def gang_hold(request: PackingRequest, gang: JobDemand, cfg: FairConfig) -> Gang
     expected free soonest, counting the node's free GPUs (NodeShapes of count 1 named
     after it) and its running packs, shortest expected rest first (a member of unknown
     length never ends). None if no node has that many GPUs in all."""
-    free: dict[str, int] = {n.name: n.gpus for n in request.nodes if n.count == 1 and n.name}
+    free = _free_gpus(request)[0]
     packs: dict[str, dict[str, tuple[int, float]]] = {}
     for og in request.open_gpus:
         if not og.pack:
