@@ -12,8 +12,9 @@ the next one-GPU job as soon as a member ends. No GPU comes free,
 no pack spans two GPUs for the gang to join, and round-based aging never fires (a round
 that only joins opens no pack). Under `"slowdown"` the gang reserves two packs of one
 node, which take only joiners that end before they do, and starts when they have
-drained. `FAIR_LIVE_RULE=rounds` runs the same test under the old rule, where it fails
-(the gang is still waiting at its bound); about 60 s either way.
+drained (it waited about 30 s of its 69 s bound). `FAIR_LIVE_RULE=rounds` runs the same
+test under the old rule, where it fails (the gang is still waiting at its bound); about
+30 s passing, 85 s failing, plus the cluster's start.
 """
 
 from __future__ import annotations

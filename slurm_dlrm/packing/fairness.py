@@ -53,9 +53,10 @@ def is_overdue(job: JobDemand, now_s: float, cfg: FairConfig, bound: float | Non
 
 def gang_reserve_bound(jobs: tuple[JobDemand, ...], now_s: float, cfg: FairConfig) -> float:
     """The slowdown past which a waiting gang gets a reservation: `gang_reserve_slowdown`,
-    or the median slowdown-so-far of the waiting single-GPU jobs if higher (a gang then
-    waits, relative to its run, as long as a typical one-GPU job does, and no longer;
-    reserving sooner would drain GPUs for it ahead of jobs that waited relatively longer)."""
+    or `gang_vs_single` (3) x the median slowdown-so-far of the waiting single-GPU jobs if
+    higher (a gang then ends, relative to its run, about as late as a typical one-GPU job
+    does: a waiting job's slowdown so far is well below its final one; reserving sooner
+    takes GPUs for it ahead of jobs that waited relatively longer, docs/packing.md)."""
     singles = sorted(slowdown_now(j, now_s, cfg) for j in jobs if not j.is_gang)
     median = singles[len(singles) // 2] if singles else 0.0
     return max(cfg.gang_reserve_slowdown, cfg.gang_vs_single * median)
