@@ -2,15 +2,19 @@
 
 policy_compare.py's multi run (800 jobs, 25% with 2 or 4 ranks, one 4-GPU node) under
 complementary with: the rule before issue 31 ("rounds"), and the slowdown bound with
-several settings (`FairConfig`; `refill._GANG_ROOM` False: a gang's reserved pack GPUs
-drain whole, as in issue 31's first pass, True: they hold one rank's room). Per
+several settings (`FairConfig`; `refill._GANG_HOLDS` True: an overdue gang past its
+reservation point reserves before single-GPU jobs join, its pack GPUs draining whole
+(`refill._GANG_ROOM` False, issue 31's first pass) or holding one rank's room (True, the
+second pass); False (the third pass, the default): refill's per-round reservation of W
+pack GPUs, made only for a gang past that point). Per
 workload seed: throughput (solo-equivalent jobs/h), p50 slowdown (JCT / solo run) of
 one-GPU and of multi-GPU jobs, p99 over all jobs, the longest wait; then throughput
 against "rounds" (mean over the seeds), the median over the seeds of p50 multi / p50
 one-GPU, and on how many seeds that ratio is <= 1.5 (the issue's target).
 
-Run:  .venv/bin/python benchmarks/fair_alternatives.py [--seeds 7 1 2 3 4]   (15-40 s per
-variant and seed on this machine)
+Run:  .venv/bin/python benchmarks/fair_alternatives.py [--seeds 7 1 2 3 4] [--only TEXT ...]
+(15-60 s per variant and seed on this machine; --only: the rows whose name contains one
+of the texts, beside the "rounds" row)
 Last line:  fair_alternatives: best_tput_vs_today=X default_tput_vs_today=X (mean over seeds)
 """
 
@@ -21,6 +25,7 @@ import copy
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -34,16 +39,22 @@ from slurm_dlrm.sim import SimResult, parse_cluster, parse_workload, simulate  #
 
 SIM = ROOT / "benchmarks" / "sim"
 
-# (name, rule, FairConfig or None, overdue jobs through the priced fill, a reserved GPU
-# holds one rank's room (refill._GANG_ROOM) rather than draining whole)
-VARIANTS: tuple[tuple[str, str, FairConfig | None, bool, bool], ...] = (
-    ("rounds (the default rule; today)", "rounds", None, True, True),
-    ("bound 10, whole GPUs drain (first pass)", "slowdown", FairConfig(), True, False),
-    ("bound 5, rank room", "slowdown", FairConfig(overdue_slowdown=5), True, True),
-    ("bound 20, rank room", "slowdown", FairConfig(overdue_slowdown=20), True, True),
-    ("gang reservation alone, rank room", "slowdown", FairConfig(overdue_slowdown=1e6), True, True),
-    ("bound 10, rank room, tail atop the band", "slowdown", FairConfig(tail_in_band=True), True, True),
-    ("bound 10, rank room (FairConfig())", "slowdown", FairConfig(), True, True),
+# (name, rule, FairConfig or None, overdue jobs through the priced fill, gang holds
+# before the joins (refill._GANG_HOLDS), a held GPU keeps one rank's room rather than
+# draining whole (refill._GANG_ROOM)). The second pass's rows ran with gang_vs_single 1.
+SECOND = FairConfig(gang_vs_single=1.0)
+VARIANTS: tuple[tuple[str, str, FairConfig | None, bool, bool, bool], ...] = (
+    ("rounds (the default rule; today)", "rounds", None, True, False, True),
+    ("bound 10, whole GPUs drain (first pass)", "slowdown", SECOND, True, True, False),
+    ("bound 5, rank room", "slowdown", replace(SECOND, overdue_slowdown=5), True, True, True),
+    ("bound 20, rank room", "slowdown", replace(SECOND, overdue_slowdown=20), True, True, True),
+    ("gang reservation alone, rank room", "slowdown", replace(SECOND, overdue_slowdown=1e6), True, True, True),
+    ("bound 10, rank room, tail atop the band", "slowdown", replace(SECOND, tail_in_band=True), True, True, True),
+    ("bound 10, rank room (second pass)", "slowdown", SECOND, True, True, True),
+    ("per-round reservation past the point, x1", "slowdown", SECOND, True, False, True),
+    ("per-round reservation past the point, x2", "slowdown", FairConfig(gang_vs_single=2.0), True, False, True),
+    ("per-round reservation past the point, x1.5", "slowdown", FairConfig(gang_vs_single=1.5), True, False, True),
+    ("per-round reservation past the point (FairConfig())", "slowdown", FairConfig(), True, False, True),
 )
 
 
@@ -62,9 +73,13 @@ def figures(r: SimResult, world: dict[int, int]) -> tuple[float, float, float, f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[7, 1, 2, 3, 4])
+    ap.add_argument("--only", nargs="+", default=None, metavar="TEXT", help="the rows whose name contains a TEXT")
     args = ap.parse_args()
+    variants = [v for v in VARIANTS if v is VARIANTS[0] or args.only is None or any(t in v[0] for t in args.only)]
+    if len(variants) == 1:
+        ap.error(f"--only: no row's name contains any of {args.only}")
     cluster = parse_cluster(yaml.safe_load((SIM / "cluster_4gpu.yaml").read_text()))
-    rows: dict[str, list[tuple[float, float, float, float, float]]] = {v[0]: [] for v in VARIANTS}
+    rows: dict[str, list[tuple[float, float, float, float, float]]] = {v[0]: [] for v in variants}
     for seed in args.seeds:
         data = copy.deepcopy(yaml.safe_load((SIM / "dlrm_mix.yaml").read_text()))
         data["seed"] = seed
@@ -73,34 +88,38 @@ def main() -> None:
         data["generate"]["multi_gpu_share"] = 0.25
         workload = parse_workload(data, {g.name: g for g in cluster.gpu_models})
         world = {j.job_id: j.world_size for j in workload.jobs}
-        for name, rule, cfg, priced, room in VARIANTS:
+        for name, rule, cfg, priced, holds, room in variants:
             refill._PRICED_OVERDUE = priced
+            refill._GANG_HOLDS = holds
             refill._GANG_ROOM = room
             t0 = time.perf_counter()
             r = simulate(workload, cluster, "complementary", fairness=rule, fair_config=cfg)
             rows[name].append(figures(r, world))
             print(f"  seed {seed}: {name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     refill._PRICED_OVERDUE = True
+    refill._GANG_HOLDS = False
     refill._GANG_ROOM = True
     seeds = " | ".join(str(s) for s in args.seeds)
     print(f"complementary, multi run; per seed ({seeds}); slowdown = JCT / solo run; ratio p50: the median over "
           "the seeds of p50 multi / p50 1-GPU, <= 1.5: on how many seeds")
     n = len(args.seeds)
     wide, narrow = 6 * n - 1, 4 * n - 1  # a column: one value per seed, "%5.2f" or "%3.0f" apart by a space
-    print(f"{'rule':<44} {'tput/h':<{wide}}  {'p50 1-GPU':<{wide}}  {'p50 multi':<{wide}}  {'p99 all':<{narrow}}  "
+    print(f"{'rule':<52} {'tput/h':<{wide}}  {'p50 1-GPU':<{wide}}  {'p50 multi':<{wide}}  {'p99 all':<{narrow}}  "
           f"{'max wait h':<{narrow}}  {'tput_vs_today':>13} {'ratio p50':>9} {'<= 1.5':>7}")
     today = rows[VARIANTS[0][0]]
     gains = {}
-    for name, _, _, _, _ in VARIANTS:
+    for name, *_ in variants:
         r = rows[name]
         cells = [" ".join(f"{x[k]:5.2f}" if k < 3 else f"{x[k]:3.0f}" for x in r) for k in range(5)]
         gains[name] = sum(x[0] / t[0] for x, t in zip(r, today, strict=True)) / len(r)
         ratios = [x[2] / x[1] for x in r]
         ok = sum(1 for q in ratios if q <= 1.5)
-        print(f"{name:<44} {cells[0]:<{wide}}  {cells[1]:<{wide}}  {cells[2]:<{wide}}  {cells[3]:<{narrow}}  "
+        print(f"{name:<52} {cells[0]:<{wide}}  {cells[1]:<{wide}}  {cells[2]:<{wide}}  {cells[3]:<{narrow}}  "
               f"{cells[4]:<{narrow}}  {gains[name]:>13.3f} {sorted(ratios)[len(ratios) // 2]:>9.2f} {ok:>2} of {len(ratios)}")
     best = max(v for k, v in gains.items() if k != VARIANTS[0][0])
-    print(f"fair_alternatives: best_tput_vs_today={best:.3f} default_tput_vs_today={gains[VARIANTS[-1][0]]:.3f}")
+    default = gains.get(VARIANTS[-1][0])
+    print(f"fair_alternatives: best_tput_vs_today={best:.3f} default_tput_vs_today="
+          + ("-" if default is None else f"{default:.3f}"))
 
 
 if __name__ == "__main__":

@@ -53,9 +53,10 @@ def is_overdue(job: JobDemand, now_s: float, cfg: FairConfig, bound: float | Non
 
 def gang_reserve_bound(jobs: tuple[JobDemand, ...], now_s: float, cfg: FairConfig) -> float:
     """The slowdown past which a waiting gang gets a reservation: `gang_reserve_slowdown`,
-    or the median slowdown-so-far of the waiting single-GPU jobs if higher (a gang then
-    waits, relative to its run, as long as a typical one-GPU job does, and no longer;
-    reserving sooner would drain GPUs for it ahead of jobs that waited relatively longer)."""
+    or `gang_vs_single` (3) x the median slowdown-so-far of the waiting single-GPU jobs if
+    higher (a gang then ends, relative to its run, about as late as a typical one-GPU job
+    does: a waiting job's slowdown so far is well below its final one; reserving sooner
+    takes GPUs for it ahead of jobs that waited relatively longer, docs/packing.md)."""
     singles = sorted(slowdown_now(j, now_s, cfg) for j in jobs if not j.is_gang)
     median = singles[len(singles) // 2] if singles else 0.0
     return max(cfg.gang_reserve_slowdown, cfg.gang_vs_single * median)
@@ -92,10 +93,40 @@ def _pack_id(key: str) -> str:
     return key.split(":", 1)[0]
 
 
+def _per_node(request: PackingRequest) -> bool:
+    """Whether `request.nodes` names each node with its free GPUs (the simulator's view),
+    rather than the site's node groups at full size with `max_gpus` free in all (the
+    service's: it does not know which node a freed GPU is on)."""
+    return all(n.count == 1 and n.name for n in request.nodes)
+
+
+def _free_gpus(request: PackingRequest) -> tuple[dict[str, int], int]:
+    """Free GPUs per named node, and the most free on one node none of those names.
+    The simulator's view: its nodes, and 0. The service's view: a node running our packs
+    (named in `open_gpus`) has its GPUs less theirs free (another user's job there is not
+    seen, as `max_gpus` does not see it either), and a node running none has its group's
+    GPUs, within what `max_gpus` leaves (queued packs count there)."""
+    if _per_node(request):
+        return {n.name: n.gpus for n in request.nodes if n.name}, 0
+    size = {n.gpu_model: n.gpus for n in request.nodes}
+    busy: dict[str, int] = {}
+    model: dict[str, str] = {}
+    for og in request.open_gpus:
+        if og.pack:
+            busy[og.node_name] = busy.get(og.node_name, 0) + 1
+            model[og.node_name] = og.gpu_model
+    seen = {name: max(0, size.get(model[name], 0) - n) for name, n in busy.items()}
+    total = request.max_gpus if request.max_gpus is not None else sum(n.gpus * n.count for n in request.nodes)
+    unseen_nodes = sum(n.count for n in request.nodes) - len(seen)
+    other = min(max((n.gpus for n in request.nodes), default=0), total - sum(seen.values())) if unseen_nodes > 0 else 0
+    return seen, max(0, other)
+
+
 def _fits_now(job: JobDemand, request: PackingRequest) -> bool:
-    """Some node offers `world_size` free GPUs, or some pack node `world_size` GPUs of one
-    pack (a join may take it; the refill checks the rest)."""
-    if any(n.gpus >= job.world_size for n in request.nodes):
+    """Some node offers `world_size` free GPUs (`_free_gpus`), or some pack node
+    `world_size` GPUs of one pack (a join may take it; the refill checks the rest)."""
+    seen, other = _free_gpus(request)
+    if other >= job.world_size or any(n >= job.world_size for n in seen.values()):
         return True
     per_pack: dict[str, int] = {}
     for og in request.open_gpus:
@@ -120,7 +151,7 @@ def gang_hold(request: PackingRequest, gang: JobDemand, cfg: FairConfig) -> Gang
     expected free soonest, counting the node's free GPUs (NodeShapes of count 1 named
     after it) and its running packs, shortest expected rest first (a member of unknown
     length never ends). None if no node has that many GPUs in all."""
-    free: dict[str, int] = {n.name: n.gpus for n in request.nodes if n.count == 1 and n.name}
+    free = _free_gpus(request)[0]
     packs: dict[str, dict[str, tuple[int, float]]] = {}
     for og in request.open_gpus:
         if not og.pack:
@@ -186,6 +217,14 @@ def apply_fairness(request: PackingRequest) -> tuple[PackingRequest, GangHold | 
         for og in request.open_gpus
         # first-fit's shard GPUs on the held node take no new shards (they drain too)
         if og.pack or og.node_name != hold.node_name)
+    if not _per_node(request):
+        # The service's view: a freed GPU may be on the held node, and a new pack there
+        # would outlast the reservation. So every new pack is a backfill one (its jobs end
+        # before the reservation); running packs elsewhere still take joins.
+        main = replace(request, open_gpus=open_gpus, max_gpus=0)
+        free = request.max_gpus if request.max_gpus is not None else sum(n.gpus * n.count for n in request.nodes)
+        backfill = replace(request, jobs=(), open_gpus=(), max_gpus=free) if free > 0 else None
+        return main, hold, backfill
     held_node = [n for n in request.nodes if n.count == 1 and n.name == hold.node_name]
     nodes = tuple(replace(n, gpus=0) if n in held_node else n for n in request.nodes)
     main = replace(request, nodes=nodes, open_gpus=open_gpus)

@@ -174,7 +174,9 @@ class FairConfig:
 
     overdue_slowdown: float = 10.0
     gang_reserve_slowdown: float = 2.0
-    gang_vs_single: float = 1.0  # ... or this times the waiting one-GPU jobs' median slowdown, if higher
+    # ... or this times the waiting one-GPU jobs' median slowdown so far, if higher: 3, as a
+    # waiting job's slowdown so far is well below its final one (docs/packing.md, the table)
+    gang_vs_single: float = 3.0
     min_wait_s: float = 600.0  # nobody is overdue before waiting this long
     unknown_duration_s: float = 3600.0  # a job of unknown length counts as this long
     backfill_speed: float = 0.8  # a backfilled job must end by the reservation at this speed

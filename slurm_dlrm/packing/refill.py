@@ -10,7 +10,9 @@ moving the reservations to a module of their own needs that state made public fi
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from slurm_dlrm.errors import BadInput
 from slurm_dlrm.packing.common import (
@@ -61,8 +63,14 @@ _RESERVE = True
 # Overdue single-GPU jobs join through the priced fill, first in its order (True), or
 # each onto the GPU it adds most to, ahead of it (False: measured worse, docs/packing.md).
 _PRICED_OVERDUE = True
-# Issue 31: a waiting gang holds one rank's room on its reserved GPUs (`_gang_holds`);
-# False: the whole GPU drains (EASY on the live members' end), measured worse.
+# Issue 31, second pass: under the slowdown bound an overdue gang past its reservation
+# point reserved its GPUs before single-GPU jobs joined, and held one rank's room on them
+# (`_gang_holds`; with `_GANG_ROOM` False the whole GPU drained, EASY on the live members'
+# end). Both measured worse than the reservation every refill already makes for the
+# first gang that cannot join, made under the bound only for a gang past that point
+# (docs/packing.md "Every job gets its turn", the table); True restores them for
+# benchmarks/fair_alternatives.py.
+_GANG_HOLDS = False
 _GANG_ROOM = True
 
 
@@ -231,7 +239,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
     gang: JobDemand | None = None
     fair, now = request.fair, request.now_s
     backfill = False
-    if fair is not None and now is not None and request.gang_joins:
+    if fair is not None and now is not None and request.gang_joins and _GANG_HOLDS:
         reserve_at = gang_reserve_bound(request.jobs, now, fair)
         for job in queue:
             if job.is_gang and is_overdue(job, now, fair, reserve_at):
@@ -267,9 +275,17 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
         if target is not None:
             _join(target, job, limits)
             placed.add(job.job_id)
-    # Multi-GPU jobs first, all ranks or none (docs/packing.md "Multi-GPU jobs").
+    # Multi-GPU jobs first, all ranks or none (docs/packing.md "Multi-GPU jobs"). Under the
+    # slowdown bound only a gang past its reservation point reserves (the overdue band
+    # puts the most overdue first, so the same gang keeps its GPUs from round to round):
+    # a reservation for whichever gang leads the queue costs throughput and lets gangs
+    # go far ahead of one-GPU jobs (docs/packing.md, the table).
+    may_reserve: Callable[[JobDemand], bool] | None = None
+    if fair is not None and now is not None:
+        past = gang_reserve_bound(request.jobs, now, fair)
+        may_reserve = partial(is_overdue, now_s=now, cfg=fair, bound=past)
     stuck = _join_gangs(pgs, [j for j in queue if j.is_gang and j.job_id not in placed] if request.gang_joins else [],
-                        placed, limits, params, policy == "complementary", reserved)
+                        placed, limits, params, policy == "complementary", reserved, may_reserve)
     # Single-GPU jobs do not join the GPUs a waiting gang reserved.
     all_pgs = pgs
     if not backfill:
@@ -344,13 +360,15 @@ def _best_gain_gpu(pgs: list[_PackGpu], job: JobDemand, limits: PackingLimits,
 
 
 def _join_gangs(pgs: list[_PackGpu], gangs: list[JobDemand], placed: set[int], limits: PackingLimits,
-                params: InterferenceParams, load_target: bool, reserved: set[str]) -> JobDemand | None:
+                params: InterferenceParams, load_target: bool, reserved: set[str],
+                may_reserve: Callable[[JobDemand], bool] | None = None) -> JobDemand | None:
     """Multi-GPU jobs join a running pack's node all ranks or none: each rank (heaviest
     first) onto its own pack GPU of one node, the least loaded one with room (memory,
     slots, the allocation's CPUs and host memory for all ranks, its time left);
     `load_target` (complementary): no GPU's summed SM or bandwidth use past the target.
     Returns the first urgent gang that could not join, or None; the first gang that
-    could not join reserves GPUs (`_reserve_for_gang`, keys added to `reserved`)."""
+    could not join (and passes `may_reserve`, if given) reserves GPUs
+    (`_reserve_for_gang`, keys added to `reserved`)."""
     stuck: JobDemand | None = None
     groups: dict[int, list[_PackGpu]] = {}
     for pg in pgs:
@@ -389,7 +407,7 @@ def _join_gangs(pgs: list[_PackGpu], gangs: list[JobDemand], placed: set[int], l
                 break
         if job.job_id not in placed and stuck is None and job.priority >= URGENT_PRIORITY:
             stuck = job
-        if job.job_id not in placed and not reserved:
+        if job.job_id not in placed and not reserved and (may_reserve is None or may_reserve(job)):
             _reserve_for_gang(groups, ranks, limits, reserved)
     return stuck
 
