@@ -1,5 +1,4 @@
-"""The simulator checked against the live service on the same workload (issue 29 item 2,
-reduced: the small workload, not yet the 60-job one).
+"""The simulator checked against the live service on the same workload (issue 29 item 2).
 
     .venv/bin/python benchmarks/sim_vs_live.py [--workload FILE] [--cluster FILE]
         [--truth T] [--seed N] [--policies complementary,exclusive] [--round-seconds 2]
@@ -9,10 +8,14 @@ Each policy runs live on this checkout's local Slurm cluster (2 nodes x 4 fake G
 their arrival times through `submit` -> the packing service (`serve --policy P`) ->
 Slurm -> the agent, and each member is a stand-in (slurm_dlrm/emulated/standin/) that
 runs its solo time (`solo_duration_s`) slowed down by the truth `--truth` with what
-really shares its fake GPU, at its *true* profile, its memory growing to its true peak. The same workload, cluster file and
-truth then go through the simulator. Per policy it prints live and simulated
-throughput (completed jobs per hour over the makespan), mean JCT and allocated
-GPU-hours, and the errors (sim - live) / live; the last line:
+really shares its fake GPU, at its *true* profile, its device memory (what the fake NVML
+reports) growing to its true peak. The same workload, cluster file and truth then go
+through the simulator. The default workload is benchmarks/sim/live_mix.yaml: 60 jobs of
+dlrm_mix's classes with 2-rank gangs, times compressed (benchmarks/sim/make_live_mix.py).
+Per policy it prints live and simulated throughput (completed jobs per hour over the
+makespan), mean JCT and allocated GPU-hours, and the errors (sim - live) / live; then
+the live path's constants as measured in this run ("live timing", what the cluster
+file's `slurm:` keys model, issue 29 item 4); the last line:
 
     sim_vs_live: jobs= live_tput_vs_exclusive= sim_tput_vs_exclusive= tput_err_pct=
                  jct_err_pct= gpuh_err_pct= live_ooms= live_done_pct= minutes=
@@ -42,7 +45,7 @@ import yaml
 from slurm_dlrm.errors import BadInput
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_WORKLOAD = HERE / "sim" / "live_small.yaml"
+DEFAULT_WORKLOAD = HERE / "sim" / "live_mix.yaml"  # 60 jobs, dlrm_mix with 2-rank gangs (make_live_mix.py)
 DEFAULT_CLUSTER = HERE / "sim" / "cluster_local.yaml"
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130  # as a shell reports Ctrl-C
@@ -160,13 +163,16 @@ def _standin_spec(spec: dict[str, Any], job: Any, truth_text: str, python: str, 
     return {**spec, "name": job.name, "command": argv}
 
 
-def live_timing(packs: list[Any], placements: list[Any], solo_s: dict[int, float]) -> dict[str, float]:
+def live_timing(packs: list[Any], placements: list[Any], events: dict[int, list[dict[str, Any]]],
+                solo_s: dict[int, float]) -> dict[str, float]:
     """The live path's constants as the simulator names them (issue 29 item 4), medians
-    over this run: `submit_to_start_s` (the service's plan -> the pack running: sbatch,
-    the scheduler's pass, prolog, agent start), `pack_release_s` (a pack's last member
-    ended -> its GPUs free: the agent's join grace, its exit, the epilog) and, given solo
-    run times (a run where each member runs alone), `member_startup_s` (a member's time on
-    its GPU beyond its solo run: process start, imports, its last checkpoint)."""
+    over this run: `submit_to_start_s` (the service's plan -> the member running, in a
+    new pack: sbatch, the scheduler's pass, prolog, agent start), `join_start_s` (the
+    same for a joiner of a running pack: the agent's look at its joins folder),
+    `pack_release_s` (a pack's last member ended -> its GPUs free: the agent's join grace,
+    its exit, the epilog) and, given solo run times (a run where each member runs alone),
+    `member_startup_s` (a member's time on its GPU beyond its solo run: process start,
+    imports, its last checkpoint, exit)."""
     def median(xs: list[float]) -> float:
         xs = sorted(xs)
         return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else math.nan
@@ -174,12 +180,20 @@ def live_timing(packs: list[Any], placements: list[Any], solo_s: dict[int, float
     by_pack: dict[int, list[Any]] = {}
     for pl in placements:
         by_pack.setdefault(pl.pack_id, []).append(pl)
-    start = [p.start_time - p.create_time for p in packs if p.start_time and p.id in by_pack]
+    new: list[float] = []
+    join: list[float] = []
+    for evs in events.values():  # the first attempt: PLANNED -> RUNNING
+        planned = next((e for e in evs if e.get("to_state") == "PLANNED"), None)
+        running = next((e for e in evs if e.get("to_state") == "RUNNING"), None)
+        if planned is not None and running is not None:
+            (join if (planned.get("data") or {}).get("join") else new).append(running["t"] - planned["t"])
     release = [p.end_time - max(pl.end_time for pl in by_pack[p.id]) for p in packs
                if p.end_time and p.id in by_pack and all(pl.end_time for pl in by_pack[p.id])]
     member = [pl.end_time - pl.start_time - solo_s[pl.job_id] for pl in placements
               if pl.job_id in solo_s and pl.start_time and pl.end_time and pl.attempt == 0]
-    out = {"submit_to_start_s": median(start), "pack_release_s": median(release)}
+    out = {"submit_to_start_s": median(new), "pack_release_s": median(release)}
+    if join:
+        out["join_start_s"] = median(join)
     if member:
         out["member_startup_s"] = median(member)
     return out
@@ -262,9 +276,10 @@ class LiveRun:
             packs = store.packs(user=self.user)
             ooms = sum(1 for i in ids for e in store.events(job_id=i) if e.get("to_state") == "OOM")
             placements = [pl for i in ids for pl in store.placements(job_id=i)]
+            events = {i: store.events(job_id=i) for i in ids}
         solo = {i: j.solo_duration_s for i, j in zip(ids, sorted(workload.jobs, key=lambda j: j.arrival_s),
                                                          strict=True)}
-        timing = live_timing(packs, placements, solo if self.policy == "exclusive" else {})
+        timing = live_timing(packs, placements, events, solo if self.policy == "exclusive" else {})
         done = [j for j in jobs if str(j.state) == "COMPLETED" and j.end_time is not None]
         first = min(j.submit_time for j in jobs)
         span = max(j.end_time for j in done) - first if done else 0.0
@@ -329,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=29)
     ap.add_argument("--policies", default="complementary,exclusive")
     ap.add_argument("--round-seconds", type=float, default=2.0)
-    ap.add_argument("--timeout-s", type=float, default=600.0, help="give up on one live run after this long")
+    ap.add_argument("--timeout-s", type=float, default=1500.0, help="give up on one live run after this long")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -369,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         t = live[p].timing or {}
         print(f"live timing ({p}): " + " ".join(f"{k}={v:.2f}" for k, v in sorted(t.items()))
               + f"  (cluster file: submit_to_start_s={cluster.slurm.submit_to_start_s:g} "
-              f"member_startup_s={cluster.slurm.member_startup_s:g} "
+              f"join_start_s={cluster.slurm.join_start_s:g} member_startup_s={cluster.slurm.member_startup_s:g} "
               f"pack_release_s={cluster.slurm.pack_release_s:g})")
     main_p = next((p for p in policies if p != "exclusive"), "exclusive")
 

@@ -233,3 +233,12 @@ def test_a_pack_holds_its_gpus_pack_release_s_after_its_last_member():
     assert [o.start_s for o in joined.jobs] == [0.0, 130.0]
     _, _, late = _run([_job("a", 0, 100), _job("b", 150, 100)], "complementary", slow)
     assert late.packs == 2
+
+
+def test_a_joiner_starts_join_start_s_after_the_round_that_planned_it():
+    late = dict(CLUSTER, slurm={"submit_to_start_s": 2, "member_startup_s": 20, "join_start_s": 5})
+    _, _, base = _run([_job("a", 0, 1000), _job("b", 100, 100)], "complementary")
+    _, _, held = _run([_job("a", 0, 1000), _job("b", 100, 100)], "complementary", late)
+    assert base.packs == held.packs == 1  # b joined a's pack
+    b_base, b_held = (max(r.jobs, key=lambda o: o.job_id) for r in (base, held))
+    assert b_held.end_s - b_base.end_s == pytest.approx(5)

@@ -155,3 +155,18 @@ def test_an_interrupted_run_leaves_no_pack_service_or_daemon(slurm_cluster, tmp_
         time.sleep(1.0)
     assert not _live_packs(client)
     assert not _holding(root)
+
+
+def test_live_timing_reads_the_constants_from_the_stores_records(bench):
+    from types import SimpleNamespace as NS
+
+    packs = [NS(id=1, end_time=130.0), NS(id=2, end_time=None)]
+    placements = [NS(pack_id=1, job_id=1, start_time=11.0, end_time=63.0, attempt=0),
+                  NS(pack_id=1, job_id=2, start_time=40.0, end_time=126.0, attempt=0),
+                  NS(pack_id=2, job_id=3, start_time=50.0, end_time=None, attempt=0)]
+    events = {1: [{"to_state": "PENDING", "t": 0.0}, {"to_state": "PLANNED", "t": 10.0},
+                  {"to_state": "RUNNING", "t": 11.0}],
+              2: [{"to_state": "PLANNED", "t": 38.5, "data": {"join": True}}, {"to_state": "RUNNING", "t": 40.0}],
+              3: [{"to_state": "PLANNED", "t": 49.0}]}
+    t = bench.live_timing(packs, placements, events, {1: 50.0, 2: 85.0})
+    assert t == {"submit_to_start_s": 1.0, "join_start_s": 1.5, "pack_release_s": 4.0, "member_startup_s": 1.5}

@@ -8,10 +8,12 @@ The mechanism is the same for every policy, only `plan()` differs:
   (aged priorities) and the free capacity of every node.
 - Each planned pack is one Slurm job: its GPUs, CPUs and host memory are taken at once;
   it starts `submit_to_start_s` later (scheduler pass + prolog); every member then
-  spends `member_startup_s` (imports, CUDA context) before it trains. A pack gives its
-  GPUs back only when its last member has ended (a Slurm allocation does not shrink),
-  and `pack_release_s` after that (the agent's join grace, its exit, the epilog; a
-  joiner planned meanwhile keeps the pack).
+  spends `member_startup_s` (imports, CUDA context) before it trains; a joiner of a
+  running pack starts `join_start_s` after the round that planned it (the agent looks
+  at its joins folder), then spends `member_startup_s` too. A pack gives its GPUs back
+  only when its last member has ended (a Slurm allocation does not shrink), and
+  `pack_release_s` after that (the agent's join grace, its exit, the epilog; a joiner
+  planned meanwhile keeps the pack).
 - Members of one GPU progress at the speeds the *truth* gives for their true profiles
   (`true_params`: the analytic model by default, or any `speed_model` such as the
   synthetic generator of slurm_dlrm/truth.py); the policies plan with `plan_params`.
@@ -587,7 +589,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         job = jobs[jn.member.job_id]
         start = progress_saved.get(job.job_id, 0.0)
         fence, soft = member_limits(job.job_id, pack.node, jn.member.gpu_mem_limit_mib, jn.member.rank)
-        member = _Member(job, fence, start, start, ready_at=now + slurm.member_startup_s,
+        member = _Member(job, fence, start, start, ready_at=now + slurm.join_start_s + slurm.member_startup_s,
                          cpus=jn.member.cpus, host_mem=jn.member.host_mem_limit_bytes, soft_bytes=soft,
                          rank=jn.member.rank)
         pack.gpus[gpu_index].members.append(member)

@@ -80,6 +80,7 @@ class SlurmTiming:
     submit_to_start_s: float = 2.0  # sbatch -> running: scheduler pass on submit + prolog
     member_startup_s: float = 20.0  # python + torch import + CUDA context, per member start
     pack_release_s: float = 0.0  # last member ended -> GPUs free: agent join grace + exit + epilog
+    join_start_s: float = 0.0  # a joiner planned -> its process started (the agent's look at its joins)
 
 
 @dataclass(frozen=True)
@@ -261,7 +262,8 @@ def parse_cluster(data: Any, default_gpu_models: Mapping[str, GpuModel] | None =
     s = top.sub("slurm")
     slurm = SlurmTiming(submit_to_start_s=s.num("submit_to_start_s", 2.0, lo=0),
                         member_startup_s=s.num("member_startup_s", 20.0, lo=0),
-                        pack_release_s=s.num("pack_release_s", 0.0, lo=0))
+                        pack_release_s=s.num("pack_release_s", 0.0, lo=0),
+                        join_start_s=s.num("join_start_s", 0.0, lo=0))
     s.done()
     r = top.sub("retry")
     retry = RetryPolicy(max_retries=r.int_("max_retries", 3, lo=0, hi=100), mem_bump_pct=r.num("mem_bump_pct", 25.0, lo=0),
