@@ -80,3 +80,40 @@ def test_within_share_measures_the_error_against_the_wait_left_when_asked():
     assert within_share({1: 1900.0}, {1: 2000.0}, 1000.0) == (1, 1)
     assert within_share({1: 1700.0}, {1: 2000.0}, 1000.0) == (0, 1)
     assert within_share({}, {1: 2000.0}, 1000.0) == (0, 1)  # not placed by the forward run: a miss
+
+
+def _mix(jobs: int, seed: int) -> tuple[object, object]:
+    """A small cut of benchmarks/sim/dlrm_mix.yaml on its 4-GPU cluster, a quarter of the
+    jobs on 2 or 4 GPUs, every estimate exact (run time, memory, profile)."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    import yaml
+
+    sim = Path(__file__).resolve().parent.parent / "benchmarks" / "sim"
+    c = parse_cluster(yaml.safe_load((sim / "cluster_4gpu.yaml").read_text()))
+    data = yaml.safe_load((sim / "dlrm_mix.yaml").read_text())
+    data["generate"].update(jobs=jobs, arrival_rate_per_h=40, multi_gpu_share=0.25, duration_estimate_noise_pct=0,
+                            mem_noise_pct=0, util_noise_pct=0)
+    w = parse_workload(data, {g.name: g for g in c.gpu_models}, seed=seed)
+    w = replace(w, jobs=tuple(replace(j, est_duration_s=j.solo_duration_s) for j in w.jobs))
+    return w, c
+
+
+def test_with_exact_estimates_the_forward_run_is_the_run_given_the_queue():
+    # The forward run resumes the state as it was: with nothing unknown but the jobs still
+    # to come, its starts are those of the same run without them (the simulator is
+    # causal), for every waiting job, one-GPU and gang alike, under both rules.
+    from dataclasses import replace
+
+    w, c = _mix(60, seed=3)
+    for rule in ("slowdown", "rounds"):
+        r = simulate(w, c, "complementary", fairness=rule, snapshot_at_s=(3600.0,))  # type: ignore[arg-type]
+        (snap,) = r.snapshots
+        assert len(snap.pending) >= 10 and snap.packs
+        pred = expected_starts(snap, {j.job_id: j for j in w.jobs}, c, "complementary", fairness=rule)  # type: ignore[attr-defined, arg-type]
+        before = replace(w, jobs=tuple(j for j in w.jobs if j.arrival_s <= snap.now_s))  # type: ignore[attr-defined]
+        given = {o.job_id: o.start_s for o in simulate(before, c, "complementary", fairness=rule).jobs}  # type: ignore[arg-type]
+        waiting = [jid for jid, _, _ in snap.pending]
+        assert all(given[j] is not None for j in waiting)
+        assert {j: round(pred[j], 3) for j in waiting} == {j: round(given[j], 3) for j in waiting}  # type: ignore[arg-type]

@@ -166,6 +166,7 @@ class RunningMember:
     host_mem_bytes: int
     ready_in_s: float  # seconds until it trains (pack start + start-up); 0: training now
     peak_bytes: int | None = None  # its measured peak (agents' samples) once past it; None: not yet
+    peak_in_s: float = 0.0  # not past its peak: solo-seconds of training until it reaches it
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,7 @@ class RunningPack:
     mps: bool
     start_in_s: float  # > 0: submitted, Slurm starts it then; 0: started
     members: tuple[RunningMember, ...]
+    pack_id: int = -1  # >= 0: kept in the forward run (the policy orders pack GPUs by key)
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,10 @@ class Snapshot:
     waited_rounds: tuple[tuple[int, int], ...] = ()
     last_round_s: float | None = None
     arrived_since_round: int = 0
+    # running job id -> the run left that the planner weighs it by (the estimate times
+    # the share of steps left), where it differs from the measured one in `running`
+    planned_left_s: tuple[tuple[int, float], ...] = ()
+    round_due: bool = True  # something changed since the last round (else the next waits for a change)
 
 
 @dataclass(frozen=True)
@@ -654,6 +660,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
 
     def take_snapshot() -> Snapshot:
         running: dict[int, tuple[int, float, int]] = {}
+        planned: dict[int, float] = {}
         packs = []
         starting = {p.pack_id: t for t, _, k, p in events if k == _PACK_START and isinstance(p, _Pack)}
         submitted = [p for _, _, k, p in events if k == _PACK_START and isinstance(p, _Pack)]
@@ -668,16 +675,24 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                     # a gang's ranks step together at the slowest one's pace: the job's
                     # solo-seconds left are the least of its ranks' (wall time x predicted pace)
                     running[jid] = (jid, min(left, running[jid][1]) if jid in running else left, est_mem[jid])
+                    planned[jid] = est_left_s(m)
+                    # a member not past its peak reaches it that far into its run (a job
+                    # property: DLRM jobs peak in their first steps); not yet started: its
+                    # share of the run it has left
+                    peak_in = (max(0.0, m.peak_progress - m.progress) if m.ready
+                               else m.job.peak_at_frac * m.job.solo_duration_s)
                     members.append(RunningMember(jid, gi, m.rank, m.fence_bytes, m.cpus, m.host_mem,
                                                  0.0 if m.ready else max(0.0, m.ready_at - now),
-                                                 m.true_mem if m.peaked else None))
+                                                 m.true_mem if m.peaked else None,
+                                                 0.0 if m.peaked else peak_in * left / max(1e-9, m.job.solo_duration_s - m.progress)))
             packs.append(RunningPack(pk.node.name, pk.gpu_count, pk.cpus, pk.host_mem, pk.mps,
-                                     max(0.0, starting.get(pk.pack_id, now) - now), tuple(members)))
+                                     max(0.0, starting.get(pk.pack_id, now) - now), tuple(members), pk.pack_id))
         waiting = tuple((jid, d.est_duration_s if d.est_duration_s is not None else jobs[jid].solo_duration_s,
                          d.gpu_mem_bytes) for jid, d in sorted(pending.items()))
         return Snapshot(now, waiting, tuple(running[k] for k in sorted(running)), round_limits().memory_margin_pct,
                         packs=tuple(packs), waited_rounds=tuple(sorted(waited.items())), last_round_s=last_round,
-                        arrived_since_round=arrived_since)
+                        arrived_since_round=arrived_since, planned_left_s=tuple(sorted(planned.items())),
+                        round_due=dirty)
 
     def placed(jid: int) -> None:
         # The first member of a job placed this round leaves the queue (a gang has several).
@@ -773,13 +788,15 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
             node.free_gpus -= rp.gpu_count
             node.free_cpus -= rp.cpus
             node.free_mem -= rp.host_mem_bytes
-            pack = _Pack(next_pack_id, node, rp.gpu_count, rp.cpus, rp.host_mem_bytes, rp.mps,
+            pid = rp.pack_id if rp.pack_id >= 0 else next_pack_id
+            pack = _Pack(pid, node, rp.gpu_count, rp.cpus, rp.host_mem_bytes, rp.mps,
                          [_Gpu() for _ in range(rp.gpu_count)], asked_cpus=rp.cpus, asked_mem=rp.host_mem_bytes)
-            next_pack_id += 1
+            next_pack_id = max(next_pack_id, pid) + 1
             for rm in rp.members:
                 m = _Member(jobs[rm.job_id], rm.fence_bytes, 0.0, 0.0, ready_at=now + rm.ready_in_s, cpus=rm.cpus,
                             host_mem=rm.host_mem_bytes, rank=rm.rank)
                 m.peaked = rm.peak_bytes is not None  # seen at its peak: no OOM ahead of it
+                m.peak_progress = rm.peak_in_s
                 pack.gpus[rm.gpu_index].members.append(m)
                 pack.live += 1
                 first_start[rm.job_id] = now
@@ -803,7 +820,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                 est_mem[jid] = gpu_mem
         waited = dict(snap.waited_rounds)
         last_round, arrived_since = snap.last_round_s, snap.arrived_since_round
-        schedule_tick()
+        if snap.round_due:
+            schedule_tick()
 
     if resume is not None:
         resume_state(resume)

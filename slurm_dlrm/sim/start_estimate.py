@@ -4,7 +4,8 @@ forward from the current state (issue 31). Pure.
 The state is a `Snapshot`: the waiting jobs and the running ones, as the service knows
 them. The forward run starts from it (`simulate(resume=...)`): every running pack stays
 on its node with its allocation, every member on its GPU with its time left (measured:
-steps left at its reported rate, once it trains; else the estimate), the members past
+steps left at its reported rate, once it trains; else the estimate; the policy still
+weighs it by its estimate's share left, as the live one does), the members past
 their peak at their measured peak; packs Slurm has not started yet start when it would;
 the waiting jobs are pending with their wait so far (the slowdown bound and its gang
 reservations count it) and the rounds they were passed over; a later --begin arrives
@@ -26,15 +27,18 @@ def forward_workload(snapshot: Snapshot, jobs: dict[int, SimJob]) -> Workload:
     is its time left; a waiting job's, its estimate."""
     now = snapshot.now_s
     peaks: dict[int, float] = {}  # job id -> its true GPU bytes as measured (at rank scale 1)
+    peak_in: dict[int, float] = {}  # job id -> training left before its peak, not yet reached
     for pk in snapshot.packs:
         for m in pk.members:
+            if m.peak_bytes is None:
+                peak_in[m.job_id] = max(peak_in.get(m.job_id, 0.0), m.peak_in_s)
             if m.peak_bytes is not None:
                 scales = jobs[m.job_id].scales
                 scale = scales[m.rank] if m.rank < len(scales) else 1.0
                 peaks[m.job_id] = max(peaks.get(m.job_id, 0.0), m.peak_bytes / scale)
     out = []
 
-    def as_known(job: SimJob, left_s: float, gpu_bytes: int) -> SimJob:
+    def as_known(job: SimJob, left_s: float, gpu_bytes: int, peak_at_frac: float) -> SimJob:
         left = max(1.0, left_s)
         true_bytes = int(peaks.get(job.job_id, gpu_bytes))
         # a job with a later --begin arrives then; its wait counts from its submission
@@ -42,12 +46,17 @@ def forward_workload(snapshot: Snapshot, jobs: dict[int, SimJob]) -> Workload:
         return replace(job, arrival_s=max(now, job.arrival_s), submitted_s=min(submitted, now),
                        solo_duration_s=left, est_duration_s=left,
                        gpu_mem_bytes=gpu_bytes, true_gpu_mem_bytes=true_bytes, true_sm_util_pct=job.sm_util_pct,
-                       true_membw_util_pct=job.membw_util_pct, peak_at_frac=0.0)
+                       true_membw_util_pct=job.membw_util_pct, peak_at_frac=min(1.0, peak_at_frac))
 
+    planned = dict(snapshot.planned_left_s)
     for jid, left, gpu_bytes in snapshot.running:
-        out.append(replace(as_known(jobs[jid], left, gpu_bytes), arrival_s=now))
+        # it runs for its measured time left; the policy weighs it, as the live one does,
+        # by its estimate's share left (refill's and the gang reservations' view)
+        known = as_known(jobs[jid], left, gpu_bytes, peak_in.get(jid, 0.0) / max(1.0, left))
+        out.append(replace(known, arrival_s=now, est_duration_s=max(1.0, planned.get(jid, left))))
     for jid, left, gpu_bytes in snapshot.pending:
-        out.append(as_known(jobs[jid], left, gpu_bytes))
+        # its memory peaks as far into its run as the job's does (DLRM: the first steps)
+        out.append(as_known(jobs[jid], left, gpu_bytes, jobs[jid].peak_at_frac))
     out.sort(key=lambda j: (j.arrival_s, j.job_id))
     return Workload(name="forward", jobs=tuple(out))
 
