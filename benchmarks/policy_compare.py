@@ -144,7 +144,7 @@ def run(cluster_file: str, scale: int, mem_noise_pct: float | None = None,
         policies: tuple[str, ...] = POLICY_NAMES, user_resubmits: int | None = None,
         truth: InterferenceParams | None = None, plan_params: InterferenceParams | None = None,
         plan_fit: bool = False, dmem: bool = False, multi_gpu_share: float = 0.0,
-        snapshot_at_s: tuple[float, ...] = ()) -> dict[str, object]:
+        snapshot_at_s: tuple[float, ...] = (), seed: int | None = None) -> dict[str, object]:
     cluster_data = yaml.safe_load((SIM / cluster_file).read_text())
     if user_resubmits is not None:
         cluster_data["retry"]["user_resubmits"] = user_resubmits
@@ -156,7 +156,7 @@ def run(cluster_file: str, scale: int, mem_noise_pct: float | None = None,
         data["generate"]["mem_noise_pct"] = mem_noise_pct
     if multi_gpu_share > 0:
         data["generate"]["multi_gpu_share"] = multi_gpu_share  # world_size 2 or 4 (multi_gpu_ranks default)
-    workload = parse_workload(data, {g.name: g for g in cluster.gpu_models})
+    workload = parse_workload(data, {g.name: g for g in cluster.gpu_models}, seed=seed)
     if plan_fit:
         assert truth is not None
         plan_params = agent_sample_model(workload, truth)
@@ -280,10 +280,14 @@ def main() -> None:
     ap.add_argument("--dmem", action="store_true", help="also run the fenced policies with cgroup dmem fences")
     ap.add_argument("--fair-only", action="store_true",
                     help="only the multi run and its fair: line (issue 31; a few minutes instead of the whole run)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="with --fair-only: draw the workload with this seed (default: the file's, 7)")
     args = ap.parse_args()
+    if args.seed is not None and not args.fair_only:
+        ap.error("--seed goes with --fair-only")
     if args.fair_only:
         multi = run("cluster_4gpu.yaml", 4, multi_gpu_share=0.25, policies=("complementary",),
-                    snapshot_at_s=tuple(h * 3600 for h in START_ASKED_H))
+                    snapshot_at_s=tuple(h * 3600 for h in START_ASKED_H), seed=args.seed)
         fairness(multi)
         return
     one = run("cluster_1gpu.yaml", 1)
