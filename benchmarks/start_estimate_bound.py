@@ -27,7 +27,10 @@ that moment). Compared pairwise:
   (actual start - submission): looser, since a job asked about late has waited most of
   it already, and the estimator knows that part.
 
-Run:  nice -n 10 .venv/bin/python benchmarks/start_estimate_bound.py [--seeds 7 1 2 3 4]
+`--split`: also with only the run times exact (memory and profiles as estimated), so
+the run times' share of the estimate's misses shows.
+
+Run:  nice -n 10 .venv/bin/python benchmarks/start_estimate_bound.py [--seeds 7 1 2 3 4] [--split]
 Last line:  start_estimate_bound: ceiling_pct=X (the lowest over the seeds) ceiling_pct_mean=X
             exact_estimates_pct=X (estimate vs given the queue with exact estimates, lowest)
 """
@@ -94,8 +97,10 @@ def pct(rows: list[Row], a: str, b: str, from_submit: bool = False) -> float:
     return 100.0 * ok / max(1, len(rows))
 
 
-def exact(w: Workload) -> Workload:
-    """The workload with every estimate right."""
+def exact(w: Workload, durations_only: bool = False) -> Workload:
+    """The workload with every estimate right (`durations_only`: only the run times)."""
+    if durations_only:
+        return replace(w, jobs=tuple(replace(j, est_duration_s=j.solo_duration_s) for j in w.jobs))
     return replace(w, jobs=tuple(replace(j, est_duration_s=j.solo_duration_s, gpu_mem_bytes=j.true_gpu_mem_bytes,
                                          sm_util_pct=j.true_sm_util_pct, membw_util_pct=j.true_membw_util_pct)
                                  for j in w.jobs))
@@ -104,6 +109,9 @@ def exact(w: Workload) -> Workload:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[7, 1, 2, 3, 4])
+    ap.add_argument("--split", action="store_true",
+                    help="also run with only the run times exact (memory and profiles still off): "
+                         "how much of estimate vs given-the-queue is the run times'")
     args = ap.parse_args()
     cluster = parse_cluster(yaml.safe_load((SIM / "cluster_4gpu.yaml").read_text()))
     ceilings, exacts = [], []
@@ -121,6 +129,11 @@ def main() -> None:
               f"{ceilings[-1]:>11.1f}% {pct(single, 'estimate', 'actual'):>12.1f}% {pct(gang, 'estimate', 'actual'):>11.1f}% "
               f"{exacts[-1]:>14.1f}% {pct(rows_x, 'given_queue', 'actual'):>14.1f}% "
               f"{pct(rows, 'estimate', 'actual', from_submit=True):>20.1f}%   ({time.perf_counter() - t0:.0f} s)")
+        if args.split:
+            rows_d = rows_for(exact(w, durations_only=True), cluster)
+            print(f"       run times exact, memory and profiles as estimated: est~queue "
+                  f"{pct(rows_d, 'estimate', 'given_queue'):.1f}%, est~actual {pct(rows_d, 'estimate', 'actual'):.1f}%, "
+                  f"queue~actual {pct(rows_d, 'given_queue', 'actual'):.1f}%")
         for h in START_ASKED_H:
             at = [x for x in rows if abs(x.asked_s - min(j.arrival_s for j in w.jobs) - h * 3600) < 1]
             print(f"       at {h:>4.0f} h: {len(at):>3} waiting, est~actual {pct(at, 'estimate', 'actual'):5.1f}%, "
