@@ -270,3 +270,22 @@ def test_queue_start_keeps_the_running_packs_where_they_are_with_their_reported_
     now = clock()
     start = expected_start_times(store, svc.site, USER, now)[waiting]
     assert now + 900 <= start <= now + 900 + svc.site.packing.round_seconds + 1
+
+
+def test_queue_start_counts_no_gpus_for_a_pack_on_a_node_the_site_does_not_list(world):
+    from slurm_dlrm.service.start_times import expected_start_times
+    from slurm_dlrm.store.states import PackState
+
+    svc, store, clock = world
+    est = add_job.__globals__["estimate_dict"]
+    spec = {"name": "j", "steps": 36_000, "batch_size": 5_000}
+    running = store.add_job(user=USER, name="r", spec=spec, spec_fingerprint="r", estimate=est(gpu_gib=70.0),
+                            gpu_model="h100")
+    svc.run_round()
+    waiting = store.add_job(user=USER, name="w", spec=spec, spec_fingerprint="w", estimate=est(gpu_gib=70.0),
+                            gpu_model="h100")
+    pid = store.get_job(running).pack_id
+    store.transition_pack(pid, PackState.RUNNING, "started", nodes="elsewhere1")  # type: ignore[arg-type]
+    store.transition_job(running, JobState.RUNNING, "started")
+    now = clock()
+    assert expected_start_times(store, svc.site, USER, now)[waiting] <= now + svc.site.packing.round_seconds

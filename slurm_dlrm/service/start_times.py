@@ -118,10 +118,15 @@ def expected_start_times(store: Any, site: Any, user: str, now_s: float, policy:
         run = [(j.id, max(60.0, _time_left_s(store, site, user, j, jobs[j.id].solo_duration_s, now_s)),
                 jobs[j.id].gpu_mem_bytes) for j in running]
         packs = running_packs(store, site, user, {j.id: j for j in running}, now_s, cluster.slurm)
+    # a pack on a node that is not one of the site's GPU nodes holds none of their GPUs
+    known = {n.name: n.gpus for n in cluster.nodes}
+    elsewhere = {m.job_id for pk in packs if pk.gpu_count > known.get(pk.node_name, -1) for m in pk.members}
+    packs = tuple(pk for pk in packs if pk.gpu_count <= known.get(pk.node_name, -1))
     # a running job the store has on no node (its pack not placed yet) waits with the others
-    on_nodes = {m.job_id for pk in packs for m in pk.members}
+    on_nodes = {m.job_id for pk in packs for m in pk.members} | elsewhere
     wait = [(j.id, jobs[j.id].solo_duration_s, jobs[j.id].gpu_mem_bytes) for j in waiting]
     wait += [r for r in run if r[0] not in on_nodes]
-    snap = Snapshot(now_s, tuple(wait), tuple(r for r in run if r[0] in on_nodes), packs=packs)
+    placed = {m.job_id for pk in packs for m in pk.members}
+    snap = Snapshot(now_s, tuple(wait), tuple(r for r in run if r[0] in placed), packs=packs)
     starts = expected_starts(snap, jobs, cluster, policy or site.packing.policy)
     return {jid: t for jid, t in starts.items() if jid in {j.id for j in waiting}}
