@@ -4,6 +4,8 @@ an empty cluster that places the running jobs again."""
 
 from __future__ import annotations
 
+import pytest
+
 from slurm_dlrm.sim import parse_cluster, parse_workload, simulate
 from slurm_dlrm.sim.engine import RunningMember, RunningPack, Snapshot
 from slurm_dlrm.sim.start_estimate import expected_starts, within_share
@@ -100,13 +102,16 @@ def _mix(jobs: int, seed: int) -> tuple[object, object]:
     return w, c
 
 
-def test_with_exact_estimates_the_forward_run_is_the_run_given_the_queue():
+@pytest.mark.parametrize("pack_release_s", (0.0, 60.0))
+def test_with_exact_estimates_the_forward_run_is_the_run_given_the_queue(pack_release_s: float):
     # The forward run resumes the state as it was: with nothing unknown but the jobs still
     # to come, its starts are those of the same run without them (the simulator is
-    # causal), for every waiting job, one-GPU and gang alike, under both rules.
+    # causal), for every waiting job, one-GPU and gang alike, under both rules; packs
+    # whose last member ended hold their GPUs until Slurm releases them.
     from dataclasses import replace
 
     w, c = _mix(60, seed=3)
+    c = replace(c, slurm=replace(c.slurm, pack_release_s=pack_release_s))  # type: ignore[attr-defined]
     for rule in ("slowdown", "rounds"):
         r = simulate(w, c, "complementary", fairness=rule, snapshot_at_s=(3600.0,))  # type: ignore[arg-type]
         (snap,) = r.snapshots
@@ -117,3 +122,18 @@ def test_with_exact_estimates_the_forward_run_is_the_run_given_the_queue():
         waiting = [jid for jid, _, _ in snap.pending]
         assert all(given[j] is not None for j in waiting)
         assert {j: round(pred[j], 3) for j in waiting} == {j: round(given[j], 3) for j in waiting}  # type: ignore[arg-type]
+
+
+def test_a_pack_whose_last_member_ended_holds_its_gpus_until_slurm_releases_it():
+    from dataclasses import replace
+
+    w, c = _mix(60, seed=3)
+    c = replace(c, slurm=replace(c.slurm, pack_release_s=60.0))  # type: ignore[attr-defined]
+    r = simulate(w, c, "complementary", fairness="slowdown", snapshot_at_s=(8650.0,))  # type: ignore[arg-type]
+    (snap,) = r.snapshots
+    assert any(p.idle_for_s is not None and not p.members for p in snap.packs) and snap.pending
+    assert all(j.arrival_s <= snap.now_s for j in w.jobs)  # type: ignore[attr-defined]  (the run is the given queue's)
+    pred = expected_starts(snap, {j.job_id: j for j in w.jobs}, c, "complementary", fairness="slowdown")  # type: ignore[attr-defined, arg-type]
+    given = {o.job_id: o.start_s for o in simulate(w, c, "complementary", fairness="slowdown").jobs}  # type: ignore[arg-type]
+    waiting = [jid for jid, _, _ in snap.pending]
+    assert {j: round(pred[j], 3) for j in waiting} == {j: round(given[j], 3) for j in waiting}  # type: ignore[arg-type]

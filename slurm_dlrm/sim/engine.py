@@ -181,6 +181,7 @@ class RunningPack:
     start_in_s: float  # > 0: submitted, Slurm starts it then; 0: started
     members: tuple[RunningMember, ...]
     pack_id: int = -1  # >= 0: kept in the forward run (the policy orders pack GPUs by key)
+    idle_for_s: float | None = None  # no member left for this long (slurm.pack_release_s not yet up)
 
 
 @dataclass(frozen=True)
@@ -686,7 +687,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                                                  m.true_mem if m.peaked else None,
                                                  0.0 if m.peaked else peak_in * left / max(1e-9, m.job.solo_duration_s - m.progress)))
             packs.append(RunningPack(pk.node.name, pk.gpu_count, pk.cpus, pk.host_mem, pk.mps,
-                                     max(0.0, starting.get(pk.pack_id, now) - now), tuple(members), pk.pack_id))
+                                     max(0.0, starting.get(pk.pack_id, now) - now), tuple(members), pk.pack_id,
+                                     None if pk.live > 0 or pk.idle_since_s is None else now - pk.idle_since_s))
         waiting = tuple((jid, d.est_duration_s if d.est_duration_s is not None else jobs[jid].solo_duration_s,
                          d.gpu_mem_bytes) for jid, d in sorted(pending.items()))
         return Snapshot(now, waiting, tuple(running[k] for k in sorted(running)), round_limits().memory_margin_pct,
@@ -786,12 +788,16 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         for rp in snap.packs:
             node = by_name[rp.node_name]
             node.free_gpus -= rp.gpu_count
-            node.free_cpus -= rp.cpus
-            node.free_mem -= rp.host_mem_bytes
+            node.free_cpus -= rp.cpus + agent_cpus
+            node.free_mem -= rp.host_mem_bytes + agent_mem
             pid = rp.pack_id if rp.pack_id >= 0 else next_pack_id
             pack = _Pack(pid, node, rp.gpu_count, rp.cpus, rp.host_mem_bytes, rp.mps,
-                         [_Gpu() for _ in range(rp.gpu_count)], asked_cpus=rp.cpus, asked_mem=rp.host_mem_bytes)
+                         [_Gpu() for _ in range(rp.gpu_count)], asked_cpus=rp.cpus, asked_mem=rp.host_mem_bytes,
+                         agent_cpus=agent_cpus, agent_mem=agent_mem)
             next_pack_id = max(next_pack_id, pid) + 1
+            if rp.idle_for_s is not None:  # its last member ended: Slurm frees it pack_release_s after
+                pack.idle_since_s = now - rp.idle_for_s
+                push(max(now, pack.idle_since_s + slurm.pack_release_s), _PACK_RELEASE, pack)
             for rm in rp.members:
                 m = _Member(jobs[rm.job_id], rm.fence_bytes, 0.0, 0.0, ready_at=now + rm.ready_in_s, cpus=rm.cpus,
                             host_mem=rm.host_mem_bytes, rank=rm.rank)
