@@ -236,3 +236,56 @@ def test_queue_start_prints_start_time_for_waiting_jobs(tmp_path, monkeypatch):
     import json
     jobs = json.loads(r.stdout)["jobs"]
     assert jobs[1]["start_epoch_s"] >= jobs[0]["start_epoch_s"] + 7000
+
+
+def test_queue_start_keeps_the_running_packs_where_they_are_with_their_reported_steps(world):
+    import json
+
+    from slurm_dlrm.service.start_times import expected_start_times
+    from slurm_dlrm.store.states import PackState
+
+    svc, store, clock = world
+    est = add_job.__globals__["estimate_dict"]
+    spec = {"name": "j", "steps": 36_000, "batch_size": 5_000}  # 1 h alone
+    # the site's 8 GPUs each hold one 70 GiB job; a ninth waits for the first to end
+    running = [store.add_job(user=USER, name=f"r{i}", spec=spec, spec_fingerprint=f"r{i}",
+                             estimate=est(gpu_gib=70.0), gpu_model="h100") for i in range(8)]
+    svc.run_round()
+    waiting = store.add_job(user=USER, name="w", spec=spec, spec_fingerprint="w", estimate=est(gpu_gib=70.0),
+                            gpu_model="h100")
+    packs = {store.get_job(j).pack_id for j in running}
+    for pid in packs:
+        pack = store.get_pack(pid)  # type: ignore[arg-type]
+        hosts = "node[1-2]" if pack.n_nodes == 2 else f"node{1 + sorted(packs).index(pid) % 2}"
+        store.transition_pack(pid, PackState.RUNNING, "started", nodes=hosts)  # type: ignore[arg-type]
+    for j in running:
+        store.transition_job(j, JobState.RUNNING, "started")
+    clock.advance(600)
+    # the runners report 3/4 of their steps done: 900 s left (the estimate less the
+    # 600 s run would say 3000 s)
+    for j in running:
+        path = svc.site.spool_dir_for(USER) / "jobs" / str(j) / "metrics.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"step": 27_000}) + "\n")
+    now = clock()
+    start = expected_start_times(store, svc.site, USER, now)[waiting]
+    assert now + 900 <= start <= now + 900 + svc.site.packing.round_seconds + 1
+
+
+def test_queue_start_counts_no_gpus_for_a_pack_on_a_node_the_site_does_not_list(world):
+    from slurm_dlrm.service.start_times import expected_start_times
+    from slurm_dlrm.store.states import PackState
+
+    svc, store, clock = world
+    est = add_job.__globals__["estimate_dict"]
+    spec = {"name": "j", "steps": 36_000, "batch_size": 5_000}
+    running = store.add_job(user=USER, name="r", spec=spec, spec_fingerprint="r", estimate=est(gpu_gib=70.0),
+                            gpu_model="h100")
+    svc.run_round()
+    waiting = store.add_job(user=USER, name="w", spec=spec, spec_fingerprint="w", estimate=est(gpu_gib=70.0),
+                            gpu_model="h100")
+    pid = store.get_job(running).pack_id
+    store.transition_pack(pid, PackState.RUNNING, "started", nodes="elsewhere1")  # type: ignore[arg-type]
+    store.transition_job(running, JobState.RUNNING, "started")
+    now = clock()
+    assert expected_start_times(store, svc.site, USER, now)[waiting] <= now + svc.site.packing.round_seconds

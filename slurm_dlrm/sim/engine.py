@@ -157,6 +157,36 @@ class JobOutcome:
 
 
 @dataclass(frozen=True)
+class RunningMember:
+    """One member of a running pack as the service sees it (issue 31, `queue --start`)."""
+
+    job_id: int
+    gpu_index: int
+    rank: int
+    fence_bytes: int | None  # None: no fence
+    cpus: int
+    host_mem_bytes: int
+    ready_in_s: float  # seconds until it trains (pack start + start-up); 0: training now
+    peak_bytes: int | None = None  # its measured peak (agents' samples) once past it; None: not yet
+    peak_in_s: float = 0.0  # not past its peak: solo-seconds of training until it reaches it
+
+
+@dataclass(frozen=True)
+class RunningPack:
+    """A pack holding GPUs now: where it is and what it holds (its allocation never shrinks)."""
+
+    node_name: str
+    gpu_count: int
+    cpus: int
+    host_mem_bytes: int
+    mps: bool
+    start_in_s: float  # > 0: submitted, Slurm starts it then; 0: started
+    members: tuple[RunningMember, ...]
+    pack_id: int = -1  # >= 0: kept in the forward run (the policy orders pack GPUs by key)
+    idle_for_s: float | None = None  # no member left for this long (slurm.pack_release_s not yet up)
+
+
+@dataclass(frozen=True)
 class Snapshot:
     """The queue and the running jobs at one moment, as the service sees them (estimates
     only): what `queue --start` simulates forward from (sim/start_estimate.py)."""
@@ -165,6 +195,16 @@ class Snapshot:
     pending: tuple[tuple[int, float, int], ...]  # (job id, expected run left s, estimated GPU bytes)
     running: tuple[tuple[int, float, int], ...]  # likewise, for jobs on GPUs now
     memory_margin_pct: float | None = None  # the fences' margin then (None: the cluster's)
+    # Where the running jobs are (simulate(resume=...) keeps them there), and the
+    # dispatcher's own state: rounds each waiting job was passed over, the last round.
+    packs: tuple[RunningPack, ...] = ()
+    waited_rounds: tuple[tuple[int, int], ...] = ()
+    last_round_s: float | None = None
+    arrived_since_round: int = 0
+    # running job id -> the run left that the planner weighs it by (the estimate times
+    # the share of steps left), where it differs from the measured one in `running`
+    planned_left_s: tuple[tuple[int, float], ...] = ()
+    round_due: bool = True  # something changed since the last round (else the next waits for a change)
 
 
 @dataclass(frozen=True)
@@ -276,7 +316,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
              true_params: InterferenceParams | None = None, plan_params: InterferenceParams | None = None,
              max_sim_s: float = 365 * 86400.0, faults: FaultRuntime | None = None, dmem: bool = False,
              margin_from_errors: bool = True, fairness: str | None = None,
-             fair_config: FairConfig | None = None, snapshot_at_s: tuple[float, ...] = ()) -> SimResult:
+             fair_config: FairConfig | None = None, snapshot_at_s: tuple[float, ...] = (),
+             resume: Snapshot | None = None) -> SimResult:
     """Replay `workload` on `cluster` through `policy`; see the module docstring.
 
     With `faults`, node failures and straggler checks are injected and OOMs, node
@@ -284,7 +325,11 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     `margin_from_errors` (fenced policies): each round's memory margin is the larger of
     the configured one and the estimate's error observed at members' peaks so far.
     `fairness`: "slowdown" or "rounds" (DispatchConfig.fairness; None: the cluster's).
-    `snapshot_at_s`: times (from the first arrival) at which to record a `Snapshot`."""
+    `snapshot_at_s`: times (from the first arrival) at which to record a `Snapshot`.
+    `resume` (issue 31, `queue --start`): start from that snapshot's state instead of an
+    empty cluster: its packs on their nodes (each member's job in `workload` carries its
+    time left as its run), its waiting jobs pending, the dispatcher's counters; the
+    workload's other jobs arrive as usual."""
     truth = true_params or DEFAULT_PARAMS
     limits, dispatch, slurm, retry = cluster.limits, cluster.dispatch, cluster.slurm, cluster.retry
     if fairness is not None:
@@ -303,8 +348,11 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         heapq.heappush(events, (t, seq, kind, payload))
         seq += 1
 
+    resumed = ({m.job_id for pk in resume.packs for m in pk.members}
+               | {jid for jid, _, _ in resume.pending if jobs[jid].arrival_s <= resume.now_s}) if resume else set()
     for j in workload.jobs:
-        push(j.arrival_s, _ARRIVAL, j.job_id)
+        if j.job_id not in resumed:
+            push(j.arrival_s, _ARRIVAL, j.job_id)
     for t in snapshot_at_s:
         push((workload.jobs[0].arrival_s if workload.jobs else 0.0) + t, _SNAPSHOT, None)
 
@@ -323,6 +371,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     running_packs: list[_Pack] = []
     next_pack_id = 0
     now = workload.jobs[0].arrival_s if workload.jobs else 0.0
+    if resume is not None:
+        now = resume.now_s
     first_arrival = now
     observe_armed = False
     if faults is not None:
@@ -598,16 +648,55 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         placed(job.job_id)
         push(member.ready_at, _MEMBER_READY, pack)
 
+    def measured_left_s(pk: _Pack, gpu: _Gpu, m: _Member) -> float:
+        """Solo-seconds of training left as the service knows them: a member that trains
+        reports its steps (the runner's metrics) and its rate (samples/s); steps left over
+        that rate is its wall time left here, times the speed the planner predicts for it
+        here (its estimated profile) gives solo-seconds. Before it trains: the estimate."""
+        if not m.ready or m.speed <= 0:
+            return est_left_s(m)
+        live = [x for x in gpu.members if x.ready and not x.ended]
+        pred = predict_speeds_from_fractions([min(1.0, x.job.sm_util_pct * x.scale / 100.0) for x in live],
+                                             [min(1.0, x.job.membw_util_pct * x.scale / 100.0) for x in live],
+                                             plan_params or DEFAULT_PARAMS)[live.index(m)] if len(live) > 1 else 1.0
+        return max(0.0, m.job.solo_duration_s - m.progress) / m.speed * min(1.0, pred)
+
     def take_snapshot() -> Snapshot:
         running: dict[int, tuple[int, float, int]] = {}
-        for pk in running_packs:
-            for gpu in pk.gpus:
+        planned: dict[int, float] = {}
+        packs = []
+        starting = {p.pack_id: t for t, _, k, p in events if k == _PACK_START and isinstance(p, _Pack)}
+        submitted = [p for _, _, k, p in events if k == _PACK_START and isinstance(p, _Pack)]
+        for pk in sorted(running_packs + submitted, key=lambda p: p.pack_id):
+            members = []
+            for gi, gpu in enumerate(pk.gpus):
                 for m in gpu.members:
-                    if not m.ended:
-                        running.setdefault(m.job.job_id, (m.job.job_id, est_left_s(m), est_mem[m.job.job_id]))
+                    if m.ended:
+                        continue
+                    jid = m.job.job_id
+                    left = measured_left_s(pk, gpu, m)
+                    # a gang's ranks step together at the slowest one's pace: the job's
+                    # solo-seconds left are the least of its ranks' (wall time x predicted pace)
+                    running[jid] = (jid, min(left, running[jid][1]) if jid in running else left, est_mem[jid])
+                    planned[jid] = est_left_s(m)
+                    # a member not past its peak reaches it that far into its run (a job
+                    # property: DLRM jobs peak in their first steps); not yet started: its
+                    # share of the run it has left
+                    peak_in = (max(0.0, m.peak_progress - m.progress) if m.ready
+                               else m.job.peak_at_frac * m.job.solo_duration_s)
+                    members.append(RunningMember(jid, gi, m.rank, m.fence_bytes, m.cpus, m.host_mem,
+                                                 0.0 if m.ready else max(0.0, m.ready_at - now),
+                                                 m.true_mem if m.peaked else None,
+                                                 0.0 if m.peaked else peak_in * left / max(1e-9, m.job.solo_duration_s - m.progress)))
+            packs.append(RunningPack(pk.node.name, pk.gpu_count, pk.cpus, pk.host_mem, pk.mps,
+                                     max(0.0, starting.get(pk.pack_id, now) - now), tuple(members), pk.pack_id,
+                                     None if pk.live > 0 or pk.idle_since_s is None else now - pk.idle_since_s))
         waiting = tuple((jid, d.est_duration_s if d.est_duration_s is not None else jobs[jid].solo_duration_s,
                          d.gpu_mem_bytes) for jid, d in sorted(pending.items()))
-        return Snapshot(now, waiting, tuple(running[k] for k in sorted(running)), round_limits().memory_margin_pct)
+        return Snapshot(now, waiting, tuple(running[k] for k in sorted(running)), round_limits().memory_margin_pct,
+                        packs=tuple(packs), waited_rounds=tuple(sorted(waited.items())), last_round_s=last_round,
+                        arrived_since_round=arrived_since, planned_left_s=tuple(sorted(planned.items())),
+                        round_due=dirty)
 
     def placed(jid: int) -> None:
         # The first member of a job placed this round leaves the queue (a gang has several).
@@ -694,6 +783,56 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                     del pending[d.job_id]
                     outcome_state[d.job_id] = "UNPLACEABLE"
 
+    def resume_state(snap: Snapshot) -> None:
+        # The running packs stay where they are, with what their allocations hold; the
+        # waiting jobs are pending with the rounds they were passed over.
+        nonlocal next_pack_id, waited, last_round, arrived_since
+        for rp in snap.packs:
+            node = by_name[rp.node_name]
+            node.free_gpus -= rp.gpu_count
+            node.free_cpus -= rp.cpus + agent_cpus
+            node.free_mem -= rp.host_mem_bytes + agent_mem
+            pid = rp.pack_id if rp.pack_id >= 0 else next_pack_id
+            pack = _Pack(pid, node, rp.gpu_count, rp.cpus, rp.host_mem_bytes, rp.mps,
+                         [_Gpu() for _ in range(rp.gpu_count)], asked_cpus=rp.cpus, asked_mem=rp.host_mem_bytes,
+                         agent_cpus=agent_cpus, agent_mem=agent_mem)
+            next_pack_id = max(next_pack_id, pid) + 1
+            if rp.idle_for_s is not None:  # its last member ended: Slurm frees it pack_release_s after
+                pack.idle_since_s = now - rp.idle_for_s
+                push(max(now, pack.idle_since_s + slurm.pack_release_s), _PACK_RELEASE, pack)
+            for rm in rp.members:
+                m = _Member(jobs[rm.job_id], rm.fence_bytes, 0.0, 0.0, ready_at=now + rm.ready_in_s, cpus=rm.cpus,
+                            host_mem=rm.host_mem_bytes, rank=rm.rank)
+                m.peaked = rm.peak_bytes is not None  # seen at its peak: no OOM ahead of it
+                m.peak_progress = rm.peak_in_s
+                pack.gpus[rm.gpu_index].members.append(m)
+                pack.live += 1
+                first_start[rm.job_id] = now
+                if rm.ready_in_s <= 0:
+                    m.ready = True
+                elif rp.start_in_s <= 0:
+                    push(m.ready_at, _MEMBER_READY, pack)
+            if shard_mode:
+                for gi in range(rp.gpu_count):
+                    shard_gpus[f"{pack.pack_id}:{gi}"] = (pack, gi)
+            if rp.start_in_s > 0:
+                push(now + rp.start_in_s, _PACK_START, pack)
+                continue
+            pack.start_s = now
+            running_packs.append(pack)
+            for gpu in pack.gpus:
+                set_speeds(gpu)
+        for jid, left, gpu_mem in snap.pending:
+            if jid in resumed:
+                pending[jid] = job_demand(jobs[jid], gpu_mem, left)
+                est_mem[jid] = gpu_mem
+        waited = dict(snap.waited_rounds)
+        last_round, arrived_since = snap.last_round_s, snap.arrived_since_round
+        if snap.round_due:
+            schedule_tick()
+
+    if resume is not None:
+        resume_state(resume)
     gangs = any(j.world_size > 1 for j in workload.jobs)
     while True:
         if gangs:

@@ -1,12 +1,17 @@
 """Expected start times (`queue --start`, like `squeue --start`): the simulator run
 forward from the current state (issue 31). Pure.
 
-The state is a `Snapshot`: the waiting jobs and the running ones, with their estimates
-only (the service knows no more). The forward run replays them on the cluster through
-the same policy: the running jobs arrive first and at top priority with their expected
-time left (so they hold their GPUs about as long as they will), the waiting ones with
-their wait so far (the slowdown bound counts it). Jobs not yet submitted are unknown,
-as to Slurm's own estimate, so a later short job that overtakes makes it late.
+The state is a `Snapshot`: the waiting jobs and the running ones, as the service knows
+them. The forward run starts from it (`simulate(resume=...)`): every running pack stays
+on its node with its allocation, every member on its GPU with its time left (measured:
+steps left at its reported rate, once it trains; else the estimate; the policy still
+weighs it by its estimate's share left, as the live one does), the members past
+their peak at their measured peak; packs Slurm has not started yet start when it would;
+the waiting jobs are pending with their wait so far (the slowdown bound and its gang
+reservations count it) and the rounds they were passed over; a later --begin arrives
+then. Everything else (waiting jobs' run times, memory and interference) is the
+estimate taken as the truth. Jobs not yet submitted are unknown, as to Slurm's own
+estimate, so a later short job that overtakes makes it late.
 """
 
 from __future__ import annotations
@@ -16,30 +21,43 @@ from dataclasses import replace
 from slurm_dlrm.sim.engine import Snapshot, simulate
 from slurm_dlrm.sim.files import SimCluster, SimJob, Workload
 
-# Above the overdue band and below the urgent one (slurm_dlrm.packing.common): the jobs
-# already running are placed before anything waiting.
-RUNNING_PRIORITY = 1e13
-
 
 def forward_workload(snapshot: Snapshot, jobs: dict[int, SimJob]) -> Workload:
-    """The snapshot as a workload arriving at its time: estimates as the truth."""
+    """The snapshot's jobs with what is known of them as the truth: a running job's run
+    is its time left; a waiting job's, its estimate."""
     now = snapshot.now_s
+    peaks: dict[int, float] = {}  # job id -> its true GPU bytes as measured (at rank scale 1)
+    peak_in: dict[int, float] = {}  # job id -> training left before its peak, not yet reached
+    for pk in snapshot.packs:
+        for m in pk.members:
+            if m.peak_bytes is None:
+                peak_in[m.job_id] = max(peak_in.get(m.job_id, 0.0), m.peak_in_s)
+            if m.peak_bytes is not None:
+                scales = jobs[m.job_id].scales
+                scale = scales[m.rank] if m.rank < len(scales) else 1.0
+                peaks[m.job_id] = max(peaks.get(m.job_id, 0.0), m.peak_bytes / scale)
     out = []
 
-    def as_known(job: SimJob, left_s: float, gpu_bytes: int) -> SimJob:
+    def as_known(job: SimJob, left_s: float, gpu_bytes: int, peak_at_frac: float) -> SimJob:
         left = max(1.0, left_s)
-        # a job with a later --begin arrives then
-        return replace(job, arrival_s=max(now, job.arrival_s), solo_duration_s=left, est_duration_s=left, gpu_mem_bytes=gpu_bytes,
-                       true_gpu_mem_bytes=gpu_bytes, true_sm_util_pct=job.sm_util_pct,
-                       true_membw_util_pct=job.membw_util_pct, peak_at_frac=0.0)
+        true_bytes = int(peaks.get(job.job_id, gpu_bytes))
+        # a job with a later --begin arrives then; its wait counts from its submission
+        submitted = job.arrival_s if job.submitted_s is None else job.submitted_s
+        return replace(job, arrival_s=max(now, job.arrival_s), submitted_s=min(submitted, now),
+                       solo_duration_s=left, est_duration_s=left,
+                       gpu_mem_bytes=gpu_bytes, true_gpu_mem_bytes=true_bytes, true_sm_util_pct=job.sm_util_pct,
+                       true_membw_util_pct=job.membw_util_pct, peak_at_frac=min(1.0, peak_at_frac))
 
+    planned = dict(snapshot.planned_left_s)
     for jid, left, gpu_bytes in snapshot.running:
-        out.append(replace(as_known(jobs[jid], left, gpu_bytes), priority=RUNNING_PRIORITY, submitted_s=now))
+        # it runs for its measured time left; the policy weighs it, as the live one does,
+        # by its estimate's share left (refill's and the gang reservations' view)
+        known = as_known(jobs[jid], left, gpu_bytes, peak_in.get(jid, 0.0) / max(1.0, left))
+        out.append(replace(known, arrival_s=now, est_duration_s=max(1.0, planned.get(jid, left))))
     for jid, left, gpu_bytes in snapshot.pending:
-        job = jobs[jid]
-        waited_from = job.arrival_s if job.submitted_s is None else job.submitted_s
-        out.append(replace(as_known(job, left, gpu_bytes), submitted_s=min(waited_from, now)))
-    out.sort(key=lambda j: (j.arrival_s, -j.priority, j.job_id))
+        # its memory peaks as far into its run as the job's does (DLRM: the first steps)
+        out.append(as_known(jobs[jid], left, gpu_bytes, jobs[jid].peak_at_frac))
+    out.sort(key=lambda j: (j.arrival_s, j.job_id))
     return Workload(name="forward", jobs=tuple(out))
 
 
@@ -65,7 +83,7 @@ def expected_starts(snapshot: Snapshot, jobs: dict[int, SimJob], cluster: SimClu
                                                         key=lambda j: (j.arrival_s, -j.priority, j.job_id))))
     if snapshot.memory_margin_pct is not None:  # fences as wide as they are now (learned from errors seen)
         cluster = replace(cluster, limits=replace(cluster.limits, memory_margin_pct=snapshot.memory_margin_pct))
-    result = simulate(workload, cluster, policy, fairness=fairness, margin_from_errors=False)
+    result = simulate(workload, cluster, policy, fairness=fairness, margin_from_errors=False, resume=snapshot)
     return {o.job_id: o.start_s for o in result.jobs if o.job_id in waiting and o.start_s is not None}
 
 
