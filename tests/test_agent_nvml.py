@@ -199,3 +199,42 @@ def test_the_real_path_never_loads_the_emulated_node(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert fake.returncode == 0, fake.stderr
     assert fake.stdout.split() == ["True", "True"]
+
+
+def test_a_member_first_seen_before_its_exec_is_found_after_it(tmp_path, monkeypatch):
+    # Between fork and exec a child's environ is its parent's: a scan then must not
+    # decide for good that it is no member (the Slurm legs' pid namespaces hit this race).
+    import threading
+
+    scenario = tmp_path / "nvml.json"
+    scenario.write_text(json.dumps({"gpu_count": 1}))
+    monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, str(scenario))
+    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
+    monkeypatch.delenv(ENV_JOB_ID, raising=False)
+    env = dict(os.environ, **{ENV_JOB_ID: "5", "CUDA_VISIBLE_DEVICES": "0"})
+    nv = Nvml()
+    assert nv.init()
+    spawning = threading.Event()
+    spawning.set()
+
+    def scan() -> None:  # samples while Popen waits for the child's exec
+        while spawning.is_set():
+            nv.sample([0])
+            time.sleep(0.05)
+
+    t = threading.Thread(target=scan)
+    t.start()
+    try:
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=env,  # noqa: S603
+                             preexec_fn=lambda: time.sleep(1.0))  # noqa: PLW1509 - the window under test
+    finally:
+        spawning.clear()
+        t.join()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and p.pid not in nv.sample([0]).by_pid():
+            time.sleep(0.25)
+        assert p.pid in nv.sample([0]).by_pid()
+    finally:
+        p.kill()
+        p.wait()

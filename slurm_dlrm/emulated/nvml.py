@@ -179,7 +179,8 @@ class FakeNvml:
         self._device_calls: dict[int, int] = {}
         self._lost: set[int] = set()
         self._removed_pids: set[int] = set()
-        self._env_cache: dict[int, tuple[int, str | None, dict[str, str]] | None] = {}
+        # pid -> (its start, in clock ticks since boot; what it is: (GPU, MPS pipe, env) or None)
+        self._env_cache: dict[int, tuple[int | None, tuple[int, str | None, dict[str, str]] | None]] = {}
         self._cpu_prev: dict[int, tuple[float, float]] = {}
         self._discovered: list[dict[str, Any]] = []
         self._discovered_at = -1.0
@@ -371,10 +372,18 @@ class FakeNvml:
             self._cpu_prev.pop(gone, None)
         gpus = self._gpus()
         clients = {}
+        now_ticks = _uptime_ticks()
         for pid in pids:
-            if pid not in self._env_cache:
-                self._env_cache[pid] = self._client_of(pid, gpus)
-            client = self._env_cache[pid]
+            # Keyed by the process's start too (a reused pid is another process); and a
+            # process seen as no client while young is looked at again: between fork and
+            # exec its environ is still its parent's (the real driver sees a process only
+            # once it makes its CUDA context, after exec).
+            started = _start_ticks(pid)
+            cached = self._env_cache.get(pid)
+            young = started is not None and now_ticks is not None and now_ticks - started < _YOUNG_S * _TICKS
+            if cached is None or cached[0] != started or (cached[1] is None and young):
+                cached = self._env_cache[pid] = (started, self._client_of(pid, gpus))
+            client = cached[1]
             if client is not None:
                 clients[pid] = client
         found = []
@@ -471,6 +480,23 @@ def _parent(pid: int) -> int | None:
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _TICKS = os.sysconf("SC_CLK_TCK")
+
+
+_YOUNG_S = 3.0  # a process younger than this may not have exec'ed yet
+
+
+def _uptime_ticks() -> float | None:
+    try:
+        return float(Path("/proc/uptime").read_text().split()[0]) * _TICKS
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])  # field 22
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _rss_and_cpu(pid: int) -> tuple[int, float] | None:
