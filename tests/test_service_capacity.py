@@ -71,3 +71,21 @@ def test_a_round_plans_only_the_packs_slurm_can_start(tmp_path, monkeypatch):
     assert sum(p.n_gpus for p in packs) == 2  # whole nodes would have planned all four
     assert sum(1 for i in ids if str(store.get_job(i).state) == "PENDING") == 2
     store.close()
+
+
+def test_a_slurm_that_names_none_of_the_sites_nodes_leaves_the_old_view(tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    clock = FakeClock()
+    site = make_site(tmp_path)
+    store = Store(tmp_path / "store.sqlite", clock=clock)
+    slurm = FakeSlurm(clock=clock, user="root")
+    monkeypatch.setattr(slurm, "show_nodes", lambda: [replace(n, name=f"other{i}")
+                                                      for i, n in enumerate(_nodes("24.11.5"))])
+    svc = PackingService(store, slurm, site, ServiceSettings(user="root", python="/venv/bin/python",
+                                                             dispatch_window_s=0.0, policy="exclusive"), clock=clock)
+    ids = [add_job(store, f"j{i}") for i in range(3)]
+    svc.run_round()
+    assert sum(p.n_gpus for p in store.packs()) == 3  # planned as before, not stalled
+    assert all(str(store.get_job(i).state) != "PENDING" for i in ids)
+    store.close()

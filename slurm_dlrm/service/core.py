@@ -621,7 +621,11 @@ class PackingService:
         waiting = sum(p.n_gpus for p in self.store.packs([PackState.SUBMITTING, PackState.QUEUED],
                                                          user=self.settings.user)
                       if name is None or p.partition in (None, name))
-        return free_capacity(self.site, infos, partition, waiting)
+        free = free_capacity(self.site, infos, partition, waiting)
+        if not free.nodes:  # Slurm names none of the site's GPU nodes: the site file is off
+            log.warning("scontrol show nodes lists none of the site's GPU nodes; planning on whole nodes")
+            return None
+        return free
 
     def busy_gpus(self, partition: Any) -> int:
         """GPUs the user's packs already hold or wait for: the policy plans only the rest."""
