@@ -87,12 +87,15 @@ def metrics_steps(svc, job_id: int) -> list[int]:
 
 
 def runs(svc, job_id: int, gap_s: float = 2.0) -> list[list[int]]:
-    """The job's steps split into runs: a new run starts where the step goes back or the
-    metrics stop for `gap_s` (a run resumed right after its last step's checkpoint)."""
+    """The job's steps split into runs: a new run starts where the step goes back, where
+    the metrics stop for `gap_s`, or at a later placement's start (a member stopped by
+    SIGTERM checkpoints its current step, so a quick requeue resumes at the next step)."""
+    starts = sorted(p.start_time for p in svc.store.placements(job_id=job_id) if p.start_time)[1:]
     out: list[list[int]] = []
     last_t = last_step = None
     for t, step in metrics(svc, job_id):
-        if last_t is None or step <= last_step or t - last_t > gap_s:
+        restarted = last_t is not None and any(last_t < s <= t for s in starts)
+        if last_t is None or step <= last_step or t - last_t > gap_s or restarted:
             out.append([])
         out[-1].append(step)
         last_t, last_step = t, step
