@@ -59,7 +59,7 @@ from slurm_dlrm.store.errors import (
 )
 from slurm_dlrm.store.metrics import StoreCursor, StoreMetrics, read_store
 from slurm_dlrm.store.migrations import LATEST_VERSION
-from slurm_dlrm.store.others import store_user
+from slurm_dlrm.store.others import UNTRUSTED_READ_BUDGET_S, store_user
 from slurm_dlrm.store.service_status import SERVICE_STATUS_FILE, BadStatus, read_service_status
 from slurm_dlrm.store.states import JobState, PackState
 from slurm_dlrm.store.store import Store, current_user, store_path_for
@@ -77,7 +77,7 @@ STORE_ERROR_REASONS = ("permission", "owner", "corrupt", "locked", "schema", "mi
                        "timeout", "status", "other")
 # One store's reads per scrape stop after this (a crafted or huge store cannot hold the
 # scrape, and the collector's lock, for long).
-READ_BUDGET_S = 10.0
+READ_BUDGET_S = UNTRUSTED_READ_BUDGET_S
 
 # Connections kept open between scrapes (file descriptors: 3 each with -wal and -shm),
 # and the page cache each may hold.

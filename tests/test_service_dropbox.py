@@ -245,7 +245,7 @@ def other_host(tmp_path, monkeypatch):
     opened = []
 
     def audit(event, args):
-        if event == "sqlite3.connect" and "snapshot" not in str(args[0]):
+        if event == "sqlite3.connect" and "snapshot" not in str(args[0]) and args[0] != ":memory:":
             opened.append(args[0])
 
     import sys

@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 import time
@@ -44,6 +45,13 @@ FORMAT_VERSION = 1
 KINDS = ("submit", "cancel", "requeue")
 SUFFIX = ".req"
 MAX_REQUEST_BYTES = 64 << 20  # a sweep of thousands of specs is a few MiB
+# Counted in the bytes before json.loads builds anything (issue 41 item 5): 64 MiB of
+# `[{},{},...]` decodes to 1.8 GB of dicts. A job row is about 200 tokens (a spec with many
+# tables a few thousand); the worst case under these caps decodes in well under 1 GiB (the
+# service job's --mem): docs/admin.md, "Threat model".
+MAX_REQUEST_ROWS = 10_000
+MAX_REQUEST_TOKENS = 2_000_000  # `,` `:` `{` `[` outside strings: about one Python object each
+MAX_REQUEST_DEPTH = 32  # a job row nests 6 deep; json.loads recurses once per level
 
 REQUESTS_TABLE = """CREATE TABLE IF NOT EXISTS requests (
     request_id TEXT PRIMARY KEY,
@@ -72,7 +80,7 @@ def write_request(store_dir: Path, kind: str, payload: Mapping[str, Any], *, use
     if kind not in KINDS:
         raise ValueError(kind)
     folder = requests_dir(store_dir)
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _own_drop_folder(store_dir, folder)
     body = {"version": FORMAT_VERSION, "kind": kind, "request_id": secrets.token_hex(16), "user": user,
             "uid": os.getuid(), "host": host, "created_t": time.time(), "payload": dict(payload)}
     safe_host = "".join(c if c.isalnum() or c in "-_" else "_" for c in host)[:40]
@@ -92,6 +100,23 @@ def write_request(store_dir: Path, kind: str, payload: Mapping[str, Any], *, use
     return name
 
 
+def _own_drop_folder(store_dir: Path, folder: Path) -> None:
+    """The store folder and its requests/ ours alone, as the service's own host checks
+    its store folder (db.ensure_private_dir): a request dropped in a folder someone else
+    made first would go to them, and the user be told it was handed to a service."""
+    from slurm_dlrm.store.db import ensure_private_dir, refuse_foreign
+
+    ensure_private_dir(store_dir)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        raise Refused(f"{folder} is not a folder (a link?); not written")
+    refuse_foreign(folder, st, "request folder")
+    if st.st_mode & 0o022:
+        raise Refused(f"request folder {folder} can be written by others (mode {stat.S_IMODE(st.st_mode):o}); "
+                      f"make it yours alone (chmod 700 {folder})")
+
+
 def _fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -104,6 +129,14 @@ def _fsync_dir(folder: Path) -> None:
 
 class Refused(DlrmError):
     """A request file that is not applied (its reason is recorded as an event)."""
+
+
+def fatal_to_round(exc: BaseException) -> bool:
+    """A fault of the store or of the service's lease, not of the request being applied."""
+    from slurm_dlrm.store.db import is_busy
+    from slurm_dlrm.store.errors import LeaseLost, StoreBusy
+
+    return isinstance(exc, LeaseLost | StoreBusy) or is_busy(exc)
 
 
 @dataclass
@@ -124,9 +157,10 @@ def decode(raw: bytes, *, user: str, uid: int) -> dict[str, Any]:
         raise Refused("truncated or not a request file (no checksum line)")
     if hashlib.sha256(parts[0]).hexdigest().encode() != parts[1][len(b"sha256 "):]:
         raise Refused("truncated or altered (checksum does not match)")
+    check_shape(parts[0])
     try:
         body = json.loads(parts[0])
-    except ValueError:
+    except (ValueError, RecursionError):
         raise Refused("not JSON") from None
     if not isinstance(body, dict) or body.get("version") != FORMAT_VERSION:
         raise Refused(f"unknown request format (version {body.get('version') if isinstance(body, dict) else '?'})")
@@ -138,7 +172,34 @@ def decode(raw: bytes, *, user: str, uid: int) -> dict[str, Any]:
     if body.get("user") != user or body.get("uid") != uid:
         raise Refused(f"foreign: made for user {body.get('user')!r} (uid {body.get('uid')!r}), this store is "
                       f"{user}'s (uid {uid})")
+    rows = body["payload"].get("rows")
+    if isinstance(rows, list) and len(rows) > MAX_REQUEST_ROWS:
+        raise Refused(f"too many jobs ({len(rows)}; at most {MAX_REQUEST_ROWS} in one request)")
     return body
+
+
+# A JSON string (escapes included), unrolled so a long one is one fast scan.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+_NOT_BRACKET = re.compile(rb"[^\[\]{}]+")
+
+
+def check_shape(line: bytes) -> None:
+    """Refused unless the JSON in `line` has at most MAX_REQUEST_TOKENS containers and
+    separators and nests at most MAX_REQUEST_DEPTH deep, judged on the bytes (C-speed
+    scans, no object built): json.loads would otherwise take memory in proportion to
+    the count, and recurse once per level."""
+    bare = _JSON_STRING.sub(b'""', line)  # brackets and commas inside strings are text
+    tokens = sum(bare.count(c) for c in (b",", b":", b"{", b"["))
+    if tokens > MAX_REQUEST_TOKENS:
+        raise Refused(f"too large: {tokens} values (at most {MAX_REQUEST_TOKENS} in one request)")
+    brackets = _NOT_BRACKET.sub(b"", bare)
+    for _ in range(MAX_REQUEST_DEPTH):  # each pass takes off one level of nesting
+        if not brackets:
+            return
+        brackets = _INNERMOST.sub(b"", brackets)
+    if brackets:
+        raise Refused(f"nested deeper than {MAX_REQUEST_DEPTH} levels (or unbalanced brackets)")
 
 
 def _read_own_file(path: Path, uid: int) -> bytes:
@@ -164,8 +225,9 @@ def ingest_requests(store: Any, store_dir: Path, user: str, appliers: Mapping[st
     """Apply every request file in the drop folder once, oldest first.
 
     `appliers[kind](store, payload)` runs inside the request's transaction and returns
-    what it did (recorded with the request); a `DlrmError` from it refuses the request
-    (nothing of it stays: its savepoint is undone) and is recorded as the outcome."""
+    what it did (recorded with the request); any error from it refuses the request
+    (nothing of it stays: its savepoint is undone), is recorded as the outcome (one
+    event) and moves the file to `refused/`, so the next request is applied as usual."""
     uid = os.getuid() if uid is None else uid
     folder = requests_dir(store_dir)
     stats = IngestStats()
@@ -182,27 +244,36 @@ def ingest_requests(store: Any, store_dir: Path, user: str, appliers: Mapping[st
             body = decode(raw, user=user, uid=uid)
         except FileNotFoundError:
             continue  # taken meanwhile (a second service on this host cannot run: the flock)
-        except (Refused, OSError) as exc:
-            _refuse(store, folder, name, None, str(exc))
+        except Exception as exc:  # noqa: BLE001 - whatever a file does, it is refused, never retried for ever
+            why = str(exc) if isinstance(exc, Refused | OSError) else f"undecodable ({type(exc).__name__})"
+            _refuse(store, folder, name, None, why)
             stats.refused += 1
             continue
         rid = body["request_id"]
+        refused = False
         with store.write():
-            done = store.conn.execute("SELECT file FROM requests WHERE request_id = ?", (rid,)).fetchone()
+            done = store.conn.execute("SELECT file, outcome FROM requests WHERE request_id = ?", (rid,)).fetchone()
             if done is not None and done[0] == name:
                 stats.leftovers += 1  # applied, then the service stopped before deleting the file
+                refused = str(done[1]).startswith("refused")
             elif done is not None:
                 _refuse_in_tx(store, name, body, f"replayed: request {rid} was applied already (from {done[0]})")
                 stats.refused += 1
+                refused = True
             else:
                 outcome, result = "applied", None
                 try:
                     with store.savepoint("request"):
                         result = appliers[body["kind"]](store, body["payload"])
-                except (DlrmError, KeyError, TypeError, ValueError) as exc:
-                    # a malformed payload must not stop every later round: refused like bad input
-                    exc_text = str(exc) if isinstance(exc, DlrmError) else f"malformed request ({exc!r})"
+                except Exception as exc:
+                    # Any fault of this one request (another slurm-dlrm version's rows, a NULL
+                    # name, a wrong shape) refuses it; the store's own (busy, the lease lost,
+                    # the transaction gone) stops the round without blaming the request.
+                    if fatal_to_round(exc) or not store.conn.in_transaction:
+                        raise
+                    exc_text = str(exc) if isinstance(exc, DlrmError) else f"malformed request ({exc!r:.300})"
                     outcome = f"refused: {exc_text}"
+                    refused = True
                     store.event_in_tx("request", f"request {name} from host {body.get('host')} not applied: "
                                       f"{exc_text}",
                                       data={"request_id": rid, "kind": body["kind"]})
@@ -215,8 +286,8 @@ def ingest_requests(store: Any, store_dir: Path, user: str, appliers: Mapping[st
                     "VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (rid, name, body["kind"], str(body.get("host", "")), outcome, store.clock(),
                      None if result is None else json.dumps(result, sort_keys=True, default=str)))
-        if done is not None and done[0] != name:
-            _move_refused(folder, name)
+        if refused:
+            _move_refused(folder, name)  # for the user to look at
         else:
             path.unlink(missing_ok=True)
         if after_commit is not None:
@@ -247,8 +318,11 @@ def _refuse(store: Any, folder: Path, name: str, body: dict[str, Any] | None, wh
 
 def _move_refused(folder: Path, name: str) -> None:
     refused = folder / "refused"
-    refused.mkdir(mode=0o700, exist_ok=True)
     try:
+        refused.mkdir(mode=0o700, exist_ok=True)
         os.rename(folder / name, refused / name)
     except FileNotFoundError:
         pass
+    except OSError as exc:  # never left in the way of the next round's requests
+        log.warning("request file %s: cannot move it to %s (%s); removing it", name, refused, exc)
+        (folder / name).unlink(missing_ok=True)

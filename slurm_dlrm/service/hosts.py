@@ -21,6 +21,7 @@ from typing import Any
 
 from slurm_dlrm.service.daemon import ServicePaths, this_host
 from slurm_dlrm.site import SiteConfig
+from slurm_dlrm.store.db import check_own_dir, open_own_file
 from slurm_dlrm.store.lease import Lease, acquire, release
 
 log = logging.getLogger(__name__)
@@ -53,9 +54,22 @@ def write_lease_file(paths: ServicePaths, lease: Lease) -> None:
 
 
 def read_lease_file(paths: ServicePaths) -> Lease | None:
+    """The lease file's lease (None: no folder, no file, or not a lease). A folder or
+    file someone else owns or may write raises (db.check_own_dir): under a shared
+    parent, another user could otherwise name a host that holds the store for ever."""
+    if not check_own_dir(paths.store_dir):
+        return None
     try:
-        return Lease.from_dict(json.loads(lease_path(paths).read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
+        fd = open_own_file(lease_path(paths), "service lease file")
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, 1 << 16)  # a lease is about 150 bytes
+    finally:
+        os.close(fd)
+    try:
+        return Lease.from_dict(json.loads(raw))
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,13 +29,22 @@ def lease_elsewhere(site: SiteConfig, user: str) -> Lease | None:
 
 
 def open_snapshot(site: SiteConfig, user: str, lease: Lease) -> Any:
+    """The copy the service publishes, opened as another user's store would be: the
+    folder and the file ours alone, its schema checked (a view or trigger of someone
+    else's is refused), every read bounded by the exporter's budget."""
+    from slurm_dlrm.store.db import check_own_dir, open_own_file
+    from slurm_dlrm.store.others import UNTRUSTED_READ_BUDGET_S
     from slurm_dlrm.store.store import Store
 
-    path = snapshot_path(site.store_dir_for(user))
-    if not path.is_file():
+    store_dir = site.store_dir_for(user)
+    check_own_dir(store_dir)
+    path = snapshot_path(store_dir)
+    try:
+        os.close(open_own_file(path, "store copy"))
+    except FileNotFoundError:
         raise DlrmError(f"your packing service runs on host {lease.host} and has not published a copy of your "
-                        f"store yet ({path}); try again after its next round, or run the command on {lease.host}")
-    return Store(path, readonly=True, immutable=True)
+                        f"store yet ({path}); try again after its next round, or run the command on {lease.host}") from None
+    return Store(path, readonly=True, immutable=True, untrusted=True, read_budget_s=UNTRUSTED_READ_BUDGET_S)
 
 
 def drop(site: SiteConfig, user: str, kind: str, payload: dict[str, Any]) -> str:

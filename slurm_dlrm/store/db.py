@@ -9,6 +9,7 @@ mode readers never block writers and vice versa; only writers queue.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import pwd
@@ -58,6 +59,48 @@ def refuse_foreign(path: Path, st: os.stat_result, what: str) -> None:
     if st.st_uid != me:
         raise StoreNotOwned(f"{what} {path} belongs to {_owner_name(st.st_uid)}, not to you "
                             f"({_owner_name(me)}); remove it or set another store_dir")
+
+
+def check_own_dir(path: Path, what: str = "store folder") -> bool:
+    """The other hosts' check of a store folder they only read, or drop a file into
+    (docs/service.md "Several login nodes"): False if it does not exist; StoreNotOwned
+    if someone else owns it, StoreError if others may write in it (they could replace
+    the lease or the copy). Nothing is created or changed."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISDIR(st.st_mode):
+        raise StoreError(f"{what} {path} is not a folder")
+    refuse_foreign(path, st, what)
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & (stat.S_ISVTX | 0o022):
+        raise StoreError(f"{what} {path} can be written by others (mode {mode:o}), who could replace the files "
+                         f"in it; make it yours alone (chmod 700 {path})")
+    return True
+
+
+def open_own_file(path: Path, what: str) -> int:
+    """A read-only descriptor of `path`: a regular file (not a link, a FIFO or a device)
+    of ours that nobody else may write, as `check_own_dir` for the files in the folder.
+    FileNotFoundError if there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise StoreError(f"{what} {path} is a symbolic link; not read") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise StoreError(f"{what} {path} is not a regular file; not read")
+        refuse_foreign(path, st, what)
+        if st.st_mode & 0o022:
+            raise StoreError(f"{what} {path} can be written by others (mode {stat.S_IMODE(st.st_mode):o}); not read")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def ensure_private_dir(path: Path) -> None:

@@ -69,3 +69,8 @@ class StoreTimeout(StoreError):
 class StoreWalOnNetwork(StoreError):
     """A WAL store on a network filesystem that could not be switched to the rollback
     journal (another process has it open); nothing was changed."""
+
+
+class LeaseLost(StoreError):
+    """This service's lease on the store was taken by another host's: nothing more may be
+    written or sent to Slurm (store/lease.py, `check_held`)."""

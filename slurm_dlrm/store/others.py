@@ -53,6 +53,9 @@ def store_user(folder_user: str, file_uid: int, *, reader_uid: int | None = None
 # Another user's store: lock waits short (their service writes in bursts), every read bounded.
 OTHER_BUSY_TIMEOUT_S = 1.0
 OTHER_READ_BUDGET_S = 30.0
+# What one store's reads may take in the exporter's scrape, and in a command that reads
+# the copy another host's service published (service/remote.py).
+UNTRUSTED_READ_BUDGET_S = 10.0
 
 
 def open_other_store(path: Path, folder_user: str, *, read_budget_s: float = OTHER_READ_BUDGET_S,

@@ -1,0 +1,219 @@
+"""The multi-login-node path against a hostile neighbour and a fault (issue 41).
+
+Another user is a real account other than ours (files chowned to it, as
+tests/test_exporter_security.py does); another login node is a lease naming a host that
+is not this one (tests/test_service_dropbox.py's `other_host`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from slurm_dlrm.cli import cli
+from slurm_dlrm.service import dropbox
+from slurm_dlrm.service.daemon import ServicePaths, this_host
+from slurm_dlrm.service.dropbox import ingest_requests, requests_dir, write_request
+from slurm_dlrm.service.hosts import lease_path, read_lease_file, write_lease_file
+from slurm_dlrm.service.remote import appliers, open_snapshot
+from slurm_dlrm.service.snapshot import SnapshotPublisher, snapshot_path
+from slurm_dlrm.slurm.fake import FakeSlurm
+from slurm_dlrm.store.errors import StoreNotOwned, StoreUntrusted
+from slurm_dlrm.store.lease import Lease
+from slurm_dlrm.store.store import Store, current_user
+from tests.service_harness import add_job, estimate_dict, make_site, spec_dict
+from tests.test_exporter_security import ENDLESS_VIEW, other_account
+
+USER = current_user()
+SPEC = str(Path(__file__).resolve().parent.parent / "examples" / "sweep" / "tiny-a.yaml")
+THIRTY_YEARS_S = 30 * 365 * 86400.0
+
+
+def _site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    from slurm_dlrm.site import REPO_SITE_FILE, load_site
+
+    shared = tmp_path / "shared"  # /shared/{user}: the layout refuse_foreign anticipates
+    shared.mkdir(mode=0o755)
+    text = REPO_SITE_FILE.read_text()
+    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{shared}/{{user}}"')
+    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
+    (tmp_path / "site.toml").write_text(text)
+    monkeypatch.setenv("SLURM_DLRM_SITE", str(tmp_path / "site.toml"))
+    site = load_site(str(tmp_path / "site.toml"))
+    return site, site.store_dir_for(USER)
+
+
+def _plant(store_dir: Path, *, endless: bool = False) -> None:
+    """What another host's service leaves (or a neighbour forges): a lease of login9's
+    that runs for 30 years, and a copy of a store with one job, "forged"."""
+    store_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with Store(store_dir / "forge.sqlite") as st:
+        add_job(st, "forged", user=USER)
+        SnapshotPublisher(store_dir).publish_if_changed(st)
+    for f in store_dir.glob("forge.sqlite*"):
+        f.unlink()
+    if endless:
+        with sqlite3.connect(snapshot_path(store_dir)) as c:
+            c.execute("PRAGMA foreign_keys = OFF")
+            c.execute("DROP TABLE jobs")
+            c.execute(ENDLESS_VIEW)
+    now = time.time()
+    write_lease_file(ServicePaths(store_dir), Lease("login9", 77, "T", now, now, now + THIRTY_YEARS_S))
+    assert this_host() != "login9"
+
+
+def _chown_all(store_dir: Path, uid: int, gid: int, *, folder: bool = True) -> None:
+    for f in store_dir.iterdir():
+        os.chown(f, uid, gid)
+    if folder:
+        os.chown(store_dir, uid, gid)
+
+
+def test_a_store_folder_made_first_by_another_user_fools_no_remote_command(tmp_path, monkeypatch):
+    """Item 1: mallory made /shared/<me>/ first, with a lease naming login9 for 30 years
+    and a copy of her own; queue, submit, cancel and serve status refuse it (exit 2, one
+    line) instead of listing her jobs or reporting a request handed to no one."""
+    acc = other_account()
+    assert acc is not None, "needs root and another account"
+    _site_, store_dir = _site(tmp_path, monkeypatch)
+    _plant(store_dir)
+    _chown_all(store_dir, acc.pw_uid, acc.pw_gid)
+    os.chmod(store_dir, 0o755)
+    for args in (["queue"], ["submit", SPEC], ["cancel", "1"], ["serve", "status"]):
+        res = CliRunner().invoke(cli, args)
+        assert res.exit_code == 2, (args, res.output)
+        assert res.stderr.startswith("slurm-dlrm: error: ") and "belongs to " + acc.pw_name in res.stderr, args
+        assert len(res.stderr.strip().splitlines()) == 1 and "forged" not in res.output
+    assert not requests_dir(store_dir).exists()  # nothing dropped where she reads it
+    # The folder is ours, but she put the lease and the copy in while it was open to her.
+    os.chown(store_dir, os.geteuid(), os.getegid())
+    os.chmod(store_dir, 0o700)
+    with pytest.raises(StoreNotOwned, match="service lease file"):
+        read_lease_file(ServicePaths(store_dir))
+    os.chown(lease_path(ServicePaths(store_dir)), os.geteuid(), os.getegid())
+    res = CliRunner().invoke(cli, ["queue"])
+    assert res.exit_code == 2 and "store copy" in res.stderr and "forged" not in res.output, res.output
+    os.chown(snapshot_path(store_dir), os.geteuid(), os.getegid())
+    assert "forged" in CliRunner().invoke(cli, ["queue"]).output  # all ours now: read as before
+    # ours, but open to everyone: anyone could have swapped the files
+    os.chmod(store_dir, 0o777)
+    res = CliRunner().invoke(cli, ["queue"])
+    assert res.exit_code == 1 and "can be written by others" in res.stderr, res.output
+    os.chmod(store_dir, 0o700)
+    os.chmod(snapshot_path(store_dir), 0o666)
+    res = CliRunner().invoke(cli, ["queue"])
+    assert res.exit_code == 1 and "can be written by others" in res.stderr, res.output
+
+
+def test_a_copy_with_an_endless_view_is_refused_not_spun_on(tmp_path, monkeypatch):
+    """Item 1: a copy whose `jobs` is a recursive view; today's `queue` runs it for ever."""
+    site, store_dir = _site(tmp_path, monkeypatch)
+    _plant(store_dir, endless=True)
+    lease = read_lease_file(ServicePaths(store_dir))
+    assert lease is not None
+    t0 = time.monotonic()
+    with pytest.raises(StoreUntrusted, match="'jobs' is a view"):
+        open_snapshot(site, USER, lease).close()
+    res = CliRunner().invoke(cli, ["queue"])
+    assert res.exit_code == 1 and "'jobs' is a view" in res.stderr, res.output
+    assert time.monotonic() - t0 < 10.0
+    with Store(store_dir / "real.sqlite") as st:  # a copy the service really made stays readable
+        add_job(st, "mine", user=USER)
+        SnapshotPublisher(store_dir).publish_if_changed(st)
+    with open_snapshot(site, USER, lease) as snap:
+        assert snap.untrusted and snap.read_budget_s and [j.name for j in snap.jobs()] == ["mine"]
+
+
+# ---------------------------------------------------------------- items 3 and 5: one request's fault
+
+
+def _row(name: str | None, **kw) -> dict:
+    return {"name": name, "spec": spec_dict(str(name)), "spec_fingerprint": f"fp-{name}",
+            "estimate": estimate_dict(), "gpu_model": "h100", "sbatch": {}, "reason": "from login2", **kw}
+
+
+def _drop_raw(store_dir: Path, line: bytes, name: str) -> str:
+    folder = requests_dir(store_dir)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    raw = line + b"\nsha256 " + hashlib.sha256(line).hexdigest().encode() + b"\n"
+    fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, raw)
+    os.close(fd)
+    return name
+
+
+def _head(payload: bytes, rid: str) -> bytes:
+    return (b'{"version":1,"kind":"submit","request_id":"' + rid.encode() + b'","user":' + json.dumps(USER).encode()
+            + b',"uid":' + str(os.getuid()).encode() + b',"host":"login2","created_t":1,"payload":' + payload + b"}")
+
+
+@pytest.fixture
+def env(tmp_path):
+    site = make_site(tmp_path)
+    store_dir = site.store_dir_for(USER)
+    store = Store.for_user(site, USER)
+    yield site, store_dir, store
+    store.close()
+
+
+def _ingest(site, store_dir, store):
+    return ingest_requests(store, store_dir, USER, appliers(site, USER, FakeSlurm()))
+
+
+def test_one_malformed_request_is_refused_and_the_next_applied(env):
+    """Item 3: a row whose estimate has the wrong shape (AttributeError), a NULL name
+    (IntegrityError), a 100,000-deep JSON (RecursionError): each refused, moved to
+    refused/, one event each; the good request after them is applied in the same round."""
+    site, store_dir, store = env
+    bad = [write_request(store_dir, "submit", {"rows": [_row("a", estimate=dict(estimate_dict(), profile=[1]))]},
+                         user=USER, host="login2"),
+           write_request(store_dir, "submit", {"rows": [_row(None)]}, user=USER, host="login2"),
+           _drop_raw(store_dir, _head(b'{"rows":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deep"),
+                     f"{time.time_ns():020d}-submit-login2-1-deep.req")]
+    good = write_request(store_dir, "submit", {"rows": [_row("good")]}, user=USER, host="login2")
+    st = _ingest(site, store_dir, store)
+    assert (st.applied, st.refused) == (1, 3)
+    assert [j.name for j in store.jobs()] == ["good"]
+    assert sorted(os.listdir(requests_dir(store_dir) / "refused")) == sorted(bad)
+    assert not (requests_dir(store_dir) / good).exists()
+    events = [e["reason"] for e in store.events(kind="request")]
+    assert len(events) == 3 and all(any(n in e for e in events) for n in bad), events
+    again = _ingest(site, store_dir, store)  # nothing left in the way, nothing recorded twice
+    assert (again.applied, again.refused) == (0, 0) and len(store.events(kind="request")) == 3
+
+
+def test_a_huge_row_count_is_refused_before_it_is_parsed(env, monkeypatch):
+    """Item 5: `[{},{},...]` well inside the 64 MiB cap (9 MiB here, 250 MB once decoded;
+    64 MiB of it, 1.8 GB) and one nested past the depth cap are refused from their bytes:
+    json.loads never sees them."""
+    site, store_dir, store = env
+    n = 3_000_000
+    wide = _drop_raw(store_dir, _head(b'{"rows":[' + b"{}," * (n - 1) + b"{}]}", "wide"), "1-wide.req")
+    _drop_raw(store_dir, _head(b'{"rows":[' + b"[" * 40 + b"]" * 40 + b"]}", "deep"), "2-deep.req")
+    assert (requests_dir(store_dir) / wide).stat().st_size <= dropbox.MAX_REQUEST_BYTES
+    parsed: list[int] = []
+    real_loads = json.loads
+    monkeypatch.setattr(dropbox.json, "loads", lambda b, *a, **k: parsed.append(len(b)) or real_loads(b, *a, **k))
+    st = _ingest(site, store_dir, store)
+    assert st.refused == 2 and parsed == []
+    events = " ".join(e["reason"] for e in store.events(kind="request"))
+    assert "too large" in events and "nested deeper than" in events
+    monkeypatch.undo()
+    # at the caps' edge, and JSON text that only looks deep or wide, is applied
+    deep_ok = {"rows": [_row("x" + "[{" * 50 + '\\"' + ",:" * 100)], "dependency": None}
+    write_request(store_dir, "submit", deep_ok, user=USER, host="login2")
+    assert _ingest(site, store_dir, store).applied == 1
+    dropbox.check_shape(b"[" * dropbox.MAX_REQUEST_DEPTH + b"]" * dropbox.MAX_REQUEST_DEPTH)
+    with pytest.raises(dropbox.Refused):
+        dropbox.check_shape(b"[" * (dropbox.MAX_REQUEST_DEPTH + 1) + b"]" * (dropbox.MAX_REQUEST_DEPTH + 1))
+    with pytest.raises(dropbox.Refused, match="too many jobs"):
+        dropbox.decode(dropbox.encode({"version": 1, "kind": "submit", "request_id": "r", "user": USER,
+                                       "uid": os.getuid(), "payload": {"rows": [{}] * (dropbox.MAX_REQUEST_ROWS + 1)}}),
+                       user=USER, uid=os.getuid())
