@@ -29,6 +29,7 @@ import os
 import pwd
 import socket
 import sqlite3
+import ssl
 import stat
 import threading
 import time
@@ -38,6 +39,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -45,6 +47,7 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import CollectorRegistry
 
 from slurm_dlrm.site import SiteConfig
@@ -520,19 +523,77 @@ def make_registry(collector: StoreCollector) -> CollectorRegistry:
 
 @dataclass(frozen=True)
 class Tls:
-    """HTTPS for /metrics through prometheus_client's own server (0.26:
-    start_http_server's certfile/keyfile/client_cafile/client_auth_required)."""
+    """HTTPS for /metrics: the certificate (chain) and key; with `client_cafile`,
+    clients must present a certificate it signed (mutual TLS)."""
 
     certfile: str
     keyfile: str
     client_cafile: str | None = None  # set: clients must present a certificate it signed
 
+    def context(self) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        if self.client_cafile is not None:
+            ctx.load_verify_locations(self.client_cafile)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_cert_chain(certfile=self.certfile, keyfile=self.keyfile)
+        return ctx
 
-def serve(registry: CollectorRegistry, port: int, addr: str = DEFAULT_ADDRESS, tls: Tls | None = None) -> Any:
-    """Start the HTTP(S) server (a thread); raises OSError when the port is taken."""
-    from prometheus_client import start_http_server
 
-    if tls is None:
-        return start_http_server(port, addr=addr, registry=registry)
-    return start_http_server(port, addr=addr, registry=registry, certfile=tls.certfile, keyfile=tls.keyfile,
-                             client_cafile=tls.client_cafile, client_auth_required=tls.client_cafile is not None)
+# A connection that has not finished its TLS handshake, or its request, by then is
+# closed: each waits in its own thread, so it holds no other scrape meanwhile.
+CONNECTION_TIMEOUT_S = 10.0
+
+
+class _SilentHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        """No access log (as prometheus_client's own handler)."""
+
+
+class MetricsServer(ThreadingWSGIServer):
+    """prometheus_client's threading WSGI server, with TLS done per connection.
+
+    prometheus_client 0.26's start_http_server wraps the listening socket, so every
+    TLS handshake runs in its single accept loop with no timeout: one TCP connection
+    that sends nothing blocks every scrape until it closes (issue 41 item 2). Here the
+    accept loop only accepts; the handshake and the request run in the connection's
+    own thread, bounded by `connection_timeout_s`."""
+
+    ssl_context: ssl.SSLContext | None = None
+    connection_timeout_s: float = CONNECTION_TIMEOUT_S
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        request.settimeout(self.connection_timeout_s)
+        if self.ssl_context is None:
+            super().finish_request(request, client_address)
+            return
+        conn = self.ssl_context.wrap_socket(request, server_side=True)  # the handshake, here and bounded
+        try:
+            super().finish_request(conn, client_address)
+        finally:
+            conn.close()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A peer that times out or fails the handshake: logged, not a traceback on stderr."""
+        import sys
+
+        log.debug("exporter: connection from %s dropped: %s", client_address, sys.exc_info()[1])
+
+
+def serve(registry: CollectorRegistry, port: int, addr: str = DEFAULT_ADDRESS, tls: Tls | None = None, *,
+          connection_timeout_s: float = CONNECTION_TIMEOUT_S) -> tuple[MetricsServer, threading.Thread]:
+    """Start the HTTP(S) server (a thread); raises OSError when the port is taken,
+    ssl.SSLError when the certificate or key cannot be loaded."""
+    from prometheus_client import make_wsgi_app
+
+    context = tls.context() if tls is not None else None
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+
+    class Server(MetricsServer):
+        address_family = family
+
+    Server.ssl_context = context
+    Server.connection_timeout_s = connection_timeout_s
+    httpd = make_server(str(sockaddr[0]), port, make_wsgi_app(registry), Server, handler_class=_SilentHandler)
+    thread = threading.Thread(target=httpd.serve_forever, name="exporter-http", daemon=True)
+    thread.start()
+    return httpd, thread

@@ -10,8 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import socket
 import sqlite3
+import ssl
+import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -217,3 +222,43 @@ def test_a_huge_row_count_is_refused_before_it_is_parsed(env, monkeypatch):
         dropbox.decode(dropbox.encode({"version": 1, "kind": "submit", "request_id": "r", "user": USER,
                                        "uid": os.getuid(), "payload": {"rows": [{}] * (dropbox.MAX_REQUEST_ROWS + 1)}}),
                        user=USER, uid=os.getuid())
+
+
+# ---------------------------------------------------------------- item 2: the exporter's connections
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_idle_connections_do_not_hold_a_scrape(tmp_path):
+    """Item 2: a scrape is answered within 1 s while 10 TCP connections that send
+    nothing are open, over HTTPS (today's server does every TLS handshake in its one
+    accept loop, with no timeout) and HTTP; an idle connection is closed after the
+    connection timeout, not held for ever."""
+    from slurm_dlrm import exporter as E
+    from tests.test_exporter import NOW, make_store, site_for
+
+    make_store(tmp_path / "alice" / "store.sqlite")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",  # noqa: S603,S607
+                    "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                    "-keyout", "key.pem", "-out", "cert.pem"], cwd=tmp_path, check=True, capture_output=True)
+    col = E.StoreCollector(site_for(tmp_path), all_users=True, clock=lambda: NOW)
+    client = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
+    for tls in (E.Tls(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")), None):
+        server, _thread = E.serve(E.make_registry(col), 0, "127.0.0.1", tls, connection_timeout_s=1.5)
+        scheme = "https" if tls else "http"
+        url = f"{scheme}://127.0.0.1:{server.server_port}/metrics"
+        opened_t = time.monotonic()
+        idle = [socket.create_connection(("127.0.0.1", server.server_port), timeout=5) for _ in range(10)]
+        try:
+            time.sleep(0.2)  # the server has accepted them
+            t0 = time.monotonic()
+            body = urllib.request.urlopen(url, timeout=5, context=client if tls else None).read().decode()
+            took_s = time.monotonic() - t0
+            assert took_s < 1.0 and 'user="alice"' in body, (scheme, took_s)
+            idle[0].settimeout(6.0)
+            assert idle[0].recv(1) == b""  # closed by the server after its timeout
+            assert 1.4 < time.monotonic() - opened_t < 6.0
+        finally:
+            for s in idle:
+                s.close()
+            server.shutdown()
+            server.server_close()
