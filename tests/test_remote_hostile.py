@@ -262,3 +262,63 @@ def test_idle_connections_do_not_hold_a_scrape(tmp_path):
                 s.close()
             server.shutdown()
             server.server_close()
+
+
+# ---------------------------------------------------------------- item 4: the lease, mid-round
+
+
+def test_a_holder_that_lost_the_lease_mid_round_writes_and_sends_nothing(tmp_path):
+    """Item 4: login-a's round is slow (a 30 s sbatch, or a clock a lease length behind),
+    login-b takes the store over meanwhile; what login-a does after that is refused in the
+    same transaction (writes) or before the command (Slurm): one host's writes only."""
+    from slurm_dlrm.service.core import PackingService, ServiceSettings
+    from slurm_dlrm.service.hosts import LeaseHolder
+    from slurm_dlrm.store.errors import LeaseLost
+    from slurm_dlrm.store.states import JobState
+    from tests.service_harness import FakeClock
+
+    clock = FakeClock()
+    site = make_site(tmp_path)
+    paths = ServicePaths(site.store_dir_for(USER))
+    store_a, store_b = Store.for_user(site, USER, clock=clock), Store.for_user(site, USER, clock=clock)
+    a, b = LeaseHolder(site, USER, paths, 30.0), LeaseHolder(site, USER, paths, 30.0)
+    a.host, b.host = "login-a", "login-b"
+    slurm = FakeSlurm(clock=clock, user=USER)
+    assert a.take(store_a) is not None and b.take(store_b) is None
+    svc_a = PackingService(store_a, a.guard(store_a, slurm), site,
+                           ServiceSettings(user=USER, python="/venv/bin/python", dispatch_window_s=0.0), clock=clock)
+    # A Slurm command renews the lease first: a takeover cannot happen during the command.
+    clock.advance(25.0)
+    real_sbatch = slurm.sbatch
+
+    def slow_sbatch(script, args=()):
+        clock.advance(20.0)  # past where the lease taken at the round's start ended
+        assert b.take(store_b) is None
+        return real_sbatch(script, args)
+
+    slurm.sbatch = slow_sbatch
+    first = add_job(store_a, "first", user=USER)
+    svc_a.run_round()
+    assert len(slurm.jobs) == 1 and store_a.get_job(first).state == JobState.PLANNED
+    slurm.sbatch = real_sbatch
+    # Now login-a pauses past its lease (or its clock lags); login-b takes over.
+    clock.advance(60.0)
+    assert b.take(store_b) is not None
+    events = len(store_b.events())
+    with pytest.raises(LeaseLost):
+        add_job(store_a, "second", user=USER)
+    assert a.lost and [j.name for j in store_b.jobs()] == ["first"]
+    with pytest.raises(LeaseLost):
+        svc_a.slurm.sbatch("#!/bin/sh\n")
+    with pytest.raises(LeaseLost):
+        svc_a.slurm.scancel([1])
+    assert len(slurm.jobs) == 1 and slurm.jobs[min(slurm.jobs)].state != "CANCELLED"
+    add_job(store_b, "by-b", user=USER)  # the new holder writes as before
+    with pytest.raises(LeaseLost):  # the old holder's next round: its first write is refused
+        svc_a.run_round()
+    assert len(slurm.jobs) == 1 and len(store_b.events()) == events + 1
+    a.release(store_a)  # a clean stop of the old holder leaves the new holder's lease file
+    lease = read_lease_file(paths)
+    assert lease is not None and lease.host == "login-b" and lease.live(clock())
+    store_a.close()
+    store_b.close()

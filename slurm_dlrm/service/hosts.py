@@ -22,7 +22,8 @@ from typing import Any
 from slurm_dlrm.service.daemon import ServicePaths, this_host
 from slurm_dlrm.site import SiteConfig
 from slurm_dlrm.store.db import check_own_dir, open_own_file
-from slurm_dlrm.store.lease import Lease, acquire, release
+from slurm_dlrm.store.errors import LeaseLost
+from slurm_dlrm.store.lease import Lease, acquire, check_held, release
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ class LeaseHolder:
         self.token = secrets.token_hex(8)
         self.host = this_host()
         self.lease: Lease | None = None
+        self.lost = False  # set by the fence: another host took the lease mid-round
 
     def take(self, store: Any) -> Lease | None:
         # This process holds this host's service flock (run.py takes it first), so a
@@ -101,6 +103,7 @@ class LeaseHolder:
         lease, prev = acquire(store, host=self.host, pid=os.getpid(), token=self.token, ttl_s=self.ttl_s,
                               holds_host_lock=True)
         if lease is not None:
+            self.lost = False
             write_lease_file(self.paths, lease)
         elif prev is not None:
             write_lease_file(self.paths, prev)  # what we found, so this host's commands see it too
@@ -164,8 +167,78 @@ class LeaseHolder:
         if self.lease is None:
             return
         try:
-            release(store, self.token)
-            write_lease_file(self.paths, replace(self.lease, expires_t=time.time()))
+            # not ours any more: the lease file is the new holder's, left as it is
+            if not self.lost and release(store, self.token):
+                write_lease_file(self.paths, replace(self.lease, expires_t=time.time()))
         except Exception:  # the store may be the reason we stop: the lease then runs out
             log.exception("could not give the lease back; it expires by itself")
         self.lease = None
+
+    # ------------------------------------------------------------ the fence (issue 41 item 4)
+
+    def guard(self, store: Any, slurm: Any) -> FencedSlurm:
+        """Fence this service's writes and Slurm commands with the lease: every write
+        transaction of `store` checks the token first (in the same transaction), and the
+        returned client checks and renews it before each command that changes Slurm."""
+        store.write_fence = self.check_in_tx
+        return FencedSlurm(slurm, self, store)
+
+    def check_in_tx(self, store: Any) -> None:
+        if self.lost:
+            raise LeaseLost("the store's lease was lost to another host; nothing more is written from here")
+        try:
+            check_held(store, self.token)
+        except LeaseLost:
+            self.lost = True
+            log.error("lost the store's lease mid-round; this service writes nothing more")
+            raise
+
+    def fence_slurm(self, store: Any) -> float:
+        """Before a command that changes something in Slurm: the lease still ours, renewed
+        for a whole lease length (and the lease file rewritten), in a transaction of its
+        own. Returns the seconds it has left: the command must end before that."""
+        with store.write(fenced=False):
+            self.check_in_tx(store)
+            lease = check_held(store, self.token, renew_ttl_s=self.ttl_s)
+        write_lease_file(self.paths, lease)
+        self.lease = lease
+        return lease.expires_t - store.clock()
+
+
+# Slurm commands that change something: a service that lost the lease sends none.
+SLURM_CHANGES = frozenset({"sbatch", "scancel", "requeue"})
+# A command must end this long before the lease does (clock steps, the kill itself).
+SLURM_LEASE_MARGIN_S = 1.0
+
+
+class FencedSlurm:
+    """The service's Slurm client, fenced by its lease (LeaseHolder.guard): `sbatch`,
+    `scancel` and `requeue` run only after the lease is found ours and renewed, and with
+    the client's timeout cut to what the lease has left, so no command of a holder that
+    lost the lease, or is about to, reaches Slurm after another host took over (given
+    clocks within the margin). Everything else goes to the client as it is."""
+
+    def __init__(self, inner: Any, holder: LeaseHolder, store: Any) -> None:
+        self._inner = inner
+        self._holder = holder
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name not in SLURM_CHANGES:
+            return attr
+
+        def fenced(*args: Any, **kw: Any) -> Any:
+            left_s = self._holder.fence_slurm(self._store) - SLURM_LEASE_MARGIN_S
+            if left_s <= 0:
+                raise LeaseLost("the store's lease runs out before a Slurm command could end; not sent")
+            timeout = getattr(self._inner, "timeout_s", None)
+            if not isinstance(timeout, int | float) or timeout <= left_s:
+                return attr(*args, **kw)
+            self._inner.timeout_s = left_s  # one thread: the service's loop
+            try:
+                return attr(*args, **kw)
+            finally:
+                self._inner.timeout_s = timeout
+
+        return fenced

@@ -16,6 +16,7 @@ from slurm_dlrm.service.remote import appliers
 from slurm_dlrm.service.snapshot import SnapshotPublisher
 from slurm_dlrm.service.submit import service_paths
 from slurm_dlrm.site import SiteConfig
+from slurm_dlrm.store.errors import LeaseLost
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         store = holder.wait(control, period, idle_exit_s)
         if store is None:
             return 0
+        slurm = holder.guard(store, slurm)  # every write and Slurm command checks the lease first
         # A little under the period, so a timer round never just misses its window.
         svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy,
                                                                  dispatch_window_s=0.9 * period))
@@ -95,15 +97,28 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
                  user, paths.pid, period, svc.policy)
 
         def one_round() -> float | None:
-            nonlocal idle_since
             if not holder.renew(store):
                 control.stop = True  # another host's service holds the store now: write nothing more
                 return None
+            try:
+                return fenced_round()
+            except LeaseLost:
+                holder.lost = True
+            # taken mid-round (slow Slurm commands, a pause, clock skew): every write and
+            # Slurm command after that was refused by the fence (LeaseHolder.guard)
+            log.error("another host's service took the store's lease during this round; stopping")
+            control.stop = True
+            return None
+
+        def fenced_round() -> float | None:
+            nonlocal idle_since
             # requests other login nodes dropped (service/dropbox.py), before this round plans
             took = ingest_requests(store, paths.store_dir, user, requests)
             if took.applied or took.refused:
                 log.info("requests from other hosts: %d applied, %d refused", took.applied, took.refused)
             stats = svc.run_round()
+            if holder.lost:  # a step of the round caught the fence's error and went on
+                raise LeaseLost("lost during the round")
             busy = bool(store.jobs([JobState.PENDING, JobState.PLANNED, JobState.RUNNING], user=user)
                         or store.packs(PACK_ACTIVE, user=user))
             now = time.monotonic()
@@ -118,6 +133,8 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
                 log.info("round %d: %d packs submitted, %d jobs planned, %d transitions, %d report lines "
                          "(%.3f s)", svc.rounds, stats.packs_submitted, stats.jobs_planned, stats.transitions,
                          stats.ingested_lines, stats.seconds)
+            with store.write():  # the lease still ours: a copy of a store we no longer hold is not published
+                pass
             snapshots.publish_if_changed(store)  # what other hosts' queue/acct read
             if idle_exit_s > 0 and not busy and now - idle_since >= idle_exit_s:
                 log.info("nothing to do for %.0f s: exiting", idle_exit_s)

@@ -14,8 +14,10 @@ never ran a service has none, and older readers ignore it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from slurm_dlrm.store.errors import LeaseLost
 
 LEASE_TABLE = """CREATE TABLE IF NOT EXISTS service_lease (
     id INTEGER PRIMARY KEY CHECK (id = 1),
@@ -74,11 +76,33 @@ def read_lease(store: Any) -> Lease | None:
     return _read(store.conn)
 
 
+def check_held(store: Any, token: str, *, renew_ttl_s: float | None = None) -> Lease:
+    """Inside the caller's write transaction: the lease is still `token`'s, else
+    LeaseLost (issue 41 item 4). The check and the writes after it commit together, so a
+    holder paused, slow or skewed past its lease writes nothing once another host took
+    over. `renew_ttl_s`: also renew it for that long (before a Slurm command, which no
+    transaction covers). An expired lease nobody took yet is still ours: taking it needs
+    this very write lock."""
+    exists = store.conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'service_lease'")
+    cur = _read(store.conn) if exists.fetchone() is not None else None
+    if cur is None or cur.token != token:
+        who = "nobody" if cur is None else f"host {cur.host} (pid {cur.pid})"
+        raise LeaseLost(f"the store's lease is held by {who} now, not by this service; nothing more is written "
+                        f"or sent to Slurm from here")
+    if renew_ttl_s is None:
+        return cur
+    now = store.clock()
+    lease = replace(cur, heartbeat_t=now, expires_t=max(cur.expires_t, now + renew_ttl_s))
+    store.conn.execute("UPDATE service_lease SET heartbeat_t = ?, expires_t = ? WHERE id = 1 AND token = ?",
+                       (lease.heartbeat_t, lease.expires_t, token))
+    return lease
+
+
 def acquire(store: Any, *, host: str, pid: int, token: str, ttl_s: float,
             holds_host_lock: bool = False) -> tuple[Lease | None, Lease | None]:
     """Take or renew the lease. Returns (ours, previous): ours is None if another holds it
     (previous is that holder); an event row records a takeover from another holder."""
-    with store.write():
+    with store.write(fenced=False):  # the compare-and-set is its own check
         store.conn.execute(LEASE_TABLE)
         now = store.clock()
         prev = _read(store.conn)
@@ -100,9 +124,11 @@ def acquire(store: Any, *, host: str, pid: int, token: str, ttl_s: float,
         return lease, prev
 
 
-def release(store: Any, token: str) -> None:
-    """End our lease now (a clean stop), so another host's service need not wait it out."""
-    with store.write():
+def release(store: Any, token: str) -> bool:
+    """End our lease now (a clean stop), so another host's service need not wait it out.
+    False: it was not ours any more (nothing changed)."""
+    with store.write(fenced=False):
         store.conn.execute(LEASE_TABLE)
-        store.conn.execute("UPDATE service_lease SET expires_t = ? WHERE id = 1 AND token = ?",
-                           (store.clock(), token))
+        cur = store.conn.execute("UPDATE service_lease SET expires_t = ? WHERE id = 1 AND token = ?",
+                                 (store.clock(), token))
+        return bool(cur.rowcount)

@@ -115,6 +115,7 @@ class Store:
         self.owner_user: str | None = None
         self._deadline: float | None = None
         self._checked_cookie: int | None = None
+        self.write_fence: Callable[[Store], None] | None = None
         try:
             self.conn: sqlite3.Connection = connect(self.path, readonly=readonly, busy_timeout_s=busy_timeout_s,
                                                         filesystem=filesystem, immutable=immutable)
@@ -236,8 +237,12 @@ class Store:
                 log.info("store %s: migrated to version %d (%s)", self.path, m.version, m.description)
 
     @contextmanager
-    def write(self) -> Iterator[Store]:
-        """One write transaction (`BEGIN IMMEDIATE`, retried while busy); nests."""
+    def write(self, *, fenced: bool = True) -> Iterator[Store]:
+        """One write transaction (`BEGIN IMMEDIATE`, retried while busy); nests.
+
+        `write_fence(store)`, when set (the service's lease check, service/hosts.py), runs
+        first inside every outermost transaction: what it raises undoes the transaction.
+        `fenced=False`: the lease's own compare-and-set."""
         if self.readonly:
             raise StoreError(f"{self.path} is open read-only")
         if self._depth:
@@ -250,6 +255,8 @@ class Store:
         retry_busy(lambda: self.conn.execute("BEGIN IMMEDIATE"), self.retry_s)
         self._depth = 1
         try:
+            if fenced and self.write_fence is not None:
+                self.write_fence(self)
             yield self
         except BaseException:
             self._depth = 0
