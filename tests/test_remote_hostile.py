@@ -243,7 +243,7 @@ def test_idle_connections_do_not_hold_a_scrape(tmp_path):
     col = E.StoreCollector(site_for(tmp_path), all_users=True, clock=lambda: NOW)
     client = ssl.create_default_context(cafile=str(tmp_path / "cert.pem"))
     for tls in (E.Tls(str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")), None):
-        server, _thread = E.serve(E.make_registry(col), 0, "127.0.0.1", tls, connection_timeout_s=1.5)
+        server, _thread = E.serve(E.make_registry(col), 0, "127.0.0.1", tls, connection_timeout_s=1.0)
         scheme = "https" if tls else "http"
         url = f"{scheme}://127.0.0.1:{server.server_port}/metrics"
         opened_t = time.monotonic()
@@ -256,7 +256,7 @@ def test_idle_connections_do_not_hold_a_scrape(tmp_path):
             assert took_s < 1.0 and 'user="alice"' in body, (scheme, took_s)
             idle[0].settimeout(6.0)
             assert idle[0].recv(1) == b""  # closed by the server after its timeout
-            assert 1.4 < time.monotonic() - opened_t < 6.0
+            assert 0.9 < time.monotonic() - opened_t < 6.0
         finally:
             for s in idle:
                 s.close()
@@ -322,3 +322,42 @@ def test_a_holder_that_lost_the_lease_mid_round_writes_and_sends_nothing(tmp_pat
     assert lease is not None and lease.host == "login-b" and lease.live(clock())
     store_a.close()
     store_b.close()
+
+
+# ---------------------------------------------------------------- item 6: crash leftovers
+
+
+def test_a_killed_writers_temporaries_are_removed_at_start_a_live_ones_kept(tmp_path):
+    """Item 6: what a kill between write and rename leaves (a store-sized snapshot
+    temporary, a request's) goes when the service starts; a file a live writer may still
+    be filling stays (its pid alive here, or another host's and recent)."""
+    import subprocess as sp
+
+    from slurm_dlrm.service.loop import LoopControl
+    from slurm_dlrm.service.run import serve_forever
+
+    site = make_site(tmp_path)
+    store_dir = site.store_dir_for(USER)
+    Store.for_user(site, USER).close()
+    proc = sp.Popen(["true"])  # noqa: S603,S607 - a pid that is gone
+    proc.wait()
+    dead, alive = proc.pid, 1
+    req = requests_dir(store_dir)
+    req.mkdir(mode=0o700)
+    here = "".join(c if c.isalnum() or c in "-_" else "_" for c in this_host())[:40]
+    hour_ago = time.time() - 3600
+    files = {  # name -> (age, removed at start?)
+        store_dir / f".store.snapshot.sqlite.{dead}.tmp": (hour_ago, True),
+        store_dir / f".service.lease.json.{dead}.tmp": (hour_ago, True),
+        store_dir / f".store.snapshot.sqlite.{alive}.tmp": (hour_ago, False),  # alive: may be filling it
+        store_dir / f".store.snapshot.sqlite.{dead + 1}.tmp": (time.time(), False),  # recent: maybe another host's
+        req / f".{time.time_ns():020d}-submit-{here}-{dead}-0a1b.req.tmp": (time.time(), True),
+        req / f".{time.time_ns():020d}-submit-login2-{dead}-0a1c.req.tmp": (time.time(), False),
+        req / f".{time.time_ns():020d}-cancel-login2-{dead}-0a1d.req.tmp": (hour_ago, True),
+    }
+    for path, (mtime, _gone) in files.items():
+        path.write_bytes(b"x" * 4096)
+        os.utime(path, (mtime, mtime))
+    serve_forever(site, USER, slurm=FakeSlurm(user=USER), round_seconds=0.1, idle_exit_s=0.2, control=LoopControl())
+    left = {p: p.exists() for p in files}
+    assert left == {p: not gone for p, (_t, gone) in files.items()}

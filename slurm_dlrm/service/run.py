@@ -11,6 +11,7 @@ from typing import Any
 from slurm_dlrm.service.daemon import ServiceLock, elsewhere, read_pid, this_host, write_status
 from slurm_dlrm.service.dropbox import ingest_requests
 from slurm_dlrm.service.hosts import LeaseHolder, lease_ttl_s
+from slurm_dlrm.service.leftovers import remove_stale_temporaries
 from slurm_dlrm.service.loop import LoopControl, run_loop
 from slurm_dlrm.service.remote import appliers
 from slurm_dlrm.service.snapshot import SnapshotPublisher
@@ -80,6 +81,7 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
         store = holder.wait(control, period, idle_exit_s)
         if store is None:
             return 0
+        remove_stale_temporaries(paths.store_dir)  # what a killed service or command left (leftovers.py)
         slurm = holder.guard(store, slurm)  # every write and Slurm command checks the lease first
         # A little under the period, so a timer round never just misses its window.
         svc = PackingService(store, slurm, site, ServiceSettings(user=user, policy=policy,
