@@ -111,6 +111,10 @@ def test_a_store_folder_made_first_by_another_user_fools_no_remote_command(tmp_p
     os.chmod(store_dir, 0o777)
     res = CliRunner().invoke(cli, ["queue"])
     assert res.exit_code == 1 and "can be written by others" in res.stderr, res.output
+    os.chmod(store_dir, 0o770)  # the group could swap the copy between its check and SQLite's open
+    res = CliRunner().invoke(cli, ["queue"])
+    assert res.exit_code == 1 and "can be written by others" in res.stderr, res.output
+    assert read_lease_file(ServicePaths(store_dir)) is not None  # read through its checked descriptor
     os.chmod(store_dir, 0o700)
     os.chmod(snapshot_path(store_dir), 0o666)
     res = CliRunner().invoke(cli, ["queue"])

@@ -58,7 +58,7 @@ def read_lease_file(paths: ServicePaths) -> Lease | None:
     """The lease file's lease (None: no folder, no file, or not a lease). A folder or
     file someone else owns or may write raises (db.check_own_dir): under a shared
     parent, another user could otherwise name a host that holds the store for ever."""
-    if not check_own_dir(paths.store_dir):
+    if not check_own_dir(paths.store_dir, group_may_write=True):
         return None
     try:
         fd = open_own_file(lease_path(paths), "service lease file")

@@ -61,11 +61,15 @@ def refuse_foreign(path: Path, st: os.stat_result, what: str) -> None:
                             f"({_owner_name(me)}); remove it or set another store_dir")
 
 
-def check_own_dir(path: Path, what: str = "store folder") -> bool:
+def check_own_dir(path: Path, what: str = "store folder", *, group_may_write: bool = False) -> bool:
     """The other hosts' check of a store folder they only read, or drop a file into
     (docs/service.md "Several login nodes"): False if it does not exist; StoreNotOwned
     if someone else owns it, StoreError if others may write in it (they could replace
-    the lease or the copy). Nothing is created or changed."""
+    the lease or the copy). Nothing is created or changed.
+
+    `group_may_write`: for a reader that checks the file it reads through its own
+    descriptor (the lease file): a folder made with umask 002 before any service
+    tightened it is not refused (the read-write path tightens it, ensure_private_dir)."""
     try:
         st = path.stat()
     except FileNotFoundError:
@@ -74,7 +78,7 @@ def check_own_dir(path: Path, what: str = "store folder") -> bool:
         raise StoreError(f"{what} {path} is not a folder")
     refuse_foreign(path, st, what)
     mode = stat.S_IMODE(st.st_mode)
-    if mode & (stat.S_ISVTX | 0o022):
+    if mode & (stat.S_ISVTX | stat.S_IWOTH | (0 if group_may_write else stat.S_IWGRP)):
         raise StoreError(f"{what} {path} can be written by others (mode {mode:o}), who could replace the files "
                          f"in it; make it yours alone (chmod 700 {path})")
     return True
