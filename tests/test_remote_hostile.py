@@ -321,6 +321,20 @@ def test_a_holder_that_lost_the_lease_mid_round_writes_and_sends_nothing(tmp_pat
     with pytest.raises(LeaseLost):  # the old holder's next round: its first write is refused
         svc_a.run_round()
     assert len(slurm.jobs) == 1 and len(store_b.events()) == events + 1
+    # A Slurm client's own timeout is cut to what the lease has left once renewed (less 1 s).
+    seen: list[float] = []
+
+    class Client:
+        timeout_s = 30.0
+
+        def scancel(self, ids):
+            seen.append(self.timeout_s)
+
+    fenced_b = b.guard(store_b, Client())
+    b.ttl_s = 10.0
+    clock.advance(28.0)  # 2 s left of login-b's 30 s lease: renewed for 10
+    fenced_b.scancel([1])
+    assert seen == [9.0] and fenced_b.timeout_s == 30.0
     a.release(store_a)  # a clean stop of the old holder leaves the new holder's lease file
     lease = read_lease_file(paths)
     assert lease is not None and lease.host == "login-b" and lease.live(clock())
