@@ -23,6 +23,7 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_dlrm.cli import cli
+from slurm_dlrm.errors import BadInput
 from slurm_dlrm.service import dropbox
 from slurm_dlrm.service.daemon import ServicePaths, this_host
 from slurm_dlrm.service.dropbox import ingest_requests, requests_dir, write_request
@@ -222,6 +223,9 @@ def test_a_huge_row_count_is_refused_before_it_is_parsed(env, monkeypatch):
     dropbox.check_shape(b"[" * dropbox.MAX_REQUEST_DEPTH + b"]" * dropbox.MAX_REQUEST_DEPTH)
     with pytest.raises(dropbox.Refused):
         dropbox.check_shape(b"[" * (dropbox.MAX_REQUEST_DEPTH + 1) + b"]" * (dropbox.MAX_REQUEST_DEPTH + 1))
+    with pytest.raises(BadInput, match="too many jobs"):  # the writer refuses it first, nothing dropped
+        write_request(store_dir, "submit", {"rows": [{}] * (dropbox.MAX_REQUEST_ROWS + 1)}, user=USER, host="h")
+    assert not [n for n in os.listdir(requests_dir(store_dir)) if n.endswith(".req") or n.endswith(".tmp")]
     with pytest.raises(dropbox.Refused, match="too many jobs"):
         dropbox.decode(dropbox.encode({"version": 1, "kind": "submit", "request_id": "r", "user": USER,
                                        "uid": os.getuid(), "payload": {"rows": [{}] * (dropbox.MAX_REQUEST_ROWS + 1)}}),

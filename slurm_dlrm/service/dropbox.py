@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.errors import DlrmError
+from slurm_dlrm.errors import BadInput, DlrmError
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +83,19 @@ def write_request(store_dir: Path, kind: str, payload: Mapping[str, Any], *, use
     _own_drop_folder(store_dir, folder)
     body = {"version": FORMAT_VERSION, "kind": kind, "request_id": secrets.token_hex(16), "user": user,
             "uid": os.getuid(), "host": host, "created_t": time.time(), "payload": dict(payload)}
+    raw = encode(body)
+    try:  # what the service would refuse is refused here, before the user is told it was handed over
+        if len(raw) > MAX_REQUEST_BYTES:
+            raise Refused(f"too large ({len(raw)} bytes; at most {MAX_REQUEST_BYTES})")
+        decode(raw, user=user, uid=os.getuid())
+    except Refused as exc:
+        raise BadInput(f"{kind} request: {exc}; split it into several") from None
     safe_host = "".join(c if c.isalnum() or c in "-_" else "_" for c in host)[:40]
     name = f"{time.time_ns():020d}-{kind}-{safe_host}-{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}"
     tmp = folder / f".{name}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, encode(body))
+        os.write(fd, raw)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
