@@ -17,6 +17,9 @@ Run:  /work/main/.venv/bin/python benchmarks/estimator_accuracy.py [--only NAME]
       [--spec FILE ...] [--specs-only]
 Last line:  estimator: configs=N median_err_pct=X p95_err_pct=X max_under_pct=X
             rss_median_err_pct=X rss_max_under_pct=X planner_median_err_pct=X
+            rss_anon_median_err_pct=X rss_anon_max_under_pct=X rss_file_median_mib=X
+(rss_anon_*: peak RSS less the mapped libraries' resident pages, which the page cache
+decides, against the estimate less its `HOST_RUNTIME_CPU_MAPPED_FILES_BYTES`.)
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from slurm_dlrm.estimate import estimate  # noqa: E402
+from slurm_dlrm.estimate.analytic import HOST_RUNTIME_CPU_MAPPED_FILES_BYTES  # noqa: E402
 from slurm_dlrm.spec import load_spec, parse_spec  # noqa: E402
 
 MIB = 1 << 20
@@ -188,9 +192,11 @@ def main() -> None:
     for path in args.spec:
         configs.append(load_spec(path).to_dict())
     print(f"{'config':<24} {'measured':>9} {'estimate':>9} {'err%':>6} | {'planner':>9} {'err%':>7} | "
-          f"{'RSS':>8} {'est RSS':>8} {'err%':>6} | {'ms':>5} phase")
+          f"{'RSS':>8} {'est RSS':>8} {'err%':>6} {'files':>6} {'anon%':>6} | {'ms':>5} phase")
     errs: list[float] = []
     rss_errs: list[float] = []
+    anon_errs: list[float] = []  # without the mapped libraries' resident pages (page cache)
+    file_mibs: list[float] = []
     planner_errs: list[float] = []
     t0 = time.time()
     pool = ThreadPoolExecutor(max(1, args.jobs))
@@ -205,12 +211,17 @@ def main() -> None:
         e = pct(est.tensor_peak_bytes, meas)
         pe = pct(m["planner_bytes"], meas)
         re = pct(est.host_peak_bytes, m["peak_rss_bytes"])
+        files = int(m.get("rss_file_bytes") or 0)
+        ae = pct(est.host_peak_bytes - HOST_RUNTIME_CPU_MAPPED_FILES_BYTES, m["peak_rss_bytes"] - files)
         errs.append(e)
         planner_errs.append(pe)
         rss_errs.append(re)
+        anon_errs.append(ae)
+        file_mibs.append(files / MIB)
         print(f"{d['name']:<24} {meas / MIB:>8.2f}M {est.tensor_peak_bytes / MIB:>8.2f}M {e:>+6.2f} | "
               f"{m['planner_bytes'] / MIB:>8.2f}M {pe:>+7.1f} | {m['peak_rss_bytes'] / MIB:>7.0f}M "
-              f"{est.host_peak_bytes / MIB:>7.0f}M {re:>+6.1f} | {est_ms:>5.1f} {est.peak_phase}", flush=True)
+              f"{est.host_peak_bytes / MIB:>7.0f}M {re:>+6.1f} {files / MIB:>5.0f}M {ae:>+6.1f} | "
+              f"{est_ms:>5.1f} {est.peak_phase}", flush=True)
     pool.shutdown()
     tmp.cleanup()
     abs_errs = [abs(x) for x in errs]
@@ -225,11 +236,18 @@ def main() -> None:
     print(f"estimator, host peak RSS: median |err| {statistics.median(abs(x) for x in rss_errs):.1f}%  "
           f"max {max(abs(x) for x in rss_errs):.1f}%  worst under-estimate {max((-x for x in rss_errs), default=0):.1f}% "
           "(beyond 3% is a defect: --mem is sized from it)")
+    print(f"estimator, host peak RSS without the mapped libraries' resident pages (the page cache's share: "
+          f"{min(file_mibs):.0f}-{max(file_mibs):.0f} MiB here, {HOST_RUNTIME_CPU_MAPPED_FILES_BYTES / MIB:.0f} MiB "
+          f"in the estimate): median |err| {statistics.median(abs(x) for x in anon_errs):.1f}%  "
+          f"worst under-estimate {max((-x for x in anon_errs), default=0):.1f}%")
     print(f"estimator: configs={len(errs)} median_err_pct={statistics.median(abs_errs):.2f} "
           f"p95_err_pct={p95(abs_errs):.2f} max_under_pct={max(unders, default=0.0):.2f} "
           f"rss_median_err_pct={statistics.median(abs(x) for x in rss_errs):.2f} "
           f"rss_max_under_pct={max(max((-x for x in rss_errs), default=0.0), 0.0):.2f} "
-          f"planner_median_err_pct={statistics.median(abs(x) for x in planner_errs):.2f}")
+          f"planner_median_err_pct={statistics.median(abs(x) for x in planner_errs):.2f} "
+          f"rss_anon_median_err_pct={statistics.median(abs(x) for x in anon_errs):.2f} "
+          f"rss_anon_max_under_pct={max(max((-x for x in anon_errs), default=0.0), 0.0):.2f} "
+          f"rss_file_median_mib={statistics.median(file_mibs):.0f}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -514,22 +516,64 @@ def _parse_data(raw: Any, source: str | None) -> DataSpec:
     return spec
 
 
-def load_spec(path: str | Path) -> JobSpec:
-    """Read a spec file (YAML; JSON accepted) and validate it."""
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_spec_text(path: str | Path) -> str:
+    """The text of a spec file, read whole (at most `MAX_SPEC_BYTES`); SpecError when it
+    cannot be read, is not UTF-8, is too large or is not a regular file.
+
+    Opened with O_NONBLOCK, then fstat on the open descriptor: open() of a FIFO with no
+    writer returns at once instead of blocking, and the check is on the very file that
+    would be read (a stat() before open() could be raced by a rename). A FIFO, a
+    character device (/dev/zero, a tty) or a socket never ends or blocks, so only a
+    regular file is read.
+    """
+    p = Path(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise SpecError("spec", f"cannot read {p}: {exc.strerror or exc}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise SpecError("spec", f"cannot read {p}: it is {_file_kind(mode)}, not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_SPEC_BYTES:  # bounded: the file may grow while it is read
+            chunk = os.read(fd, MAX_SPEC_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        raw = b"".join(chunks)
+    except OSError as exc:
+        raise SpecError("spec", f"cannot read {p}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError("spec", f"file is larger than {MAX_SPEC_BYTES >> 20} MiB (the limit)", str(p))
+    try:
+        return raw.decode()
+    except UnicodeDecodeError as exc:
+        raise SpecError("spec", f"cannot read {p}: {exc}") from None
+
+
+def load_spec(path: str | Path, text: str | None = None) -> JobSpec:
+    """Read a spec file (YAML; JSON accepted) and validate it. `text`: the file's text
+    when the caller has read it already (`read_spec_text`), so it is read once."""
     import yaml  # parsing only; kept local so `import slurm_dlrm.spec` stays cheap
 
     from slurm_dlrm.strict_load import DuplicateKeyError, InputLimitError, load_json, load_yaml
 
     p = Path(path)
-    try:
-        with p.open("rb") as f:
-            raw = f.read(MAX_SPEC_BYTES + 1)  # bounded: a FIFO or /dev/zero never ends
-        text = raw.decode()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise SpecError("spec", f"cannot read {p}: {reason}") from None
-    if len(raw) > MAX_SPEC_BYTES:
-        raise SpecError("spec", f"file is larger than {MAX_SPEC_BYTES >> 20} MiB (the limit)", str(p))
+    if text is None:
+        text = read_spec_text(p)
     try:
         data = load_json(text) if p.suffix.lower() == ".json" else load_yaml(text)
     except (DuplicateKeyError, InputLimitError) as exc:

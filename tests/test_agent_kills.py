@@ -25,8 +25,12 @@ def test_classify_a_sigkill_by_who_sent_it():
     assert classify_exit(-9, "OOM_HOST", False)[0] == "OOM_HOST"  # our budget stop
     assert classify_exit(-9, "CANCEL", False)[:2] == ("CANCELLED", 137)
     assert classify_exit(-9, "KILLED", False)[0] == "CANCELLED"  # our SIGKILL after term_grace_s
-    oom = classify_exit(-9, None, False, oom_kills=1)[2]
+    state, _, oom = classify_exit(-9, None, False, oom_kills=1)
+    assert state == "OOM_HOST"  # issue 43: retried with more host memory, not FAILED
     assert "OOM killer" in oom and "+1" in oom
+    assert classify_exit(137, None, True, oom_kills=2)[0] == "OOM_HOST"  # srun's 128+9
+    assert classify_exit(-9, None, False, oom_kills=0)[0] == "FAILED"
+    assert classify_exit(-9, None, False)[0] == "FAILED"
     outside = classify_exit(137, None, True, oom_kills=0)[2]  # srun's 128+9
     assert "not the OOM killer" in outside
     unknown = classify_exit(-9, None, False)[2]
@@ -46,8 +50,22 @@ def test_oom_cgroup_is_the_slurm_jobs_and_its_counter_is_read(tmp_path):
     assert fences.oom_cgroup(tmp_path, "78", str(proc)) == job / "step_0" / "user"  # not under a job: own
     assert fences.oom_kill_count(job) == 2
     assert fences.oom_kill_count(job / "step_0") is None  # no memory controller file
-    proc.write_text("1:memory:/x\n")  # cgroup v1 only
+    proc.write_text("1:memory:/x\n")  # cgroup v1 only, and no such folder
     assert fences.oom_cgroup(tmp_path, "77", str(proc)) is None
+
+
+def test_oom_cgroup_v1_sums_the_jobs_folders(tmp_path):
+    # cgroup v1 (Slurm's cgroup/v1 layout): a kill counts only where the limit was hit
+    job = tmp_path / "memory" / "slurm" / "uid_0" / "job_77"
+    step = job / "step_batch"
+    (step / "task_0").mkdir(parents=True)
+    for folder, n in ((job, 0), (step, 1), (step / "task_0", 2)):
+        (folder / "memory.oom_control").write_text(f"oom_kill_disable 0\nunder_oom 0\noom_kill {n}\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("12:pids:/x\n4:memory:/slurm/uid_0/job_77/step_batch/task_0\n0::/\n")  # hybrid: v2 has no memory
+    assert fences.oom_cgroup(tmp_path, "77", str(proc)) == job
+    assert fences.oom_kill_count(job) == 3
+    assert fences.oom_cgroup(tmp_path, None, str(proc)) == step / "task_0"
 
 
 @pytest.mark.parametrize("oom_killed", [True, False])
@@ -78,8 +96,9 @@ def test_an_outside_sigkill_is_reported_by_its_sender(world, monkeypatch, oom_ki
     t.start()
     agent.run()
     t.join()
-    assert agent.job_states == {6: "FAILED"}
-    end = [r for r in read_reports(pack / "reports" / "n1.jsonl") if r["type"] == "member" and r["state"] == "FAILED"]
+    state = "OOM_HOST" if oom_killed else "FAILED"
+    assert agent.job_states == {6: state}
+    end = [r for r in read_reports(pack / "reports" / "n1.jsonl") if r["type"] == "member" and r["state"] == state]
     assert len(end) == 1
     if oom_killed:
         assert "the kernel OOM killer (cgroup oom_kill +1" in end[0]["reason"]

@@ -62,6 +62,25 @@ def test_oom_requeued_with_raise_and_resumes_from_checkpoint() -> None:
     assert rt.mem_correction[0] < 1.6
 
 
+def test_host_oom_requeued_with_more_host_memory_and_learned() -> None:
+    # issue 43: 50% over its host estimate (4 GiB), beyond the 5% margin and the agent's
+    # 10% tolerance: out of host memory at its peak, retried with a raised host request
+    hungry = replace(job(0), true_host_mem_bytes=6 * GIB)
+    later = replace(job(1, arrival=20000.0), true_host_mem_bytes=6 * GIB)  # same spec, later
+    res, rt = run([hungry, later], {0: 3, 1: 3}, recovery=RecoveryConfig(checkpoint_every_s=300))
+    assert states(res) == {0: "COMPLETED", 1: "COMPLETED"}
+    assert rt.stats.host_ooms == rt.stats.ooms >= 1 and rt.stats.oom_requeues == rt.stats.ooms
+    reasons = [r for _, jid, r in rt.stats.events if jid == 0]
+    assert any("out of host memory" in r and "retry 2" in r for r in reasons), reasons
+    assert rt.host_req[0] * 1.05 * 1.10 >= 6 * GIB  # the last raise covered its true peak
+    assert rt.oom_count.get(1, 0) == 0  # the family's learned host correction: starts right
+    off, rt_off = run([hungry], recovery=RecoveryConfig(enabled=False))
+    assert states(off) == {0: "FAILED"} and rt_off.stats.host_ooms == 1
+    # within the tolerance: no OOM
+    ok, rt_ok = run([replace(job(0), true_host_mem_bytes=int(4.2 * GIB))])
+    assert states(ok) == {0: "COMPLETED"} and rt_ok.stats.ooms == 0
+
+
 def test_oom_without_recovery_fails_the_job() -> None:
     res, rt = run([job(0, true_mem_gib=10.4), job(1)], recovery=RecoveryConfig(enabled=False))
     assert states(res) == {0: "FAILED", 1: "COMPLETED"}

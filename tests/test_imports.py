@@ -185,7 +185,7 @@ def test_a_module_over_600_lines_says_why_at_its_top() -> None:
 # slurm_dlrm) imports only areas on lower floors. `__main__` modules are entry points
 # (they start a command) and stand above every floor.
 FLOORS = {
-    "slurm_dlrm": 0, "errors": 0, "presets": 0, "strict_load": 0, "package_data": 0,
+    "slurm_dlrm": 0, "errors": 0, "presets": 0, "strict_load": 0, "package_data": 0, "osutil": 0,
     "site": 1, "spec": 1, "emulated": 1,
     "estimate": 2, "packing": 2, "adapt": 2, "slurm": 2, "agent": 2,
     "store": 3, "sim": 3, "admin": 3, "train": 3, "truth": 3,

@@ -167,9 +167,22 @@ def test_a_spec_file_past_the_size_limit_is_refused_unread(tmp_path):
         f.write("#" * (5 << 20) + "\n")
     with pytest.raises(SpecError, match="larger than 4 MiB"):
         load_spec(path)
-    # /dev/zero never ends: both commands read at most the limit (submit read it whole)
-    for argv in (["estimate", "/dev/zero"], ["submit", "--test-only", "/dev/zero"], ["submit", "--test-only", str(path)]):
+    # both commands read at most the limit (submit read it whole); /dev/zero, which never
+    # ends, is refused before any read (issue 43 item 4: a regular file only)
+    for argv in (["estimate", str(path)], ["submit", "--test-only", str(path)]):
         assert_refused(run_cli(tmp_path, *argv, wall_limit_s=30), "larger than 4 MiB")
+    for argv in (["estimate", "/dev/zero"], ["submit", "--test-only", "/dev/zero"]):
+        assert_refused(run_cli(tmp_path, *argv, wall_limit_s=30), "a character device, not a regular file")
+
+
+def test_a_spec_that_is_a_fifo_is_refused_without_blocking(tmp_path):
+    # issue 43 item 4: open() of a FIFO with no writer blocked submit and estimate for ever
+    fifo = tmp_path / "spec.yaml"
+    os.mkfifo(fifo)
+    for argv in (["estimate", str(fifo)], ["submit", "--test-only", str(fifo)], ["submit", "--test-only", "./spec.yaml"]):
+        assert_refused(run_cli(tmp_path, *argv, wall_limit_s=30), "spec.yaml: it is a FIFO, not a regular file")
+    with pytest.raises(SpecError, match="a directory, not a regular file"):
+        load_spec(tmp_path)
 
 
 # ---------------------------------------------------------------- item 7: sweeps

@@ -9,7 +9,7 @@ import stat
 
 import pytest
 
-from slurm_dlrm.service import common
+from slurm_dlrm import osutil
 from slurm_dlrm.service.spool import write_private
 
 
@@ -32,7 +32,7 @@ def test_a_failed_rewrite_leaves_the_old_file_whole(tmp_path, monkeypatch):
     def fail(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(common.os, "fsync", fail)
+    monkeypatch.setattr(osutil.os, "fsync", fail)
     with pytest.raises(OSError, match="No space"):
         write_private(path, "new\n")
     assert path.read_text() == "old\n"
@@ -47,7 +47,7 @@ def test_the_temporary_file_is_private_from_its_creation(tmp_path, monkeypatch):
         seen.append(stat.S_IMODE(os.stat(src).st_mode))
         real_replace(src, dst)
 
-    monkeypatch.setattr(common.os, "replace", spy)
+    monkeypatch.setattr(osutil.os, "replace", spy)
     old_umask = os.umask(0)
     try:
         write_private(tmp_path / "spec.json", "{}\n")

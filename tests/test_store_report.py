@@ -131,3 +131,50 @@ def test_report_in_headless_chromium(tmp_path):
     assert m, r.stdout[-2000:] + r.stderr[-2000:]
     images = json.loads(m.group(1).replace("&quot;", '"'))
     assert len(images) == 3 and all(ok and w > 300 and h > 100 for ok, w, h in images), images
+
+
+def test_host_memory_is_judged_against_the_estimate_for_the_device_it_ran_on(tmp_path):
+    # issue 43 item 7: the demo's members train on the CPU (fake GPUs), but the stored
+    # host estimate is for a CUDA node (1.5 GiB of CUDA libraries): the report read -70.9%
+    from slurm_dlrm.estimate import estimate
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.spec import parse_spec
+    from slurm_dlrm.store.records import NewPlacement
+    from slurm_dlrm.store.report import write_report
+    from slurm_dlrm.store.states import JobState, PackState
+
+    spec = {"name": "tiny", "tables": [{"rows": 20000, "dim": 16}, {"rows": 5000, "dim": 16}], "dense_features": 13,
+            "bottom_mlp": [64, 16], "top_mlp": [64, 1], "batch_size": 512, "steps": 20}
+    gpu = load_site(None).gpu_models["h100"]
+    on_gpu = estimate(parse_spec(spec), gpu)
+    cpu_host = estimate(parse_spec(spec), None).host_peak_bytes
+    assert on_gpu.host_peak_bytes > 2 * cpu_host
+    now = time.time()
+    spool = tmp_path / "spool"
+    runs = {"cpu": int(cpu_host * 1.02), "cuda": int(on_gpu.host_peak_bytes * 0.97)}
+    with Store(tmp_path / "s" / "store.sqlite") as s, s.write():
+        ids = {dev: s.add_job(user="alice", name=f"on-{dev}", spec=spec, spec_fingerprint="fp", gpu_model="h100",
+                              estimate=on_gpu.to_dict(), submit_time=now - 900) for dev in runs}
+        pid = s.add_pack(name="dlrm-a", user="alice", policy="complementary", n_gpus=1,
+                         pack_dir=str(spool / "dlrm-a"), t=now - 800,
+                         placements=[NewPlacement(ids[dev], 0, 0, mps_thread_pct=50) for dev in runs])
+        s.transition_pack(pid, PackState.QUEUED, "submitted", slurm_job_id="1001", t=now - 799)
+        s.transition_pack(pid, PackState.RUNNING, "started", nodes="node1", t=now - 795)
+        for dev, jid in ids.items():
+            s.transition_job(jid, JobState.RUNNING, "member started", t=now - 790)
+            s.insert_samples_in_tx([{"t": now - 700 + i, "pack_id": pid, "job_id": jid, "node": "node1",
+                                     "gpu_index": 0, "rss_bytes": runs[dev] if i else runs[dev] // 2}
+                                    for i in range(3)])
+            s.transition_job(jid, JobState.COMPLETED, "exit 0", exit_code=0, t=now - 600)
+            metrics = spool / "jobs" / str(jid) / "metrics.jsonl"
+            metrics.parent.mkdir(parents=True)
+            metrics.write_text("".join(json.dumps({"step": k, "device": dev, "samples_per_s": 1e4}) + "\n"
+                                       for k in (10, 20)))
+        s.transition_pack(pid, PackState.COMPLETED, "allocation ended", t=now - 590)
+    with Store(tmp_path / "s" / "store.sqlite") as store:
+        write_report(store, tmp_path / "rep.html", since=now - 3600, until=now + 60)
+    html = (tmp_path / "rep.html").read_text()
+    m = re.search(r"Host memory: median \(measured/estimated - 1\)</th><td>([+-][0-9.]+)%([^<]*)<", html)
+    assert m, html[:3000]
+    assert abs(float(m.group(1))) < 3.0, m.group(0)  # +2% and -3%; before: the CPU run at -70%
+    assert "1 of 2 ran on the CPU" in m.group(2)

@@ -37,6 +37,7 @@ them in tests.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -281,14 +282,33 @@ def own_cgroup(root: Path, proc_cgroup: str = "/proc/self/cgroup") -> Path:
 
 
 def oom_cgroup(root: Path, slurm_job_id: str | None, proc_cgroup: str = "/proc/self/cgroup") -> Path | None:
-    """The cgroup whose memory.events tells whether the kernel OOM-killed one of the
-    agent's members: the Slurm job's own (cgroup v2 layout ``.../job_<id>/step_<id>``,
-    where every step of the job, members run as steps included, sits below), else the
-    agent's own (members run as its children sit there or below). None: no cgroup v2."""
+    """The cgroup whose OOM-kill counter tells whether the kernel OOM-killed one of the
+    agent's members: the Slurm job's own (layout ``.../job_<id>/step_<id>``, where every
+    step of the job, members run as steps included, sits below), else the agent's own
+    (members run as its children sit there or below). cgroup v2 (memory.events) first;
+    on a host whose memory controller is on a cgroup v1 hierarchy (``N:memory:/path`` in
+    /proc/self/cgroup, memory.oom_control under ``<root>/memory``: RHEL 8 and other
+    sites Slurm's cgroup/v1 plugin serves) that one. None: neither."""
+    v2: Path | None = None
+    with contextlib.suppress(FenceError):
+        v2 = _job_or_own(own_cgroup(root, proc_cgroup), root, slurm_job_id)
+    if v2 is not None and (v2 / "memory.events").exists():
+        return v2
     try:
-        own = own_cgroup(root, proc_cgroup)
-    except FenceError:
-        return None
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if "memory" in controllers.split(","):
+            v1_root = root / "memory"
+            v1 = _job_or_own(v1_root / path.strip().lstrip("/"), v1_root, slurm_job_id)
+            if (v1 / "memory.oom_control").exists():
+                return v1
+    return v2
+
+
+def _job_or_own(own: Path, root: Path, slurm_job_id: str | None) -> Path:
     if slurm_job_id:
         for folder in (own, *own.parents):
             if folder.name == f"job_{slurm_job_id}":
@@ -298,15 +318,39 @@ def oom_cgroup(root: Path, slurm_job_id: str | None, proc_cgroup: str = "/proc/s
     return own
 
 
+# cgroup v1 counts an OOM kill only in the cgroup whose limit was hit (v2 also counts it
+# in every ancestor): the job's folder and those below it are summed, at most this many.
+_V1_MAX_FOLDERS = 4096
+
+
 def oom_kill_count(folder: Path | None) -> int | None:
-    """`oom_kill` of the folder's memory.events (hierarchical in cgroup v2: kills in any
-    descendant count); None if it cannot be read (no memory controller, no cgroup v2)."""
+    """How many processes the kernel OOM-killed in the folder's cgroup: `oom_kill` of
+    memory.events (v2, hierarchical: kills in any descendant count), else the sum of
+    `oom_kill` in memory.oom_control (v1, kernel 4.13+) over the folder and its
+    descendants; None if neither can be read (no memory controller)."""
     if folder is None:
         return None
     try:
-        text = (folder / "memory.events").read_text()
+        return _oom_kill_line((folder / "memory.events").read_text())
     except OSError:
-        return None
+        pass
+    total: int | None = None
+    seen = 0
+    for here, dirs, _files in os.walk(folder):
+        seen += 1
+        if seen > _V1_MAX_FOLDERS:
+            break
+        try:
+            n = _oom_kill_line((Path(here) / "memory.oom_control").read_text())
+        except OSError:
+            continue
+        if n is not None:
+            total = (total or 0) + n
+        dirs.sort()
+    return total
+
+
+def _oom_kill_line(text: str) -> int | None:
     for line in text.splitlines():
         key, _, value = line.partition(" ")
         if key == "oom_kill" and value.strip().isdigit():

@@ -166,7 +166,9 @@ def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool,
         return "CANCELLED", code, f"stopped by {sig_name or f'exit code {returncode}'} without a checkpoint exit"
     if signum == signal.SIGKILL:
         if oom_kills:
-            return "FAILED", code, f"killed by SIGKILL: the kernel OOM killer (cgroup oom_kill +{oom_kills} while it ran)"
+            # host memory ran out under the job's cgroup limit (Slurm's --mem): retried
+            # with more host memory like the agent's own budget stop (issue 43)
+            return "OOM_HOST", code, f"killed by SIGKILL: the kernel OOM killer (cgroup oom_kill +{oom_kills} while it ran)"
         if oom_kills == 0:
             return "FAILED", code, "killed by SIGKILL from outside the agent, not the OOM killer (Slurm, scancel, a user)"
         return "FAILED", code, "killed by SIGKILL from outside the agent (OOM killer, Slurm or a user: no cgroup to tell)"

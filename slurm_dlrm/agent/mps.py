@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from slurm_dlrm.errors import DlrmError
+from slurm_dlrm.osutil import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -141,30 +142,14 @@ class MpsDaemon:
         except MpsError as exc:
             log.warning("MPS quit: %s", exc)
         deadline = time.monotonic() + timeout_s
-        while pid is not None and _alive(pid) and time.monotonic() < deadline:
+        while pid is not None and pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if pid is not None and _alive(pid):
+        if pid is not None and pid_alive(pid):
             log.warning("MPS control daemon %d still alive after quit; sending SIGTERM", pid)
             with contextlib.suppress(OSError):
                 os.kill(pid, 15)
         for d in (self.root_dir,) if self.root_dir else (self.pipe_dir, self.log_dir):
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of ours still answers kill(0); the fake daemon double-detaches, the
-    # real one daemonises, so this is only the short window before init reaps it.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @dataclass

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.errors import BadInput
+from slurm_dlrm.osutil import write_atomic
 
 PLACEMENT_FILE = "placement.json"
 # Refill (docs/interfaces.md section 3b): the service writes `<pack_dir>/joins/<job_id>.json`
@@ -195,10 +196,7 @@ def load_placement(path: str | os.PathLike[str]) -> Placement:
 
 def write_placement(placement_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """Atomic write (tests and the service side use the same layout)."""
-    p = Path(path)
-    tmp = p.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(placement_dict, indent=1))
-    os.replace(tmp, p)
+    write_atomic(path, json.dumps(placement_dict, indent=1))
 
 
 def allocation_gpus(env: dict[str, str]) -> list[str] | None:

@@ -275,7 +275,8 @@ def show(job_id: int, tail: int, as_json: bool, site_path: str | None) -> None:
     for p in d["placements"]:
         rank = f" rank {p['rank']}/{p['world_size']}" if "rank" in p else ""
         lines.append(f"  run {p['attempt']}: pack {p['pack']} ({p['pack_state']}, Slurm {p['slurm_job_id']}){rank} "
-                     f"node {p['node'] or '-'} GPU {p['gpu']} MPS {p['mps_pct']}% fence {p['gpu_mem_limit_mib']} MiB")
+                     f"node {p['node'] or '-'} GPU {p['gpu']} MPS {p['mps_pct']}% fence {p['gpu_mem_limit_mib']} MiB "
+                     f"host {p['host_mem_limit_mib']} MiB")  # a host OOM's retry shows its larger share of --mem
     lines.append("  events:")
     for e in d["events"][-20:]:
         when = time.strftime("%H:%M:%S", time.localtime(e["t"]))

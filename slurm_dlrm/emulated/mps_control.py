@@ -121,6 +121,8 @@ def _v3_supported() -> bool:
 
 
 def _alive(pid: int) -> bool:
+    # Not slurm_dlrm.osutil.pid_alive: this fake runs from a copy beside its launcher,
+    # standard library only (install_launcher), where the package cannot be imported.
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

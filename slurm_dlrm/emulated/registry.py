@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.emulated.mps_control import STATE_FILE as MPS_STATE_FILE
+from slurm_dlrm.osutil import pid_alive
 
 SpeedsOf = Callable[[Sequence[float], Sequence[float]], Sequence[float]]
 
@@ -53,16 +54,6 @@ def gpu_name(env: dict[str, str] | None = None) -> str:
         if token.isdigit() and int(token) < len(visible):
             token = str(visible[int(token)])
     return f"{node}/gpu{token}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class GpuRegistry:
@@ -104,7 +95,7 @@ class GpuRegistry:
                 pid = int(e["pid"])
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # being replaced, or not ours
-            if pid == self.pid or _alive(pid):
+            if pid == self.pid or pid_alive(pid):
                 out.append(e)
         return out
 

@@ -73,6 +73,12 @@ SEGMENT_BYTES = 2 * MIB
 # CUDA figure adds the CUDA runtime, cuBLAS/cuDNN and fbgemm's GPU kernels mapped into
 # the host process (typical for CUDA 12 builds; calibrate from history on the site).
 HOST_RUNTIME_CPU_BYTES = 432 * MIB
+# Of it, resident pages of the mapped libraries (RssFile at the end of training, the upper
+# case): the page cache decides how many are resident (another session on this machine
+# measured about 65 MiB fewer, issue 43), and a pack's members share them in the page
+# cache (charged once to the job's memory cgroup). benchmarks/estimator_accuracy.py
+# judges the rest, the anonymous memory, apart from them.
+HOST_RUNTIME_CPU_MAPPED_FILES_BYTES = 171 * MIB
 HOST_RUNTIME_CUDA_BYTES = 1536 * MIB
 # The runner's loader workers are threads (slurm_dlrm/train/data.py Prefetcher): a
 # touched stack and numpy scratch each, no process of their own.

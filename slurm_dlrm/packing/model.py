@@ -325,6 +325,17 @@ def member_fence_bytes(job: JobDemand, gpu: GpuModel, limits: PackingLimits) -> 
             + gpu.cuda_context_bytes + gpu.cublas_workspace_bytes)
 
 
+def dmem_soft_limit_bytes(own_gpu_bytes: int, gpu: GpuModel | None, fence_bytes: int) -> int:
+    """A member's dmem soft limit (dmem.min, docs/agent.md "Fences"): what it is expected
+    to use, its own estimate (the raised request after an OOM) plus the CUDA context and
+    cuBLAS workspace its fence holds, never above its fence. No margin is in it: the
+    margin, configured or learned from measured errors (service/measured.py), widens the
+    hard fence only, so a larger margin never loosens the soft limit. (Subtracting the
+    configured margin from a fence sized with a larger learned one did, issue 43.)"""
+    ctx = 0 if gpu is None else gpu.cuda_context_bytes + gpu.cublas_workspace_bytes
+    return max(0, min(fence_bytes, own_gpu_bytes + ctx))
+
+
 # Headroom over a live member's measured peak when refill counts it (allocator
 # fragmentation, a larger batch late in an epoch); the OOM recovery is the safety net.
 OBSERVED_MARGIN_PCT = 2.0

@@ -42,6 +42,7 @@ from slurm_dlrm.agent.placement import MemberPlacement, allocation_gpus
 from slurm_dlrm.emulated import mps_control as fake_mps_control
 from slurm_dlrm.emulated import nvml as fake_nvml
 from slurm_dlrm.errors import BadInput, DlrmError
+from slurm_dlrm.osutil import pid_alive
 from slurm_dlrm.selftest import verdict as V
 from slurm_dlrm.selftest.verdict import DRY, FAIL, PASS, SKIP, Check
 from slurm_dlrm.site import GpuModel, SiteConfig, load_site
@@ -550,9 +551,9 @@ class Selftest:
         daemon.quit()
         # The servers exit after the daemon; give them the daemon's own quit bound.
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in servers) and time.monotonic() < deadline:
+        while any(pid_alive(p) for p in servers) and time.monotonic() < deadline:
             time.sleep(0.05)
-        left = [p for p in [pid, *servers] if p is not None and _alive(p)]
+        left = [p for p in [pid, *servers] if p is not None and pid_alive(p)]
         folder_left = daemon.root_dir is not None and daemon.root_dir.exists()
         figure = (f"quit in {time.monotonic() - t0:.2f} s; daemon pid {pid}, {len(servers)} server(s); "
                   f"{'still alive: ' + ','.join(map(str, left)) if left else 'none left'}")
@@ -739,19 +740,6 @@ class Stopped(DlrmError):
 def _on_signal(signum: int, frame: Any) -> None:
     raise Stopped(f"selftest: stopped by {signal.Signals(signum).name}; the MPS daemon and clients it started "
                   "were stopped")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):
-        if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
-            return False
-    return True
 
 
 def run_selftest(opts: Options) -> tuple[list[Check], dict[str, Any]]:

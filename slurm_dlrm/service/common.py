@@ -5,12 +5,11 @@ of them imports another's helpers (docs/architecture.md)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
+
+from slurm_dlrm.osutil import write_atomic  # noqa: F401 - re-exported (cancel, refill, spool)
 
 # What the agent itself takes of each node of a pack, added to --cpus-per-task/--mem
 # (the simulator counts them too: packing/model.py).
@@ -81,21 +80,3 @@ def pack_member_ids(store: Any, pack_id: int, states: Sequence[str]) -> list[int
     rows = store.conn.execute(f"SELECT id FROM jobs WHERE pack_id = ? AND state IN ({marks}) ORDER BY id",
                               (pack_id, *states)).fetchall()
     return [int(r[0]) for r in rows]
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write `path` (0600) so that a reader sees the old content or the new, never a
-    part: a temporary file beside it (private from creation, one per writer), fsynced,
-    renamed over it (atomic within one folder, also on NFS)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

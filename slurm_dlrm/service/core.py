@@ -737,7 +737,7 @@ class PackingService:
             job = by_job.get(p.job_id)
             if job is None:
                 continue  # cancelled before submission
-            out_members.append(self.member_entry(job, p))
+            out_members.append(self.member_entry(job, p, pack.gpu_model))
         agent = self.site.agent
         # the plan's refill headroom (Pack.reserve_*), kept with the pack's first event
         plan_data = self.store.pack_plan_data(pack.id)
@@ -753,8 +753,11 @@ class PackingService:
         write_private(pack_dir / SCRIPT_FILE, script)
         return script
 
-    def member_entry(self, job: Any, p: Any) -> dict[str, Any]:
-        """One placement-file member (docs/interfaces.md 3), also a join file's content (3b)."""
+    def member_entry(self, job: Any, p: Any, gpu_model: str | None) -> dict[str, Any]:
+        """One placement-file member (docs/interfaces.md 3), also a join file's content (3b);
+        `gpu_model`: the pack's (its context is in the fence)."""
+        from slurm_dlrm.packing.model import dmem_soft_limit_bytes, own_gpu_bytes
+
         job_dir = self.spool_dir / "jobs" / str(job.id)
         spec_path = job_dir / SPEC_FILE
         spec = job.spec
@@ -763,15 +766,18 @@ class PackingService:
         command = list(spec.get("command") or
                        [self.settings.python, "-m", "slurm_dlrm", "train", str(spec_path)])
         fence_mib = max(1, (p.gpu_mem_limit_bytes or 0) // MIB)
-        # The dmem soft limit (docs/agent.md "Fences"): the fence without its margin, i.e.
-        # the estimate (a raised request after an OOM) plus the CUDA context the fence holds.
+        # The dmem soft limit (docs/agent.md "Fences"): the estimate (a raised request after
+        # an OOM) plus the CUDA context the fence holds; no margin, so a larger (learned)
+        # margin never loosens it.
         est = max(job.gpu_mem_request_bytes or 0, job.est_gpu_peak_bytes or 0)
-        margin_mib = math.ceil(est * self.site.packing.memory_margin_pct / 100.0 / MIB)
+        own = own_gpu_bytes(job.estimate or {}) + max(0, est - (job.est_gpu_peak_bytes or 0))
+        soft_mib = math.ceil(dmem_soft_limit_bytes(own, self.site.gpu_models.get(gpu_model or ""),
+                                                   fence_mib * MIB) / MIB)
         return {
             "job_id": job.id, "name": job.name, "node_index": p.node_index, "gpu_index": p.gpu_index,
             "mps_thread_pct": p.mps_thread_pct or 100,
             "gpu_mem_limit_mib": fence_mib,
-            **({"gpu_mem_estimate_mib": max(1, fence_mib - margin_mib)} if est > 0 else {}),
+            **({"gpu_mem_estimate_mib": max(1, soft_mib)} if est > 0 else {}),
             "host_mem_limit_bytes": max(1, p.host_mem_limit_bytes or 0), "cpus": p.cpus or 1,
             "command": command,
             # per job, not per pack: a requeued job resumes from it in its next pack; a

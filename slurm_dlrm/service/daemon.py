@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.errors import DlrmError
+from slurm_dlrm.osutil import pid_alive, write_atomic
 from slurm_dlrm.store.db import refuse_foreign
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class ServiceLock:
         # exporter's last-round age; `queue`'s reconcile takes this lock too).
         write_status(paths, {**read_status(paths), "pid": os.getpid(), "host": this_host(),
                              "started_t": time.time()})
-        _write_atomic(paths.pid, f"{os.getpid()}\n")
+        write_atomic(paths.pid, f"{os.getpid()}\n")
         return cls(paths, fd)
 
     def release(self) -> None:
@@ -174,7 +175,7 @@ def running_pid(paths: ServicePaths) -> int | None:
                     return read_pid(paths) or -1
                 for _ in range(100):
                     pid = read_pid(paths)
-                    if pid is not None and _alive(pid):
+                    if pid is not None and pid_alive(pid):
                         return pid
                     time.sleep(0.01)
                 return -1
@@ -182,21 +183,6 @@ def running_pid(paths: ServicePaths) -> int | None:
         return None  # we got the lock, so nobody holds it (ours drops on close)
     finally:
         os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    """Running and not a zombie (a killed child not yet reaped holds no lock)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no /proc: trust kill(0)
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def spawn_service(paths: ServicePaths, serve_args: list[str], env: dict[str, str] | None = None) -> int:
@@ -270,7 +256,7 @@ def stop(paths: ServicePaths, timeout_s: float = 30.0) -> int | None:
 
 def write_status(paths: ServicePaths, status: dict[str, Any]) -> None:
     """What `queue` and `serve status` show about the service (atomic replace)."""
-    _write_atomic(paths.status, json.dumps(status, sort_keys=True) + "\n")
+    write_atomic(paths.status, json.dumps(status, sort_keys=True) + "\n")
 
 
 def read_status(paths: ServicePaths) -> dict[str, Any]:
@@ -279,14 +265,3 @@ def read_status(paths: ServicePaths) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)

@@ -276,7 +276,7 @@ class Refill:
                              if p.attempt == job.attempt), key=lambda p: p.rank or 0)
         if not placements:
             return
-        entries = [self.svc.member_entry(job, p) for p in placements]
+        entries = [self.svc.member_entry(job, p, pack.gpu_model) for p in placements]
         content: dict[str, Any] = entries[0] if len(entries) == 1 else {"members": entries}
         joins = Path(pack.pack_dir) / JOINS_DIR
         if not joins.is_dir():

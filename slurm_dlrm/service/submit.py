@@ -81,7 +81,7 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
     raise BadInput naming the first bad one."""
     from slurm_dlrm.estimate import estimate
     from slurm_dlrm.service.sweep import expand, parse_array, parse_sets
-    from slurm_dlrm.spec import MAX_SPEC_BYTES, load_spec, spec_fingerprint
+    from slurm_dlrm.spec import load_spec, read_spec_text, spec_fingerprint
 
     sweep_sets = parse_sets(sets)
     sweep_array = parse_array(array) if array else None
@@ -91,17 +91,11 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
     out = []
     for raw in paths:
         path = os.path.abspath(os.path.join(cwd, raw))
-        try:
-            with open(path, "rb") as f:
-                data = f.read(MAX_SPEC_BYTES + 1)  # bounded: /dev/zero as a spec never ends
-            text = data.decode()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise BadInput(f"{raw}: cannot read: {getattr(exc, 'strerror', None) or exc}") from None
-        if len(data) > MAX_SPEC_BYTES:
-            raise BadInput(f"{raw}: spec: file is larger than {MAX_SPEC_BYTES >> 20} MiB (the limit)")
+        # read once, bounded, a regular file only (a FIFO would block open() for ever)
+        text = read_spec_text(path)
         options = cli_options.merged_over(parse_sbatch_script(text, raw)).with_paths_from(cwd)
         gpu = gpu_for(site, options)
-        for spec in expand(load_spec(path), sweep_sets, sweep_array):
+        for spec in expand(load_spec(path, text), sweep_sets, sweep_array):
             est = estimate(spec, gpu)
             if spec.custom_module:
                 # traced by the service (torch), after the checks that need no import (custom_trace.py)

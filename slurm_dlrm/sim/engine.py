@@ -72,6 +72,9 @@ _RESUBMIT = 7  # a user resubmits a failed job (retry.user_resubmits)
 _SNAPSHOT = 8  # snapshot_at_s: the loop stops there to record one
 _PACK_RELEASE = 9  # slurm.pack_release_s after a pack's last member ended: its GPUs are free
 _EPS = 1e-9
+# The agent stops a member this far past its host share ([agent] host_mem_tolerance_pct's
+# default); the kernel kills it where the pack's --mem runs out. Both are OOM_HOST.
+HOST_MEM_TOLERANCE_PCT = 10.0
 
 
 @dataclass
@@ -875,6 +878,17 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                         continue
                     if not m.peaked and m.progress >= m.peak_progress - 1e-6:
                         m.peaked = True
+                        true_host = m.job.true_host_mem_bytes
+                        if (faults is not None and true_host is not None and m.host_mem > 0
+                                and true_host > m.host_mem * (1.0 + HOST_MEM_TOLERANCE_PCT / 100.0)):
+                            # out of host memory at its peak (issue 43): retried like a GPU OOM
+                            ooms += 1
+                            jid = m.job.job_id
+                            oom_of[jid] = oom_of.get(jid, 0) + 1
+                            node_mem = max(n.memory_bytes for n in cluster.nodes)
+                            apply_kill(pack, gpu, m, faults.on_oom(m.job, now, m.progress, m.progress_start,
+                                                                   est_mem[jid], m.host_mem, node_mem, kind="host"))
+                            continue
                         observe_error(pack, m)
                         victim = oom_victim(pack, gpu, m)
                         if victim is not None and victim is not m:

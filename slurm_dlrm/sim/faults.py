@@ -6,6 +6,10 @@ Three kinds of fault, injected into a workload and a run:
   spec, as in a sweep); for a fraction of the families the estimator is biased low
   (e.g. a custom module it does not count), so their true peak is the estimate plus
   `bias_pct`, beyond the fence's margin.
+- **Host OOM from under-estimates** (issue 43): for `host_oom_family_frac` of the
+  families the host-memory estimate is low by `host_oom_bias_pct`; past its share of the
+  pack's `--mem` (plus the agent's tolerance) a member is stopped by the agent or killed
+  by the kernel's OOM killer, both `OOM_HOST`, and retried with more host memory.
 - **Node failures**: each node fails after an exponential time with mean
   `node_mtbf_h`; every pack on it ends (Slurm's NODE_FAIL) and the node is back after
   `node_repair_s`.
@@ -57,6 +61,8 @@ class FaultConfig:
     families: int = 60  # distinct specs in the workload (job i belongs to one at random)
     oom_family_frac: float = 0.0  # share of families whose memory estimate is biased low
     oom_bias_pct: tuple[float, float] = (10.0, 40.0)  # true peak = estimate x (1 + this)
+    host_oom_family_frac: float = 0.0  # share of families whose host-memory estimate is biased low
+    host_oom_bias_pct: tuple[float, float] = (20.0, 60.0)  # true host peak = estimate x (1 + this)
     node_mtbf_h: float = 0.0  # mean time between failures of one node; 0: none
     node_repair_s: float = 1800.0  # a failed node is back after this
     node_failures_at: tuple[tuple[float, str], ...] = ()  # extra failures at fixed (time_s, node)
@@ -103,11 +109,17 @@ def inject_faults(workload: Workload, fam_of: dict[int, int], cfg: FaultConfig) 
     fams = sorted(set(fam_of.values()))
     oom_bias = {f: rng.uniform(*cfg.oom_bias_pct) / 100.0 for f in fams if rng.random() < cfg.oom_family_frac}
     heavy = {f: rng.uniform(*cfg.straggler_util_factor) for f in fams if rng.random() < cfg.straggler_family_frac}
+    # its own generator: the GPU faults above stay what they were for a seed
+    host_rng = random.Random(cfg.seed + 7919)
+    host_bias = {f: host_rng.uniform(*cfg.host_oom_bias_pct) / 100.0 for f in fams
+                 if host_rng.random() < cfg.host_oom_family_frac}
     jobs = []
     for j in workload.jobs:
         f = fam_of[j.job_id]
         if f in oom_bias:
             j = replace(j, true_gpu_mem_bytes=int(j.gpu_mem_bytes * (1.0 + oom_bias[f])))
+        if f in host_bias:
+            j = replace(j, true_host_mem_bytes=int(j.host_mem_bytes * (1.0 + host_bias[f])))
         if f in heavy:
             j = replace(j, true_sm_util_pct=min(95.0, j.sm_util_pct * heavy[f]),
                         true_membw_util_pct=min(95.0, j.membw_util_pct * heavy[f]))
@@ -133,6 +145,7 @@ class KillAction:
 @dataclass
 class FaultStats:
     ooms: int = 0
+    host_ooms: int = 0  # of `ooms`, those out of host memory
     oom_requeues: int = 0
     oom_failures: int = 0
     node_failures: int = 0
@@ -155,6 +168,8 @@ class FaultRuntime:
         self.rng = random.Random(faults.seed + 1)
         self.stats = FaultStats()
         self.mem_correction: dict[int, float] = {}  # family -> needed / estimated GPU bytes
+        self.host_correction: dict[int, float] = {}  # family -> needed / estimated host bytes
+        self.host_req: dict[int, int] = {}  # job -> host bytes asked for after a host OOM
         self.profile_seen: dict[int, tuple[float, float]] = {}  # family -> measured / estimated (sm, bw)
         self.oom_count: dict[int, int] = defaultdict(int)
         self.planned: dict[int, JobDemand] = {}  # job -> demand it was placed with
@@ -171,15 +186,15 @@ class FaultRuntime:
         saved = math.floor(progress_s / every) * every if every > 0 else 0.0
         return max(saved, start_s)  # never behind the checkpoint this attempt resumed from
 
-    @staticmethod
-    def demand(job: SimJob, gpu_mem_bytes: int, progress_s: float, sm: float | None = None,
+    def demand(self, job: SimJob, gpu_mem_bytes: int, progress_s: float, sm: float | None = None,
                bw: float | None = None) -> JobDemand:
+        host = self.host_req.get(job.job_id, job.host_mem_bytes)
         left = job.solo_duration_s - progress_s
         est_left = (job.est_duration_s or job.solo_duration_s) * left / job.solo_duration_s
         s = job.sm_util_pct if sm is None else sm
         b = job.membw_util_pct if bw is None else bw
         return JobDemand(job_id=job.job_id, user=job.user, submit_time_s=job.arrival_s, priority=job.priority,
-                         gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=job.host_mem_bytes, sm_util_pct=s,
+                         gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host, sm_util_pct=s,
                          membw_util_pct=b, host_cpu_cores=job.host_cpu_cores,
                          label=job.label if sm is None and bw is None else label_of(s, b, job.host_cpu_cores),
                          est_duration_s=est_left, name=job.name)
@@ -197,6 +212,10 @@ class FaultRuntime:
             if corr is not None and corr > 1.0:
                 mem = math.ceil(mem * corr)
                 warm = True
+            host_corr = self.host_correction.get(fam)
+            if host_corr is not None and host_corr > 1.0:
+                self.host_req[job.job_id] = math.ceil(job.host_mem_bytes * host_corr)
+                warm = True
             prof = self.profile_seen.get(fam)
             if prof is not None:
                 sm, bw = min(100.0, sm * prof[0]), min(100.0, bw * prof[1])
@@ -211,20 +230,27 @@ class FaultRuntime:
         self.speeds.pop(demand.job_id, None)
 
     def on_oom(self, job: SimJob, now: float, progress_s: float, start_s: float, est_bytes: int,
-               limit_bytes: int, capacity_bytes: int) -> KillAction:
+               limit_bytes: int, capacity_bytes: int, kind: str = "gpu") -> KillAction:
+        """An OOM (`kind` "gpu": at its GPU fence; "host": past its host share, `limit_bytes`
+        then the host limit it had and `capacity_bytes` a node's memory): raise and requeue
+        from the checkpoint, as the service's `after_oom`, or fail."""
         jid = job.job_id
         self.stats.ooms += 1
+        if kind == "host":
+            self.stats.host_ooms += 1
         self.oom_count[jid] += 1
         saved = self._checkpoint(progress_s, start_s)
         self.stats.lost_work_s += progress_s - saved
         if not self.recovery.enabled:
             self.stats.oom_failures += 1
-            reason = "out of GPU memory; recovery off: FAILED"
+            reason = f"out of {'host' if kind == 'host' else 'GPU'} memory; recovery off: FAILED"
             self._log(now, jid, reason)
             return KillAction(False, saved, None, reason)
-        # The agent's samples show the member's peak: it died at its fence.
-        d = decide_after_oom("gpu", est_bytes, job.host_mem_bytes, limit_bytes,
-                             min(job.true_gpu_mem_bytes, limit_bytes), self.oom_count[jid],
+        host_req = self.host_req.get(jid, job.host_mem_bytes)
+        # The agent's samples show the member's peak: it died at its limit.
+        true_peak = (job.true_host_mem_bytes or job.host_mem_bytes) if kind == "host" else job.true_gpu_mem_bytes
+        d = decide_after_oom("host" if kind == "host" else "gpu", est_bytes, host_req, limit_bytes,
+                             min(true_peak, limit_bytes), self.oom_count[jid],
                              self.recovery.max_attempts, capacity_bytes)
         self._log(now, jid, d.reason)
         if d.action == "fail":
@@ -232,7 +258,12 @@ class FaultRuntime:
             return KillAction(False, saved, None, d.reason)
         self.stats.oom_requeues += 1
         fam = self.fam_of.get(jid)
-        if self.recovery.learn and fam is not None:
+        if kind == "host":
+            self.host_req[jid] = d.host_mem_bytes
+            if self.recovery.learn and fam is not None:
+                self.host_correction[fam] = max(self.host_correction.get(fam, 1.0),
+                                                d.host_mem_bytes / max(1, job.host_mem_bytes))
+        elif self.recovery.learn and fam is not None:
             self.mem_correction[fam] = max(self.mem_correction.get(fam, 1.0), d.gpu_mem_bytes / job.gpu_mem_bytes)
         planned = self.planned.get(jid)
         sm = planned.sm_util_pct if planned else None
@@ -277,6 +308,9 @@ class FaultRuntime:
         need = job.true_gpu_mem_bytes / max(1, job.gpu_mem_bytes)
         if need > 1.0 or fam in self.mem_correction:
             self.mem_correction[fam] = max(need, 1.0)
+        host_need = (job.true_host_mem_bytes or job.host_mem_bytes) / max(1, job.host_mem_bytes)
+        if host_need > 1.0 or fam in self.host_correction:
+            self.host_correction[fam] = max(host_need, self.host_correction.get(fam, 1.0))
         if job.sm_util_pct > 0 and job.membw_util_pct > 0:
             ratio = (job.true_sm_util_pct / job.sm_util_pct, job.true_membw_util_pct / job.membw_util_pct)
             if max(ratio) > 1.0 + self.recovery.profile_change_pct / 100.0:
@@ -342,6 +376,7 @@ def with_right_estimates(faulted: Workload) -> Workload:
     covers the true peak and profile (no OOM, no mis-placed heavy job)."""
     return replace(faulted, jobs=tuple(replace(
         j, gpu_mem_bytes=max(j.gpu_mem_bytes, j.true_gpu_mem_bytes),
+        host_mem_bytes=max(j.host_mem_bytes, j.true_host_mem_bytes or 0),
         sm_util_pct=max(j.sm_util_pct, j.true_sm_util_pct), membw_util_pct=max(j.membw_util_pct, j.true_membw_util_pct),
         label=label_of(max(j.sm_util_pct, j.true_sm_util_pct), max(j.membw_util_pct, j.true_membw_util_pct),
                        j.host_cpu_cores)) for j in faulted.jobs))
