@@ -83,8 +83,7 @@ def run(*args: str):
 
 @pytest.mark.parametrize("args, line", [
     (["queue", "--zzzz"], "slurm-dlrm: error: queue: No such option '--zzzz' (see slurm-dlrm queue --help)"),
-    (["show", "abc"], "slurm-dlrm: error: show: Invalid value for 'JOB_ID': 'abc' is not a valid integer "
-                      "(see slurm-dlrm show --help)"),
+    (["show", "abc"], "slurm-dlrm: error: job id 'abc': expected N, N_M (task M of array N) or N_[M-K]"),
     (["submit"], "slurm-dlrm: error: submit: Missing argument 'SPEC...' (see slurm-dlrm submit --help)"),
     (["frobnicate"], "slurm-dlrm: error: No such command 'frobnicate' (see slurm-dlrm --help)"),
     (["submit", "--mem=4G", "x.yaml"], "slurm-dlrm: error: command line: --mem: sized by slurm-dlrm from the "

@@ -234,7 +234,7 @@ def test_cli_prints_our_id_with_the_slurm_id(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith("Submitted job 1 (Slurm 4; tiny-a: --mem=")
     r = CliRunner().invoke(cli, ["submit", "--no-pack", "--no-service", "--parsable", str(SPEC)])
-    assert r.exit_code == 0 and r.stdout == "2;5\n"  # sbatch's jobid;cluster form: ours first
+    assert r.exit_code == 0 and r.stdout == "2\n"  # sbatch's one-cluster form: the id -d afterok takes
     r = CliRunner().invoke(cli, ["queue", "--json", "--no-slurm"])
     rows = json.loads(r.output)["jobs"]
     assert [(j["job_id"], j["pack"], j["slurm_job_id"]) for j in rows] == [(1, "no-pack", "4"), (2, "no-pack", "5")]

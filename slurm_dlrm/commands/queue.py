@@ -56,7 +56,7 @@ def parse_queue_filters(jobs: str | None, states: str | None, names: str | None,
 
     if users and {u.strip() for u in users.split(",") if u.strip()} - {user}:
         raise BadInput(f"-u/--user: your store holds only {user}'s jobs (admins: slurm-dlrm acct --all-users)")
-    return {"job_ids": set(parse_job_ids(jobs)) if jobs else None,
+    return {"job_refs": parse_job_ids(jobs) if jobs else None, "job_ids": None,
             "states": {str(st) for st in parse_states(states)} if states else None,
             "names": {n.strip() for n in names.split(",") if n.strip()} if names else None}
 
@@ -156,12 +156,19 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, names: str 
     columns = parse_columns(fmt)
     if wanted["states"] and wanted["states"] & {str(st) for st in JOB_TERMINAL}:
         include_ended = True
-    if wanted["job_ids"]:
+    if wanted["job_refs"]:
         include_ended = True  # squeue -j shows a job however it is
     store = _open_store(site, user)
     rows: list[dict[str, Any]] = []
+    if store is None and wanted["job_refs"]:
+        wanted["job_ids"] = set()
     if store is not None:
         with store:
+            if wanted["job_refs"]:
+                from slurm_dlrm.store.jobids import resolve_job_refs
+
+                with store.read():
+                    wanted["job_ids"] = set(resolve_job_refs(store, wanted["job_refs"], missing_ok=True))
             reasons: dict[str, str] = {}
             if not no_slurm and (any(True for _ in store.packs(["QUEUED"], user=user))
                                  or any(j.no_pack for j in store.jobs(["PLANNED"], user=user))):
@@ -219,13 +226,36 @@ def job_files(spool_dir: Any, job_id: int, tail: int) -> dict[str, Any]:
             "checkpoint_step": last_checkpoint_step(spool_dir, job_id)}
 
 
+def resolve_one(store: Any, text: str) -> int:
+    """One job id as Slurm reads it (`12`, `12_3`: task 3 of array 12); BadInput if none."""
+    from slurm_dlrm.store.jobids import parse_job_ref, resolve_job_refs
+
+    ref = parse_job_ref(text)
+    with store.read():
+        ids = resolve_job_refs(store, [ref])
+    if ref.tasks is None and len(ids) > 1:
+        return int(ref.job_id)  # an array's id is its first task's job id, as in Slurm
+    if len(ids) != 1:
+        raise BadInput(f"job {ref}: names {len(ids)} jobs; give one (N or N_M)")
+    return ids[0]
+
+
+def resolve_many(store: Any, texts: tuple[str, ...]) -> list[int]:
+    """Job ids as Slurm reads them, each once, in order; BadInput on the first unknown."""
+    from slurm_dlrm.store.jobids import parse_job_refs, resolve_job_refs
+
+    refs = parse_job_refs(texts)
+    with store.read():
+        return resolve_job_refs(store, refs)
+
+
 @click.command("show", context_settings=CTX)
-@click.argument("job_id", type=int, shell_complete=complete_job_ids)
+@click.argument("job_ref", metavar="JOBID", shell_complete=complete_job_ids)
 @click.option("-n", "--lines", "tail", type=click.IntRange(0, 1000), default=10, show_default=True,
               help="Last lines of the job's log to print.")
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
 @site_option
-def show(job_id: int, tail: int, as_json: bool, site_path: str | None) -> None:
+def show(job_ref: str, tail: int, as_json: bool, site_path: str | None) -> None:
     """Show one job: state, reason, estimate, placements (packs, GPUs), its events, its
     progress (last step, loss, samples/s), and its log's path and last lines.
 
@@ -234,14 +264,18 @@ def show(job_id: int, tail: int, as_json: bool, site_path: str | None) -> None:
       slurm-dlrm show 12
       slurm-dlrm show 12 -n 40
       slurm-dlrm show 12 --json | jq .estimate
+      slurm-dlrm show 12_3           # task 3 of array 12
     """
     from slurm_dlrm.service.queue import job_details
+    from slurm_dlrm.store.jobids import parse_job_ref
 
+    parse_job_ref(job_ref)  # the form first: a usage error whether or not a store exists
     site, user, service = _context(site_path)
     store = _open_store(site, user)
     if store is None:
-        raise BadInput(f"job {job_id}: no such job (you have no store yet)")
+        raise BadInput(f"job {job_ref}: no such job (you have no store yet)")
     with store:
+        job_id = resolve_one(store, job_ref)
         d = job_details(store, job_id, user=user, service=service)
     d.update(job_files(site.spool_dir_for(user), job_id, tail))
     if as_json:
@@ -299,7 +333,7 @@ def show(job_id: int, tail: int, as_json: bool, site_path: str | None) -> None:
 
 
 @click.command("cancel", context_settings=CTX)
-@click.argument("job_ids", type=int, nargs=-1, metavar="[JOBID...]", shell_complete=complete_job_ids)
+@click.argument("job_refs", nargs=-1, metavar="[JOBID...]", shell_complete=complete_job_ids)
 @click.option("-n", "--name", "names", metavar="NAME[,NAME...]", help="Your active jobs with these names.")
 @click.option("-t", "--state", "states", metavar="STATE[,STATE...]",
               help="Your active jobs in these states (PENDING/PD, PLANNED/PL, RUNNING/R).")
@@ -307,7 +341,7 @@ def show(job_id: int, tail: int, as_json: bool, site_path: str | None) -> None:
 @click.option("-u", "--user", "users", metavar="USER", help="Accepted for your own user.")
 @click.option("--me", is_flag=True, help="Accepted: you cancel only your own jobs.")
 @site_option
-def cancel(job_ids: tuple[int, ...], names: str | None, states: str | None, pack: str | None,
+def cancel(job_refs: tuple[str, ...], names: str | None, states: str | None, pack: str | None,
            users: str | None, me: bool, site_path: str | None) -> None:
     """Cancel jobs; a member of a running pack stops without disturbing its neighbours.
 
@@ -327,19 +361,22 @@ def cancel(job_ids: tuple[int, ...], names: str | None, states: str | None, pack
     from slurm_dlrm.service.submit import service_paths
     from slurm_dlrm.slurm import SlurmClient
     from slurm_dlrm.store.errors import UnknownEntity
+    from slurm_dlrm.store.jobids import parse_job_refs
 
+    parse_job_refs(job_refs)  # the form first: `2_0` is task 0 of array 2, never job 20
     site, user, _service = _context(site_path)
     filtered = bool(names or states or pack)
-    if not job_ids and not filtered:
+    if not job_refs and not filtered:
         raise BadInput("give job ids, or -n NAME, -t STATE or --pack to select your jobs")
     wanted = parse_queue_filters(None, states, names, users, user)
     if wanted["states"] and wanted["states"] - {"PENDING", "PLANNED", "RUNNING"}:
         raise BadInput(f"-t/--state: only active jobs can be cancelled, not {sorted(wanted['states'])[0]}")
     store = _open_store(site, user, readonly=False)
     if store is None:
-        raise BadInput(f"job {job_ids[0]}: no such job (you have no store yet)" if job_ids
+        raise BadInput(f"job {job_refs[0]}: no such job (you have no store yet)" if job_refs
                        else "no such job (you have no store yet)")
     with store:
+        job_ids = resolve_many(store, job_refs)
         for jid in job_ids:  # check all first: nothing half-done on a bad id
             try:
                 job = store.get_job(jid)
@@ -376,6 +413,36 @@ def cancel(job_ids: tuple[int, ...], names: str | None, states: str | None, pack
     wake(service_paths(site, user))
 
 
+def _wait_for_cancels(store: Any, site: Any, user: str, job_ids: list[int]) -> None:
+    """Jobs whose cancel is on its way (the member checkpoints first, seconds): wait for
+    it to land, so `cancel 12 && requeue 12` works as the help says (issue 42), bounded
+    by the agent's grace before it kills a member that does not stop."""
+    from slurm_dlrm.service.cancel import cancel_in_flight
+    from slurm_dlrm.service.daemon import wake
+    from slurm_dlrm.service.submit import service_paths
+
+    def waiting() -> list[int]:
+        with store.read():
+            return [j for j in job_ids if cancel_in_flight(store, store.get_job(j))]
+
+    pending = waiting()
+    if not pending:
+        return
+    wait_s = site.agent.term_grace_s + 30.0
+    click.echo(f"slurm-dlrm requeue: waiting for the cancel of job(s) {','.join(map(str, pending))} to land "
+               f"(the member checkpoints first; at most {wait_s:.0f} s)", err=True)
+    deadline = time.monotonic() + wait_s
+    while pending and time.monotonic() < deadline:
+        wake(service_paths(site, user))
+        time.sleep(0.5)
+        pending = waiting()
+    if pending:
+        from slurm_dlrm.errors import DlrmError
+
+        raise DlrmError(f"job {pending[0]}: its cancel has not landed after {wait_s:.0f} s "
+                        f"(slurm-dlrm show {pending[0]}); requeue it once it is CANCELLED")
+
+
 def _request_elsewhere(site: Any, user: str, kind: str, job_ids: list[int]) -> None:
     from slurm_dlrm.service.remote import drop, lease_elsewhere
 
@@ -386,12 +453,12 @@ def _request_elsewhere(site: Any, user: str, kind: str, job_ids: list[int]) -> N
 
 
 @click.command("log", context_settings=CTX)
-@click.argument("job_id", type=int, shell_complete=complete_job_ids)
+@click.argument("job_ref", metavar="JOBID", shell_complete=complete_job_ids)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing what the job writes until it ends (like tail -f).")
 @click.option("-n", "--lines", "tail", type=click.IntRange(0, 10**6), default=None,
               help="Only the last N lines (default: the whole log).")
 @site_option
-def log(job_id: int, follow: bool, tail: int | None, site_path: str | None) -> None:
+def log(job_ref: str, follow: bool, tail: int | None, site_path: str | None) -> None:
     """Print a job's output: what the runner wrote on every node it ran on (like `hq job cat`).
 
     The files are `<spool>/jobs/<id>/output-<node>.log`, appended over the job's runs;
@@ -404,12 +471,14 @@ def log(job_id: int, follow: bool, tail: int | None, site_path: str | None) -> N
     """
     from slurm_dlrm.agent.outlog import tail_lines
     from slurm_dlrm.service.joblog import log_paths
+    from slurm_dlrm.store.jobids import parse_job_ref
     from slurm_dlrm.store.states import JOB_TERMINAL
 
+    parse_job_ref(job_ref)
     site, user, _service = _context(site_path)
     store = _open_store(site, user)
     if store is None:
-        raise BadInput(f"job {job_id}: no such job (you have no store yet)")
+        raise BadInput(f"job {job_ref}: no such job (you have no store yet)")
     spool = site.spool_dir_for(user)
 
     def state() -> Any:
@@ -425,6 +494,7 @@ def log(job_id: int, follow: bool, tail: int | None, site_path: str | None) -> N
         return job.state
 
     with store:
+        job_id = resolve_one(store, job_ref)
         st = state()
         paths = log_paths(spool, job_id)
         offsets: dict[str, int] = {}
@@ -458,31 +528,37 @@ def log(job_id: int, follow: bool, tail: int | None, site_path: str | None) -> N
 
 
 @click.command("requeue", context_settings=CTX)
-@click.argument("job_ids", type=int, nargs=-1, required=True, metavar="JOBID...", shell_complete=complete_job_ids)
+@click.argument("job_refs", nargs=-1, required=True, metavar="JOBID...", shell_complete=complete_job_ids)
 @click.option("--no-service", is_flag=True, hidden=True, help="Record only; do not start or wake the service.")
 @site_option
-def requeue(job_ids: tuple[int, ...], no_service: bool, site_path: str | None) -> None:
-    """Run cancelled or failed jobs again, from their last checkpoint (like scontrol requeue).
+def requeue(job_refs: tuple[str, ...], no_service: bool, site_path: str | None) -> None:
+    """Run cancelled, failed or timed-out jobs again, from their last checkpoint (like scontrol requeue).
 
     A cancelled member stops with a checkpoint (runner exit 5); requeued, it goes back
     to PENDING and its next run, in whatever pack, resumes at that step. A failed job
-    (say, a missing data file, now fixed) runs again the same way.
+    (say, a missing data file, now fixed) or one that reached its time limit (TIMEOUT)
+    runs again the same way. A job whose cancel is still on its way is waited for.
 
     \b
     Example:
       slurm-dlrm cancel 12 && slurm-dlrm requeue 12
     """
-    from slurm_dlrm.service.cancel import requeue_job
+    from slurm_dlrm.service.cancel import not_requeuable, requeue_job
     from slurm_dlrm.service.submit import ensure_service
+    from slurm_dlrm.store.jobids import parse_job_refs
+    from slurm_dlrm.store.states import JOB_REQUEUABLE
 
+    parse_job_refs(job_refs)
     site, user, _service = _context(site_path)
     store = _open_store(site, user, readonly=False)
     if store is None:
-        raise BadInput(f"job {job_ids[0]}: no such job (you have no store yet)")
+        raise BadInput(f"job {job_refs[0]}: no such job (you have no store yet)")
     from slurm_dlrm.store.errors import UnknownEntity
-    from slurm_dlrm.store.states import JobState
 
     with store:
+        job_ids = resolve_many(store, job_refs)
+        if not store.readonly:
+            _wait_for_cancels(store, site, user, job_ids)
         for jid in job_ids:  # check all first: nothing half-done on a bad id
             try:
                 job = store.get_job(jid)
@@ -490,8 +566,8 @@ def requeue(job_ids: tuple[int, ...], no_service: bool, site_path: str | None) -
                 raise BadInput(f"job {jid}: no such job in your store") from None
             if job.user != user:
                 raise BadInput(f"job {jid}: belongs to {job.user}, not {user}")
-            if job.state not in (JobState.CANCELLED, JobState.FAILED):
-                raise BadInput(f"job {jid}: is {job.state}; only CANCELLED or FAILED jobs can be requeued")
+            if job.state not in JOB_REQUEUABLE:
+                raise BadInput(not_requeuable(jid, str(job.state)))
         if store.readonly:  # another host's service writes the store: it requeues them
             _request_elsewhere(site, user, "requeue", list(job_ids))
             return

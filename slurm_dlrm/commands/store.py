@@ -34,11 +34,11 @@ def _open_store(db: str | None, site_path: str | None) -> Any:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("-j", "--jobs", "jobs", metavar="ID[,ID...]", help="Only these job ids.")
+@click.option("-j", "--jobs", "jobs", metavar="ID[,ID...]", help="Only these jobs: N, N_M (task M of array N), N_[M-K].")
 @click.option("-u", "--user", "users", metavar="USER[,USER...]", help="Only these users' jobs.")
 @click.option("-s", "--state", "states", metavar="STATE[,STATE...]",
-              help="Only jobs in these states (PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED, "
-                   "or sacct's PD PL R CD F OOM CA).")
+              help="Only jobs in these states (PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED TIMEOUT, "
+                   "or sacct's PD PL R CD F OOM CA TO).")
 @click.option("--pack", metavar="ID|NAME", help="Only members of this pack (any attempt).")
 @click.option("-S", "--since", "--starttime", "since", metavar="TIME",
               help="Jobs not finished before TIME (2026-11-21, 2026-11-21T14:00, 14:00, 3h, now-1hours, today, @EPOCH).")
@@ -93,7 +93,7 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
     now = time.time()
     cols = A.parse_format(fmt or (("User," if all_users else "") + A.DEFAULT_FORMAT))
     f = A.AcctFilter(
-        job_ids=A.parse_job_ids(jobs) if jobs else None,
+        job_refs=A.parse_job_ids(jobs) if jobs else None,
         users=tuple(u.strip() for u in users.split(",") if u.strip()) if users else None,
         states=A.parse_states(states) if states else None,
         pack=pack.strip() if pack else None,

@@ -47,20 +47,21 @@ def site_option(fn: Any) -> Any:
 @click.command("submit", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("specs", nargs=-1, required=True, metavar="SPEC...")
 @sbatch_option_decorators
-@click.option("--parsable", is_flag=True, help="Print only the job ids, one per line (like sbatch --parsable; "
-              "with --no-pack: JOBID;SLURM_JOBID, as sbatch prints jobid;cluster).")
+@click.option("--parsable", is_flag=True, help="Print only the job ids, one per line (like sbatch --parsable: "
+              "an --array is one line, its array id, which cancel, queue -j and -d afterok take whole).")
 @click.option("--wait", "wait_", is_flag=True, help="Block with a progress display until the jobs end; "
               "exit 0 only if every job completed.")
 @click.option("--no-pack", is_flag=True, help="Submit each spec as one ordinary Slurm job sized from its "
               "estimate (--mem, --cpus-per-task, --gres=gpu:1 or an MPS share); still a job of slurm-dlrm "
-              "(queue, show, acct, cancel take its id). --parsable prints JOBID;SLURM_JOBID. "
+              "(queue, show, acct, cancel take its id; show prints its Slurm id). "
               "MPS runs one user's jobs on a GPU at a time: on an MPS share, other users' jobs on the "
               "same GPU take turns with yours unless the site sets [mps] cross_user = \"one-user\".")
 @click.option("--set", "sets", metavar="KEY=V1[,V2...]", multiple=True,
               help="A sweep: one job per value of a dotted spec field (e.g. optimizer.lr=0.01,0.1); "
                    "several --set give their product.")
 @click.option("-a", "--array", metavar="INDEXES", help="Copies of each spec like sbatch --array (0-3, 1,3,5, "
-              "0-15:4): job <name>-<i> with seed + i.")
+              "0-15:4, 0-7%2: at most 2 at once): job <name>-<i> with seed + i; task i of array N is N_i "
+              "to cancel, show, queue -j, acct -j.")
 @click.option("-d", "--dependency", metavar="TYPE:ID[:ID...]",
               help="Start only after these jobs of yours (slurm-dlrm ids): after, afterok, afternotok, "
                    "afterany, as sbatch -d.")
@@ -169,9 +170,9 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
             if r.slurm_job_id is None or as_json:
                 continue
             if parsable:
-                # sbatch --parsable prints `jobid[;cluster]`; ours is `jobid;slurm_jobid`, so a
-                # script's `${out%%;*}` gets the id every slurm-dlrm command takes
-                click.echo(f"{r.job_id};{r.slurm_job_id}")
+                # sbatch --parsable prints `jobid` (`;cluster` only on a multi-cluster site): the id
+                # every slurm-dlrm command and -d afterok take; `show ID` has the Slurm id (issue 42)
+                click.echo(str(r.job_id))
             else:
                 click.echo(f"Submitted job {r.job_id} (Slurm {r.slurm_job_id}; {r.sub.name}: --mem={r.req.mem_mib}M "
                            f"--cpus-per-task={r.req.cpus} --gres={r.req.gres}"
@@ -206,13 +207,31 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         click.echo(json.dumps([{"job_id": i, "name": s.name, "spec": s.path, "gpu_model": s.gpu.name,
                                 "options": s.options.to_dict(), "estimate": s.estimate.to_dict()}
                                for i, s in zip(ids, subs, strict=True)], indent=1, default=str))
-    for i, s in zip(ids, subs, strict=True):
-        if parsable:
-            click.echo(str(i))
-        elif not as_json:
-            click.echo(f"Submitted job {i} ({svc.describe(s)})")
+    if not as_json:
+        for line in submitted_lines(ids, subs, parsable, svc.describe):
+            click.echo(line)
     if wait_:
         sys.exit(wait_with_progress(site, user, ids))
+
+
+def submitted_lines(ids: list[int], subs: list[Any], parsable: bool, describe: Any) -> list[str]:
+    """What submit prints: a line per job; an array's tasks as `ARRAY_TASK` (issue 42).
+    With --parsable an array is one line, its id, as sbatch prints it (so `-d afterok:$jid`
+    and `cancel $jid` take the whole array)."""
+    lines: list[str] = []
+    array_of: dict[Any, int] = {}
+    for i, s in zip(ids, subs, strict=True):
+        if s.array_task_id is None:
+            lines.append(str(i) if parsable else f"Submitted job {i} ({describe(s)})")
+            continue
+        first = s.array_group not in array_of
+        aid = array_of.setdefault(s.array_group, i)
+        if parsable:
+            if first:
+                lines.append(str(aid))
+        else:
+            lines.append(f"Submitted job {i} (task {aid}_{s.array_task_id}; {describe(s)})")
+    return lines
 
 
 def wait_with_progress(site: Any, user: str, ids: list[int]) -> int:

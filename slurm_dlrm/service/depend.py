@@ -1,7 +1,8 @@
 """`submit --dependency`: a job waits for others of yours, as sbatch's `-d` does.
 
 `TYPE:ID[:ID...][,TYPE:ID...]` with TYPE after (started), afterok (completed),
-afternotok (ended otherwise), afterany (ended); ids are slurm-dlrm job ids. Kept in the
+afternotok (ended otherwise), afterany (ended); ids are slurm-dlrm job ids, an array's id
+standing for all its tasks as in Slurm. Kept in the
 job's sbatch document under `dependency` (not a pack option: packs are not asked to
 wait in Slurm). The service plans a job only once all its dependencies are met; one
 that can no longer be met fails the job (Slurm's kill_invalid_depend), with the reason."""
@@ -16,7 +17,7 @@ from slurm_dlrm.errors import BadInput
 
 TYPES = ("after", "afterok", "afternotok", "afterany")
 _ITEM = re.compile(r"(after|afterok|afternotok|afterany)((?::\d+)+)")
-_ENDED = ("COMPLETED", "FAILED", "OOM", "CANCELLED")
+_ENDED = ("COMPLETED", "FAILED", "OOM", "CANCELLED", "TIMEOUT")
 
 
 def parse_dependency(text: str) -> list[tuple[str, int]]:
@@ -77,6 +78,16 @@ def dependency_state(job: Any, state_of: Any) -> tuple[str, str]:
     return "ready", ""
 
 
+def array_state(states: list[str]) -> str:
+    """One state for the tasks of an array, as a dependency on the array's id sees it
+    (Slurm: `afterok:N` on array N waits for all its tasks, issue 42): waiting while any
+    task waits or runs; ended COMPLETED only if all did, else as its first other task."""
+    for waiting in ("PENDING", "PLANNED", "RUNNING"):
+        if waiting in states:
+            return waiting
+    return next((st for st in states if st != "COMPLETED"), "COMPLETED")
+
+
 def ready_jobs(store: Any, pending: list[Any]) -> tuple[list[Any], list[tuple[Any, str]]]:
     """The pending jobs whose dependencies are met, and those whose can never be."""
     if not any(job_dependency(j) for j in pending):
@@ -87,10 +98,13 @@ def ready_jobs(store: Any, pending: list[Any]) -> tuple[list[Any], list[tuple[An
         from slurm_dlrm.store.errors import UnknownEntity
 
         if jid not in cache:
+            tasks = [int(r["id"]) for r in store.query("array_tasks", {"array_job_id": jid})]
             try:
-                cache[jid] = str(store.get_job(jid).state)
+                states = [str(store.get_job(t).state) for t in tasks or [jid]]
             except UnknownEntity:
                 cache[jid] = None
+            else:
+                cache[jid] = array_state(states)
         return cache[jid]
 
     ready, never = [], []

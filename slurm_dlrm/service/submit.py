@@ -49,6 +49,11 @@ class Submission:
     gpu: GpuModel
     estimate: Any  # slurm_dlrm.estimate.Estimate
     source: str = ""  # the path as given (errors name it so, as `estimate` does)
+    # a task of `--array` (issue 42): its index, and which array of this submission it
+    # belongs to (one per spec file and --set combination); None: not an array task
+    array_task_id: int | None = None
+    array_group: int | None = None
+    array_throttle: int | None = None  # --array's %N: at most N of its tasks at once
 
 
 def partition_for(site: SiteConfig, options: SbatchOptions) -> Any:
@@ -80,15 +85,16 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
     """Validate and estimate every spec (each variant of a `--set`/`--array` sweep);
     raise BadInput naming the first bad one."""
     from slurm_dlrm.estimate import estimate
-    from slurm_dlrm.service.sweep import expand, parse_array, parse_sets
+    from slurm_dlrm.service.sweep import array_throttle, expand_tasks, parse_array, parse_sets
     from slurm_dlrm.spec import MAX_SPEC_BYTES, load_spec, spec_fingerprint
 
     sweep_sets = parse_sets(sets)
     sweep_array = parse_array(array) if array else None
+    throttle = array_throttle(array) if array else None
 
     if not paths:
         raise BadInput("SPEC: give at least one spec file")
-    out = []
+    out: list[Submission] = []
     for raw in paths:
         path = os.path.abspath(os.path.join(cwd, raw))
         try:
@@ -101,7 +107,10 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
             raise BadInput(f"{raw}: spec: file is larger than {MAX_SPEC_BYTES >> 20} MiB (the limit)")
         options = cli_options.merged_over(parse_sbatch_script(text, raw)).with_paths_from(cwd)
         gpu = gpu_for(site, options)
-        for spec in expand(load_spec(path), sweep_sets, sweep_array):
+        swept = bool(sweep_sets or sweep_array)
+        group_base = 1 + max((sb.array_group or 0 for sb in out), default=0)
+        for spec, task, group in expand_tasks(load_spec(path), sweep_sets, sweep_array,
+                                              options.job_name if swept else None):
             est = estimate(spec, gpu)
             if spec.custom_module:
                 # traced by the service (torch), after the checks that need no import (custom_trace.py)
@@ -118,9 +127,11 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
                 ds["path"] = os.path.normpath(os.path.join(os.path.dirname(path), ds["path"]))
             if ds.get("path"):
                 check_data_path(raw, ds["path"])
-            out.append(Submission(path=path, name=options.job_name or spec.name, spec=spec, spec_data=data,
-                                  fingerprint=spec_fingerprint(spec), options=options, gpu=gpu, estimate=est,
-                                  source=raw))
+            out.append(Submission(path=path, name=spec.name if swept else options.job_name or spec.name,
+                                  spec=spec, spec_data=data, fingerprint=spec_fingerprint(spec), options=options,
+                                  gpu=gpu, estimate=est, source=raw, array_task_id=task,
+                                  array_group=None if task is None else group_base + group,
+                                  array_throttle=None if task is None else throttle))
     return out
 
 
@@ -156,12 +167,15 @@ def job_row(s: Submission, dependency: str | None = None) -> dict[str, Any]:
     sbatch = s.options.to_dict()
     if dependency:
         sbatch["dependency"] = dependency  # ours, not the pack's: depend.py reads it
+    if s.array_throttle is not None:
+        sbatch["array_throttle"] = s.array_throttle  # ours: the service runs at most N tasks at once
     est = s.estimate.to_dict()
     if s.spec.custom_module:  # its analytic figures are placeholders until the service traced it
         est = pending_trace_estimate(est, s.source, submit_search_path(os.getcwd()))
     return {"name": s.name, "spec": s.spec_data, "spec_fingerprint": s.fingerprint, "estimate": est,
             "gpu_model": s.gpu.name, "sbatch": sbatch, "nice": s.options.nice or 0, "begin_time": s.options.begin_time,
-            "reason": f"submitted from {s.path}" + (f"; --dependency={dependency}" if dependency else "")}
+            "reason": f"submitted from {s.path}" + (f"; --dependency={dependency}" if dependency else ""),
+            **({"array_task_id": s.array_task_id, "array_group": s.array_group} if s.array_task_id is not None else {})}
 
 
 def _row_number(row: Mapping[str, Any], key: str, default: float | None, kinds: type | tuple[type, ...]) -> Any:
@@ -175,16 +189,23 @@ def _row_number(row: Mapping[str, Any], key: str, default: float | None, kinds: 
 def record_rows(store: Any, rows: Sequence[Mapping[str, Any]], user: str, spool_dir: Path | None = None,
                 dependency: str | None = None) -> list[int]:
     ids = []
+    arrays: dict[Any, int] = {}  # a row's array_group -> the array's id (its first task's job id)
     with store.write():
         if dependency:
             from slurm_dlrm.service.depend import check_known, parse_dependency
 
             check_known(parse_dependency(dependency), store, user)  # in the transaction: nothing half-done
         for r in rows:
-            ids.append(int(store.add_job(
+            task = _row_number(r, "array_task_id", None, int)
+            group = r.get("array_group")
+            job_id = int(store.add_job(
                 user=user, name=r["name"], spec=r["spec"], spec_fingerprint=r["spec_fingerprint"],
                 estimate=r["estimate"], gpu_model=r["gpu_model"], sbatch=r["sbatch"], reason=r["reason"],
-                nice=_row_number(r, "nice", 0, int), begin_time=_row_number(r, "begin_time", None, (int, float)))))
+                nice=_row_number(r, "nice", 0, int), begin_time=_row_number(r, "begin_time", None, (int, float)),
+                array_task_id=task, array_job_id=arrays.get(group) if task is not None else None))
+            if task is not None:
+                arrays.setdefault(group, job_id)
+            ids.append(job_id)
     if spool_dir is not None:
         from slurm_dlrm.service.spool import write_job_spec
 

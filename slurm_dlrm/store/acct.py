@@ -27,6 +27,7 @@ from slurm_dlrm.site import SiteConfig
 from slurm_dlrm.store import queries
 from slurm_dlrm.store.db import DB_FILENAME
 from slurm_dlrm.store.errors import StoreError
+from slurm_dlrm.store.jobids import JobRef, parse_job_refs, resolve_job_refs
 from slurm_dlrm.store.states import JobState, parse_job_state
 from slurm_dlrm.store.store import Store
 
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class AcctFilter:
     job_ids: tuple[int, ...] | None = None
+    # -j as typed (`12`, `12_3`, `12_[0-2]`): resolved in each store (issue 42)
+    job_refs: tuple[JobRef, ...] | None = None
     users: tuple[str, ...] | None = None
     states: tuple[JobState, ...] | None = None
     pack: str | None = None  # pack id or name
@@ -55,7 +58,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("JobID", "job_id", "int", "job id in the store"),
     Column("Name", "name", "str", "job name from the spec"),
     Column("User", "user", "str", "owner"),
-    Column("State", "state", "str", "PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED"),
+    Column("State", "state", "str", "PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED TIMEOUT"),
     Column("Attempt", "attempt", "int", "times requeued after running"),
     # one pack label everywhere: the name queue, show and cancel --pack use (its Slurm job name)
     Column("Pack", "pack_name", "str", "current or last pack, by the name queue and show print"),
@@ -179,7 +182,7 @@ def parse_format(text: str) -> list[tuple[Column, int | None]]:
 
 # sacct's state abbreviations (sacct -s CD,F); PL is ours (PLANNED, no Slurm twin).
 STATE_ABBREVIATIONS = {"PD": "PENDING", "PL": "PLANNED", "R": "RUNNING", "CD": "COMPLETED", "F": "FAILED",
-                       "OOM": "OOM", "CA": "CANCELLED"}
+                       "OOM": "OOM", "CA": "CANCELLED", "TO": "TIMEOUT"}
 
 
 def parse_states(text: str) -> tuple[JobState, ...]:
@@ -190,11 +193,10 @@ def parse_states(text: str) -> tuple[JobState, ...]:
         raise BadInput(f"--state: {exc}") from None
 
 
-def parse_job_ids(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise BadInput(f"-j/--jobs: job ids are integers, got {text!r}") from None
+def parse_job_ids(text: str) -> tuple[JobRef, ...]:
+    """-j/--jobs: Slurm's job id forms (store/jobids.py), never int(): `2_0` is task 0
+    of array 2, not job 20."""
+    return parse_job_refs([text], "-j/--jobs: job id")
 
 
 # ---------------------------------------------------------------- rows
@@ -216,9 +218,12 @@ def _params(store: Store, f: AcctFilter, now: float) -> dict[str, Any] | None:
         if store.owner_user not in users:
             return None
         users = None
+    job_ids = f.job_ids
+    if f.job_refs is not None:
+        job_ids = (*(job_ids or ()), *resolve_job_refs(store, f.job_refs, missing_ok=True))
     return {
         "now": now,
-        "job_ids": None if f.job_ids is None else json.dumps(list(f.job_ids)),
+        "job_ids": None if job_ids is None else json.dumps(list(job_ids)),
         "states": None if f.states is None else json.dumps([s.value for s in f.states]),
         "users": None if users is None else json.dumps(list(users)),
         "pack_id": pack_id, "since": f.since, "until": f.until,
