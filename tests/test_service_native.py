@@ -199,7 +199,7 @@ def test_an_unreachable_slurm_leaves_no_pack_jobs_as_they_are(world):
     ("OUT_OF_MEMORY", 0, 9, ("OOM", 137)),
     ("CANCELLED by 0", None, 15, ("CANCELLED", 143)),
     ("CANCELLED", 5, None, ("CANCELLED", 5)),
-    ("TIMEOUT", None, 15, ("FAILED", 143)),
+    ("TIMEOUT", None, 15, ("TIMEOUT", 143)),
     ("NODE_FAIL", None, None, ("FAILED", None)),
 ])
 def test_native_ending_maps_slurms_end_to_our_state(state, code, sig, want):

@@ -53,10 +53,12 @@ from slurm_dlrm.service.common import (
 )
 from slurm_dlrm.service.daemon import ensure_private_dir
 from slurm_dlrm.service.sbatch_options import (
+    TIME_UNLIMITED,
     PackScript,
     SbatchOptions,
     pack_time_minutes,
     render_pack_script,
+    stop_lead_s,
 )
 from slurm_dlrm.service.spool import SPEC_FILE, write_job_spec, write_private
 from slurm_dlrm.site import MIB, SiteConfig
@@ -281,7 +283,7 @@ class PackingService:
                 pack = s.get_pack(job.pack_id)
                 s.transition_job(job_id, JobState.RUNNING, "member started", slurm_job_id=pack.slurm_job_id, t=t)
             return
-        if job.state == JobState.PLANNED and (state in ("COMPLETED", "PREEMPTED") or requeue):
+        if job.state == JobState.PLANNED and (state in ("COMPLETED", "PREEMPTED", "TIMEOUT") or requeue):
             # the start record was never written (agent killed early); it did run
             s.transition_job(job_id, JobState.RUNNING, "member started (inferred)", t=t)
             job = s.get_job(job_id)
@@ -294,6 +296,8 @@ class PackingService:
             s.transition_job(job_id, JobState.OOM, why, exit_code=code, t=t,
                              data={"kind": "gpu" if state == "OOM_GPU" else "host"})
             self._after_oom(job_id, "gpu" if state == "OOM_GPU" else "host", t)
+        elif state == "TIMEOUT":
+            s.transition_job(job_id, JobState.TIMEOUT, why, exit_code=code, t=t)
         elif state == "PREEMPTED":
             self._requeue(job, f"preempted ({why}); resumes from its checkpoint", t)
         elif state == "FAILED" and requeue:
@@ -778,7 +782,17 @@ class PackingService:
             # multi-GPU job's ranks share them (its rank 0 writes)
             "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
             **({"rank": p.rank or 0, "world_size": p.world_size} if (p.world_size or 1) > 1 else {}),
+            **self.time_limit_entry(job),
         }
+
+    def time_limit_entry(self, job: Any) -> dict[str, Any]:
+        """The job's own time limit for its agent to keep (issue 42), and the lead before
+        it at which the member is told to checkpoint and stop."""
+        minutes = job_options(job).time_minutes
+        if minutes is None or minutes == TIME_UNLIMITED:
+            return {}
+        limit_s = 60.0 * minutes
+        return {"time_limit_s": limit_s, "stop_lead_s": stop_lead_s(limit_s, self.site.agent.term_grace_s + 60.0)}
 
     def node_limits(self) -> tuple[int | None, int | None]:
         """(CPUs, MiB) of the smallest GPU node: a pack never asks for more per node."""

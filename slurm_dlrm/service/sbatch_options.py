@@ -99,6 +99,26 @@ def format_time_minutes(minutes: int) -> str:
     return f"{days}-{hours:02d}:{mins:02d}:00" if days else f"{hours:02d}:{mins:02d}:00"
 
 
+# ---------------------------------------------------------------- time limit leads
+
+# The least lead a short limit gets: a member's checkpoint (a DLRM step and one save)
+# fits in it, and the agent starts members a second or two after Slurm starts the pack.
+MIN_STOP_LEAD_S = 10.0
+STOP_LEAD_FRACTION = 0.15  # of the limit, for limits too short for the site's full lead
+
+
+def stop_lead_s(limit_s: float, full_lead_s: float) -> float:
+    """How long before its time limit a member is told to checkpoint and stop (issue 42).
+
+    The site's full lead (term_grace_s + 60, two minutes by default) for a limit that
+    affords it; a shorter limit keeps most of its time: 15 % of it, at least 10 s (`-t 2`:
+    18 s, so the job runs 102 s of its 120). Was `--signal=TERM@120` for every limit,
+    which stopped `-t 1` and `-t 2` jobs at once."""
+    if limit_s <= 0:
+        return 0.0
+    return min(full_lead_s, max(MIN_STOP_LEAD_S, STOP_LEAD_FRACTION * limit_s), limit_s / 2)
+
+
 # ---------------------------------------------------------------- the options
 
 @dataclass(frozen=True)
@@ -456,7 +476,7 @@ class PackScript:
     python: str  # absolute path of the interpreter that runs the agent
     placement_path: str  # <pack_dir>/placement.json
     pack_dir: str
-    signal_before_end_s: int  # SIGTERM to the agents this long before the time limit
+    signal_before_end_s: int  # SIGTERM to the agents this long before a partition's time limit
     options: SbatchOptions = SbatchOptions()
     gpu_type: str | None = None  # --gres=gpu:TYPE:N when the plan names a model
 
@@ -473,8 +493,12 @@ def pack_sbatch_flags(p: PackScript) -> list[str]:
         f"--nodes={p.nodes}",
         "--no-requeue",  # a requeue would restart every member; the service decides
         "--ntasks-per-node=1",
-        f"--signal=TERM@{p.signal_before_end_s}",
     ]
+    if p.options.time_minutes is None or p.options.time_minutes == TIME_UNLIMITED:
+        # The partition's limit, unknown here: Slurm signals the agents (they checkpoint the
+        # members). A limit of the pack's own is the agent's to keep, per member and to the
+        # second (placement time_limit_s): Slurm's --signal may come up to 60 s early.
+        flags.append(f"--signal=TERM@{p.signal_before_end_s}")
     if p.gpus_per_node > 0:
         flags.append(f"--gres={gres}")
     if p.options.output is None:
