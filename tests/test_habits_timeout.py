@@ -51,7 +51,9 @@ def test_a_member_at_its_limit_checkpoints_and_ends_timeout(world):  # noqa: F81
     # to get there on a loaded machine)
     stubborn = dict(member_entry(pack, 2, 1), command=["bash", "-c", "trap '' TERM; while :; do sleep 0.1; done"],
                     time_limit_s=5.0, stop_lead_s=2.0)
-    plain = member_entry(pack, 3, 1, args=["--steps", "20", "--step-s", "0.05"])
+    # and its -o (#SBATCH --output) is a link to its own log (issue 43 item 8)
+    plain = dict(member_entry(pack, 3, 1), command=["bash", "-c", "echo hello; sleep 0.5"],
+                 output_links=[str(world / "out-3.txt")])
     placement = parse_placement(placement_dict(pack, [short, stubborn, plain], sample_interval_s=0.1,
                                                term_grace_s=30.0))
     agent = Agent(placement, _opts(world))
@@ -63,6 +65,8 @@ def test_a_member_at_its_limit_checkpoints_and_ends_timeout(world):  # noqa: F81
     assert re.fullmatch(r"reached its time limit; stopped at step \d+ with a checkpoint \(exit 5\); "
                         r"`slurm-dlrm requeue 1` resumes it", agent.members[0].reason), agent.members[0].reason
     assert "without a checkpoint exit" in agent.members[1].reason
+    assert (world / "out-3.txt").resolve() == agent.members[2].output_path.resolve()
+    assert "hello" in (world / "out-3.txt").read_text()
     assert 3.9 <= took_s < 8.0  # to its limit less the lead, not at once (and the agent's own teardown)
 
 

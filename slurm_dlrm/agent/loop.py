@@ -615,6 +615,7 @@ class Agent:
                 d.mkdir(parents=True, exist_ok=True)
             m.output_path = Path(p.metrics_path).parent / f"output-{self.opts.node_name}.log"
             out = open(m.output_path, "ab")  # noqa: SIM115
+            self._link_output(m)
             if self.opts.launch == "step":
                 m.pid_file = self.run_dir / f"member-{p.key}.pid"
                 m.pid_file.unlink(missing_ok=True)
@@ -648,6 +649,21 @@ class Agent:
                             **({"joined": True} if joined else {}), **({"fence": m.fence} if m.fence else {}))
         log.info("launched %s (job %d%s) as %s", p.name, p.job_id,
                  f" rank {p.rank}/{p.world_size}" if p.world_size > 1 else "", self.opts.launch)
+
+    def _link_output(self, m: Member) -> None:
+        """The job's -o/-e paths as links to its log (issue 43 item 8), made by the agent as
+        the user; a path that is a file of its own is left alone (said in the agent log)."""
+        for link in m.placement.output_links:
+            path = Path(link)
+            try:
+                if path.is_symlink():
+                    path.unlink()
+                elif path.exists():
+                    log.warning("job %d: -o/-e %s exists and is not a link; not replaced", m.placement.job_id, path)
+                    continue
+                path.symlink_to(m.output_path)  # type: ignore[arg-type]
+            except OSError as exc:
+                log.warning("job %d: cannot link -o/-e %s to its log: %s", m.placement.job_id, path, exc)
 
     def _loop(self, rsock: socket.socket) -> None:
         next_tick = time.monotonic() + self.interval_s

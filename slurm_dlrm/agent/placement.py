@@ -43,6 +43,8 @@ class MemberPlacement:
     # member to checkpoint and stop (issue 42); None: no limit of its own
     time_limit_s: float | None = None
     stop_lead_s: float = 0.0
+    # the job's -o/-e paths (issue 43 item 8): the agent links them to the member's log
+    output_links: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -113,7 +115,10 @@ def parse_member(m: Any, where: str) -> MemberPlacement:
         world_size=_get(m, "world_size", int, w, 1, min_value=1),
         time_limit_s=_get(m, "time_limit_s", float, w, None, min_value=1),
         stop_lead_s=_get(m, "stop_lead_s", float, w, 0.0, min_value=0),
+        output_links=tuple(_get(m, "output_links", list, w, [])),
     )
+    if not all(isinstance(x, str) and x.startswith("/") for x in member.output_links):
+        raise BadInput(f"placement {w}output_links: must be absolute paths")
     if member.mps_thread_pct > 100:
         raise BadInput(f"placement {w}mps_thread_pct: must be <= 100, got {member.mps_thread_pct}")
     if member.rank >= member.world_size:

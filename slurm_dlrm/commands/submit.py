@@ -116,6 +116,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
     cwd = os.getcwd()
     if test_only:
         subs = svc.prepare(specs, cli_options, site, cwd, sets, array)
+        test_only_checks(site, user, subs, dependency)
         lines = svc.test_only_lines(subs, site, no_pack=no_pack)
         if as_json:
             click.echo(json.dumps([{"name": s.name, "sbatch": line} for s, line in zip(subs, lines, strict=True)],
@@ -212,6 +213,39 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
             click.echo(line)
     if wait_:
         sys.exit(wait_with_progress(site, user, ids))
+
+
+def test_only_checks(site: Any, user: str, subs: list[Any], dependency: str | None) -> None:
+    """What sbatch --test-only checks beyond the script: the partition exists and the
+    dependency names known jobs (issue 42: both passed --test-only, then failed later)."""
+    from slurm_dlrm.service import submit as svc
+
+    texts = sorted({d for d in [dependency, *(s.options.dependency for s in subs)] if d})  # + #SBATCH -d
+    if texts:
+        from slurm_dlrm.service.depend import check_known, parse_dependency
+        from slurm_dlrm.store.store import Store, store_path_for
+
+        deps = [d for text in texts for d in parse_dependency(text)]
+        if not store_path_for(site, user).exists():
+            check_known(deps, _EmptyStore(), user)
+        else:
+            with Store.for_user(site, user, readonly=True) as store, store.read():
+                check_known(deps, store, user)
+    if any(s.options.partition for s in subs):
+        from slurm_dlrm.slurm import SlurmClient, SlurmError
+
+        try:
+            client: Any = SlurmClient(timeout_s=10.0)
+        except SlurmError:
+            client = None
+        svc.check_partitions(client, site, subs)
+
+
+class _EmptyStore:
+    def get_job(self, job_id: int) -> Any:
+        from slurm_dlrm.store.errors import UnknownEntity
+
+        raise UnknownEntity("job", job_id)
 
 
 def submitted_lines(ids: list[int], subs: list[Any], parsable: bool, describe: Any) -> list[str]:

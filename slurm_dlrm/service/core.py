@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import sys
 import time
@@ -460,7 +461,7 @@ class PackingService:
     # ------------------------------------------------------------ act
 
     def act(self, stats: RoundStats) -> None:
-        from slurm_dlrm.service.depend import ready_jobs
+        from slurm_dlrm.service.depend import ready_jobs, within_array_throttle
         from slurm_dlrm.store.states import JobState
 
         if not self._slurm_available():
@@ -470,6 +471,7 @@ class PackingService:
         pending, never = ready_jobs(self.store, pending)  # submit --dependency
         now = self.clock()
         pending = [j for j in pending if j.begin_time is None or j.begin_time <= now]  # submit --begin
+        pending = within_array_throttle(self.store, pending)  # submit --array 0-7%2
         for job, why in never:
             self.store.transition_job(job.id, JobState.FAILED, why, expect=JobState.PENDING)
             stats.transitions += 1
@@ -783,7 +785,16 @@ class PackingService:
             "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
             **({"rank": p.rank or 0, "world_size": p.world_size} if (p.world_size or 1) > 1 else {}),
             **self.time_limit_entry(job),
+            **self.output_links_entry(job, p),
         }
+
+    def output_links_entry(self, job: Any, p: Any) -> dict[str, Any]:
+        """`-o`/`-e` of a packed job (#SBATCH --output in its spec, or the command line):
+        the agent links those paths to the member's own log (issue 43 item 8), with
+        sbatch's %j as our job id, %x its name, %u the user, %A/%a its array and task."""
+        opts = job_options(job)
+        links = [expand_output_pattern(pat, job, self.settings.user, p.node) for pat in (opts.output, opts.error) if pat]
+        return {"output_links": sorted(set(links))} if links else {}
 
     def time_limit_entry(self, job: Any) -> dict[str, Any]:
         """The job's own time limit for its agent to keep (issue 42), and the lead before
@@ -813,7 +824,9 @@ class PackingService:
         base = options[0]
         merged = SbatchOptions(
             partition=base.partition, account=base.account, qos=base.qos, constraint=base.constraint,
-            mail_type=base.mail_type, mail_user=base.mail_user, output=base.output, error=base.error,
+            mail_type=base.mail_type, mail_user=base.mail_user,
+            # -o/-e are each member's own (member_entry's output_links), not the pack's: the
+            # pack's batch output holds only its agents' lines, and %j there was the pack's id
             time_minutes=pack_time_minutes(o.time_minutes for o in options))
         return PackScript(
             pack_name=pack.name, comment=format_marker(MODE_PACK, pack_id=pack.id, extra={"pack": pack.name}),
@@ -827,3 +840,19 @@ def _never_fits(reason: str) -> bool:
     # The policy's "too big" reasons: the job exceeds what any node offers even when
     # empty. Room or GPUs lacking *this round* is not final.
     return "largest free GPU" in reason
+
+
+def expand_output_pattern(pattern: str, job: Any, user: str, node: str | None) -> str:
+    """sbatch's filename pattern for one member: %j/%J our job id, %x its name, %u the
+    user, %A the array's id (else the job id), %a its task (else 0), %N its node,
+    %% a percent sign; a number between % and the letter pads with zeros (%4j)."""
+    def one(m: Any) -> str:
+        width, letter = m.group(1), m.group(2)
+        values = {"j": job.id, "J": job.id, "x": job.name, "u": user, "N": node or "node",
+                  "A": job.array_job_id if job.array_job_id is not None else job.id,
+                  "a": job.array_task_id if job.array_task_id is not None else 0, "%": "%"}
+        value = str(values.get(letter, m.group(0)))
+        return value.zfill(int(width)) if width and value.isdigit() else value
+    if "\\" in pattern:  # sbatch: a backslash anywhere turns the patterns off
+        return pattern.replace("\\", "")
+    return re.sub(r"%(\d*)([jJxuNAa%])", one, pattern)

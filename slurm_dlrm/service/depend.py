@@ -33,16 +33,19 @@ def parse_dependency(text: str) -> list[tuple[str, int]]:
 
 
 def check_known(deps: list[tuple[str, int]], store: Any, user: str) -> None:
-    """Every id names a job of this user (sbatch: "Job dependency problem")."""
+    """Every id names a job of this user; else exit 1, as sbatch's "Batch job submission
+    failed: Job dependency problem" (the form itself is a usage error, exit 2)."""
+    from slurm_dlrm.errors import DlrmError
     from slurm_dlrm.store.errors import UnknownEntity
 
     for _kind, jid in deps:
         try:
             job = store.get_job(jid)
         except UnknownEntity:
-            raise BadInput(f"--dependency: job {jid}: no such job in your store") from None
+            raise DlrmError(f"--dependency: job {jid}: no such job in your store (Job dependency problem); "
+                            "nothing recorded") from None
         if job.user != user:
-            raise BadInput(f"--dependency: job {jid}: belongs to {job.user}, not {user}")
+            raise DlrmError(f"--dependency: job {jid}: belongs to {job.user}, not {user}")
 
 
 def job_dependency(job: Any) -> list[tuple[str, int]]:
@@ -115,3 +118,22 @@ def ready_jobs(store: Any, pending: list[Any]) -> tuple[list[Any], list[tuple[An
         elif verdict == "never":
             never.append((j, why))
     return ready, never
+
+
+def within_array_throttle(store: Any, pending: list[Any]) -> list[Any]:
+    """The pending jobs less the array tasks over their array's `%N` (sbatch --array
+    0-7%2: at most 2 tasks planned or running at once; issue 42: all started), in order."""
+    active: dict[int, int] = {}
+    out = []
+    for j in pending:
+        limit = json.loads(j.sbatch_json).get("array_throttle") if j.array_job_id is not None and j.sbatch_json else None
+        if not isinstance(limit, int):
+            out.append(j)
+            continue
+        if j.array_job_id not in active:
+            active[j.array_job_id] = sum(1 for r in store.query("array_tasks", {"array_job_id": j.array_job_id})
+                                         if r["state"] in ("PLANNED", "RUNNING"))
+        if active[j.array_job_id] < limit:
+            active[j.array_job_id] += 1
+            out.append(j)
+    return out

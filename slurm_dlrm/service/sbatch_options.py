@@ -139,6 +139,9 @@ class SbatchOptions:
     # never reach a pack's sbatch line and do not split packs.
     nice: int | None = None  # sbatch --nice: the job's priority among its user's jobs, lower first
     begin_time: float | None = None  # sbatch --begin, as epoch seconds (resolved at submit)
+    # `#SBATCH --array`/`-d` in a spec, as the command line's (issue 42); per job too
+    array: str | None = None
+    dependency: str | None = None
 
     def merged_over(self, base: SbatchOptions) -> SbatchOptions:
         """These options with `base` filling the gaps (self wins, as the command line)."""
@@ -166,10 +169,11 @@ class SbatchOptions:
     def pack_key(self) -> tuple[tuple[str, str], ...]:
         """What jobs must share to ride in one pack: all but the job name and time.
 
-        Time limits differ freely: the pack asks for the longest (`pack_time_minutes`).
+        Time limits differ freely: the pack asks for the longest (`pack_time_minutes`);
+        -o/-e are each member's own (linked to its log), not the pack's.
         """
         return tuple(sorted((k, str(v)) for k, v in self.to_dict().items()
-                            if k not in ("job_name", "time_minutes") + PER_JOB))
+                            if k not in ("job_name", "time_minutes", "output", "error") + PER_JOB))
 
     def sbatch_flags(self, *, include_job_name: bool = True) -> list[str]:
         """`--flag=value` argv items (unquoted: for an argv list or `sbatch_line`)."""
@@ -257,6 +261,27 @@ def _nice(value: str) -> int:
     return n
 
 
+def _array(value: str) -> str:
+    from slurm_dlrm.service.sweep import array_throttle, parse_array
+
+    try:
+        parse_array(value)
+        array_throttle(value)
+    except BadInput as exc:
+        raise ValueError(str(exc).split(": ", 1)[-1]) from None
+    return value.strip()
+
+
+def _dependency(value: str) -> str:
+    from slurm_dlrm.service.depend import parse_dependency
+
+    try:
+        parse_dependency(value)
+    except BadInput as exc:
+        raise ValueError(str(exc).split(": ", 1)[-1]) from None
+    return value.strip()
+
+
 def _begin(value: str) -> float:
     from slurm_dlrm.service.begin_time import parse_begin
 
@@ -276,8 +301,10 @@ OPTIONS: tuple[_OptionSpec, ...] = (
     _OptionSpec("time_minutes", "--time", "-t", _time),
     _OptionSpec("nice", "--nice", None, _nice),
     _OptionSpec("begin_time", "--begin", "-b", _begin),
+    _OptionSpec("array", "--array", "-a", _array),
+    _OptionSpec("dependency", "--dependency", "-d", _dependency),
 )
-PER_JOB = ("nice", "begin_time")
+PER_JOB = ("nice", "begin_time", "array", "dependency")
 _BY_LONG = {o.long: o for o in OPTIONS}
 _BY_SHORT = {o.short: o for o in OPTIONS if o.short}
 _BY_ATTR = {o.attr: o for o in OPTIONS}

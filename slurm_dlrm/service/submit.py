@@ -89,8 +89,6 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
     from slurm_dlrm.spec import MAX_SPEC_BYTES, load_spec, spec_fingerprint
 
     sweep_sets = parse_sets(sets)
-    sweep_array = parse_array(array) if array else None
-    throttle = array_throttle(array) if array else None
 
     if not paths:
         raise BadInput("SPEC: give at least one spec file")
@@ -106,6 +104,9 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
         if len(data) > MAX_SPEC_BYTES:
             raise BadInput(f"{raw}: spec: file is larger than {MAX_SPEC_BYTES >> 20} MiB (the limit)")
         options = cli_options.merged_over(parse_sbatch_script(text, raw)).with_paths_from(cwd)
+        file_array = array if array else options.array  # `#SBATCH --array` unless the command line has one
+        sweep_array = parse_array(file_array) if file_array else None
+        throttle = array_throttle(file_array) if file_array else None
         gpu = gpu_for(site, options)
         swept = bool(sweep_sets or sweep_array)
         group_base = 1 + max((sb.array_group or 0 for sb in out), default=0)
@@ -191,10 +192,11 @@ def record_rows(store: Any, rows: Sequence[Mapping[str, Any]], user: str, spool_
     ids = []
     arrays: dict[Any, int] = {}  # a row's array_group -> the array's id (its first task's job id)
     with store.write():
-        if dependency:
+        deps = {dependency} | {str((r.get("sbatch") or {}).get("dependency") or "") for r in rows}  # + #SBATCH -d
+        for dep in sorted(d for d in deps if d):
             from slurm_dlrm.service.depend import check_known, parse_dependency
 
-            check_known(parse_dependency(dependency), store, user)  # in the transaction: nothing half-done
+            check_known(parse_dependency(dep), store, user)  # in the transaction: nothing half-done
         for r in rows:
             task = _row_number(r, "array_task_id", None, int)
             group = r.get("array_group")
@@ -276,6 +278,26 @@ def ensure_service_job(site: SiteConfig, user: str, slurm: Any = None) -> str:
            f"{site.service_partition}"
 
 
+def check_partitions(slurm: Any, site: SiteConfig, subs: Sequence[Submission]) -> None:
+    """Every `-p` partition exists, or one line and exit 1 with nothing recorded, as sbatch
+    refuses it at once (issue 42: the job was recorded, turned FAILED 10 s later and left
+    `queue`). Slurm's own list (one sinfo); the site's where Slurm does not answer."""
+    from slurm_dlrm.slurm import SlurmError
+
+    wanted = sorted({p for s in subs if s.options.partition for p in s.options.partition.split(",")})
+    if not wanted:
+        return
+    try:
+        known = {r.partition.rstrip("*") for r in slurm.sinfo()} if slurm is not None else set()
+    except SlurmError:
+        known = set()
+    known = known or {p.name for p in site.partitions}
+    for name in wanted:
+        if name not in known:
+            raise DlrmError(f"-p/--partition {name}: invalid partition specified (Slurm has "
+                            f"{', '.join(sorted(known))}); nothing recorded")
+
+
 def check_slurm_reachable(slurm: Any, site: SiteConfig, user: str) -> None:
     """Fail at once, as sbatch would, when Slurm cannot be reached (nothing recorded).
 
@@ -345,6 +367,7 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
         check_slurm()
     if slurm is not None:
         check_slurm_reachable(slurm, site, user)
+        check_partitions(slurm, site, subs)
     ensure_private_dir(site.store_dir_for(user))
     with Store.for_user(site, user) as store:
         ids = record(store, subs, user, site.spool_dir_for(user), dependency=dependency)

@@ -310,7 +310,7 @@ QUERIES: dict[str, str] = {
         "AND (:user IS NULL OR j.user = :user) ORDER BY j.id"
     ),
     # issue 42: an array's tasks (Slurm's `N_M`), and a pack by the Slurm id squeue shows
-    "array_tasks": ("SELECT id, array_task_id FROM jobs WHERE array_job_id = :array_job_id "
+    "array_tasks": ("SELECT id, array_task_id, state FROM jobs WHERE array_job_id = :array_job_id "
                     "ORDER BY array_task_id"),
     "job_exists": "SELECT id FROM jobs WHERE id = :id",
     "pack_by_slurm_job_id": "SELECT * FROM packs WHERE slurm_job_id = :slurm_job_id ORDER BY id DESC LIMIT 1",
