@@ -52,21 +52,22 @@ def _open_store(site: Any, user: str, readonly: bool = True) -> Any:
 def parse_queue_filters(jobs: str | None, states: str | None, names: str | None, users: str | None,
                         user: str) -> dict[str, Any]:
     """squeue's -j/-t/-n/-u as sets (None: no filter); -u names only you (your store)."""
-    from slurm_dlrm.store.acct import parse_job_ids, parse_states
+    from slurm_dlrm.service.squeue_format import parse_squeue_states
+    from slurm_dlrm.store.acct import parse_job_ids
 
     if users and {u.strip() for u in users.split(",") if u.strip()} - {user}:
         raise BadInput(f"-u/--user: your store holds only {user}'s jobs (admins: slurm-dlrm acct --all-users)")
     return {"job_refs": parse_job_ids(jobs) if jobs else None, "job_ids": None,
-            "states": {str(st) for st in parse_states(states)} if states else None,
+            "states": parse_squeue_states(states)[0] if states else None,
             "names": {n.strip() for n in names.split(",") if n.strip()} if names else None}
 
 
-def parse_columns(fmt: str | None) -> list[str]:
+def parse_columns(fmt: str | None, long: bool = False) -> list[str]:
     """`-o JOBID,NAME,STATE,REASON` (our headers, any case) -> row keys."""
-    from slurm_dlrm.service.queue import HEADERS, QUEUE_COLUMNS
+    from slurm_dlrm.service.queue import HEADERS, LONG_COLUMNS, QUEUE_COLUMNS
 
     if not fmt:
-        return list(QUEUE_COLUMNS)
+        return list(LONG_COLUMNS if long else QUEUE_COLUMNS)
     by_header = {h.lower(): k for k, h in HEADERS.items()} | {k.lower(): k for k in HEADERS}
     cols = []
     for item in fmt.split(","):
@@ -86,8 +87,10 @@ def complete_columns(ctx: click.Context, param: click.Parameter, incomplete: str
     return [prefix + h for h in HEADERS.values() if h.lower().startswith(last.lower())]
 
 
-def complete_job_ids(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
-    """Shell completion of job ids: your jobs in the store (active ones first), with names."""
+def complete_job_ids(ctx: click.Context, param: click.Parameter, incomplete: str,
+                     states: frozenset[str] | None = None) -> list[Any]:
+    """Shell completion of job ids: your jobs in the store (active ones first), with names;
+    `states`: only jobs in these (cancel offers active jobs, requeue ended ones)."""
     from click.shell_completion import CompletionItem
 
     try:
@@ -104,28 +107,56 @@ def complete_job_ids(ctx: click.Context, param: click.Parameter, incomplete: str
     except Exception:  # noqa: BLE001 - completion must never print a traceback into the shell
         return []
     jobs.sort(key=lambda j: (str(j.state) not in ("PENDING", "PLANNED", "RUNNING"), -j.id))
-    return [CompletionItem(str(j.id), help=f"{j.name} {j.state}") for j in jobs if str(j.id).startswith(incomplete)]
+    return [CompletionItem(str(j.id), help=f"{j.name} {j.state}") for j in jobs
+            if str(j.id).startswith(incomplete) and (states is None or str(j.state) in states)]
 
 
-@click.command("queue", context_settings=CTX)
+def complete_active_ids(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+    return complete_job_ids(ctx, param, incomplete, frozenset({"PENDING", "PLANNED", "RUNNING"}))
+
+
+def complete_requeuable_ids(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+    return complete_job_ids(ctx, param, incomplete, frozenset({"CANCELLED", "FAILED", "TIMEOUT"}))
+
+
+def complete_states(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+    """`-t PD,R`: squeue's codes and all, after what is typed already."""
+    from slurm_dlrm.service.squeue_format import STATE_CODES
+
+    head, _, last = incomplete.rpartition(",")
+    prefix = f"{head}," if head else ""
+    return [prefix + c for c in [*STATE_CODES.values(), "all"] if c.lower().startswith(last.lower())]
+
+
+@click.command("queue", context_settings={"help_option_names": ["--help"]})
 @click.option("-a", "--all", "include_ended", is_flag=True, help="Also list jobs that ended.")
-@click.option("-j", "--jobs", metavar="ID[,ID...]", help="Only these jobs (like squeue -j).")
-@click.option("-t", "--states", metavar="STATE[,STATE...]",
-              help="Only jobs in these states, names or squeue's abbreviations (PD,R,CD,F,CA,OOM,PL); "
-                   "ended states imply --all.")
+@click.option("-j", "--jobs", metavar="ID[,ID...]", help="Only these jobs (like squeue -j): N, N_M (task M of "
+              "array N), N_[M-K].")
+@click.option("-t", "--states", metavar="STATE[,STATE...]", shell_complete=complete_states,
+              help="Only jobs in these states, names or squeue's codes (PD,PL,R,CD,F,CA,OOM,TO) or all; "
+                   "Slurm's other states (CG, S, ...) match nothing here; ended states imply --all.")
+@click.option("-p", "--partition", "partitions", metavar="PART[,PART...]", help="Only jobs of these partitions.")
+@click.option("-l", "--long", "long_format", is_flag=True,
+              help="Also PARTITION, TIME and TIME_LIMIT (like squeue -l).")
+@click.option("-S", "--sort", "sort", metavar="KEY[,KEY...]",
+              help="Sort by squeue's keys (i, j, t, P, M, l, N, r, p) or column names; -KEY descending.")
 @click.option("-n", "--name", "names", metavar="NAME[,NAME...]", help="Only jobs with these names.")
 @click.option("-u", "--user", "users", metavar="USER", help="Accepted for your own user (the store is yours).")
 @click.option("--me", is_flag=True, help="Accepted: your jobs are the only ones listed.")
 @click.option("-o", "--format", "fmt", metavar="COL[,COL...]", shell_complete=complete_columns,
-              help="Columns: JOBID,NAME,STATE,PACK,SLURMID,NODE,GPU,MPS%,GPU_MiB,TRY,REASON (any case).")
-@click.option("--noheader", is_flag=True, help="No header line (like squeue -h).")
+              help="Columns: JOBID,NAME,STATE,PACK,SLURMID,NODE,GPU,MPS%,GPU_MiB,TRY,REASON,PARTITION,TIME,"
+                   "TIME_LIMIT (any case), or squeue's %-format (\"%.18i %.9P %.8j %.2t %.10M %R\"; %i prints "
+                   "an array task as N_M).")
+@click.option("-h", "--noheader", is_flag=True,
+              help="No header line. -h is squeue's (scripts use `squeue -h -o %i`), so help is --help alone.")
 @click.option("--no-slurm", is_flag=True, help="Do not ask Slurm for the reasons queued packs wait.")
 @click.option("--start", "start", is_flag=True,
               help="Waiting jobs and their expected start (START_TIME), like squeue --start: the simulator "
                    "run forward from the current state (running jobs' time left, the queue, --nice, --begin).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 @site_option
-def queue(include_ended: bool, jobs: str | None, states: str | None, names: str | None, users: str | None,
+def queue(include_ended: bool, jobs: str | None, states: str | None, partitions: str | None, long_format: bool,
+          sort: str | None, names: str | None, users: str | None,
           me: bool, fmt: str | None, noheader: bool, no_slurm: bool, start: bool, as_json: bool,
           site_path: str | None) -> None:
     """List your DLRM jobs, like squeue: pack, node, GPU, MPS share, state, reason.
@@ -136,9 +167,14 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, names: str 
     cannot be reached the service retries with back-off), its pack's Slurm reason,
     or why it ended.
 
+    Where our habits and squeue's collide, squeue's win here: -h is --noheader (help is
+    --help), as `squeue -h -o %i` in scripts expects.
+
     \b
     Example:
       slurm-dlrm queue
+      slurm-dlrm queue -h -o %i -t PD          # ids of pending jobs, as squeue prints them
+      slurm-dlrm queue -l --sort=-M            # with TIME and TIME_LIMIT, longest running first
       slurm-dlrm queue --start
       slurm-dlrm queue --me -t PD,R -o JOBID,NAME,STATE,REASON
       slurm-dlrm queue --all --json
@@ -149,11 +185,24 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, names: str 
         queue_rows,
         slurm_pending_reasons,
     )
+    from slurm_dlrm.service.squeue_format import (
+        is_percent_format,
+        parse_squeue_states,
+        render_percent,
+        sort_rows,
+        squeue_time,
+        time_limit,
+    )
     from slurm_dlrm.store.states import JOB_TERMINAL
 
     site, user, service = _context(site_path)
     wanted = parse_queue_filters(jobs, states, names, users, user)
-    columns = parse_columns(fmt)
+    percent = bool(fmt) and is_percent_format(str(fmt))
+    columns = parse_columns(None if percent else fmt, long_format)
+    if percent:
+        render_percent([], str(fmt), False)  # a bad field is a usage error before any work
+    if states and parse_squeue_states(states)[1]:
+        include_ended = True  # `-t all` or an ended state, as squeue lists them
     if wanted["states"] and wanted["states"] & {str(st) for st in JOB_TERMINAL}:
         include_ended = True
     if wanted["job_refs"]:
@@ -181,9 +230,19 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, names: str 
                 rows = with_start_times(store, site, user, [r for r in rows if r["state"] == "PENDING"])
                 if fmt is None:
                     columns = list(START_COLUMNS)
+    default_part = site.default_partition.name if site.partitions else ""
+    for r in rows:
+        r["partition"] = r.get("partition") or default_part
+        r["user"] = user
+        r["time"] = squeue_time(r.get("time_s"))
+        r["time_limit"] = time_limit(r.get("time_limit_min"))
+    parts = {p.strip() for p in partitions.split(",") if p.strip()} if partitions else None
     rows = [r for r in rows if (wanted["job_ids"] is None or r["job_id"] in wanted["job_ids"])
             and (wanted["states"] is None or r["state"] in wanted["states"])
-            and (wanted["names"] is None or r["name"] in wanted["names"])]
+            and (wanted["names"] is None or r["name"] in wanted["names"])
+            and (parts is None or r["partition"] in parts)]
+    if sort:
+        rows = sort_rows(rows, sort)
     if as_json:
         click.echo(json.dumps({"service": service, "jobs": rows}, indent=1, sort_keys=True, default=str))
         return
@@ -195,6 +254,10 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, names: str 
 
         click.echo(f"note: waiting for Slurm: {slurm_error_line(service.get('slurm_error'), 200)} "
                    f"(slurm-dlrm serve status has the whole error)", err=True)
+    if percent:
+        text = render_percent(rows, str(fmt), not noheader)
+        click.echo(text, nl=bool(text))
+        return
     table = format_table(rows, columns)
     click.echo(table.split("\n", 1)[1] if noheader and "\n" in table else "" if noheader else table,
                nl=bool(rows) or not noheader)
@@ -333,16 +396,18 @@ def show(job_ref: str, tail: int, as_json: bool, site_path: str | None) -> None:
 
 
 @click.command("cancel", context_settings=CTX)
-@click.argument("job_refs", nargs=-1, metavar="[JOBID...]", shell_complete=complete_job_ids)
+@click.argument("job_refs", nargs=-1, metavar="[JOBID...]", shell_complete=complete_active_ids)
 @click.option("-n", "--name", "names", metavar="NAME[,NAME...]", help="Your active jobs with these names.")
 @click.option("-t", "--state", "states", metavar="STATE[,STATE...]",
               help="Your active jobs in these states (PENDING/PD, PLANNED/PL, RUNNING/R).")
 @click.option("--pack", metavar="ID|NAME", help="Your active jobs in this pack (the PACK of queue).")
-@click.option("-u", "--user", "users", metavar="USER", help="Accepted for your own user.")
-@click.option("--me", is_flag=True, help="Accepted: you cancel only your own jobs.")
+@click.option("-u", "--user", "users", metavar="USER",
+              help="Your own user; alone, as scancel -u, it selects all your active jobs.")
+@click.option("--me", is_flag=True, help="All your active jobs when alone (scancel --me); you cancel only your own.")
+@click.option("-s", "--signal", "signal_name", metavar="SIG", hidden=True)
 @site_option
 def cancel(job_refs: tuple[str, ...], names: str | None, states: str | None, pack: str | None,
-           users: str | None, me: bool, site_path: str | None) -> None:
+           users: str | None, me: bool, signal_name: str | None, site_path: str | None) -> None:
     """Cancel jobs; a member of a running pack stops without disturbing its neighbours.
 
     The pack's agent is told to stop that member only; it checkpoints and exits, and
@@ -364,8 +429,11 @@ def cancel(job_refs: tuple[str, ...], names: str | None, states: str | None, pac
     from slurm_dlrm.store.jobids import parse_job_refs
 
     parse_job_refs(job_refs)  # the form first: `2_0` is task 0 of array 2, never job 20
+    if signal_name is not None:
+        raise BadInput("-s/--signal: a member is stopped only with its checkpoint (slurm-dlrm cancel ID); to send "
+                       "a signal to a whole pack, scancel --signal=SIG the SLURMID that slurm-dlrm queue shows")
     site, user, _service = _context(site_path)
-    filtered = bool(names or states or pack)
+    filtered = bool(names or states or pack or users or me)
     if not job_refs and not filtered:
         raise BadInput("give job ids, or -n NAME, -t STATE or --pack to select your jobs")
     wanted = parse_queue_filters(None, states, names, users, user)
@@ -528,7 +596,7 @@ def log(job_ref: str, follow: bool, tail: int | None, site_path: str | None) -> 
 
 
 @click.command("requeue", context_settings=CTX)
-@click.argument("job_refs", nargs=-1, required=True, metavar="JOBID...", shell_complete=complete_job_ids)
+@click.argument("job_refs", nargs=-1, required=True, metavar="JOBID...", shell_complete=complete_requeuable_ids)
 @click.option("--no-service", is_flag=True, hidden=True, help="Record only; do not start or wake the service.")
 @site_option
 def requeue(job_refs: tuple[str, ...], no_service: bool, site_path: str | None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -32,8 +33,10 @@ _SBATCH_OPTIONS = (
 def sbatch_option_decorators(fn: Any) -> Any:
     for attr, names, metavar, help_text in reversed(_SBATCH_OPTIONS):
         fn = click.option(*names, attr, metavar=metavar, default=None, help=help_text)(fn)
-    # sbatch --nice[=N]: a bare --nice lowers the priority by 100.
-    fn = click.option("--nice", "nice", metavar="[N]", default=None, is_flag=False, flag_value="100",
+    # sbatch --nice[=N]: a bare --nice lowers the priority by 100. A plain value option:
+    # click's optional value read `--nice=-5` as an option -5 and `--nice spec.yaml` as
+    # the value (issue 42); submit() takes a value that is no number for the spec it is.
+    fn = click.option("--nice", "nice", metavar="[N]", default=None,
                       help="Priority among your own jobs, as sbatch --nice: higher N goes later "
                            "(0..2147483645; negative: root only; bare --nice: 100).")(fn)
     return fn
@@ -45,7 +48,7 @@ def site_option(fn: Any) -> Any:
 
 
 @click.command("submit", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("specs", nargs=-1, required=True, metavar="SPEC...")
+@click.argument("specs", nargs=-1, required=False, metavar="SPEC...")
 @sbatch_option_decorators
 @click.option("--parsable", is_flag=True, help="Print only the job ids, one per line (like sbatch --parsable: "
               "an --array is one line, its array id, which cancel, queue -j and -d afterok take whole).")
@@ -63,15 +66,18 @@ def site_option(fn: Any) -> Any:
               "0-15:4, 0-7%2: at most 2 at once): job <name>-<i> with seed + i; task i of array N is N_i "
               "to cancel, show, queue -j, acct -j.")
 @click.option("-d", "--dependency", metavar="TYPE:ID[:ID...]",
-              help="Start only after these jobs of yours (slurm-dlrm ids): after, afterok, afternotok, "
-                   "afterany, as sbatch -d.")
+              help="Start only after these jobs of yours (slurm-dlrm ids; an array's id: all its tasks): after, "
+                   "afterok, afternotok, afterany, or singleton (after your earlier jobs of this name), as sbatch -d.")
+@click.option("-D", "--chdir", "chdir", metavar="DIR", type=click.Path(file_okay=False, exists=True),
+              help="Relative -o/-e paths are from DIR, as sbatch --chdir (the specs are read from here).")
+@click.option("--export", "export", metavar="ALL", hidden=True)
 @click.option("--test-only", is_flag=True, help="Validate and estimate, record and submit nothing; print the "
               "sbatch command each job would use (like sbatch --test-only).")
 @click.option("--no-service", is_flag=True, hidden=True, help="Record only; do not start or wake the service.")
 @click.option("--json", "as_json", is_flag=True, help="Print the recorded jobs and their estimates as JSON.")
 @site_option
 def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, sets: tuple[str, ...],
-           array: str | None, dependency: str | None, test_only: bool, no_service: bool, as_json: bool, site_path: str | None,
+           array: str | None, dependency: str | None, chdir: str | None, export: str | None, test_only: bool, no_service: bool, as_json: bool, site_path: str | None,
            **sbatch: str | None) -> None:
     """Submit DLRM job specs to the packing service, like sbatch.
 
@@ -110,10 +116,19 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
     from slurm_dlrm.site import load_site
     from slurm_dlrm.store.store import current_user
 
+    nice = sbatch.get("nice")
+    if nice is not None and not re.fullmatch(r"\s*[+-]?\d+\s*", nice):
+        specs, sbatch["nice"] = (nice, *specs), "100"  # a bare --nice before a spec
+    if not specs:
+        raise click.UsageError("Missing argument 'SPEC...'")
+    if export is not None and export.strip().upper() != "ALL":
+        raise BadInput(f"--export={export}: a member runs with its pack's environment (the packing service's, "
+                       "ALL); set variables in the spec's command instead (command: [env, VAR=value, ...])")
     site = load_site(site_path)
     user = current_user()
     cli_options = options_from_mapping(sbatch)
-    cwd = os.getcwd()
+    cwd = os.path.abspath(chdir) if chdir else os.getcwd()
+    specs = tuple(os.path.abspath(p) for p in specs) if chdir else specs  # read from here, as sbatch reads its script
     if test_only:
         subs = svc.prepare(specs, cli_options, site, cwd, sets, array)
         test_only_checks(site, user, subs, dependency)

@@ -15,15 +15,19 @@ from typing import Any
 
 from slurm_dlrm.errors import BadInput
 
-TYPES = ("after", "afterok", "afternotok", "afterany")
+TYPES = ("after", "afterok", "afternotok", "afterany", "singleton")
 _ITEM = re.compile(r"(after|afterok|afternotok|afterany)((?::\d+)+)")
 _ENDED = ("COMPLETED", "FAILED", "OOM", "CANCELLED", "TIMEOUT")
 
 
 def parse_dependency(text: str) -> list[tuple[str, int]]:
-    """`afterok:12:13,afterany:9` -> [("afterok", 12), ("afterok", 13), ("afterany", 9)]."""
+    """`afterok:12:13,afterany:9` -> [("afterok", 12), ("afterok", 13), ("afterany", 9)];
+    `singleton` -> ("singleton", 0): after your earlier jobs of the same name ended."""
     out: list[tuple[str, int]] = []
     for item in text.split(","):
+        if item.strip() == "singleton":
+            out.append(("singleton", 0))
+            continue
         m = _ITEM.fullmatch(item.strip())
         if not m:
             raise BadInput(f"--dependency {text}: expected TYPE:ID[:ID...][,...] with TYPE one of "
@@ -38,7 +42,9 @@ def check_known(deps: list[tuple[str, int]], store: Any, user: str) -> None:
     from slurm_dlrm.errors import DlrmError
     from slurm_dlrm.store.errors import UnknownEntity
 
-    for _kind, jid in deps:
+    for kind, jid in deps:
+        if kind == "singleton":
+            continue
         try:
             job = store.get_job(jid)
         except UnknownEntity:
@@ -60,6 +66,8 @@ def dependency_state(job: Any, state_of: Any) -> tuple[str, str]:
     """("ready" | "wait" | "never", why) for a pending job; `state_of(id)` -> state or None."""
     waits = []
     for kind, jid in job_dependency(job):
+        if kind == "singleton":
+            continue  # ready_jobs holds it while an earlier job of its name is active
         st = state_of(jid)
         if st is None:
             return "never", f"dependency never satisfied: job {jid} is gone ({kind})"
@@ -111,7 +119,14 @@ def ready_jobs(store: Any, pending: list[Any]) -> tuple[list[Any], list[tuple[An
         return cache[jid]
 
     ready, never = [], []
+    active_names: dict[tuple[str, str], int] = {}  # (user, name) -> lowest active job id (singleton)
+    if any(kind == "singleton" for j in pending for kind, _ in job_dependency(j)):
+        for a in store.jobs(["PENDING", "PLANNED", "RUNNING"]):
+            key = (a.user, a.name)
+            active_names[key] = min(active_names.get(key, a.id), a.id)
     for j in pending:
+        if any(kind == "singleton" for kind, _ in job_dependency(j)) and active_names.get((j.user, j.name), j.id) < j.id:
+            continue  # Slurm's singleton: an earlier job of this name and user has not ended
         verdict, why = dependency_state(j, state_of)
         if verdict == "ready":
             ready.append(j)

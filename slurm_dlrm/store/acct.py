@@ -44,6 +44,8 @@ class AcctFilter:
     pack: str | None = None  # pack id or name
     since: float | None = None  # jobs not finished before this (epoch s)
     until: float | None = None  # jobs submitted up to this
+    names: tuple[str, ...] | None = None  # sacct --name
+    default_partition: str | None = None  # the Partition of a job given no -p that never ran
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,11 @@ class Column:
 COLUMNS: tuple[Column, ...] = (
     Column("JobID", "job_id", "int", "job id in the store"),
     Column("Name", "name", "str", "job name from the spec"),
+    Column("JobName", "name", "str", "the same as Name (sacct's name for it)"),
+    Column("JobIDRaw", "job_id", "int", "the same as JobID"),
+    Column("ArrayJobID", "array_id", "str", "the id as Slurm prints an array task (12_3), else the job id"),
+    Column("Partition", "partition", "str", "partition (-p, else its pack's)"),
+    Column("Account", "account", "str", "account (-A), empty if none was given"),
     Column("User", "user", "str", "owner"),
     Column("State", "state", "str", "PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED TIMEOUT"),
     Column("Attempt", "attempt", "int", "times requeued after running"),
@@ -226,6 +233,8 @@ def _params(store: Store, f: AcctFilter, now: float) -> dict[str, Any] | None:
         "job_ids": None if job_ids is None else json.dumps(list(job_ids)),
         "states": None if f.states is None else json.dumps([s.value for s in f.states]),
         "users": None if users is None else json.dumps(list(users)),
+        "names": None if f.names is None else json.dumps(list(f.names)),
+        "default_partition": f.default_partition,
         "pack_id": pack_id, "since": f.since, "until": f.until,
     }
 

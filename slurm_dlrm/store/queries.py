@@ -103,6 +103,12 @@ SELECT j.id AS job_id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j
        j.est_gpu_peak_bytes, j.est_host_peak_bytes, j.est_profile_label, j.est_solo_samples_per_s,
        j.submit_time, j.start_time, j.end_time, j.pack_id, j.slurm_job_id AS job_slurm_job_id, j.slurm_step,
        j.exit_code, j.exit_reason,
+       -- sacct's Partition and Account (issue 42): the job's own -p/-A, else its pack's partition
+       coalesce((SELECT json_extract(js.sbatch_json, '$.partition') FROM job_specs js WHERE js.job_id = j.id),
+                k.partition, :default_partition) AS partition,
+       (SELECT json_extract(js.sbatch_json, '$.account') FROM job_specs js WHERE js.job_id = j.id) AS account,
+       CASE WHEN j.array_job_id IS NULL THEN CAST(j.id AS TEXT)
+            ELSE j.array_job_id || '_' || j.array_task_id END AS array_id,
        CASE WHEN j.mode = 'no-pack' THEN 'no-pack' ELSE k.name END AS pack_name,
        k.slurm_job_id AS pack_slurm_job_id,
        CASE WHEN j.mode = 'no-pack' THEN CAST(max(1.0, coalesce(j.gpu_share, 1.0)) AS INTEGER)
@@ -133,6 +139,7 @@ LEFT JOIN solo so ON so.spec_fingerprint = j.spec_fingerprint AND so.gpu_model I
 WHERE (:job_ids IS NULL OR j.id IN (SELECT value FROM json_each(:job_ids)))
   AND (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states)))
   AND (:users IS NULL OR j.user IN (SELECT value FROM json_each(:users)))
+  AND (:names IS NULL OR j.name IN (SELECT value FROM json_each(:names)))
   AND (:pack_id IS NULL OR j.id IN (SELECT job_id FROM placements WHERE pack_id = :pack_id))
   AND (:since IS NULL OR coalesce(j.end_time, 1e300) >= :since)
   AND (:until IS NULL OR j.submit_time <= :until)
