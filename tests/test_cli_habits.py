@@ -208,6 +208,8 @@ def test_queue_takes_squeues_filters_and_columns(env):
     r = run("queue", "-t", "CA", "-o", "JOBID,STATE", "--noheader", "--no-slurm")  # an ended state implies --all
     assert r.stdout == f"{c}      CANCELLED\n"
     r = run("queue", "-j", f"{b},{c}", "-u", os.environ.get("USER") or _me(), "-o", "JOBID", "--noheader", "--no-slurm")
+    assert r.stdout.split() == [str(b)]  # as squeue -j (Slurm 22.05): an ended job only with -t (issue 42)
+    r = run("queue", "-j", f"{b},{c}", "-t", "all", "-o", "JOBID", "--noheader", "--no-slurm")
     assert r.stdout.split() == [str(b), str(c)]
     assert run("queue", "-u", "someone-else").output.startswith("slurm-dlrm: error: -u/--user: your store holds only ")
     r = run("queue", "-o", "JOBID,COLOUR")

@@ -29,9 +29,10 @@ def test_queue_takes_squeues_forms(env):  # noqa: F811
     r = run("queue", "-t", "CG,S", "--no-slurm")  # Slurm states no job here is ever in: nothing, as squeue
     assert r.exit_code == 0 and r.stdout == "JOBID  NAME  STATE  PACK  SLURMID  NODE  GPU  MPS%  GPU_MiB  TRY  REASON\n"
     assert run("queue", "-t", "nope").exit_code == 2
-    r = run("queue", "-o", "%.6i|%P|%.10l|%j", "--sort=-i", "--no-slurm")
-    assert r.stdout.splitlines() == [" JOBID|PARTITION|TIME_LIMIT|NAME", f"   {arr}_1|dlrm|      5:00|tiny-b-1",
-                                     f"   {arr}_0|dlrm|      5:00|tiny-b-0"]
+    # --sort=-i: by the array's id (squeue's i), so its tasks keep their order
+    r = run("queue", "-o", "%.6i|%P|%.10l|%j", "--sort=-i", "-t", "all", "--no-slurm")
+    assert r.stdout.splitlines() == [" JOBID|PARTITION|TIME_LIMIT|NAME", f"   {arr}_0|dlrm|      5:00|tiny-b-0",
+                                     f"   {arr}_1|dlrm|      5:00|tiny-b-1", f"     {a}|dlrm|     30:00|tiny-a"]
     head = run("queue", "-l", "--no-slurm").stdout.splitlines()[0].split()
     assert head[:6] == ["JOBID", "PARTITION", "NAME", "STATE", "TIME", "TIME_LIMIT"]
     assert run("queue", "-p", "other", "-h", "--no-slurm").stdout == ""
@@ -47,7 +48,7 @@ def test_acct_scancel_and_sbatch_options(env):  # noqa: F811
     r = run("acct", "-o", "JobID,JobName,Partition,Account", "-P", "-n", "--name", "one")
     assert r.stdout == f"{a}|one|dlrm|proj\n"
     r = run("acct", "-b", "-P")
-    assert r.stdout.splitlines() == ["JobID|State|ExitCode", f"{a}|PENDING|", f"{b}|PENDING|"]
+    assert r.stdout.splitlines() == ["JobID|State|ExitCode", f"{a}|PENDING|0:0", f"{b}|PENDING|0:0"]  # as sacct
     r = run("cancel", "--signal=USR1", a)
     assert r.exit_code == 2 and "scancel --signal=SIG the SLURMID" in r.output
     r = run("cancel", "-u", os.environ.get("USER") or _me())  # scancel -u me: all my active jobs

@@ -62,6 +62,15 @@ def parse_queue_filters(jobs: str | None, states: str | None, names: str | None,
             "names": {n.strip() for n in names.split(",") if n.strip()} if names else None}
 
 
+def name_matches(row: dict[str, Any], names: set[str]) -> bool:
+    """-n NAME: the job's name, or for a task of an array submitted with -J NAME (named
+    NAME-<task>) that NAME, as Slurm names every task of an array alike (issue 42)."""
+    if row["name"] in names:
+        return True
+    sid = str(row.get("slurm_id") or "")
+    return "_" in sid and any(row["name"] == f"{n}-{sid.split('_', 1)[1]}" for n in names)
+
+
 def parse_columns(fmt: str | None, long: bool = False) -> list[str]:
     """`-o JOBID,NAME,STATE,REASON` (our headers, any case) -> row keys."""
     from slurm_dlrm.service.queue import HEADERS, LONG_COLUMNS, QUEUE_COLUMNS
@@ -136,6 +145,8 @@ def complete_states(ctx: click.Context, param: click.Parameter, incomplete: str)
               help="Only jobs in these states, names or squeue's codes (PD,PL,R,CD,F,CA,OOM,TO) or all; "
                    "Slurm's other states (CG, S, ...) match nothing here; ended states imply --all.")
 @click.option("-p", "--partition", "partitions", metavar="PART[,PART...]", help="Only jobs of these partitions.")
+@click.option("-r", "--array", "one_per_task", is_flag=True,
+              help="Accepted (squeue -r): every array task is a line of its own here already.")
 @click.option("-l", "--long", "long_format", is_flag=True,
               help="Also PARTITION, TIME and TIME_LIMIT (like squeue -l).")
 @click.option("-S", "--sort", "sort", metavar="KEY[,KEY...]",
@@ -155,7 +166,8 @@ def complete_states(ctx: click.Context, param: click.Parameter, incomplete: str)
                    "run forward from the current state (running jobs' time left, the queue, --nice, --begin).")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 @site_option
-def queue(include_ended: bool, jobs: str | None, states: str | None, partitions: str | None, long_format: bool,
+def queue(include_ended: bool, jobs: str | None, states: str | None, partitions: str | None, one_per_task: bool,
+          long_format: bool,
           sort: str | None, names: str | None, users: str | None,
           me: bool, fmt: str | None, noheader: bool, no_slurm: bool, start: bool, as_json: bool,
           site_path: str | None) -> None:
@@ -205,8 +217,8 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, partitions:
         include_ended = True  # `-t all` or an ended state, as squeue lists them
     if wanted["states"] and wanted["states"] & {str(st) for st in JOB_TERMINAL}:
         include_ended = True
-    if wanted["job_refs"]:
-        include_ended = True  # squeue -j shows a job however it is
+    # squeue -j lists an ended job only with -t (Slurm 22.05: `squeue -j ID` of a cancelled
+    # or completed job prints nothing, exit 0); an id that names no job is an error
     store = _open_store(site, user)
     rows: list[dict[str, Any]] = []
     if store is None and wanted["job_refs"]:
@@ -218,6 +230,12 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, partitions:
 
                 with store.read():
                     wanted["job_ids"] = set(resolve_job_refs(store, wanted["job_refs"], missing_ok=True))
+                if not wanted["job_ids"]:
+                    from slurm_dlrm.errors import DlrmError
+
+                    # squeue -j on ids none of which exists: "slurm_load_jobs error: Invalid job id
+                    # specified", exit 1
+                    raise DlrmError(f"-j/--jobs {jobs}: invalid job id specified (no such job in your store)")
             reasons: dict[str, str] = {}
             if not no_slurm and (any(True for _ in store.packs(["QUEUED"], user=user))
                                  or any(j.no_pack for j in store.jobs(["PLANNED"], user=user))):
@@ -239,7 +257,7 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, partitions:
     parts = {p.strip() for p in partitions.split(",") if p.strip()} if partitions else None
     rows = [r for r in rows if (wanted["job_ids"] is None or r["job_id"] in wanted["job_ids"])
             and (wanted["states"] is None or r["state"] in wanted["states"])
-            and (wanted["names"] is None or r["name"] in wanted["names"])
+            and (wanted["names"] is None or name_matches(r, wanted["names"]))
             and (parts is None or r["partition"] in parts)]
     if sort:
         rows = sort_rows(rows, sort)
@@ -413,7 +431,10 @@ def cancel(job_refs: tuple[str, ...], names: str | None, states: str | None, pac
     The pack's agent is told to stop that member only; it checkpoints and exits, and
     `slurm-dlrm requeue ID` runs it again from there. Like scancel, filters select your
     active jobs (all of the filters, and the ids if given). You can cancel only your
-    own jobs.
+    own jobs. As scancel: the ids that name your jobs are cancelled, each other one is
+    an error line on stderr, and the exit status stays 0 (Slurm 22.05's); what was done
+    goes to stderr too (scancel prints nothing). 12_3 is task 3 of array 12; 12, the
+    whole array.
 
     \b
     Example:
@@ -444,14 +465,24 @@ def cancel(job_refs: tuple[str, ...], names: str | None, states: str | None, pac
         raise BadInput(f"job {job_refs[0]}: no such job (you have no store yet)" if job_refs
                        else "no such job (you have no store yet)")
     with store:
-        job_ids = resolve_many(store, job_refs)
-        for jid in job_ids:  # check all first: nothing half-done on a bad id
+        # As scancel: the ids that name your jobs are cancelled, each other one is an error
+        # line (issue 42: `cancel 33 27 9999` cancelled nothing); the exit status is
+        # scancel's too (Slurm 22.05: 0 with "Invalid job id specified" on stderr).
+        job_ids = []
+        for text in job_refs:
             try:
+                found = resolve_many(store, (text,))
+            except BadInput as exc:
+                click.echo(f"slurm-dlrm: error: {exc}", err=True)
+                continue
+            for jid in found:
                 job = store.get_job(jid)
-            except UnknownEntity:
-                raise BadInput(f"job {jid}: no such job in your store") from None
-            if job.user != user:
-                raise BadInput(f"job {jid}: belongs to {job.user}, not {user}")
+                if job.user != user:
+                    click.echo(f"slurm-dlrm: error: job {jid}: belongs to {job.user}, not {user}", err=True)
+                elif jid not in job_ids:
+                    job_ids.append(jid)
+        if job_refs and not job_ids and not filtered:
+            return
         selected = list(job_ids)
         if filtered:
             pack_id = None
@@ -466,7 +497,9 @@ def cancel(job_refs: tuple[str, ...], names: str | None, states: str | None, pac
             active = store.jobs(["PENDING", "PLANNED", "RUNNING"], user=user)
             selected = [j.id for j in active
                         if (not job_ids or j.id in job_ids)
-                        and (wanted["names"] is None or j.name in wanted["names"])
+                        and (wanted["names"] is None or name_matches(
+                            {"name": j.name, "slurm_id": f"{j.array_job_id}_{j.array_task_id}"
+                             if j.array_job_id is not None else str(j.id)}, wanted["names"]))
                         and (wanted["states"] is None or str(j.state) in wanted["states"])
                         and (pack_id is None or (j.pack_id == pack_id and str(j.state) != "PENDING"))]
             if not selected:
@@ -477,7 +510,8 @@ def cancel(job_refs: tuple[str, ...], names: str | None, states: str | None, pac
             return
         slurm = SlurmClient(timeout_s=15.0)
         for jid in selected:
-            click.echo(cancel_job(store, slurm, jid, user=user))
+            # what was done, on stderr: scancel prints nothing on stdout (issue 42's habits table)
+            click.echo(cancel_job(store, slurm, jid, user=user), err=True)
     wake(service_paths(site, user))
 
 

@@ -140,7 +140,7 @@ def render_percent(rows: Sequence[dict[str, Any]], fmt: str, header: bool) -> st
 
 
 # --sort keys: squeue's letters and our column names
-SORT_KEYS = {"i": "job_id", "A": "job_id", "j": "name", "t": "state", "T": "state", "P": "partition",
+SORT_KEYS = {"i": "array_job_id", "A": "job_id", "j": "name", "t": "state", "T": "state", "P": "partition",
              "M": "time_s", "l": "time_limit_min", "N": "node", "r": "reason", "p": "nice"}
 
 
@@ -165,7 +165,8 @@ def sort_rows(rows: list[dict[str, Any]], spec: str) -> list[dict[str, Any]]:
 
 def _sort_key(key: str) -> Any:
     def get(r: dict[str, Any]) -> tuple[bool, str, float]:
-        v = r.get(key)
+        # squeue's `i` is the array's id for its tasks (they keep their order among themselves)
+        v = int(str(r.get("slurm_id") or r["job_id"]).split("_")[0]) if key == "array_job_id" else r.get(key)
         num = isinstance(v, (int, float)) and not isinstance(v, bool)
         return (v is None, "" if num or v is None else str(v), float(v) if num else 0.0)  # type: ignore[arg-type]
     return get

@@ -263,8 +263,8 @@ def _sql_dur(s: str) -> str:
 _SQL_HUMAN: dict[str, Callable[[str], str]] = {
     "str": lambda x: f"CAST({x} AS TEXT)",
     "int": lambda x: f"CAST({x} AS TEXT)",
-    # code:signal like sacct; the agent records a death by signal N as 128+N
-    "exit": lambda x: f"CASE WHEN {x} > 128 THEN '0:' || ({x} - 128) ELSE {x} || ':0' END",
+    # code:signal like sacct; the agent records a death by signal N as 128+N; none yet: 0:0, as sacct
+    "exit": lambda x: f"CASE WHEN {x} IS NULL THEN '0:0' WHEN {x} > 128 THEN '0:' || ({x} - 128) ELSE {x} || ':0' END",
     "bytes": lambda x: (
         f"CASE WHEN abs({x}) >= 1099511627776 THEN printf('%.1fT', {x} / 1099511627776.0) "
         f"WHEN abs({x}) >= 1073741824 THEN printf('%.1fG', {x} / 1073741824.0) "

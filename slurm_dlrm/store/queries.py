@@ -139,7 +139,9 @@ LEFT JOIN solo so ON so.spec_fingerprint = j.spec_fingerprint AND so.gpu_model I
 WHERE (:job_ids IS NULL OR j.id IN (SELECT value FROM json_each(:job_ids)))
   AND (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states)))
   AND (:users IS NULL OR j.user IN (SELECT value FROM json_each(:users)))
-  AND (:names IS NULL OR j.name IN (SELECT value FROM json_each(:names)))
+  AND (:names IS NULL OR j.name IN (SELECT value FROM json_each(:names))
+       OR (j.array_task_id IS NOT NULL
+           AND j.name IN (SELECT value || '-' || j.array_task_id FROM json_each(:names))))
   AND (:pack_id IS NULL OR j.id IN (SELECT job_id FROM placements WHERE pack_id = :pack_id))
   AND (:since IS NULL OR coalesce(j.end_time, 1e300) >= :since)
   AND (:until IS NULL OR j.submit_time <= :until)
