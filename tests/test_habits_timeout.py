@@ -97,3 +97,39 @@ def test_the_service_gives_the_agent_the_limit_records_timeout_and_requeue_resum
         res.mkdir(parents=True, exist_ok=True)
         assert requeue_job(store, svc.spool_dir, j, user="root").startswith(f"job {j} requeued")
         assert (store.get_job(j).state, store.get_job(j).attempt) == (JobState.PENDING, 1)
+
+
+def test_a_users_scancel_of_the_pack_cancels_its_members_not_repacks_them(tmp_path):
+    # issue 42 item 7: the members checkpointed on the SIGTERM and were requeued as
+    # "preempted", so a user's scancel was undone; a signal while Slurm still runs the
+    # pack (preemption, a partition's limit ahead) still requeues them
+    from service_harness import FakeClock, FakeCluster, add_job, make_site, start_pack
+
+    from slurm_dlrm.service.core import PackingService, ServiceSettings
+    from slurm_dlrm.slurm.fake import FakeSlurm
+    from slurm_dlrm.store import Store
+    from slurm_dlrm.store.states import JobState
+
+    clock = FakeClock()
+    with Store(tmp_path / "store.sqlite", clock=clock) as store:
+        slurm = FakeSlurm(clock=clock, user="root")
+        svc = PackingService(store, slurm, make_site(tmp_path), ServiceSettings(
+            user="root", python="/venv/bin/python", dispatch_window_s=0.0), clock=clock)
+        cluster = FakeCluster(slurm, clock)
+        a = add_job(store, "a")
+        _pack, sid, placement = start_pack(svc, slurm, cluster)
+        cluster.member(placement, a, "PREEMPTED", 5, "checkpointed and stopped after a signal")
+        svc.run_round()
+        assert store.get_job(a).state in (JobState.PENDING, JobState.PLANNED)  # preempted: runs again
+        b = add_job(store, "b")
+        clock.advance(60)
+        svc.run_round()
+        pack_b = store.get_job(b).pack_id
+        sid_b = int(store.get_pack(pack_b).slurm_job_id)
+        slurm.start(sid_b)
+        placement_b = cluster.placement_of(sid_b)
+        slurm.scancel([sid_b])  # the user's scancel
+        cluster.member(placement_b, b, "PREEMPTED", 5, "checkpointed and stopped after a signal")
+        svc.run_round()
+        job = store.get_job(b)
+        assert job.state == JobState.CANCELLED and "scancel" in job.exit_reason

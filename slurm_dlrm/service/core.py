@@ -121,6 +121,7 @@ class PackingService:
         self.slurm_retry_at = 0.0
         self.slurm_error: str | None = None
         self.heartbeats: dict[int, float] = {}
+        self._slurm_cancelled: dict[Any, bool] = {}  # pack id -> its Slurm job was cancelled (scancel)
         self.waited_rounds: dict[int, int] = {}
         self.deferred_reasons: dict[int, str] = {}  # why the last round left each job waiting (queue)
         self.rounds = 0
@@ -299,6 +300,11 @@ class PackingService:
             self._after_oom(job_id, "gpu" if state == "OOM_GPU" else "host", t)
         elif state == "TIMEOUT":
             s.transition_job(job_id, JobState.TIMEOUT, why, exit_code=code, t=t)
+        elif state == "PREEMPTED" and self._cancelled_in_slurm(pack_id):
+            # a user's scancel of the pack's Slurm job (issue 42 item 7: it was re-packed and
+            # run again); the member checkpointed, so `requeue` resumes it
+            s.transition_job(job_id, JobState.CANCELLED, f"its pack's Slurm job was cancelled (scancel); {why}; "
+                             f"`slurm-dlrm requeue {job_id}` resumes it", exit_code=code, t=t)
         elif state == "PREEMPTED":
             self._requeue(job, f"preempted ({why}); resumes from its checkpoint", t)
         elif state == "FAILED" and requeue:
@@ -307,6 +313,37 @@ class PackingService:
             s.transition_job(job_id, JobState.FAILED, why, exit_code=code, t=t)
         else:
             log.warning("job %d: unknown member state %r in a report", job_id, state)
+
+    def _cancelled_in_slurm(self, pack_id: Any) -> bool:
+        """The pack's Slurm job was cancelled, not preempted nor signalled ahead of its time
+        limit (those find it RUNNING): sacct says CANCELLED, or, without accounting, Slurm
+        shows it COMPLETING while its members stop. One question per pack."""
+        from slurm_dlrm.slurm import AccountingDisabled, SlurmError
+        from slurm_dlrm.slurm import JobState as SJ
+
+        if pack_id in self._slurm_cancelled:
+            return self._slurm_cancelled[pack_id]
+        pack = self.store.get_pack(pack_id) if isinstance(pack_id, int) else None
+        verdict = False
+        if pack is not None and pack.slurm_job_id:
+            sid = int(pack.slurm_job_id)
+            try:
+                line = next((r for r in self.slurm.sacct([sid], ["JobID", "State"]) if r.step is None), None)
+                if line is not None:
+                    verdict = line.get("State").startswith("CANCELLED")
+                else:
+                    info = self.slurm.show_job(sid)
+                    verdict = info is not None and info.state in (SJ.COMPLETING, SJ.CANCELLED)
+            except AccountingDisabled:
+                try:
+                    info = self.slurm.show_job(sid)
+                except SlurmError:
+                    info = None
+                verdict = info is not None and info.state in (SJ.COMPLETING, SJ.CANCELLED)
+            except SlurmError as exc:
+                log.warning("pack %s: could not ask Slurm how it ended (%s); its members are requeued", pack.name, exc)
+        self._slurm_cancelled[pack_id] = verdict
+        return verdict
 
     def _after_oom(self, job_id: int, kind: str, t: float) -> None:
         self.recovery.after_oom(job_id, kind, t)  # raise and requeue, or say why not (service/recovery.py)

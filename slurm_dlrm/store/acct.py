@@ -62,7 +62,7 @@ COLUMNS: tuple[Column, ...] = (
     Column("JobName", "name", "str", "the same as Name (sacct's name for it)"),
     Column("JobIDRaw", "job_id", "int", "the same as JobID"),
     Column("ArrayJobID", "array_id", "str", "the id as Slurm prints an array task (12_3), else the job id"),
-    Column("Partition", "partition", "str", "partition (-p, else its pack's)"),
+    Column("Partition", "partition_or_default", "str", "partition (-p, else its pack's, else the site's default)"),
     Column("Account", "account", "str", "account (-A), empty if none was given"),
     Column("User", "user", "str", "owner"),
     Column("State", "state", "str", "PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED TIMEOUT"),
@@ -244,7 +244,7 @@ def acct_rows(store: Store, f: AcctFilter, now: float | None = None) -> list[dic
     now = store.clock() if now is None else now
     with store.read():
         params = _params(store, f, now)
-        rows = [] if params is None else store.query("acct", params)
+        rows = [] if params is None else store.query("acct_filtered", params)
     if store.owner_user is not None:
         for r in rows:
             r["user"] = store.owner_user
@@ -286,7 +286,7 @@ def acct_table_cells(store: Store, f: AcctFilter, cols: Sequence[tuple[Column, i
     now = store.clock() if now is None else now
     # Column keys and kinds come from COLUMNS, never from the user: safe to splice.
     cells = ", ".join(f"coalesce({_SQL_HUMAN[c.kind](c.key)}, '')" for c, _ in cols)
-    sql = f"SELECT submit_time, user, job_id, {cells} FROM ({queries.ACCT})"
+    sql = f"SELECT submit_time, user, job_id, {cells} FROM ({queries.ACCT_FILTERED})"
     with store.read():
         params = _params(store, f, now)
         if params is None:
