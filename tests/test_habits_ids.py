@@ -84,3 +84,38 @@ def test_a_pack_slurm_id_given_to_cancel_points_to_pack(env):  # noqa: F811
     r = run("cancel", "91")  # scancel's exit status for an id it does not know: 0, with the error line
     assert r.exit_code == 0 and "91 is the Slurm job of your pack dlrm-abc: slurm-dlrm cancel --pack dlrm-abc" \
         in r.stderr, r.output
+
+
+def test_requeue_waits_for_a_cancel_still_landing(env, monkeypatch):  # noqa: F811
+    # issue 42 item 3: the help's own `cancel 39 && requeue 39` failed ("is RUNNING"): the
+    # member checkpoints for seconds before its agent reports it CANCELLED
+    import threading
+    import time
+
+    from slurm_dlrm.service.cancel import cancel_job
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.store.states import JobState
+    from slurm_dlrm.store.store import Store, current_user
+
+    monkeypatch.setattr("slurm_dlrm.service.daemon.wake", lambda paths: None)
+    (jid,) = [int(x) for x in run("submit", "--no-service", "--parsable", str(Path_examples() / "tiny-a.yaml"))
+              .stdout.split()]
+    site, user = load_site(None), current_user()
+    with Store.for_user(site, user) as s:
+        pid = s.add_pack(name="dlrm-w", user=user, policy="exclusive", n_gpus=1, pack_dir=str(env / "pack"))
+        s.transition_job(jid, JobState.PLANNED, "planned", pack_id=pid)
+        s.transition_job(jid, JobState.RUNNING, "started")
+        assert "cancel sent" in cancel_job(s, None, jid, user=user)
+
+    def agent_reports_later() -> None:
+        time.sleep(1.0)
+        with Store.for_user(site, user) as s2:
+            s2.transition_job(jid, JobState.CANCELLED, "cancelled; stopped with a checkpoint")
+
+    t = threading.Thread(target=agent_reports_later)
+    t.start()
+    r = run("requeue", str(jid), "--no-service")
+    t.join()
+    assert r.exit_code == 0 and f"job {jid} requeued" in r.stdout, r.output
+    assert "waiting for the cancel of job(s)" in r.stderr
+    assert _state(jid) == "PENDING"

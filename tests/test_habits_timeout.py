@@ -133,3 +133,34 @@ def test_a_users_scancel_of_the_pack_cancels_its_members_not_repacks_them(tmp_pa
         svc.run_round()
         job = store.get_job(b)
         assert job.state == JobState.CANCELLED and "scancel" in job.exit_reason
+
+
+def test_the_service_hurries_while_a_pack_starts_and_queue_says_slurm_started_it(tmp_path):
+    # issue 42 item 8: queue said "pack queued in Slurm" 8-15 s after squeue showed R
+    from service_harness import FakeClock, FakeCluster, add_job, make_site
+
+    from slurm_dlrm.service.core import STARTING_ROUND_S, PackingService, ServiceSettings
+    from slurm_dlrm.service.queue import STARTED_IN_SLURM, queue_rows, slurm_pending_reasons
+    from slurm_dlrm.slurm.fake import FakeSlurm
+    from slurm_dlrm.store import Store
+
+    clock = FakeClock()
+    with Store(tmp_path / "store.sqlite", clock=clock) as store:
+        slurm = FakeSlurm(clock=clock, user="root")
+        svc = PackingService(store, slurm, make_site(tmp_path), ServiceSettings(
+            user="root", python="/venv/bin/python", dispatch_window_s=0.0), clock=clock)
+        j = add_job(store, "a")
+        svc.run_round()
+        assert svc.next_delay_s() is None  # queued in Slurm: no hurry (it may wait for hours)
+        sid = int(store.get_pack(store.get_job(j).pack_id).slurm_job_id)
+        slurm.start(sid)
+        reasons = slurm_pending_reasons(slurm, "root")
+        assert reasons[str(sid)] == STARTED_IN_SLURM
+        (row,) = queue_rows(store, user="root", service={"running": True}, slurm_reasons=reasons)
+        assert row["reason"] == f"pack {STARTED_IN_SLURM}"
+        svc.run_round()  # sees the allocation: the agent is starting the member
+        assert svc.next_delay_s() == STARTING_ROUND_S
+        placement = FakeCluster(slurm, clock).placement_of(sid)
+        FakeCluster(slurm, clock).member(placement, j, "RUNNING")
+        svc.run_round()
+        assert svc.next_delay_s() is None

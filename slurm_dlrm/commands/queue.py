@@ -193,6 +193,7 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, partitions:
     """
     from slurm_dlrm.service.queue import (
         START_COLUMNS,
+        STARTED_IN_SLURM,
         format_table,
         queue_rows,
         slurm_pending_reasons,
@@ -242,6 +243,11 @@ def queue(include_ended: bool, jobs: str | None, states: str | None, partitions:
                 from slurm_dlrm.slurm import SlurmClient
 
                 reasons = slurm_pending_reasons(SlurmClient(timeout_s=10.0), user)
+                if STARTED_IN_SLURM in reasons.values() and service.get("running"):
+                    from slurm_dlrm.service.daemon import wake
+                    from slurm_dlrm.service.submit import service_paths
+
+                    wake(service_paths(site, user))  # its round sees the start now, not in up to 10 s
             rows = queue_rows(store, user=user, service=service, include_ended=include_ended,
                               slurm_reasons=reasons)
             if start:

@@ -66,6 +66,8 @@ from slurm_dlrm.site import MIB, SiteConfig
 
 log = logging.getLogger(__name__)
 
+STARTING_ROUND_S = 2.0  # rounds this often while packs start (next_delay_s)
+
 MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
 
 
@@ -164,10 +166,20 @@ class PackingService:
         return n
 
     def next_delay_s(self) -> float | None:
-        """A back-off hint for the loop while Slurm is unreachable."""
-        if self.slurm_error is None:
-            return None
-        return max(0.1, self.slurm_retry_at - self.clock())
+        """A back-off hint for the loop while Slurm is unreachable; a short one while a
+        pack is being submitted or its agent starts members (issue 42: queue showed
+        PLANNED for 8-15 s after squeue showed the pack R, and `submit --wait` never
+        showed RUNNING). A pack waiting in Slurm's queue gets no hurry: that may be hours."""
+        from slurm_dlrm.store.states import JobState, PackState
+
+        if self.slurm_error is not None:
+            return max(0.1, self.slurm_retry_at - self.clock())
+        if any(True for _ in self.store.packs([PackState.SUBMITTING], user=self.settings.user)):
+            return STARTING_ROUND_S
+        running = {p.id for p in self.store.packs([PackState.RUNNING], user=self.settings.user)}
+        if any(j.pack_id in running for j in self.store.jobs([JobState.PLANNED], user=self.settings.user)):
+            return STARTING_ROUND_S
+        return None
 
     def status(self) -> dict[str, Any]:
         """What `queue` and `serve status` show about the service."""

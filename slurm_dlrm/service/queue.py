@@ -107,8 +107,8 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
         elif pack is not None and pack.state == PackState.SUBMITTING:
             reason = "submitting the pack" + (f"; {pending_reason(service)}" if service.get("slurm_ok") is False else "")
         elif pack is not None and pack.state == PackState.QUEUED:
-            reason = "pack queued in Slurm" + (f" ({slurm_reasons[pack.slurm_job_id]})"
-                                               if slurm_reasons and pack.slurm_job_id in slurm_reasons else "")
+            why = (slurm_reasons or {}).get(str(pack.slurm_job_id))
+            reason = f"pack {why}" if why == STARTED_IN_SLURM else "pack queued in Slurm" + (f" ({why})" if why else "")
         elif pack is not None and pack.pack_dir and (Path(pack.pack_dir) / "cancel" / str(j.id)).exists():
             reason = "cancel requested"
         elif pack is not None and pack.state == PackState.RUNNING and j.state == JobState.PLANNED:
@@ -167,7 +167,7 @@ def native_row(j: Any, slurm_reasons: dict[str, str] | None) -> dict[str, Any]:
         reason = SUBMITTING_REASON
     elif j.state == JobState.PLANNED:
         why = (slurm_reasons or {}).get(j.slurm_job_id)
-        reason = "queued in Slurm" + (f" ({why})" if why else "")
+        reason = STARTED_IN_SLURM if why == STARTED_IN_SLURM else "queued in Slurm" + (f" ({why})" if why else "")
     else:
         reason = ""
     gpu = j.gpu_idx
@@ -218,6 +218,7 @@ def _dependency_reason(store: Any, job: Any) -> str:
 
 def slurm_pending_reasons(slurm: Any, user: str) -> dict[str, str]:
     """Slurm's reason for each of the user's pending jobs (empty if Slurm does not answer)."""
+    from slurm_dlrm.slurm import JobState as SJ
     from slurm_dlrm.slurm import SlurmError
 
     try:
@@ -225,7 +226,13 @@ def slurm_pending_reasons(slurm: Any, user: str) -> dict[str, str]:
     except SlurmError as exc:
         log.info("squeue failed: %s", exc)
         return {}
-    return {str(i.job_id): i.reason for i in infos if i.reason}
+    # a pack the service still has QUEUED may run already (its round is up to
+    # packing.round_seconds away): say so rather than "queued" (issue 42)
+    return {str(i.job_id): (STARTED_IN_SLURM if i.state == SJ.RUNNING else i.reason) for i in infos
+            if i.reason or i.state == SJ.RUNNING}
+
+
+STARTED_IN_SLURM = "started in Slurm; its agent is starting the member"
 
 
 def format_table(rows: list[dict[str, Any]], columns: Sequence[str] = QUEUE_COLUMNS) -> str:
