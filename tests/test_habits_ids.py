@@ -102,8 +102,10 @@ def test_requeue_waits_for_a_cancel_still_landing(env, monkeypatch):  # noqa: F8
               .stdout.split()]
     site, user = load_site(None), current_user()
     with Store.for_user(site, user) as s:
-        pid = s.add_pack(name="dlrm-w", user=user, policy="exclusive", n_gpus=1, pack_dir=str(env / "pack"))
-        s.transition_job(jid, JobState.PLANNED, "planned", pack_id=pid)
+        from slurm_dlrm.store import NewPlacement
+
+        s.add_pack(name="dlrm-w", user=user, policy="exclusive", n_gpus=1, pack_dir=str(env / "pack"),
+                   placements=[NewPlacement(jid, 0, 0)])
         s.transition_job(jid, JobState.RUNNING, "started")
         assert "cancel sent" in cancel_job(s, None, jid, user=user)
 
@@ -119,3 +121,5 @@ def test_requeue_waits_for_a_cancel_still_landing(env, monkeypatch):  # noqa: F8
     assert r.exit_code == 0 and f"job {jid} requeued" in r.stdout, r.output
     assert "waiting for the cancel of job(s)" in r.stderr
     assert _state(jid) == "PENDING"
+    out = run("show", str(jid)).stdout  # its pack never got a Slurm id: "-", not "Slurm None" (item 10)
+    assert "Slurm None" not in out and "Slurm -)" in out, out

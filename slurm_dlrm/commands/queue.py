@@ -395,7 +395,7 @@ def show(job_ref: str, tail: int, as_json: bool, site_path: str | None) -> None:
                      f"--cpus-per-task={req.get('cpus')}, GPU memory fence {req.get('gpu_mem_mib')} MiB")
     for p in d["placements"]:
         rank = f" rank {p['rank']}/{p['world_size']}" if "rank" in p else ""
-        lines.append(f"  run {p['attempt']}: pack {p['pack']} ({p['pack_state']}, Slurm {p['slurm_job_id']}){rank} "
+        lines.append(f"  run {p['attempt']}: pack {p['pack']} ({p['pack_state']}, Slurm {p['slurm_job_id'] or '-'}){rank} "
                      f"node {p['node'] or '-'} GPU {p['gpu']} MPS {p['mps_pct']}% fence {p['gpu_mem_limit_mib']} MiB")
     lines.append("  events:")
     for e in d["events"][-20:]:

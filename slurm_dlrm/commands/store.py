@@ -223,6 +223,9 @@ def report(since: str | None, until: str | None, output: str, max_gpus: int, max
     t_since = A.parse_time(since, "--since", now) if since else t_until - 86400
     if t_since >= t_until:
         raise BadInput("--since must be before --until")
+    parent = Path(output).absolute().parent
+    if not parent.is_dir():  # as a shell's > does: no folder is made (issue 42: it made /nonexistent/dir)
+        raise BadInput(f"-o/--output {output}: no such folder {parent}")
     if all_users:
         from slurm_dlrm.site import load_site
         from slurm_dlrm.store.cluster_report import write_cluster_report
