@@ -23,8 +23,8 @@ _SBATCH_OPTIONS = (
     ("constraint", ("-C", "--constraint"), "FEATURES", "Node features the pack needs."),
     ("mail_type", ("--mail-type",), "TYPE[,TYPE]", "BEGIN, END, FAIL, ALL, ... (mail about the pack)."),
     ("mail_user", ("--mail-user",), "ADDRESS", "Where Slurm sends mail."),
-    ("output", ("-o", "--output"), "PATTERN", "Batch output of the pack (sbatch patterns like %j)."),
-    ("error", ("-e", "--error"), "PATTERN", "Batch error output of the pack."),
+    ("output", ("-o", "--output"), "PATTERN", "A link to this job's own log (%j its id, %x its name, %A_%a)."),
+    ("error", ("-e", "--error"), "PATTERN", "Also a link to its log (stdout and stderr are one log)."),
     ("begin_time", ("-b", "--begin"), "TIME",
      "Start no sooner than TIME, as sbatch: now+1hour, 16:00, 2026-12-24T08:00, tomorrow (docs/service.md)."),
 )
