@@ -79,3 +79,24 @@ def test_singleton_waits_for_the_earlier_job_of_its_name(tmp_path):
         assert [j.id for j in ready] == [first, other] and never == []
         s.transition_job(first, JobState.CANCELLED, "cancelled")
         assert [j.id for j in ready_jobs(s, s.jobs([JobState.PENDING]))[0]] == [second, other]
+
+
+def test_completion_offers_active_jobs_to_cancel_ended_ones_to_requeue_states_and_columns(env):  # noqa: F811
+    from types import SimpleNamespace
+
+    from slurm_dlrm.commands.queue import (
+        complete_active_ids,
+        complete_requeuable_ids,
+        complete_states,
+    )
+    from slurm_dlrm.commands.store import _complete_acct_columns
+
+    ex = Path_examples()
+    a, b = _submit(str(ex / "tiny-a.yaml")), _submit(str(ex / "tiny-b.yaml"))
+    run("cancel", a)
+    ctx = SimpleNamespace(params={})
+    assert [c.value for c in complete_active_ids(ctx, None, "")] == [b]  # before: every job, ended ones too
+    assert [c.value for c in complete_requeuable_ids(ctx, None, "")] == [a]
+    assert complete_states(ctx, None, "PD,C") == ["PD,CD", "PD,CA"]
+    assert complete_states(ctx, None, "a") == ["all"]
+    assert _complete_acct_columns(ctx, None, "JobID,JobN") == ["JobID,JobName"]
