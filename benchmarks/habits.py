@@ -369,6 +369,10 @@ def main() -> int:
     if cluster is None or not cluster.status(query_nodes=False).up:
         print("habits: the local cluster of this checkout is not up (slurm-dlrm cluster up)", file=sys.stderr)
         return 1
+    if not cluster.config.accounting:
+        print("habits: the local cluster runs without accounting, so sacct cannot answer "
+              "(slurm-dlrm cluster down; slurm-dlrm cluster up --accounting)", file=sys.stderr)
+        return 1
     conf = str(cluster.config.slurm_conf)
     t0 = time.perf_counter()
 
