@@ -1,4 +1,8 @@
-"""`slurm-dlrm queue`, `show` and `cancel`: click glue over slurm_dlrm.service.queue/core."""
+"""`slurm-dlrm queue`, `show` and `cancel`: click glue over slurm_dlrm.service.queue/core.
+
+Over 600 lines: the squeue/scancel-like commands (queue, show, cancel, log, requeue)
+share one reading of job ids, one set of filters and one shell completion, which
+belong next to each other; the formats are in slurm_dlrm.service.squeue_format."""
 
 from __future__ import annotations
 

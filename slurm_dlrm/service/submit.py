@@ -2,6 +2,10 @@
 
 Everything is checked before anything is recorded: a bad spec or option among several
 leaves the store untouched (exit 2). No torch on this path (the estimate is pure).
+
+Over 600 lines: the three ways a submission goes (packed, --no-pack, from another
+login node) share validation, the checks sbatch makes at once (Slurm reachable, the
+partition, the dependency) and recording; split, each would import the others.
 """
 
 from __future__ import annotations

@@ -45,15 +45,29 @@ def parse_job_ref(text: str, what: str = "job id") -> JobRef:
     if m.group(2) is not None:
         raw = m.group(2)
         if raw.startswith("["):
-            from slurm_dlrm.service.sweep import parse_array
-
-            try:
-                tasks = tuple(parse_array(raw[1:-1]))
-            except BadInput as exc:
-                raise BadInput(f"{what} {item!r}: {str(exc).split(': ', 1)[-1]}") from None
+            tasks = _task_list(raw[1:-1], f"{what} {item!r}")
         else:
             tasks = (int(raw),)
     return JobRef(job_id, tasks, item)
+
+
+_MAX_TASKS = 100_000  # Slurm's MaxArraySize tops out at 4,000,001; a list this long is a typo
+
+
+def _task_list(text: str, where: str) -> tuple[int, ...]:
+    """`0-3,7` or `0-15:4` (a `%N` limit, as sbatch --array writes it, is ignored)."""
+    out: list[int] = []
+    for part in text.split("%", 1)[0].split(","):
+        m = re.fullmatch(r"([0-9]{1,7})(?:-([0-9]{1,7})(?::([0-9]{1,7}))?)?", part.strip())
+        if m is None:
+            raise BadInput(f"{where}: {part!r}: expected M, M-K or M-K:STEP")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) else lo
+        step = int(m.group(3)) if m.group(3) else 1
+        if hi < lo or step < 1 or len(out) + (hi - lo) // step + 1 > _MAX_TASKS:
+            raise BadInput(f"{where}: {part!r}: an empty or too long range")
+        out.extend(range(lo, hi + 1, step))
+    return tuple(sorted(set(out)))
 
 
 def parse_job_refs(items: Iterable[str], what: str = "job id") -> tuple[JobRef, ...]:
