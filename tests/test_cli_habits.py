@@ -83,8 +83,7 @@ def run(*args: str):
 
 @pytest.mark.parametrize("args, line", [
     (["queue", "--zzzz"], "slurm-dlrm: error: queue: No such option '--zzzz' (see slurm-dlrm queue --help)"),
-    (["show", "abc"], "slurm-dlrm: error: show: Invalid value for 'JOB_ID': 'abc' is not a valid integer "
-                      "(see slurm-dlrm show --help)"),
+    (["show", "abc"], "slurm-dlrm: error: job id 'abc': expected N, N_M (task M of array N) or N_[M-K]"),
     (["submit"], "slurm-dlrm: error: submit: Missing argument 'SPEC...' (see slurm-dlrm submit --help)"),
     (["frobnicate"], "slurm-dlrm: error: No such command 'frobnicate' (see slurm-dlrm --help)"),
     (["submit", "--mem=4G", "x.yaml"], "slurm-dlrm: error: command line: --mem: sized by slurm-dlrm from the "
@@ -209,6 +208,8 @@ def test_queue_takes_squeues_filters_and_columns(env):
     r = run("queue", "-t", "CA", "-o", "JOBID,STATE", "--noheader", "--no-slurm")  # an ended state implies --all
     assert r.stdout == f"{c}      CANCELLED\n"
     r = run("queue", "-j", f"{b},{c}", "-u", os.environ.get("USER") or _me(), "-o", "JOBID", "--noheader", "--no-slurm")
+    assert r.stdout.split() == [str(b)]  # as squeue -j (Slurm 22.05): an ended job only with -t (issue 42)
+    r = run("queue", "-j", f"{b},{c}", "-t", "all", "-o", "JOBID", "--noheader", "--no-slurm")
     assert r.stdout.split() == [str(b), str(c)]
     assert run("queue", "-u", "someone-else").output.startswith("slurm-dlrm: error: -u/--user: your store holds only ")
     r = run("queue", "-o", "JOBID,COLOUR")

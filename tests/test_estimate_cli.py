@@ -149,11 +149,44 @@ def test_estimate_says_what_mps_across_users_means_here(good_spec, tmp_path):
     site ([mps] cross_user), in text and JSON."""
     out = _run(str(good_spec), "--no-history")
     assert out.exit_code == 0, out.output
-    assert "note: a --no-pack job on an MPS share may share its GPU with other users' MPS jobs" in out.output
-    assert "take turns" in out.output
+    # issue 42: the note is submit --no-pack's (and in --json here), not at the end of every estimate
+    assert "note: a --no-pack job" not in out.output
+    res = CliRunner().invoke(cli, ["estimate", str(good_spec), "--no-history", "--json"])
+    assert "take turns" in json.loads(res.output)[0]["mps_cross_user"]["note"]
     one_user = tmp_path / "site.toml"
     one_user.write_text(REPO_SITE_FILE.read_text().replace('cross_user = "time-slice"', 'cross_user = "one-user"'))
     res = CliRunner().invoke(cli, ["estimate", "--site", str(one_user), str(good_spec), "--no-history", "--json"])
     assert res.exit_code == 0, res.output
     (r,) = json.loads(res.output)
     assert r["mps_cross_user"]["mode"] == "one-user" and "--exclusive=user" in r["mps_cross_user"]["note"]
+
+
+def test_a_host_calibration_is_its_own_line_not_a_negative_part(good_spec, tmp_path):
+    # issue 42: "calibration -775 MiB" was a part of the host table, under a total the parts
+    # did not sum to
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.spec import load_spec, spec_fingerprint
+    from slurm_dlrm.store import NewPlacement, Store, store_path_for
+    from slurm_dlrm.store.states import JobState
+
+    site_file = tmp_path / "site.toml"
+    site_file.write_text(REPO_SITE_FILE.read_text().replace('store_dir = "~/.local/share/slurm-dlrm"',
+                                                            f'store_dir = "{tmp_path}/store"'))
+    spec = load_spec(good_spec)
+    est = json.loads(CliRunner().invoke(cli, ["estimate", "--site", str(site_file), str(good_spec), "--json",
+                                              "--gpu", "h100"]).output)[0]["estimates"]["h100"]
+    path = store_path_for(load_site(site_file))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with Store(path) as store:
+        for _ in range(3):
+            job_id = store.add_job(user="u", name="small", spec=spec.to_dict(), spec_fingerprint=spec_fingerprint(spec),
+                                   estimate=est)
+            pack_id = store.add_pack(name=f"p{job_id}", user="u", policy="exclusive", n_gpus=1,
+                                     placements=[NewPlacement(job_id=job_id, node_index=0, gpu_index=0)])
+            store.transition_job(job_id, JobState.RUNNING, "started")
+            store.add_samples([{"t": 1.0, "pack_id": pack_id, "job_id": job_id, "node": "n1", "gpu_index": 0,
+                                "gpu_mem_bytes": est["gpu_peak_bytes"], "rss_bytes": est["host_peak_bytes"] // 2}])
+            store.transition_job(job_id, JobState.COMPLETED, "done", exit_code=0)
+    out = CliRunner().invoke(cli, ["estimate", "--site", str(site_file), str(good_spec), "--gpu", "h100"]).output
+    assert "calibrated from earlier runs" in out
+    assert not any(line.lstrip("│ ").startswith("calibration ") for line in out.splitlines()), out

@@ -86,7 +86,7 @@ def test_requeue_runs_a_cancelled_job_again_from_its_checkpoint(env):
     job_id = int(run("submit", "--no-service", "--parsable", str(EXAMPLES / "tiny-a.yaml")).output)
     r = run("requeue", "--no-service", str(job_id))
     assert r.exit_code == 2
-    assert r.output.strip() == f"slurm-dlrm: error: job {job_id}: is PENDING; only CANCELLED or FAILED jobs can be requeued"
+    assert r.output.strip() == f"slurm-dlrm: error: job {job_id}: is PENDING; only CANCELLED, FAILED or TIMEOUT jobs can be requeued"
     before = json.loads(run("show", str(job_id), "--json").output)["attempt"]
     assert run("cancel", str(job_id)).exit_code == 0
     ckpt = _user_spool(env) / "jobs" / str(job_id) / "ckpt" / "step-000000030"

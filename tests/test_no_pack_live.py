@@ -96,7 +96,8 @@ def test_a_no_pack_job_is_one_of_ours_from_submit_to_acct_and_cancel(live, tmp_p
     short_id, short_sid = int(m.group(1)), m.group(2)
     r = run("submit", "--no-pack", "--parsable", str(long_spec))
     assert r.exit_code == 0, r.output
-    long_id, long_sid = map(int, r.stdout.strip().split(";"))
+    long_id = int(r.stdout.strip())  # sbatch --parsable's form: the id alone (issue 42)
+    long_sid = int(json.loads(run("show", str(long_id), "--json").output)["slurm_job_id"])
     assert long_id == short_id + 1 and long_sid != int(short_sid)
 
     # Slurm's own view agrees: the marker carries our id

@@ -86,7 +86,9 @@ def test_submit_refuses_unknown_dependency_ids_and_records_nothing(tmp_path, mon
     run = CliRunner().invoke
     first = int(run(cli, ["submit", "--no-service", "--parsable", spec]).output)
     r = run(cli, ["submit", "--no-service", "-d", "afterok:99", spec])
-    assert (r.exit_code, r.output) == (2, "slurm-dlrm: error: --dependency: job 99: no such job in your store\n")
+    # sbatch: "Batch job submission failed: Job dependency problem", exit 1 (issue 42)
+    assert (r.exit_code, r.output) == (1, "slurm-dlrm: error: --dependency: job 99: no such job in your store "
+                                          "(Job dependency problem); nothing recorded\n")
     r = run(cli, ["submit", "--no-service", "--parsable", "-d", f"afterok:{first}", spec])
     assert r.exit_code == 0 and int(r.output) == first + 1
     r = run(cli, ["submit", "--no-pack", "-d", f"afterok:{first}", spec])

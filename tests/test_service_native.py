@@ -199,7 +199,7 @@ def test_an_unreachable_slurm_leaves_no_pack_jobs_as_they_are(world):
     ("OUT_OF_MEMORY", 0, 9, ("OOM", 137)),
     ("CANCELLED by 0", None, 15, ("CANCELLED", 143)),
     ("CANCELLED", 5, None, ("CANCELLED", 5)),
-    ("TIMEOUT", None, 15, ("FAILED", 143)),
+    ("TIMEOUT", None, 15, ("TIMEOUT", 143)),
     ("NODE_FAIL", None, None, ("FAILED", None)),
 ])
 def test_native_ending_maps_slurms_end_to_our_state(state, code, sig, want):
@@ -234,7 +234,7 @@ def test_cli_prints_our_id_with_the_slurm_id(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith("Submitted job 1 (Slurm 4; tiny-a: --mem=")
     r = CliRunner().invoke(cli, ["submit", "--no-pack", "--no-service", "--parsable", str(SPEC)])
-    assert r.exit_code == 0 and r.stdout == "2;5\n"  # sbatch's jobid;cluster form: ours first
+    assert r.exit_code == 0 and r.stdout == "2\n"  # sbatch's one-cluster form: the id -d afterok takes
     r = CliRunner().invoke(cli, ["queue", "--json", "--no-slurm"])
     rows = json.loads(r.output)["jobs"]
     assert [(j["job_id"], j["pack"], j["slurm_job_id"]) for j in rows] == [(1, "no-pack", "4"), (2, "no-pack", "5")]

@@ -72,16 +72,18 @@ def test_gpu_hours_split_and_saved(hist):
     # pack 1's GPU: 100 s split 100:50 between A and B
     assert r["A"]["gpu_hours"] == pytest.approx(100 * 100 / 150 * h)
     assert r["B"]["gpu_hours"] == pytest.approx(100 * 50 / 150 * h)
-    # pack 2: GPU0 only C (80 s); GPU1 C and D 60:60 of 80 s
-    assert r["C"]["gpu_hours"] == pytest.approx((80 + 40) * h)
-    assert r["D"]["gpu_hours"] == pytest.approx(40 * h)
-    assert sum(x["gpu_hours"] for x in r.values()) == pytest.approx((100 + 2 * 80) * h)
+    # pack 2: GPU0 only C (60 s); GPU1 C and D 60:60 of 60 s. The pack held its GPUs 20 s
+    # longer, after its last member ended (the agents' join grace): not a member's use, so
+    # not charged (issue 42: short jobs were charged the tail)
+    assert r["C"]["gpu_hours"] == pytest.approx((60 + 30) * h)
+    assert r["D"]["gpu_hours"] == pytest.approx(30 * h)
+    assert sum(x["gpu_hours"] for x in r.values()) == pytest.approx((100 + 2 * 60) * h)
     # exclusive: run time on each GPU, times the plan's predicted speed where shared (no
     # solo run of the same spec was measured; the analytic solo samples/s is not used)
     assert r["A"]["excl_gpu_hours"] == pytest.approx(100 * 0.6 * h)
     assert r["B"]["excl_gpu_hours"] == pytest.approx(50 * 0.7 * h)
     assert r["C"]["excl_gpu_hours"] == pytest.approx((60 + 60 * 0.8) * h)
-    assert r["D"]["gpu_hours_saved"] == pytest.approx((60 - 40) * h)  # no prediction: no correction
+    assert r["D"]["gpu_hours_saved"] == pytest.approx((60 - 30) * h)  # no prediction: no correction
     assert r["A"]["gpu_hours_saved"] == pytest.approx((60 - 100 * 100 / 150) * h)
     assert [r[n]["speed_basis"] for n in "ABCDE"] == ["predicted", "predicted", "predicted", "none", None]
     assert r["E"]["gpu_hours"] == 0 and r["E"]["wait_s"] == pytest.approx(1010)

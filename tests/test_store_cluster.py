@@ -87,6 +87,7 @@ def test_acct_all_users_table_ends_with_totals_and_names_unread_stores(cluster):
 def test_report_all_users(cluster):
     tmp_path, site = cluster
     out = tmp_path / "out" / "cluster.html"
+    out.parent.mkdir()  # report -o writes into a folder that exists (issue 42: it made missing ones)
     res = CliRunner().invoke(cli, ["report", "--all-users", "--site", str(site), "-S", "@0",
                                    "-E", f"@{T0 + 10000}", "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output

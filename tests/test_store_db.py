@@ -11,6 +11,7 @@ import pytest
 from slurm_dlrm.site import REPO_SITE_FILE, load_site
 from slurm_dlrm.store import NewPlacement, SchemaTooNew, Store, StoreError, store_path_for
 from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS
+from slurm_dlrm.store.states import JobState
 
 
 def mode(p) -> int:
@@ -245,3 +246,30 @@ def test_v4_store_gets_job_modes_and_its_jobs_stay_packed(tmp_path):
         s.set_job_allocation(j, nodes="node1", gpu_idx="0-1")
         assert (s.get_job(j).nodes, s.get_job(j).gpu_idx) == ("node1", "0-1")
         assert s.check() == []
+
+
+def test_a_store_of_version_7_is_migrated_to_take_timeout_and_array_tasks(tmp_path):
+    # issue 42: TIMEOUT is a job state; jobs.state's CHECK of an older store refused it
+    p = tmp_path / "s" / "store.sqlite"
+    p.parent.mkdir(mode=0o700)
+    conn = sqlite3.connect(p)
+    for m in MIGRATIONS[:7]:
+        for stmt in m.statements:
+            conn.execute(stmt.replace(", 'TIMEOUT'", ""))  # the states a version-7 store had
+        if m.apply is not None:
+            m.apply(conn)
+    conn.execute("INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, updated_time) "
+                 "VALUES ('u', 'old', 'RUNNING', 'fp', 1.0, 1.0)")
+    conn.execute("INSERT INTO job_specs VALUES (1, '{}', NULL, NULL)")
+    conn.execute("PRAGMA user_version = 7")
+    conn.commit()
+    with pytest.raises(sqlite3.IntegrityError):
+        conn.execute("UPDATE jobs SET state = 'TIMEOUT' WHERE id = 1")
+    conn.close()
+    with Store(p) as s:
+        assert s.schema_version == LATEST_VERSION
+        s.transition_job(1, JobState.TIMEOUT, "reached its time limit")
+        assert s.get_job(1).state == JobState.TIMEOUT and s.get_job(1).array_job_id is None
+        assert s.check() == []
+        with pytest.raises(sqlite3.IntegrityError):
+            s.conn.execute("UPDATE jobs SET state = 'BOGUS' WHERE id = 1")

@@ -21,6 +21,10 @@ def test_report_renders_plots_inline_and_beside(tmp_path):
         populate(s, n_jobs=12, samples_per_job=40, t0=now - 3600, seed=1, final_running=1)
     out = tmp_path / "out dir" / "rep.html"
     res = CliRunner().invoke(cli, ["report", "--db", str(db), "-S", "2h", "-o", str(out), "--json"])
+    # issue 42: a folder that is not there is refused, not made (it made /nonexistent/dir as root)
+    assert res.exit_code == 2 and "no such folder" in res.output and not out.parent.exists()
+    out.parent.mkdir()
+    res = CliRunner().invoke(cli, ["report", "--db", str(db), "-S", "2h", "-o", str(out), "--json"])
     assert res.exit_code == 0, res.output
     written = json.loads(res.output)
     pngs = [tmp_path / "out dir" / f"rep-{n}.png" for n in ("gpu-util", "gantt", "memory")]

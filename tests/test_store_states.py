@@ -81,10 +81,11 @@ def pack_in(store: Store, state: PackState) -> int:
 
 def test_tables_are_consistent():
     # Terminal states have no way out, except the documented requeues (OOM by the
-    # service; CANCELLED and FAILED by the user's `slurm-dlrm requeue`).
+    # service; CANCELLED, FAILED and TIMEOUT by the user's `slurm-dlrm requeue`).
     for (src, dst) in JOB_TRANSITIONS:
         if src in JOB_TERMINAL:
-            assert (src, dst) in {(J.OOM, J.PENDING), (J.CANCELLED, J.PENDING), (J.FAILED, J.PENDING)}
+            assert (src, dst) in {(J.OOM, J.PENDING), (J.CANCELLED, J.PENDING), (J.FAILED, J.PENDING),
+                                  (J.TIMEOUT, J.PENDING)}
     assert not any(src in PACK_TERMINAL for src, _ in PACK_TRANSITIONS)
     # Every state is reachable from the initial one.
     for table, start, states in ((JOB_TRANSITIONS, J.PENDING, J), (PACK_TRANSITIONS, P.SUBMITTING, P)):

@@ -84,7 +84,7 @@ MASTER_ADDR = "127.0.0.1"  # a job's ranks share one node (gang placement, docs/
 # feed it. MASTER_ADDR/MASTER_PORT stay set for a `command` of the user's own.
 ENV_RDZV_FILE = "SLURM_DLRM_RDZV_FILE"
 # The order in which a multi-rank job's end state is chosen from its ranks' (the worst wins).
-_GANG_STATE_ORDER = ("FAILED", "OOM_GPU", "OOM_HOST", "CANCELLED", "PREEMPTED", "COMPLETED")
+_GANG_STATE_ORDER = ("FAILED", "OOM_GPU", "OOM_HOST", "CANCELLED", "TIMEOUT", "PREEMPTED", "COMPLETED")
 
 
 @dataclass
@@ -115,7 +115,7 @@ class Member:
     state: str = "PENDING"
     exit_code: int | None = None
     reason: str = ""
-    stop_reason: str | None = None  # why we stopped it: OOM_HOST | OOM_GPU | CANCEL | TERM | KILLED
+    stop_reason: str | None = None  # why we stopped it: OOM_HOST | OOM_GPU | CANCEL | TERM | KILLED | TIMEOUT
     stop_detail: str = ""
     cancel_since: float | None = None  # monotonic time of the SIGTERM for a cancel request
     cancel_killed: bool = False
@@ -128,6 +128,8 @@ class Member:
     master_port: int | None = None  # a rank of a multi-rank job: its job's MASTER_PORT
     rdzv_file: str | None = None  # and its job's private FileStore
     oom_kills_at_launch: int | None = None  # the job cgroup's oom_kill count when it started
+    deadline: float | None = None  # monotonic time it is told to stop: its time limit minus the lead
+    timeout_kill_at: float | None = None  # and SIGKILL'ed if it has not stopped by then
 
     @property
     def done(self) -> bool:
@@ -152,6 +154,11 @@ def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool,
         return "CANCELLED", code, "cancelled by the service"
     if returncode == TRAIN_EXIT_OK:
         return "COMPLETED", code, ""
+    if stop_reason == "TIMEOUT":
+        if returncode == TRAIN_EXIT_PREEMPTED:
+            return "TIMEOUT", code, "reached its time limit; stopped with a checkpoint (exit 5)"
+        return "TIMEOUT", code, (f"reached its time limit; ended by {sig_name or f'exit code {returncode}'} "
+                                 "without a checkpoint exit")
     if stop_reason == "GANG":
         return "CANCELLED", code, "stopped because another rank of its job ended"
     if returncode == TRAIN_EXIT_OOM_GPU:
@@ -273,6 +280,7 @@ class Agent:
         self.run_dir = Path(opts.tmp_root) / f"slurm-dlrm-agent-{opts.slurm_job_id or os.getpid()}-{opts.node_index}"
         self._run_dir_ours = False
         self._oom_cgroup = fences.oom_cgroup(fences.cgroup_root(), opts.slurm_job_id)
+        self._t0 = time.monotonic()  # about when Slurm started the pack: time limits count from here
         self._term_signal: int | None = None
         self._terminating_since: float | None = None
         self._forwarded = False
@@ -609,6 +617,7 @@ class Agent:
                 d.mkdir(parents=True, exist_ok=True)
             m.output_path = Path(p.metrics_path).parent / f"output-{self.opts.node_name}.log"
             out = open(m.output_path, "ab")  # noqa: SIM115
+            self._link_output(m)
             if self.opts.launch == "step":
                 m.pid_file = self.run_dir / f"member-{p.key}.pid"
                 m.pid_file.unlink(missing_ok=True)
@@ -629,6 +638,9 @@ class Agent:
         if self.opts.launch != "step":
             m.pid = m.popen.pid
         m.launched_at = time.monotonic()
+        if p.time_limit_s is not None:
+            # a joiner's limit counts from its own start; the first members' from the pack's
+            m.deadline = (m.launched_at if joined else self._t0) + p.time_limit_s - p.stop_lead_s
         m.oom_kills_at_launch = fences.oom_kill_count(self._oom_cgroup)
         # Rank 0 alone writes the job's metrics file: one rank's rows carry samples/s, not W.
         m.metrics = MetricsTail(p.metrics_path) if p.rank == 0 else None
@@ -639,6 +651,21 @@ class Agent:
                             **({"joined": True} if joined else {}), **({"fence": m.fence} if m.fence else {}))
         log.info("launched %s (job %d%s) as %s", p.name, p.job_id,
                  f" rank {p.rank}/{p.world_size}" if p.world_size > 1 else "", self.opts.launch)
+
+    def _link_output(self, m: Member) -> None:
+        """The job's -o/-e paths as links to its log (issue 43 item 8), made by the agent as
+        the user; a path that is a file of its own is left alone (said in the agent log)."""
+        for link in m.placement.output_links:
+            path = Path(link)
+            try:
+                if path.is_symlink():
+                    path.unlink()
+                elif path.exists():
+                    log.warning("job %d: -o/-e %s exists and is not a link; not replaced", m.placement.job_id, path)
+                    continue
+                path.symlink_to(m.output_path)  # type: ignore[arg-type]
+            except OSError as exc:
+                log.warning("job %d: cannot link -o/-e %s to its log: %s", m.placement.job_id, path, exc)
 
     def _loop(self, rsock: socket.socket) -> None:
         next_tick = time.monotonic() + self.interval_s
@@ -656,6 +683,7 @@ class Agent:
             self._reap()
             self._forward()
             self._kill_after_grace()
+            self._check_time_limits()
             now = time.monotonic()
             if now >= next_tick:
                 self._tick()
@@ -778,6 +806,25 @@ class Agent:
             if not m.done:
                 self._signal(m, self._term_signal)
 
+    def _check_time_limits(self) -> None:
+        """A member at its time limit minus its lead is told to stop (SIGTERM: it
+        checkpoints and exits 5) and ends TIMEOUT; one still there just before the limit
+        itself is killed (issue 42)."""
+        now = time.monotonic()
+        for m in self.members:
+            if m.done or m.deadline is None:
+                continue
+            if m.timeout_kill_at is None and now >= m.deadline and m.stop_reason is None:
+                lead = m.placement.stop_lead_s
+                m.stop_reason = "TIMEOUT"
+                m.timeout_kill_at = now + max(1.0, lead - max(2.0, 0.2 * lead))
+                log.warning("%s (job %d): time limit %.0fs reached less its %.0fs lead; stopping it", m.placement.name,
+                            m.placement.job_id, m.placement.time_limit_s or 0, lead)
+                self._signal(m, signal.SIGTERM)
+            elif m.timeout_kill_at is not None and now >= m.timeout_kill_at and not m.cancel_killed:
+                m.cancel_killed = True
+                self._signal(m, signal.SIGKILL)
+
     def _check_cancels(self) -> None:
         wanted = self._cancel_requested()
         if not wanted:
@@ -851,7 +898,7 @@ class Agent:
         self.reports.rank(p.job_id, p.rank, p.world_size, m.state, m.exit_code, m.reason, gpu_index=p.gpu_index)
         ranks = self._ranks(p.job_id)
         # KILLED outside a termination: a step that never started its rank (PID_FILE_TIMEOUT_S)
-        stopping = m.stop_reason in ("CANCEL", "TERM", "GANG") or (
+        stopping = m.stop_reason in ("CANCEL", "TERM", "GANG", "TIMEOUT") or (
             m.stop_reason == "KILLED" and self._terminating_since is not None)
         bad = m.state not in ("COMPLETED", "PREEMPTED") and not stopping
         if bad and p.job_id not in self._gang_cause:
@@ -924,14 +971,15 @@ class Agent:
             cause = error_line(tail_lines(m.output_path, 40))
             if cause:
                 return f"{short_reason(cause, REASON_MAX_CHARS - 20)} (exit code {code})"
-        if state == "CANCELLED" and code == TRAIN_EXIT_PREEMPTED:
+        if state in ("CANCELLED", "TIMEOUT") and code == TRAIN_EXIT_PREEMPTED:
             # the checkpoint it stopped with (a metrics line may be a few steps older)
             step = newest_checkpoint_step(Path(m.placement.checkpoint_dir))
             if step is None and m.metrics is not None:
                 m.metrics.poll()
                 step = m.metrics.last.get("step") if m.metrics.last else None
             at = f" at step {step}" if isinstance(step, int) else ""
-            return f"cancelled; stopped{at} with a checkpoint (exit 5); `slurm-dlrm requeue {m.placement.job_id}` resumes it"
+            why = "reached its time limit" if state == "TIMEOUT" else "cancelled"
+            return f"{why}; stopped{at} with a checkpoint (exit 5); `slurm-dlrm requeue {m.placement.job_id}` resumes it"
         return reason
 
     # ------------------------------------------------------------ sampling and enforcement

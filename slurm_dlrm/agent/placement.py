@@ -40,6 +40,12 @@ class MemberPlacement:
     sm_chunks: int | None = None
     rank: int = 0  # this entry's rank in a job of world_size ranks (issue 18)
     world_size: int = 1
+    # the job's own time limit (sbatch -t) and how long before it the agent tells the
+    # member to checkpoint and stop (issue 42); None: no limit of its own
+    time_limit_s: float | None = None
+    stop_lead_s: float = 0.0
+    # the job's -o/-e paths (issue 43 item 8): the agent links them to the member's log
+    output_links: tuple[str, ...] = ()
 
     @property
     def key(self) -> str:
@@ -108,7 +114,12 @@ def parse_member(m: Any, where: str) -> MemberPlacement:
         sm_chunks=_get(m, "sm_chunks", int, w, None, min_value=1),
         rank=_get(m, "rank", int, w, 0, min_value=0),
         world_size=_get(m, "world_size", int, w, 1, min_value=1),
+        time_limit_s=_get(m, "time_limit_s", float, w, None, min_value=1),
+        stop_lead_s=_get(m, "stop_lead_s", float, w, 0.0, min_value=0),
+        output_links=tuple(_get(m, "output_links", list, w, [])),
     )
+    if not all(isinstance(x, str) and x.startswith("/") for x in member.output_links):
+        raise BadInput(f"placement {w}output_links: must be absolute paths")
     if member.mps_thread_pct > 100:
         raise BadInput(f"placement {w}mps_thread_pct: must be <= 100, got {member.mps_thread_pct}")
     if member.rank >= member.world_size:

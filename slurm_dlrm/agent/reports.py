@@ -18,7 +18,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-MEMBER_STATES = ("RUNNING", "COMPLETED", "FAILED", "OOM_GPU", "OOM_HOST", "PREEMPTED", "CANCELLED")
+MEMBER_STATES = ("RUNNING", "COMPLETED", "FAILED", "OOM_GPU", "OOM_HOST", "PREEMPTED", "CANCELLED", "TIMEOUT")
 AGENT_EVENTS = ("start", "mps_started", "mps_unavailable", "mps_stopped", "join_refused", "closed", "exit",
                 "fence_env_only", "fence_fallback", "dmem_not_applied")
 

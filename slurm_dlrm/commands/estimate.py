@@ -63,9 +63,7 @@ def estimate_cmd(spec_paths: tuple[str, ...], gpu_name: str | None, site_path: s
     if as_json:
         click.echo(json.dumps(results, indent=2))
     else:
-        _print_human(results)
-        if site.mps.enabled:
-            click.echo(f"note: {site.mps.cross_user_note()}")
+        _print_human(results)  # the --no-pack MPS note is submit --no-pack's (and in --json), not every estimate's
     if misfits:
         # as submit would: a job no GPU holds is bad input (exit 2), said with what would fix it
         for line in misfits[1:]:
@@ -181,10 +179,17 @@ def _print_human(results: list[dict[str, Any]]) -> None:
         host = Table(title="host peak memory", title_justify="left")
         host.add_column("part")
         host.add_column("bytes", justify="right")
+        # The parts, then the analytic total they sum to; a calibration from measured runs
+        # is its own line (issue 42: a "calibration -775 MiB" part under a total that
+        # was not what the parts said)
+        calibration = first["host_breakdown"].get("calibration") or 0
         for k, v in first["host_breakdown"].items():
-            if v:
+            if v and k != "calibration":
                 host.add_row(k, human_bytes(v))
-        host.add_row("[bold]total[/bold]", f"[bold]{human_bytes(first['host_peak_bytes'])}[/bold]")
+        analytic = first["host_peak_bytes"] - calibration
+        host.add_row("[bold]total[/bold]", f"[bold]{human_bytes(analytic)}[/bold]")
+        if calibration:
+            host.add_row("calibrated from earlier runs", human_bytes(first["host_peak_bytes"]))
         console.print(host)
         prof = Table(title="compute profile (solo)", title_justify="left")
         for col in ("GPU", "label", "SM %", "mem BW %", "host cores", "samples/s", "GFLOP/sample",

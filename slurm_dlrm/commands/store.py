@@ -33,19 +33,41 @@ def _open_store(db: str | None, site_path: str | None) -> Any:
     return Store.for_user(site, user)
 
 
+def _default_partition(site_path: str | None, db: str | None) -> str | None:
+    from slurm_dlrm.errors import DlrmError
+    from slurm_dlrm.site import load_site
+
+    try:
+        site = load_site(site_path)
+    except DlrmError:
+        return None  # acct --db on a file alone needs no site
+    return site.default_partition.name if site.partitions else None
+
+
+def _complete_acct_columns(ctx: click.Context, param: click.Parameter, incomplete: str) -> list[str]:
+    """Shell completion of `acct -o A,B`: the columns, after what is typed already."""
+    from slurm_dlrm.store.acct import COLUMNS
+
+    head, _, last = incomplete.rpartition(",")
+    prefix = f"{head}," if head else ""
+    return [prefix + c.name for c in COLUMNS if c.name.lower().startswith(last.lower())]
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.option("-j", "--jobs", "jobs", metavar="ID[,ID...]", help="Only these job ids.")
+@click.option("-j", "--jobs", "jobs", metavar="ID[,ID...]", help="Only these jobs: N, N_M (task M of array N), N_[M-K].")
 @click.option("-u", "--user", "users", metavar="USER[,USER...]", help="Only these users' jobs.")
 @click.option("-s", "--state", "states", metavar="STATE[,STATE...]",
-              help="Only jobs in these states (PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED, "
-                   "or sacct's PD PL R CD F OOM CA).")
+              help="Only jobs in these states (PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED TIMEOUT, "
+                   "or sacct's PD PL R CD F OOM CA TO).")
 @click.option("--pack", metavar="ID|NAME", help="Only members of this pack (any attempt).")
+@click.option("--name", "names", metavar="NAME[,NAME...]", help="Only jobs with these names (sacct --name).")
+@click.option("-b", "--brief", is_flag=True, help="JobID,State,ExitCode only (sacct --brief).")
 @click.option("-S", "--since", "--starttime", "since", metavar="TIME",
               help="Jobs not finished before TIME (2026-11-21, 2026-11-21T14:00, 14:00, 3h, now-1hours, today, @EPOCH).")
 @click.option("-E", "--until", "--endtime", "until", metavar="TIME", help="Jobs submitted up to TIME.")
 @click.option("-X", "--allocations", is_flag=True,
               help="Accepted for sacct's habit: a DLRM job is one row already (no steps).")
-@click.option("-o", "--format", "fmt", metavar="COL[%W],...", default=None,
+@click.option("-o", "--format", "fmt", metavar="COL[%W],...", default=None, shell_complete=_complete_acct_columns,
               help="Columns to show, comma-separated, optional width (see --helpformat).")
 @click.option("--helpformat", is_flag=True, help="List the columns and exit.")
 @click.option("--json", "as_json", is_flag=True, help="JSON array of objects (raw values).")
@@ -60,7 +82,8 @@ def _open_store(db: str | None, site_path: str | None) -> Any:
 @click.option("--totals", is_flag=True, help="Only the totals per user and per partition (any output format).")
 @click.option("--db", type=click.Path(dir_okay=False), help="Store file (default: your store from the site config).")
 @click.option("--site", "site_path", type=click.Path(dir_okay=False), help="Site config (default: $SLURM_DLRM_SITE, ...).")
-def acct(jobs: str | None, users: str | None, states: str | None, pack: str | None, since: str | None,
+def acct(jobs: str | None, users: str | None, states: str | None, pack: str | None, names: str | None,
+         brief: bool, since: str | None,
          until: str | None, allocations: bool, fmt: str | None, helpformat: bool, as_json: bool, as_csv: bool,
          parsable: bool, raw: bool, noheader: bool, all_users: bool, totals: bool, db: str | None,
          site_path: str | None) -> None:
@@ -91,12 +114,17 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
     if raw and not parsable:
         raise BadInput("--raw: goes with -P/--parsable (--json and --csv are raw already)")
     now = time.time()
-    cols = A.parse_format(fmt or (("User," if all_users else "") + A.DEFAULT_FORMAT))
+    if brief and fmt:
+        raise BadInput("-b/--brief: its columns are JobID,State,ExitCode; give -o or -b, not both")
+    cols = A.parse_format(fmt or ("JobID,State,ExitCode" if brief else
+                                  ("User," if all_users else "") + A.DEFAULT_FORMAT))
     f = A.AcctFilter(
-        job_ids=A.parse_job_ids(jobs) if jobs else None,
+        job_refs=A.parse_job_ids(jobs) if jobs else None,
         users=tuple(u.strip() for u in users.split(",") if u.strip()) if users else None,
         states=A.parse_states(states) if states else None,
         pack=pack.strip() if pack else None,
+        names=tuple(n.strip() for n in names.split(",") if n.strip()) if names else None,
+        default_partition=_default_partition(site_path, db),
         since=A.parse_time(since, "--since", now) if since else None,
         until=A.parse_time(until, "--until", now) if until else None,
     )
@@ -195,6 +223,9 @@ def report(since: str | None, until: str | None, output: str, max_gpus: int, max
     t_since = A.parse_time(since, "--since", now) if since else t_until - 86400
     if t_since >= t_until:
         raise BadInput("--since must be before --until")
+    parent = Path(output).absolute().parent
+    if not parent.is_dir():  # as a shell's > does: no folder is made (issue 42: it made /nonexistent/dir)
+        raise BadInput(f"-o/--output {output}: no such folder {parent}")
     if all_users:
         from slurm_dlrm.site import load_site
         from slurm_dlrm.store.cluster_report import write_cluster_report

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from typing import Any
 
@@ -22,8 +23,8 @@ _SBATCH_OPTIONS = (
     ("constraint", ("-C", "--constraint"), "FEATURES", "Node features the pack needs."),
     ("mail_type", ("--mail-type",), "TYPE[,TYPE]", "BEGIN, END, FAIL, ALL, ... (mail about the pack)."),
     ("mail_user", ("--mail-user",), "ADDRESS", "Where Slurm sends mail."),
-    ("output", ("-o", "--output"), "PATTERN", "Batch output of the pack (sbatch patterns like %j)."),
-    ("error", ("-e", "--error"), "PATTERN", "Batch error output of the pack."),
+    ("output", ("-o", "--output"), "PATTERN", "A link to this job's own log (%j its id, %x its name, %A_%a)."),
+    ("error", ("-e", "--error"), "PATTERN", "Also a link to its log (stdout and stderr are one log)."),
     ("begin_time", ("-b", "--begin"), "TIME",
      "Start no sooner than TIME, as sbatch: now+1hour, 16:00, 2026-12-24T08:00, tomorrow (docs/service.md)."),
 )
@@ -32,8 +33,10 @@ _SBATCH_OPTIONS = (
 def sbatch_option_decorators(fn: Any) -> Any:
     for attr, names, metavar, help_text in reversed(_SBATCH_OPTIONS):
         fn = click.option(*names, attr, metavar=metavar, default=None, help=help_text)(fn)
-    # sbatch --nice[=N]: a bare --nice lowers the priority by 100.
-    fn = click.option("--nice", "nice", metavar="[N]", default=None, is_flag=False, flag_value="100",
+    # sbatch --nice[=N]: a bare --nice lowers the priority by 100. A plain value option:
+    # click's optional value read `--nice=-5` as an option -5 and `--nice spec.yaml` as
+    # the value (issue 42); submit() takes a value that is no number for the spec it is.
+    fn = click.option("--nice", "nice", metavar="[N]", default=None,
                       help="Priority among your own jobs, as sbatch --nice: higher N goes later "
                            "(0..2147483645; negative: root only; bare --nice: 100).")(fn)
     return fn
@@ -45,32 +48,36 @@ def site_option(fn: Any) -> Any:
 
 
 @click.command("submit", context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("specs", nargs=-1, required=True, metavar="SPEC...")
+@click.argument("specs", nargs=-1, required=False, metavar="SPEC...")
 @sbatch_option_decorators
-@click.option("--parsable", is_flag=True, help="Print only the job ids, one per line (like sbatch --parsable; "
-              "with --no-pack: JOBID;SLURM_JOBID, as sbatch prints jobid;cluster).")
+@click.option("--parsable", is_flag=True, help="Print only the job ids, one per line (like sbatch --parsable: "
+              "an --array is one line, its array id, which cancel, queue -j and -d afterok take whole).")
 @click.option("--wait", "wait_", is_flag=True, help="Block with a progress display until the jobs end; "
               "exit 0 only if every job completed.")
 @click.option("--no-pack", is_flag=True, help="Submit each spec as one ordinary Slurm job sized from its "
               "estimate (--mem, --cpus-per-task, --gres=gpu:1 or an MPS share); still a job of slurm-dlrm "
-              "(queue, show, acct, cancel take its id). --parsable prints JOBID;SLURM_JOBID. "
+              "(queue, show, acct, cancel take its id; show prints its Slurm id). "
               "MPS runs one user's jobs on a GPU at a time: on an MPS share, other users' jobs on the "
               "same GPU take turns with yours unless the site sets [mps] cross_user = \"one-user\".")
 @click.option("--set", "sets", metavar="KEY=V1[,V2...]", multiple=True,
               help="A sweep: one job per value of a dotted spec field (e.g. optimizer.lr=0.01,0.1); "
                    "several --set give their product.")
 @click.option("-a", "--array", metavar="INDEXES", help="Copies of each spec like sbatch --array (0-3, 1,3,5, "
-              "0-15:4): job <name>-<i> with seed + i.")
+              "0-15:4, 0-7%2: at most 2 at once): job <name>-<i> with seed + i; task i of array N is N_i "
+              "to cancel, show, queue -j, acct -j.")
 @click.option("-d", "--dependency", metavar="TYPE:ID[:ID...]",
-              help="Start only after these jobs of yours (slurm-dlrm ids): after, afterok, afternotok, "
-                   "afterany, as sbatch -d.")
+              help="Start only after these jobs of yours (slurm-dlrm ids; an array's id: all its tasks): after, "
+                   "afterok, afternotok, afterany, or singleton (after your earlier jobs of this name), as sbatch -d.")
+@click.option("-D", "--chdir", "chdir", metavar="DIR", type=click.Path(file_okay=False, exists=True),
+              help="Relative -o/-e paths are from DIR, as sbatch --chdir (the specs are read from here).")
+@click.option("--export", "export", metavar="ALL", hidden=True)
 @click.option("--test-only", is_flag=True, help="Validate and estimate, record and submit nothing; print the "
               "sbatch command each job would use (like sbatch --test-only).")
 @click.option("--no-service", is_flag=True, hidden=True, help="Record only; do not start or wake the service.")
 @click.option("--json", "as_json", is_flag=True, help="Print the recorded jobs and their estimates as JSON.")
 @site_option
 def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, sets: tuple[str, ...],
-           array: str | None, dependency: str | None, test_only: bool, no_service: bool, as_json: bool, site_path: str | None,
+           array: str | None, dependency: str | None, chdir: str | None, export: str | None, test_only: bool, no_service: bool, as_json: bool, site_path: str | None,
            **sbatch: str | None) -> None:
     """Submit DLRM job specs to the packing service, like sbatch.
 
@@ -109,12 +116,22 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
     from slurm_dlrm.site import load_site
     from slurm_dlrm.store.store import current_user
 
+    nice = sbatch.get("nice")
+    if nice is not None and not re.fullmatch(r"\s*[+-]?\d+\s*", nice):
+        specs, sbatch["nice"] = (nice, *specs), "100"  # a bare --nice before a spec
+    if not specs:
+        raise click.UsageError("Missing argument 'SPEC...'")
+    if export is not None and export.strip().upper() != "ALL":
+        raise BadInput(f"--export={export}: a member runs with its pack's environment (the packing service's, "
+                       "ALL); set variables in the spec's command instead (command: [env, VAR=value, ...])")
     site = load_site(site_path)
     user = current_user()
     cli_options = options_from_mapping(sbatch)
-    cwd = os.getcwd()
+    cwd = os.path.abspath(chdir) if chdir else os.getcwd()
+    specs = tuple(os.path.abspath(p) for p in specs) if chdir else specs  # read from here, as sbatch reads its script
     if test_only:
         subs = svc.prepare(specs, cli_options, site, cwd, sets, array)
+        test_only_checks(site, user, subs, dependency)
         lines = svc.test_only_lines(subs, site, no_pack=no_pack)
         if as_json:
             click.echo(json.dumps([{"name": s.name, "sbatch": line} for s, line in zip(subs, lines, strict=True)],
@@ -169,9 +186,9 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
             if r.slurm_job_id is None or as_json:
                 continue
             if parsable:
-                # sbatch --parsable prints `jobid[;cluster]`; ours is `jobid;slurm_jobid`, so a
-                # script's `${out%%;*}` gets the id every slurm-dlrm command takes
-                click.echo(f"{r.job_id};{r.slurm_job_id}")
+                # sbatch --parsable prints `jobid` (`;cluster` only on a multi-cluster site): the id
+                # every slurm-dlrm command and -d afterok take; `show ID` has the Slurm id (issue 42)
+                click.echo(str(r.job_id))
             else:
                 click.echo(f"Submitted job {r.job_id} (Slurm {r.slurm_job_id}; {r.sub.name}: --mem={r.req.mem_mib}M "
                            f"--cpus-per-task={r.req.cpus} --gres={r.req.gres}"
@@ -206,13 +223,64 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         click.echo(json.dumps([{"job_id": i, "name": s.name, "spec": s.path, "gpu_model": s.gpu.name,
                                 "options": s.options.to_dict(), "estimate": s.estimate.to_dict()}
                                for i, s in zip(ids, subs, strict=True)], indent=1, default=str))
-    for i, s in zip(ids, subs, strict=True):
-        if parsable:
-            click.echo(str(i))
-        elif not as_json:
-            click.echo(f"Submitted job {i} ({svc.describe(s)})")
+    if not as_json:
+        for line in submitted_lines(ids, subs, parsable, svc.describe):
+            click.echo(line)
     if wait_:
         sys.exit(wait_with_progress(site, user, ids))
+
+
+def test_only_checks(site: Any, user: str, subs: list[Any], dependency: str | None) -> None:
+    """What sbatch --test-only checks beyond the script: the partition exists and the
+    dependency names known jobs (issue 42: both passed --test-only, then failed later)."""
+    from slurm_dlrm.service import submit as svc
+
+    texts = sorted({d for d in [dependency, *(s.options.dependency for s in subs)] if d})  # + #SBATCH -d
+    if texts:
+        from slurm_dlrm.service.depend import check_known, parse_dependency
+        from slurm_dlrm.store.store import Store, store_path_for
+
+        deps = [d for text in texts for d in parse_dependency(text)]
+        if not store_path_for(site, user).exists():
+            check_known(deps, _EmptyStore(), user)
+        else:
+            with Store.for_user(site, user, readonly=True) as store, store.read():
+                check_known(deps, store, user)
+    if any(s.options.partition for s in subs):
+        from slurm_dlrm.slurm import SlurmClient, SlurmError
+
+        try:
+            client: Any = SlurmClient(timeout_s=10.0)
+        except SlurmError:
+            client = None
+        svc.check_partitions(client, site, subs)
+
+
+class _EmptyStore:
+    def get_job(self, job_id: int) -> Any:
+        from slurm_dlrm.store.errors import UnknownEntity
+
+        raise UnknownEntity("job", job_id)
+
+
+def submitted_lines(ids: list[int], subs: list[Any], parsable: bool, describe: Any) -> list[str]:
+    """What submit prints: a line per job; an array's tasks as `ARRAY_TASK` (issue 42).
+    With --parsable an array is one line, its id, as sbatch prints it (so `-d afterok:$jid`
+    and `cancel $jid` take the whole array)."""
+    lines: list[str] = []
+    array_of: dict[Any, int] = {}
+    for i, s in zip(ids, subs, strict=True):
+        if s.array_task_id is None:
+            lines.append(str(i) if parsable else f"Submitted job {i} ({describe(s)})")
+            continue
+        first = s.array_group not in array_of
+        aid = array_of.setdefault(s.array_group, i)
+        if parsable:
+            if first:
+                lines.append(str(aid))
+        else:
+            lines.append(f"Submitted job {i} (task {aid}_{s.array_task_id}; {describe(s)})")
+    return lines
 
 
 def wait_with_progress(site: Any, user: str, ids: list[int]) -> int:

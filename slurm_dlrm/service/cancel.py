@@ -71,15 +71,30 @@ def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
     return f"job {job_id} cancel sent to its pack {pack.name}; {len(live)} other member(s) keep running"
 
 
+def not_requeuable(job_id: int, state: str) -> str:
+    return f"job {job_id}: is {state}; only CANCELLED, FAILED or TIMEOUT jobs can be requeued"
+
+
+def cancel_in_flight(store: Any, job: Any) -> bool:
+    """A cancel was sent to the job's agent and has not landed yet (the member is
+    checkpointing): `requeue` waits for it (issue 42: `cancel 39 && requeue 39`)."""
+    from slurm_dlrm.store.states import JobState
+
+    if job.state not in (JobState.PLANNED, JobState.RUNNING) or job.pack_id is None or job.no_pack:
+        return False
+    pack = store.get_pack(job.pack_id)
+    return bool(pack.pack_dir) and (Path(pack.pack_dir) / "cancel" / str(job.id)).exists()
+
+
 def requeue_job(store: Any, spool_dir: Path, job_id: int, *, user: str) -> str:
-    """Put an ended job (CANCELLED or FAILED) back in the queue, like `scontrol requeue`.
+    """Put an ended job (CANCELLED, FAILED or TIMEOUT) back in the queue, like `scontrol requeue`.
 
     Its next run resumes from the checkpoint its last run left in `<spool>/jobs/<id>/ckpt`
     (per job, not per pack). Returns what was done."""
     from slurm_dlrm.errors import BadInput
     from slurm_dlrm.service.joblog import last_checkpoint_step
     from slurm_dlrm.store.errors import StaleState, UnknownEntity
-    from slurm_dlrm.store.states import JobState
+    from slurm_dlrm.store.states import JOB_REQUEUABLE, JobState
 
     try:
         job = store.get_job(job_id)
@@ -87,8 +102,8 @@ def requeue_job(store: Any, spool_dir: Path, job_id: int, *, user: str) -> str:
         raise BadInput(f"job {job_id}: no such job in your store") from None
     if job.user != user:
         raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
-    if job.state not in (JobState.CANCELLED, JobState.FAILED):
-        raise BadInput(f"job {job_id}: is {job.state}; only CANCELLED or FAILED jobs can be requeued")
+    if job.state not in JOB_REQUEUABLE:
+        raise BadInput(not_requeuable(job_id, str(job.state)))
     if job.no_pack:
         raise BadInput(f"job {job_id}: a --no-pack job (Slurm job {job.slurm_job_id or '-'}) is not requeued "
                        f"by the packing service; submit its spec again")

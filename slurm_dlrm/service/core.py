@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import sys
 import time
@@ -53,15 +54,19 @@ from slurm_dlrm.service.common import (
 )
 from slurm_dlrm.service.daemon import ensure_private_dir
 from slurm_dlrm.service.sbatch_options import (
+    TIME_UNLIMITED,
     PackScript,
     SbatchOptions,
     pack_time_minutes,
     render_pack_script,
+    stop_lead_s,
 )
 from slurm_dlrm.service.spool import SPEC_FILE, write_job_spec, write_private
 from slurm_dlrm.site import MIB, SiteConfig
 
 log = logging.getLogger(__name__)
+
+STARTING_ROUND_S = 2.0  # rounds this often while packs start (next_delay_s)
 
 MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
 
@@ -118,6 +123,7 @@ class PackingService:
         self.slurm_retry_at = 0.0
         self.slurm_error: str | None = None
         self.heartbeats: dict[int, float] = {}
+        self._slurm_cancelled: dict[Any, bool] = {}  # pack id -> its Slurm job was cancelled (scancel)
         self.waited_rounds: dict[int, int] = {}
         self.deferred_reasons: dict[int, str] = {}  # why the last round left each job waiting (queue)
         self.rounds = 0
@@ -160,10 +166,20 @@ class PackingService:
         return n
 
     def next_delay_s(self) -> float | None:
-        """A back-off hint for the loop while Slurm is unreachable."""
-        if self.slurm_error is None:
-            return None
-        return max(0.1, self.slurm_retry_at - self.clock())
+        """A back-off hint for the loop while Slurm is unreachable; a short one while a
+        pack is being submitted or its agent starts members (issue 42: queue showed
+        PLANNED for 8-15 s after squeue showed the pack R, and `submit --wait` never
+        showed RUNNING). A pack waiting in Slurm's queue gets no hurry: that may be hours."""
+        from slurm_dlrm.store.states import JobState, PackState
+
+        if self.slurm_error is not None:
+            return max(0.1, self.slurm_retry_at - self.clock())
+        if any(True for _ in self.store.packs([PackState.SUBMITTING], user=self.settings.user)):
+            return STARTING_ROUND_S
+        running = {p.id for p in self.store.packs([PackState.RUNNING], user=self.settings.user)}
+        if any(j.pack_id in running for j in self.store.jobs([JobState.PLANNED], user=self.settings.user)):
+            return STARTING_ROUND_S
+        return None
 
     def status(self) -> dict[str, Any]:
         """What `queue` and `serve status` show about the service."""
@@ -281,7 +297,7 @@ class PackingService:
                 pack = s.get_pack(job.pack_id)
                 s.transition_job(job_id, JobState.RUNNING, "member started", slurm_job_id=pack.slurm_job_id, t=t)
             return
-        if job.state == JobState.PLANNED and (state in ("COMPLETED", "PREEMPTED") or requeue):
+        if job.state == JobState.PLANNED and (state in ("COMPLETED", "PREEMPTED", "TIMEOUT") or requeue):
             # the start record was never written (agent killed early); it did run
             s.transition_job(job_id, JobState.RUNNING, "member started (inferred)", t=t)
             job = s.get_job(job_id)
@@ -294,6 +310,13 @@ class PackingService:
             s.transition_job(job_id, JobState.OOM, why, exit_code=code, t=t,
                              data={"kind": "gpu" if state == "OOM_GPU" else "host"})
             self._after_oom(job_id, "gpu" if state == "OOM_GPU" else "host", t)
+        elif state == "TIMEOUT":
+            s.transition_job(job_id, JobState.TIMEOUT, why, exit_code=code, t=t)
+        elif state == "PREEMPTED" and self._cancelled_in_slurm(pack_id):
+            # a user's scancel of the pack's Slurm job (issue 42 item 7: it was re-packed and
+            # run again); the member checkpointed, so `requeue` resumes it
+            s.transition_job(job_id, JobState.CANCELLED, f"its pack's Slurm job was cancelled (scancel); {why}; "
+                             f"`slurm-dlrm requeue {job_id}` resumes it", exit_code=code, t=t)
         elif state == "PREEMPTED":
             self._requeue(job, f"preempted ({why}); resumes from its checkpoint", t)
         elif state == "FAILED" and requeue:
@@ -302,6 +325,37 @@ class PackingService:
             s.transition_job(job_id, JobState.FAILED, why, exit_code=code, t=t)
         else:
             log.warning("job %d: unknown member state %r in a report", job_id, state)
+
+    def _cancelled_in_slurm(self, pack_id: Any) -> bool:
+        """The pack's Slurm job was cancelled, not preempted nor signalled ahead of its time
+        limit (those find it RUNNING): sacct says CANCELLED, or, without accounting, Slurm
+        shows it COMPLETING while its members stop. One question per pack."""
+        from slurm_dlrm.slurm import AccountingDisabled, SlurmError
+        from slurm_dlrm.slurm import JobState as SJ
+
+        if pack_id in self._slurm_cancelled:
+            return self._slurm_cancelled[pack_id]
+        pack = self.store.get_pack(pack_id) if isinstance(pack_id, int) else None
+        verdict = False
+        if pack is not None and pack.slurm_job_id:
+            sid = int(pack.slurm_job_id)
+            try:
+                line = next((r for r in self.slurm.sacct([sid], ["JobID", "State"]) if r.step is None), None)
+                if line is not None:
+                    verdict = line.get("State").startswith("CANCELLED")
+                else:
+                    info = self.slurm.show_job(sid)
+                    verdict = info is not None and info.state in (SJ.COMPLETING, SJ.CANCELLED)
+            except AccountingDisabled:
+                try:
+                    info = self.slurm.show_job(sid)
+                except SlurmError:
+                    info = None
+                verdict = info is not None and info.state in (SJ.COMPLETING, SJ.CANCELLED)
+            except SlurmError as exc:
+                log.warning("pack %s: could not ask Slurm how it ended (%s); its members are requeued", pack.name, exc)
+        self._slurm_cancelled[pack_id] = verdict
+        return verdict
 
     def _after_oom(self, job_id: int, kind: str, t: float) -> None:
         self.recovery.after_oom(job_id, kind, t)  # raise and requeue, or say why not (service/recovery.py)
@@ -456,7 +510,7 @@ class PackingService:
     # ------------------------------------------------------------ act
 
     def act(self, stats: RoundStats) -> None:
-        from slurm_dlrm.service.depend import ready_jobs
+        from slurm_dlrm.service.depend import ready_jobs, within_array_throttle
         from slurm_dlrm.store.states import JobState
 
         if not self._slurm_available():
@@ -466,6 +520,7 @@ class PackingService:
         pending, never = ready_jobs(self.store, pending)  # submit --dependency
         now = self.clock()
         pending = [j for j in pending if j.begin_time is None or j.begin_time <= now]  # submit --begin
+        pending = within_array_throttle(self.store, pending)  # submit --array 0-7%2
         for job, why in never:
             self.store.transition_job(job.id, JobState.FAILED, why, expect=JobState.PENDING)
             stats.transitions += 1
@@ -784,7 +839,26 @@ class PackingService:
             # multi-GPU job's ranks share them (its rank 0 writes)
             "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
             **({"rank": p.rank or 0, "world_size": p.world_size} if (p.world_size or 1) > 1 else {}),
+            **self.time_limit_entry(job),
+            **self.output_links_entry(job, p),
         }
+
+    def output_links_entry(self, job: Any, p: Any) -> dict[str, Any]:
+        """`-o`/`-e` of a packed job (#SBATCH --output in its spec, or the command line):
+        the agent links those paths to the member's own log (issue 43 item 8), with
+        sbatch's %j as our job id, %x its name, %u the user, %A/%a its array and task."""
+        opts = job_options(job)
+        links = [expand_output_pattern(pat, job, self.settings.user, p.node) for pat in (opts.output, opts.error) if pat]
+        return {"output_links": sorted(set(links))} if links else {}
+
+    def time_limit_entry(self, job: Any) -> dict[str, Any]:
+        """The job's own time limit for its agent to keep (issue 42), and the lead before
+        it at which the member is told to checkpoint and stop."""
+        minutes = job_options(job).time_minutes
+        if minutes is None or minutes == TIME_UNLIMITED:
+            return {}
+        limit_s = 60.0 * minutes
+        return {"time_limit_s": limit_s, "stop_lead_s": stop_lead_s(limit_s, self.site.agent.term_grace_s + 60.0)}
 
     def node_limits(self) -> tuple[int | None, int | None]:
         """(CPUs, MiB) of the smallest GPU node: a pack never asks for more per node."""
@@ -805,7 +879,9 @@ class PackingService:
         base = options[0]
         merged = SbatchOptions(
             partition=base.partition, account=base.account, qos=base.qos, constraint=base.constraint,
-            mail_type=base.mail_type, mail_user=base.mail_user, output=base.output, error=base.error,
+            mail_type=base.mail_type, mail_user=base.mail_user,
+            # -o/-e are each member's own (member_entry's output_links), not the pack's: the
+            # pack's batch output holds only its agents' lines, and %j there was the pack's id
             time_minutes=pack_time_minutes(o.time_minutes for o in options))
         return PackScript(
             pack_name=pack.name, comment=format_marker(MODE_PACK, pack_id=pack.id, extra={"pack": pack.name}),
@@ -819,3 +895,19 @@ def _never_fits(reason: str) -> bool:
     # The policy's "too big" reasons: the job exceeds what any node offers even when
     # empty. Room or GPUs lacking *this round* is not final.
     return "largest free GPU" in reason
+
+
+def expand_output_pattern(pattern: str, job: Any, user: str, node: str | None) -> str:
+    """sbatch's filename pattern for one member: %j/%J our job id, %x its name, %u the
+    user, %A the array's id (else the job id), %a its task (else 0), %N its node,
+    %% a percent sign; a number between % and the letter pads with zeros (%4j)."""
+    def one(m: Any) -> str:
+        width, letter = m.group(1), m.group(2)
+        values = {"j": job.id, "J": job.id, "x": job.name, "u": user, "N": node or "node",
+                  "A": job.array_job_id if job.array_job_id is not None else job.id,
+                  "a": job.array_task_id if job.array_task_id is not None else 0, "%": "%"}
+        value = str(values.get(letter, m.group(0)))
+        return value.zfill(int(width)) if width and value.isdigit() else value
+    if "\\" in pattern:  # sbatch: a backslash anywhere turns the patterns off
+        return pattern.replace("\\", "")
+    return re.sub(r"%(\d*)([jJxuNAa%])", one, pattern)

@@ -74,8 +74,9 @@ def native_ending(slurm_state: str, exit_code: int | None, signal: int | None, r
                                                           else f" (runner exit code {code})"), code)
     if code == TRAIN_EXIT_OOM_GPU:
         return NativeEnding("OOM", f"out of GPU memory (runner exit code {code})", code)
-    if base == "TIMEOUT":
-        return NativeEnding("FAILED", "Slurm: TIMEOUT (time limit reached)", code)
+    if base == "TIMEOUT":  # its own limit, as Slurm records it (issue 42: was FAILED)
+        stop = "; stopped at a checkpoint" if exit_code == TRAIN_EXIT_PREEMPTED else ""
+        return NativeEnding("TIMEOUT", f"reached its time limit (Slurm: TIMEOUT){stop}", code)
     if code == TRAIN_EXIT_BAD_SPEC:
         return NativeEnding("FAILED", f"the spec did not validate (runner exit code {code})", code)
     what = f"exit code {code}" if code is not None and not signal else (f"signal {signal}" if signal else "")
@@ -320,7 +321,7 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
     if nodes and nodes != job.nodes:
         svc.store.set_job_allocation(job.id, nodes=nodes)
     with svc.store.write():
-        if job.state == JobState.PLANNED and (start is not None or ending.state == "COMPLETED"):
+        if job.state == JobState.PLANNED and (start is not None or ending.state in ("COMPLETED", "TIMEOUT")):
             # it ran between two polls
             svc.store.transition_job(job.id, JobState.RUNNING, f"Slurm job {job.slurm_job_id} started",
                                      expect=JobState.PLANNED, t=min(start or end or now, now))

@@ -14,7 +14,7 @@ from slurm_dlrm.service.submit import job_progress, wait_for_jobs
 from slurm_dlrm.site import SiteConfig
 
 STATE_STYLE = {"PENDING": "yellow", "PLANNED": "cyan", "RUNNING": "green", "COMPLETED": "bold green",
-               "FAILED": "bold red", "OOM": "bold red", "CANCELLED": "magenta"}
+               "FAILED": "bold red", "OOM": "bold red", "CANCELLED": "magenta", "TIMEOUT": "yellow"}
 
 
 def _steps(job: Any) -> int | None:

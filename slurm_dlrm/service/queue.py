@@ -18,7 +18,11 @@ QUEUE_COLUMNS = ("job_id", "name", "state", "pack", "slurm_job_id", "node", "gpu
                  "gpu_mem_mib", "attempt", "reason")
 HEADERS = {"job_id": "JOBID", "name": "NAME", "state": "STATE", "pack": "PACK", "slurm_job_id": "SLURMID",
            "node": "NODE", "gpu": "GPU", "mps_pct": "MPS%", "gpu_mem_mib": "GPU_MiB", "attempt": "TRY",
-           "reason": "REASON", "start_time": "START_TIME"}
+           "reason": "REASON", "start_time": "START_TIME", "partition": "PARTITION", "time": "TIME",
+           "time_limit": "TIME_LIMIT", "user": "USER"}
+# `queue -l`, as squeue -l adds PARTITION, TIME and TIME_LIMIT
+LONG_COLUMNS = ("job_id", "partition", "name", "state", "time", "time_limit", "pack", "slurm_job_id", "node",
+                "gpu", "mps_pct", "gpu_mem_mib", "attempt", "reason")
 # `queue --start`, as squeue --start: waiting jobs and when each is expected to start
 START_COLUMNS = ("job_id", "name", "state", "start_time", "reason")
 
@@ -90,7 +94,7 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
         pack = packs.get(j.pack_id) if j.pack_id is not None and j.state != JobState.PENDING else None
         pl = placements.get((j.pack_id, j.id)) if pack is not None else None
         if j.no_pack:
-            rows.append(native_row(j, slurm_reasons))
+            rows.append({**slurm_fields(j, now_s), **native_row(j, slurm_reasons)})
             continue
         if j.state == JobState.PENDING and PENDING_TRACE in (j.estimate or {}):
             reason = ESTIMATING_REASON + f": the service traces {j.spec.get('custom_module')}"
@@ -103,8 +107,8 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
         elif pack is not None and pack.state == PackState.SUBMITTING:
             reason = "submitting the pack" + (f"; {pending_reason(service)}" if service.get("slurm_ok") is False else "")
         elif pack is not None and pack.state == PackState.QUEUED:
-            reason = "pack queued in Slurm" + (f" ({slurm_reasons[pack.slurm_job_id]})"
-                                               if slurm_reasons and pack.slurm_job_id in slurm_reasons else "")
+            why = (slurm_reasons or {}).get(str(pack.slurm_job_id))
+            reason = f"pack {why}" if why == STARTED_IN_SLURM else "pack queued in Slurm" + (f" ({why})" if why else "")
         elif pack is not None and pack.pack_dir and (Path(pack.pack_dir) / "cancel" / str(j.id)).exists():
             reason = "cancel requested"
         elif pack is not None and pack.state == PackState.RUNNING and j.state == JobState.PLANNED:
@@ -115,6 +119,7 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
         if ranks:
             pl = ranks[0]
         rows.append({
+            **slurm_fields(j, now_s),
             "job_id": j.id, "name": j.name, "state": str(j.state), "pack": pack.name if pack else None,
             "slurm_job_id": pack.slurm_job_id if pack else None,
             "node": (pl.node or (f"#{pl.node_index}" if pl else None)) if pl else None,
@@ -132,6 +137,24 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
     return rows
 
 
+def slurm_fields(j: Any, now_s: float) -> dict[str, Any]:
+    """The columns squeue has and ours did not (issue 42): the id as squeue prints it
+    (`12_3` for task 3 of array 12), PARTITION (None: the site's default, filled by the
+    command), TIME (run time of the current run, s) and TIME_LIMIT (minutes)."""
+    from slurm_dlrm.store.states import JobState
+
+    opts = j.sbatch or {}
+    if j.state == JobState.RUNNING and j.start_time is not None:
+        time_s: float | None = now_s - j.start_time
+    elif j.end_time is not None and j.start_time is not None:
+        time_s = j.end_time - j.start_time
+    else:
+        time_s = 0.0
+    return {"slurm_id": f"{j.array_job_id}_{j.array_task_id}" if j.array_job_id is not None else str(j.id),
+            "partition": str(opts["partition"]).split(",")[0] if opts.get("partition") else None,
+            "time_s": max(0.0, time_s or 0.0), "time_limit_min": opts.get("time_minutes")}
+
+
 def native_row(j: Any, slurm_reasons: dict[str, str] | None) -> dict[str, Any]:
     """A `submit --no-pack` job's row: its own Slurm job, node and the node's GPU index."""
     from slurm_dlrm.service.native import NO_PACK_LABEL, SUBMITTING_REASON
@@ -144,7 +167,7 @@ def native_row(j: Any, slurm_reasons: dict[str, str] | None) -> dict[str, Any]:
         reason = SUBMITTING_REASON
     elif j.state == JobState.PLANNED:
         why = (slurm_reasons or {}).get(j.slurm_job_id)
-        reason = "queued in Slurm" + (f" ({why})" if why else "")
+        reason = STARTED_IN_SLURM if why == STARTED_IN_SLURM else "queued in Slurm" + (f" ({why})" if why else "")
     else:
         reason = ""
     gpu = j.gpu_idx
@@ -195,6 +218,7 @@ def _dependency_reason(store: Any, job: Any) -> str:
 
 def slurm_pending_reasons(slurm: Any, user: str) -> dict[str, str]:
     """Slurm's reason for each of the user's pending jobs (empty if Slurm does not answer)."""
+    from slurm_dlrm.slurm import JobState as SJ
     from slurm_dlrm.slurm import SlurmError
 
     try:
@@ -202,7 +226,13 @@ def slurm_pending_reasons(slurm: Any, user: str) -> dict[str, str]:
     except SlurmError as exc:
         log.info("squeue failed: %s", exc)
         return {}
-    return {str(i.job_id): i.reason for i in infos if i.reason}
+    # a pack the service still has QUEUED may run already (its round is up to
+    # packing.round_seconds away): say so rather than "queued" (issue 42)
+    return {str(i.job_id): (STARTED_IN_SLURM if i.state == SJ.RUNNING else i.reason) for i in infos
+            if i.reason or i.state == SJ.RUNNING}
+
+
+STARTED_IN_SLURM = "started in Slurm; its agent is starting the member"
 
 
 def format_table(rows: list[dict[str, Any]], columns: Sequence[str] = QUEUE_COLUMNS) -> str:

@@ -55,8 +55,9 @@ def drop(site: SiteConfig, user: str, kind: str, payload: dict[str, Any]) -> str
 
 def check_ids(store: Any, job_ids: Sequence[int], user: str, *, requeue: bool = False) -> None:
     """All ids first, as the commands do on the service's host: nothing half-done."""
+    from slurm_dlrm.service.cancel import not_requeuable
     from slurm_dlrm.store.errors import UnknownEntity
-    from slurm_dlrm.store.states import JobState
+    from slurm_dlrm.store.states import JOB_REQUEUABLE
 
     for jid in job_ids:
         try:
@@ -65,8 +66,8 @@ def check_ids(store: Any, job_ids: Sequence[int], user: str, *, requeue: bool = 
             raise BadInput(f"job {jid}: no such job in your store") from None
         if job.user != user:
             raise BadInput(f"job {jid}: belongs to {job.user}, not {user}")
-        if requeue and job.state not in (JobState.CANCELLED, JobState.FAILED):
-            raise BadInput(f"job {jid}: is {job.state}; only CANCELLED or FAILED jobs can be requeued")
+        if requeue and job.state not in JOB_REQUEUABLE:
+            raise BadInput(not_requeuable(int(jid), str(job.state)))
 
 
 def _ids(payload: dict[str, Any]) -> list[int]:

@@ -99,6 +99,26 @@ def format_time_minutes(minutes: int) -> str:
     return f"{days}-{hours:02d}:{mins:02d}:00" if days else f"{hours:02d}:{mins:02d}:00"
 
 
+# ---------------------------------------------------------------- time limit leads
+
+# The least lead a short limit gets: a member's checkpoint (a DLRM step and one save)
+# fits in it, and the agent starts members a second or two after Slurm starts the pack.
+MIN_STOP_LEAD_S = 10.0
+STOP_LEAD_FRACTION = 0.15  # of the limit, for limits too short for the site's full lead
+
+
+def stop_lead_s(limit_s: float, full_lead_s: float) -> float:
+    """How long before its time limit a member is told to checkpoint and stop (issue 42).
+
+    The site's full lead (term_grace_s + 60, two minutes by default) for a limit that
+    affords it; a shorter limit keeps most of its time: 15 % of it, at least 10 s (`-t 2`:
+    18 s, so the job runs 102 s of its 120). Was `--signal=TERM@120` for every limit,
+    which stopped `-t 1` and `-t 2` jobs at once."""
+    if limit_s <= 0:
+        return 0.0
+    return min(full_lead_s, max(MIN_STOP_LEAD_S, STOP_LEAD_FRACTION * limit_s), limit_s / 2)
+
+
 # ---------------------------------------------------------------- the options
 
 @dataclass(frozen=True)
@@ -119,6 +139,9 @@ class SbatchOptions:
     # never reach a pack's sbatch line and do not split packs.
     nice: int | None = None  # sbatch --nice: the job's priority among its user's jobs, lower first
     begin_time: float | None = None  # sbatch --begin, as epoch seconds (resolved at submit)
+    # `#SBATCH --array`/`-d` in a spec, as the command line's (issue 42); per job too
+    array: str | None = None
+    dependency: str | None = None
 
     def merged_over(self, base: SbatchOptions) -> SbatchOptions:
         """These options with `base` filling the gaps (self wins, as the command line)."""
@@ -146,10 +169,11 @@ class SbatchOptions:
     def pack_key(self) -> tuple[tuple[str, str], ...]:
         """What jobs must share to ride in one pack: all but the job name and time.
 
-        Time limits differ freely: the pack asks for the longest (`pack_time_minutes`).
+        Time limits differ freely: the pack asks for the longest (`pack_time_minutes`);
+        -o/-e are each member's own (linked to its log), not the pack's.
         """
         return tuple(sorted((k, str(v)) for k, v in self.to_dict().items()
-                            if k not in ("job_name", "time_minutes") + PER_JOB))
+                            if k not in ("job_name", "time_minutes", "output", "error") + PER_JOB))
 
     def sbatch_flags(self, *, include_job_name: bool = True) -> list[str]:
         """`--flag=value` argv items (unquoted: for an argv list or `sbatch_line`)."""
@@ -237,6 +261,27 @@ def _nice(value: str) -> int:
     return n
 
 
+def _array(value: str) -> str:
+    from slurm_dlrm.service.sweep import array_throttle, parse_array
+
+    try:
+        parse_array(value)
+        array_throttle(value)
+    except BadInput as exc:
+        raise ValueError(str(exc).split(": ", 1)[-1]) from None
+    return value.strip()
+
+
+def _dependency(value: str) -> str:
+    from slurm_dlrm.service.depend import parse_dependency
+
+    try:
+        parse_dependency(value)
+    except BadInput as exc:
+        raise ValueError(str(exc).split(": ", 1)[-1]) from None
+    return value.strip()
+
+
 def _begin(value: str) -> float:
     from slurm_dlrm.service.begin_time import parse_begin
 
@@ -256,8 +301,10 @@ OPTIONS: tuple[_OptionSpec, ...] = (
     _OptionSpec("time_minutes", "--time", "-t", _time),
     _OptionSpec("nice", "--nice", None, _nice),
     _OptionSpec("begin_time", "--begin", "-b", _begin),
+    _OptionSpec("array", "--array", "-a", _array),
+    _OptionSpec("dependency", "--dependency", "-d", _dependency),
 )
-PER_JOB = ("nice", "begin_time")
+PER_JOB = ("nice", "begin_time", "array", "dependency")
 _BY_LONG = {o.long: o for o in OPTIONS}
 _BY_SHORT = {o.short: o for o in OPTIONS if o.short}
 _BY_ATTR = {o.attr: o for o in OPTIONS}
@@ -456,7 +503,7 @@ class PackScript:
     python: str  # absolute path of the interpreter that runs the agent
     placement_path: str  # <pack_dir>/placement.json
     pack_dir: str
-    signal_before_end_s: int  # SIGTERM to the agents this long before the time limit
+    signal_before_end_s: int  # SIGTERM to the agents this long before a partition's time limit
     options: SbatchOptions = SbatchOptions()
     gpu_type: str | None = None  # --gres=gpu:TYPE:N when the plan names a model
 
@@ -473,8 +520,12 @@ def pack_sbatch_flags(p: PackScript) -> list[str]:
         f"--nodes={p.nodes}",
         "--no-requeue",  # a requeue would restart every member; the service decides
         "--ntasks-per-node=1",
-        f"--signal=TERM@{p.signal_before_end_s}",
     ]
+    if p.options.time_minutes is None or p.options.time_minutes == TIME_UNLIMITED:
+        # The partition's limit, unknown here: Slurm signals the agents (they checkpoint the
+        # members). A limit of the pack's own is the agent's to keep, per member and to the
+        # second (placement time_limit_s): Slurm's --signal may come up to 60 s early.
+        flags.append(f"--signal=TERM@{p.signal_before_end_s}")
     if p.gpus_per_node > 0:
         flags.append(f"--gres={gres}")
     if p.options.output is None:

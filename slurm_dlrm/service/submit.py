@@ -2,6 +2,10 @@
 
 Everything is checked before anything is recorded: a bad spec or option among several
 leaves the store untouched (exit 2). No torch on this path (the estimate is pure).
+
+Over 600 lines: the three ways a submission goes (packed, --no-pack, from another
+login node) share validation, the checks sbatch makes at once (Slurm reachable, the
+partition, the dependency) and recording; split, each would import the others.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ class Submission:
     gpu: GpuModel
     estimate: Any  # slurm_dlrm.estimate.Estimate
     source: str = ""  # the path as given (errors name it so, as `estimate` does)
+    # a task of `--array` (issue 42): its index, and which array of this submission it
+    # belongs to (one per spec file and --set combination); None: not an array task
+    array_task_id: int | None = None
+    array_group: int | None = None
+    array_throttle: int | None = None  # --array's %N: at most N of its tasks at once
 
 
 def partition_for(site: SiteConfig, options: SbatchOptions) -> Any:
@@ -80,22 +89,27 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
     """Validate and estimate every spec (each variant of a `--set`/`--array` sweep);
     raise BadInput naming the first bad one."""
     from slurm_dlrm.estimate import estimate
-    from slurm_dlrm.service.sweep import expand, parse_array, parse_sets
+    from slurm_dlrm.service.sweep import array_throttle, expand_tasks, parse_array, parse_sets
     from slurm_dlrm.spec import load_spec, read_spec_text, spec_fingerprint
 
     sweep_sets = parse_sets(sets)
-    sweep_array = parse_array(array) if array else None
 
     if not paths:
         raise BadInput("SPEC: give at least one spec file")
-    out = []
+    out: list[Submission] = []
     for raw in paths:
         path = os.path.abspath(os.path.join(cwd, raw))
         # read once, bounded, a regular file only (a FIFO would block open() for ever)
         text = read_spec_text(path)
         options = cli_options.merged_over(parse_sbatch_script(text, raw)).with_paths_from(cwd)
+        file_array = array if array else options.array  # `#SBATCH --array` unless the command line has one
+        sweep_array = parse_array(file_array) if file_array else None
+        throttle = array_throttle(file_array) if file_array else None
         gpu = gpu_for(site, options)
-        for spec in expand(load_spec(path, text), sweep_sets, sweep_array):
+        swept = bool(sweep_sets or sweep_array)
+        group_base = 1 + max((sb.array_group or 0 for sb in out), default=0)
+        for spec, task, group in expand_tasks(load_spec(path, text), sweep_sets, sweep_array,
+                                              options.job_name if swept else None):
             est = estimate(spec, gpu)
             if spec.custom_module:
                 # traced by the service (torch), after the checks that need no import (custom_trace.py)
@@ -112,9 +126,11 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
                 ds["path"] = os.path.normpath(os.path.join(os.path.dirname(path), ds["path"]))
             if ds.get("path"):
                 check_data_path(raw, ds["path"])
-            out.append(Submission(path=path, name=options.job_name or spec.name, spec=spec, spec_data=data,
-                                  fingerprint=spec_fingerprint(spec), options=options, gpu=gpu, estimate=est,
-                                  source=raw))
+            out.append(Submission(path=path, name=spec.name if swept else options.job_name or spec.name,
+                                  spec=spec, spec_data=data, fingerprint=spec_fingerprint(spec), options=options,
+                                  gpu=gpu, estimate=est, source=raw, array_task_id=task,
+                                  array_group=None if task is None else group_base + group,
+                                  array_throttle=None if task is None else throttle))
     return out
 
 
@@ -150,12 +166,15 @@ def job_row(s: Submission, dependency: str | None = None) -> dict[str, Any]:
     sbatch = s.options.to_dict()
     if dependency:
         sbatch["dependency"] = dependency  # ours, not the pack's: depend.py reads it
+    if s.array_throttle is not None:
+        sbatch["array_throttle"] = s.array_throttle  # ours: the service runs at most N tasks at once
     est = s.estimate.to_dict()
     if s.spec.custom_module:  # its analytic figures are placeholders until the service traced it
         est = pending_trace_estimate(est, s.source, submit_search_path(os.getcwd()))
     return {"name": s.name, "spec": s.spec_data, "spec_fingerprint": s.fingerprint, "estimate": est,
             "gpu_model": s.gpu.name, "sbatch": sbatch, "nice": s.options.nice or 0, "begin_time": s.options.begin_time,
-            "reason": f"submitted from {s.path}" + (f"; --dependency={dependency}" if dependency else "")}
+            "reason": f"submitted from {s.path}" + (f"; --dependency={dependency}" if dependency else ""),
+            **({"array_task_id": s.array_task_id, "array_group": s.array_group} if s.array_task_id is not None else {})}
 
 
 def _row_number(row: Mapping[str, Any], key: str, default: float | None, kinds: type | tuple[type, ...]) -> Any:
@@ -169,16 +188,24 @@ def _row_number(row: Mapping[str, Any], key: str, default: float | None, kinds: 
 def record_rows(store: Any, rows: Sequence[Mapping[str, Any]], user: str, spool_dir: Path | None = None,
                 dependency: str | None = None) -> list[int]:
     ids = []
+    arrays: dict[Any, int] = {}  # a row's array_group -> the array's id (its first task's job id)
     with store.write():
-        if dependency:
+        deps = {dependency} | {str((r.get("sbatch") or {}).get("dependency") or "") for r in rows}  # + #SBATCH -d
+        for dep in sorted(d for d in deps if d):
             from slurm_dlrm.service.depend import check_known, parse_dependency
 
-            check_known(parse_dependency(dependency), store, user)  # in the transaction: nothing half-done
+            check_known(parse_dependency(dep), store, user)  # in the transaction: nothing half-done
         for r in rows:
-            ids.append(int(store.add_job(
+            task = _row_number(r, "array_task_id", None, int)
+            group = r.get("array_group")
+            job_id = int(store.add_job(
                 user=user, name=r["name"], spec=r["spec"], spec_fingerprint=r["spec_fingerprint"],
                 estimate=r["estimate"], gpu_model=r["gpu_model"], sbatch=r["sbatch"], reason=r["reason"],
-                nice=_row_number(r, "nice", 0, int), begin_time=_row_number(r, "begin_time", None, (int, float)))))
+                nice=_row_number(r, "nice", 0, int), begin_time=_row_number(r, "begin_time", None, (int, float)),
+                array_task_id=task, array_job_id=arrays.get(group) if task is not None else None))
+            if task is not None:
+                arrays.setdefault(group, job_id)
+            ids.append(job_id)
     if spool_dir is not None:
         from slurm_dlrm.service.spool import write_job_spec
 
@@ -247,6 +274,26 @@ def ensure_service_job(site: SiteConfig, user: str, slurm: Any = None) -> str:
     job_id, new = queue_service_job(site, user, slurm)
     return f"{'queued' if new else 'already queued or running'} as Slurm job {job_id} in partition " \
            f"{site.service_partition}"
+
+
+def check_partitions(slurm: Any, site: SiteConfig, subs: Sequence[Submission]) -> None:
+    """Every `-p` partition exists, or one line and exit 1 with nothing recorded, as sbatch
+    refuses it at once (issue 42: the job was recorded, turned FAILED 10 s later and left
+    `queue`). Slurm's own list (one sinfo); the site's where Slurm does not answer."""
+    from slurm_dlrm.slurm import SlurmError
+
+    wanted = sorted({p for s in subs if s.options.partition for p in s.options.partition.split(",")})
+    if not wanted:
+        return
+    try:
+        known = {r.partition.rstrip("*") for r in slurm.sinfo()} if slurm is not None else set()
+    except SlurmError:
+        known = set()
+    known = known or {p.name for p in site.partitions}
+    for name in wanted:
+        if name not in known:
+            raise DlrmError(f"-p/--partition {name}: invalid partition specified (Slurm has "
+                            f"{', '.join(sorted(known))}); nothing recorded")
 
 
 def check_slurm_reachable(slurm: Any, site: SiteConfig, user: str) -> None:
@@ -318,6 +365,7 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
         check_slurm()
     if slurm is not None:
         check_slurm_reachable(slurm, site, user)
+        check_partitions(slurm, site, subs)
     ensure_private_dir(site.store_dir_for(user))
     with Store.for_user(site, user) as store:
         ids = record(store, subs, user, site.spool_dir_for(user), dependency=dependency)

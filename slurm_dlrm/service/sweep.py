@@ -84,7 +84,7 @@ def check_variant_count(list_sizes: Sequence[int], array_size: int) -> None:
 
 
 def parse_array(text: str) -> list[int]:
-    """sbatch's --array forms: `0-3`, `1,3,5`, `0-15:4` (a `%N` limit is accepted, unused).
+    """sbatch's --array forms: `0-3`, `1,3,5`, `0-15:4` (its `%N` limit: `array_throttle`).
     The task count is summed from each range's bounds before any index is listed."""
     ranges: list[range] = []
     count = 0
@@ -106,6 +106,16 @@ def parse_array(text: str) -> list[int]:
         if count > MAX_VARIANTS:
             raise BadInput(f"--array {_cut(text)}: {count:,} tasks or more; at most {MAX_VARIANTS}")
     return sorted(set(itertools.chain.from_iterable(ranges)))
+
+
+def array_throttle(text: str) -> int | None:
+    """sbatch --array's `%N`: at most N tasks of the array run at once (None: no limit)."""
+    _, pct, limit = text.partition("%")
+    if not pct:
+        return None
+    if not re.fullmatch(r"\d{1,7}", limit.strip()) or int(limit) < 1:
+        raise BadInput(f"--array {_cut(text)}: %{_cut(limit)}: the limit of tasks at once is a number >= 1")
+    return int(limit)
 
 
 def _assign(data: Any, key: str, value: Any, raw_key: str) -> None:
@@ -135,14 +145,24 @@ def _label(key: str, value: Any) -> str:
     return _SAFE.sub("_", f"{key.split('.')[-1]}{value}")
 
 
-def expand(spec: Any, sets: Sequence[tuple[str, list[Any]]], array: Sequence[int] | None) -> list[Any]:
+def expand(spec: Any, sets: Sequence[tuple[str, list[Any]]], array: Sequence[int] | None,
+           name: str | None = None) -> list[Any]:
     """The spec's variants, validated (each a JobSpec named `<name>-<label>`), or [spec]."""
+    return [v for v, _task, _group in expand_tasks(spec, sets, array, name)]
+
+
+def expand_tasks(spec: Any, sets: Sequence[tuple[str, list[Any]]], array: Sequence[int] | None,
+                 name: str | None = None) -> list[tuple[Any, int | None, int]]:
+    """(variant, array task id or None, which array it belongs to) for each variant: with
+    `--set` and `--array`, each combination of the set values is one array of tasks, as
+    one sbatch --array per combination would give. `name` (-J) replaces the spec's name
+    in the variants' names, which keep their label (issue 42: all were named alike)."""
     import copy
 
     from slurm_dlrm.spec import parse_spec
 
     if not sets and not array:
-        return [spec]
+        return [(spec, None, 0)]
     check_variant_count([len(values) for _, values in sets], len(array or ()))
     axes: list[list[tuple[str, Any]]] = [[(k, v) for v in values] for k, values in sets]
     if array:
@@ -150,7 +170,10 @@ def expand(spec: Any, sets: Sequence[tuple[str, list[Any]]], array: Sequence[int
     combos = list(itertools.product(*axes))
     base = spec.to_dict()
     out = []
+    groups: dict[tuple[Any, ...], int] = {}
     for combo in combos:
+        task = next((int(v) for k, v in combo if k == "__array__"), None)
+        group = groups.setdefault(tuple(repr(v) for k, v in combo if k != "__array__"), len(groups))
         data = copy.deepcopy(base)
         labels = []
         for key, value in combo:
@@ -161,8 +184,8 @@ def expand(spec: Any, sets: Sequence[tuple[str, list[Any]]], array: Sequence[int
             else:
                 _assign(data, key, value, key)
                 labels.append(_label(key, value))
-        data["name"] = f"{spec.name}-{'-'.join(labels)}"[:64]
+        data["name"] = f"{name or spec.name}-{'-'.join(labels)}"[:64]
         # names the variant in its errors: each value cut short, as every error does
         src = f"{spec.source} [{', '.join(f'{k}={_cut(str(v))}' if k != '__array__' else f'array={v}' for k, v in combo)}]"
-        out.append(parse_spec(data, src))
+        out.append((parse_spec(data, src), task, group))
     return out

@@ -27,6 +27,7 @@ from slurm_dlrm.site import SiteConfig
 from slurm_dlrm.store import queries
 from slurm_dlrm.store.db import DB_FILENAME
 from slurm_dlrm.store.errors import StoreError
+from slurm_dlrm.store.jobids import JobRef, parse_job_refs, resolve_job_refs
 from slurm_dlrm.store.states import JobState, parse_job_state
 from slurm_dlrm.store.store import Store
 
@@ -36,11 +37,15 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class AcctFilter:
     job_ids: tuple[int, ...] | None = None
+    # -j as typed (`12`, `12_3`, `12_[0-2]`): resolved in each store (issue 42)
+    job_refs: tuple[JobRef, ...] | None = None
     users: tuple[str, ...] | None = None
     states: tuple[JobState, ...] | None = None
     pack: str | None = None  # pack id or name
     since: float | None = None  # jobs not finished before this (epoch s)
     until: float | None = None  # jobs submitted up to this
+    names: tuple[str, ...] | None = None  # sacct --name
+    default_partition: str | None = None  # the Partition of a job given no -p that never ran
 
 
 @dataclass(frozen=True)
@@ -54,8 +59,13 @@ class Column:
 COLUMNS: tuple[Column, ...] = (
     Column("JobID", "job_id", "int", "job id in the store"),
     Column("Name", "name", "str", "job name from the spec"),
+    Column("JobName", "name", "str", "the same as Name (sacct's name for it)"),
+    Column("JobIDRaw", "job_id", "int", "the same as JobID"),
+    Column("ArrayJobID", "array_id", "str", "the id as Slurm prints an array task (12_3), else the job id"),
+    Column("Partition", "partition_or_default", "str", "partition (-p, else its pack's, else the site's default)"),
+    Column("Account", "account", "str", "account (-A), empty if none was given"),
     Column("User", "user", "str", "owner"),
-    Column("State", "state", "str", "PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED"),
+    Column("State", "state", "str", "PENDING PLANNED RUNNING COMPLETED FAILED OOM CANCELLED TIMEOUT"),
     Column("Attempt", "attempt", "int", "times requeued after running"),
     # one pack label everywhere: the name queue, show and cancel --pack use (its Slurm job name)
     Column("Pack", "pack_name", "str", "current or last pack, by the name queue and show print"),
@@ -179,7 +189,7 @@ def parse_format(text: str) -> list[tuple[Column, int | None]]:
 
 # sacct's state abbreviations (sacct -s CD,F); PL is ours (PLANNED, no Slurm twin).
 STATE_ABBREVIATIONS = {"PD": "PENDING", "PL": "PLANNED", "R": "RUNNING", "CD": "COMPLETED", "F": "FAILED",
-                       "OOM": "OOM", "CA": "CANCELLED"}
+                       "OOM": "OOM", "CA": "CANCELLED", "TO": "TIMEOUT"}
 
 
 def parse_states(text: str) -> tuple[JobState, ...]:
@@ -190,11 +200,10 @@ def parse_states(text: str) -> tuple[JobState, ...]:
         raise BadInput(f"--state: {exc}") from None
 
 
-def parse_job_ids(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise BadInput(f"-j/--jobs: job ids are integers, got {text!r}") from None
+def parse_job_ids(text: str) -> tuple[JobRef, ...]:
+    """-j/--jobs: Slurm's job id forms (store/jobids.py), never int(): `2_0` is task 0
+    of array 2, not job 20."""
+    return parse_job_refs([text], "-j/--jobs: job id")
 
 
 # ---------------------------------------------------------------- rows
@@ -216,11 +225,16 @@ def _params(store: Store, f: AcctFilter, now: float) -> dict[str, Any] | None:
         if store.owner_user not in users:
             return None
         users = None
+    job_ids = f.job_ids
+    if f.job_refs is not None:
+        job_ids = (*(job_ids or ()), *resolve_job_refs(store, f.job_refs, missing_ok=True))
     return {
         "now": now,
-        "job_ids": None if f.job_ids is None else json.dumps(list(f.job_ids)),
+        "job_ids": None if job_ids is None else json.dumps(list(job_ids)),
         "states": None if f.states is None else json.dumps([s.value for s in f.states]),
         "users": None if users is None else json.dumps(list(users)),
+        "names": None if f.names is None else json.dumps(list(f.names)),
+        "default_partition": f.default_partition,
         "pack_id": pack_id, "since": f.since, "until": f.until,
     }
 
@@ -230,7 +244,7 @@ def acct_rows(store: Store, f: AcctFilter, now: float | None = None) -> list[dic
     now = store.clock() if now is None else now
     with store.read():
         params = _params(store, f, now)
-        rows = [] if params is None else store.query("acct", params)
+        rows = [] if params is None else store.query("acct_filtered", params)
     if store.owner_user is not None:
         for r in rows:
             r["user"] = store.owner_user
@@ -249,8 +263,8 @@ def _sql_dur(s: str) -> str:
 _SQL_HUMAN: dict[str, Callable[[str], str]] = {
     "str": lambda x: f"CAST({x} AS TEXT)",
     "int": lambda x: f"CAST({x} AS TEXT)",
-    # code:signal like sacct; the agent records a death by signal N as 128+N
-    "exit": lambda x: f"CASE WHEN {x} > 128 THEN '0:' || ({x} - 128) ELSE {x} || ':0' END",
+    # code:signal like sacct; the agent records a death by signal N as 128+N; none yet: 0:0, as sacct
+    "exit": lambda x: f"CASE WHEN {x} IS NULL THEN '0:0' WHEN {x} > 128 THEN '0:' || ({x} - 128) ELSE {x} || ':0' END",
     "bytes": lambda x: (
         f"CASE WHEN abs({x}) >= 1099511627776 THEN printf('%.1fT', {x} / 1099511627776.0) "
         f"WHEN abs({x}) >= 1073741824 THEN printf('%.1fG', {x} / 1073741824.0) "
@@ -272,7 +286,7 @@ def acct_table_cells(store: Store, f: AcctFilter, cols: Sequence[tuple[Column, i
     now = store.clock() if now is None else now
     # Column keys and kinds come from COLUMNS, never from the user: safe to splice.
     cells = ", ".join(f"coalesce({_SQL_HUMAN[c.kind](c.key)}, '')" for c, _ in cols)
-    sql = f"SELECT submit_time, user, job_id, {cells} FROM ({queries.ACCT})"
+    sql = f"SELECT submit_time, user, job_id, {cells} FROM ({queries.ACCT_FILTERED})"
     with store.read():
         params = _params(store, f, now)
         if params is None:

@@ -11,6 +11,7 @@ test in tests/test_store_migrations.py that opens a store at the previous versio
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -246,6 +247,34 @@ _V7 = (
     "ALTER TABLE jobs ADD COLUMN begin_time REAL",
 )
 
+_V8 = (
+    # issue 42: an array's tasks (`submit --array 0-3`), as Slurm numbers them: the array
+    # job id is the first task's job id, the task id its index; `cancel 12_3` means task 3
+    # of array 12. NULL: not a task of an array.
+    "ALTER TABLE jobs ADD COLUMN array_job_id INTEGER",
+    "ALTER TABLE jobs ADD COLUMN array_task_id INTEGER",
+    "CREATE INDEX IF NOT EXISTS jobs_array ON jobs(array_job_id, array_task_id)",
+)
+
+
+def _v8_widen_job_states(conn: sqlite3.Connection) -> None:
+    """jobs.state's CHECK to the states of today (TIMEOUT, issue 42). SQLite cannot
+    ALTER a CHECK; a wider one holds for every row already there, so the table's text in
+    sqlite_schema is rewritten in place, the procedure lang_altertable.html ("Making
+    other kinds of table schema changes") gives for changing constraints."""
+    sql = conn.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'jobs'").fetchone()[0]
+    widened = re.sub(r"CHECK \(state IN \([^)]*\)\)", f"CHECK (state IN ({_in(JobState)}))", sql, count=1)
+    if widened == sql:
+        return  # created with today's states already
+    version = int(conn.execute("PRAGMA schema_version").fetchone()[0])
+    conn.execute("PRAGMA writable_schema = ON")
+    try:
+        conn.execute("UPDATE sqlite_master SET sql = ? WHERE type = 'table' AND name = 'jobs'", (widened,))
+        conn.execute(f"PRAGMA schema_version = {version + 1}")
+    finally:
+        conn.execute("PRAGMA writable_schema = OFF")
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -263,6 +292,8 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(5, "jobs.mode, nodes, gpu_idx, gpu_share (submit --no-pack jobs in the store)", _V5),
     Migration(6, "placements.rank, placements.world_size (multi-GPU jobs)", _V6),
     Migration(7, "jobs.nice, jobs.begin_time (submit --nice, --begin)", _V7),
+    Migration(8, "jobs.state may be TIMEOUT; jobs.array_job_id, array_task_id (arrays as Slurm numbers them)",
+              _V8, _v8_widen_job_states),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -35,12 +35,20 @@ ON CONFLICT(job_id) DO UPDATE SET
 # for the pack's allocated time on it; that time is split among the GPU's members in
 # proportion to how long each ran there.
 ACCT = """
-WITH gpu AS (
+WITH last_end AS (
+    -- when the pack's last member ended (NULL while one runs): the agents then wait
+    -- join_grace_s for joiners; that tail is the service's bet on refill, not a member's
+    -- use, so it is not charged (issue 42: a 5 s job was charged 18 s of it)
+    SELECT pack_id, CASE WHEN count(*) = count(end_time) THEN max(end_time) END AS t
+    FROM placements WHERE start_time IS NOT NULL GROUP BY pack_id
+),
+gpu AS (
     -- every GPU of a pack that had a running member: members' seconds and allocated seconds
     SELECT p.pack_id, p.node_index, p.gpu_index, count(*) AS n_members,
            sum(max(0.0, coalesce(p.end_time, :now) - p.start_time)) AS member_s,
-           max(0.0, coalesce(k.end_time, :now) - coalesce(k.start_time, min(p.start_time))) AS alloc_s
-    FROM placements p JOIN packs k ON k.id = p.pack_id
+           max(0.0, min(coalesce(k.end_time, :now), coalesce(le.t, k.end_time, :now))
+                    - coalesce(k.start_time, min(p.start_time))) AS alloc_s
+    FROM placements p JOIN packs k ON k.id = p.pack_id LEFT JOIN last_end le ON le.pack_id = p.pack_id
     WHERE p.start_time IS NOT NULL
     GROUP BY p.pack_id, p.node_index, p.gpu_index
 ),
@@ -103,6 +111,13 @@ SELECT j.id AS job_id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j
        j.est_gpu_peak_bytes, j.est_host_peak_bytes, j.est_profile_label, j.est_solo_samples_per_s,
        j.submit_time, j.start_time, j.end_time, j.pack_id, j.slurm_job_id AS job_slurm_job_id, j.slurm_step,
        j.exit_code, j.exit_reason,
+       -- sacct's Partition and Account (issue 42): the job's own -p/-A, else its pack's partition
+       coalesce((SELECT json_extract(js.sbatch_json, '$.partition') FROM job_specs js WHERE js.job_id = j.id),
+                k.partition) AS partition,
+       j.array_task_id,
+       (SELECT json_extract(js.sbatch_json, '$.account') FROM job_specs js WHERE js.job_id = j.id) AS account,
+       CASE WHEN j.array_job_id IS NULL THEN CAST(j.id AS TEXT)
+            ELSE j.array_job_id || '_' || j.array_task_id END AS array_id,
        CASE WHEN j.mode = 'no-pack' THEN 'no-pack' ELSE k.name END AS pack_name,
        k.slurm_job_id AS pack_slurm_job_id,
        CASE WHEN j.mode = 'no-pack' THEN CAST(max(1.0, coalesce(j.gpu_share, 1.0)) AS INTEGER)
@@ -139,6 +154,15 @@ WHERE (:job_ids IS NULL OR j.id IN (SELECT value FROM json_each(:job_ids)))
 ) b) x
 ORDER BY x.job_id
 """.replace("{TERMINAL}", ", ".join(f"'{s.value}'" for s in sorted(JOB_TERMINAL)))
+
+# acct's rows with sacct's --name (a task of an array submitted with -J NAME is named
+# NAME-<task>: NAME finds it, as Slurm names all tasks alike) and Partition's default
+# (a job given no -p that never ran in a pack is in the site's default partition)
+ACCT_FILTERED = (
+    "SELECT a.*, coalesce(a.partition, :default_partition) AS partition_or_default FROM (" + ACCT + ") a "
+    "WHERE (:names IS NULL OR a.name IN (SELECT value FROM json_each(:names)) "
+    "OR (a.array_task_id IS NOT NULL AND a.name IN (SELECT value || '-' || a.array_task_id FROM json_each(:names))))"
+)
 
 CALIBRATION = """
 SELECT j.id AS job_id, j.state, j.end_time,
@@ -309,6 +333,11 @@ QUERIES: dict[str, str] = {
         "WHERE (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states))) "
         "AND (:user IS NULL OR j.user = :user) ORDER BY j.id"
     ),
+    # issue 42: an array's tasks (Slurm's `N_M`), and a pack by the Slurm id squeue shows
+    "array_tasks": ("SELECT id, array_task_id, state FROM jobs WHERE array_job_id = :array_job_id "
+                    "ORDER BY array_task_id"),
+    "job_exists": "SELECT id FROM jobs WHERE id = :id",
+    "pack_by_slurm_job_id": "SELECT * FROM packs WHERE slurm_job_id = :slurm_job_id ORDER BY id DESC LIMIT 1",
     "pack_by_id": "SELECT * FROM packs WHERE id = :id",
     "pack_by_name": "SELECT * FROM packs WHERE name = :name",
     "packs_by_state": (
@@ -332,6 +361,7 @@ QUERIES: dict[str, str] = {
         "FROM job_usage WHERE job_id = :job_id"
     ),
     "acct": ACCT,
+    "acct_filtered": ACCT_FILTERED,
     "calibration": CALIBRATION,
     "member_peaks": MEMBER_PEAKS,
     "peak_errors": PEAK_ERRORS,

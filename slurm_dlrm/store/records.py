@@ -55,6 +55,10 @@ class Job:
     gpu_share: float | None = None
     nice: int = 0  # submit --nice (issue 31): higher goes later among the user's jobs
     begin_time: float | None = None  # submit --begin: not planned before this (epoch seconds)
+    # a task of `submit --array` (issue 42): the array's id (its first task's job id) and
+    # this task's index, as Slurm numbers them (`12_3`); None: not an array task
+    array_job_id: int | None = None
+    array_task_id: int | None = None
 
     @classmethod
     def from_row(cls, row: Mapping[str, Any]) -> Job:

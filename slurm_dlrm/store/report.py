@@ -31,7 +31,7 @@ from slurm_dlrm.store.store import Store
 GIB = float(1 << 30)
 STATE_COLOURS = {
     "COMPLETED": "#2e7d32", "RUNNING": "#1565c0", "FAILED": "#c62828", "OOM": "#ef6c00",
-    "CANCELLED": "#757575", "PENDING": "#9e9e9e", "PLANNED": "#6a1b9a",
+    "CANCELLED": "#757575", "PENDING": "#9e9e9e", "PLANNED": "#6a1b9a", "TIMEOUT": "#f9a825",
 }
 
 

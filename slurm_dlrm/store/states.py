@@ -19,6 +19,9 @@ class JobState(StrEnum):
     FAILED = "FAILED"
     OOM = "OOM"  # ran out of GPU or host memory; the service may requeue it once more
     CANCELLED = "CANCELLED"
+    # reached its own time limit (sbatch -t); stopped with a checkpoint where it could
+    # write one in the lead the limit affords (issue 42); `requeue` resumes it
+    TIMEOUT = "TIMEOUT"
 
 
 class PackState(StrEnum):
@@ -58,6 +61,8 @@ JOB_TRANSITIONS: dict[tuple[JobState, JobState], str] = {
     # the agent saw TRAIN_EXIT_OOM_GPU / TRAIN_EXIT_OOM_HOST or stopped it over budget
     (J.RUNNING, J.OOM): "member ran out of memory",
     (J.RUNNING, J.CANCELLED): "cancelled while running",
+    # the agent stopped it at its time limit minus the signal lead (issue 42)
+    (J.RUNNING, J.TIMEOUT): "reached its time limit",
     # requeue without a failure of the job itself: preempted, node failure, pack lost,
     # or a straggler moved to another pack; attempt += 1, resumes from its checkpoint
     (J.RUNNING, J.PENDING): "requeued",
@@ -68,11 +73,14 @@ JOB_TRANSITIONS: dict[tuple[JobState, JobState], str] = {
     # it resumes from the checkpoint its last run left; attempt += 1
     (J.CANCELLED, J.PENDING): "requeued by the user",
     (J.FAILED, J.PENDING): "requeued by the user",
+    (J.TIMEOUT, J.PENDING): "requeued by the user",
 }
 
-JOB_TERMINAL = frozenset({J.COMPLETED, J.FAILED, J.OOM, J.CANCELLED})
+JOB_TERMINAL = frozenset({J.COMPLETED, J.FAILED, J.OOM, J.CANCELLED, J.TIMEOUT})
+# What `slurm-dlrm requeue` takes (scontrol requeue takes any ended job but a completed one).
+JOB_REQUEUABLE = frozenset({J.CANCELLED, J.FAILED, J.TIMEOUT})
 # Leaving these states for PENDING counts as a new attempt (the job had run).
-JOB_ATTEMPT_FROM = frozenset({J.RUNNING, J.OOM, J.CANCELLED, J.FAILED})
+JOB_ATTEMPT_FROM = frozenset({J.RUNNING, J.OOM, J.CANCELLED, J.FAILED, J.TIMEOUT})
 
 PACK_TRANSITIONS: dict[tuple[PackState, PackState], str] = {
     # sbatch answered with a Slurm job id (or reconciliation found it by name)

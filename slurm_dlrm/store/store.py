@@ -360,13 +360,15 @@ class Store:
         submit_time: float | None = None, reason: str = "submitted",
         sbatch: Mapping[str, Any] | None = None, mode: str = "pack", gpu_share: float | None = None,
         nice: int = 0, begin_time: float | None = None,
+        array_job_id: int | None = None, array_task_id: int | None = None,
     ) -> int:
         """A new PENDING job. `estimate` is `Estimate.to_dict()` (docs/interfaces.md section 2).
 
         `sbatch`: the sbatch options the user gave for this job (JSON-able), kept for the
         service; read back as `Job.sbatch`. `mode="no-pack"`: a `submit --no-pack` job,
         PENDING only until its own sbatch answers (never planned into a pack);
-        `gpu_share` the GPUs it asks for.
+        `gpu_share` the GPUs it asks for. `array_task_id` (issue 42): a task of an
+        array whose id is `array_job_id`, or this job's own id when None (its first task).
         """
         now = self.clock() if submit_time is None else submit_time
         est = dict(estimate or {})
@@ -388,6 +390,9 @@ class Store:
             cols = ", ".join(row)
             cur = self.conn.execute(f"INSERT INTO jobs ({cols}) VALUES ({', '.join('?' * len(row))})", tuple(row.values()))
             job_id = int(cur.lastrowid or 0)
+            if array_task_id is not None:
+                self.conn.execute("UPDATE jobs SET array_job_id = ?, array_task_id = ? WHERE id = ?",
+                                  (job_id if array_job_id is None else array_job_id, array_task_id, job_id))
             self.conn.execute(
                 "INSERT INTO job_specs (job_id, spec_json, estimate_json, sbatch_json) VALUES (?, ?, ?, ?)",
                 (job_id, json.dumps(dict(spec), sort_keys=True, default=str),
