@@ -459,6 +459,7 @@ class PackScript:
     signal_before_end_s: int  # SIGTERM to the agents this long before the time limit
     options: SbatchOptions = SbatchOptions()
     gpu_type: str | None = None  # --gres=gpu:TYPE:N when the plan names a model
+    nodelist: str | None = None  # --nodelist: the node the plan sized the pack for (issue 43)
 
 
 def pack_sbatch_flags(p: PackScript) -> list[str]:
@@ -477,6 +478,8 @@ def pack_sbatch_flags(p: PackScript) -> list[str]:
     ]
     if p.gpus_per_node > 0:
         flags.append(f"--gres={gres}")
+    if p.nodelist:
+        flags.append(f"--nodelist={p.nodelist}")
     if p.options.output is None:
         flags.append(f"--output={escape_filename_pattern(p.pack_dir)}/slurm-%j.out")
     # The pack's own job name wins over -J (a member's name lives in the store).
