@@ -255,8 +255,11 @@ def other_host(tmp_path, monkeypatch):
     opened.append("end")  # the hook stays for the process: mark this test's end
 
 
-def test_submit_elsewhere_drops_a_request(other_host):
+def test_submit_elsewhere_drops_a_request(other_host, monkeypatch):
+    import slurm_dlrm.service.request_wait as request_wait
+
     site, store_dir, _a, opened = other_host
+    monkeypatch.setattr(request_wait, "MIN_WAIT_S", 0.0)
     spec = os.path.join(os.path.dirname(__file__), "..", "examples", "sweep")
     files = sorted(os.path.join(spec, f) for f in os.listdir(spec) if f.endswith(".yaml"))[:2]
     from slurm_dlrm.service.daemon import write_status

@@ -67,8 +67,11 @@ def test_submit_elsewhere_prints_the_ids_the_service_gave(other_host):  # noqa: 
     assert opened == []  # the live store was never opened from this host
 
 
-def test_submit_elsewhere_without_an_answer_says_so_and_the_request_applies_once(other_host):  # noqa: F811
+def test_submit_elsewhere_without_an_answer_says_so_and_the_request_applies_once(other_host, monkeypatch):  # noqa: F811
+    import slurm_dlrm.service.request_wait as request_wait
+
     site, store_dir, _a, _opened = other_host
+    monkeypatch.setattr(request_wait, "MIN_WAIT_S", 0.0)
     write_status(ServicePaths(store_dir), {"round_period_s": 0.1})  # 3 rounds: 0.3 s
     res = CliRunner().invoke(cli, ["submit", "--parsable", *_specs(2)])
     assert res.exit_code == 1
@@ -103,7 +106,7 @@ def test_a_refused_request_and_the_wait_bound(tmp_path):
 
     class Site:
         class packing:  # noqa: N801
-            round_seconds = 0.1
+            round_seconds = 2.0
 
         def store_dir_for(self, user):
             return tmp_path
@@ -111,6 +114,7 @@ def test_a_refused_request_and_the_wait_bound(tmp_path):
     assert ids_from_elsewhere(Site(), USER, "login9", "y.req", 2) == [7, 8]
     with pytest.raises(DlrmError, match="did not record request x.req: refused: rows: a list of jobs"):
         ids_from_elsewhere(Site(), USER, "login9", "x.req", 1)
-    assert wait_bound_s(10.0) == 30.0 and service_round_s(tmp_path, 10.0) == 10.0
+    assert wait_bound_s(10.0) == 30.0 and wait_bound_s(0.5) == 5.0  # 3 rounds, at least 5 s
+    assert service_round_s(tmp_path, 10.0) == 10.0
     write_status(ServicePaths(tmp_path), {"round_period_s": 0.5})
     assert service_round_s(tmp_path, 10.0) == 0.5

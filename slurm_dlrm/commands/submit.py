@@ -91,7 +91,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
 
     Exit codes: 0 recorded (with --wait: all jobs completed), 1 a job failed or
     Slurm refused (on a login node whose service runs on another host: or that service
-    did not record the jobs within 3 of its rounds), 2 bad spec or option.
+    did not record the jobs within 3 of its rounds, at least 5 s), 2 bad spec or option.
 
     \b
     Spec format (all fields: slurm-dlrm spec --example):

@@ -29,6 +29,9 @@ from slurm_dlrm.service.snapshot import snapshot_path
 # request waits for the next round (up to one), is applied at its start, and the copy
 # is published at its end; a third covers a round that runs long or a copy put off.
 WAIT_ROUNDS = 3
+# ... and at least this long: a service with sub-second rounds (a test site) under load
+# misses 3 of them by the scheduling of the processes alone.
+MIN_WAIT_S = 5.0
 POLL_S = 0.05  # how often the copy is looked at (an open and one indexed row: cheap)
 
 
@@ -40,8 +43,9 @@ class RequestOutcome:
 
 
 def wait_bound_s(round_s: float) -> float:
-    """How long a submit on another host waits for its ids: WAIT_ROUNDS service rounds."""
-    return WAIT_ROUNDS * max(0.1, round_s)
+    """How long a submit on another host waits for its ids: WAIT_ROUNDS service rounds,
+    at least MIN_WAIT_S."""
+    return max(MIN_WAIT_S, WAIT_ROUNDS * round_s)
 
 
 def service_round_s(store_dir: Path, default_s: float) -> float:
@@ -90,4 +94,4 @@ def wait_for_outcome(store_dir: Path, request_file: str, timeout_s: float, *,
         sleep(POLL_S)
 
 
-__all__ = ["RequestOutcome", "WAIT_ROUNDS", "read_outcome", "service_round_s", "wait_bound_s", "wait_for_outcome"]
+__all__ = ["MIN_WAIT_S", "RequestOutcome", "WAIT_ROUNDS", "read_outcome", "service_round_s", "wait_bound_s", "wait_for_outcome"]
