@@ -612,7 +612,7 @@ class LocalCluster:
             mysql_password="")
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), undefined=jinja2.StrictUndefined,
                                  trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-        _write(c.slurm_conf, env.get_template("slurm.conf.j2").render(values))
+        _write(c.slurm_conf, one_source_per_key(env.get_template("slurm.conf.j2").render(values), extra))
         gres_path = c.etc_dir / "gres.conf"
         if gres_text is not None:
             _write(gres_path, gres_text)
@@ -843,6 +843,36 @@ class LocalCluster:
 
 
 # ---------------------------------------------------------------- helpers
+
+# Records, not settings: one line per node/partition, several lines by design.
+_RECORD_KEYS = frozenset({"nodename", "partitionname", "nodeset", "downnodes", "frontendname", "include"})
+_EXTRA_MARK = "# ---- from --slurm-conf-extra"
+
+
+def _conf_key(line: str) -> str | None:
+    text = line.strip()
+    if not text or text.startswith("#") or "=" not in text:
+        return None
+    return text.split("=", 1)[0].strip().lower()  # slurm.conf keys are case-insensitive
+
+
+def one_source_per_key(conf: str, extra: str) -> str:
+    """slurm.conf with each setting the appended fragment (`admin render`'s, or
+    --slurm-conf-extra) also sets left to the fragment: slurmctld logs "KEY specified
+    more than once, latest value used" for every key set twice (SelectTypeParameters,
+    JobSubmitPlugins, AccountingStorageTRES, GresTypes, SelectType on the local
+    cluster), and one source is what an admin reads. Pure."""
+    overridden = {k for k in map(_conf_key, extra.splitlines()) if k and k not in _RECORD_KEYS}
+    head, mark, tail = conf.partition(_EXTRA_MARK)
+    out = []
+    for line in head.splitlines(keepends=True):
+        key = _conf_key(line)
+        if key in overridden:
+            out.append(f"# {line.split('=', 1)[0].strip()}: set by the fragment below\n")
+        else:
+            out.append(line)
+    return "".join(out) + mark + tail
+
 
 def _write(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")

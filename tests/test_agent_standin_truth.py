@@ -148,3 +148,26 @@ def test_metrics_every_k_steps_keeps_the_step_count_and_time(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "slurm_dlrm.emulated.standin", "--gpu-peak-mib", "5"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--gpu-peak-mib" in bad.stderr
+
+
+def test_a_standins_checkpoint_is_never_ahead_of_its_metrics(tmp_path, monkeypatch):
+    # The agent SIGKILLs a member over its host budget at any instant: a checkpoint
+    # written before its step's metrics line left the next run resuming past a step the
+    # metrics never showed (issue 43 item 14). Each checkpoint must find its step's line.
+    import slurm_dlrm.emulated.standin as standin
+
+    metrics = tmp_path / "m.jsonl"
+    monkeypatch.setenv("SLURM_DLRM_METRICS_FILE", str(metrics))
+    monkeypatch.setenv("SLURM_DLRM_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    monkeypatch.delenv("RANK", raising=False)
+    seen: list[tuple[int, int]] = []
+    real = standin._checkpoint
+
+    def checkpoint(ckpt_dir, step):
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        seen.append((step, json.loads(lines[-1])["step"] if lines else 0))
+        real(ckpt_dir, step)
+
+    monkeypatch.setattr(standin, "_checkpoint", checkpoint)
+    assert standin.main(["--steps", "7", "--step-s", "0", "--checkpoint-every", "2"]) == 0
+    assert seen == [(2, 2), (4, 4), (6, 6), (7, 7)]

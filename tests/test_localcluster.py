@@ -100,6 +100,11 @@ def test_render_installs_the_admin_files_for_its_own_site(tmp_path):
     state = cfg.state_dir
     assert f"Prolog={state}/admin/scripts/prolog.sh" in conf and "PrologFlags=Alloc" in conf
     assert "AccountingStorageTRES=gres/gpu,gres/gpu:h100,gres/mps,gres/shard" in conf
+    # one source per key: slurmctld logged "SelectTypeParameters 1 specified more than once"
+    # (and JobSubmitPlugins, AccountingStorageTRES, GresTypes, SelectType: issue 43 item 6)
+    keys = [k for k in map(lc._conf_key, conf.splitlines()) if k and k not in ("nodename", "partitionname")]
+    assert sorted(k for k in set(keys) if keys.count(k) > 1) == []
+    assert "# SelectTypeParameters: set by the fragment below" in conf
     assert (cfg.etc_dir / "gres.conf").read_text() == files["gres.conf"]
     assert (cfg.etc_dir / "job_submit.lua").read_text() == files["job_submit.lua"]
     assert (cfg.etc_dir / "slurm_dlrm_submit.lua").read_text() == files["slurm_dlrm_submit.lua"]
@@ -115,6 +120,20 @@ def test_render_installs_the_admin_files_for_its_own_site(tmp_path):
     lc.LocalCluster(cfg2).render()
     assert "AccountingStorageTRES" not in cfg2.slurm_conf.read_text()
     assert not load_site(cfg2.site_file).slurm.accounting_tres
+
+
+def test_one_source_per_key_leaves_each_setting_the_fragment_sets_to_it():
+    conf = ("# head\nSelectTypeParameters=CR_Core_Memory\nselecttype=select/cons_tres\nMinJobAge=300\n"
+            "NodeName=node1 CPUs=4\n\n# ---- from --slurm-conf-extra x\nSelectTypeParameters=CR_CPU_Memory\n"
+            "SelectType=select/cons_tres\nNodeName=node2 CPUs=4\n")
+    extra = ("# SelectTypeParameters=ignored comment\nSelectTypeParameters=CR_CPU_Memory\n"
+             "SelectType=select/cons_tres\nNodeName=node2 CPUs=4\n")
+    out = lc.one_source_per_key(conf, extra)
+    assert out == ("# head\n# SelectTypeParameters: set by the fragment below\n"
+                   "# selecttype: set by the fragment below\nMinJobAge=300\nNodeName=node1 CPUs=4\n\n"
+                   "# ---- from --slurm-conf-extra x\nSelectTypeParameters=CR_CPU_Memory\n"
+                   "SelectType=select/cons_tres\nNodeName=node2 CPUs=4\n")
+    assert lc.one_source_per_key("MinJobAge=300\n", "") == "MinJobAge=300\n"
 
 
 @pytest.mark.parametrize(("kw", "message"), [

@@ -110,7 +110,9 @@ def test_running_pack_gpus_offered_with_live_members_and_room(world):
     cpus_per_node, mem_mib = pack_allocation(p["members"], pack.n_nodes, *svc.node_limits(), 512,
                                              p.get("reserve_cpus", 0), p.get("reserve_host_mem_bytes", 0))
     assert p["reserve_cpus"] > 0 and p["reserve_host_mem_bytes"] > 0  # complementary's refill headroom
-    assert store.pack_plan_data(pack.id) == {k: p[k] for k in ("reserve_cpus", "reserve_host_mem_bytes")}
+    # the plan's refill headroom and the node it chose (the script's --nodelist, issue 43)
+    assert store.pack_plan_data(pack.id) == {**{k: p[k] for k in ("reserve_cpus", "reserve_host_mem_bytes")},
+                                             "node": slurm.job(int(pack.slurm_job_id)).nodelist}
     script = slurm.job(int(pack.slurm_job_id)).script
     assert f"--cpus-per-task={cpus_per_node}" in script and f"--mem={mem_mib}M" in script
     live = {d.job_id for g in offered for d in g.live}

@@ -24,6 +24,8 @@ def _can_unshare() -> bool:
 def test_two_hosts_takeover_loses_nothing(tmp_path):
     r = run_two_hosts(tmp_path / "run", seed=1, submits=200, round_s=0.5, lease_s=4.0)
     assert r["failed_submits"] == []
+    assert r["non_id_outputs"] == []  # --parsable printed a job id on the other host too (issue 43 item 11)
+    assert r["unanswered_submits"] < r["drop_path_submits"] // 2  # only around the takeover
     assert r["submits"] == 200 and r["lost"] == 0 and r["duplicated"] == 0 and r["unknown_jobs"] == []
     assert r["drop_path_submits"] > 0  # some did go through the drop folder
     assert r["slurm_jobs"] > 0 and r["slurm_jobs_unaccounted"] == [] and r["slurm_jobs_duplicated"] == 0

@@ -97,7 +97,8 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
       slurm-dlrm submit tiny.yaml --array 0-3 --test-only
 
     Exit codes: 0 recorded (with --wait: all jobs completed), 1 a job failed or
-    Slurm refused, 2 bad spec or option.
+    Slurm refused (on a login node whose service runs on another host: or that service
+    did not record the jobs within 3 of its rounds, at least 5 s), 2 bad spec or option.
 
     \b
     Spec format (all fields: slurm-dlrm spec --example):
@@ -156,16 +157,8 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
                             f"{lease.host}, which alone writes your store; run this there")
         name, subs = svc.submit_elsewhere(specs, cli_options, site=site, user=user, cwd=cwd, sets=sets,
                                           array=array, dependency=dependency)
-        if as_json:
-            click.echo(json.dumps({"request": name, "service_host": lease.host,
-                                   "jobs": [{"name": s.name, "spec": s.path, "gpu_model": s.gpu.name,
-                                             "options": s.options.to_dict(), "estimate": s.estimate.to_dict()}
-                                            for s in subs]}, indent=1, default=str))
-        elif parsable:
-            click.echo(name)
-        else:
-            click.echo(f"Submitted request {name}: {len(subs)} job(s) for your packing service on host "
-                       f"{lease.host}; it records them at its next round (slurm-dlrm queue shows their ids)")
+        ids = ids_from_elsewhere(site, user, lease.host, name, len(subs))
+        print_submitted(ids, subs, parsable=parsable, as_json=as_json)
         return
     if no_pack:
         from slurm_dlrm.slurm import SlurmClient
@@ -219,6 +212,15 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         slurm = SlurmClient(timeout_s=10.0)
     ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service,
                            slurm=slurm, sets=sets, array=array, dependency=dependency)
+    print_submitted(ids, subs, parsable=parsable, as_json=as_json)
+    if wait_:
+        sys.exit(wait_with_progress(site, user, ids))
+
+
+def print_submitted(ids: list[int], subs: list[Any], *, parsable: bool, as_json: bool) -> None:
+    """What `submit` prints for recorded jobs: the same on every login node."""
+    from slurm_dlrm.service import submit as svc
+
     if as_json:
         click.echo(json.dumps([{"job_id": i, "name": s.name, "spec": s.path, "gpu_model": s.gpu.name,
                                 "options": s.options.to_dict(), "estimate": s.estimate.to_dict()}
@@ -226,8 +228,29 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
     if not as_json:
         for line in submitted_lines(ids, subs, parsable, svc.describe):
             click.echo(line)
-    if wait_:
-        sys.exit(wait_with_progress(site, user, ids))
+
+
+def ids_from_elsewhere(site: Any, user: str, host: str, request: str, n_jobs: int) -> list[int]:
+    """The job ids the service on `host` gave a dropped submit request: waits a few of its
+    rounds for the store's published copy to show the request's outcome (issue 43 item 11,
+    service/request_wait.py). Not in time, or refused: one line, exit 1 (a late request
+    is still applied once, at the service's next round)."""
+    from slurm_dlrm.errors import DlrmError
+    from slurm_dlrm.service.request_wait import service_round_s, wait_bound_s, wait_for_outcome
+
+    store_dir = site.store_dir_for(user)
+    bound_s = wait_bound_s(service_round_s(store_dir, site.packing.round_seconds))
+    found = wait_for_outcome(store_dir, request, bound_s)
+    if found is None:
+        raise DlrmError(f"submit: your packing service on host {host} did not record request {request} within "
+                        f"{bound_s:.0f} s; it records the job(s) once at a later round (slurm-dlrm queue shows "
+                        f"their ids)")
+    ids = found.result.get("job_ids")
+    if not found.applied or not isinstance(ids, list) or len(ids) != n_jobs \
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        why = found.outcome if not found.applied else f"an unexpected answer {found.result!r}"
+        raise DlrmError(f"submit: your packing service on host {host} did not record request {request}: {why}")
+    return ids
 
 
 def test_only_checks(site: Any, user: str, subs: list[Any], dependency: str | None) -> None:

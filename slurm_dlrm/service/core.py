@@ -83,6 +83,20 @@ class ServiceSettings:
     # Batched dispatch (RMixer): plan when this long passed since the last plan, or when
     # packing.round_batch_size jobs arrived since. None: the site's packing.round_seconds.
     dispatch_window_s: float | None = None
+    # A pack pinned to its planned node (--nodelist) that Slurm holds back for want of
+    # resources there this long after sbatch is withdrawn and its members planned again
+    # on a fresh view of the nodes; None: max(PIN_WAIT_MIN_S, PIN_WAIT_ROUNDS windows).
+    pin_wait_s: float | None = None
+
+
+# A pinned pack waits "Resources" on its node at most this long (or this many dispatch
+# windows): the plan saw the node free, so a longer wait means someone else took it.
+PIN_WAIT_MIN_S = 60.0
+PIN_WAIT_ROUNDS = 6
+# squeue's reasons for a job whose requested node cannot run it now (down, drained,
+# reserved, gone from the partition): a pinned pack with one is withdrawn at once.
+NODE_UNAVAILABLE_REASONS = ("ReqNodeNotAvail", "NodeDown", "Nodes required for job are DOWN",
+                            "PartitionNodeLimit", "PartitionConfig")
 
 
 @dataclass
@@ -130,6 +144,9 @@ class PackingService:
         self._spool_ready = False
         self.last_dispatch_t: float | None = None
         self.last_prune_t: float | None = None
+        # `scontrol show nodes` of this round's dispatch, read once (issue 43 item 3):
+        # None until read, then the nodes or the failure's text
+        self._round_nodes: list[Any] | str | None = None
         from slurm_dlrm.service.recovery import Recovery
 
         self.recovery = Recovery(self)  # OOM retry, lost packs, stragglers, warm start (issue 10)
@@ -401,10 +418,57 @@ class PackingService:
                                            nodes=info.nodes or None, start_time=start)
                 stats.transitions += 1
             return
+        if pack.state == PackState.QUEUED and info.state == SJ.PENDING:
+            self._check_pinned_wait(pack, info, stats)
+            return
         if info.state.is_terminal:
             self.pack_ended(pack, info.slurm_state.split(" ", 1)[0], info.reason or "", stats,
                             exit_code=info.exit_code, nodes=info.nodes or None,
                             end_time=float(info.end_time) if info.end_time else None)
+
+    @property
+    def pin_wait_s(self) -> float:
+        w = self.settings.pin_wait_s
+        return max(PIN_WAIT_MIN_S, PIN_WAIT_ROUNDS * self.dispatch_window_s) if w is None else w
+
+    def _check_pinned_wait(self, pack: Any, info: Any, stats: RoundStats) -> None:
+        """A pack pinned to its planned node that cannot start there (the node went down,
+        drained or was reserved: squeue's reason says so) or still waits for resources
+        there after `pin_wait_s` (someone else's job took the node first) is withdrawn:
+        scancel, the pack CANCELLED, its members back to PENDING without counting an
+        attempt (they never ran), planned again on the next round's view. A wait the pin
+        does not cause (Priority, a QOS or account limit, BeginTime) is Slurm's to end,
+        as for any job: withdrawing then would only lose the pack's place in the queue."""
+        from slurm_dlrm.slurm import SlurmError
+        from slurm_dlrm.store.states import JobState, PackState
+
+        node = self.pinned_node(pack)
+        if node is None:
+            return
+        reason = info.reason or ""
+        waited_s = self.clock() - float(pack.submit_time or pack.create_time)
+        unavailable = any(r in reason for r in NODE_UNAVAILABLE_REASONS)
+        held_back = reason.split(",", 1)[0].strip() == "Resources" and waited_s >= self.pin_wait_s
+        if not (unavailable or held_back):
+            return
+        try:
+            self.slurm.scancel([int(pack.slurm_job_id)])
+        except SlurmError as exc:
+            if is_unreachable(exc):
+                self._slurm_failed(exc)
+            else:
+                log.warning("scancel of pack %s (pinned to %s) failed: %s", pack.name, node, exc)
+            return  # still QUEUED: the next round tries again
+        why = (f"withdrawn: pinned to {node}, which Slurm cannot give it ({reason})" if unavailable else
+               f"withdrawn: pinned to {node}, not started after {waited_s:.0f} s"
+               + (f" ({reason})" if reason else ""))
+        self.store.transition_pack(pack.id, PackState.CANCELLED, why)
+        for jid in pack_member_ids(self.store, pack.id, ("PLANNED",)):
+            self.store.transition_job(jid, JobState.PENDING, f"pack {pack.name} {why}; planned again",
+                                      expect=JobState.PLANNED)
+        stats.transitions += 1
+        self.refill.forget(pack.id)
+        log.info("pack %s %s", pack.name, why)
 
     def _may_resubmit(self, pack: Any) -> bool:
         """sbatch for this SUBMITTING pack either never ran or cannot still be running."""
@@ -528,6 +592,7 @@ class PackingService:
         if not pending or not self._dispatch_due(pending):
             return
         self.last_dispatch_t = self.clock()
+        self._round_nodes = None  # read at most once in this round, by the first group that plans
         groups: dict[tuple[tuple[str, str], ...], list[Any]] = {}
         for job in pending:
             groups.setdefault(job_options(job).pack_key(), []).append(job)
@@ -605,6 +670,7 @@ class PackingService:
         free = self.free_capacity(partition)
         if free is not None:  # plan new packs where Slurm can start them now (service/capacity.py)
             nodes, max_gpus = free.nodes, min(max_gpus, free.free_gpus)
+        pin_to = self.pinnable_nodes(free, partition, options)
         # GPUs of running packs to refill (not packs one of these jobs already ran in)
         open_gpus, where = self.refill.open_gpus(options.pack_key(), {j.id for j in jobs})
         # Gangs (world_size > 1) join too: all ranks on one node of one pack, recorded in one
@@ -635,7 +701,20 @@ class PackingService:
             members = [by_id[i] for i in dict.fromkeys(m.job_id for m in pack.members)]  # a job per rank once
             for m in pack.members:
                 self.waited_rounds.pop(m.job_id, None)
-            self._create_and_submit(pack, members, options, partition, stats)
+            node = pack.node_name if pack.node_count == 1 and pack.node_name in pin_to else None
+            self._create_and_submit(pack, members, options, partition, stats, node=node)
+
+    def pinnable_nodes(self, free: Any, partition: Any, options: SbatchOptions) -> frozenset[str]:
+        """Nodes a pack planned this round is pinned to (`--nodelist`, issue 43 item 2):
+        those of the free view Slurm gave, one host each. None when the round planned on
+        whole nodes (no host chosen), when the partition is not the site's (its nodes are
+        unknown) or when the user asked for node features (`-C`: the view does not know
+        them; Slurm picks among the nodes that have them)."""
+        from slurm_dlrm.service.capacity import pinnable
+
+        if free is None or partition is None or options.constraint:
+            return frozenset()
+        return frozenset(n.name for n in free.nodes if n.count == 1 and pinnable(n.name))
 
     def partition_for(self, options: SbatchOptions) -> Any:
         if options.partition:
@@ -665,22 +744,51 @@ class PackingService:
         from slurm_dlrm.service.capacity import free_capacity
         from slurm_dlrm.slurm import SlurmError
         from slurm_dlrm.slurm.parse import ParseError
-        from slurm_dlrm.store.states import PackState
 
-        try:
-            infos = self.slurm.show_nodes()
-        except (SlurmError, ParseError) as exc:
-            log.warning("scontrol show nodes failed; planning on whole nodes: %s", exc)
+        if self._round_nodes is None:
+            try:
+                self._round_nodes = list(self.slurm.show_nodes())
+            except (SlurmError, ParseError) as exc:
+                self._round_nodes = str(exc) or type(exc).__name__
+        if isinstance(self._round_nodes, str):
+            log.warning("scontrol show nodes failed; planning on whole nodes: %s", self._round_nodes)
             return None
+        infos = self._round_nodes
         name = partition.name if partition is not None else None
-        waiting = sum(p.n_gpus for p in self.store.packs([PackState.SUBMITTING, PackState.QUEUED],
-                                                         user=self.settings.user)
-                      if name is None or p.partition in (None, name))
-        free = free_capacity(self.site, infos, partition, waiting)
+        waiting, held = self.waiting_packs(name)
+        free = free_capacity(self.site, infos, partition, waiting, held)
         if not free.nodes:  # Slurm names none of the site's GPU nodes: the site file is off
             log.warning("scontrol show nodes lists none of the site's GPU nodes; planning on whole nodes")
             return None
         return free
+
+    def waiting_packs(self, partition_name: str | None) -> tuple[int, dict[str, Any]]:
+        """This user's packs Slurm has not started (SUBMITTING, QUEUED), in the
+        partition: (GPUs of the unpinned ones, what the pinned ones take per node). Read
+        from the store each time, so a pack the round's first group submitted counts for
+        the next group's plan although the nodes were read once."""
+        from slurm_dlrm.service.capacity import Held
+        from slurm_dlrm.store.states import PackState
+
+        unpinned = 0
+        held: dict[str, Any] = {}
+        for p in self.store.packs([PackState.SUBMITTING, PackState.QUEUED], user=self.settings.user):
+            if partition_name is not None and p.partition not in (None, partition_name):
+                continue
+            node = self.pinned_node(p)
+            if node is None:
+                unpinned += p.n_gpus
+                continue
+            shape = self.refill.shape(p) if p.pack_dir else None  # the placement file: its CPUs and memory
+            h = held.get(node, Held(0))
+            held[node] = Held(h.gpus + p.n_gpus, h.cpus + (shape.cpus_per_node if shape else 0),
+                              h.mem_bytes + (shape.mem_per_node_bytes if shape else 0))
+        return unpinned, held
+
+    def pinned_node(self, pack: Any) -> str | None:
+        """The node a pack's batch script names (`--nodelist`), None if it names none."""
+        node = self.store.pack_plan_data(pack.id).get("node")
+        return node if isinstance(node, str) and node else None
 
     def busy_gpus(self, partition: Any) -> int:
         """GPUs the user's packs already hold or wait for: the policy plans only the rest."""
@@ -716,7 +824,7 @@ class PackingService:
         return self.recovery.adapt_demand(job, d)  # warm start / measured profile
 
     def _create_and_submit(self, pack: Any, members: list[Any], options: SbatchOptions, partition: Any,
-                           stats: RoundStats) -> None:
+                           stats: RoundStats, node: str | None = None) -> None:
         from slurm_dlrm.store.records import NewPlacement
 
         name = new_pack_name()
@@ -734,7 +842,8 @@ class PackingService:
             gpu_model=pack.gpu_model, pack_dir=str(pack_dir), placements=placements,
             reason=f"planned by {self.policy}: {len(members)} members on {pack.gpu_count} GPU(s)",
             data={k: v for k, v in (("reserve_cpus", getattr(pack, "reserve_cpus", 0)),
-                                    ("reserve_host_mem_bytes", getattr(pack, "reserve_host_mem_bytes", 0))) if v})
+                                    ("reserve_host_mem_bytes", getattr(pack, "reserve_host_mem_bytes", 0)),
+                                    ("node", node)) if v})
         stats.jobs_planned += len(members)
         self._submit_pack(self.store.get_pack(pack_id), stats)
 
@@ -804,7 +913,9 @@ class PackingService:
             "members": out_members, **{k: v for k, v in reserve.items() if v},
         }
         write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
-        script = render_pack_script(self.pack_script(pack, out_members, [job_options(j) for j in members], reserve))
+        node = plan_data.get("node")
+        script = render_pack_script(self.pack_script(pack, out_members, [job_options(j) for j in members], reserve,
+                                                     node=node if isinstance(node, str) and node else None))
         write_private(pack_dir / SCRIPT_FILE, script)
         return script
 
@@ -866,7 +977,7 @@ class PackingService:
         return (min((g.cpus for g in gpu_nodes), default=None), min((g.memory_mib for g in gpu_nodes), default=None))
 
     def pack_script(self, pack: Any, members: list[dict[str, Any]], options: list[SbatchOptions],
-                    reserve: dict[str, int] | None = None) -> PackScript:
+                    reserve: dict[str, int] | None = None, node: str | None = None) -> PackScript:
         reserve = reserve or {}
         from slurm_dlrm.service.refill import pack_allocation
 
@@ -888,7 +999,7 @@ class PackingService:
             nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node,
             mem_per_node_mib=mem_mib, python=self.settings.python,
             placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,
-            signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged)
+            signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged, nodelist=node)
 
 
 def _never_fits(reason: str) -> bool:

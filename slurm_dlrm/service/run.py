@@ -128,6 +128,8 @@ def serve_forever(site: SiteConfig, user: str, *, round_seconds: float | None = 
                 idle_since = now
             write_status(paths, {**svc.status(), "host": host, "started_t": started_t,
                                  "round_seconds": round(stats.seconds, 4),
+                                 # how long a submit on another host waits for its ids (request_wait.py)
+                                 "round_period_s": period,
                                  "packs_submitted": stats.packs_submitted, "idle": not busy,
                                  # which Slurm it talks to: `submit` restarts a service whose differs
                                  "slurm_conf": os.environ.get("SLURM_CONF")})

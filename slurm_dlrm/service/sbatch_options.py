@@ -506,6 +506,7 @@ class PackScript:
     signal_before_end_s: int  # SIGTERM to the agents this long before a partition's time limit
     options: SbatchOptions = SbatchOptions()
     gpu_type: str | None = None  # --gres=gpu:TYPE:N when the plan names a model
+    nodelist: str | None = None  # --nodelist: the node the plan sized the pack for (issue 43)
 
 
 def pack_sbatch_flags(p: PackScript) -> list[str]:
@@ -528,6 +529,8 @@ def pack_sbatch_flags(p: PackScript) -> list[str]:
         flags.append(f"--signal=TERM@{p.signal_before_end_s}")
     if p.gpus_per_node > 0:
         flags.append(f"--gres={gres}")
+    if p.nodelist:
+        flags.append(f"--nodelist={p.nodelist}")
     if p.options.output is None:
         flags.append(f"--output={escape_filename_pattern(p.pack_dir)}/slurm-%j.out")
     # The pack's own job name wins over -J (a member's name lives in the store).

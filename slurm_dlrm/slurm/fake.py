@@ -66,6 +66,7 @@ class FakeJob:
     steps: list[FakeStep] = field(default_factory=list)
     purged: bool = False
     gpu_idx: str = ""  # while running: the node's GPUs it got (squeue's gres_detail IDX)
+    nodelist: str = ""  # sbatch -w/--nodelist: Slurm starts it there or not at all
 
     @property
     def state(self) -> JobState:
@@ -93,7 +94,7 @@ def _sbatch_options(script_text: str, args: Sequence[str]) -> dict[str, str]:
         elif line.strip() and not line.startswith("#"):
             break  # sbatch stops reading #SBATCH at the first command
     tokens += list(args)
-    short = {"-J": "job-name", "-N": "nodes", "-p": "partition", "-D": "chdir"}
+    short = {"-J": "job-name", "-N": "nodes", "-p": "partition", "-D": "chdir", "-w": "nodelist"}
     opts: dict[str, str] = {}
     i = 0
     while i < len(tokens):
@@ -155,13 +156,18 @@ class FakeSlurm:
     # ------------------------------------------------------------ test controls
 
     def start(self, job_id: int, nodes: str | None = None, gpu_idx: str = "0") -> None:
-        """The scheduler starts a pending job (on the first nodes by default; a GRES job
-        on the node's GPUs `gpu_idx`, as squeue's gres_detail shows them)."""
+        """The scheduler starts a pending job (on its --nodelist, else on the first nodes by
+        default; a GRES job on the node's GPUs `gpu_idx`, as squeue's gres_detail shows
+        them). Slurm never starts a job off its --nodelist: neither does `start`."""
         j = self.job(job_id)
         if j.state is not JobState.PENDING:
             raise ValueError(f"job {job_id} is {j.slurm_state}, not PENDING")
         if j.num_nodes > len(self.node_names):
             raise ValueError(f"job {job_id} wants {j.num_nodes} nodes; the fake has {len(self.node_names)}")
+        if nodes is None and j.nodelist:
+            nodes = j.nodelist
+        if nodes is not None and j.nodelist and set(expand_hostlist(nodes)) != set(expand_hostlist(j.nodelist)):
+            raise ValueError(f"job {job_id} asked for --nodelist={j.nodelist}; Slurm would not start it on {nodes}")
         j.slurm_state, j.reason, j.start_time, j.gpu_idx = "RUNNING", "None", self._now(), gpu_idx
         names = self.node_names[:j.num_nodes] if nodes is None else expand_hostlist(nodes)
         j.nodes = compress_hostlist(names)  # "node[1-2]", as Slurm prints it
@@ -231,12 +237,16 @@ class FakeSlurm:
                 and int(gres.rsplit(":", 1)[-1]) > self.gpus_per_node:
             raise SlurmError(["sbatch", "--parsable", *args], 1, "sbatch: error: Batch job submission failed: "
                              "Requested node configuration is not available")
+        nodelist = opts.get("nodelist", "")
+        if nodelist and not set(expand_hostlist(nodelist)) <= set(self.node_names):
+            raise SlurmError(["sbatch", "--parsable", *args], 1, "sbatch: error: Batch job submission failed: "
+                             "Invalid node name specified")
         job_id = self._next_id
         self._next_id += 1
         j = FakeJob(job_id=job_id, name=opts.get("job-name", "sbatch"), script=script_text, args=list(args),
                     user=self.user, partition=partition, num_nodes=num_nodes,
                     gres=opts.get("gres", ""), comment=opts.get("comment", ""), work_dir=opts.get("chdir", ""),
-                    submit_time=self._now())
+                    submit_time=self._now(), nodelist=nodelist)
         self.jobs[job_id] = j
         self.submitted.append(j)
         return job_id

@@ -211,13 +211,17 @@ def _run(args: Any, step: int, hog: list[bytearray], out: Any, writes_ckpt: Path
             hog.append(block)
         before = step
         step += chunk
-        if args.checkpoint_every and step // args.checkpoint_every > before // args.checkpoint_every:
-            _checkpoint(writes_ckpt, step)  # what a killed run resumes from (as the runner's periodic ones)
         dt = time.monotonic() - t0
         if out is not None:
             out.write(json.dumps({"t": time.time(), "step": step, "samples_per_s": args.samples_per_step * chunk / dt,
                                   "step_time_s": dt / chunk, "loss": 1.0 / step,
                                   "job_id": os.environ.get(ENV_JOB_ID)}) + "\n")
+        # The step's metrics line first, then its checkpoint, as the runner writes them: a
+        # member SIGKILLed between the two (the agent's OOM stop) must not leave a
+        # checkpoint ahead of its metrics, or its next run resumes past a step nobody saw
+        # (issue 43 item 14: runs [32, 33, 34], [36, ...] on Slurm 26.05).
+        if args.checkpoint_every and step // args.checkpoint_every > before // args.checkpoint_every:
+            _checkpoint(writes_ckpt, step)  # what a killed run resumes from (as the runner's periodic ones)
     _checkpoint(writes_ckpt, step)
     if out is not None:
         out.close()
