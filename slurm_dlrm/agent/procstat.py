@@ -155,7 +155,7 @@ class MetricsTail:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(record, dict):
+            if isinstance(record, dict) and record.get("type") != "eval":  # progress lines only
                 newest = record
                 break
         if newest is not None:

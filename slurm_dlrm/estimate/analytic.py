@@ -339,8 +339,8 @@ def estimate(spec: JobSpec, gpu: GpuModel | None, *, ranks: bool = True) -> Esti
 @_per_spec
 def synthetic_ring_bytes(spec: JobSpec, pinned: bool) -> int:
     """The runner's synthetic source keeps up to 32 ready batches (slurm_dlrm/train/data.py
-    SyntheticBatches.ring). Their ids and lengths are their own memory, dense rows and
-    labels are views of the pools; pinned (GPU) copies own everything."""
+    SyntheticBatches.ring). Their ids, lengths and planted click probabilities are their
+    own memory, dense rows are views of the pools; pinned (GPU) copies own everything."""
     if spec.data.type != "synthetic":
         return 0
     B = spec.batch_size
@@ -351,6 +351,7 @@ def synthetic_ring_bytes(spec: JobSpec, pinned: bool) -> int:
     if n < 2:
         return 0
     own = batch_bytes(spec) if pinned else sum(ids_per_batch(B, t) for t in spec.tables) * 8 + B * len(spec.tables) * 4
+    own += B * 4  # the planted click probabilities kept with each batch (labels are drawn per step)
     # the shared per-sample lengths of fixed-length tables, one tensor per count
     fixed = len({t.multi_hot or 1 for t in spec.tables if is_fixed_length(t)}) * B * 4
     return n * own + fixed

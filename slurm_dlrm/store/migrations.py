@@ -246,6 +246,27 @@ _V7 = (
     "ALTER TABLE jobs ADD COLUMN begin_time REAL",
 )
 
+_V8 = (
+    # issue 39: the runner's held-out evaluations (`"type": "eval"` lines of a job's
+    # metrics file), one row per job and step; a step evaluated again after a resume
+    # gives the same numbers and replaces its row.
+    """
+    CREATE TABLE evals (
+        job_id INTEGER NOT NULL REFERENCES jobs(id),
+        step INTEGER NOT NULL,
+        t REAL NOT NULL,
+        auc REAL,
+        ne REAL,
+        log_loss REAL,
+        calibration REAL,
+        accuracy REAL,
+        samples INTEGER,
+        planted_auc REAL,                   -- synthetic data: the planted model's AUC (the best)
+        PRIMARY KEY (job_id, step)
+    )
+    """,
+)
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -263,6 +284,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(5, "jobs.mode, nodes, gpu_idx, gpu_share (submit --no-pack jobs in the store)", _V5),
     Migration(6, "placements.rank, placements.world_size (multi-GPU jobs)", _V6),
     Migration(7, "jobs.nice, jobs.begin_time (submit --nice, --begin)", _V7),
+    Migration(8, "evals (held-out evaluation per job and step)", tuple(s.strip() for s in _V8)),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

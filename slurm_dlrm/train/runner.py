@@ -40,10 +40,18 @@ from slurm_dlrm.errors import (
     BadInput,
 )
 from slurm_dlrm.train import checkpoint as ckpt
-from slurm_dlrm.train.data import BatchSource, Prefetcher, make_source
+from slurm_dlrm.train.data import BatchSource, Prefetcher, eval_batches, make_source
+from slurm_dlrm.train.evaluation import Evaluator
 from slurm_dlrm.train.hostmem import fix_malloc_mmap_threshold
 from slurm_dlrm.train.launch import ENV_RDZV_FILE
-from slurm_dlrm.train.metrics import MetricsWriter, Progress, now, peak_rss_bytes, rss_bytes
+from slurm_dlrm.train.metrics import (
+    MetricsWriter,
+    Progress,
+    human_eval_line,
+    now,
+    peak_rss_bytes,
+    rss_bytes,
+)
 from slurm_dlrm.train.model import Built, build, plan_text
 
 log = logging.getLogger(__name__)
@@ -228,6 +236,7 @@ class Trainer:
     start_step: int = 0
     last_saved_step: int = -1
     expect: dict[str, Any] = field(default_factory=dict)
+    evaluator: Evaluator | None = None
     _writer: threading.Thread | None = None
     _writer_error: BaseException | None = None
     _static_tensor_bytes: int = 0
@@ -393,6 +402,23 @@ class Trainer:
             self._static_tensor_bytes = total + grads
         return self._static_tensor_bytes + self._activation_bytes
 
+    def _predict(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Click probabilities and labels of one held-out batch (no gradient, no update)."""
+        batch = batch.to(self.device)
+        with self._autocast():
+            _, (_, logits, labels) = self.built.model(batch)
+        return torch.sigmoid(logits.float()), labels
+
+    def _evaluate(self, done: int, metrics: MetricsWriter | None, progress: Progress | None) -> float:
+        """Run the held-out evaluation after `done` steps; its wall seconds."""
+        assert self.evaluator is not None
+        t0 = time.perf_counter()
+        record = self.evaluator.run(self._predict, done, now())
+        if record is not None and metrics is not None and progress is not None:
+            metrics.write(record)
+            progress.say(human_eval_line(record))
+        return time.perf_counter() - t0
+
     def run(self, on_report: Callable[[dict[str, Any]], None] | None = None) -> int:
         """Train from start_step to total_steps; return a TRAIN_EXIT_* code."""
         spec, opts = self.spec, self.opts
@@ -461,6 +487,8 @@ class Trainer:
                     loss_sum.zero_()
                     window_steps = 0
                     window_t0 = time.perf_counter()
+                if self.evaluator is not None and self.evaluator.due(done):
+                    window_t0 += self._evaluate(done, metrics, progress)  # not training time
                 if every_ckpt and done % every_ckpt == 0 and done != self.total_steps:
                     self.save_checkpoint(done)
                 if done == self.total_steps:
@@ -536,8 +564,17 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
         "spec_fingerprint": spec_fingerprint(spec),
         "plan_hash": _plan_hash(plan_text(built.model)),
     }
+    repeat = getattr(source, "repeat_every_steps", None)
+    if repeat is not None and repeat < total:
+        log.info("synthetic data: the features come round again every %d steps; labels are drawn afresh "
+                 "at every step, so a repeat cannot be memorised", repeat)
+    evaluator = None
+    if spec.eval.enabled:
+        batches, planted = eval_batches(spec, info.rank, info.world_size)
+        evaluator = Evaluator(batches, int(spec.eval.every_steps), total, world_size=info.world_size,
+                              planted=planted)
     trainer = Trainer(spec=spec, opts=opts, dist_info=info, device=device, built=built, source=source,
-                      total_steps=total, stop=stop, expect=expect)
+                      total_steps=total, stop=stop, expect=expect, evaluator=evaluator)
     trainer.resume()
     return trainer
 

@@ -1,0 +1,112 @@
+"""Issue 39: held-out evaluation metrics (both implementations), the `eval:` spec
+section, and evaluations in the store (ingested from a job's metrics file)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from slurm_dlrm import spec as spec_mod
+from slurm_dlrm.errors import SpecError
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchrec")
+
+from slurm_dlrm.train.evaluation import EvalAccumulator, compute  # noqa: E402
+
+
+def _cases():
+    g = torch.Generator().manual_seed(7)
+    p = torch.rand(3000, generator=g)
+    yield p, (torch.rand(3000, generator=g) < p).float()  # informative
+    q = torch.round(torch.rand(500, generator=g) * 4) / 4  # many ties
+    yield q, (torch.rand(500, generator=g) < 0.3).float()
+    yield torch.tensor([0.2, 0.7, 0.9]), torch.ones(3)  # one class only
+    yield torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0])  # clamped logs
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_reference_and_torchrec_metrics_are_identical(case: int):
+    preds, labels = list(_cases())[case]
+    assert compute(preds, labels, "reference") == compute(preds, labels, "torchrec")
+
+
+def test_metrics_against_hand_computed_values():
+    preds = torch.tensor([0.9, 0.8, 0.3, 0.1])
+    labels = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    r = compute(preds, labels)
+    assert r.auc == pytest.approx(0.75)  # 3 of the 4 (positive, negative) pairs ordered right
+    bce = float(torch.nn.functional.binary_cross_entropy(preds.double(), labels.double()))
+    assert r.log_loss == pytest.approx(bce, rel=1e-12)  # nats, like the training loss
+    assert r.ne == pytest.approx(bce / math.log(2.0))  # base rate 0.5: 1 bit of entropy
+    assert r.calibration == pytest.approx(2.1 / 2.0)
+    assert r.accuracy == 0.5 and r.samples == 4  # 0.9 -> 1 and 0.1 -> 0 right and r.label_mean == 0.5
+    acc = EvalAccumulator()
+    acc.update(preds[:2], labels[:2])
+    acc.update(preds[2:], labels[2:])
+    assert acc.compute() == r
+    with pytest.raises(ValueError, match="backend"):
+        compute(preds, labels, "nope")
+
+
+BASE = {"name": "e", "tables": [{"rows": 10, "dim": 4}], "dense_features": 3, "bottom_mlp": [4],
+        "top_mlp": [4, 1], "batch_size": 8, "optimizer": {"type": "sgd"}}
+
+
+@pytest.mark.parametrize(("value", "field"), [
+    ({"every_steps": -1}, "eval.every_steps"),
+    ({"every_steps": "10"}, "eval.every_steps"),
+    ({"batches": 0}, "eval.batches"),
+    ({"holdout": 0.9}, "eval.holdout"),
+    ({"holdout": "first-file"}, "eval.holdout"),
+    ({"holdout": 0}, "eval.holdout"),
+    ({"batch": 3}, "eval.batch"),
+    ("yes", "eval"),
+])
+def test_bad_eval_values_name_the_field(value, field):
+    with pytest.raises(SpecError) as err:
+        spec_mod.parse_spec({**BASE, "eval": value})
+    assert err.value.field == field
+
+
+def test_eval_section_defaults_round_trip_and_fingerprint():
+    plain = spec_mod.parse_spec(BASE)
+    assert plain.eval.enabled and plain.eval.every_steps == spec_mod.EVAL_DEFAULT_EVERY_STEPS
+    assert "eval" not in plain.to_dict()  # old specs keep their dict (and fingerprint)
+    custom = spec_mod.parse_spec({**BASE, "eval": {"every_steps": 0, "batches": 3, "holdout": 0.1}})
+    off = spec_mod.parse_spec({**BASE, "eval": False})
+    for s in (custom, off):
+        assert spec_mod.parse_spec(s.to_dict()) == s
+        assert spec_mod.spec_fingerprint(s) == spec_mod.spec_fingerprint(plain)
+    assert not off.eval.enabled
+
+
+def _eval_line(step: int, auc: float, ne: float) -> str:
+    return json.dumps({"type": "eval", "t": 100.0 + step, "step": step, "eval_auc": auc, "eval_ne": ne,
+                       "eval_log_loss": 0.5, "eval_calibration": 1.0, "eval_accuracy": 0.7,
+                       "eval_samples": 64, "planted_auc": 0.8}) + "\n"
+
+
+def test_store_reads_eval_lines_once_and_summarises_final_and_best(tmp_path: Path):
+    from slurm_dlrm.store.evals import eval_curve, eval_summaries, ingest_eval_file
+    from slurm_dlrm.store.store import Store
+
+    metrics = tmp_path / "metrics.jsonl"
+    train_line = json.dumps({"t": 1.0, "step": 10, "loss": 0.6, "samples_per_s": 5.0}) + "\n"
+    metrics.write_text(train_line + _eval_line(100, 0.70, 0.95) + train_line + _eval_line(200, 0.76, 0.90))
+    with Store(tmp_path / "s.db") as store:
+        assert store.add_job(user="u", name="e", spec={}, spec_fingerprint="f") == 1
+        assert ingest_eval_file(store, 1, metrics) == 2
+        assert ingest_eval_file(store, 1, metrics) == 0  # read once
+        # A resume from an older checkpoint evaluates step 200 again, then goes on;
+        # a line still being written waits.
+        with metrics.open("a") as f:
+            f.write(_eval_line(200, 0.76, 0.90) + _eval_line(300, 0.74, 0.91) + '{"type": "eval", "st')
+        assert ingest_eval_file(store, 1, metrics) == 2
+        (s,) = eval_summaries(store).values()
+        assert (s.evals, s.last_step, s.last_auc, s.best_auc, s.best_auc_step) == (3, 300, 0.74, 0.76, 200)
+        assert (s.best_ne, s.best_ne_step, s.planted_auc) == (0.90, 200, 0.8)
+        assert [r["step"] for r in eval_curve(store, 1)] == [100, 200, 300]
