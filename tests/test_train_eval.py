@@ -3,9 +3,7 @@ section, and evaluations in the store (ingested from a job's metrics file)."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -82,31 +80,3 @@ def test_eval_section_defaults_round_trip_and_fingerprint():
         assert spec_mod.parse_spec(s.to_dict()) == s
         assert spec_mod.spec_fingerprint(s) == spec_mod.spec_fingerprint(plain)
     assert not off.eval.enabled
-
-
-def _eval_line(step: int, auc: float, ne: float) -> str:
-    return json.dumps({"type": "eval", "t": 100.0 + step, "step": step, "eval_auc": auc, "eval_ne": ne,
-                       "eval_log_loss": 0.5, "eval_calibration": 1.0, "eval_accuracy": 0.7,
-                       "eval_samples": 64, "planted_auc": 0.8}) + "\n"
-
-
-def test_store_reads_eval_lines_once_and_summarises_final_and_best(tmp_path: Path):
-    from slurm_dlrm.store.evals import eval_curve, eval_summaries, ingest_eval_file
-    from slurm_dlrm.store.store import Store
-
-    metrics = tmp_path / "metrics.jsonl"
-    train_line = json.dumps({"t": 1.0, "step": 10, "loss": 0.6, "samples_per_s": 5.0}) + "\n"
-    metrics.write_text(train_line + _eval_line(100, 0.70, 0.95) + train_line + _eval_line(200, 0.76, 0.90))
-    with Store(tmp_path / "s.db") as store:
-        assert store.add_job(user="u", name="e", spec={}, spec_fingerprint="f") == 1
-        assert ingest_eval_file(store, 1, metrics) == 2
-        assert ingest_eval_file(store, 1, metrics) == 0  # read once
-        # A resume from an older checkpoint evaluates step 200 again, then goes on;
-        # a line still being written waits.
-        with metrics.open("a") as f:
-            f.write(_eval_line(200, 0.76, 0.90) + _eval_line(300, 0.74, 0.91) + '{"type": "eval", "st')
-        assert ingest_eval_file(store, 1, metrics) == 2
-        (s,) = eval_summaries(store).values()
-        assert (s.evals, s.last_step, s.last_auc, s.best_auc, s.best_auc_step) == (3, 300, 0.74, 0.76, 200)
-        assert (s.best_ne, s.best_ne_step, s.planted_auc) == (0.90, 200, 0.8)
-        assert [r["step"] for r in eval_curve(store, 1)] == [100, 200, 300]
