@@ -107,3 +107,22 @@ def test_acct_sweep_bad_input_is_one_line_and_exit_2(tmp_path: Path, args, what)
     res = CliRunner().invoke(cli, ["acct", "--db", str(s.path), *args])
     assert res.exit_code == 2
     assert res.output.startswith(f"slurm-dlrm: error: {what}") and res.output.count("\n") == 1
+
+
+def test_report_draws_loss_and_auc_curves_and_compares_the_sweep(tmp_path: Path):
+    from slurm_dlrm.store.report import write_report
+
+    s, ids = _sweep_store(tmp_path)
+    spool = tmp_path / "spool"
+    with (spool / "jobs" / str(ids[1]) / "metrics.jsonl").open("a") as f:
+        for step in (10, 20, 30):
+            f.write(json.dumps({"t": T0 + step, "step": step, "loss": 0.7 - step / 100, "loss_avg": 0.7}) + "\n")
+    w = write_report(s, tmp_path / "r.html", since=T0 - 100, until=T0 + 2000, now=T0 + 1000, spool_dir=spool)
+    html = w.html.read_text()
+    assert {p.name for p in w.pngs} >= {"r-curves.png", "r-sweep.png"}
+    assert "Training loss and held-out AUC per job" in html and "Sweep: the variants compared" in html
+    assert "3 variants of my-dlrm; varied: optimizer.lr" in html  # the unevaluated one is left out
+    # without evaluations there is nothing to compare: the page says so
+    empty = Store(tmp_path / "empty.sqlite", clock=lambda: T0)
+    w = write_report(empty, tmp_path / "e.html", since=T0 - 100, until=T0 + 2000, now=T0)
+    assert "no job in this window has held-out evaluations" in w.html.read_text()

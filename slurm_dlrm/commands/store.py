@@ -200,14 +200,17 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
 @click.option("-a", "--all-users", is_flag=True,
               help="Admins: one page across every user's store (read-only, where readable): totals per "
                    "user and per partition, the stores not read, the jobs of all.")
+@click.option("--sweep", metavar="NAME", help="The sweep (jobs NAME-*) to compare in the sweep chart "
+              "(default: the latest one with held-out evaluations).")
 @click.option("--db", type=click.Path(dir_okay=False), help="Store file (default: your store from the site config).")
 @click.option("--site", "site_path", type=click.Path(dir_okay=False), help="Site config (default: $SLURM_DLRM_SITE, ...).")
 def report(since: str | None, until: str | None, output: str, max_gpus: int, max_packs: int,
-           as_json: bool, all_users: bool, db: str | None, site_path: str | None) -> None:
+           as_json: bool, all_users: bool, sweep: str | None, db: str | None, site_path: str | None) -> None:
     """Write a self-contained HTML report with plots (matplotlib) of a time window.
 
     Utilisation timelines per GPU, a Gantt chart of packs and their members,
-    estimated vs measured memory, and a summary table. The PNG files are embedded
+    estimated vs measured memory, training loss and held-out AUC per job, a sweep's
+    variants compared, and a summary table. The PNG files are embedded
     in the HTML (base64) and also written beside it.
 
     \b
@@ -239,9 +242,16 @@ def report(since: str | None, until: str | None, output: str, max_gpus: int, max
         else:
             click.echo(str(cw.html))
         return
+    spool_dir = None
+    if db is None:  # the jobs' metrics files, for the loss curves
+        from slurm_dlrm.site import load_site
+        from slurm_dlrm.store.store import current_user
+
+        spool_dir = load_site(site_path).spool_dir_for(current_user())
     with _open_store(db, site_path) as store:
         written = write_report(store, Path(output), since=t_since, until=t_until,
-                               max_gpus=max_gpus, max_packs=max_packs, now=now)
+                               max_gpus=max_gpus, max_packs=max_packs, now=now, spool_dir=spool_dir,
+                               sweep=sweep.strip() if sweep else None)
     if as_json:
         click.echo(json.dumps({"html": str(written.html), "png": [str(p) for p in written.pngs]}))
     else:

@@ -261,6 +261,7 @@ def _memory(spec: JobSpec, gpu: GpuModel | None, tables: list[int],
     one_batch = batch_bytes(spec)
     pools = synthetic_pool_bytes(spec)
     ring = synthetic_ring_bytes(spec, gpu is not None)
+    held_out = eval_batches_bytes(spec)
     snapshot = checkpoint_snapshot_bytes(spec, tables, device)
 
     if gpu is not None:
@@ -277,6 +278,7 @@ def _memory(spec: JobSpec, gpu: GpuModel | None, tables: list[int],
             "loader_threads": workers * LOADER_THREAD_BYTES,
             "synthetic_data_pools": pools,
             "synthetic_batch_ring": ring,
+            "eval_batches": held_out,
             "checkpoint_snapshot": snapshot,
         }
     else:
@@ -289,6 +291,7 @@ def _memory(spec: JobSpec, gpu: GpuModel | None, tables: list[int],
             "loader_threads": workers * LOADER_THREAD_BYTES,
             "synthetic_data_pools": pools,
             "synthetic_batch_ring": ring,
+            "eval_batches": held_out,
             "checkpoint_snapshot": snapshot,
         }
     return tape, gpu_breakdown, host_breakdown
@@ -355,6 +358,19 @@ def synthetic_ring_bytes(spec: JobSpec, pinned: bool) -> int:
     # the shared per-sample lengths of fixed-length tables, one tensor per count
     fixed = len({t.multi_hot or 1 for t in spec.tables if is_fixed_length(t)}) * B * 4
     return n * own + fixed
+
+
+@_per_spec
+def eval_batches_bytes(spec: JobSpec) -> int:
+    """The held-out batches the runner keeps for its evaluations (slurm_dlrm/train/data.py
+    `eval_batches`): `eval.batches` batches and, for synthetic data, their planted click
+    probabilities and the eval stream's dense pool (8 batches of rows) they are views of."""
+    if not spec.eval.enabled:
+        return 0
+    B = spec.batch_size
+    own = spec.eval.batches * (batch_bytes(spec) + (B * 4 if spec.data.type == "synthetic" else 0))
+    pool = 8 * B * spec.dense_features * 4 if spec.data.type == "synthetic" else 0
+    return own + pool
 
 
 def checkpoint_snapshot_bytes(spec: JobSpec, tables: list[int], device: str) -> int:

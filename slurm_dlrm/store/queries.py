@@ -316,6 +316,18 @@ FROM jobs j LEFT JOIN packs k ON k.id = j.pack_id LEFT JOIN job_usage u ON u.job
 WHERE j.start_time IS NOT NULL OR j.state IN ({TERMINAL})
 """.replace("{TERMINAL}", ", ".join(f"'{s.value}'" for s in sorted(JOB_TERMINAL)))
 
+# The last held-out evaluation of each RUNNING job (issue 39): the jobs_state index,
+# then the evals primary key (job_id, step) for the newest step.
+METRIC_JOB_EVALS = """
+SELECT j.id AS job_id, j.user, coalesce(k.partition, (SELECT json_extract(s.sbatch_json, '$.partition')
+                                                     FROM job_specs s WHERE s.job_id = j.id)) AS partition,
+       coalesce(k.gpu_model, j.gpu_model) AS gpu_model, e.step, e.auc, e.ne, e.log_loss, e.calibration,
+       e.accuracy
+FROM jobs j LEFT JOIN packs k ON k.id = j.pack_id
+JOIN evals e ON e.job_id = j.id AND e.step = (SELECT max(step) FROM evals WHERE job_id = j.id)
+WHERE j.state = 'RUNNING'
+"""
+
 QUERIES: dict[str, str] = {
     "job_by_id": (
         "SELECT j.*, s.spec_json, s.estimate_json, s.sbatch_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
@@ -364,4 +376,5 @@ QUERIES: dict[str, str] = {
     "metric_events": METRIC_EVENTS,
     "metric_gpu_seconds": METRIC_GPU_SECONDS,
     "metric_job_figures": METRIC_JOB_FIGURES,
+    "metric_job_evals": METRIC_JOB_EVALS,
 }
