@@ -25,6 +25,7 @@ Definitions (torchrec.metrics, weights 1):
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -117,6 +118,21 @@ def _reference(preds: torch.Tensor, labs: torch.Tensor) -> tuple[float, float, f
     hits = torch.sum(((preds >= 0.5) == labs).double())
     acc = 0.0 if n == 0 else float(hits / torch.tensor(float(n), dtype=torch.float64))
     return (auc, float(ne), float(logloss_bits) * math.log(2.0), cal, acc)
+
+
+def import_metrics_in_background() -> threading.Thread:
+    """Import torchrec.metrics in a thread: it imports torchmetrics (2-4 s of CPU), which
+    then overlaps the model's build instead of delaying the first evaluation."""
+
+    def warm() -> None:
+        import torchrec.metrics.accuracy
+        import torchrec.metrics.auc
+        import torchrec.metrics.calibration
+        import torchrec.metrics.ne  # noqa: F401
+
+    thread = threading.Thread(target=warm, name="import-torchrec-metrics", daemon=True)
+    thread.start()
+    return thread
 
 
 class EvalAccumulator:

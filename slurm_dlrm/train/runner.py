@@ -41,7 +41,7 @@ from slurm_dlrm.errors import (
 )
 from slurm_dlrm.train import checkpoint as ckpt
 from slurm_dlrm.train.data import BatchSource, Prefetcher, eval_batches, make_source
-from slurm_dlrm.train.evaluation import Evaluator
+from slurm_dlrm.train.evaluation import Evaluator, import_metrics_in_background
 from slurm_dlrm.train.hostmem import fix_malloc_mmap_threshold
 from slurm_dlrm.train.launch import ENV_RDZV_FILE
 from slurm_dlrm.train.metrics import (
@@ -546,6 +546,8 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     """Distributed group, model, optimizer, data, resume. Raises on failure."""
     from slurm_dlrm.spec import spec_fingerprint
 
+    if spec.eval.enabled:
+        import_metrics_in_background()
     dist_probe_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(opts.device, dist_probe_rank)
     info = init_distributed(device)
