@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slurm_dlrm.store.ingest import _read_complete, _stored_offset
+from slurm_dlrm.store.ingest import read_complete, stored_offset
 
 if TYPE_CHECKING:
     from slurm_dlrm.store.store import Store
@@ -59,10 +59,10 @@ def ingest_eval_file(store: Store, job_id: int, path: str | os.PathLike[str], ma
             st = os.stat(key)
         except OSError:
             return added
-        planned, _old = _stored_offset(store, key, st)
+        planned, _old = stored_offset(store, key, st)
         if st.st_size <= planned:
             return added
-        data, end = _read_complete(key, planned, _CHUNK_BYTES)
+        data, end = read_complete(key, planned, _CHUNK_BYTES)
         if end == 0:
             return added
         rows = []
@@ -77,7 +77,7 @@ def ingest_eval_file(store: Store, job_id: int, path: str | os.PathLike[str], ma
             if row is not None:
                 rows.append(row)
         with store.write():
-            offset, _ = _stored_offset(store, key, st)
+            offset, _ = stored_offset(store, key, st)
             if offset != planned:
                 continue  # another reader moved it meanwhile: read again
             store.conn.executemany(
