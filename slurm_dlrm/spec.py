@@ -117,6 +117,20 @@ EVAL_MAX_HOLDOUT_FRACTION = 0.5
 EVAL_METRICS = ("auc", "ne", "log_loss", "calibration", "accuracy")
 
 
+# eval.stop_when's metrics and whether higher is better
+STOP_METRICS = {"auc": True, "accuracy": True, "ne": False, "log_loss": False}
+
+
+@dataclass(frozen=True)
+class StopWhen:
+    """End the job (COMPLETED) when `metric` reaches `target`, or when it has not
+    improved on its best for `patience` evaluations in a row."""
+
+    metric: str = "auc"
+    target: float | None = None
+    patience: int | None = None
+
+
 @dataclass(frozen=True)
 class EvalSpec:
     enabled: bool = True
@@ -125,6 +139,7 @@ class EvalSpec:
     # Criteo data: "auto" (the last file when there are several, else the last 5% of
     # the samples), "last-file", or a fraction of the samples (the last ones).
     holdout: str | float = "auto"
+    stop_when: StopWhen | None = None
 
 
 @dataclass(frozen=True)
@@ -204,6 +219,9 @@ class JobSpec:
             out["eval"] = (False if not self.eval.enabled else
                            {"every_steps": self.eval.every_steps, "batches": self.eval.batches,
                             "holdout": self.eval.holdout})
+            sw = self.eval.stop_when
+            if self.eval.enabled and sw is not None:
+                out["eval"]["stop_when"] = {k: v for k, v in vars(sw).items() if v is not None}
         out["command"] = list(self.command) if self.command is not None else None
         if self.custom_module is not None:
             out["custom_module"] = self.custom_module
@@ -557,8 +575,24 @@ def _parse_eval(raw: Any, source: str | None) -> EvalSpec:
         holdout = holdout_raw
     else:
         holdout = o.float_("holdout", max_value=EVAL_MAX_HOLDOUT_FRACTION)
+    stop = _parse_stop_when(o.raw("stop_when", None), source)
     o.done()
-    return EvalSpec(enabled=True, every_steps=every, batches=batches, holdout=holdout)
+    return EvalSpec(enabled=True, every_steps=every, batches=batches, holdout=holdout, stop_when=stop)
+
+
+def _parse_stop_when(raw: Any, source: str | None) -> StopWhen | None:
+    if raw is None:
+        return None
+    o = _Obj(raw, "eval.stop_when", source)
+    metric = o.str_("metric", "auc", choices=tuple(STOP_METRICS))
+    target = o.float_("target", None)
+    patience = o.int_("patience", None, max_value=MAX_COUNT)
+    if target is not None and STOP_METRICS[metric] and target > 1.0:
+        raise o.error("target", f"{metric} is at most 1; got {short_repr(target)}")
+    if target is None and patience is None:
+        raise o.error("target", "give a target, a patience (evaluations without improvement), or both")
+    o.done()
+    return StopWhen(metric=metric, target=target, patience=patience)
 
 
 def load_spec(path: str | Path) -> JobSpec:

@@ -80,3 +80,32 @@ def test_eval_section_defaults_round_trip_and_fingerprint():
         assert spec_mod.parse_spec(s.to_dict()) == s
         assert spec_mod.spec_fingerprint(s) == spec_mod.spec_fingerprint(plain)
     assert not off.eval.enabled
+
+
+def test_stop_when_rule_target_and_patience():
+    from slurm_dlrm.train.evaluation import stop_reason
+
+    up = [(100, 0.70), (200, 0.74), (300, 0.73), (400, 0.74)]
+    assert stop_reason(up[:2], "auc", True, 0.74, None) == "auc 0.7400 at step 200 reached the target 0.74"
+    assert stop_reason(up[:1], "auc", True, 0.74, None) is None
+    # patience 2: neither 0.73 nor 0.74 beat 0.74 (equal is no improvement)
+    assert stop_reason(up, "auc", True, None, 2) == \
+        "auc has not improved on 0.7400 in 2 evaluations (last 0.7400 at step 400)"
+    assert stop_reason(up[:3], "auc", True, None, 2) is None  # only 0.73 after the best
+    assert stop_reason(up, "auc", True, None, 3) is None  # 0.74 at 200 beat 0.70
+    down = [(1, 0.9), (2, 0.85)]
+    assert stop_reason(down, "ne", False, 0.86, None) is not None  # lower is better
+    assert stop_reason(down, "ne", False, None, 1) is None
+    assert stop_reason([], "auc", True, 0.5, 1) is None
+
+
+@pytest.mark.parametrize(("stop_when", "field"), [
+    ({"metric": "speed", "target": 1}, "eval.stop_when.metric"),
+    ({"target": 1.5}, "eval.stop_when.target"),
+    ({}, "eval.stop_when.target"),
+    ({"patience": 0}, "eval.stop_when.patience"),
+])
+def test_bad_stop_when_names_the_field(stop_when, field):
+    with pytest.raises(SpecError) as err:
+        spec_mod.parse_spec({**BASE, "eval": {"stop_when": stop_when}})
+    assert err.value.field == field

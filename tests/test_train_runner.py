@@ -275,3 +275,23 @@ def test_a_rank_that_sees_one_gpu_gets_its_shards_on_cuda_0(monkeypatch):
         assert pick_device("auto", 1) == torch.device("cpu")  # the CPU, with gloo
         with pytest.raises(BadInput, match="no CUDA device is visible"):
             pick_device("cuda", 0)  # a bad-spec exit 2 from the runner
+
+
+def test_eval_stop_when_ends_the_run_completed_and_a_restart_trains_no_further(tmp_path: Path, caplog):
+    """Issue 39: eval.stop_when (here a target any model reaches at the first evaluation)
+    ends the run with exit 0, a checkpoint and a `"type": "stop"` line saying why; a
+    restart (requeue) does not train on; --no-resume starts over."""
+    spec = tiny(eval={"every_steps": 8, "batches": 1, "stop_when": {"metric": "auc", "target": 0.01}})
+    assert _run(tmp_path, spec) == TRAIN_EXIT_OK
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    stop = [r for r in recs if r.get("type") == "stop"]
+    assert len(stop) == 1 and stop[0]["step"] == 8 and "reached the target 0.01" in stop[0]["reason"]
+    assert max(r["step"] for r in recs) == 8  # no step after it
+    assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")][0] == 8
+    n_lines = len(recs)
+    with caplog.at_level(logging.INFO):
+        assert _run(tmp_path, spec) == TRAIN_EXIT_OK
+    assert "eval.stop_when stopped it at step 8" in caplog.text
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == n_lines
+    assert _run(tmp_path, tiny(), resume=False) == TRAIN_EXIT_OK  # no stop rule: runs to the end
+    assert max(r["step"] for r in lines(tmp_path / "metrics.jsonl")) == 24

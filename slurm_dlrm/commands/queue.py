@@ -217,6 +217,7 @@ def job_files(spool_dir: Any, job_id: int, tail: int) -> dict[str, Any]:
     return {"logs": [{"path": str(p), "tail": tail_lines(p, tail)} for p in log_paths(spool_dir, job_id)],
             "last_metrics": last_metrics(spool_dir, job_id),
             "last_eval": last_metrics(spool_dir, job_id, "eval"),
+            "stopped_early": last_metrics(spool_dir, job_id, "stop"),
             "checkpoint_step": last_checkpoint_step(spool_dir, job_id)}
 
 
@@ -293,6 +294,9 @@ def show(job_id: int, tail: int, as_json: bool, site_path: str | None) -> None:
         from slurm_dlrm.train.metrics import human_eval_line
 
         lines.append(f"  {human_eval_line(e)}")
+    stop = d.get("stopped_early")
+    if stop:
+        lines.append(f"  stopped early (eval.stop_when) at step {stop['step']}: {stop.get('reason')}")
     if d.get("checkpoint_step") is not None:
         lines.append(f"  checkpoint: step {d['checkpoint_step']}")
     if d["logs"]:

@@ -30,13 +30,14 @@ def log_paths(spool_dir: Path, job_id: int) -> list[Path]:
 
 def last_metrics(spool_dir: Path, job_id: int, kind: str = "train") -> dict[str, Any] | None:
     """The last metrics line of the job of this kind: "train" (step, loss,
-    samples_per_s, ...) or "eval" (a held-out evaluation: eval_auc, eval_ne, ...)."""
+    samples_per_s, ...), "eval" (a held-out evaluation: eval_auc, eval_ne, ...) or
+    "stop" (eval.stop_when ended the job: step, reason)."""
     for line in reversed(tail_lines(job_dir(spool_dir, job_id) / "metrics.jsonl", 50, 8192)):
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and (rec.get("type") == "eval") == (kind == "eval"):
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and (rec.get("type") or "train") == kind:
             return rec
     return None
 

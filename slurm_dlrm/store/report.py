@@ -301,7 +301,7 @@ def _loss_curve(spool_dir: Path, job_id: int) -> list[tuple[int, float]]:
                     r = json.loads(line)
                 except ValueError:
                     continue
-                if isinstance(r, dict) and r.get("type") != "eval" and isinstance(r.get("step"), int):
+                if isinstance(r, dict) and r.get("type") is None and isinstance(r.get("step"), int):
                     loss = r.get("loss_avg", r.get("loss"))
                     if isinstance(loss, int | float):
                         out[r["step"]] = float(loss)  # a resumed run's repeat of a step: the same figure

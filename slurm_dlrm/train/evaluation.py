@@ -120,6 +120,26 @@ def _reference(preds: torch.Tensor, labs: torch.Tensor) -> tuple[float, float, f
     return (auc, float(ne), float(logloss_bits) * math.log(2.0), cal, acc)
 
 
+def stop_reason(history: list[tuple[int, float]], metric: str, higher_is_better: bool,
+                target: float | None, patience: int | None) -> str | None:
+    """eval.stop_when's rule over the evaluations so far ((step, value), in step order):
+    stop when the last value reaches `target`, or when none of the last `patience`
+    evaluations improved on the best before them. None: go on."""
+    if not history:
+        return None
+    step, value = history[-1]
+    if target is not None and (value >= target if higher_is_better else value <= target):
+        return f"{metric} {value:.4f} at step {step} reached the target {target:g}"
+    if patience is not None and len(history) > patience:
+        before = [v for _, v in history[:-patience]]
+        best = max(before) if higher_is_better else min(before)
+        recent = [v for _, v in history[-patience:]]
+        if not any((v > best) if higher_is_better else (v < best) for v in recent):
+            return (f"{metric} has not improved on {best:.4f} in {patience} evaluation"
+                    f"{'s' if patience != 1 else ''} (last {value:.4f} at step {step})")
+    return None
+
+
 def import_metrics_in_background() -> threading.Thread:
     """Import torchrec.metrics in a thread: it imports torchmetrics (2-4 s of CPU), which
     then overlaps the model's build instead of delaying the first evaluation."""
@@ -192,6 +212,27 @@ class Evaluator:
         self.backend = backend
         self.planted_auc: float | None = None
         self.total_s = 0.0  # wall time spent evaluating, for the overhead figure
+        self.history: list[dict[str, Any]] = []  # this job's evaluation records (rank 0)
+
+    def load_history(self, metrics_file: Any, upto_step: int) -> None:
+        """A resumed run's earlier evaluations (steps <= `upto_step`) from its metrics file,
+        so that eval.stop_when's patience counts across restarts."""
+        import json
+
+        seen: dict[int, dict[str, Any]] = {}
+        try:
+            with open(metrics_file, "rb") as f:
+                for line in f:
+                    try:
+                        r = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(r, dict) and r.get("type") == "eval" and isinstance(r.get("step"), int) \
+                            and r["step"] <= upto_step:
+                        seen[r["step"]] = r
+        except OSError:
+            return
+        self.history = [seen[k] for k in sorted(seen)]
 
     def due(self, done: int) -> bool:
         return done == self.total_steps or (self.every_steps > 0 and done % self.every_steps == 0)
@@ -221,6 +262,8 @@ class Evaluator:
             self.planted_auc = compute(local[2], local[1], self.backend).auc
         eval_s = time.perf_counter() - t0
         self.total_s += eval_s
-        return eval_record(step, result, t=t, eval_s=eval_s, batches=len(self.batches) * self.world_size,
-                           planted_auc=self.planted_auc)
+        record = eval_record(step, result, t=t, eval_s=eval_s, batches=len(self.batches) * self.world_size,
+                             planted_auc=self.planted_auc)
+        self.history = [r for r in self.history if r["step"] != step] + [record]
+        return record
 
