@@ -126,3 +126,22 @@ def test_report_draws_loss_and_auc_curves_and_compares_the_sweep(tmp_path: Path)
     empty = Store(tmp_path / "empty.sqlite", clock=lambda: T0)
     w = write_report(empty, tmp_path / "e.html", since=T0 - 100, until=T0 + 2000, now=T0)
     assert "no job in this window has held-out evaluations" in w.html.read_text()
+
+
+def test_queue_shows_the_last_auc_and_show_reads_the_last_eval_and_stop_lines(tmp_path: Path):
+    from slurm_dlrm.service.joblog import last_metrics
+    from slurm_dlrm.service.queue import format_table, queue_rows
+
+    s, ids = _sweep_store(tmp_path)
+    rows = {r["job_id"]: r for r in queue_rows(s, user="u", service={"running": False}, include_ended=True)}
+    assert rows[ids[1]]["auc"] == 0.78 and rows[ids[3]]["auc"] is None
+    table = format_table(list(rows.values()))
+    assert "AUC" in table.splitlines()[0] and "0.78" in table
+    spool = tmp_path / "spool"
+    with (spool / "jobs" / str(ids[1]) / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"t": T0, "step": 210, "loss": 0.5, "samples_per_s": 9.0}) + "\n")
+        f.write(json.dumps({"type": "stop", "t": T0, "step": 210, "reason": "auc reached the target"}) + "\n")
+    assert last_metrics(spool, ids[1])["step"] == 210 and "type" not in last_metrics(spool, ids[1])
+    assert last_metrics(spool, ids[1], "eval")["eval_auc"] == 0.78
+    assert last_metrics(spool, ids[1], "stop")["reason"] == "auc reached the target"
+    assert last_metrics(spool, ids[0], "stop") is None
