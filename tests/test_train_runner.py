@@ -280,7 +280,7 @@ def test_a_rank_that_sees_one_gpu_gets_its_shards_on_cuda_0(monkeypatch):
 def test_eval_stop_when_ends_the_run_completed_and_a_restart_trains_no_further(tmp_path: Path, caplog):
     """Issue 39: eval.stop_when (here a target any model reaches at the first evaluation)
     ends the run with exit 0, a checkpoint and a `"type": "stop"` line saying why; a
-    restart (requeue) does not train on; --no-resume starts over."""
+    restart (requeue) does not train on."""
     spec = tiny(eval={"every_steps": 8, "batches": 1, "stop_when": {"metric": "auc", "target": 0.01}})
     assert _run(tmp_path, spec) == TRAIN_EXIT_OK
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -293,5 +293,3 @@ def test_eval_stop_when_ends_the_run_completed_and_a_restart_trains_no_further(t
         assert _run(tmp_path, spec) == TRAIN_EXIT_OK
     assert "eval.stop_when stopped it at step 8" in caplog.text
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == n_lines
-    assert _run(tmp_path, tiny(), resume=False) == TRAIN_EXIT_OK  # no stop rule: runs to the end
-    assert max(r["step"] for r in lines(tmp_path / "metrics.jsonl")) == 24
