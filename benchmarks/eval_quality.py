@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,10 +68,13 @@ def finish(proc: subprocess.Popen[str], workdir: Path) -> tuple[list[dict[str, A
             time.perf_counter() - t0)
 
 
-def run(spec: dict[str, Any], workdir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float]:
-    t0 = time.perf_counter()
+def run(spec: dict[str, Any], workdir: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]], float, float]:
+    """(progress lines, eval lines, wall seconds, start-up seconds: process start to the first step)"""
+    t0, epoch0 = time.perf_counter(), time.time()
     train, evals, _ = finish(start(spec, workdir), workdir)
-    return train, evals, time.perf_counter() - t0
+    first = train[0]
+    startup_s = first["t"] - first["step_time_s"] * first["step"] - epoch0
+    return train, evals, time.perf_counter() - t0, startup_s
 
 
 def training_s(train: list[dict[str, Any]]) -> float:
@@ -94,11 +98,11 @@ def main() -> None:
                    "optimizer": {"type": "adagrad", "lr": lr}} for i, lr in enumerate((0.05, 0.003))]
     with tempfile.TemporaryDirectory(prefix="eval-quality-") as tmp:
         root = Path(tmp)
-        _, alone, _ = run(curve, root / "alone")
+        _, alone, _, _ = run(curve, root / "alone")
         procs = [(start(s, root / f"packed-{i}"), root / f"packed-{i}") for i, s in enumerate([curve, *neighbours])]
         packed = [finish(p, d)[1] for p, d in procs]
-        default_train, default_evals, default_wall = run(base, root / "default")
-        base_train, base_evals, base_wall = run({**base, "eval": False}, root / "baseline")
+        default_train, default_evals, default_wall, default_start = run(base, root / "default")
+        base_train, base_evals, base_wall, base_start = run({**base, "eval": False}, root / "baseline")
 
     planted = float(alone[-1]["planted_auc"])
     reached = float(alone[-1]["eval_auc"])
@@ -120,8 +124,10 @@ def main() -> None:
           f"{eval_s:.3f} s evaluating, {training_s(default_train):.2f} s training -> {overhead_pct:.2f}%")
     print(f"  wall clock of the whole run: {default_wall:.1f} s with eval, {base_wall:.1f} s baseline (eval: false), "
           f"{100 * (default_wall / base_wall - 1):+.1f}% (start-up and noise included)")
-    print(f"  training samples/s: {default_train[-1]['samples_per_s']:,.0f} with eval, "
-          f"{base_train[-1]['samples_per_s']:,.0f} baseline (last window)")
+    print(f"  start-up to the first step: {default_start:.1f} s with eval, {base_start:.1f} s baseline "
+          "(evaluation imports torchrec.metrics, which imports torchmetrics: 2-4 s, in a thread during the build)")
+    print(f"  training samples/s: {statistics.median(r['samples_per_s'] for r in default_train):,.0f} with eval, "
+          f"{statistics.median(r['samples_per_s'] for r in base_train):,.0f} baseline (median of the windows)")
     print(f"packed with 2 neighbours vs alone: {len(packed[0])} evaluations, "
           f"{'identical bit for bit' if equal else 'DIFFERENT'}")
     print(f"eval_quality: planted_auc={planted:.4f} reached_auc={reached:.4f} steps_to_within_2pct={within} "
