@@ -7,6 +7,10 @@ Every error is a `SpecError(field, reason)` whose field is a dotted path such as
 Resolution order: a `preset` gives defaults for every field the spec leaves out
 (`tables` replaces the preset's tables as a whole), then `scale` caps rows and
 overrides the dim of every table (and the bottom MLP's last width).
+
+Over 600 lines: the spec is one contract (docs/interfaces.md section 1), its dataclasses,
+limits, parsing and cross-field checks in one place, so that every field's refusal names
+its dotted path the same way and `to_dict` mirrors `parse_spec` field for field.
 """
 
 from __future__ import annotations
