@@ -4,11 +4,6 @@ Every source is addressed by step: `source.batch(step)` returns the batch of tha
 for this rank, computed from (seed, rank, step) alone. A checkpoint therefore needs no
 generator state beyond the step, prefetch threads can run ahead without changing what
 a resumed run sees, and an interrupted run resumes onto exactly the same data.
-
-Over 600 lines: the sources share that step-addressed contract, the held-out split of
-the data (`holdout_split`, `eval_batches`: the training part of a source and its eval
-part must be cut by the same rule) and the Prefetcher; the runner, the benchmarks and
-the estimator's comments name them here.
 """
 
 from __future__ import annotations
