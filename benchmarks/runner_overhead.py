@@ -57,6 +57,7 @@ SPEC = {
     "loader_workers": 2,
     "prefetch_batches": 2,
     "metrics_every_steps": 10,
+    "eval": False,  # the runner's own overhead; evaluation's is benchmarks/eval_quality.py's
 }
 
 

@@ -378,6 +378,20 @@ class StoreCollector:
                     bw.add_metric(labels, g.mem_util_pct / 100.0)
         yield from (members, fenced, used, total, sm, bw)
 
+        # issue 39: the last held-out evaluation of each running job
+        ev = GaugeMetricFamily("slurm_dlrm_job_eval", "Last held-out evaluation of a running job, by metric "
+                               "(auc, ne, log_loss, calibration, accuracy).",
+                               labels=(*USER_LABELS, "job_id", "metric"))
+        ev_step = GaugeMetricFamily("slurm_dlrm_job_eval_step", "Training step of that evaluation.",
+                                    labels=(*USER_LABELS, "job_id"))
+        for _, m, _ in read:
+            for e in m.evals:
+                base = (e.user, e.partition, e.gpu_model, str(e.job_id))
+                ev_step.add_metric(base, e.step)
+                for name, value in sorted(e.values.items()):
+                    ev.add_metric((*base, name), value)
+        yield from (ev, ev_step)
+
     def _counter(self, name: str, labels: tuple[str, ...], value: float) -> float:
         """Never less than reported before for the same series (see the module doc)."""
         k = (name, labels)

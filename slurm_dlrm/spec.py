@@ -7,6 +7,10 @@ Every error is a `SpecError(field, reason)` whose field is a dotted path such as
 Resolution order: a `preset` gives defaults for every field the spec leaves out
 (`tables` replaces the preset's tables as a whole), then `scale` caps rows and
 overrides the dim of every table (and the bottom MLP's last width).
+
+Over 600 lines: the spec is one contract (docs/interfaces.md section 1), its dataclasses,
+limits, parsing and cross-field checks in one place, so that every field's refusal names
+its dotted path the same way and `to_dict` mirrors `parse_spec` field for field.
 """
 
 from __future__ import annotations
@@ -109,6 +113,41 @@ class DataSpec:
     path: str | None = None  # criteo-* only
 
 
+# Held-out evaluation (docs/runner.md "Evaluation"). Default interval: 8 eval batches
+# every 200 steps is about 1.5% of a CPU job's training time (a forward pass costs about
+# a third of a training step; benchmarks/eval_quality.py measures it).
+EVAL_DEFAULT_EVERY_STEPS = 200
+EVAL_DEFAULT_BATCHES = 8
+EVAL_MAX_BATCHES = 100_000
+EVAL_MAX_HOLDOUT_FRACTION = 0.5
+EVAL_METRICS = ("auc", "ne", "log_loss", "calibration", "accuracy")
+
+
+# eval.stop_when's metrics and whether higher is better
+STOP_METRICS = {"auc": True, "accuracy": True, "ne": False, "log_loss": False}
+
+
+@dataclass(frozen=True)
+class StopWhen:
+    """End the job (COMPLETED) when `metric` reaches `target`, or when it has not
+    improved on its best for `patience` evaluations in a row."""
+
+    metric: str = "auc"
+    target: float | None = None
+    patience: int | None = None
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    enabled: bool = True
+    every_steps: int = EVAL_DEFAULT_EVERY_STEPS  # 0: only at the end
+    batches: int = EVAL_DEFAULT_BATCHES  # per rank, the same held-out batches each time
+    # Criteo data: "auto" (the last file when there are several, else the last 5% of
+    # the samples), "last-file", or a fraction of the samples (the last ones).
+    holdout: str | float = "auto"
+    stop_when: StopWhen | None = None
+
+
 @dataclass(frozen=True)
 class Scale:
     max_rows_per_table: int | None = None
@@ -136,6 +175,7 @@ class JobSpec:
     checkpoint_every_steps: int = 500
     metrics_every_steps: int = 10
     command: tuple[str, ...] | None = None
+    eval: EvalSpec = EvalSpec()
     preset: str | None = None
     scale: Scale | None = None
     # "pkg.module:factory": factory(spec) -> torch.nn.Module replaces the DLRM model;
@@ -181,6 +221,13 @@ class JobSpec:
         out["world_size"] = self.world_size
         out["checkpoint_every_steps"] = self.checkpoint_every_steps
         out["metrics_every_steps"] = self.metrics_every_steps
+        if self.eval != EvalSpec():  # left out when default: old specs keep their dict
+            out["eval"] = (False if not self.eval.enabled else
+                           {"every_steps": self.eval.every_steps, "batches": self.eval.batches,
+                            "holdout": self.eval.holdout})
+            sw = self.eval.stop_when
+            if self.eval.enabled and sw is not None:
+                out["eval"]["stop_when"] = {k: v for k, v in vars(sw).items() if v is not None}
         out["command"] = list(self.command) if self.command is not None else None
         if self.custom_module is not None:
             out["custom_module"] = self.custom_module
@@ -202,7 +249,7 @@ def _table_dict(t: TableSpec) -> dict[str, Any]:
 
 # Fields that do not change the job's structure (memory or speed): ignored.
 _FINGERPRINT_IGNORES = ("name", "seed", "steps", "epochs", "checkpoint_every_steps", "metrics_every_steps",
-                        "command", "preset", "scale")
+                        "command", "preset", "scale", "eval")
 
 
 def spec_fingerprint(spec: JobSpec) -> str:
@@ -409,6 +456,7 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
     world_size = view.int_("world_size", 1, max_value=MAX_WORLD_SIZE)
     checkpoint_every_steps = view.int_("checkpoint_every_steps", 500, min_value=0)
     metrics_every_steps = view.int_("metrics_every_steps", 10)
+    eval_spec = _parse_eval(view.raw("eval", None), source)
 
     command_raw = view.raw("command", None)
     command: tuple[str, ...] | None = None
@@ -438,7 +486,7 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
         interaction=interaction, batch_size=batch_size, optimizer=optimizer, mixed_precision=mixed_precision,
         loader_workers=loader_workers, prefetch_batches=prefetch_batches, steps=steps, epochs=epochs,
         data=data_spec, seed=seed, world_size=world_size, checkpoint_every_steps=checkpoint_every_steps,
-        metrics_every_steps=metrics_every_steps, command=command, preset=preset_name, scale=scale,
+        metrics_every_steps=metrics_every_steps, command=command, eval=eval_spec, preset=preset_name, scale=scale,
         custom_module=custom_module, source=source,
     )
 
@@ -514,6 +562,43 @@ def _parse_data(raw: Any, source: str | None) -> DataSpec:
         spec = DataSpec(kind, zipf_alpha=None, path=path)
     o.done()
     return spec
+
+
+def _parse_eval(raw: Any, source: str | None) -> EvalSpec:
+    if raw is None or raw is True:
+        return EvalSpec()
+    if raw is False:
+        return EvalSpec(enabled=False)
+    o = _Obj(raw, "eval", source)
+    every = o.int_("every_steps", EVAL_DEFAULT_EVERY_STEPS, min_value=0)
+    batches = o.int_("batches", EVAL_DEFAULT_BATCHES, max_value=EVAL_MAX_BATCHES)
+    holdout_raw = o.raw("holdout", "auto")
+    holdout: str | float
+    if isinstance(holdout_raw, str):
+        if holdout_raw not in ("auto", "last-file"):
+            raise o.error("holdout", f"must be auto, last-file or a fraction in (0, {EVAL_MAX_HOLDOUT_FRACTION}]; "
+                                     f"got {short_repr(holdout_raw)}")
+        holdout = holdout_raw
+    else:
+        holdout = o.float_("holdout", max_value=EVAL_MAX_HOLDOUT_FRACTION)
+    stop = _parse_stop_when(o.raw("stop_when", None), source)
+    o.done()
+    return EvalSpec(enabled=True, every_steps=every, batches=batches, holdout=holdout, stop_when=stop)
+
+
+def _parse_stop_when(raw: Any, source: str | None) -> StopWhen | None:
+    if raw is None:
+        return None
+    o = _Obj(raw, "eval.stop_when", source)
+    metric = o.str_("metric", "auc", choices=tuple(STOP_METRICS))
+    target = o.float_("target", None)
+    patience = o.int_("patience", None, max_value=MAX_COUNT)
+    if target is not None and STOP_METRICS[metric] and target > 1.0:
+        raise o.error("target", f"{metric} is at most 1; got {short_repr(target)}")
+    if target is None and patience is None:
+        raise o.error("target", "give a target, a patience (evaluations without improvement), or both")
+    o.done()
+    return StopWhen(metric=metric, target=target, patience=patience)
 
 
 def _file_kind(mode: int) -> str:

@@ -91,6 +91,11 @@ def make_store(path: Path, user: str = "alice") -> dict[str, int]:
     rows.append({"t": NOW - 3600, "pack_id": pk, "job_id": None, "node": "node2", "gpu_index": 1,
                  "sm_util_pct": 1.0, "gpu_mem_bytes": 1})  # old: not the latest
     s.add_samples(rows)
+    # held-out evaluations (issue 39): of running "a" (the last one is served) and of "done"
+    with s.write():
+        s.conn.executemany("INSERT INTO evals (job_id, step, t, auc, ne, log_loss) VALUES (?, ?, ?, ?, ?, ?)",
+                           [(ids["a"], 100, NOW - 60, 0.70, 0.95, 0.6), (ids["a"], 200, NOW - 30, 0.75, 0.9, None),
+                            (ids["done"], 100, NOW - 700, 0.8, 0.8, 0.5)])
     s.close()
     return ids
 
@@ -158,6 +163,13 @@ def test_metrics_of_one_store(alice):
     assert value(f, "slurm_dlrm_queue_wait_seconds_bucket", le="120.0", **u) == 2  # done, oom: 120 s
     assert value(f, "slurm_dlrm_exporter_stores") == 1
     assert sum(s.value for s in f["slurm_dlrm_store_errors"]) == 0
+    # the last evaluation of each running job; none of ended ones
+    job_a = {**u, "job_id": str(ids["a"])}
+    assert value(f, "slurm_dlrm_job_eval", metric="auc", **job_a) == 0.75
+    assert value(f, "slurm_dlrm_job_eval", metric="ne", **job_a) == 0.9
+    assert value(f, "slurm_dlrm_job_eval_step", **job_a) == 200
+    assert {s.labels["metric"] for s in f["slurm_dlrm_job_eval"]} == {"auc", "ne"}  # log_loss not recorded at 200
+    assert {s.labels["job_id"] for s in f["slurm_dlrm_job_eval"]} == {str(ids["a"])}
 
 
 def test_scrape_never_writes(alice):

@@ -261,3 +261,20 @@ def test_no_pack_on_mps_says_what_other_users_mean(tmp_path, cross_user):
     assert ("--exclusive=user" in r.stdout) == (cross_user == "one-user")
     assert "slurm-dlrm: note: a --no-pack job on an MPS share" in r.stderr
     assert f'[mps] cross_user = "{cross_user}"' in r.stderr
+
+
+@pytest.mark.parametrize(("eval_line", "sets", "needle"), [
+    ("eval: {every_steps: -5}\n", [], "eval.every_steps"),
+    ("eval: {batches: lots}\n", [], "eval.batches"),
+    ("eval: {holdout: 0.7}\n", [], "eval.holdout"),
+    ("", ["--set", "eval.every_steps=100,-1"], "eval.every_steps"),
+])
+def test_bad_eval_values_exit_2_in_one_line_and_record_nothing(env, eval_line, sets, needle):
+    """Issue 39: a bad `eval:` section (or --set variant of it) refuses the whole submit."""
+    site, site_file, tmp = env
+    spec = _spec(tmp, "ev")
+    spec.write_text(spec.read_text() + eval_line)
+    r = CliRunner().invoke(cli, ["submit", "--no-service", str(spec), *sets])
+    assert r.exit_code == 2 and needle in r.output and r.output.count("\n") == 1, r.output
+    assert r.output.startswith("slurm-dlrm: error: ")
+    assert json.loads(run("queue", "--json", "--no-slurm", "--all").output)["jobs"] == []

@@ -81,7 +81,7 @@ def test_report_without_gpu_samples_says_why_instead_of_empty_1970_plots(tmp_pat
     out2 = tmp_path / "empty.html"
     assert CliRunner().invoke(cli, ["report", "--db", str(empty), "-o", str(out2)]).exit_code == 0
     text = out2.read_text()
-    assert text.count("Nothing to plot:") == 3 and "data:image/png" not in text
+    assert text.count("Nothing to plot:") == 5 and "data:image/png" not in text  # 3 + curves and sweep (issue 39)
 
 
 def _png_size(path):

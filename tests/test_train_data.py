@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("torchrec")
 spec_mod = pytest.importorskip("slurm_dlrm.spec")
@@ -35,6 +36,7 @@ def make_spec(**over):
         "batch_size": 256,
         "optimizer": {"type": "adagrad", "lr": 0.05},
         "seed": 3,
+        "eval": False,  # the readers' own tests read every sample; holdouts are tested apart
     }
     base.update(over)
     return spec_mod.parse_spec(base)
@@ -169,3 +171,60 @@ def test_prefetcher_yields_every_step_in_order_with_threads(tmp_path: Path):
     assert [s for s, _ in got] == list(range(2, 9))
     direct = CriteoTsvBatches(make_spec(batch_size=2, data={"type": "criteo-tsv", "path": str(path)}))
     assert [labels for _, labels in got] == [direct.batch(s).labels.tolist() for s in range(2, 9)]
+
+
+# ---------------------------------------------------------------- issue 39: planted labels, holdouts
+
+
+def test_planted_labels_depend_on_dense_and_table_ids_and_are_redrawn_every_step():
+    from slurm_dlrm.train.data import PlantedModel, eval_batches
+    from slurm_dlrm.train.evaluation import compute
+
+    spec = make_spec(eval={"batches": 8})
+    src = SyntheticBatches(spec)
+    planted = PlantedModel(spec)
+    # Hot ids carry weights, cold ones none: the tables matter, not only dense features.
+    hot_ids, hot_w = planted.hot[0]
+    assert len(hot_ids) == 128 and np.count_nonzero(hot_w) == 128
+    assert planted.id_weights(0, hot_ids).tolist() == hot_w.tolist()
+    cold = np.setdiff1d(np.arange(1000), hot_ids)
+    assert not planted.id_weights(0, cold).any()
+    # Same features every 32 steps, other labels: a repeat cannot be memorised.
+    assert src.repeat_every_steps == 32
+    a, b = src.batch(5), src.batch(37)
+    assert np.array_equal(a.dense_features.numpy(), b.dense_features.numpy())
+    assert not np.array_equal(a.labels.numpy(), b.labels.numpy())
+    assert np.array_equal(SyntheticBatches(spec).batch(37).labels.numpy(), b.labels.numpy())  # resume
+    # The eval stream: other samples, the same planted model; its AUC beats dense-only.
+    batches, probs = eval_batches(spec)
+    assert len(batches) == 8 and probs is not None and probs.numel() == 8 * 256
+    ev_dense = torch.cat([x.dense_features for x in batches])
+    train_dense = torch.from_numpy(src._dense)
+    assert not (ev_dense[:, None, :] == train_dense[None, :64, :]).all(-1).any()
+    labels = torch.cat([x.labels for x in batches])
+    best = compute(probs, labels).auc
+    dense_only = compute(torch.sigmoid(ev_dense.double() @ torch.from_numpy(planted.dense_w)), labels).auc
+    assert 0.7 < best and best > dense_only + 0.03
+
+
+def test_criteo_holdout_last_file_or_fraction(tmp_path: Path):
+    for day in range(3):
+        np.save(tmp_path / f"day_{day}_dense.npy", np.full((20, 13), day, dtype=np.float32))
+        np.save(tmp_path / f"day_{day}_sparse.npy", np.arange(20 * 26).reshape(20, 26) + 1000 * day)
+        np.save(tmp_path / f"day_{day}_labels.npy", np.zeros(20, dtype=np.int32))
+    data = {"type": "criteo-npy", "path": str(tmp_path)}
+    auto = make_spec(batch_size=4, data=data, eval={"batches": 100})
+    train = CriteoNpyBatches(auto)
+    assert train.n_samples == 40 and train.steps_per_epoch == 10  # days 0 and 1
+    assert {float(train.batch(s).dense_features[0, 0]) for s in range(10)} == {0.0, 1.0}
+    from slurm_dlrm.train.data import eval_batches
+
+    held, planted = eval_batches(auto)
+    assert planted is None and len(held) == 5  # all of day 2, no more
+    assert {float(b.dense_features[0, 0]) for b in held} == {2.0}
+    frac = make_spec(batch_size=4, data=data, eval={"holdout": 0.2})
+    assert CriteoNpyBatches(frac).n_samples == 48
+    one_day = make_spec(batch_size=4, data={"type": "criteo-npy", "path": str(tmp_path / "day_0")},
+                        eval={"holdout": "last-file"})
+    with pytest.raises(SpecError, match="eval.holdout"):
+        CriteoNpyBatches(one_day)

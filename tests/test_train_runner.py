@@ -58,13 +58,19 @@ def tiny(**over) -> dict:
         "loader_workers": 0,
         "checkpoint_every_steps": 5,
         "metrics_every_steps": 4,
+        "eval": {"every_steps": 12, "batches": 2},
     }
     d.update(over)
     return d
 
 
 def lines(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines()]
+    """The training progress lines (held-out evaluations apart: `evals`)."""
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("type") != "eval"]
+
+
+def evals(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines()) if r.get("type") == "eval"}
 
 
 def _run(tmp: Path, spec: dict, **opts) -> int:
@@ -84,6 +90,12 @@ def test_trains_on_cpu_and_writes_metrics(tmp_path: Path):
         assert r["peak_tensor_bytes"] >= 750 * 8 * 4 * 2
         assert r["rss_bytes"] > 10 * 2**20
     assert recs[-1]["loss_avg"] < recs[0]["loss_avg"]  # it learns
+    # Held-out evaluations every 12 steps and at the end, on 2 batches of 32.
+    ev = evals(tmp_path / "metrics.jsonl")
+    assert sorted(ev) == [12, 24]
+    for r in ev.values():
+        assert r["eval_samples"] == 64 and 0.0 <= r["eval_auc"] <= 1.0 and r["eval_ne"] > 0
+        assert 0.5 < r["planted_auc"] <= 1.0  # synthetic data: the planted model's AUC
     # every 5 steps plus the final one, newest 2 kept
     assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [24, 20]
     # Rerun: already done. --no-resume: starts over and drops the old checkpoints.
@@ -110,6 +122,13 @@ def test_interrupted_and_resumed_run_is_exact(tmp_path: Path, optimizer: dict):
     assert set(resumed) == {4, 8, 12, 16, 20, 24}
     for step in (16, 20, 24):
         assert resumed[step] == full[step], step
+    # Held-out metrics too, bit for bit: at 12 (before the stop) and 24 (after the resume).
+    strip = ("t", "eval_s")
+    full_ev, resumed_ev = evals(tmp_path / "a" / "metrics.jsonl"), evals(tmp_path / "b" / "metrics.jsonl")
+    assert sorted(resumed_ev) == [12, 24]
+    for step in (12, 24):
+        assert {k: v for k, v in resumed_ev[step].items() if k not in strip} == \
+            {k: v for k, v in full_ev[step].items() if k not in strip}, step
 
 
 def test_corrupt_newest_checkpoint_is_skipped_on_resume(tmp_path: Path, caplog):
@@ -141,11 +160,13 @@ def test_criteo_npy_epochs_and_synchronous_checkpoints(tmp_path: Path):
     np.save(tmp_path / "day_0_labels.npy", rng.integers(0, 2, (n, 1)).astype(np.int32))
     spec = tiny(tables=[{"rows": 100, "dim": 8}] * 26, steps=None, epochs=2, batch_size=16,
                 data={"type": "criteo-npy", "path": str(tmp_path)}, checkpoint_every_steps=4,
-                metrics_every_steps=3, loader_workers=2)
+                metrics_every_steps=3, loader_workers=2, eval={"holdout": 0.2, "every_steps": 0})
     assert _run(tmp_path, spec, async_checkpoint_max_bytes=0) == TRAIN_EXIT_OK
-    # 100 samples make 6 batches of 16 per epoch: 12 steps for 2 epochs.
-    assert [r["step"] for r in lines(tmp_path / "metrics.jsonl")] == [3, 6, 9, 12]
-    assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [12, 8]
+    # The last 20 samples are held out: 80 make 5 batches of 16 per epoch, 10 steps for 2.
+    assert [r["step"] for r in lines(tmp_path / "metrics.jsonl")] == [3, 6, 9, 10]
+    assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [10, 8]
+    (ev,) = evals(tmp_path / "metrics.jsonl").values()
+    assert ev["step"] == 10 and ev["eval_samples"] == 16 and "planted_auc" not in ev
 
 
 def test_bad_spec_exits_2_before_importing_torch(tmp_path: Path):
@@ -254,3 +275,21 @@ def test_a_rank_that_sees_one_gpu_gets_its_shards_on_cuda_0(monkeypatch):
         assert pick_device("auto", 1) == torch.device("cpu")  # the CPU, with gloo
         with pytest.raises(BadInput, match="no CUDA device is visible"):
             pick_device("cuda", 0)  # a bad-spec exit 2 from the runner
+
+
+def test_eval_stop_when_ends_the_run_completed_and_a_restart_trains_no_further(tmp_path: Path, caplog):
+    """Issue 39: eval.stop_when (here a target any model reaches at the first evaluation)
+    ends the run with exit 0, a checkpoint and a `"type": "stop"` line saying why; a
+    restart (requeue) does not train on."""
+    spec = tiny(eval={"every_steps": 8, "batches": 1, "stop_when": {"metric": "auc", "target": 0.01}})
+    assert _run(tmp_path, spec) == TRAIN_EXIT_OK
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    stop = [r for r in recs if r.get("type") == "stop"]
+    assert len(stop) == 1 and stop[0]["step"] == 8 and "reached the target 0.01" in stop[0]["reason"]
+    assert max(r["step"] for r in recs) == 8  # no step after it
+    assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")][0] == 8
+    n_lines = len(recs)
+    with caplog.at_level(logging.INFO):
+        assert _run(tmp_path, spec) == TRAIN_EXIT_OK
+    assert "eval.stop_when stopped it at step 8" in caplog.text
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == n_lines

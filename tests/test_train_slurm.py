@@ -54,7 +54,8 @@ def _metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return [r for r in recs if "type" not in r]  # progress lines (held-out evaluations apart)
 
 
 def _until(what: str, cond, timeout_s: float, out: Path):

@@ -155,7 +155,7 @@ class MetricsTail:
                 record = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(record, dict):
+            if isinstance(record, dict) and record.get("type") is None:  # progress lines only (not eval, stop)
                 newest = record
                 break
         if newest is not None:

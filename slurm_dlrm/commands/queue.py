@@ -314,6 +314,8 @@ def job_files(spool_dir: Any, job_id: int, tail: int) -> dict[str, Any]:
 
     return {"logs": [{"path": str(p), "tail": tail_lines(p, tail)} for p in log_paths(spool_dir, job_id)],
             "last_metrics": last_metrics(spool_dir, job_id),
+            "last_eval": last_metrics(spool_dir, job_id, "eval"),
+            "stopped_early": last_metrics(spool_dir, job_id, "stop"),
             "checkpoint_step": last_checkpoint_step(spool_dir, job_id)}
 
 
@@ -413,6 +415,14 @@ def show(job_ref: str, tail: int, as_json: bool, site_path: str | None) -> None:
         lines.append(f"  progress: step {m.get('step')}" + (f", loss {m['loss']:.4g}" if isinstance(m.get("loss"), (int, float)) else "")
                      + (f", {sps:,.0f} samples/s" if isinstance(sps, (int, float)) else "")
                      + (f" ({time.strftime('%H:%M:%S', time.localtime(m['t']))})" if isinstance(m.get("t"), (int, float)) else ""))
+    e = d.get("last_eval")
+    if e:
+        from slurm_dlrm.train.metrics import human_eval_line
+
+        lines.append(f"  {human_eval_line(e)}")
+    stop = d.get("stopped_early")
+    if stop:
+        lines.append(f"  stopped early (eval.stop_when) at step {stop['step']}: {stop.get('reason')}")
     if d.get("checkpoint_step") is not None:
         lines.append(f"  checkpoint: step {d['checkpoint_step']}")
     if d["logs"]:

@@ -36,6 +36,9 @@ seed: 0
 world_size: 1                 # ranks (GPUs) per job, all on one node (at most 64): packed (W GPUs of a pack) or --no-pack
 checkpoint_every_steps: 50    # cancel/requeue and preemption resume from the last one
 metrics_every_steps: 10
+eval: {every_steps: 200, batches: 8}   # held-out AUC, NE, log-loss, calibration, accuracy every N steps
+                              # and at the end (0: at the end only; eval: false turns it off); Criteo data
+                              # also takes holdout: auto | last-file | 0.05 (a fraction of the samples)
 # command: [python, train.py] # optional argv replacing `slurm-dlrm train SPEC`
 # custom_module: pkg.mod:factory   # optional: factory(spec) -> nn.Module replaces DLRM
 """

@@ -53,6 +53,26 @@ def _complete_acct_columns(ctx: click.Context, param: click.Parameter, incomplet
     return [prefix + c.name for c in COLUMNS if c.name.lower().startswith(last.lower())]
 
 
+def _acct_sweep(sweep: str | None, sort_by: str | None, as_json: bool, as_csv: bool, noheader: bool,
+                all_users: bool, db: str | None, site_path: str | None) -> None:
+    """`acct --sweep NAME [--sort METRIC]` (issue 39; slurm_dlrm/store/sweep_report.py)."""
+    from slurm_dlrm.store.sweep_report import parse_sort, render_sweep, sweep_rows
+
+    if sweep is None:
+        raise BadInput("--sort: goes with --sweep NAME")
+    if not sweep.strip():
+        raise BadInput("--sweep: give the sweep's name (the spec's name)")
+    if all_users:
+        raise BadInput("--sweep: reads your own store; do not combine it with --all-users")
+    if as_json and as_csv:
+        raise BadInput("choose one of --json, --csv")
+    sort = parse_sort(sort_by or "auc")
+    with _open_store(db, site_path) as store:
+        rows, fields = sweep_rows(store, sweep.strip(), sort)
+    fmt = "json" if as_json else "csv" if as_csv else "table"
+    click.echo(render_sweep(rows, fields, fmt, header=not noheader), nl=fmt == "json")
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("-j", "--jobs", "jobs", metavar="ID[,ID...]", help="Only these jobs: N, N_M (task M of array N), N_[M-K].")
 @click.option("-u", "--user", "users", metavar="USER[,USER...]", help="Only these users' jobs.")
@@ -80,13 +100,17 @@ def _complete_acct_columns(ctx: click.Context, param: click.Parameter, incomplet
               help="Every user's store under the site's store folder, read-only, where readable; "
                    "the table ends with totals per user and per partition.")
 @click.option("--totals", is_flag=True, help="Only the totals per user and per partition (any output format).")
+@click.option("--sweep", metavar="NAME", help="The variants of a --set/--array sweep (jobs NAME-*): what varied, "
+              "held-out metrics, GPU-hours.")
+@click.option("--sort", "sort_by", metavar="METRIC", help="With --sweep: order by auc (default), best_auc, ne, "
+              "best_ne, log_loss, accuracy, calibration, gpu_hours, job_id; best first.")
 @click.option("--db", type=click.Path(dir_okay=False), help="Store file (default: your store from the site config).")
 @click.option("--site", "site_path", type=click.Path(dir_okay=False), help="Site config (default: $SLURM_DLRM_SITE, ...).")
 def acct(jobs: str | None, users: str | None, states: str | None, pack: str | None, names: str | None,
          brief: bool, since: str | None,
          until: str | None, allocations: bool, fmt: str | None, helpformat: bool, as_json: bool, as_csv: bool,
-         parsable: bool, raw: bool, noheader: bool, all_users: bool, totals: bool, db: str | None,
-         site_path: str | None) -> None:
+         parsable: bool, raw: bool, noheader: bool, all_users: bool, totals: bool, sweep: str | None,
+         sort_by: str | None, db: str | None, site_path: str | None) -> None:
     """Accounting of DLRM jobs, like sacct: estimates vs measurements and GPU-hours.
 
     GPU-hours charged split a shared GPU's allocated hours among its members by
@@ -103,8 +127,13 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
       slurm-dlrm acct --pack 7 -o JobID,State,MaxGPUMem,GPUHours --json
       slurm-dlrm acct -a -S 2026-11-01 -P              # admin: every user's store
       slurm-dlrm acct -a --totals -S 30d --json        # admin: totals per user and partition
+      slurm-dlrm acct --sweep my-dlrm --sort auc       # a sweep's variants, best AUC first
     """
     from slurm_dlrm.store import acct as A
+
+    if sweep is not None or sort_by is not None:
+        _acct_sweep(sweep, sort_by, as_json, as_csv, noheader, all_users, db, site_path)
+        return
 
     if helpformat:
         click.echo(A.columns_help())
@@ -199,14 +228,17 @@ def acct(jobs: str | None, users: str | None, states: str | None, pack: str | No
 @click.option("-a", "--all-users", is_flag=True,
               help="Admins: one page across every user's store (read-only, where readable): totals per "
                    "user and per partition, the stores not read, the jobs of all.")
+@click.option("--sweep", metavar="NAME", help="The sweep (jobs NAME-*) to compare in the sweep chart "
+              "(default: the latest one with held-out evaluations).")
 @click.option("--db", type=click.Path(dir_okay=False), help="Store file (default: your store from the site config).")
 @click.option("--site", "site_path", type=click.Path(dir_okay=False), help="Site config (default: $SLURM_DLRM_SITE, ...).")
 def report(since: str | None, until: str | None, output: str, max_gpus: int, max_packs: int,
-           as_json: bool, all_users: bool, db: str | None, site_path: str | None) -> None:
+           as_json: bool, all_users: bool, sweep: str | None, db: str | None, site_path: str | None) -> None:
     """Write a self-contained HTML report with plots (matplotlib) of a time window.
 
     Utilisation timelines per GPU, a Gantt chart of packs and their members,
-    estimated vs measured memory, and a summary table. The PNG files are embedded
+    estimated vs measured memory, training loss and held-out AUC per job, a sweep's
+    variants compared, and a summary table. The PNG files are embedded
     in the HTML (base64) and also written beside it.
 
     \b
@@ -241,9 +273,16 @@ def report(since: str | None, until: str | None, output: str, max_gpus: int, max
         else:
             click.echo(str(cw.html))
         return
+    spool_dir = None
+    if db is None:  # the jobs' metrics files, for the loss curves
+        from slurm_dlrm.site import load_site
+        from slurm_dlrm.store.store import current_user
+
+        spool_dir = load_site(site_path).spool_dir_for(current_user())
     with _open_store(db, site_path) as store:
         written = write_report(store, Path(output), since=t_since, until=t_until,
-                               max_gpus=max_gpus, max_packs=max_packs, now=now)
+                               max_gpus=max_gpus, max_packs=max_packs, now=now, spool_dir=spool_dir,
+                               sweep=sweep.strip() if sweep else None)
     if as_json:
         click.echo(json.dumps({"html": str(written.html), "png": [str(p) for p in written.pngs]}))
     else:

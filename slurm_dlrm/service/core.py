@@ -239,6 +239,7 @@ class PackingService:
         for pack in active:
             stats.ingested_lines += self.ingest(pack)
         native = active_native_jobs(self.store, self.settings.user)  # submit --no-pack jobs
+        self.ingest_evals()
         if not (active or native) or not self._slurm_available():
             return
         from slurm_dlrm.slurm import SlurmError
@@ -262,6 +263,17 @@ class PackingService:
         self.recovery.check_heartbeats(stats)
         self.recovery.check_warmup_and_stragglers()  # also run-time re-pack and warm-up re-plan
         self.refill.check_joiners(stats)  # rewrite lost join files, requeue joiners of closed nodes
+
+    def ingest_evals(self) -> int:
+        """Held-out evaluations from the metrics files of running and lately ended jobs
+        (an hour back: a job's last lines land after its end is observed)."""
+        from slurm_dlrm.store.evals import ingest_job_evals
+
+        try:
+            return ingest_job_evals(self.store, self.spool_dir, since=self.clock() - 3600.0)
+        except OSError as exc:  # a spool on a network filesystem that hiccups: next round
+            log.warning("cannot read evaluations from the spool: %s", exc)
+            return 0
 
     def ingest(self, pack: Any) -> int:
         """Agent reports of one pack into the store, exactly once."""

@@ -28,14 +28,16 @@ def log_paths(spool_dir: Path, job_id: int) -> list[Path]:
     return sorted(found, key=lambda p: (p.stat().st_mtime, p.name))
 
 
-def last_metrics(spool_dir: Path, job_id: int) -> dict[str, Any] | None:
-    """The last metrics line of the job (step, loss, samples_per_s, ...), if any."""
+def last_metrics(spool_dir: Path, job_id: int, kind: str = "train") -> dict[str, Any] | None:
+    """The last metrics line of the job of this kind: "train" (step, loss,
+    samples_per_s, ...), "eval" (a held-out evaluation: eval_auc, eval_ne, ...) or
+    "stop" (eval.stop_when ended the job: step, reason)."""
     for line in reversed(tail_lines(job_dir(spool_dir, job_id) / "metrics.jsonl", 50, 8192)):
         try:
             rec = json.loads(line)
         except ValueError:
             continue
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and (rec.get("type") or "train") == kind:
             return rec
     return None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,14 +16,14 @@ from slurm_dlrm.site import MIB
 log = logging.getLogger(__name__)
 
 QUEUE_COLUMNS = ("job_id", "name", "state", "pack", "slurm_job_id", "node", "gpu", "mps_pct",
-                 "gpu_mem_mib", "attempt", "reason")
+                 "gpu_mem_mib", "attempt", "auc", "reason")
 HEADERS = {"job_id": "JOBID", "name": "NAME", "state": "STATE", "pack": "PACK", "slurm_job_id": "SLURMID",
            "node": "NODE", "gpu": "GPU", "mps_pct": "MPS%", "gpu_mem_mib": "GPU_MiB", "attempt": "TRY",
-           "reason": "REASON", "start_time": "START_TIME", "partition": "PARTITION", "time": "TIME",
+           "auc": "AUC", "reason": "REASON", "start_time": "START_TIME", "partition": "PARTITION", "time": "TIME",
            "time_limit": "TIME_LIMIT", "user": "USER"}
 # `queue -l`, as squeue -l adds PARTITION, TIME and TIME_LIMIT
 LONG_COLUMNS = ("job_id", "partition", "name", "state", "time", "time_limit", "pack", "slurm_job_id", "node",
-                "gpu", "mps_pct", "gpu_mem_mib", "attempt", "reason")
+                "gpu", "mps_pct", "gpu_mem_mib", "attempt", "auc", "reason")
 # `queue --start`, as squeue --start: waiting jobs and when each is expected to start
 START_COLUMNS = ("job_id", "name", "state", "start_time", "reason")
 
@@ -88,13 +89,14 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
                 placements[(pl.pack_id, pl.job_id)] = pl
                 if (pl.world_size or 1) > 1:
                     rank_rows.setdefault((pl.pack_id, pl.job_id), []).append(pl)
+        evals = _last_aucs(store, [j.id for j in jobs])
     rows = []
     node_gpus: dict[tuple[str, int], list[str] | None] = {}
     for j in jobs:
         pack = packs.get(j.pack_id) if j.pack_id is not None and j.state != JobState.PENDING else None
         pl = placements.get((j.pack_id, j.id)) if pack is not None else None
         if j.no_pack:
-            rows.append({**slurm_fields(j, now_s), **native_row(j, slurm_reasons)})
+            rows.append({**slurm_fields(j, now_s), **native_row(j, slurm_reasons), "auc": evals.get(j.id)})
             continue
         if j.state == JobState.PENDING and PENDING_TRACE in (j.estimate or {}):
             reason = ESTIMATING_REASON + f": the service traces {j.spec.get('custom_module')}"
@@ -126,7 +128,7 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
             "gpu": node_gpu(pack.pack_dir, pl.node_index, pl.gpu_index, node_gpus) if pl and pack else None,
             "mps_pct": pl.mps_thread_pct if pl else None,
             "gpu_mem_mib": (pl.gpu_mem_limit_bytes // MIB) if pl and pl.gpu_mem_limit_bytes else None,
-            "attempt": j.attempt, "reason": reason,
+            "attempt": j.attempt, "auc": evals.get(j.id), "reason": reason,
             # a multi-GPU job: every rank's GPU and fence (rank 0's in the columns above)
             **({"ranks": [{"rank": r.rank or 0, "node": r.node or f"#{r.node_index}",
                            "gpu": node_gpu(pack.pack_dir, r.node_index, r.gpu_index, node_gpus),
@@ -153,6 +155,17 @@ def slurm_fields(j: Any, now_s: float) -> dict[str, Any]:
     return {"slurm_id": f"{j.array_job_id}_{j.array_task_id}" if j.array_job_id is not None else str(j.id),
             "partition": str(opts["partition"]).split(",")[0] if opts.get("partition") else None,
             "time_s": max(0.0, time_s or 0.0), "time_limit_min": opts.get("time_minutes")}
+
+
+def _last_aucs(store: Any, job_ids: list[int]) -> dict[int, float]:
+    """The last held-out AUC of each job (issue 39), rounded for the table."""
+    from slurm_dlrm.store.evals import eval_summaries
+
+    try:
+        found = eval_summaries(store, job_ids)
+    except sqlite3.OperationalError:  # a snapshot of a store from before the evals table
+        return {}
+    return {j: round(e.last_auc, 4) for j, e in found.items() if e.last_auc is not None}
 
 
 def native_row(j: Any, slurm_reasons: dict[str, str] | None) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class AcctFilter:
 class Column:
     name: str
     key: str
-    kind: str  # str | int | bytes | pct | dur | time | hours | rate
+    kind: str  # str | int | bytes | pct | dur | time | hours | rate | metric
     help: str
 
 
@@ -97,12 +97,24 @@ COLUMNS: tuple[Column, ...] = (
     Column("ExitCode", "exit_code", "exit", "member exit code as code:signal, like sacct (143 is 0:15)"),
     Column("Reason", "exit_reason", "str", "reason of the terminal state"),
     Column("Fingerprint", "spec_fingerprint", "str", "spec fingerprint"),
+    # held-out evaluation (issue 39; docs/runner.md "Evaluation")
+    Column("AUC", "final_auc", "metric", "held-out AUC at the last evaluation"),
+    Column("NE", "final_ne", "metric", "normalized entropy at the last evaluation (< 1 beats the base rate)"),
+    Column("LogLoss", "final_log_loss", "metric", "held-out log-loss (nats) at the last evaluation"),
+    Column("Calibration", "final_calibration", "metric", "sum of predictions / sum of labels, last evaluation"),
+    Column("Accuracy", "final_accuracy", "metric", "held-out accuracy at the last evaluation"),
+    Column("EvalStep", "final_eval_step", "int", "step of the last evaluation"),
+    Column("BestAUC", "best_auc", "metric", "highest held-out AUC of any evaluation"),
+    Column("BestAUCStep", "best_auc_step", "int", "step it came at"),
+    Column("BestNE", "best_ne", "metric", "lowest NE of any evaluation"),
+    Column("BestNEStep", "best_ne_step", "int", "step it came at"),
+    Column("PlantedAUC", "planted_auc", "metric", "synthetic data: the planted model's AUC (the best reachable)"),
     Column("Profile", "est_profile_label", "str", "compute-bound | memory-bound | host-bound"),
 )
 COLUMNS_BY_NAME = {c.name.lower(): c for c in COLUMNS}
 DEFAULT_FORMAT = (
     "JobID,Name,State,Pack,GPUs,Wait,Elapsed,EstGPUMem,MaxGPUMem,EstHostMem,MaxRSS,"
-    "MeanSM,MaxSM,SamplesPerSec,GPUHours,GPUHoursSaved"
+    "MeanSM,MaxSM,SamplesPerSec,GPUHours,GPUHoursSaved,AUC"
 )
 
 
@@ -274,6 +286,7 @@ _SQL_HUMAN: dict[str, Callable[[str], str]] = {
     "pct": lambda x: f"printf('%.1f', {x})",
     "rate": lambda x: f"printf('%.0f', {x})",
     "hours": lambda x: f"printf('%.3f', {x})",
+    "metric": lambda x: f"printf('%.4f', {x})",
     # [D-]HH:MM:SS like sacct; never negative (clock skew between hosts)
     "dur": lambda x: _sql_dur(f"max(0, CAST({x} + 0.5 AS INTEGER))"),
     "time": lambda x: f"strftime('%Y-%m-%dT%H:%M:%S', {x}, 'unixepoch', 'localtime')",
@@ -487,6 +500,8 @@ def raw_value(col: Column, v: Any) -> Any:
         return round(float(v), 1)
     if col.kind == "hours":
         return round(float(v), 4)
+    if col.kind == "metric":
+        return round(float(v), 6)
     return v
 
 

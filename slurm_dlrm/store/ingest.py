@@ -80,15 +80,15 @@ def ingest_spool_file(
             return result
         # Read the file before taking the write lock (the spool may sit on NFS); the
         # offset is checked again under the lock and the read redone if it moved.
-        planned, _ = _stored_offset(store, key, st)
+        planned, _ = stored_offset(store, key, st)
         result.offset_bytes = planned
         if st.st_size <= planned:
             return result
-        data, end = _read_complete(key, planned, chunk_bytes)
+        data, end = read_complete(key, planned, chunk_bytes)
         if end == 0:
             return result  # only a partial line so far
         with store.write():
-            offset, old = _stored_offset(store, key, st)
+            offset, old = stored_offset(store, key, st)
             if offset != planned:
                 continue  # another ingester moved it meanwhile
             if old is not None:
@@ -111,7 +111,7 @@ def ingest_spool_file(
     return result
 
 
-def _stored_offset(store: Store, key: str, st: os.stat_result) -> tuple[int, int | None]:
+def stored_offset(store: Store, key: str, st: os.stat_result) -> tuple[int, int | None]:
     """Where to read from, and the old offset if the file was replaced or truncated."""
     row = store.conn.execute("SELECT inode, offset_bytes FROM ingest_offsets WHERE path = ?", (key,)).fetchone()
     if row is None:
@@ -122,7 +122,7 @@ def _stored_offset(store: Store, key: str, st: os.stat_result) -> tuple[int, int
     return int(offset), None
 
 
-def _read_complete(path: str, offset: int, chunk_bytes: int) -> tuple[bytes, int]:
+def read_complete(path: str, offset: int, chunk_bytes: int) -> tuple[bytes, int]:
     """Bytes from `offset` and the length up to and including the last newline.
 
     A line longer than the chunk grows the read; one longer than MAX_LINE_BYTES is

@@ -83,10 +83,23 @@ class StoreCursor:
 
 
 @dataclass
+class EvalRow:
+    """The last held-out evaluation of one running job (issue 39)."""
+
+    user: str
+    partition: str
+    gpu_model: str
+    job_id: int
+    step: int
+    values: dict[str, float]  # auc, ne, log_loss, calibration, accuracy (those recorded)
+
+
+@dataclass
 class StoreMetrics:
     jobs: dict[tuple[str, str, str, str], int]  # (user, partition, gpu_model, state) -> n
     packs: dict[tuple[str, str, str, str], int]
     gpus: list[GpuRow]
+    evals: list[EvalRow] = field(default_factory=list)
 
 
 def _key(row: dict[str, Any], default_user: str, default_partition: str, forced_user: str | None = None) -> Key:
@@ -117,7 +130,17 @@ def read_store(store: Store, cursor: StoreCursor, *, user: str, default_partitio
         _count_by_state(store, "metric_packs", _PACK_ACTIVE, packs, user, default_partition)
         gpus = _gpus(store, user, default_partition, now - sample_window_s)
         _count_events(store, cursor, user, default_partition)
-    return StoreMetrics(jobs, packs, gpus)
+        evals = _evals(store, user, default_partition)
+    return StoreMetrics(jobs, packs, gpus, evals)
+
+
+def _evals(store: Store, user: str, default_partition: str) -> list[EvalRow]:
+    out = []
+    for r in store.query("metric_job_evals"):
+        k = _key(r, user, default_partition, store.owner_user)
+        values = {m: float(r[m]) for m in ("auc", "ne", "log_loss", "calibration", "accuracy") if r[m] is not None}
+        out.append(EvalRow(k[0], k[1], k[2], int(r["job_id"]), int(r["step"]), values))
+    return out
 
 
 def _count_by_state(store: Store, query: str, states: str, into: dict[tuple[str, str, str, str], int],

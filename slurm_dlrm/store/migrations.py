@@ -275,6 +275,28 @@ def _v8_widen_job_states(conn: sqlite3.Connection) -> None:
         conn.execute("PRAGMA writable_schema = OFF")
 
 
+_V9 = (
+    # issue 39: the runner's held-out evaluations (`"type": "eval"` lines of a job's
+    # metrics file), one row per job and step; a step evaluated again after a resume
+    # gives the same numbers and replaces its row.
+    """
+    CREATE TABLE evals (
+        job_id INTEGER NOT NULL REFERENCES jobs(id),
+        step INTEGER NOT NULL,
+        t REAL NOT NULL,
+        auc REAL,
+        ne REAL,
+        log_loss REAL,
+        calibration REAL,
+        accuracy REAL,
+        samples INTEGER,
+        planted_auc REAL,                   -- synthetic data: the planted model's AUC (the best)
+        PRIMARY KEY (job_id, step)
+    )
+    """,
+)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -294,6 +316,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(7, "jobs.nice, jobs.begin_time (submit --nice, --begin)", _V7),
     Migration(8, "jobs.state may be TIMEOUT; jobs.array_job_id, array_task_id (arrays as Slurm numbers them)",
               _V8, _v8_widen_job_states),
+    Migration(9, "evals (held-out evaluation per job and step)", tuple(s.strip() for s in _V9)),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -81,6 +81,16 @@ span AS (
 ),
 -- measured solo throughput per spec fingerprint and GPU model: jobs that never shared a
 -- GPU. Only such a figure (same structure, same device) makes a measured slowdown.
+-- held-out evaluations (issue 39): the last one and the best AUC / NE with their steps
+-- (SQLite's bare columns take the row of the max/min)
+ev_final AS (
+    SELECT job_id, max(step) AS final_eval_step, auc AS final_auc, ne AS final_ne, log_loss AS final_log_loss,
+           calibration AS final_calibration, accuracy AS final_accuracy, count(*) AS n_evals
+    FROM evals GROUP BY job_id
+),
+ev_auc AS (SELECT job_id, max(auc) AS best_auc, step AS best_auc_step FROM evals WHERE auc IS NOT NULL GROUP BY job_id),
+ev_ne AS (SELECT job_id, min(ne) AS best_ne, step AS best_ne_step FROM evals WHERE ne IS NOT NULL GROUP BY job_id),
+ev_planted AS (SELECT job_id, max(planted_auc) AS planted_auc FROM evals GROUP BY job_id),
 solo AS (
     SELECT j.spec_fingerprint, k.gpu_model, sum(u.sps_sum) / sum(u.sps_n) AS solo_sps
     FROM jobs j JOIN charge c ON c.job_id = j.id JOIN job_usage u ON u.job_id = j.id
@@ -133,7 +143,10 @@ SELECT j.id AS job_id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j
        coalesce(c.excl_pred_s, nat.run_s * CAST(max(1.0, coalesce(j.gpu_share, 1.0)) AS INTEGER)) AS excl_pred_s,
        c.has_pred, coalesce(c.max_members, CASE WHEN nat.run_s IS NOT NULL THEN 1 END) AS max_members,
        coalesce(sp.run_s, nat.run_s) AS span_s,
-       so.solo_sps
+       so.solo_sps,
+       evf.final_eval_step, evf.final_auc, evf.final_ne, evf.final_log_loss, evf.final_calibration,
+       evf.final_accuracy, coalesce(evf.n_evals, 0) AS n_evals, eva.best_auc, eva.best_auc_step,
+       evn.best_ne, evn.best_ne_step, evp.planted_auc
 FROM jobs j
 LEFT JOIN packs k ON k.id = j.pack_id
 LEFT JOIN job_usage u ON u.job_id = j.id
@@ -145,6 +158,10 @@ LEFT JOIN span sp ON sp.job_id = j.id
 LEFT JOIN (SELECT id, max(0.0, coalesce(end_time, :now) - start_time) AS run_s FROM jobs
            WHERE mode = 'no-pack' AND start_time IS NOT NULL) nat ON nat.id = j.id
 LEFT JOIN solo so ON so.spec_fingerprint = j.spec_fingerprint AND so.gpu_model IS k.gpu_model
+LEFT JOIN ev_final evf ON evf.job_id = j.id
+LEFT JOIN ev_auc eva ON eva.job_id = j.id
+LEFT JOIN ev_ne evn ON evn.job_id = j.id
+LEFT JOIN ev_planted evp ON evp.job_id = j.id
 WHERE (:job_ids IS NULL OR j.id IN (SELECT value FROM json_each(:job_ids)))
   AND (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states)))
   AND (:users IS NULL OR j.user IN (SELECT value FROM json_each(:users)))
@@ -323,6 +340,18 @@ FROM jobs j LEFT JOIN packs k ON k.id = j.pack_id LEFT JOIN job_usage u ON u.job
 WHERE j.start_time IS NOT NULL OR j.state IN ({TERMINAL})
 """.replace("{TERMINAL}", ", ".join(f"'{s.value}'" for s in sorted(JOB_TERMINAL)))
 
+# The last held-out evaluation of each RUNNING job (issue 39): the jobs_state index,
+# then the evals primary key (job_id, step) for the newest step.
+METRIC_JOB_EVALS = """
+SELECT j.id AS job_id, j.user, coalesce(k.partition, (SELECT json_extract(s.sbatch_json, '$.partition')
+                                                     FROM job_specs s WHERE s.job_id = j.id)) AS partition,
+       coalesce(k.gpu_model, j.gpu_model) AS gpu_model, e.step, e.auc, e.ne, e.log_loss, e.calibration,
+       e.accuracy
+FROM jobs j LEFT JOIN packs k ON k.id = j.pack_id
+JOIN evals e ON e.job_id = j.id AND e.step = (SELECT max(step) FROM evals WHERE job_id = j.id)
+WHERE j.state = 'RUNNING'
+"""
+
 QUERIES: dict[str, str] = {
     "job_by_id": (
         "SELECT j.*, s.spec_json, s.estimate_json, s.sbatch_json FROM jobs j JOIN job_specs s ON s.job_id = j.id "
@@ -377,4 +406,5 @@ QUERIES: dict[str, str] = {
     "metric_events": METRIC_EVENTS,
     "metric_gpu_seconds": METRIC_GPU_SECONDS,
     "metric_job_figures": METRIC_JOB_FIGURES,
+    "metric_job_evals": METRIC_JOB_EVALS,
 }

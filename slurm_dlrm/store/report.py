@@ -80,7 +80,8 @@ def _fmt_time(t: float) -> str:
 
 
 def write_report(store: Store, html_path: Path, *, since: float, until: float, max_gpus: int = 16,
-                 max_packs: int = 40, max_job_rows: int = 500, now: float | None = None) -> Written:
+                 max_packs: int = 40, max_job_rows: int = 500, now: float | None = None,
+                 spool_dir: Path | None = None, sweep: str | None = None) -> Written:
     import matplotlib
 
     matplotlib.use("Agg")  # no display on login or compute nodes
@@ -114,6 +115,10 @@ def write_report(store: Store, html_path: Path, *, since: float, until: float, m
     save(fig, "gantt", "Packs and their members", note)
     fig, note = _memory(plt, rows)
     save(fig, "memory", "Estimated vs measured peak memory", note)
+    fig, note = _curves(plt, store, rows, spool_dir)
+    save(fig, "curves", "Training loss and held-out AUC per job", note)
+    fig, note = _sweep_chart(plt, store, rows, sweep)
+    save(fig, "sweep", "Sweep: the variants compared", note)
 
     cols = parse_format(DEFAULT_FORMAT)
     cells = acct_table_cells(store, AcctFilter(since=since, until=until), cols, now)
@@ -343,6 +348,119 @@ def _memory(plt: Any, rows: list[dict[str, Any]]) -> tuple[Any, str]:
                  + (f" Host memory of the {on_cpu} job(s) that trained on the CPU (no CUDA, e.g. fake GPUs) "
                     "against the estimate for a CPU run; the others against the estimate for their GPU node."
                     if on_cpu else ""))
+
+
+MAX_CURVE_JOBS = 12
+
+
+def _loss_curve(spool_dir: Path, job_id: int) -> list[tuple[int, float]]:
+    """(step, loss_avg) of a job's training lines, from its metrics file in the spool."""
+    import json
+
+    path = spool_dir / "jobs" / str(job_id) / "metrics.jsonl"
+    out: dict[int, float] = {}
+    try:
+        with path.open("rb") as f:
+            for line in f:
+                try:
+                    r = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(r, dict) and r.get("type") is None and isinstance(r.get("step"), int):
+                    loss = r.get("loss_avg", r.get("loss"))
+                    if isinstance(loss, int | float):
+                        out[r["step"]] = float(loss)  # a resumed run's repeat of a step: the same figure
+    except OSError:
+        return []
+    return sorted(out.items())
+
+
+def _curves(plt: Any, store: Store, rows: list[dict[str, Any]], spool_dir: Path | None) -> tuple[Any, str]:
+    from slurm_dlrm.store.evals import eval_curve
+
+    with store.read():
+        evals = {int(r["job_id"]): eval_curve(store, int(r["job_id"])) for r in rows}
+    losses = {j: _loss_curve(spool_dir, j) for j in evals} if spool_dir is not None else {}
+    jobs = [j for j in sorted(evals) if evals[j] or losses.get(j)][-MAX_CURVE_JOBS:]
+    if not jobs:
+        return None, "no job in this window has held-out evaluations or training metrics."
+    names = {int(r["job_id"]): str(r["name"]) for r in rows}
+    fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for j in jobs:
+        label = f"{j} {names.get(j, '')}"[:40]
+        if losses.get(j):
+            ax_loss.plot([s for s, _ in losses[j]], [v for _, v in losses[j]], linewidth=1, label=label)
+        pts = [(e["step"], e["auc"]) for e in evals[j] if e["auc"] is not None]
+        if pts:
+            line = ax_auc.plot([s for s, _ in pts], [v for _, v in pts], marker="o", markersize=3, linewidth=1,
+                               label=label)
+            planted = next((e["planted_auc"] for e in evals[j] if e["planted_auc"] is not None), None)
+            if planted is not None:
+                ax_auc.axhline(planted, color=line[0].get_color(), linewidth=0.7, linestyle=":")
+    for ax, title, ylabel in ((ax_loss, "training loss (window mean)", "BCE loss"),
+                              (ax_auc, "held-out AUC (dotted: planted model, the best reachable)", "AUC")):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no data" + (" (loss curves read the spool: not with --db)" if ax is ax_loss
+                                            and spool_dir is None else ""),
+                    ha="center", va="center", transform=ax.transAxes, fontsize=9)
+    return fig, f"{len(jobs)} jobs (the latest {MAX_CURVE_JOBS} at most)."
+
+
+def _sweep_groups(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Jobs named BASE-<label> (a --set/--array sweep, service/sweep.py) grouped by BASE."""
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        name = str(r["name"])
+        if "-" in name:
+            groups[name.rsplit("-", 1)[0]].append(r)
+    return {k: v for k, v in groups.items() if len(v) >= 2}
+
+
+def _sweep_chart(plt: Any, store: Store, rows: list[dict[str, Any]], sweep: str | None) -> tuple[Any, str]:
+    from slurm_dlrm.store.sweep_report import sweep_rows
+
+    if sweep is None:
+        groups = {k: v for k, v in _sweep_groups(rows).items() if any(r["final_auc"] is not None for r in v)}
+        if not groups:
+            return None, "no sweep (2 or more jobs named NAME-<variant>) with held-out evaluations in this window."
+        sweep = max(groups, key=lambda k: max(float(r["submit_time"]) for r in groups[k]))  # the latest
+    from slurm_dlrm.errors import BadInput
+
+    try:
+        variants, fields = sweep_rows(store, sweep, "auc")
+    except BadInput as exc:
+        return None, str(exc)
+    variants = [v for v in variants if v["final_auc"] is not None][:30]
+    if not variants:
+        return None, f"sweep {sweep}: no variant has a held-out evaluation yet."
+    labels = [", ".join(f"{k.split('.')[-1]}={v['varied'][k]}" for k in fields) or str(v["name"])
+              for v in variants]
+    fig, (ax_auc, ax_gpu) = plt.subplots(1, 2, figsize=(12, 0.45 * len(variants) + 2.2))
+    ys = list(range(len(variants)))[::-1]
+    ax_auc.barh(ys, [v["final_auc"] for v in variants], color="#1565c0", label="final AUC")
+    ax_auc.scatter([v["best_auc"] for v in variants], ys, color="black", marker="|", s=120, label="best AUC")
+    planted = next((v["planted_auc"] for v in variants if v["planted_auc"] is not None), None)
+    if planted is not None:
+        ax_auc.axvline(planted, color="#2e7d32", linestyle="--", linewidth=1, label="planted model")
+    lo = min(min(v["final_auc"] for v in variants), planted or 1.0)
+    ax_auc.set_xlim(max(0.0, lo - 0.05), 1.0 if planted is None else min(1.0, planted + 0.02))
+    ax_auc.set_yticks(ys, labels, fontsize=8)
+    ax_auc.set_xlabel("held-out AUC")
+    ax_auc.set_title(f"sweep {sweep}: best first", fontsize=10)
+    ax_auc.legend(fontsize=7)
+    ax_auc.grid(alpha=0.3, axis="x")
+    ax_gpu.barh(ys, [v["gpu_hours"] or 0.0 for v in variants], color="#9e9e9e")
+    ax_gpu.set_yticks(ys, [str(v["job_id"]) for v in variants], fontsize=8)
+    ax_gpu.set_xlabel("GPU-hours charged")
+    ax_gpu.grid(alpha=0.3, axis="x")
+    varied = ", ".join(fields) or "nothing but the name"
+    return fig, f"{len(variants)} variants of {sweep}; varied: {varied} (slurm-dlrm acct --sweep {sweep})."
 
 
 __all__ = ["Written", "write_report"]

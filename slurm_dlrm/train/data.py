@@ -75,39 +75,107 @@ def zipf_ids(rng: np.random.Generator, rows: int, alpha: float, n: int) -> np.nd
     return (ids * _SCATTER_PRIME) % rows
 
 
-def _labels_from(dense: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    # Labels that depend on the first dense feature, so the loss visibly falls.
-    logit = 2.0 * dense[:, 0] if dense.shape[1] else np.zeros(len(dense))
-    return (rng.random(len(dense)) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
+# The planted model of synthetic labels (docs/runner.md "Synthetic data"): a logit that is
+# a linear function of the dense features plus, per table, the mean of per-id weights on
+# the table's hottest ids, so a model that learns the tables beats one that reads only
+# the dense features. The scales put the planted AUC near 0.8.
+PLANTED_DENSE_STD = 1.0  # std of the dense part of the logit
+PLANTED_TABLE_STD = 1.5  # std of one hot id's weight, times 1/sqrt(tables)
+PLANTED_HOT_IDS = 128  # ids per table (by popularity rank) that carry a weight
+_PLANTED_TAG = 0x91A7ED
+_TRAIN_LABEL_TAG = 0x1ABE1
+_EVAL_TAG = 0xE7A1  # the eval stream's pools and labels
+
+
+def _mix64(*parts: int) -> int:
+    """A 63-bit seed from integers (splitmix64 steps): distinct tuples, unrelated seeds."""
+    h = 0x9E3779B97F4A7C15
+    for part in parts:
+        h = (h ^ (int(part) & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 29
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+class PlantedModel:
+    """The hidden model behind synthetic labels: P(click) = sigmoid(logit(dense, ids)).
+
+    A function of the spec's seed, tables and dense width only (every rank, the
+    training and the eval stream share it), so its AUC on the eval stream is the best
+    any model can reach there."""
+
+    def __init__(self, spec: Any) -> None:
+        rng = np.random.default_rng([int(spec.seed), _PLANTED_TAG])
+        k = int(spec.dense_features)
+        v = rng.standard_normal(k)
+        self.dense_w = (PLANTED_DENSE_STD * v / max(float(np.linalg.norm(v)), 1e-12)).astype(np.float64)
+        n_tables = max(1, len(spec.tables))
+        # Per table: the hot ids (scattered as zipf_ids scatters ranks), sorted, and their weights.
+        self.hot: list[tuple[np.ndarray, np.ndarray]] = []
+        for t in spec.tables:
+            rows = int(t.rows)
+            ranks = np.arange(min(rows, PLANTED_HOT_IDS), dtype=np.int64)
+            ids = (ranks * _SCATTER_PRIME) % rows
+            w = rng.standard_normal(len(ids)) * PLANTED_TABLE_STD / math.sqrt(n_tables)
+            order = np.argsort(ids)
+            self.hot.append((ids[order], w[order]))
+
+    def id_weights(self, table: int, ids: np.ndarray) -> np.ndarray:
+        """The planted weight of each id (0 for ids outside the table's hot set)."""
+        hot_ids, hot_w = self.hot[table]
+        pos = np.minimum(np.searchsorted(hot_ids, ids), len(hot_ids) - 1)
+        return np.where(hot_ids[pos] == ids, hot_w[pos], 0.0)
+
+    def probabilities(self, dense: np.ndarray, tables: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """P(click) per sample; `tables` holds each table's (lengths per sample, ids)."""
+        logit = dense.astype(np.float64) @ self.dense_w
+        for i, (lengths, ids) in enumerate(tables):
+            w = self.id_weights(i, ids)
+            ends = np.cumsum(lengths, dtype=np.int64)
+            sums = np.concatenate([[0.0], np.cumsum(w)])
+            n = np.maximum(lengths, 1)
+            logit += (sums[ends] - sums[ends - lengths]) / n  # mean weight of the sample's ids
+        return (1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
 
 
 class SyntheticBatches:
-    """Random batches shaped like the spec: pooling factors or fixed multi-hot sizes, and
-    power-law ids (`data.zipf_alpha`).
+    """Random batches shaped like the spec: pooling factors or fixed multi-hot sizes,
+    power-law ids (`data.zipf_alpha`), and labels drawn from a planted model
+    (`PlantedModel`) over the dense features and the table ids.
 
-    Pools of ids, lengths and dense rows are drawn once from (seed, rank); batch k takes
-    random windows of them with a generator seeded by (seed, rank, k), so one batch
-    costs a few slices and one concatenation. Up to 32 batches are made at
-    start (at most 64 MiB, fewer when batches are big) and step s trains on batch s mod
-    their number; when fewer than 2 fit, batches are made per step."""
+    Pools of ids, lengths and dense rows are drawn once from (seed, rank, stream);
+    batch k takes random windows of them with a generator seeded by (seed, rank, k), so
+    one batch's features cost a few slices and one concatenation. Up to 32 batches of
+    features (and their planted click probabilities) are made at start (at most 64 MiB,
+    fewer when batches are big) and step s trains on features s mod their number; when
+    fewer than 2 fit, features are made per step. Labels are drawn at every step from
+    (seed, rank, step): the features repeat, the labels do not, so a model cannot
+    memorise the stream and the best it can do is the planted model.
+
+    `stream="eval"` is the held-out stream: its own pools and label draws, the same
+    planted model."""
 
     sequential = False
     steps_per_epoch: int | None = None
     inline = True
 
     def __init__(self, spec: Any, rank: int = 0, pool_batches: int = _POOL_BATCHES,
-                 ring_batches: int = _RING_BATCHES, pin_memory: bool = False) -> None:
+                 ring_batches: int = _RING_BATCHES, pin_memory: bool = False, stream: str = "train") -> None:
+        if stream not in ("train", "eval"):
+            raise ValueError(f"unknown stream {stream!r}")
         self.batch_size = int(spec.batch_size)
         self.seed = int(spec.seed)
         self.rank = rank
         self.keys = feature_names(spec)
+        self.planted = PlantedModel(spec)
         alpha = spec.data.zipf_alpha
         alpha = 1.05 if alpha is None else float(alpha)
-        rng = np.random.default_rng([self.seed, rank, 0x5EED])
+        self._tag = [_EVAL_TAG] if stream == "eval" else []
+        self._label_tag = _EVAL_TAG + 1 if stream == "eval" else _TRAIN_LABEL_TAG
+        rng = np.random.default_rng([self.seed, rank, 0x5EED, *self._tag])
         b = self.batch_size
         pool_rows = b * pool_batches
         self._dense = rng.standard_normal((pool_rows, int(spec.dense_features)), dtype=np.float32)
-        self._labels = _labels_from(self._dense, rng)
         # Per table: (fixed ids per sample or None, lengths pool or None, ids pool).
         self._tables: list[tuple[int | None, np.ndarray | None, np.ndarray]] = []
         for t in spec.tables:
@@ -123,6 +191,8 @@ class SyntheticBatches:
             n_ids = per_batch + min(per_batch * (pool_batches - 1), _POOL_EXTRA_IDS)
             ids = zipf_ids(rng, int(t.rows), alpha, n_ids)
             self._tables.append((fixed, lengths, ids))
+        # Uniforms the labels are drawn with (pool_rows of them, as many as dense rows).
+        self._label_u = np.random.default_rng([self.seed, rank, self._label_tag]).random(pool_rows, dtype=np.float32)
         self._alpha = alpha
         self._rows = [int(t.rows) for t in spec.tables]
         self._fixed_lengths = {
@@ -131,30 +201,55 @@ class SyntheticBatches:
         ids_per_batch = sum(b * t.ids_per_sample for t in spec.tables)
         batch_bytes = int(ids_per_batch * 8 + b * (int(spec.dense_features) + 1) * 4 + b * len(spec.tables) * 4)
         n_ring = min(ring_batches, _RING_MAX_BYTES // max(batch_bytes, 1))
-        self.ring: list[Batch] = []
+        # Features and planted click probabilities of the batches made up front.
+        self.ring: list[tuple[Batch, torch.Tensor]] = []
         if n_ring >= 2:
-            self.ring = [self.make(k) for k in range(n_ring)]
+            self.ring = [self.features(k) for k in range(n_ring)]
             if pin_memory:
-                self.ring = [batch.pin_memory() for batch in self.ring]
+                self.ring = [(batch.pin_memory(), p) for batch, p in self.ring]
+
+    @property
+    def repeat_every_steps(self) -> int | None:
+        """After how many steps the features come round again (None: never)."""
+        return len(self.ring) or None
 
     def batch(self, step: int) -> Batch:
         if self.ring:
-            return self.ring[step % len(self.ring)]
-        return self.make(step)
+            features, probs = self.ring[step % len(self.ring)]
+        else:
+            features, probs = self.features(step)
+        return Batch(dense_features=features.dense_features, sparse_features=features.sparse_features,
+                     labels=self.labels(step, probs))
+
+    def labels(self, step: int, probs: torch.Tensor) -> torch.Tensor:
+        """Step `step`'s labels: Bernoulli draws of the planted probabilities, u < p with
+        u a window of a pool of uniforms at an offset hashed from (seed, rank, step):
+        about 8 us for 512 labels (a reseeded torch generator took 30, numpy's seeded
+        default_rng 90)."""
+        n = len(probs)
+        o = _mix64(self.seed, self.rank, step, self._label_tag) % (len(self._label_u) - n + 1)
+        return torch.from_numpy(self._label_u[o : o + n] < probs.numpy()).float()
 
     def make(self, step: int) -> Batch:
-        """Batch number `step`, made now."""
+        """Batch number `step` (features and labels), made now."""
+        features, probs = self.features(step)
+        return Batch(dense_features=features.dense_features, sparse_features=features.sparse_features,
+                     labels=self.labels(step, probs))
+
+    def features(self, step: int) -> tuple[Batch, torch.Tensor]:
+        """The features of batch number `step` (labels all 0) and their planted P(click)."""
         b = self.batch_size
-        rng = np.random.default_rng([self.seed, self.rank, step])
+        rng = np.random.default_rng([self.seed, self.rank, step, *self._tag])
         offsets = rng.random(2 * len(self._tables) + 1)
         o = int(offsets[0] * (len(self._dense) - b + 1))
-        dense = torch.from_numpy(self._dense[o : o + b])
-        labels = torch.from_numpy(self._labels[o : o + b])
+        dense_np = self._dense[o : o + b]
         values: list[np.ndarray] = []
         lengths: list[torch.Tensor] = []
+        per_table: list[tuple[np.ndarray, np.ndarray]] = []
         for i, (fixed, lengths_pool, ids) in enumerate(self._tables):
             if fixed is not None:
                 lengths.append(self._fixed_lengths[fixed])
+                window = np.full(b, fixed, dtype=np.int64)
                 need = b * fixed
             else:
                 assert lengths_pool is not None
@@ -167,12 +262,47 @@ class SyntheticBatches:
                 values.append(ids[io : io + need])
             else:  # a rare long window: draw fresh ids rather than grow the pool
                 values.append(zipf_ids(rng, self._rows[i], self._alpha, need))
+            per_table.append((window, values[-1]))
         kjt = KeyedJaggedTensor(
             keys=self.keys,
             values=torch.from_numpy(np.concatenate(values)),
             lengths=torch.cat(lengths),
         )
-        return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+        probs = torch.from_numpy(self.planted.probabilities(dense_np, per_table))
+        batch = Batch(dense_features=torch.from_numpy(dense_np), sparse_features=kjt,
+                      labels=torch.zeros(b, dtype=torch.float32))
+        return batch, probs
+
+
+DEFAULT_HOLDOUT_FRACTION = 0.05
+
+
+def holdout_split(spec: Any, file_samples: list[int]) -> tuple[int, int]:
+    """The first held-out sample of a data set of files with these sample counts, and
+    the total: samples [0, first) train, [first, total) are the eval set.
+
+    `eval.holdout`: "last-file" (the last file or day, as MLPerf's DLRM holds out the
+    last day), a fraction (the last samples), or "auto" (the last file when there are
+    several, else the last 5%). No eval: nothing is held out."""
+    total = int(sum(file_samples))
+    ev = getattr(spec, "eval", None)
+    if ev is None or not ev.enabled:
+        return total, total
+    holdout = ev.holdout
+    if holdout == "auto":
+        holdout = "last-file" if len(file_samples) > 1 else DEFAULT_HOLDOUT_FRACTION
+    if holdout == "last-file":
+        if len(file_samples) < 2:
+            raise SpecError("eval.holdout", "last-file needs a data folder of several files; give a fraction")
+        return total - int(file_samples[-1]), total
+    return total - max(1, int(total * float(holdout))), total
+
+
+def _part_batch_size(batch_size: int, n_samples: int, world_size: int, part: str) -> int:
+    """A held-out set smaller than one batch per rank is evaluated in one smaller batch."""
+    if part == "eval" and n_samples < batch_size * world_size:
+        return max(1, n_samples // world_size)
+    return batch_size
 
 
 def _one_hot_kjt(keys: list[str], sparse: np.ndarray, rows: np.ndarray) -> KeyedJaggedTensor:
@@ -204,7 +334,7 @@ class CriteoNpyBatches:
     sequential = False
     inline = False  # page faults on the memory map are disk reads
 
-    def __init__(self, spec: Any, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: Any, rank: int = 0, world_size: int = 1, part: str = "train") -> None:
         path = Path(spec.data.path)
         if path.is_dir():
             prefixes = sorted(str(p)[: -len("_dense.npy")] for p in path.glob("*_dense.npy"))
@@ -228,14 +358,18 @@ class CriteoNpyBatches:
             _check_criteo_shape(spec, dense.shape[1], sparse.shape[1], prefix)
             self.parts.append((dense, sparse, labels))
         self.starts = np.cumsum([0] + [len(p[0]) for p in self.parts])
-        self.n_samples = int(self.starts[-1])
-        self.batch_size = int(spec.batch_size)
+        split, total = holdout_split(spec, [len(p[0]) for p in self.parts])
+        # part "train": samples before the held-out ones; "eval": the held-out ones.
+        self.first_sample = 0 if part == "train" else split
+        self.n_samples = split if part == "train" else total - split
+        self.batch_size = _part_batch_size(int(spec.batch_size), self.n_samples, world_size, part)
         self.rank, self.world_size = rank, world_size
         self.keys = feature_names(spec)
         self.rows = np.array([t.rows for t in spec.tables], dtype=np.int64)
         self.steps_per_epoch: int | None = self.n_samples // (self.batch_size * world_size)
         if not self.steps_per_epoch:
-            raise SpecError("batch_size", f"{self.n_samples} samples in {path} make no batch of {self.batch_size} x {world_size} ranks")
+            raise SpecError("batch_size" if part == "train" else "eval.holdout",
+                            f"{self.n_samples} {part} samples in {path} make no batch of {self.batch_size} x {world_size} ranks")
 
     def _rows(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -252,7 +386,8 @@ class CriteoNpyBatches:
     def batch(self, step: int) -> Batch:
         assert self.steps_per_epoch is not None
         g = (step % self.steps_per_epoch) * self.world_size + self.rank
-        dense, sparse, labels = self._rows(g * self.batch_size, (g + 1) * self.batch_size)
+        first = self.first_sample + g * self.batch_size
+        dense, sparse, labels = self._rows(first, first + self.batch_size)
         return Batch(
             dense_features=torch.from_numpy(np.ascontiguousarray(dense, dtype=np.float32)),
             sparse_features=_one_hot_kjt(self.keys, sparse, self.rows),
@@ -297,7 +432,7 @@ class CriteoTsvBatches:
     sequential = True
     inline = False
 
-    def __init__(self, spec: Any, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, spec: Any, rank: int = 0, world_size: int = 1, part: str = "train") -> None:
         path = Path(spec.data.path)
         if path.is_dir():
             self.files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
@@ -310,10 +445,14 @@ class CriteoTsvBatches:
         self.rank, self.world_size = rank, world_size
         self.keys = feature_names(spec)
         self.rows = np.array([t.rows for t in spec.tables], dtype=np.int64)
-        self.n_samples = sum(self._count_lines(p) for p in self.files)
+        split, total = holdout_split(spec, [self._count_lines(p) for p in self.files])
+        self.first_sample = 0 if part == "train" else split
+        self.n_samples = split if part == "train" else total - split
+        self.batch_size = _part_batch_size(self.batch_size, self.n_samples, world_size, part)
         self.steps_per_epoch: int | None = self.n_samples // (self.batch_size * world_size)
         if not self.steps_per_epoch:
-            raise SpecError("batch_size", f"{self.n_samples} lines in {path} make no batch of {self.batch_size} x {world_size} ranks")
+            raise SpecError("batch_size" if part == "train" else "eval.holdout",
+                            f"{self.n_samples} {part} lines in {path} make no batch of {self.batch_size} x {world_size} ranks")
         self._lines: Iterator[str] | None = None
         self._handle: IO[str] | None = None
         self._cursor = 0  # index of the next line self._lines yields
@@ -351,7 +490,7 @@ class CriteoTsvBatches:
     def batch(self, step: int) -> Batch:
         assert self.steps_per_epoch is not None
         g = (step % self.steps_per_epoch) * self.world_size + self.rank
-        first = g * self.batch_size
+        first = self.first_sample + g * self.batch_size
         if self._lines is None or first < self._cursor:
             self._restart()
         assert self._lines is not None
@@ -376,6 +515,35 @@ def make_source(spec: Any, rank: int = 0, world_size: int = 1, pin_memory: bool 
     if kind == "criteo-tsv":
         return CriteoTsvBatches(spec, rank, world_size)
     raise SpecError("data.type", f"unknown data type {kind!r}")
+
+
+def eval_batches(spec: Any, rank: int = 0, world_size: int = 1) -> tuple[list[Batch], torch.Tensor | None]:
+    """This rank's held-out batches (`eval.batches` of them, fewer when the held-out
+    data is smaller) and, for synthetic data, the planted model's P(click) of each of
+    their samples (None for real data)."""
+    n = int(spec.eval.batches)
+    if spec.data.type == "synthetic":
+        src = SyntheticBatches(spec, rank, ring_batches=0, stream="eval")
+        batches, planted = [], []
+        for k in range(n):
+            features, probs = src.features(k)
+            batches.append(Batch(dense_features=features.dense_features, sparse_features=features.sparse_features,
+                                 labels=src.labels(k, probs)))
+            planted.append(probs)
+        return batches, torch.cat(planted)
+    held: CriteoNpyBatches | CriteoTsvBatches
+    if spec.data.type == "criteo-npy":
+        held = CriteoNpyBatches(spec, rank, world_size, part="eval")
+    elif spec.data.type == "criteo-tsv":
+        held = CriteoTsvBatches(spec, rank, world_size, part="eval")
+    else:
+        raise SpecError("data.type", f"unknown data type {spec.data.type!r}")
+    assert held.steps_per_epoch is not None
+    try:
+        return [held.batch(k) for k in range(min(n, held.steps_per_epoch))], None
+    finally:
+        if isinstance(held, CriteoTsvBatches):
+            held.close()
 
 
 class Prefetcher:

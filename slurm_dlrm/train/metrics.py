@@ -98,5 +98,16 @@ class Progress:
             self._bar = None
 
 
+def human_eval_line(record: dict[str, Any]) -> str:
+    """`eval at step 200: auc 0.7712 (planted 0.7813)  ne 0.8215 ...` for the job's log."""
+    planted = record.get("planted_auc")
+    text = f"eval at step {record['step']}: auc {record['eval_auc']:.4f}"
+    if isinstance(planted, float):
+        text += f" (planted model {planted:.4f})"
+    return (text + f"  ne {record['eval_ne']:.4f}  log_loss {record['eval_log_loss']:.4f}  "
+            f"calibration {record['eval_calibration']:.3f}  accuracy {record['eval_accuracy']:.4f}  "
+            f"{record['eval_samples']:,} samples  {record['eval_s']:.2f} s")
+
+
 def now() -> float:
     return time.time()

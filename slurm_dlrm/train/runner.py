@@ -40,10 +40,18 @@ from slurm_dlrm.errors import (
     BadInput,
 )
 from slurm_dlrm.train import checkpoint as ckpt
-from slurm_dlrm.train.data import BatchSource, Prefetcher, make_source
+from slurm_dlrm.train.data import BatchSource, Prefetcher, eval_batches, make_source
+from slurm_dlrm.train.evaluation import Evaluator, import_metrics_in_background, stop_reason
 from slurm_dlrm.train.hostmem import fix_malloc_mmap_threshold
 from slurm_dlrm.train.launch import ENV_RDZV_FILE
-from slurm_dlrm.train.metrics import MetricsWriter, Progress, now, peak_rss_bytes, rss_bytes
+from slurm_dlrm.train.metrics import (
+    MetricsWriter,
+    Progress,
+    human_eval_line,
+    now,
+    peak_rss_bytes,
+    rss_bytes,
+)
 from slurm_dlrm.train.model import Built, build, plan_text
 
 log = logging.getLogger(__name__)
@@ -228,6 +236,7 @@ class Trainer:
     start_step: int = 0
     last_saved_step: int = -1
     expect: dict[str, Any] = field(default_factory=dict)
+    evaluator: Evaluator | None = None
     _writer: threading.Thread | None = None
     _writer_error: BaseException | None = None
     _static_tensor_bytes: int = 0
@@ -313,6 +322,7 @@ class Trainer:
             ckpt.remove_stale_tmp(d)
             if not self.opts.resume:
                 # Left in place, they would win over this run's at the next restart.
+                (d / STOPPED_MARKER).unlink(missing_ok=True)
                 n = ckpt.remove_all(d)
                 if n:
                     log.warning("--no-resume: removed %d old checkpoint(s) in %s", n, d)
@@ -393,6 +403,50 @@ class Trainer:
             self._static_tensor_bytes = total + grads
         return self._static_tensor_bytes + self._activation_bytes
 
+    def _predict(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Click probabilities and labels of one held-out batch (no gradient, no update)."""
+        batch = batch.to(self.device)
+        with self._autocast():
+            _, (_, logits, labels) = self.built.model(batch)
+        return torch.sigmoid(logits.float()), labels
+
+    def _evaluate(self, done: int, metrics: MetricsWriter | None, progress: Progress | None) -> tuple[float, str]:
+        """Run the held-out evaluation after `done` steps: its wall seconds, and why
+        eval.stop_when ends the job now ("" to go on; the same on every rank)."""
+        assert self.evaluator is not None
+        t0 = time.perf_counter()
+        record = self.evaluator.run(self._predict, done, now())
+        reason = ""
+        if record is not None and metrics is not None and progress is not None:
+            metrics.write(record)
+            progress.say(human_eval_line(record))
+            rule = self.spec.eval.stop_when
+            if rule is not None and done < self.total_steps:
+                from slurm_dlrm.spec import STOP_METRICS
+
+                history = [(int(r["step"]), float(r[f"eval_{rule.metric}"])) for r in self.evaluator.history]
+                reason = stop_reason(history, rule.metric, STOP_METRICS[rule.metric], rule.target,
+                                     rule.patience) or ""
+        if self.dist_info.world_size > 1 and self.spec.eval.stop_when is not None:
+            flag = torch.tensor([1 if reason else 0], dtype=torch.int32)
+            dist.broadcast(flag, src=0)
+            reason = reason or ("stopped by rank 0's eval.stop_when" if flag.item() else "")
+        return time.perf_counter() - t0, reason
+
+    def _stop_early(self, done: int, reason: str, metrics: MetricsWriter | None, progress: Progress | None) -> None:
+        """eval.stop_when fired: checkpoint, leave a marker (a restart must not train on),
+        say why in the metrics file and the log."""
+        if done != self.last_saved_step and int(self.spec.checkpoint_every_steps):
+            self.save_checkpoint(done, wait=True)
+        self.wait_for_writer()
+        if self.is_main:
+            write_stopped_marker(self.opts.checkpoint_dir, done, reason)
+            log.warning("eval.stop_when: stopping at step %d of %d: %s", done, self.total_steps, reason)
+            if metrics is not None and progress is not None:
+                metrics.write({"type": "stop", "t": now(), "step": done, "steps_total": self.total_steps,
+                               "reason": reason})
+                progress.say(f"stopped early at step {done}: {reason}")
+
     def run(self, on_report: Callable[[dict[str, Any]], None] | None = None) -> int:
         """Train from start_step to total_steps; return a TRAIN_EXIT_* code."""
         spec, opts = self.spec, self.opts
@@ -402,6 +456,8 @@ class Trainer:
         every_ckpt = int(spec.checkpoint_every_steps)
         samples_per_step = int(spec.batch_size) * self.dist_info.world_size
         model, optimizer = self.built.model, self.built.optimizer
+        if self.evaluator is not None and self.is_main and spec.eval.stop_when is not None:
+            self.evaluator.load_history(opts.metrics_file, self.start_step)
         prefetch = Prefetcher(self.source, self.start_step, self.total_steps, int(spec.loader_workers),
                               int(spec.prefetch_batches), self.device)
         cuda = self.device.type == "cuda"
@@ -461,6 +517,12 @@ class Trainer:
                     loss_sum.zero_()
                     window_steps = 0
                     window_t0 = time.perf_counter()
+                if self.evaluator is not None and self.evaluator.due(done):
+                    eval_s, stop_why = self._evaluate(done, metrics, progress)
+                    window_t0 += eval_s  # not training time
+                    if stop_why:
+                        self._stop_early(done, stop_why, metrics, progress)
+                        break
                 if every_ckpt and done % every_ckpt == 0 and done != self.total_steps:
                     self.save_checkpoint(done)
                 if done == self.total_steps:
@@ -488,6 +550,28 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
         return code
+
+
+STOPPED_MARKER = "stopped-early.json"
+
+
+def write_stopped_marker(checkpoint_dir: Path, step: int, reason: str) -> None:
+    import json
+
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    tmp = checkpoint_dir / f".{STOPPED_MARKER}.tmp"
+    tmp.write_text(json.dumps({"step": step, "reason": reason}))
+    os.replace(tmp, checkpoint_dir / STOPPED_MARKER)
+
+
+def read_stopped_marker(checkpoint_dir: Path) -> dict[str, Any] | None:
+    import json
+
+    try:
+        data = json.loads((checkpoint_dir / STOPPED_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def total_steps_of(spec: Any, source: BatchSource, override: int | None) -> int:
@@ -518,6 +602,8 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     """Distributed group, model, optimizer, data, resume. Raises on failure."""
     from slurm_dlrm.spec import spec_fingerprint
 
+    if spec.eval.enabled:
+        import_metrics_in_background()
     dist_probe_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(opts.device, dist_probe_rank)
     info = init_distributed(device)
@@ -536,8 +622,17 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
         "spec_fingerprint": spec_fingerprint(spec),
         "plan_hash": _plan_hash(plan_text(built.model)),
     }
+    repeat = getattr(source, "repeat_every_steps", None)
+    if repeat is not None and repeat < total:
+        log.info("synthetic data: the features come round again every %d steps; labels are drawn afresh "
+                 "at every step, so a repeat cannot be memorised", repeat)
+    evaluator = None
+    if spec.eval.enabled:
+        batches, planted = eval_batches(spec, info.rank, info.world_size)
+        evaluator = Evaluator(batches, int(spec.eval.every_steps), total, world_size=info.world_size,
+                              planted=planted)
     trainer = Trainer(spec=spec, opts=opts, dist_info=info, device=device, built=built, source=source,
-                      total_steps=total, stop=stop, expect=expect)
+                      total_steps=total, stop=stop, expect=expect, evaluator=evaluator)
     trainer.resume()
     return trainer
 
@@ -593,6 +688,10 @@ def run(spec: Any, opts: RunOptions) -> int:
         device = trainer.device
         if trainer.start_step >= trainer.total_steps:
             log.info("already done: the checkpoint is at step %d of %d", trainer.start_step, trainer.total_steps)
+            return TRAIN_EXIT_OK
+        stopped = read_stopped_marker(trainer.opts.checkpoint_dir) if opts.resume else None
+        if stopped is not None:
+            log.info("already done: eval.stop_when stopped it at step %s: %s", stopped.get("step"), stopped.get("reason"))
             return TRAIN_EXIT_OK
         return trainer.run()
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code

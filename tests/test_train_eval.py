@@ -1,0 +1,111 @@
+"""Issue 39: held-out evaluation metrics (both implementations), the `eval:` spec
+section, and evaluations in the store (ingested from a job's metrics file)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from slurm_dlrm import spec as spec_mod
+from slurm_dlrm.errors import SpecError
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchrec")
+
+from slurm_dlrm.train.evaluation import EvalAccumulator, compute  # noqa: E402
+
+
+def _cases():
+    g = torch.Generator().manual_seed(7)
+    p = torch.rand(3000, generator=g)
+    yield p, (torch.rand(3000, generator=g) < p).float()  # informative
+    q = torch.round(torch.rand(500, generator=g) * 4) / 4  # many ties
+    yield q, (torch.rand(500, generator=g) < 0.3).float()
+    yield torch.tensor([0.2, 0.7, 0.9]), torch.ones(3)  # one class only
+    yield torch.tensor([0.0, 1.0]), torch.tensor([1.0, 0.0])  # clamped logs
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_reference_and_torchrec_metrics_are_identical(case: int):
+    preds, labels = list(_cases())[case]
+    assert compute(preds, labels, "reference") == compute(preds, labels, "torchrec")
+
+
+def test_metrics_against_hand_computed_values():
+    preds = torch.tensor([0.9, 0.8, 0.3, 0.1])
+    labels = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    r = compute(preds, labels)
+    assert r.auc == pytest.approx(0.75)  # 3 of the 4 (positive, negative) pairs ordered right
+    bce = float(torch.nn.functional.binary_cross_entropy(preds.double(), labels.double()))
+    assert r.log_loss == pytest.approx(bce, rel=1e-12)  # nats, like the training loss
+    assert r.ne == pytest.approx(bce / math.log(2.0))  # base rate 0.5: 1 bit of entropy
+    assert r.calibration == pytest.approx(2.1 / 2.0)
+    assert r.accuracy == 0.5 and r.samples == 4  # 0.9 -> 1 and 0.1 -> 0 right and r.label_mean == 0.5
+    acc = EvalAccumulator()
+    acc.update(preds[:2], labels[:2])
+    acc.update(preds[2:], labels[2:])
+    assert acc.compute() == r
+    with pytest.raises(ValueError, match="backend"):
+        compute(preds, labels, "nope")
+
+
+BASE = {"name": "e", "tables": [{"rows": 10, "dim": 4}], "dense_features": 3, "bottom_mlp": [4],
+        "top_mlp": [4, 1], "batch_size": 8, "optimizer": {"type": "sgd"}}
+
+
+@pytest.mark.parametrize(("value", "field"), [
+    ({"every_steps": -1}, "eval.every_steps"),
+    ({"every_steps": "10"}, "eval.every_steps"),
+    ({"batches": 0}, "eval.batches"),
+    ({"holdout": 0.9}, "eval.holdout"),
+    ({"holdout": "first-file"}, "eval.holdout"),
+    ({"holdout": 0}, "eval.holdout"),
+    ({"batch": 3}, "eval.batch"),
+    ("yes", "eval"),
+])
+def test_bad_eval_values_name_the_field(value, field):
+    with pytest.raises(SpecError) as err:
+        spec_mod.parse_spec({**BASE, "eval": value})
+    assert err.value.field == field
+
+
+def test_eval_section_defaults_round_trip_and_fingerprint():
+    plain = spec_mod.parse_spec(BASE)
+    assert plain.eval.enabled and plain.eval.every_steps == spec_mod.EVAL_DEFAULT_EVERY_STEPS
+    assert "eval" not in plain.to_dict()  # old specs keep their dict (and fingerprint)
+    custom = spec_mod.parse_spec({**BASE, "eval": {"every_steps": 0, "batches": 3, "holdout": 0.1}})
+    off = spec_mod.parse_spec({**BASE, "eval": False})
+    for s in (custom, off):
+        assert spec_mod.parse_spec(s.to_dict()) == s
+        assert spec_mod.spec_fingerprint(s) == spec_mod.spec_fingerprint(plain)
+    assert not off.eval.enabled
+
+
+def test_stop_when_rule_target_and_patience():
+    from slurm_dlrm.train.evaluation import stop_reason
+
+    up = [(100, 0.70), (200, 0.74), (300, 0.73), (400, 0.74)]
+    assert stop_reason(up[:2], "auc", True, 0.74, None) == "auc 0.7400 at step 200 reached the target 0.74"
+    assert stop_reason(up[:1], "auc", True, 0.74, None) is None
+    # patience 2: neither 0.73 nor 0.74 beat 0.74 (equal is no improvement)
+    assert stop_reason(up, "auc", True, None, 2) == \
+        "auc has not improved on 0.7400 in 2 evaluations (last 0.7400 at step 400)"
+    assert stop_reason(up[:3], "auc", True, None, 2) is None  # only 0.73 after the best
+    assert stop_reason(up, "auc", True, None, 3) is None  # 0.74 at 200 beat 0.70
+    down = [(1, 0.9), (2, 0.85)]
+    assert stop_reason(down, "ne", False, 0.86, None) is not None  # lower is better
+    assert stop_reason(down, "ne", False, None, 1) is None
+    assert stop_reason([], "auc", True, 0.5, 1) is None
+
+
+@pytest.mark.parametrize(("stop_when", "field"), [
+    ({"metric": "speed", "target": 1}, "eval.stop_when.metric"),
+    ({"target": 1.5}, "eval.stop_when.target"),
+    ({}, "eval.stop_when.target"),
+    ({"patience": 0}, "eval.stop_when.patience"),
+])
+def test_bad_stop_when_names_the_field(stop_when, field):
+    with pytest.raises(SpecError) as err:
+        spec_mod.parse_spec({**BASE, "eval": {"stop_when": stop_when}})
+    assert err.value.field == field
