@@ -27,7 +27,7 @@ def test_queue_takes_squeues_forms(env):  # noqa: F811
     assert r.stdout.splitlines() == [f"{a} CA CANCELLED", f"{arr}_0 PD PENDING", f"{arr}_1 PD PENDING"]
     assert run("queue", "--states=ALL", "-h", "-o", "%i", "--no-slurm").stdout.split() == [a, f"{arr}_0", f"{arr}_1"]
     r = run("queue", "-t", "CG,S", "--no-slurm")  # Slurm states no job here is ever in: nothing, as squeue
-    assert r.exit_code == 0 and r.stdout == "JOBID  NAME  STATE  PACK  SLURMID  NODE  GPU  MPS%  GPU_MiB  TRY  REASON\n"
+    assert r.exit_code == 0 and r.stdout == "JOBID  NAME  STATE  PACK  SLURMID  NODE  GPU  MPS%  GPU_MiB  TRY  AUC  REASON\n"
     assert run("queue", "-t", "nope").exit_code == 2
     # --sort=-i: by the array's id (squeue's i), so its tasks keep their order
     r = run("queue", "-o", "%.6i|%P|%.10l|%j", "--sort=-i", "-t", "all", "--no-slurm")
