@@ -11,11 +11,11 @@ the GPU's oversubscription, min(1, 1 / sum_j max(s_j, b_j))) cannot see that asy
 (s_j: j's solo SM busy fraction); in a group each neighbour takes its share in turn
 (the product over neighbours: the composition of pair slowdowns, the rule the measured
 truth uses for sizes it has not measured, `slurm_dlrm.truth`). Two constants fitted by
-least absolute error on a grid (power 0.5..4, scale 0..1.5).
+least absolute error on a grid (power 0.5..4, scale 0..1.5; coarse, then fine around the best).
 
 **Which model plans** (`choose_planner_model`): every candidate is scored held out
 (leave-one-job-out when the samples have enough distinct jobs, else leave-groups-out;
-the analytic model and the naive rule fit nothing, so their error is on all samples);
+more than 10 jobs are dealt into 10 folds; the analytic model and the naive rule fit nothing, so their error is on all samples);
 the best plans only if its error is at most `CLEARLY` x the naive rule's, otherwise the
 naive rule plans, and the reason says so.
 """
@@ -34,6 +34,7 @@ from slurm_dlrm.packing.interference import (
 
 # A model must beat the naive rule by 10% of its error to plan.
 CLEARLY = 0.9
+MAX_JOB_FOLDS = 10
 MIN_SPEED = 0.02
 _POWERS = tuple(0.5 + 0.05 * k for k in range(71))  # 0.5 .. 4.0
 _SCALES = tuple(0.01 * k for k in range(151))  # 0 .. 1.5
@@ -82,28 +83,25 @@ def _fractions(s: CoLocationSample) -> list[float]:
 
 
 def fit_neighbour(samples: Sequence[CoLocationSample]) -> NeighbourModel:
-    """Least absolute error over every member of every multi-member sample."""
+    """Least absolute error over every member of every multi-member sample: a coarse grid
+    (power by 0.25, scale by 0.05), then a fine one (0.05, 0.01) around the best."""
     usable = [(_fractions(s), s.speeds) for s in samples if len(s.members) > 1 and len(s.members) == len(s.speeds)]
     if not usable:
         raise ValueError("the neighbour model needs co-location samples of two or more members")
-    pairs_only = all(len(sm) == 2 for sm, _ in usable)
-    best: tuple[float, float, float] | None = None
-    for power in _POWERS:
-        if pairs_only:  # each member's slowdown is its neighbour's term alone: score every scale at once
-            terms = [(sm[1 - i] ** power, 1.0 - speeds[i]) for sm, speeds in usable for i in range(2)]
-            for scale in _SCALES:
-                err = sum(abs(min(1.0 - MIN_SPEED, scale * x) - y) for x, y in terms)
-                if best is None or err < best[0]:
-                    best = (err, scale, power)
-            continue
-        for scale in _SCALES:
-            model = NeighbourModel(scale, power)
-            err = sum(abs(p - m) for sm, speeds in usable
-                      for p, m in zip(model.speeds_from_fractions(sm, sm), speeds, strict=True))
-            if best is None or err < best[0]:
-                best = (err, scale, power)
-    assert best is not None
-    return NeighbourModel(round(best[1], 4), round(best[2], 4))
+
+    def error(scale: float, power: float) -> float:
+        model = NeighbourModel(scale, power)
+        return sum(abs(p - m) for sm, speeds in usable
+                   for p, m in zip(model.speeds_from_fractions(sm, sm), speeds, strict=True))
+
+    def search(scales: Sequence[float], powers: Sequence[float]) -> tuple[float, float, float]:
+        return min((error(c, p), c, p) for p in powers for c in scales)
+
+    _, scale, power = search(_SCALES[::5], _POWERS[::5])
+    fine_s = [c for c in _SCALES if abs(c - scale) <= 0.05 + 1e-9]
+    fine_p = [p for p in _POWERS if abs(p - power) <= 0.25 + 1e-9]
+    _, scale, power = search(fine_s, fine_p)
+    return NeighbourModel(round(scale, 4), round(power, 4))
 
 
 def neighbour_fitter(train: Sequence[CoLocationSample]) -> Callable[[CoLocationSample], list[float]]:
@@ -142,13 +140,15 @@ def choose_planner_model(samples: Sequence[CoLocationSample], analytic: Interfer
         return ErrorStats.of([v for p in pred for v in p], measured).mae
 
     jobs = len({job_key(p) for s in usable for p in s.members})
-    # Leave-one-job-out needs a job's groups out and something left to fit on.
+    # Leave-one-job-out needs a job's groups out and something left to fit on; past
+    # MAX_JOB_FOLDS jobs, the jobs are dealt into that many folds.
     if jobs >= 4:
-        how = "leave-one-job-out"
+        folds = min(jobs, MAX_JOB_FOLDS)
+        how = "leave-one-job-out" if folds == jobs else f"leave-jobs-out, {folds} folds"
 
         def held_out(fit: Callable[[Sequence[CoLocationSample]], Callable[[CoLocationSample], list[float]]]
                      ) -> list[list[float]]:
-            return cross_validate_jobs_out(usable, jobs, fit)
+            return cross_validate_jobs_out(usable, folds, fit)
     else:
         how = "leave-groups-out"
 
