@@ -43,8 +43,8 @@ splits the misses (estimates vs later arrivals) and gives the ceiling.
 
 --truth SPEC (issue 37; e.g. table:tests/data/gpu/h100-2026-11-27/colocation.csv, the
 recorded H100 pairs, larger groups composed from them): the 1- and 4-GPU runs again with
-that truth, the planner on the model it would pick from the table's groups
-(`packing.pairwise.choose_planner_model`) and on today's defaults; line
+that truth (exclusive, first-fit, complementary), the planner on the model it would pick
+from the table's groups (`packing.pairwise.choose_planner_model`); line
 `policy[truth=SPEC]: ...` (the planner's pick) beside the usual `policy:` line (today's
 truth, the analytic defaults). `--truth-only` runs just those and today's two runs.
 
@@ -310,9 +310,13 @@ def policy_figures(one: dict[str, object], four: dict[str, object]) -> str:
             f"tput_vs_firstfit={vs_ff:.2f} jct_cut_vs_firstfit_pct={cut:.1f} ooms={ooms}")
 
 
-def measured_truth(spec: str) -> list[str]:
+TRUTH_POLICIES = ("exclusive", "first-fit", "complementary")  # what the policy: line's figures need
+
+
+def measured_truth(spec: str, with_defaults: bool = False) -> list[str]:
     """Issue 37: the 1- and 4-GPU runs under `spec` (e.g. the recorded H100 pairs), the
-    planner on its pick from the table and on today's defaults; returns the lines."""
+    planner on its pick from the table (and, `with_defaults`, on today's defaults);
+    exclusive, first-fit and complementary only. Returns the lines."""
     from slurm_dlrm.interference_io import parse_truth, read_groups
     from slurm_dlrm.packing.pairwise import choose_planner_model
 
@@ -325,11 +329,11 @@ def measured_truth(spec: str) -> list[str]:
         pick = choose_planner_model([g.sample() for g in groups if len(g.members) > 1], DEFAULT_PARAMS)
         print(f"\n== truth {spec}: planner pick: {pick.reason}")
     for plan_name, plan in (("planner's pick " + (pick.name if pick else "-"), pick.params if pick else None),
-                            ("planner on today's defaults", None)):
+                            ("planner on today's defaults", None))[: 2 if with_defaults else 1]:
         if plan_name.endswith("-"):
             continue
-        one = run("cluster_1gpu.yaml", 1, truth=truth, plan_params=plan)
-        four = run("cluster_4gpu.yaml", 4, truth=truth, plan_params=plan)
+        one = run("cluster_1gpu.yaml", 1, truth=truth, plan_params=plan, policies=TRUTH_POLICIES)
+        four = run("cluster_4gpu.yaml", 4, truth=truth, plan_params=plan, policies=TRUTH_POLICIES)
         show(f"1 GPU, truth {spec}, {plan_name}", one)
         show(f"4 GPUs, truth {spec}, {plan_name}", four)
         tag = f"truth={spec}" + ("" if plan is not None and pick is not None else ",planner=defaults")
@@ -354,7 +358,8 @@ def main() -> None:
     if args.truth_only and not args.truth:
         ap.error("--truth-only goes with --truth")
     if args.truth_only:
-        one, four = run("cluster_1gpu.yaml", 1), run("cluster_4gpu.yaml", 4)
+        one = run("cluster_1gpu.yaml", 1, policies=TRUTH_POLICIES)
+        four = run("cluster_4gpu.yaml", 4, policies=TRUTH_POLICIES)
         show("1 GPU", one)
         show("4 GPUs", four)
         for line in measured_truth(args.truth):

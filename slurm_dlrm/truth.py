@@ -43,7 +43,7 @@ import math
 import random
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from slurm_dlrm.packing.interference import CoLocationSample, SoloProfile, util_fraction
 
@@ -107,6 +107,9 @@ class NearestTable:
 
     groups: tuple[CoLocationSample, ...]
     name: str = "table"
+    # The simulator asks for the same group again and again: answers kept (not compared).
+    _seen: dict[tuple[tuple[float, ...], tuple[float, ...]], tuple[float, ...]] = field(
+        default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not any(len(g.members) == 2 for g in self.groups):
@@ -119,9 +122,14 @@ class NearestTable:
         n = len(sm)
         if n <= 1:
             return [1.0] * n
-        if n not in self.sizes():
-            return self.composed_speeds(sm, bw)
-        return self.nearest_speeds(sm, bw)
+        key = (tuple(sm), tuple(bw))
+        hit = self._seen.get(key)
+        if hit is None:
+            hit = tuple(self.composed_speeds(sm, bw) if n not in self.sizes() else self.nearest_speeds(sm, bw))
+            if len(self._seen) > 100_000:
+                self._seen.clear()
+            self._seen[key] = hit
+        return list(hit)
 
     def composed_speeds(self, sm: Sequence[float], bw: Sequence[float]) -> list[float]:
         """Each member's speed is the product, over its neighbours, of its speed in the
