@@ -15,13 +15,14 @@ least absolute error on a grid (power 0.5..4, scale 0..1.5; coarse, then fine ar
 
 **Which model plans** (`choose_planner_model`): every candidate is scored held out
 (leave-one-job-out when the samples have enough distinct jobs, else leave-groups-out;
-more than 10 jobs are dealt into 10 folds; the analytic model and the naive rule fit nothing, so their error is on all samples);
+more than 10 jobs are dealt into 10 folds, more than 2,000 groups are a seeded choice of 2,000; the analytic model and the naive rule fit nothing, so their error is on all samples);
 the best plans only if its error is at most `CLEARLY` x the naive rule's, otherwise the
 naive rule plans, and the reason says so.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from slurm_dlrm.packing.interference import (
 # A model must beat the naive rule by 10% of its error to plan.
 CLEARLY = 0.9
 MAX_JOB_FOLDS = 10
+MAX_GROUPS = 2000
 MIN_SPEED = 0.02
 _POWERS = tuple(0.5 + 0.05 * k for k in range(71))  # 0.5 .. 4.0
 _SCALES = tuple(0.01 * k for k in range(151))  # 0 .. 1.5
@@ -134,6 +136,8 @@ def choose_planner_model(samples: Sequence[CoLocationSample], analytic: Interfer
     usable = [s for s in samples if len(s.members) > 1 and len(s.members) == len(s.speeds)]
     if not usable:
         raise ValueError("no co-location sample of two or more members to choose a model on")
+    if len(usable) > MAX_GROUPS:  # a seeded choice: the choice stays seconds on a large store
+        usable = random.Random(0).sample(usable, MAX_GROUPS)
     measured = [v for s in usable for v in s.speeds]
 
     def mae(pred: Sequence[Sequence[float]]) -> float:
