@@ -175,7 +175,7 @@ def choose_planner_model(samples: Sequence[CoLocationSample], analytic: Interfer
     naive = errors["naive"]
     best = min((n for n in errors if n != "naive"), key=lambda n: errors[n])
     if errors[best] <= CLEARLY * naive:
-        reason = (f"{best} plans: its {how if best in ('neighbour', 'learned') else 'unfitted'} error "
+        reason = (f"{best} plans: its {how if best in ('neighbour', 'learned') else 'not held out'} error "
                   f"{errors[best]:.3f} is {errors[best] / naive:.2f}x the naive rule's {naive:.3f} "
                   f"(it must be <= {CLEARLY:.2f}x)")
         return PlannerChoice(best, candidates[best], errors, how, reason)
