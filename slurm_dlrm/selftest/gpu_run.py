@@ -150,6 +150,13 @@ def site_figures(run: GpuRun, gpu: GpuModel, with_profiles: bool = True) -> dict
     if with_ is not None:
         out["measured_with"] = with_
     if with_profiles and len(run.alone) >= 3:
+        # the compute figures the calibration was fitted on go with it
+        model = calibrated_model(run, gpu)
+        for key in ("gemm_efficiency", "bf16_gemm_efficiency", "stream_bandwidth_gbps", "gather_bandwidth_gbps",
+                    "kernel_launch_us"):
+            value = getattr(model, key)
+            if value is not None:
+                out[key] = round(float(value), 4)
         out.update(C.fit_profile_calibration(profile_inputs(run, gpu)).as_dict())
     return out
 
