@@ -41,7 +41,14 @@ splits the misses (estimates vs later arrivals) and gives the ceiling.
 `--fair-only` runs just that (complementary on the multi run, a few minutes);
 `--seed N` with it draws the workload with another seed (default: the file's, 7).
 
-Run:  /work/main/.venv/bin/python benchmarks/policy_compare.py [--dmem] [--fair-only [--seed N]]
+--truth SPEC (issue 37; e.g. table:tests/data/gpu/h100-2026-11-27/colocation.csv, the
+recorded H100 pairs, larger groups composed from them): the 1- and 4-GPU runs again with
+that truth (exclusive, first-fit, complementary), the planner on the model it would pick
+from the table's groups (`packing.pairwise.choose_planner_model`); line
+`policy[truth=SPEC]: ...` (the planner's pick) beside the usual `policy:` line (today's
+truth, the analytic defaults). `--truth-only` runs just those and today's two runs.
+
+Run:  /work/main/.venv/bin/python benchmarks/policy_compare.py [--dmem] [--fair-only [--seed N]] [--truth SPEC [--truth-only]]
 Last line:  policy: tput_vs_exclusive_1gpu=X tput_vs_exclusive_4gpu=X share_of_bound_1gpu=X
             share_of_bound_4gpu=X tput_vs_firstfit=X jct_cut_vs_firstfit_pct=X ooms=N
 (share_of_bound: complementary's throughput over the ideal bound, the lowest of the
@@ -285,6 +292,55 @@ def fairness(multi: dict[str, object]) -> None:
           f"start_estimate_within_25pct_given_queue={queued['slowdown']:.1f}")
 
 
+def policy_figures(one: dict[str, object], four: dict[str, object]) -> str:
+    """The `policy:` line's figures for a 1-GPU and a 4-GPU run."""
+    def tput(r: dict[str, object], p: str) -> float:
+        return r["results"][p].throughput_jobs_per_h  # type: ignore[index, no-any-return]
+
+    def jct(r: dict[str, object], p: str) -> float:
+        return r["results"][p].avg_jct_s  # type: ignore[index, no-any-return]
+
+    vs_ff = sum(tput(r, "complementary") / tput(r, "first-fit") for r in (one, four)) / 2
+    cut = 100 * sum(1 - jct(r, "complementary") / jct(r, "first-fit") for r in (one, four)) / 2
+    ooms = sum(r["results"]["complementary"].ooms for r in (one, four))  # type: ignore[index]
+    return (f"tput_vs_exclusive_1gpu={tput(one, 'complementary') / tput(one, 'exclusive'):.2f} "
+            f"tput_vs_exclusive_4gpu={tput(four, 'complementary') / tput(four, 'exclusive'):.2f} "
+            f"share_of_bound_1gpu={tput(one, 'complementary') / one['ideal']:.3f} "  # type: ignore[operator]
+            f"share_of_bound_4gpu={tput(four, 'complementary') / four['ideal']:.3f} "  # type: ignore[operator]
+            f"tput_vs_firstfit={vs_ff:.2f} jct_cut_vs_firstfit_pct={cut:.1f} ooms={ooms}")
+
+
+TRUTH_POLICIES = ("exclusive", "first-fit", "complementary")  # what the policy: line's figures need
+
+
+def measured_truth(spec: str, with_defaults: bool = False) -> list[str]:
+    """Issue 37: the 1- and 4-GPU runs under `spec` (e.g. the recorded H100 pairs), the
+    planner on its pick from the table (and, `with_defaults`, on today's defaults);
+    exclusive, first-fit and complementary only. Returns the lines."""
+    from slurm_dlrm.interference_io import parse_truth, read_groups
+    from slurm_dlrm.packing.pairwise import choose_planner_model
+
+    truth = parse_truth(spec)
+    lines = []
+    kind, _, path = spec.partition(":")
+    pick = None
+    if kind == "table":
+        groups, _ = read_groups(path)
+        pick = choose_planner_model([g.sample() for g in groups if len(g.members) > 1], DEFAULT_PARAMS)
+        print(f"\n== truth {spec}: planner pick: {pick.reason}")
+    for plan_name, plan in (("planner's pick " + (pick.name if pick else "-"), pick.params if pick else None),
+                            ("planner on today's defaults", None))[: 2 if with_defaults else 1]:
+        if plan_name.endswith("-"):
+            continue
+        one = run("cluster_1gpu.yaml", 1, truth=truth, plan_params=plan, policies=TRUTH_POLICIES)
+        four = run("cluster_4gpu.yaml", 4, truth=truth, plan_params=plan, policies=TRUTH_POLICIES)
+        show(f"1 GPU, truth {spec}, {plan_name}", one)
+        show(f"4 GPUs, truth {spec}, {plan_name}", four)
+        tag = f"truth={spec}" + ("" if plan is not None and pick is not None else ",planner=defaults")
+        lines.append(f"policy[{tag}]: {policy_figures(one, four)}")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dmem", action="store_true", help="also run the fenced policies with cgroup dmem fences")
@@ -292,9 +348,24 @@ def main() -> None:
                     help="only the multi run and its fair: line (issue 31; a few minutes instead of the whole run)")
     ap.add_argument("--seed", type=int, default=None,
                     help="with --fair-only: draw the workload with this seed (default: the file's, 7)")
+    ap.add_argument("--truth", default=None, metavar="SPEC",
+                    help="also the 1- and 4-GPU runs under this truth (e.g. table:FILE), issue 37")
+    ap.add_argument("--truth-only", action="store_true",
+                    help="with --truth: only today's two runs and the runs under --truth")
     args = ap.parse_args()
     if args.seed is not None and not args.fair_only:
         ap.error("--seed goes with --fair-only")
+    if args.truth_only and not args.truth:
+        ap.error("--truth-only goes with --truth")
+    if args.truth_only:
+        one = run("cluster_1gpu.yaml", 1, policies=TRUTH_POLICIES)
+        four = run("cluster_4gpu.yaml", 4, policies=TRUTH_POLICIES)
+        show("1 GPU", one)
+        show("4 GPUs", four)
+        for line in measured_truth(args.truth):
+            print(line)
+        print(f"policy: {policy_figures(one, four)}")
+        return
     if args.fair_only:
         multi = run("cluster_4gpu.yaml", 4, multi_gpu_share=0.25, policies=("complementary",),
                     snapshot_at_s=tuple(h * 3600 for h in START_ASKED_H), seed=args.seed)
@@ -375,6 +446,8 @@ def main() -> None:
     print(f"memory estimates +-20% off: complementary share_of_bound={nz_share:.3f} ooms={nz.ooms} "
           f"({100 * nz.ooms / len(nz.jobs):.1f}% of {len(nz.jobs)} jobs; {nz_recovered} of {len(nz_hit)} jobs hit recovered), "
           f"completion {100 * nz.completion_rate:.1f}% (targets: share >= 0.70, OOMs <= 1% of jobs, all recovered)")
+    for line in measured_truth(args.truth) if args.truth else []:
+        print(line)
     print(f"policy: tput_vs_exclusive_1gpu={vs_excl_1:.2f} tput_vs_exclusive_4gpu={vs_excl_4:.2f} "
           f"share_of_bound_1gpu={share_1:.3f} share_of_bound_4gpu={share_4:.3f} "
           f"tput_vs_firstfit={vs_ff:.2f} jct_cut_vs_firstfit_pct={cut:.1f} ooms={ooms}")

@@ -353,7 +353,11 @@ def parse_truth(text: str, what: str = "--truth") -> InterferenceParams:
         return load_model(arg).params()
     if kind == "table" and arg:
         groups, _ = read_groups(arg)
-        return InterferenceParams(speed_model=NearestTable(tuple(g.sample() for g in groups if len(g.members) > 1)))
+        try:
+            table = NearestTable(tuple(g.sample() for g in groups if len(g.members) > 1))
+        except ValueError as exc:
+            raise BadInput(f"{what} {text}: {exc}") from None
+        return InterferenceParams(speed_model=table)
     if kind == "synthetic":
         seed = int(_number(arg, what, "seed", 0.0)) if arg else 0
         return InterferenceParams(speed_model=SyntheticColocation(seed=seed))

@@ -60,6 +60,35 @@ class GpuModel:
     stream_bandwidth_gbps: float | None = None  # device-to-device copy, GB/s
     gather_bandwidth_gbps: float | None = None  # embedding-like random row gather, GB/s
     kernel_launch_us: float | None = None  # per small kernel, launch + tail
+    # Memory as the GPU counts it (issue 37; docs/estimator.md), measured per process by
+    # `selftest --write-site`: NVML's process memory minus torch's reserved memory (the
+    # planner's room: context, loaded kernels, handles outside torch's allocator), and
+    # what the MPS pinned-memory limit counts beyond the allocations (the fence).
+    nvml_overhead_mib: float | None = None  # None: cuda_context_mib
+    fence_overhead_mib: float | None = None  # None: nvml_overhead_mib, else cuda_context_mib
+    measured_with: str | None = None  # "driver 580.159.04, CUDA 13.0": what the figures were measured on
+    # NVML's busy shares from the estimator's times (issue 37; estimate/gpu_calibration.py
+    # ProfileCalibration), fitted on a GPU run's alone windows. All six or none.
+    gpu_us_per_kernel: float | None = None
+    host_us_per_kernel: float | None = None
+    sm_busy_ceiling: float | None = None
+    membw_intercept_pct: float | None = None
+    membw_per_est_membw: float | None = None
+    membw_per_est_sm: float | None = None
+
+    @property
+    def context_bytes_nvml(self) -> int:
+        """Per-process memory outside torch's allocator, as NVML counts it."""
+        mib = self.nvml_overhead_mib if self.nvml_overhead_mib is not None else self.cuda_context_mib
+        return int(mib * MIB)
+
+    @property
+    def context_bytes_fence(self) -> int:
+        """What the MPS pinned-memory limit counts beyond torch's allocations."""
+        for mib in (self.fence_overhead_mib, self.nvml_overhead_mib, self.cuda_context_mib):
+            if mib is not None:
+                return int(mib * MIB)
+        return 0  # unreachable: cuda_context_mib is required
 
     @property
     def memory_bytes(self) -> int:
@@ -438,7 +467,23 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
             stream_bandwidth_gbps=g.get("stream_bandwidth_gbps", float, None, min_value=0.001),
             gather_bandwidth_gbps=g.get("gather_bandwidth_gbps", float, None, min_value=0.001),
             kernel_launch_us=g.get("kernel_launch_us", float, None, min_value=0.01, max_value=10000),
+            nvml_overhead_mib=g.get("nvml_overhead_mib", float, None, min_value=0, max_value=65536),
+            fence_overhead_mib=g.get("fence_overhead_mib", float, None, min_value=0, max_value=65536),
+            measured_with=g.get("measured_with", str, None),
+            gpu_us_per_kernel=g.get("gpu_us_per_kernel", float, None, min_value=0, max_value=10000),
+            host_us_per_kernel=g.get("host_us_per_kernel", float, None, min_value=0, max_value=10000),
+            sm_busy_ceiling=g.get("sm_busy_ceiling", float, None, min_value=0.01, max_value=1),
+            membw_intercept_pct=g.get("membw_intercept_pct", float, None, min_value=-100, max_value=100),
+            membw_per_est_membw=g.get("membw_per_est_membw", float, None, min_value=-100, max_value=100),
+            membw_per_est_sm=g.get("membw_per_est_sm", float, None, min_value=-100, max_value=100),
         )
+        calib = ("gpu_us_per_kernel", "host_us_per_kernel", "sm_busy_ceiling", "membw_intercept_pct",
+                 "membw_per_est_membw", "membw_per_est_sm")
+        given = [k for k in calib if getattr(gpu_models[model_name], k) is not None]
+        if given and len(given) != len(calib):
+            absent = ", ".join(k for k in calib if k not in given)
+            raise ConfigError(f"gpu_models.{model_name}", f"a profile calibration needs all six keys; missing {absent}",
+                              path)
         g.done()
     models_t.done()
     if not gpu_models:

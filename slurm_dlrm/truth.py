@@ -10,7 +10,10 @@ imports the emulated node's fakes, so that package sits below the agent and the 
 - `analytic[:A,B,G]`: the analytic formula with these constants (default: the defaults);
 - `learned:FILE`: a learned model file (`interference fit`);
 - `table:FILE`: measured co-locations (the eval format); a group's speeds are those of
-  the measured group nearest to it (`NearestTable`);
+  the measured group nearest to it (`NearestTable`); a group of a size the file has not
+  measured composes the measured pairs: each member keeps, in turn, the share its
+  nearest measured pair with each neighbour leaves it (the product of its pair speeds;
+  `composed_speeds`, its error on measured groups: `composition_error`);
 - `synthetic[:SEED]`: `SyntheticColocation` below, a generator whose shape is *not* the
   analytic formula, so a model fit or judged on it is not judged on its own prior.
 
@@ -40,7 +43,7 @@ import math
 import random
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from slurm_dlrm.packing.interference import CoLocationSample, SoloProfile, util_fraction
 
@@ -99,15 +102,49 @@ def _seed_of(group: bytes, s: float, b: float) -> int:
 class NearestTable:
     """Measured groups as the truth: a group of n members gets, member by member, the
     speeds of the measured group of n members nearest to it (members matched in order of
-    SM share; distance the summed absolute profile difference). Implements `SpeedModel`."""
+    SM share; distance the summed absolute profile difference). A size with no measured
+    group composes the measured pairs (`composed_speeds`). Implements `SpeedModel`."""
 
     groups: tuple[CoLocationSample, ...]
     name: str = "table"
+    # The simulator asks for the same group again and again: answers kept (not compared).
+    _seen: dict[tuple[tuple[float, ...], tuple[float, ...]], tuple[float, ...]] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not any(len(g.members) == 2 for g in self.groups):
+            raise ValueError("table truth: no measured pair (a pair is what groups of other sizes are composed of)")
+
+    def sizes(self) -> set[int]:
+        return {len(g.members) for g in self.groups}
 
     def speeds_from_fractions(self, sm: Sequence[float], bw: Sequence[float]) -> list[float]:
         n = len(sm)
         if n <= 1:
             return [1.0] * n
+        key = (tuple(sm), tuple(bw))
+        hit = self._seen.get(key)
+        if hit is None:
+            hit = tuple(self.composed_speeds(sm, bw) if n not in self.sizes() else self.nearest_speeds(sm, bw))
+            if len(self._seen) > 100_000:
+                self._seen.clear()
+            self._seen[key] = hit
+        return list(hit)
+
+    def composed_speeds(self, sm: Sequence[float], bw: Sequence[float]) -> list[float]:
+        """Each member's speed is the product, over its neighbours, of its speed in the
+        nearest measured pair with that neighbour."""
+        n = len(sm)
+        out = [1.0] * n
+        for i in range(n):
+            for j in range(i + 1, n):
+                a, b = self.nearest_speeds([sm[i], sm[j]], [bw[i], bw[j]])
+                out[i] *= a
+                out[j] *= b
+        return [min(1.0, max(v, 1e-3)) for v in out]
+
+    def nearest_speeds(self, sm: Sequence[float], bw: Sequence[float]) -> list[float]:
+        n = len(sm)
         order = sorted(range(n), key=lambda i: (sm[i], bw[i]))
         best: tuple[float, tuple[float, ...]] | None = None
         for s in self.groups:
@@ -125,6 +162,20 @@ class NearestTable:
         for rank, i in enumerate(order):
             out[i] = min(1.0, max(best[1][rank], 1e-3))
         return out
+
+
+def composition_error(groups: Sequence[CoLocationSample]) -> dict[int, float]:
+    """Mean absolute error of the composed speeds (from the pairs in `groups`) on each
+    measured group size above 2: what `table:FILE` costs on the sizes it measured."""
+    table = NearestTable(tuple(g for g in groups if len(g.members) == 2))
+    errs: dict[int, list[float]] = {}
+    for g in groups:
+        if len(g.members) < 3:
+            continue
+        pred = table.composed_speeds([util_fraction(p.sm_util_pct) for p in g.members],
+                                     [util_fraction(p.membw_util_pct) for p in g.members])
+        errs.setdefault(len(g.members), []).extend(abs(p - m) for p, m in zip(pred, g.speeds, strict=True))
+    return {n: sum(v) / len(v) for n, v in sorted(errs.items())}
 
 
 def synthetic_groups(count: int, seed: int = 0, jobs: int = 600, sizes: Sequence[int] = (2, 2, 3, 3, 4, 5, 6),

@@ -134,7 +134,8 @@ def test_eval_json_shape_and_figures_match_the_library(tmp_path):
     path = write_csv(tmp_path / "m.csv", groups)
     out = eval_json("--samples", str(path), "--params", "0.9,0.25,0.06")
     assert set(out) == {"groups", "members", "params", "errors", "throughput_errors", "by_group_size", "source",
-                        "default_params"}
+                        "default_params", "planner"}
+    assert out["planner"]["model"] in out["planner"]["held_out_mae"] and out["planner"]["reason"]
     assert out["params"] == {"alpha": 0.9, "beta": 0.25, "gamma": 0.06} and out["default_params"] is False
     assert list(out["errors"]) == ["model", "baseline_speed_1", "baseline_inverse_load"]
     stats_keys = {"count", "mae", "median_abs", "p90_abs", "bias", "max_abs"}

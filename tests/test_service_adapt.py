@@ -215,7 +215,7 @@ PROFILES = {"fp-c": (70.0, 20.0), "fp-m": (20.0, 70.0), "fp-x": (50.0, 50.0), "f
 SOLO_SPS = {"fp-c": 2000.0, "fp-m": 800.0, "fp-x": 1200.0, "fp-y": 3000.0}
 
 
-def _history(store, clock, solo_share=100):
+def _history(store, clock, solo_share=100, truth=TRUE):
     """Packs already run: each spec alone on a GPU, and pairs co-located, with samples/s
     from the TRUE interference constants."""
     from slurm_dlrm.store.records import NewPlacement
@@ -235,7 +235,7 @@ def _history(store, clock, solo_share=100):
         for j in ids:
             store.transition_job(j, JobState.CANCELLED, "test history")
         rel = predict_speeds_from_fractions([PROFILES[fp][0] / 100 for fp in fps],
-                                            [PROFILES[fp][1] / 100 for fp in fps], TRUE) if len(fps) > 1 else [1.0]
+                                            [PROFILES[fp][1] / 100 for fp in fps], truth) if len(fps) > 1 else [1.0]
         t0 = clock() + 1000 * n
         store.add_samples([{"t": t0 + k, "pack_id": pid, "job_id": j, "node": "node1", "gpu_index": 0,
                             "samples_per_s": SOLO_SPS[fp] * r} for k in range(3)
@@ -279,6 +279,25 @@ def test_interference_model_is_refitted_from_live_samples_and_used_by_the_policy
     assert seen and seen[-1] == got
     again = PackingService(store, slurm, svc.site, svc.settings, clock=clock)
     assert again.recovery.interference_params == got
+
+
+def test_the_planner_takes_the_model_that_beats_the_naive_rule_on_the_sites_samples(world):
+    """Issue 37: co-locations where the neighbour's SM share decides (as on the H100):
+    the refit analytic constants cannot follow it, the neighbour model (held out) can;
+    it plans, an event says why, and a restarted service keeps it."""
+    from slurm_dlrm.packing.pairwise import NeighbourModel
+
+    svc, store, slurm, clock, cluster = world
+    _history(store, clock, truth=InterferenceParams(speed_model=NeighbourModel(0.7, 3.0)))
+    svc.rounds = svc.site.adapt.refit_every_rounds - 1
+    svc.run_round()
+    (ev,) = [e for e in store.events(kind="adapt") if "planner_model" in (e.get("data") or {})]
+    assert ev["reason"].startswith("interference: neighbour plans") and ev["data"]["how"] == "leave-one-job-out"
+    assert ev["data"]["held_out_mae"]["neighbour"] <= 0.9 * ev["data"]["held_out_mae"]["naive"]
+    got = svc.recovery.interference_params
+    assert got.model_name == "neighbour"
+    again = PackingService(store, slurm, svc.site, svc.settings, clock=clock)
+    assert again.recovery.interference_params.speed_model == got.speed_model
 
 
 def test_a_capped_lone_member_is_no_solo_rate(world):

@@ -173,8 +173,10 @@ def _print_human(results: list[dict[str, Any]]) -> None:
             vals = [r["estimates"][m]["gpu_breakdown"].get(k, 0) for m in models]
             if any(vals):
                 gpu.add_row(k, *(human_bytes(v) for v in vals))
-        gpu.add_row("[bold]total[/bold]", *(f"[bold]{human_bytes(r['estimates'][m]['gpu_peak_bytes'])}[/bold]"
-                                            for m in models))
+        gpu.add_row("[bold]total (as NVML counts it: the planner's room)[/bold]",
+                    *(f"[bold]{human_bytes(r['estimates'][m]['gpu_peak_bytes'])}[/bold]" for m in models))
+        gpu.add_row("as the MPS memory limit counts it (the fence)",
+                    *(human_bytes(r["estimates"][m].get("gpu_fence_bytes", 0)) for m in models))
         console.print(gpu)
         host = Table(title="host peak memory", title_justify="left")
         host.add_column("part")

@@ -184,10 +184,15 @@ def eval_cmd(samples_path: str | None, store_path: str | None, params_text: str 
             raise BadInput(f"{source}: --refit needs at least 2 co-location groups to cross-validate")
         k = folds if folds is not None else min(5, len(multi))
     result = evaluate([g.sample() for g in multi], params, k, learned=learned)
+    from slurm_dlrm.packing.pairwise import choose_planner_model
+
+    choice = choose_planner_model([g.sample() for g in multi], params, learned=learned)
     if as_json:
         out = result.as_dict()
         out["source"] = source
         out["default_params"] = params == DEFAULT_PARAMS
+        out["planner"] = {"model": choice.name, "how": choice.how, "held_out_mae": choice.held_out_mae,
+                          "reason": choice.reason}
         click.echo(json.dumps(out, indent=2))
         return
     sizes = ", ".join(f"{size}: {per['model'].count // size}" for size, per in sorted(result.by_size.items()))
@@ -221,6 +226,10 @@ def eval_cmd(samples_path: str | None, store_path: str | None, params_text: str 
             click.echo(f"  fold {i + 1} of {k} held out: {_params_text(p)}")
     if refit and "model_refit_jobs_out" not in result.overall:
         click.echo(f"(no leave-jobs-out figures: fewer than {k} distinct job profiles)")
+    click.echo("")
+    click.echo("which model the planner would use (docs/packing.md \"Interference that earns its place\"), "
+               f"{choice.how}: " + ", ".join(f"{n} {v:.3f}" for n, v in choice.held_out_mae.items()))
+    click.echo(f"planner: {choice.reason}")
 
 
 def _read_multi(samples_path: str | None, store_path: str | None) -> tuple[list[Any], str]:

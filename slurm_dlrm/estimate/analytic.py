@@ -141,6 +141,9 @@ class Estimate:
     method: str = "analytic"  # "analytic" | "traced"; "+calibrated" when history corrected it
     notes: tuple[str, ...] = field(default=())
     ranks: tuple[RankEstimate, ...] = field(default=())  # world_size > 1: every rank's own
+    # What the MPS pinned-memory limit counts for it (the fence; issue 37): the GPU peak
+    # with the fence's per-process overhead in place of NVML's. 0 without a GPU model.
+    gpu_fence_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -276,7 +279,7 @@ def _memory(spec: JobSpec, gpu: GpuModel | None, tables: list[int],
     if gpu is not None:
         gpu_breakdown = dict(parts)
         gpu_breakdown["uvm_cache"] = uvm_cache_bytes(spec)
-        gpu_breakdown["cuda_context"] = gpu.cuda_context_bytes
+        gpu_breakdown["cuda_context"] = gpu.context_bytes_nvml
         gpu_breakdown["cublas_workspace"] = gpu.cublas_workspace_bytes
         gpu_breakdown["allocator_rounding"] = allocator_rounding_bytes(tape.at_peak_sizes)
         host_breakdown = {
@@ -345,7 +348,16 @@ def estimate(spec: JobSpec, gpu: GpuModel | None, *, ranks: bool = True) -> Esti
         gpu_breakdown=gpu_breakdown, host_breakdown=host_breakdown, profile=compute_profile(spec, gpu),
         tensor_peak_bytes=tape.peak, peak_phase=tape.peak_where, gpu_model=gpu.name if gpu is not None else None,
         notes=tuple(notes), ranks=rank_estimates(spec, gpu) if ranks else (),
+        gpu_fence_bytes=fence_bytes(sum(gpu_breakdown.values()), gpu),
     )
+
+
+def fence_bytes(gpu_peak_bytes: int, gpu: GpuModel | None) -> int:
+    """The GPU peak as the MPS pinned-memory limit counts it: NVML's per-process
+    overhead (in the peak) swapped for the fence's (docs/estimator.md)."""
+    if gpu is None:
+        return 0
+    return max(0, gpu_peak_bytes - gpu.context_bytes_nvml + gpu.context_bytes_fence)
 
 
 @_per_spec
@@ -497,9 +509,11 @@ def _kernels_per_step(spec: JobSpec) -> int:
     return 3 * 3 * layers + 30  # fwd + 2 bwd GEMMs and elementwise per layer, plus fixed ops
 
 
-def compute_profile(spec: JobSpec, gpu: GpuModel | None, tables: list[int] | None = None) -> ComputeProfile:
-    """The job's profile, or one rank's (`tables`: the rank's, see `emb_bytes_per_sample`;
-    the dense part is data-parallel, the same on every rank)."""
+def gpu_step_times(spec: JobSpec, gpu: GpuModel | None, tables: list[int] | None = None
+                   ) -> tuple[float, float, float, float]:
+    """(GEMM seconds, memory seconds, bytes moved, launch seconds per kernel) of one step
+    on `gpu` (a CPU run without one), with the model's measured efficiencies where the
+    site has them."""
     flops = dense_flops_per_sample(spec)
     emb_bytes = emb_bytes_per_sample(spec, tables)
     B = spec.batch_size
@@ -523,6 +537,17 @@ def compute_profile(spec: JobSpec, gpu: GpuModel | None, tables: list[int] | Non
     act_bytes = 3 * 2 * sum(Shapes.of(spec).bottom + Shapes.of(spec).top) * F32
     t_compute = B * flops / (peak_flops * gemm_eff)
     t_memory = B * (emb_bytes / gather_bw + act_bytes / stream_bw)
+    return t_compute, t_memory, B * (emb_bytes + act_bytes), launch_s
+
+
+def compute_profile(spec: JobSpec, gpu: GpuModel | None, tables: list[int] | None = None) -> ComputeProfile:
+    """The job's profile, or one rank's (`tables`: the rank's, see `emb_bytes_per_sample`;
+    the dense part is data-parallel, the same on every rank)."""
+    flops = dense_flops_per_sample(spec)
+    emb_bytes = emb_bytes_per_sample(spec, tables)
+    B = spec.batch_size
+    bw = gpu.mem_bandwidth_gbps * 1e9 if gpu is not None else 20e9
+    t_compute, t_memory, step_bytes, launch_s = gpu_step_times(spec, gpu, tables)
     t_launch = _kernels_per_step(spec) * launch_s
     t_gpu = t_compute + t_memory + t_launch
     ids_per_sample = _ids_per_sample(spec)
@@ -539,13 +564,29 @@ def compute_profile(spec: JobSpec, gpu: GpuModel | None, tables: list[int] | Non
         label = "memory-bound"
     busy = min(1.0, t_host / t_step)
     host_cores = 1.0 + (spec.loader_workers * busy if spec.loader_workers and not inline else 0.0)
+    # NVML's utilisation: the share of time some kernel runs.
+    sm_pct = round(100 * (t_compute + t_memory) / t_step, 1)
+    membw_pct = round(100 * step_bytes / (t_step * bw), 1)
+    if gpu is not None and gpu.host_us_per_kernel is not None:
+        sm_pct, membw_pct = calibrated_shares(gpu, t_compute + t_memory, _kernels_per_step(spec), sm_pct, membw_pct)
     return ComputeProfile(
         flops_per_sample=flops,
         emb_bytes_per_sample=emb_bytes,
         solo_samples_per_s=B / t_step,
-        # NVML's utilisation: the share of time some kernel runs.
-        sm_util_pct=round(100 * (t_compute + t_memory) / t_step, 1),
-        membw_util_pct=round(100 * B * (emb_bytes + act_bytes) / (t_step * bw), 1),
+        sm_util_pct=sm_pct,
+        membw_util_pct=membw_pct,
         host_cpu_cores=round(host_cores, 2),
         label=label,
     )
+
+
+def calibrated_shares(gpu: GpuModel, gpu_busy_s: float, kernels_per_step: int, est_sm_pct: float,
+                      est_membw_pct: float) -> tuple[float, float]:
+    """NVML's SM and bandwidth shares by the site's profile calibration (issue 37,
+    `estimate.gpu_calibration.ProfileCalibration`; all six keys are set together)."""
+    from slurm_dlrm.estimate.gpu_calibration import ProfileCalibration, ProfileInputs
+
+    cal = ProfileCalibration(gpu.gpu_us_per_kernel or 0.0, gpu.host_us_per_kernel or 0.0, gpu.sm_busy_ceiling or 1.0,
+                             gpu.membw_intercept_pct or 0.0, gpu.membw_per_est_membw or 0.0,
+                             gpu.membw_per_est_sm or 0.0)
+    return cal.shares(ProfileInputs("", gpu_busy_s, kernels_per_step, est_sm_pct, est_membw_pct))

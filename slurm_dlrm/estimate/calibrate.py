@@ -70,4 +70,7 @@ def calibrate(est: Estimate, history: Sequence[HistoryRecord], fingerprint: str 
         for r in est.ranks)
     return dataclasses.replace(est, gpu_peak_bytes=gpu_peak, host_peak_bytes=host_peak, gpu_breakdown=gpu_breakdown,
                                host_breakdown=host_breakdown, method=f"{est.method}+calibrated", notes=tuple(notes),
-                               ranks=ranks)
+                               ranks=ranks,
+                               # the fence keeps its distance below the NVML figure
+                               gpu_fence_bytes=max(0, gpu_peak - (est.gpu_peak_bytes - est.gpu_fence_bytes))
+                               if est.gpu_fence_bytes else 0)

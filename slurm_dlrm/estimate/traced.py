@@ -40,6 +40,7 @@ from slurm_dlrm.estimate.analytic import (
     Estimate,
     allocator_rounding_bytes,
     compute_profile,
+    fence_bytes,
     synthetic_pool_bytes,
 )
 from slurm_dlrm.estimate.timeline import batch_bytes, ids_per_batch
@@ -224,7 +225,7 @@ def estimate_traced(spec: JobSpec, gpu: GpuModel | None,
             "synthetic_data_pools": synthetic_pool_bytes(spec)}
     if gpu is not None:
         gpu_breakdown = dict(parts)
-        gpu_breakdown["cuda_context"] = gpu.cuda_context_bytes
+        gpu_breakdown["cuda_context"] = gpu.context_bytes_nvml
         gpu_breakdown["cublas_workspace"] = gpu.cublas_workspace_bytes
         gpu_breakdown["allocator_rounding"] = allocator_rounding_bytes(r.peak_sizes)
         gpu_peak = sum(gpu_breakdown.values())
@@ -237,4 +238,5 @@ def estimate_traced(spec: JobSpec, gpu: GpuModel | None,
         host_breakdown=host, profile=compute_profile(spec, gpu), tensor_peak_bytes=r.peak_bytes,
         peak_phase="optimizer step" if r.opt_step_peak_bytes > r.fwd_bwd_peak_bytes else "forward/backward",
         gpu_model=gpu.name if gpu is not None else None, method="traced", notes=tuple(notes),
+        gpu_fence_bytes=fence_bytes(gpu_peak, gpu),
     )

@@ -222,6 +222,31 @@ def _gather_gbps() -> float:
     return 2 * ids * dim * 4 / _time_cuda(lambda: table.index_select(0, idx), 20) / 1e9
 
 
+# A small plain-torch DLRM (slurm_dlrm/selftest/plain_dlrm.py): a few steps load the
+# kernels a training process loads, then NVML minus torch's reserved is what a member
+# takes outside the allocator (issue 37: 742 MiB on H100, driver 580, CUDA 13, torch 2.11).
+NVML_OVERHEAD_SPEC = {"name": "nvml-overhead", "tables": [{"rows": 100_000, "dim": 64}, {"rows": 50_000, "dim": 64}],
+                      "dense_features": 13, "bottom_mlp": [256, 64], "top_mlp": [256, 1], "batch_size": 2048,
+                      "optimizer": {"type": "adagrad"}}
+
+
+def _nvml_overhead_after_training(nvml_index: int | None) -> int | None:
+    import torch
+
+    from slurm_dlrm.selftest import plain_dlrm
+    from slurm_dlrm.spec import parse_spec
+
+    try:
+        trainer = plain_dlrm.build_trainer(parse_spec(NVML_OVERHEAD_SPEC, "nvml-overhead"), torch.device("cuda"))
+        for _ in range(3):
+            trainer.step()
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - the figure is optional; the calibration stands without it
+        return None
+    now = _nvml_process_bytes(nvml_index)
+    return None if now is None else now - torch.cuda.memory_reserved()
+
+
 def role_calibrate(args: argparse.Namespace, out: TextIO) -> int:
     import torch
 
@@ -254,6 +279,7 @@ def role_calibrate(args: argparse.Namespace, out: TextIO) -> int:
     one = torch.zeros(1, device="cuda")
     figures["kernel_launch_us"] = _time_cuda(lambda: one.add_(1.0), 2000) * 1e6
     emit(out, "calibrate", cuda_context_bytes=context_bytes, cublas_workspace_bytes=int(workspace),
+         nvml_overhead_bytes=_nvml_overhead_after_training(args.nvml_index),
          device_name=torch.cuda.get_device_name(), sm_count=torch.cuda.get_device_properties(0).multi_processor_count,
          **figures)
     return 0

@@ -230,7 +230,8 @@ class Selftest:
         self.nvml = Nvml()
         self.model: GpuModel | None = None
         self.sm_count: int | None = None
-        self.measured: dict[str, float] = {}
+        self.measured: dict[str, float | str] = {}
+        self.measured_with = ""
 
     def add(self, name: str, status: str, figure: str, detail: str = "", fix: str = "", **values: Any) -> Check:
         check = Check(name, status, figure, detail, fix, values)
@@ -320,6 +321,7 @@ class Selftest:
         cuda_txt = f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else "unknown"
         self.add("nvml.driver", hw, f"driver {self.nvml.driver_version}, CUDA {cuda_txt}", fake_note,
                  driver_version=self.nvml.driver_version, cuda_driver_version=cuda)
+        self.measured_with = f"driver {self.nvml.driver_version}, CUDA {cuda_txt}"
         assert self.ctx.nvml_index is not None
         info = self.nvml.device_info(self.ctx.nvml_index)
         self.model = self._pick_model(site, info.memory_total_bytes)
@@ -515,6 +517,10 @@ class Selftest:
         detail = _child_error(greedy) if oom is None or oom.get("event") == "error" else ""
         self.add("mps.memory_fence", status, figure, detail, fix, limit_mib=GREEDY_LIMIT_MIB,
                  allocated_mib=(oom or {}).get("allocated_mib"))
+        if status == PASS and oom is not None:
+            # What the limit counts beyond the client's allocations (issue 37): the fence's
+            # per-process overhead (an upper bound, within one block).
+            self.measured["fence_overhead_mib"] = float(GREEDY_LIMIT_MIB - int(oom["allocated_mib"]))
         self._judge_nvml_clients([steady, greedy], dry=False)
         before = steady.last("progress")
         time.sleep(2.0)  # the neighbour keeps computing after the other client's OOM
@@ -680,6 +686,10 @@ class Selftest:
         self.measured.update({k: round(v, 4) for k, v in figures.items()})
         if ev.get("cublas_workspace_bytes") is not None:
             self.measured["cublas_workspace_mib"] = round(max(0, int(ev["cublas_workspace_bytes"])) / MIB, 1)
+        if ev.get("nvml_overhead_bytes") is not None:
+            # NVML's process memory minus torch's reserved after a few plain-torch DLRM steps
+            # (issue 37): the per-process room outside torch's allocator.
+            self.measured["nvml_overhead_mib"] = round(max(0, int(ev["nvml_overhead_bytes"])) / MIB, 1)
         workspace = ev.get("cublas_workspace_bytes")
         ws_text = f", cuBLAS workspace {int(workspace) / MIB:.0f} MiB" if workspace is not None else ""
         self.add("calibration.compute", PASS, figure, f"{self.sm_count} SMs{ws_text}", **figures)
@@ -693,6 +703,8 @@ class Selftest:
             return
         from slurm_dlrm.selftest.sitefile import write_gpu_model
 
+        if self.measured_with:
+            self.measured["measured_with"] = self.measured_with
         write_gpu_model(self.opts.write_site, self.model.name, self.measured)
         self.add("calibration.write_site", PASS, f"{len(self.measured)} figures written to "
                  f"[gpu_models.{self.model.name}] of {self.opts.write_site}", ", ".join(sorted(self.measured)),

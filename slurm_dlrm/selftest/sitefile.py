@@ -10,6 +10,7 @@ so a failure leaves the file untouched.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import tempfile
@@ -38,13 +39,15 @@ def check_writable(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-def _format(value: float | int) -> str:
+def _format(value: float | int | str) -> str:
+    if isinstance(value, str):
+        return json.dumps(value)  # a TOML basic string: JSON's escapes are TOML's
     if isinstance(value, int):
         return str(value)
     return f"{value:.4g}" if abs(value) < 1000 else f"{value:.0f}"
 
 
-def update_gpu_model_text(text: str, model: str, values: dict[str, float | int]) -> str:
+def update_gpu_model_text(text: str, model: str, values: dict[str, float | int | str]) -> str:
     """The file's text with `values` set in `[gpu_models.<model>]` (pure)."""
     lines = text.splitlines(keepends=True)
     start = None
@@ -79,7 +82,7 @@ def update_gpu_model_text(text: str, model: str, values: dict[str, float | int])
     return "".join(lines)
 
 
-def write_gpu_model(path: str | os.PathLike[str], model: str, values: dict[str, float | int]) -> None:
+def write_gpu_model(path: str | os.PathLike[str], model: str, values: dict[str, float | int | str]) -> None:
     """Set `values` in the model's entry of the site file at `path`, atomically."""
     p = Path(path)
     text = update_gpu_model_text(p.read_text(), model, values)

@@ -24,7 +24,9 @@ the agent's cancel hook, and leaves an event with the reason of every decision:
   `adapt.repack_threshold_pct`, enough to repay `adapt.repack_restart_cost_s`
   (`decide_repack`), is checkpointed and moved like a straggler.
 - `maybe_refit`: every `adapt.refit_every_rounds` rounds the interference model is
-  refitted from measured co-locations; the policy plans with the result.
+  refitted from measured co-locations; the policy plans with the result, unless the
+  naive rule or the neighbour model beats it clearly held out (issue 37,
+  `_choose_planner_model`).
 - `adapt_demand`: warm start of a job's first run from the history of its spec
   fingerprint (memory raise learned from OOMs and measured peaks; measured profile of
   similar finished jobs); a requeued job's demand takes its own measured profile.
@@ -618,6 +620,10 @@ class Recovery:
             self.interference_source = f"learned, {path} ({what})"
             return InterferenceParams(analytic.sm_contention, analytic.membw_contention, analytic.per_client_overhead,
                                       speed_model=model)
+        chosen = self._last_planner_choice(analytic)
+        if chosen is not None:
+            self.interference_source = f"{chosen.model_name}, chosen on this site's co-locations (issue 37)"
+            return chosen
         if analytic != DEFAULT_PARAMS:
             self.interference_source = "analytic, refitted"
         return analytic
@@ -667,7 +673,64 @@ class Recovery:
         samples = [s for _, _, s in colocation_samples(self.store, solo, usable)]
         refitted = self._refit_analytic(samples)
         learned = self.maybe_refit_learned(samples)
-        return refitted or learned
+        chosen = self._choose_planner_model(samples)
+        return refitted or learned or chosen
+
+    def _choose_planner_model(self, samples: list[Any]) -> bool:
+        """Issue 37: a model plans only if it beats the naive rule clearly on this site's own
+        co-locations, held out (`packing.pairwise.choose_planner_model`: the analytic
+        constants, the neighbour model, the naive rule); where none does, the naive rule
+        plans and an event says so. A learned model in use keeps its own check
+        (`maybe_refit_learned`). True if the model that plans changed."""
+        from slurm_dlrm.packing.pairwise import NeighbourModel, choose_planner_model
+
+        current = self.interference_params
+        if current.model_name == "learned":
+            return False
+        try:
+            choice = choose_planner_model(samples, current.analytic())
+        except (ValueError, FloatingPointError) as exc:
+            log.warning("choosing the interference model on %d co-located GPU(s) failed: %s; model kept",
+                        len(samples), exc)
+            return False
+        model = choice.params.speed_model
+        if choice.name == "analytic":
+            if current.speed_model is None:
+                return False
+            self.interference_params = current.analytic()
+        elif model == current.speed_model:
+            return False
+        else:
+            a = current.analytic()
+            self.interference_params = replace(a, speed_model=model)
+        self.interference_source = f"{choice.name}, chosen on {len(samples)} co-located GPU(s) ({choice.how})"
+        data: dict[str, Any] = {"planner_model": choice.name, "held_out_mae": choice.held_out_mae, "how": choice.how}
+        if isinstance(model, NeighbourModel):
+            data["neighbour"] = {"scale": model.scale, "power": model.power}
+        self.store.add_event(ADAPT, f"interference: {choice.reason}", data=data)
+        log.info("interference: %s", choice.reason)
+        return True
+
+    def _last_planner_choice(self, analytic: InterferenceParams) -> InterferenceParams | None:
+        """The naive rule or the neighbour model if the last choice made one plan (events
+        survive a restart)."""
+        import json
+
+        from slurm_dlrm.packing.pairwise import NaiveModel, NeighbourModel
+
+        row = self.store.conn.execute(
+            "SELECT data_json FROM events WHERE kind = ? AND data_json LIKE '%\"planner_model\"%' "
+            "ORDER BY id DESC LIMIT 1", (ADAPT,)).fetchone()
+        try:
+            d = json.loads(row[0]) if row else None
+            if d is None or d["planner_model"] == "analytic":
+                return None
+            if d["planner_model"] == "naive":
+                return replace(analytic, speed_model=NaiveModel())
+            n = d["neighbour"]
+            return replace(analytic, speed_model=NeighbourModel(float(n["scale"]), float(n["power"])))
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def _refit_analytic(self, samples: list[Any]) -> bool:
         """Refit the constants (the formula's, or the learned model's prior) on `samples`;
