@@ -10,7 +10,7 @@ free together by chance. Pure: no I/O.
   (highest response ratio next). Below the band nothing changes: the policies keep
   their own order (complementary: drain tail, then shortest first). The band is at 100
   by default (issue 40): a backstop against starvation; at 10 it reordered most of a
-  backlog and cost the one-GPU mixes 6-9% of their throughput (docs/packing.md "Fair by
+  backlog and cost the one-GPU mixes 7-10% of their throughput (docs/packing.md "Fair by
   default"). A gang past its reservation point (below) is in the band too
   (`FairConfig.gang_in_band`), so the most overdue gang leads and keeps its GPUs.
 - A multi-GPU job past `gang_reserve_slowdown` that no node can take now and no pack

@@ -173,7 +173,7 @@ class FairConfig:
     that node's free GPUs only new packs that do (backfill)."""
 
     # 100: the band is a backstop against starvation, not an order. At 10 it reordered
-    # most of a backlog and cost the one-GPU mixes 6-9% of their throughput for little
+    # most of a backlog and cost the one-GPU mixes 7-10% of their throughput for little
     # (docs/packing.md "Fair by default"); a site may lower it (`[packing] overdue_slowdown`).
     overdue_slowdown: float = 100.0
     gang_reserve_slowdown: float = 2.0
