@@ -22,14 +22,15 @@ or 4 (rank 0 the fullest, the others 0.5-1.0 of it), placed as rank members all 
 none; line `multi: tput_vs_exclusive=X tput_vs_firstfit=X ooms=N done_pct=X`
 (complementary's), printed before the last line.
 
-Fairness (issue 31): on the multi run, complementary under the slowdown bound
-(`fairness="slowdown"`) against the default rule (round-based aging, "rounds"), and
-`queue --start`'s expected starts (sim/start_estimate.py: the simulator resumed from
-the state when asked, estimates as the truth) against the actual ones, and against the
-same run with the jobs submitted after the question left out (the start given the
-queue then, what squeue --start claims); line
-`fair: slowdown_p50_single=X slowdown_p50_multi=X slowdown_p99_all=X max_wait_h=X
-tput_vs_today=X start_estimate_within_25pct=X start_estimate_within_25pct_given_queue=X`.
+Fairness (issues 31, 40): on the multi run, complementary under the default rule (the
+slowdown bound, `fairness="slowdown"`, since issue 40) and under the rule before it
+(round-based aging, "rounds", a site choice now), and `queue --start`'s expected starts
+(sim/start_estimate.py: the simulator resumed from the state when asked, estimates as
+the truth) against the actual ones, and against the same run with the jobs submitted
+after the question left out (the start given the queue then, what squeue --start
+claims); one line per rule, the default's first,
+`fair: rule=R slowdown_p50_single=X slowdown_p50_multi=X slowdown_p99_all=X max_wait_h=X
+tput_vs_rounds=X start_estimate_within_25pct=X start_estimate_within_25pct_given_queue=X`.
 How the start figures count: the question is asked at 2, 6, 10 and 20 h after the first
 arrival, for every job waiting then (a job waiting at two moments counts twice); an
 expected start is right when |expected - actual| <= 25% of the wait *left when asked*
@@ -38,7 +39,7 @@ asked about after waiting 9 h of a 10 h wait would pass with any answer within 2
 and the estimator knows the 9 h already), nor of the time since the trace began. A job
 the forward run cannot place counts as a miss. benchmarks/start_estimate_bound.py
 splits the misses (estimates vs later arrivals) and gives the ceiling.
-`--fair-only` runs just that (complementary on the multi run, a few minutes);
+`--fair-only` runs just that (complementary on the multi run under both rules, a few minutes);
 `--seed N` with it draws the workload with another seed (default: the file's, 7).
 
 --truth SPEC (issue 37; e.g. table:tests/data/gpu/h100-2026-11-27/colocation.csv, the
@@ -232,15 +233,18 @@ START_ASKED_H = (2.0, 6.0, 10.0, 20.0)
 
 
 def fairness(multi: dict[str, object]) -> None:
-    """Issue 31: the slowdown bound against the rule before it ("rounds") on the multi
-    run, per-job slowdown (JCT / solo run), waits, and queue --start's accuracy."""
+    """Issues 31 and 40: complementary on the multi run under the default rule (the
+    cluster's, "slowdown" since issue 40) and under the other one, per-job slowdown (JCT /
+    solo run), waits, and queue --start's accuracy; one `fair:` line per rule, the
+    default's first."""
     w, cluster = multi["workload"], multi["cluster"]
-    today = multi["results"]["complementary"]  # type: ignore[index]  (the default rule: "rounds")
+    default = cluster.dispatch.fairness  # type: ignore[attr-defined]
+    other = "rounds" if default != "rounds" else "slowdown"
     t0 = time.perf_counter()
-    fair = simulate(w, cluster, "complementary", fairness="slowdown",  # type: ignore[arg-type]
-                    snapshot_at_s=tuple(h * 3600 for h in START_ASKED_H))
-    print(f"  simulated complementary under the slowdown bound in {time.perf_counter() - t0:.1f} s",
-          file=sys.stderr)
+    runs = {default: multi["results"]["complementary"],  # type: ignore[index]
+            other: simulate(w, cluster, "complementary", fairness=other,  # type: ignore[arg-type]
+                            snapshot_at_s=tuple(h * 3600 for h in START_ASKED_H))}
+    print(f"  simulated complementary under {other!r} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     world = {j.job_id: j.world_size for j in w.jobs}  # type: ignore[attr-defined]
 
     def figures(r: SimResult) -> dict[str, float]:
@@ -251,16 +255,17 @@ def fairness(multi: dict[str, object]) -> None:
                 "p50_multi": pct([v for k, v in sd.items() if world[k] > 1], 0.5),
                 "p99_all": pct(list(sd.values()), 0.99), "max_wait_h": max(waits, default=0.0)}
 
-    a, b = figures(today), figures(fair)
-    print("\n== fairness (issue 31): complementary on the multi run, per-job slowdown = JCT / solo run")
+    fig = {rule: figures(r) for rule, r in runs.items()}
+    print("\n== fairness (issues 31, 40): complementary on the multi run, per-job slowdown = JCT / solo run")
     print(f"{'rule':<34} {'tput/h':>7} {'p50 1-GPU':>9} {'p50 multi':>9} {'p99 all':>8} {'max wait h':>10}")
-    for name, f in (("rounds (default; tput_vs_today=1)", a), ("slowdown bound (fairness=slowdown)", b)):
+    for rule, f in fig.items():
+        name = f"{rule} ({'the default' if rule == default else 'a site choice'})"
         print(f"{name:<34} {f['tput']:>7.2f} {f['p50_single']:>9.2f} {f['p50_multi']:>9.2f} {f['p99_all']:>8.2f} "
               f"{f['max_wait_h']:>10.1f}")
     jobs = {j.job_id: j for j in w.jobs}  # type: ignore[attr-defined]
     shares = {}
     queued = {}  # against the run with no later arrivals: what squeue --start promises
-    for rule, r in (("rounds", today), ("slowdown", fair)):
+    for rule, r in runs.items():
         actual = {o.job_id: o.start_s for o in r.jobs if o.start_s is not None}
         ok = n = ok_q = n_q = 0
         for snap in r.snapshots:
@@ -283,13 +288,15 @@ def fairness(multi: dict[str, object]) -> None:
                   f"with no later arrivals ({time.perf_counter() - t0:.1f} s)")
         shares[rule] = 100 * ok / max(1, n)
         queued[rule] = 100 * ok_q / max(1, n_q)
-    print(f"queue --start within 25%: {shares['rounds']:.1f}% under the default rule, {shares['slowdown']:.1f}% "
-          f"under the bound (the fair: line's); given the queue when asked (no later arrivals): "
-          f"{queued['rounds']:.1f}% and {queued['slowdown']:.1f}%")
-    print(f"fair: slowdown_p50_single={b['p50_single']:.2f} slowdown_p50_multi={b['p50_multi']:.2f} "
-          f"slowdown_p99_all={b['p99_all']:.2f} max_wait_h={b['max_wait_h']:.1f} "
-          f"tput_vs_today={b['tput'] / a['tput']:.3f} start_estimate_within_25pct={shares['slowdown']:.1f} "
-          f"start_estimate_within_25pct_given_queue={queued['slowdown']:.1f}")
+    print(f"queue --start within 25%: {shares[default]:.1f}% under the default rule ({default}), {shares[other]:.1f}% "
+          f"under {other}; given the queue when asked (no later arrivals): {queued[default]:.1f}% and "
+          f"{queued[other]:.1f}%")
+    rounds_tput = fig["rounds"]["tput"]
+    for rule, f in fig.items():
+        print(f"fair: rule={rule} slowdown_p50_single={f['p50_single']:.2f} slowdown_p50_multi={f['p50_multi']:.2f} "
+              f"slowdown_p99_all={f['p99_all']:.2f} max_wait_h={f['max_wait_h']:.1f} "
+              f"tput_vs_rounds={f['tput'] / rounds_tput:.3f} start_estimate_within_25pct={shares[rule]:.1f} "
+              f"start_estimate_within_25pct_given_queue={queued[rule]:.1f}")
 
 
 def policy_figures(one: dict[str, object], four: dict[str, object]) -> str:
@@ -345,7 +352,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dmem", action="store_true", help="also run the fenced policies with cgroup dmem fences")
     ap.add_argument("--fair-only", action="store_true",
-                    help="only the multi run and its fair: line (issue 31; a few minutes instead of the whole run)")
+                    help="only the multi run and its fair: lines (issues 31, 40; a few minutes instead of the whole run)")
     ap.add_argument("--seed", type=int, default=None,
                     help="with --fair-only: draw the workload with this seed (default: the file's, 7)")
     ap.add_argument("--truth", default=None, metavar="SPEC",

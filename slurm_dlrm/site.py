@@ -215,12 +215,13 @@ class PackingConfig:
     # A refilling pack's reserve, % of its members' CPUs / host memory; None ("share"):
     # its GPUs' whole share of the node.
     refill_headroom_pct: float | None = 100.0
-    # "rounds": round-based aging (the default: the most throughput, but gangs wait);
-    # "slowdown": the slowdown bound of issue 31 (docs/packing.md "Every job gets its turn").
-    fairness: str = "rounds"
+    # "slowdown" (the default, issue 40): the slowdown bound of issue 31, gangs get their
+    # turn (docs/packing.md "Every job gets its turn"); "rounds": round-based aging, a site
+    # choice (gangs wait until the stream of one-GPU jobs ends).
+    fairness: str = "slowdown"
     # The slowdown rule's tuning (`FairConfig`): a job is overdue past this slowdown
     # (wait + run) / run and this wait; a waiting gang reserves room past its own point.
-    overdue_slowdown: float = 10.0
+    overdue_slowdown: float = 100.0
     gang_reserve_slowdown: float = 2.0
     overdue_min_wait_s: float = 600.0
 
@@ -620,8 +621,8 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         round_batch_size=k.get("round_batch_size", int, 16, min_value=1),
         max_wait_rounds=k.get("max_wait_rounds", int, 30, min_value=1),
         refill_headroom_pct=_headroom_pct(k),
-        fairness=k.get("fairness", str, "rounds", choices=("rounds", "slowdown")),
-        overdue_slowdown=k.get("overdue_slowdown", float, 10.0, min_value=1.0),
+        fairness=k.get("fairness", str, "slowdown", choices=("rounds", "slowdown")),
+        overdue_slowdown=k.get("overdue_slowdown", float, 100.0, min_value=1.0),  # FairConfig's
         gang_reserve_slowdown=k.get("gang_reserve_slowdown", float, 2.0, min_value=1.0),
         overdue_min_wait_s=k.get("overdue_min_wait_s", float, 600.0, min_value=0.0),
     )

@@ -15,6 +15,13 @@ node, which take only joiners that end before they do, and starts when they have
 drained (it waited about 30 s of its 69 s bound). `FAIR_LIVE_RULE=rounds` runs the same
 test under the old rule, where it fails (the gang is still waiting at its bound); about
 30 s passing, 85 s failing, plus the cluster's start.
+
+The bound's start-up follows the measured one (issue 43 item 9: a fixed 30 s timed out
+once under CI load): twice the slowest start of the first one-GPU jobs (submitted to
+RUNNING: the service's round, sbatch, Slurm's start, the agent and the member), once for
+the reserved packs' end and once for the gang's own start, and at least the 30 s it was
+(a start takes about 4 s on a quiet machine). A busy machine slows both alike, so the
+bound follows it.
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ RUN_S = 5.0  # the gang's run; its estimate says so
 SINGLE_RUNS_S = (6.0, 10.0, 14.0)  # the one-GPU jobs' runs, in turn (mixed: a pack's members end apart)
 OVERDUE = 2.0
 MIN_WAIT_S = 5.0
-STARTUP_S = 30.0
+STARTUP_FACTOR = 2.0  # measured start-ups in the bound: the reserved packs' end and the gang's start
+STARTUP_FLOOR_S = 30.0  # the allowance before it was measured; a quiet machine (~4 s a start) keeps it
 WAITING = ("PENDING", "PLANNED")  # the service's and the agent's start-up for a join or a new pack
 RULE = os.environ.get("FAIR_LIVE_RULE", "slowdown")  # "rounds": the old rule, under which this test fails
 
@@ -86,6 +94,27 @@ def add_job(store, user: str, name: str, world_size: int = 1, run_s: float = RUN
                              gpu_model="h100"))
 
 
+def startup_measured_s(store, job_ids: list[int]) -> float:
+    """The slowest start of these jobs: submitted to RUNNING (the store's clock)."""
+    jobs = [store.get_job(j) for j in job_ids]
+    return max(j.start_time - j.submit_time for j in jobs if j.start_time is not None)
+
+
+def bound_for(point: float, startup_s: float) -> float:
+    """The gang's bound: its wait to its reservation point (slowdown `point` of its run,
+    and at least the minimum wait), the longest one-GPU run it waits for to drain, and
+    `STARTUP_FACTOR` measured start-ups (at least `STARTUP_FLOOR_S`)."""
+    return (max(MIN_WAIT_S, (point - 1) * RUN_S) + max(SINGLE_RUNS_S)
+            + max(STARTUP_FLOOR_S, STARTUP_FACTOR * startup_s))
+
+
+def test_the_bound_follows_the_measured_start_up():
+    # 25 s to the point (slowdown 6 of a 5 s run) + 14 s drain + the start-up allowance:
+    # 30 s on a quiet machine (as before), twice the measured start once that is longer.
+    assert bound_for(6.0, 4.0) == 25.0 + 14.0 + 30.0
+    assert bound_for(6.0, 40.0) == 25.0 + 14.0 + 80.0
+
+
 def test_a_gang_behind_a_stream_of_one_gpu_jobs_starts_within_its_bound(fair_live):
     svc, store = fair_live
     user = svc.settings.user
@@ -103,9 +132,11 @@ def test_a_gang_behind_a_stream_of_one_gpu_jobs_starts_within_its_bound(fair_liv
     gpus = sum(n.gpus * len(n.hostnames) for n in svc.site.nodes)
     for _ in range(2 * gpus):
         add_single()
-    run_until(svc, lambda: stream(0) >= 2 * gpus, 90, "two one-GPU jobs to run on every GPU")
+    # A set-up timeout, not the test's bound: on a busy machine the first packs start slowly.
+    run_until(svc, lambda: stream(0) >= 2 * gpus, 240, "two one-GPU jobs to run on every GPU")
     packs = store.packs(["RUNNING"], user=user)
     assert len(packs) == gpus and all(p.n_gpus == 1 for p in packs), [(p.id, p.n_gpus) for p in packs]
+    startup_s = startup_measured_s(store, singles)
     gang = add_job(store, user, "gang", world_size=2)
     submitted = time.monotonic()
     # Its bound: past its reservation point (wait >= MIN_WAIT_S, slowdown >= 1.5 and >=
@@ -113,12 +144,12 @@ def test_a_gang_behind_a_stream_of_one_gpu_jobs_starts_within_its_bound(fair_liv
     # 2 here: 16 slots churn, four jobs wait a few seconds) the two packs it reserved
     # drain, each within its longest member's run; then its start-up.
     point = max(1.5, FairConfig().gang_vs_single * 2.0)
-    bound_s = max(MIN_WAIT_S, (point - 1) * RUN_S) + max(SINGLE_RUNS_S) + STARTUP_S
+    bound_s = bound_for(point, startup_s)
     run_until(svc, lambda: stream(4) >= 0 and store.get_job(gang).state not in WAITING, bound_s,
               f"the 2-rank job to start behind the stream (fairness = {RULE!r})")
     waited_s = time.monotonic() - submitted
     job = store.get_job(gang)
     assert job.state in ("RUNNING", "COMPLETED"), (job.state, job.exit_reason, store.events(job_id=gang))
-    assert waited_s <= bound_s, (waited_s, bound_s, store.events(job_id=gang))
+    assert waited_s <= bound_s, (waited_s, bound_s, startup_s, store.events(job_id=gang))
     behind = sum(1 for j in singles if store.get_job(j).state in WAITING)
     assert behind > 0  # the stream went on: one-GPU jobs were still waiting when it started

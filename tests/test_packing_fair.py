@@ -12,7 +12,13 @@ import pytest
 import slurm_dlrm.packing.refill as refill
 from slurm_dlrm.packing import POLICY_NAMES, JobDemand, NodeShape, PackingRequest, plan
 from slurm_dlrm.packing.common import OVERDUE_PRIORITY, URGENT_PRIORITY, is_overdue_priority
-from slurm_dlrm.packing.fairness import fair_priority, gang_hold, is_overdue, slowdown_now
+from slurm_dlrm.packing.fairness import (
+    apply_fairness,
+    fair_priority,
+    gang_hold,
+    is_overdue,
+    slowdown_now,
+)
 from slurm_dlrm.packing.model import FairConfig, OpenGpu
 from slurm_dlrm.sim import parse_cluster, parse_workload, simulate
 from slurm_dlrm.site import GIB, GpuModel
@@ -59,6 +65,29 @@ def test_overdue_band_keeps_the_users_nice_order_then_the_most_overdue_first():
     assert p[4] == 5.0 and is_overdue_priority(p[3]) and not is_overdue_priority(p[4])
     urgent = job(5, prio=URGENT_PRIORITY + 1)
     assert fair_priority(urgent, now, FAIR) == urgent.priority
+
+
+def test_a_gang_past_its_reservation_point_is_in_the_band_below_the_bound():
+    # Issue 40: the band is at 100 by default, a backstop; a gang past its own point
+    # (max(gang_reserve_slowdown, gang_vs_single x the waiting one-GPU median)) is lifted
+    # into it, so the most overdue gang leads and keeps the GPUs it reserved.
+    cfg = FairConfig()
+    now = 3 * 3600.0
+    gang = job(1, dur=3600.0, world=2)  # slowdown 4 > max(2, 3 x 1.0)
+    single = job(2, dur=3600.0)  # slowdown 4 too, but not a gang: below the band (100)
+    fresh = [job(i, submit=now - 1, dur=3600.0) for i in (3, 4)]  # slowdown ~1: the one-GPU median
+    point = 3.0
+    assert is_overdue_priority(fair_priority(gang, now, cfg, point))
+    assert not is_overdue_priority(fair_priority(single, now, cfg, point))
+    assert not is_overdue_priority(fair_priority(gang, now, cfg))  # no point given: the band's bound only
+    assert not is_overdue_priority(fair_priority(gang, now, replace(cfg, gang_in_band=False), point))
+    assert not is_overdue_priority(fair_priority(gang, 2 * 3600.0 - 1, cfg, 3.0))  # slowdown just under 3 ...
+    assert is_overdue_priority(fair_priority(gang, 2 * 3600.0, cfg, 3.0))  # ... at the point it is
+    # apply_fairness computes the point from the waiting one-GPU jobs and lifts the gang.
+    req = PackingRequest(jobs=(gang, single, *fresh), gpu_models=(H100,),
+                         nodes=(NodeShape("h100", 4, 64, 512 * GIB, name="n"),), fair=cfg, now_s=now)
+    lifted = {j.job_id: j.priority for j in apply_fairness(req)[0].jobs}
+    assert is_overdue_priority(lifted[1]) and lifted[2] == lifted[3] == lifted[4] == 0.0
 
 
 @pytest.mark.parametrize("policy", POLICY_NAMES)
@@ -223,10 +252,13 @@ def test_the_rule_is_a_site_and_cluster_key(tmp_path):
     from slurm_dlrm.errors import BadInput
     from slurm_dlrm.packing.dispatch import DispatchConfig
 
-    assert DispatchConfig.from_site(make_site(tmp_path)).fair is None  # default: round-based aging
-    assert DispatchConfig.from_site(make_site(tmp_path, fairness="slowdown")).fair == FairConfig()
-    assert parse_cluster(CLUSTER).dispatch.fairness == "rounds"
-    assert parse_cluster({**CLUSTER, "packing": {"fairness": "slowdown"}}).dispatch.fairness == "slowdown"
+    # The default is the slowdown rule (issue 40); round-based aging is a site choice.
+    assert DispatchConfig.from_site(make_site(tmp_path)).fair == FairConfig()
+    assert DispatchConfig.from_site(make_site(tmp_path, fairness="rounds")).fair is None
+    assert DispatchConfig().fairness == "slowdown"
+    assert parse_cluster(CLUSTER).dispatch.fairness == "slowdown"
+    assert parse_cluster(CLUSTER).dispatch.fair == FairConfig()
+    assert parse_cluster({**CLUSTER, "packing": {"fairness": "rounds"}}).dispatch.fairness == "rounds"
     with pytest.raises(BadInput, match="fairness"):
         parse_cluster({**CLUSTER, "packing": {"fairness": "fifo"}})
 

@@ -31,10 +31,10 @@ class DispatchConfig:
     round_batch_size: int = 16
     max_wait_rounds: int = 30
     age_weight: float = 1.0  # priority added per age band
-    # "rounds" (the default): aging by passed-over rounds. "slowdown" (issue 31): the
-    # slowdown bound of slurm_dlrm.packing.fairness orders the queue and reserves GPUs for
-    # waiting gangs; round-based aging is off (docs/packing.md: what each costs).
-    fairness: str = "rounds"
+    # "slowdown" (the default, issue 40): the slowdown bound of slurm_dlrm.packing.fairness
+    # orders the queue and reserves GPUs for waiting gangs; round-based aging is off.
+    # "rounds": aging by passed-over rounds (docs/packing.md: what each costs).
+    fairness: str = "slowdown"
     fair_config: FairConfig = FairConfig()
 
     @property

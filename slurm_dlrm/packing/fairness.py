@@ -8,7 +8,11 @@ free together by chance. Pure: no I/O.
   into the overdue band, above every job that is not overdue, with its user's order
   kept (the base priority, from --nice, still counts first) and the most overdue first
   (highest response ratio next). Below the band nothing changes: the policies keep
-  their own order (complementary: drain tail, then shortest first).
+  their own order (complementary: drain tail, then shortest first). The band is at 100
+  by default (issue 40): a backstop against starvation; at 10 it reordered most of a
+  backlog and cost the one-GPU mixes 7-10% of their throughput (docs/packing.md "Fair by
+  default"). A gang past its reservation point (below) is in the band too
+  (`FairConfig.gang_in_band`), so the most overdue gang leads and keeps its GPUs.
 - A multi-GPU job past `gang_reserve_slowdown` that no node can take now and no pack
   can take as a join gets a *reservation* on the node where W GPUs free up soonest:
   that node's free GPUs, plus the running packs on it that end first (a pack gives its
@@ -62,11 +66,16 @@ def gang_reserve_bound(jobs: tuple[JobDemand, ...], now_s: float, cfg: FairConfi
     return max(cfg.gang_reserve_slowdown, cfg.gang_vs_single * median)
 
 
-def fair_priority(job: JobDemand, now_s: float, cfg: FairConfig) -> float:
+def fair_priority(job: JobDemand, now_s: float, cfg: FairConfig, gang_bound: float | None = None) -> float:
     """The job's priority under the bound: its own (base) priority, lifted into the
-    overdue band once overdue; within the band the base priority first, then the
+    overdue band once overdue (a gang also past `gang_bound`, its reservation point,
+    with `cfg.gang_in_band`); within the band the base priority first, then the
     slowdown (a fraction below 1, so one nice step outweighs any slowdown)."""
-    if job.priority >= URGENT_PRIORITY or not is_overdue(job, now_s, cfg):
+    if job.priority >= URGENT_PRIORITY:
+        return job.priority
+    gang_due = (cfg.gang_in_band and gang_bound is not None and job.is_gang
+                and is_overdue(job, now_s, cfg, min(gang_bound, cfg.overdue_slowdown)))
+    if not gang_due and not is_overdue(job, now_s, cfg):
         return job.priority
     ratio = slowdown_now(job, now_s, cfg)
     return OVERDUE_PRIORITY + job.priority + min(0.9, 0.9 * math.log(ratio) / math.log(1e6))
@@ -188,7 +197,8 @@ def apply_fairness(request: PackingRequest) -> tuple[PackingRequest, GangHold | 
     cfg, now = request.fair, request.now_s
     if cfg is None or now is None:
         return request, None, None
-    jobs = tuple(replace(j, priority=fair_priority(j, now, cfg)) for j in request.jobs)
+    gang_bound = gang_reserve_bound(request.jobs, now, cfg)
+    jobs = tuple(replace(j, priority=fair_priority(j, now, cfg, gang_bound)) for j in request.jobs)
     if cfg.tail_in_band:
         # The drain tail (jobs that would end last if started late, `drain_tail`) joins the
         # band at its top: otherwise the most overdue short jobs would push the longest
@@ -197,8 +207,7 @@ def apply_fairness(request: PackingRequest) -> tuple[PackingRequest, GangHold | 
         jobs = tuple(replace(j, priority=OVERDUE_PRIORITY + j.priority + 0.95)
                      if j.job_id in tail and j.priority < OVERDUE_PRIORITY / 2 else j for j in jobs)
     request = replace(request, jobs=jobs)
-    bound = gang_reserve_bound(jobs, now, cfg)
-    gangs = sorted((j for j in jobs if j.is_gang and is_overdue(j, now, cfg, bound)),
+    gangs = sorted((j for j in jobs if j.is_gang and is_overdue(j, now, cfg, gang_bound)),
                    key=lambda j: (-j.priority, -slowdown_now(j, now, cfg), j.job_id))
     hold = None
     for g in gangs:

@@ -172,7 +172,10 @@ class FairConfig:
     the node that frees its GPUs soonest take only joiners that end before then, and
     that node's free GPUs only new packs that do (backfill)."""
 
-    overdue_slowdown: float = 10.0
+    # 100: the band is a backstop against starvation, not an order. At 10 it reordered
+    # most of a backlog and cost the one-GPU mixes 7-10% of their throughput for little
+    # (docs/packing.md "Fair by default"); a site may lower it (`[packing] overdue_slowdown`).
+    overdue_slowdown: float = 100.0
     gang_reserve_slowdown: float = 2.0
     # ... or this times the waiting one-GPU jobs' median slowdown so far, if higher: 3, as a
     # waiting job's slowdown so far is well below its final one (docs/packing.md, the table)
@@ -180,6 +183,10 @@ class FairConfig:
     min_wait_s: float = 600.0  # nobody is overdue before waiting this long
     unknown_duration_s: float = 3600.0  # a job of unknown length counts as this long
     backfill_speed: float = 0.8  # a backfilled job must end by the reservation at this speed
+    # A gang past its reservation point (`gang_reserve_slowdown`, `gang_vs_single`) is in
+    # the overdue band too, below `overdue_slowdown`: the most overdue gang then leads
+    # the queue and keeps the GPUs it reserved from round to round.
+    gang_in_band: bool = True
     tail_in_band: bool = False  # measured worse (docs/packing.md); True: the drain tail goes first in the overdue band (fairness.apply_fairness)
 
 

@@ -257,8 +257,8 @@ def parse_cluster(data: Any, default_gpu_models: Mapping[str, GpuModel] | None =
     dispatch = DispatchConfig(
         round_seconds=p.num("round_seconds", 10.0, lo=0.1), round_batch_size=p.int_("round_batch_size", 16, lo=1),
         max_wait_rounds=p.int_("max_wait_rounds", 30, lo=1),
-        fairness=p.str_("fairness", "rounds", choices=("rounds", "slowdown")),
-        fair_config=FairConfig(overdue_slowdown=p.num("overdue_slowdown", 10.0, lo=1.0),
+        fairness=p.str_("fairness", "slowdown", choices=("rounds", "slowdown")),
+        fair_config=FairConfig(overdue_slowdown=p.num("overdue_slowdown", FairConfig().overdue_slowdown, lo=1.0),
                                gang_reserve_slowdown=p.num("gang_reserve_slowdown", 2.0, lo=1.0),
                                min_wait_s=p.num("overdue_min_wait_s", 600.0, lo=0.0)))
     p.done()
