@@ -27,7 +27,13 @@ same `SLURM_DLRM_FAKE_NVML` file and `SLURMD_NODENAME` as this process) counts a
 client of the GPU its `CUDA_VISIBLE_DEVICES` names (remapped through the fake MPS
 daemon's device list when it is an MPS client, as the real MPS server remaps), using its
 RSS as GPU memory and its CPU use as SM share. Processes listed in `processes` whose pid
-does not exist model processes that vanished between two NVML calls.
+does not exist model processes that vanished between two NVML calls. GPM (GPU
+performance monitoring, Hopper and later) follows nvidia-ml-py's functions and ctypes
+structures; a scenario GPU with `"gpm": false` has none.
+
+Over 600 lines on purpose: it stands in for one module (`pynvml`), which callers reach
+as `binding.X` for functions, constants, error classes and structures alike; split, it
+would no longer be the one module it imitates.
 """
 
 from __future__ import annotations
