@@ -8,6 +8,8 @@ kernels with the optimizer applied in backward), its data source and prefetcher
 CPU kernels ("Optimizer adam is not supported in CPU mode", fbgemm-gpu-cpu 1.8.0), so
 the runner (and this) put Adam on the non-fused path: torchrec's DENSE embedding
 kernel (data-parallel in torchrec 1.8), full-table gradients, torch.optim.Adam.
+A spec with `backend: torch` runs the runner's plain-torch backend instead
+(slurm_dlrm/train/backend_torch.py: nn.EmbeddingBag tables, sparse gradients when fused).
 
 Measures the peak of live tensor bytes with a TorchDispatchMode that records every
 storage an op takes or returns and its free (weakref finalizer on the storage), from
@@ -55,6 +57,10 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def _track(self, t: Any) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            return
+        if t.is_sparse:  # backend torch's sparse table gradients: their ids and rows
+            self._track(t._indices())
+            self._track(t._values())
             return
         st = t.untyped_storage()
         key = st.data_ptr()
@@ -158,7 +164,7 @@ def planner_estimate_bytes(planner: Any) -> int:
     return int(total)
 
 
-def device_copy(batch: Any, tracker: LiveTensorBytes) -> Any:
+def device_copy(batch: Any, tracker: LiveTensorBytes, backend: str = "torchrec") -> Any:
     """What `batch.to(device)` gives the model on a GPU: its own copy of the batch
     (made untracked, then counted), while the source keeps its host batches."""
     from torch.utils._python_dispatch import _disable_current_modes
@@ -167,9 +173,13 @@ def device_copy(batch: Any, tracker: LiveTensorBytes) -> Any:
 
     with _disable_current_modes():
         kjt = batch.sparse_features
+        if backend == "torch":
+            kjt.length_per_key()
+        # the per-table id counts the torch backend's source computes on the host travel along
         copy = Batch(dense_features=batch.dense_features.clone(), labels=batch.labels.clone(),
                      sparse_features=KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values().clone(),
-                                                       lengths=kjt.lengths().clone()))
+                                                       lengths=kjt.lengths().clone(),
+                                                       length_per_key=kjt._length_per_key))
     for t in (copy.dense_features, copy.labels, copy.sparse_features.values(), copy.sparse_features.lengths()):
         tracker._track(t)
     return copy
@@ -178,9 +188,9 @@ def device_copy(batch: Any, tracker: LiveTensorBytes) -> Any:
 def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str | None = None) -> dict[str, Any]:
     """Train like `slurm-dlrm train` does (slurm_dlrm/train/runner.py: Trainer.run):
     the runner's model build, data source and prefetcher, and its step loop."""
+    from slurm_dlrm.train.backends import TORCH, build, resolve
     from slurm_dlrm.train.data import Prefetcher, make_source
     from slurm_dlrm.train.hostmem import fix_malloc_mmap_threshold
-    from slurm_dlrm.train.model import build
 
     t0 = time.time()
     fix_malloc_mmap_threshold()  # as the runner's run() does
@@ -189,16 +199,19 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     else:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    planner_bytes = planner_bytes_for(spec, world) if rank == 0 else 0
+    backend, _why = resolve(spec.backend)
+    planner_bytes = planner_bytes_for(spec, world) if rank == 0 and backend != TORCH else 0
     rss_baseline = current_rss_bytes()
     tracker = LiveTensorBytes()
     tracker.debug = tracker.debug and rank == 0
     # The data source (the synthetic source's ring of ready batches, numpy pools) is
     # host memory on a GPU: made outside the tracker; it shows in the peak RSS.
+    # (backend torch: the runner's HostLengths counts each table's ids on the host batch;
+    # device_copy does that here, untracked, since on a GPU it is host work)
     source = make_source(spec, rank, world)
     with tracker:
         torch.manual_seed(spec.seed * 1000)
-        built = build(spec, cpu, world, world)
+        built = build(backend, spec, cpu, world, world)
         static_bytes = tracker.live
         model, optimizer = built.model, built.optimizer
         model.train()
@@ -210,7 +223,7 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
         # the runner's Trainer._autocast: forward under autocast when mixed precision is on
         amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.mixed_precision)
         for _step, host_batch in prefetch:
-            batch = device_copy(host_batch, tracker)
+            batch = device_copy(host_batch, tracker, backend)
             del host_batch
             optimizer.zero_grad()
             with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():

@@ -13,8 +13,12 @@ tensor bytes and the peak RSS. Printed side by side with:
 Adam: fbgemm's CPU kernels have no fused Adam, so Adam configs run (and are
 estimated) on the non-fused path; see benchmarks/_measure.py.
 
+`--backend torch`: every config with `backend: torch` (the runner's plain-PyTorch
+backend, estimated by slurm_dlrm/estimate/timeline_torch.py); torchrec's planner does
+not apply there (its column reads 0).
+
 Run:  /work/main/.venv/bin/python benchmarks/estimator_accuracy.py [--only NAME] [--steps N]
-      [--spec FILE ...] [--specs-only]
+      [--spec FILE ...] [--specs-only] [--backend torchrec|torch]
 Last line:  estimator: configs=N median_err_pct=X p95_err_pct=X max_under_pct=X
             rss_median_err_pct=X rss_max_under_pct=X planner_median_err_pct=X
             rss_anon_median_err_pct=X rss_anon_max_under_pct=X rss_file_median_mib=X
@@ -180,6 +184,8 @@ def main() -> None:
     ap.add_argument("--spec", action="append", default=[], metavar="FILE",
                     help="also run this spec file (YAML/JSON); repeatable")
     ap.add_argument("--specs-only", action="store_true", help="run only the --spec files")
+    ap.add_argument("--backend", choices=("torchrec", "torch"), default="torchrec",
+                    help="the runner's model backend every config trains on")
     ap.add_argument("--jobs", type=int, default=2,
                     help="children measured at once (memory is per process, so this does not change figures)")
     args = ap.parse_args()
@@ -191,6 +197,8 @@ def main() -> None:
             c["data"] = {"type": "criteo-npy", "path": npy}
     for path in args.spec:
         configs.append(load_spec(path).to_dict())
+    if args.backend != "torchrec":
+        configs = [dict(c, backend=args.backend) for c in configs]
     print(f"{'config':<24} {'measured':>9} {'estimate':>9} {'err%':>6} | {'planner':>9} {'err%':>7} | "
           f"{'RSS':>8} {'est RSS':>8} {'err%':>6} {'files':>6} {'anon%':>6} | {'ms':>5} phase")
     errs: list[float] = []
@@ -209,7 +217,7 @@ def main() -> None:
         est_ms = (time.perf_counter() - t) * 1000
         meas = m["peak_tensor_bytes"]
         e = pct(est.tensor_peak_bytes, meas)
-        pe = pct(m["planner_bytes"], meas)
+        pe = pct(m["planner_bytes"], meas) if m["planner_bytes"] else float("nan")
         re = pct(est.host_peak_bytes, m["peak_rss_bytes"])
         files = int(m.get("rss_file_bytes") or 0)
         ae = pct(est.host_peak_bytes - HOST_RUNTIME_CPU_MAPPED_FILES_BYTES, m["peak_rss_bytes"] - files)
@@ -231,6 +239,7 @@ def main() -> None:
     print(f"estimator, live tensor bytes: median |err| {statistics.median(abs_errs):.2f}%  p95 {p95(abs_errs):.2f}%  "
           f"max {max(abs_errs):.2f}%  under-estimates {len(unders)}, of which {sum(u > 0.5 for u in unders)} by more "
           f"than 0.5% (worst {max(unders, default=0.0):.2f}%)")
+    planner_errs = [x for x in planner_errs if x == x] or [float("nan")]  # backend torch: no planner
     print(f"torchrec planner, same configs: median |err| {statistics.median(abs(x) for x in planner_errs):.1f}%  "
           f"under-estimates {sum(x < 0 for x in planner_errs)} (worst {max((-x for x in planner_errs), default=0):.1f}%)")
     print(f"estimator, host peak RSS: median |err| {statistics.median(abs(x) for x in rss_errs):.1f}%  "
@@ -247,7 +256,8 @@ def main() -> None:
           f"planner_median_err_pct={statistics.median(abs(x) for x in planner_errs):.2f} "
           f"rss_anon_median_err_pct={statistics.median(abs(x) for x in anon_errs):.2f} "
           f"rss_anon_max_under_pct={max(max((-x for x in anon_errs), default=0.0), 0.0):.2f} "
-          f"rss_file_median_mib={statistics.median(file_mibs):.0f}")
+          f"rss_file_median_mib={statistics.median(file_mibs):.0f}"
+          + ("" if args.backend == "torchrec" else f" backend={args.backend}"))
 
 
 if __name__ == "__main__":

@@ -9,12 +9,16 @@ visible), in interleaved segments so that machine noise hits both alike:
   ours    slurm_dlrm.train's Trainer.run(): batches made on the fly, metrics line every
           `metrics_every_steps`, checkpoint every `checkpoint_every_steps`, signal checks
 
+`--backend torch`: the runner's plain-PyTorch backend against the textbook plain-torch
+loop over the same model code (slurm_dlrm/train/plain_dlrm.py: nn.EmbeddingBag tables
+with sparse gradients, torch Adagrad on tables and MLPs), batches made before the clock.
+
 The two alternate every `metrics_every_steps` steps (lockstep windows) so that the noise
 of a shared machine falls on both alike; overhead_pct = (1 - ours/bare samples/s) * 100
 over all measured steps. Target: <= 3.
 
-Run: /work/main/.venv/bin/python benchmarks/runner_overhead.py [--steps 1000]
-Last line: `runner: overhead_pct=X`.
+Run: /work/main/.venv/bin/python benchmarks/runner_overhead.py [--steps 1000] [--backend torch]
+Last line: `runner: overhead_pct=X` (with --backend torch: `runner: overhead_pct=X backend=torch`).
 """
 
 from __future__ import annotations
@@ -77,6 +81,27 @@ def build_bare(spec, device: torch.device):
     return dmp, CombinedOptimizer([dmp.fused_optimizer, dense])
 
 
+def build_bare_torch(spec, device: torch.device):
+    """The textbook plain-torch loop over the torch backend's model code, no runner code."""
+    from slurm_dlrm.train.backend_torch import PlainDLRMTrain
+    from slurm_dlrm.train.plain_dlrm import PlainDLRM, optimizers_for
+
+    torch.manual_seed(spec.seed)
+    module = PlainDLRM(spec, device, sparse_tables=True)
+    opts, _notes = optimizers_for(spec, module, True)
+
+    class Both:
+        def zero_grad(self) -> None:
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+
+        def step(self) -> None:
+            for o in opts:
+                o.step()
+
+    return PlainDLRMTrain(module), Both()
+
+
 def bare_segment(model, optimizer, batches, device: torch.device) -> float:
     t0 = time.perf_counter()
     for batch in batches:
@@ -95,6 +120,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000, help="measured training steps per side")
     parser.add_argument("--block", type=int, default=100, help="steps per printed block")
     parser.add_argument("--checkpoint-every", type=int, default=200, help="our runner's checkpoint interval")
+    parser.add_argument("--backend", choices=("torchrec", "torch"), default="torchrec",
+                        help="the runner's model backend (and the bare loop's model code)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1 keeps a shared machine's noise down)")
     args = parser.parse_args()
@@ -103,15 +130,20 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     warmup = 30
-    spec = parse_spec(dict(SPEC, steps=warmup + args.steps, checkpoint_every_steps=args.checkpoint_every))
+    spec = parse_spec(dict(SPEC, steps=warmup + args.steps, checkpoint_every_steps=args.checkpoint_every,
+                           backend=args.backend))
     work = Path(tempfile.mkdtemp(prefix="runner-overhead-"))
     opts = RunOptions(metrics_file=work / "metrics.jsonl", checkpoint_dir=work / "ckpt", resume=False, tty=False)
     trainer = setup(spec, opts, StopFlag())
     device = trainer.device
-    model, optimizer = build_bare(spec, device)
-    if str(model.plan) != str(trainer.built.model.plan):
+    model, optimizer = build_bare(spec, device) if args.backend == "torchrec" else build_bare_torch(spec, device)
+    if args.backend == "torchrec" and str(model.plan) != str(trainer.built.model.plan):
         print(f"note: the sharding plans differ:\nbare:\n{model.plan}\nours:\n{trainer.built.model.plan}")
     source = SyntheticBatches(spec)
+    if args.backend == "torch":  # the batches know their ids per table, as the runner's do (HostLengths)
+        from slurm_dlrm.train.backend_torch import HostLengths
+
+        source = HostLengths(source)
 
     # Data generation speed against training speed (the loader must not be the bottleneck).
     t0 = time.perf_counter()
@@ -149,7 +181,7 @@ def main() -> None:
     measured = [w for w in windows if w[0] > warmup]  # the first windows hold one-time set-up
     cpu_measured = [c for w, c in zip(windows, cpu_windows, strict=True) if w[0] > warmup]
 
-    print(f"config: {len(spec.tables)} tables, batch {spec.batch_size}, device {device}, torch threads "
+    print(f"config: backend {args.backend}, {len(spec.tables)} tables, batch {spec.batch_size}, device {device}, torch threads "
           f"{args.threads}, {args.steps} steps per side in lockstep windows of {every}, "
           f"checkpoint every {args.checkpoint_every}, metrics every {every}")
     print(f"{'steps':>11} {'bare samples/s':>15} {'ours samples/s':>15} {'overhead %':>11}")
@@ -179,7 +211,8 @@ def main() -> None:
     teardown(trainer)
     if dist.is_initialized():
         dist.destroy_process_group()
-    print(f"runner: overhead_pct={(1 - ours_sps / bare_sps) * 100:.2f}")
+    tail = "" if args.backend == "torchrec" else f" backend={args.backend}"
+    print(f"runner: overhead_pct={(1 - ours_sps / bare_sps) * 100:.2f}{tail}")
 
 
 if __name__ == "__main__":

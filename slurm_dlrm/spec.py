@@ -34,6 +34,9 @@ PLACEMENTS = ("hbm", "uvm", "host")
 INTERACTIONS = ("dot", "dcn")
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 MIXED_PRECISION = ("none", "fp16", "bf16")
+# The built-in runner's model code: torchrec + fbgemm-gpu, or plain PyTorch
+# (nn.EmbeddingBag + MLPs); auto: torchrec where fbgemm-gpu imports (docs/runner.md).
+BACKENDS = ("auto", "torchrec", "torch")
 DATA_TYPES = ("synthetic", "criteo-tsv", "criteo-npy")
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _CUSTOM_MODULE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*")
@@ -181,6 +184,7 @@ class JobSpec:
     # "pkg.module:factory": factory(spec) -> torch.nn.Module replaces the DLRM model;
     # such a spec is estimated by tracing (slurm_dlrm.estimate.traced).
     custom_module: str | None = None
+    backend: str = "auto"  # one of BACKENDS
     source: str | None = field(default=None, compare=False)  # the file it came from, for messages
 
     @property
@@ -231,6 +235,8 @@ class JobSpec:
         out["command"] = list(self.command) if self.command is not None else None
         if self.custom_module is not None:
             out["custom_module"] = self.custom_module
+        if self.backend != "auto":  # left out by default: older specs keep their fingerprint
+            out["backend"] = self.backend
         return out
 
 
@@ -480,6 +486,8 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
     if custom_module is not None and not _CUSTOM_MODULE_RE.fullmatch(custom_module):
         raise view.error("custom_module", f"must look like 'package.module:factory', got {short_repr(custom_module)}")
 
+    backend = view.str_("backend", "auto", choices=BACKENDS)
+
     view.done()
     return JobSpec(
         name=name, tables=tables, dense_features=dense_features, bottom_mlp=bottom_mlp, top_mlp=top_mlp,
@@ -487,7 +495,7 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
         loader_workers=loader_workers, prefetch_batches=prefetch_batches, steps=steps, epochs=epochs,
         data=data_spec, seed=seed, world_size=world_size, checkpoint_every_steps=checkpoint_every_steps,
         metrics_every_steps=metrics_every_steps, command=command, eval=eval_spec, preset=preset_name, scale=scale,
-        custom_module=custom_module, source=source,
+        custom_module=custom_module, backend=backend, source=source,
     )
 
 

@@ -238,3 +238,39 @@ def test_a_member_first_seen_before_its_exec_is_found_after_it(tmp_path, monkeyp
     finally:
         p.kill()
         p.wait()
+
+
+def test_gpm_metrics_over_a_window_and_none_before_hopper():
+    """Issue 38: GPM (SM util, occupancy, DRAM bandwidth, tensor activity) through the
+    seam; a GPU without GPM (isSupportedDevice 0) gives None, and the fake follows the
+    real binding's names and structures."""
+    import time as _time
+
+    from slurm_dlrm.agent.nvml import GPM_METRICS, Nvml
+    from slurm_dlrm.emulated import nvml as fake_nvml
+
+    fake = fake_nvml.FakeNvml({"gpus": [{"name": "H100"}, {"name": "A100", "gpm": False}]})
+    fake.add_process(11, 0, 1 << 30, sm_util_pct=40, mem_util_pct=30)
+    fake.add_process(12, 0, 1 << 30, sm_util_pct=30, mem_util_pct=50)
+    nv = Nvml(fake)
+    assert nv.init()
+    window = nv.gpm_begin(0)
+    assert window is not None
+    _time.sleep(0.01)
+    got = nv.gpm_end(window)
+    assert got == {"sm_util_pct": 70.0, "sm_occupancy_pct": 35.0, "tensor_util_pct": 21.0, "dram_bw_util_pct": 80.0}
+    assert set(got) == set(GPM_METRICS)
+    assert fake.calls["nvmlGpmSampleFree"] == 2  # both samples given back
+    assert nv.gpm_begin(1) is None and nv.gpm_begin(1) is None
+    assert fake.calls["nvmlGpmQueryDeviceSupport"] == 2  # asked once for the GPU without GPM
+    pynvml = pytest.importorskip("pynvml")
+    for name in ("nvmlGpmQueryDeviceSupport", "nvmlGpmSampleAlloc", "nvmlGpmSampleGet", "nvmlGpmMetricsGet",
+                 "nvmlGpmSampleFree", "NVML_GPM_METRICS_GET_VERSION"):
+        assert hasattr(pynvml, name), name
+    for metric, metric_id in GPM_METRICS.items():
+        real = {"sm_util_pct": "NVML_GPM_METRIC_SM_UTIL", "sm_occupancy_pct": "NVML_GPM_METRIC_SM_OCCUPANCY",
+                "tensor_util_pct": "NVML_GPM_METRIC_ANY_TENSOR_UTIL",
+                "dram_bw_util_pct": "NVML_GPM_METRIC_DRAM_BW_UTIL"}[metric]
+        assert getattr(pynvml, real) == metric_id == getattr(fake_nvml, real)
+    for struct in ("c_nvmlGpmMetricsGet_t", "c_nvmlGpmMetric_t"):
+        assert [f[0] for f in getattr(pynvml, struct)._fields_] == [f[0] for f in getattr(fake_nvml, struct)._fields_]

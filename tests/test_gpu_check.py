@@ -1,6 +1,7 @@
-"""scripts/gpu-check.sh (issue 33): the --dry run against the fakes and the CPU, its bad
-input, and the plain-torch DLRM it measures on a GPU (it must be the model the
-estimator describes)."""
+"""scripts/gpu-check.sh (issues 33, 38): the --dry run against the fakes and the CPU (our
+runner per memory config, a real pack under the agent, co-location groups of 2-5 with
+repeats and GPM), its bad input, and the plain-torch DLRM it measures on a GPU (it must
+be the model the estimator describes)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_dry_run_writes_what_the_gpu_run_writes_and_says_dry(tmp_path):
     proc = _script("--dry", str(out), env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir()) == ["colocation.csv", "colocation.jsonl", "log.txt", "memory.jsonl",
-                                                     "selftest.json", "summary.txt"]
+                                                     "pack.jsonl", "selftest.json", "summary.txt"]  # <= 8 files back
     summary = (out / "summary.txt").read_text()
     assert summary.startswith("DRY RUN") and "NOTHING HERE WAS MEASURED ON A GPU" in summary
     assert summary == proc.stdout
@@ -54,30 +55,48 @@ def test_dry_run_writes_what_the_gpu_run_writes_and_says_dry(tmp_path):
     statuses = {c["status"] for c in selftest["checks"]}
     assert "PASS" not in statuses and "DRY" in statuses  # the fakes: never a hardware PASS
 
+    # memory: our runner (backend torch, torchrec hidden) per config, beside the estimate
     memory = [json.loads(line) for line in (out / "memory.jsonl").read_text().splitlines()]
-    assert len(memory) >= 12
-    assert all(r["dry"] is True and r["status"] == "DRY" for r in memory), [r.get("error") for r in memory]
-    optimizers = {r["spec"]["optimizer"]["type"] for r in memory}
-    assert optimizers == {"sgd", "adagrad", "adam", "rowwise_adagrad"}
-    assert {r["spec"].get("mixed_precision", "none") for r in memory} == {"none", "bf16"}
+    assert memory and all(r["dry"] is True and r["status"] == "DRY" for r in memory), [r.get("error") for r in memory]
     for r in memory:
-        assert r["estimate_bytes"] > 0 and r["rules_that_differ"]
-        assert r["measured"]["max_memory_reserved_bytes"] is None  # no CUDA: nothing of torch's peaks is made up
-        assert r["measured"]["nvml_process_bytes"] > 0  # the fake NVML saw the worker through the agent's seam
-        assert r["measured"]["batches_on_device"] == 1  # as the estimator counts: the batch in use
-        opt = r["rules"]["optimizer_state"]
-        assert opt["measured_embedding_bytes"] == opt["estimate_embedding_bytes"], r["config"]
+        assert r["spec"]["backend"] == "torch" and r["runner"]["exit_code"] == 0
+        assert r["estimate_bytes"] > 0 and any("backend torch" in n for n in r["estimate_notes"])
+        assert r["measured"]["max_memory_allocated_bytes"] is None  # the CPU: no CUDA peak is made up
+        assert r["measured"]["nvml_process_bytes"] > 0  # the fake NVML saw the runner through the agent's seam
 
+    # a real pack: the agent runs five of our runners; the one past its fence is a GPU OOM
+    pack = [json.loads(line) for line in (out / "pack.jsonl").read_text().splitlines()]
+    members = {r["name"]: r for r in pack if r["kind"] == "member"}
+    assert len(members) == 5
+    assert members["over-fence"]["state"] == "OOM_GPU" and members["over-fence"]["meant_to_go_over"]
+    for name, m in members.items():
+        if name != "over-fence":
+            assert m["state"] == "COMPLETED" and m["steps_done"] == m["steps_total"], m
+        assert m["samples"] > 0 and m["fence_mib"] > 0 and m["estimate_bytes"] > 0
+    agent = next(r for r in pack if r["kind"] == "agent")
+    assert agent["agent_exit_code"] == 0
+    store = agent["store"]
+    assert store["ingested"]["samples"] > 0 and not store["moves_refused"]
+    assert sorted(row["state"] for row in store["acct"]) == ["COMPLETED"] * 4 + ["OOM"]
+    assert "over-fence member GPU OOM: True; other OOMs: none; neighbours complete 4/4" in summary
+
+    # co-location: alone twice, groups of 2, 3, 4 and 5 twice each, GPM beside the shares
     coloc = [json.loads(line) for line in (out / "colocation.jsonl").read_text().splitlines()]
     alone = [r for r in coloc if r["kind"] == "alone"]
-    pairs = [r for r in coloc if r["kind"] == "pair"]
-    assert len(alone) == 8 and len(pairs) == 28 and all(r["dry"] for r in coloc)
+    groups = [r for r in coloc if r["kind"] == "group"]
+    assert len(alone) == 8 and all(len(r["windows"]) == 2 for r in alone) and all(r["dry"] for r in coloc)
+    assert sorted(r["size"] for r in groups) == [2, 2, 3, 3, 4, 4, 5, 5]
+    assert sorted(r["repeat"] for r in groups) == [0] * 4 + [1] * 4
     assert {r["mode"] for r in coloc} == {"mps"}  # the fake daemon started through the agent's MPS seam
+    for r in groups:
+        assert len(r["agent_thread_pct"]) == r["size"] and all(1 <= p <= 100 for p in r["thread_pct"])
+        assert all(p >= a for p, a in zip(r["thread_pct"], r["agent_thread_pct"], strict=True))  # never below
+        assert set(r["nvml"]["gpm"]) == {"sm_util_pct", "sm_occupancy_pct", "tensor_util_pct", "dram_bw_util_pct"}
     csv_text = (out / "colocation.csv").read_text()
     assert csv_text.startswith("# DRY")
-    groups, _notes = read_groups(str(out / "colocation.csv"))  # the reader `interference eval --samples` uses
-    assert len(groups) == 28 and all(len(g.members) == 2 and g.speeds for g in groups)
-    assert "28 pairs in colocation.csv" in summary
+    read, _notes = read_groups(str(out / "colocation.csv"))  # the reader `interference eval --samples` uses
+    assert sorted(len(g.members) for g in read) == [2, 2, 3, 3, 4, 4, 5, 5] and all(g.speeds for g in read)
+    assert "4 measured groups x2 (sizes {2: 1, 3: 1, 4: 1, 5: 1}" in summary
 
 
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path):
@@ -170,10 +189,10 @@ def test_colocation_falls_back_to_time_slicing_when_mps_clients_fail(tmp_path, m
     real = C._start_workers
     calls = []
 
-    def start(out_, where_, job_types, mps):
+    def start(out_, where_, job_types, mps, thread_pct=100):
         calls.append(mps.on)
         if not mps.on:
-            return real(out_, where_, job_types, mps)
+            return real(out_, where_, job_types, mps, thread_pct)
         workers = []
         for name, _ in job_types:  # clients that die at CUDA's first call
             proc = subprocess.Popen([sys.executable, "-c", "pass"], stdin=subprocess.PIPE,  # noqa: S603
@@ -188,11 +207,11 @@ def test_colocation_falls_back_to_time_slicing_when_mps_clients_fail(tmp_path, m
         import shutil
 
         shutil.rmtree(where.work, ignore_errors=True)
-    assert calls == [True, False]
+    assert calls[:2] == [True, False] and not any(calls[2:])  # then time-slicing only
     assert result["mode"] == "time-slicing" and "2 of 2 clients failed" in result["mps_detail"]
-    assert len(result["alone"]) == 2 and len(result["pairs"]) == 1
-    (group,), _ = read_groups(str(out.folder / "colocation.csv"))
-    assert len(group.members) == 2
+    assert len(result["alone"]) == 2 and len(result["groups"]) == 2  # the one pair, twice
+    read, _ = read_groups(str(out.folder / "colocation.csv"))
+    assert [len(g.members) for g in read] == [2, 2]
     assert "mode time-slicing" in (out.folder / "colocation.csv").read_text().splitlines()[0]
 
 
@@ -219,7 +238,9 @@ def test_a_worker_that_dies_costs_its_own_pairs_only(tmp_path, monkeypatch):
     where = G.prepare(out, G.DEFAULT_SITE, None)
     real = C._start_workers
 
-    def start(out_, where_, job_types, mps):
+    def start(out_, where_, job_types, mps, thread_pct=100):
+        if thread_pct != 100:  # the extra workers at other thread shares: as they are
+            return real(out_, where_, job_types, mps, thread_pct)
         workers = real(out_, where_, job_types[:2], mps)
         # says it is ready, then dies (a CUDA error, an OOM) before its first window
         proc = subprocess.Popen([sys.executable, "-c", "print('{\"event\": \"ready\"}', flush=True)"],  # noqa: S603
@@ -237,10 +258,13 @@ def test_a_worker_that_dies_costs_its_own_pairs_only(tmp_path, monkeypatch):
         import shutil
 
         shutil.rmtree(where.work, ignore_errors=True)
-    assert result["alone"][G.JOB_TYPES[2][0]]["window"]["event"] == "error"
-    assert len(result["pairs"]) == 3  # every pair was tried
-    (group,), _ = read_groups(str(out.folder / "colocation.csv"))  # only the pair of the two that ran
-    assert {str(j) for j in group.jobs} == {G.JOB_TYPES[0][0], G.JOB_TYPES[1][0]}
+    dead = G.JOB_TYPES[2][0]
+    assert result["alone"][dead]["window"]["event"] == "error"
+    assert len(result["groups"]) == 4  # a pair and the triple, each tried twice
+    read, _ = read_groups(str(out.folder / "colocation.csv"))  # only groups whose members all ran
+    assert all(dead not in {str(j) for j in g.jobs} for g in read)
+    with_dead = [g for g in result["groups"] if dead in g["jobs"]]
+    assert len(read) == len(result["groups"]) - len(with_dead)
 
 
 def test_gpu_sizes_cover_the_issue_and_fit_the_gpu():
@@ -267,3 +291,64 @@ def test_gpu_sizes_cover_the_issue_and_fit_the_gpu():
     assert sum(peaks) < 0.5 * h100.memory_gib * (1 << 30)  # all eight warm workers on one GPU
     ids = [sum(t.ids_per_sample for t in s.tables) * s.batch_size for s in jobs]
     assert max(ids) / min(ids) >= 32  # ids per step: gather-heavy (1 M) to one id per table (32 k)
+
+
+def test_groups_cover_sizes_2_to_5_with_every_job_type_about_as_often():
+    from collections import Counter
+
+    from slurm_dlrm.selftest.gpu_colocation import (
+        GROUPS_PER_SIZE,
+        REPEATS,
+        choose_groups,
+        group_thread_pcts,
+    )
+    from slurm_dlrm.selftest.gpu_configs import JOB_TYPES
+
+    names = [n for n, _ in JOB_TYPES]
+    groups = choose_groups(names, GROUPS_PER_SIZE)
+    assert len(groups) >= 40 and len(set(groups)) == len(groups) and REPEATS == 2
+    assert Counter(len(g) for g in groups) == Counter(GROUPS_PER_SIZE)
+    per_job = Counter(n for g in groups for n in g)
+    assert max(per_job.values()) - min(per_job.values()) <= 2
+    assert choose_groups(names, GROUPS_PER_SIZE) == groups  # the same every run
+    # busy members (NVML reads ~100 % SM alone): the agent caps each at 1.5x its share
+    agent, applied = group_thread_pcts([100.0, 100.0, 100.0])
+    assert agent == [50, 50, 50] and applied == [50, 50, 50]
+    agent, applied = group_thread_pcts([30.0, 20.0])  # they fit: nobody capped
+    assert agent == applied == [100, 100]
+    agent, applied = group_thread_pcts([90.0, 100.0, 80.0, None])
+    assert all(a <= p for a, p in zip(agent, applied, strict=True)) and applied[3] == applied[1]
+
+
+def test_pack_placement_fences_members_as_the_service_does(tmp_path, monkeypatch):
+    """Fences of the pack step: estimate + the site's margin, the over-fence member at a
+    third of its estimate; thread shares from the packing policy; our runner as command."""
+    from slurm_dlrm.emulated import nvml as fake_nvml
+    from slurm_dlrm.estimate import estimate
+    from slurm_dlrm.selftest import gpu_check as G
+    from slurm_dlrm.selftest import gpu_pack as P
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.spec import parse_spec
+
+    monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, "")
+    out = G.Out(tmp_path / "out", dry=False)  # GPU sizes and fences, nothing started
+    out.folder.mkdir()
+    where = G.prepare(G.Out(tmp_path / "out", dry=True), G.DEFAULT_SITE, None)
+    try:
+        placement, rows = P.build_placement(out, where, tmp_path / "pack")
+    finally:
+        import shutil
+
+        shutil.rmtree(where.work, ignore_errors=True)
+    site = load_site(G.DEFAULT_SITE)
+    h100 = site.gpu_model(where.model_name)
+    margin = site.packing.memory_margin_pct
+    assert len(placement["members"]) == 5 and placement["mps"] is True
+    for m, r in zip(placement["members"], rows, strict=True):
+        est = estimate(parse_spec(r["spec"], r["name"]), h100).gpu_peak_bytes
+        assert r["spec"]["backend"] == "torch" and m["command"][1:3] == ["-m", "slurm_dlrm.train"]
+        if r["name"] == P.OVER:
+            assert m["gpu_mem_limit_mib"] * (1 << 20) < est / 2  # its real peak is over its fence
+        else:
+            assert est * (1 + margin / 100) <= m["gpu_mem_limit_mib"] * (1 << 20) < est * (1 + margin / 100) + (2 << 20)
+        assert 10 <= m["mps_thread_pct"] <= 100

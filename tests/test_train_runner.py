@@ -37,6 +37,10 @@ from slurm_dlrm.train import checkpoint as ckpt  # noqa: E402
 from slurm_dlrm.train.runner import RunOptions, exit_code_for, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# The runner's model backends (docs/runner.md). Every test here passed on both; CI runs
+# the cheap ones on both (in-process runs, one signal test) and the torch backend's own
+# multi-rank and no-torchrec tests below, to stay inside its time budget.
+BACKENDS = ["torchrec", "torch"]
 CONTRACT_FIELDS = {"t", "step", "samples_per_s", "step_time_s", "loss", "peak_gpu_bytes", "peak_tensor_bytes", "rss_bytes"}
 
 
@@ -78,8 +82,11 @@ def _run(tmp: Path, spec: dict, **opts) -> int:
                                                        checkpoint_dir=tmp / "ckpt", tty=False, **opts))
 
 
-def test_trains_on_cpu_and_writes_metrics(tmp_path: Path):
-    assert _run(tmp_path, tiny()) == TRAIN_EXIT_OK
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_trains_on_cpu_and_writes_metrics(tmp_path: Path, backend: str, caplog):
+    caplog.set_level(logging.INFO, logger="slurm_dlrm.train")
+    assert _run(tmp_path, tiny(backend=backend)) == TRAIN_EXIT_OK
+    assert caplog.text.count(f"backend {backend} (spec)") == 1  # said once in the job's log
     recs = lines(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in recs] == [4, 8, 12, 16, 20, 24]
     for r in recs:
@@ -99,19 +106,22 @@ def test_trains_on_cpu_and_writes_metrics(tmp_path: Path):
     # every 5 steps plus the final one, newest 2 kept
     assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [24, 20]
     # Rerun: already done. --no-resume: starts over and drops the old checkpoints.
-    assert _run(tmp_path, tiny()) == TRAIN_EXIT_OK
+    assert _run(tmp_path, tiny(backend=backend)) == TRAIN_EXIT_OK
     assert len(lines(tmp_path / "metrics.jsonl")) == 6
-    assert _run(tmp_path, tiny(steps=7), resume=False) == TRAIN_EXIT_OK
+    assert _run(tmp_path, tiny(steps=7, backend=backend), resume=False) == TRAIN_EXIT_OK
     assert [s for s, _ in ckpt.list_steps(tmp_path / "ckpt")] == [7, 5]
     assert [r["step"] for r in lines(tmp_path / "metrics.jsonl")][6:] == [4, 7]
 
 
-@pytest.mark.parametrize("optimizer", [
-    {"type": "adagrad", "lr": 0.05},  # fused TBE kernels, optimizer in backward
-    {"type": "adam", "lr": 0.01},  # no fused Adam on the CPU: DENSE kernel + torch.optim.Adam
+@pytest.mark.parametrize("backend, optimizer", [
+    ("torchrec", {"type": "adagrad", "lr": 0.05}),  # fused TBE kernels, optimizer in backward
+    ("torchrec", {"type": "adam", "lr": 0.01}),  # no fused Adam on the CPU: DENSE kernel + torch.optim.Adam
+    ("torch", {"type": "adagrad", "lr": 0.05}),  # sparse table gradients + torch Adagrad
+    ("torch", {"type": "adam", "lr": 0.01}),  # SparseAdam: its int step counts travel in the checkpoint
+    ("torch", {"type": "rowwise_adagrad", "lr": 0.05, "fused": False}),  # dense table gradients
 ])
-def test_interrupted_and_resumed_run_is_exact(tmp_path: Path, optimizer: dict):
-    spec = tiny(optimizer=optimizer)
+def test_interrupted_and_resumed_run_is_exact(tmp_path: Path, backend: str, optimizer: dict):
+    spec = tiny(optimizer=optimizer, backend=backend)
     assert _run(tmp_path / "a", spec) == TRAIN_EXIT_OK
     # Stop after step 13 (as SIGTERM would): checkpoint at 13, exit 5; then resume.
     assert _run(tmp_path / "b", spec, stop_after_step=13) == TRAIN_EXIT_PREEMPTED
@@ -208,9 +218,11 @@ def _wait_for_metrics(path: Path, proc: subprocess.Popen, timeout_s: float = 60)
     raise AssertionError("no metrics line in time")
 
 
-def test_sigterm_mid_run_checkpoints_exits_5_and_restart_resumes(tmp_path: Path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigterm_mid_run_checkpoints_exits_5_and_restart_resumes(tmp_path: Path, backend: str):
     spec_path = tmp_path / "s.yaml"
-    spec_path.write_text(yaml.safe_dump(tiny(steps=1_000_000, checkpoint_every_steps=0, metrics_every_steps=2)))
+    spec_path.write_text(yaml.safe_dump(tiny(steps=1_000_000, checkpoint_every_steps=0, metrics_every_steps=2,
+                                             backend=backend)))
     env = dict(os.environ, **{ENV_METRICS_FILE: str(tmp_path / "m.jsonl"), ENV_CHECKPOINT_DIR: str(tmp_path / "ck")})
     env["PYTHONPATH"] = str(REPO)
     argv = [sys.executable, "-m", "slurm_dlrm", "train", str(spec_path)]
@@ -293,3 +305,56 @@ def test_eval_stop_when_ends_the_run_completed_and_a_restart_trains_no_further(t
         assert _run(tmp_path, spec) == TRAIN_EXIT_OK
     assert "eval.stop_when stopped it at step 8" in caplog.text
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == n_lines
+
+
+def test_torch_backend_ranks_keep_one_model_and_resume_exactly(tmp_path: Path):
+    """backend torch over 2 ranks (DDP over gloo, sparse table gradients): a run stopped
+    at step 4 and resumed reports the losses of an uninterrupted run, and both ranks'
+    checkpoints hold the same tables (DDP keeps the replicas equal)."""
+    spec_path = tmp_path / "s.yaml"
+    spec_path.write_text(yaml.safe_dump(tiny(world_size=2, steps=8, checkpoint_every_steps=4, metrics_every_steps=2,
+                                             backend="torch")))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", ENV_METRICS_FILE, ENV_CHECKPOINT_DIR):
+        env.pop(var, None)
+
+    def train(run: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "slurm_dlrm.train", str(spec_path),  # noqa: S603
+                               "--metrics-file", str(tmp_path / run / "m.jsonl"), *extra],
+                              env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
+
+    full = train("a")
+    assert full.returncode == TRAIN_EXIT_OK, full.stderr[-3000:]
+    first = train("b", "--steps", "4")
+    assert first.returncode == TRAIN_EXIT_OK, first.stderr[-3000:]
+    again = train("b")
+    assert again.returncode == TRAIN_EXIT_OK, again.stderr[-3000:]
+    assert "resumed from" in again.stderr
+    want = {r["step"]: r["loss"] for r in lines(tmp_path / "a" / "m.jsonl")}
+    got = {r["step"]: r["loss"] for r in lines(tmp_path / "b" / "m.jsonl")}
+    assert got[6] == want[6] and got[8] == want[8]
+    found = ckpt.newest_valid(tmp_path / "a" / "ckpt", {"world_size": 2})
+    assert found is not None
+    r0, r1 = ckpt.read_rank(found, 0), ckpt.read_rank(found, 1)
+    tables = [k for k in r0 if ".tables." in k and k.startswith("model/")]
+    assert tables and all(torch.equal(r0[k], r1[k]) for k in tables)
+
+
+def test_torch_backend_trains_where_torchrec_does_not_import(tmp_path: Path):
+    """A GPU machine with plain PyTorch (no torchrec, no fbgemm-gpu): `backend: auto`
+    resolves to torch, says why once, and the runner trains and checkpoints."""
+    hider = tmp_path / "hide"
+    hider.mkdir()
+    (hider / "sitecustomize.py").write_text(
+        "import sys\nfor name in ('torchrec', 'fbgemm_gpu'):\n    sys.modules[name] = None\n")
+    spec_path = tmp_path / "s.yaml"
+    spec_path.write_text(yaml.safe_dump(tiny(steps=6, checkpoint_every_steps=3, metrics_every_steps=3)))
+    env = dict(os.environ, PYTHONPATH=f"{hider}:{REPO}")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", ENV_METRICS_FILE, ENV_CHECKPOINT_DIR):
+        env.pop(var, None)
+    done = subprocess.run([sys.executable, "-m", "slurm_dlrm.train", str(spec_path),  # noqa: S603
+                           "--metrics-file", str(tmp_path / "m.jsonl")], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == TRAIN_EXIT_OK, done.stderr[-3000:]
+    assert done.stderr.count("backend torch (auto: fbgemm-gpu does not import") == 1
+    assert [r["step"] for r in lines(tmp_path / "m.jsonl")] == [3, 6]

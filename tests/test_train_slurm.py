@@ -82,11 +82,12 @@ def test_sbatch_runs_the_runner_to_completion(slurm_cluster, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_scontrol_requeue_resumes_from_the_checkpoint(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("backend", ["auto", "torch"])  # auto: torchrec here; torch: plain PyTorch (issue 38)
+def test_scontrol_requeue_resumes_from_the_checkpoint(slurm_cluster, tmp_path, backend):
     run_dir = tmp_path / "run"
     out = tmp_path / "job.out"
     client = slurm_cluster.client()
-    job_id = client.sbatch(_script(_spec(tmp_path, steps=1_000_000), run_dir),
+    job_id = client.sbatch(_script(_spec(tmp_path, steps=1_000_000, backend=backend), run_dir),
                            ["--job-name=train-requeue", f"--output={out}", "--open-mode=append",
                             "--requeue", "--cpus-per-task=1"])
     try:

@@ -67,6 +67,19 @@ class DeviceInfo:
     compute_mode: int | None  # nvmlComputeMode_t: 0 default, 2 prohibited, 3 exclusive process
 
 
+# GPU performance monitoring (Hopper and later): our names -> NVML's metric ids
+# (nvmlGpmMetricId_t: SM_UTIL 2, SM_OCCUPANCY 3, ANY_TENSOR_UTIL 5, DRAM_BW_UTIL 10).
+GPM_METRICS = {"sm_util_pct": 2, "sm_occupancy_pct": 3, "tensor_util_pct": 5, "dram_bw_util_pct": 10}
+
+
+@dataclass
+class GpmWindow:
+    """The first GPM sample of a window on one GPU (`Nvml.gpm_begin`)."""
+
+    index: int
+    sample: Any
+
+
 class Nvml:
     """Samples GPUs and their compute processes; `available` is False without NVML."""
 
@@ -214,6 +227,61 @@ class Nvml:
             memory_used_bytes=int(mem.used) if mem is not None else None,
             memory_total_bytes=int(mem.total) if mem is not None else None,
         ), procs
+
+    # ------------------------------------------------------------ GPM
+
+    def gpm_begin(self, index: int) -> GpmWindow | None:
+        """The first GPM sample of a window; None where the GPU or the driver has no GPM
+        (before Hopper, or an old binding), said once per GPU in the log."""
+        nv = self._nv
+        if not self.available or (index, "gpm") in self._unsupported:
+            return None
+        sample = None
+        try:
+            handle = self._handle(index)
+            if not int(nv.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice):
+                raise nv.NVMLError(nv.NVML_ERROR_NOT_SUPPORTED)
+            sample = nv.nvmlGpmSampleAlloc()
+            nv.nvmlGpmSampleGet(handle, sample)
+            return GpmWindow(index, sample)
+        except (nv.NVMLError, AttributeError) as exc:
+            if sample is not None:
+                self._gpm_free(sample)
+            self._unsupported.add((index, "gpm"))
+            log.info("GPU %d: no GPM metrics (%s)", index, exc or type(exc).__name__)
+            return None
+
+    def gpm_end(self, window: GpmWindow) -> dict[str, float | None]:
+        """GPM metrics over the window (percentages); None for a metric NVML refused."""
+        nv = self._nv
+        out: dict[str, float | None] = dict.fromkeys(GPM_METRICS)
+        second = None
+        try:
+            second = nv.nvmlGpmSampleAlloc()
+            nv.nvmlGpmSampleGet(self._handle(window.index), second)
+            req = nv.c_nvmlGpmMetricsGet_t()
+            req.version = nv.NVML_GPM_METRICS_GET_VERSION
+            req.numMetrics = len(GPM_METRICS)
+            req.sample1, req.sample2 = window.sample, second
+            for i, metric_id in enumerate(GPM_METRICS.values()):
+                req.metrics[i].metricId = metric_id
+            nv.nvmlGpmMetricsGet(req)
+            for i, name in enumerate(GPM_METRICS):
+                m = req.metrics[i]
+                out[name] = round(float(m.value), 2) if int(m.nvmlReturn) == 0 else None
+        except nv.NVMLError as exc:
+            log.warning("GPU %d: GPM metrics: %s", window.index, exc)
+        finally:
+            self._gpm_free(window.sample)
+            if second is not None:
+                self._gpm_free(second)
+        return out
+
+    def _gpm_free(self, sample: Any) -> None:
+        try:
+            self._nv.nvmlGpmSampleFree(sample)
+        except self._nv.NVMLError:
+            pass
 
     def _handle(self, index: int) -> Any:
         if index not in self._handles:

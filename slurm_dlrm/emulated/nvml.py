@@ -27,11 +27,18 @@ same `SLURM_DLRM_FAKE_NVML` file and `SLURMD_NODENAME` as this process) counts a
 client of the GPU its `CUDA_VISIBLE_DEVICES` names (remapped through the fake MPS
 daemon's device list when it is an MPS client, as the real MPS server remaps), using its
 RSS as GPU memory and its CPU use as SM share. Processes listed in `processes` whose pid
-does not exist model processes that vanished between two NVML calls.
+does not exist model processes that vanished between two NVML calls. GPM (GPU
+performance monitoring, Hopper and later) follows nvidia-ml-py's functions and ctypes
+structures; a scenario GPU with `"gpm": false` has none.
+
+Over 600 lines on purpose: it stands in for one module (`pynvml`), which callers reach
+as `binding.X` for functions, constants, error classes and structures alike; split, it
+would no longer be the one module it imitates.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import string
@@ -46,6 +53,7 @@ from slurm_dlrm.emulated.registry import registered_gpu_mem_bytes
 from slurm_dlrm.errors import ENV_FAKE_NVML, ENV_JOB_ID
 
 # Codes as in pynvml.py (nvml.h). tests/test_agent_nvml.py checks them against the real module.
+NVML_SUCCESS = 0
 NVML_SUCCESS = 0
 NVML_ERROR_UNINITIALIZED = 1
 NVML_ERROR_INVALID_ARGUMENT = 2
@@ -67,6 +75,7 @@ NVML_ERROR_OPERATING_SYSTEM = 17
 NVML_ERROR_LIB_RM_VERSION_MISMATCH = 18
 NVML_ERROR_IN_USE = 19
 NVML_ERROR_MEMORY = 20
+NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25
 NVML_ERROR_NO_DATA = 21
 NVML_ERROR_UNKNOWN = 999
 
@@ -154,6 +163,41 @@ class FriendlyObject:
         return str(self.__dict__)
 
 
+# GPU performance monitoring (GPM, Hopper and later), as nvidia-ml-py spells it: the
+# metric ids, the versions and the ctypes structures a caller fills.
+NVML_GPM_METRIC_SM_UTIL = 2
+NVML_GPM_METRIC_SM_OCCUPANCY = 3
+NVML_GPM_METRIC_ANY_TENSOR_UTIL = 5
+NVML_GPM_METRIC_DRAM_BW_UTIL = 10
+NVML_GPM_METRIC_MAX = 477
+NVML_GPM_METRICS_GET_VERSION = 1
+NVML_GPM_SUPPORT_VERSION = 1
+
+
+class c_metricInfo_t(ctypes.Structure):  # noqa: N801 - pynvml's name
+    _fields_ = [("shortName", ctypes.c_char_p), ("longName", ctypes.c_char_p), ("unit", ctypes.c_char_p)]
+
+
+class c_nvmlGpmMetric_t(ctypes.Structure):  # noqa: N801
+    _fields_ = [("metricId", ctypes.c_uint), ("nvmlReturn", ctypes.c_uint), ("value", ctypes.c_double),
+                ("metricInfo", c_metricInfo_t)]
+
+
+class c_nvmlGpmMetricsGet_t(ctypes.Structure):  # noqa: N801
+    _fields_ = [("version", ctypes.c_uint), ("numMetrics", ctypes.c_uint), ("sample1", ctypes.py_object),
+                ("sample2", ctypes.py_object), ("metrics", c_nvmlGpmMetric_t * NVML_GPM_METRIC_MAX)]
+
+
+@dataclass
+class _GpmSample:
+    """An opaque sample buffer: what the device's counters read at one moment."""
+
+    freed: bool = False
+    device: int | None = None
+    t: float = 0.0
+    busy: dict[int, float] | None = None  # metric id -> share over the time before it
+
+
 @dataclass
 class _Handle:
     index: int
@@ -193,7 +237,7 @@ class FakeNvml:
 
     def __getattr__(self, name: str) -> Any:
         # NVML_ERROR_* constants and NVMLError_* classes, as on the real module.
-        if name.startswith(("NVML_", "NVMLError_")):
+        if name.startswith(("NVML_", "NVMLError_", "c_nvml")):
             return getattr(sys.modules[__name__], name)
         raise AttributeError(name)
 
@@ -334,6 +378,60 @@ class FakeNvml:
     def nvmlDeviceGetMPSComputeRunningProcesses(self, handle: _Handle) -> list[FriendlyObject]:
         self._device("nvmlDeviceGetMPSComputeRunningProcesses", handle)
         return [_process_info(p) for p in self._processes(handle.index) if p["mps"]]
+
+    # GPM: a scenario GPU with "gpm": false is a pre-Hopper one (isSupportedDevice 0, and
+    # nvmlGpmSampleGet answers NotSupported as the driver does). Metrics come from the
+    # processes' busy shares: SM util and DRAM bandwidth their sums (capped at 100),
+    # occupancy and tensor activity the scenario's "gpm_occupancy_per_sm" and
+    # "gpm_tensor_per_sm" times SM util (defaults 0.5 and 0.3).
+
+    def nvmlGpmQueryDeviceSupport(self, handle: _Handle) -> FriendlyObject:
+        gpu = self._device("nvmlGpmQueryDeviceSupport", handle)
+        return FriendlyObject(version=NVML_GPM_SUPPORT_VERSION, isSupportedDevice=int(bool(gpu.get("gpm", True))))
+
+    def nvmlGpmSampleAlloc(self) -> _GpmSample:
+        self._call("nvmlGpmSampleAlloc")
+        return _GpmSample()
+
+    def nvmlGpmSampleFree(self, sample: _GpmSample) -> None:
+        self._call("nvmlGpmSampleFree")
+        if not isinstance(sample, _GpmSample) or sample.freed:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        sample.freed = True
+
+    def nvmlGpmSampleGet(self, handle: _Handle, sample: _GpmSample) -> _GpmSample:
+        gpu = self._device("nvmlGpmSampleGet", handle)
+        if not isinstance(sample, _GpmSample) or sample.freed:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        if not gpu.get("gpm", True):
+            raise NVMLError(NVML_ERROR_NOT_SUPPORTED)
+        procs = self._processes(handle.index)
+        sm = min(100.0, float(sum(p["sm_util_pct"] for p in procs)))
+        bw = min(100.0, float(sum(p["mem_util_pct"] for p in procs)))
+        sample.device, sample.t = handle.index, time.monotonic()
+        sample.busy = {NVML_GPM_METRIC_SM_UTIL: sm, NVML_GPM_METRIC_DRAM_BW_UTIL: bw,
+                       NVML_GPM_METRIC_SM_OCCUPANCY: sm * float(gpu.get("gpm_occupancy_per_sm", 0.5)),
+                       NVML_GPM_METRIC_ANY_TENSOR_UTIL: sm * float(gpu.get("gpm_tensor_per_sm", 0.3))}
+        return sample
+
+    def nvmlGpmMetricsGet(self, metrics_get: Any) -> Any:
+        """Fills `metrics[i].value` / `.nvmlReturn` for each asked metric id over the time
+        between sample1 and sample2 (the mean of both readings here)."""
+        self._call("nvmlGpmMetricsGet")
+        if metrics_get.version != NVML_GPM_METRICS_GET_VERSION:
+            raise NVMLError(NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        s1, s2 = metrics_get.sample1, metrics_get.sample2
+        if not (isinstance(s1, _GpmSample) and isinstance(s2, _GpmSample)) or s1 is s2 or s1.busy is None \
+                or s2.busy is None or s1.device != s2.device or s2.t <= s1.t:
+            raise NVMLError(NVML_ERROR_INVALID_ARGUMENT)
+        for i in range(int(metrics_get.numMetrics)):
+            m = metrics_get.metrics[i]
+            if m.metricId in s1.busy:
+                m.value = (s1.busy[m.metricId] + s2.busy[m.metricId]) / 2.0
+                m.nvmlReturn = NVML_SUCCESS
+            else:
+                m.nvmlReturn = NVML_ERROR_NOT_SUPPORTED
+        return metrics_get
 
     def nvmlDeviceGetProcessUtilization(self, handle: _Handle, timeStamp: int) -> list[FriendlyObject]:
         self._device("nvmlDeviceGetProcessUtilization", handle)

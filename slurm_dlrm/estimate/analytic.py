@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import wraps
 from typing import Any, TypeVar
 
+from slurm_dlrm.estimate import timeline_torch
+from slurm_dlrm.estimate.backend import TORCH, backend_for_estimate
 from slurm_dlrm.estimate.timeline import (
     EMB_OPT,
     EMB_WEIGHTS,
@@ -174,8 +176,8 @@ def rank_tables(spec: JobSpec) -> list[list[int]]:
     the lowest rank); a fused lookup's cost is mostly its pooled output, plus a share
     per id, and does not grow with rows. The same greedy here. One rank: all tables.
     """
-    if spec.world_size <= 1:
-        return [list(range(len(spec.tables)))]
+    if spec.world_size <= 1 or is_torch_backend(spec):  # backend torch: DDP replicates every table
+        return [list(range(len(spec.tables)))] * max(1, spec.world_size)
     # (cost so far, rank): the heap's least is the least cost, ties the lowest rank, as
     # a scan of every rank per table would find (64 ranks x 10,000 tables, issue 32)
     heap = [(0.0, r) for r in range(spec.world_size)]
@@ -195,6 +197,8 @@ def device_tables(spec: JobSpec, all_placements: bool = False) -> list[int]:
     (`rank_tables`: the rank holding the most bytes). `all_placements`: every table
     counts (a CPU run keeps them all in one memory).
     """
+    # backend torch keeps every table in device memory (it refuses uvm/host on a GPU)
+    all_placements = all_placements or is_torch_backend(spec)
     chosen = [i for i, t in enumerate(spec.tables) if all_placements or t.placement == "hbm"]
     if spec.world_size <= 1:
         return chosen
@@ -217,9 +221,15 @@ def _peak_tape(spec: JobSpec, device: str, tables: list[int]) -> Tape:
     return _peak_tape_once(spec, device, tables)
 
 
+def is_torch_backend(spec: JobSpec) -> bool:
+    """The spec trains on the runner's plain-PyTorch backend (slurm_dlrm/estimate/backend.py)."""
+    return backend_for_estimate(spec.backend) == TORCH
+
+
 def _replay_peak_tape(spec: JobSpec, device: str, tables: list[int]) -> Tape:
-    steady = simulate_step(spec, device, tables)
-    first = simulate_step(spec, device, tables, first_step=True)
+    replay = timeline_torch.simulate_step if is_torch_backend(spec) else simulate_step
+    steady = replay(spec, device, tables)
+    first = replay(spec, device, tables, first_step=True)
     return first if first.peak > steady.peak else steady
 
 
@@ -275,6 +285,8 @@ def _memory(spec: JobSpec, gpu: GpuModel | None, tables: list[int],
     ring = synthetic_ring_bytes(spec, gpu is not None)
     held_out = eval_host_bytes(spec)
     snapshot = checkpoint_snapshot_bytes(spec, tables, device)
+    static = timeline_torch.static_bytes(spec, tables, device) if is_torch_backend(spec) else \
+        static_bytes(spec, tables, device)
 
     if gpu is not None:
         gpu_breakdown = dict(parts)
@@ -298,7 +310,7 @@ def _memory(spec: JobSpec, gpu: GpuModel | None, tables: list[int],
         host_breakdown = {
             "runtime": HOST_RUNTIME_CPU_BYTES,
             "tensors": tape.peak,
-            "malloc_overhead": int(max(0, tape.peak - static_bytes(spec, tables, device)) * HOST_MALLOC_OVERHEAD),
+            "malloc_overhead": int(max(0, tape.peak - static) * HOST_MALLOC_OVERHEAD),
             "loader_prefetch": prefetch_depth(spec) * one_batch,
             "loader_threads": workers * LOADER_THREAD_BYTES,
             "synthetic_data_pools": pools,
@@ -335,13 +347,17 @@ def estimate(spec: JobSpec, gpu: GpuModel | None, *, ranks: bool = True) -> Esti
     # On a CPU run every table is in the one (host) memory.
     tables = device_tables(spec, all_placements=gpu is None)
     notes: list[str] = []
-    if device == "cpu" and spec.optimizer.type == "adam" and spec.optimizer.fused:
+    if device == "cpu" and spec.optimizer.type == "adam" and spec.optimizer.fused and not is_torch_backend(spec):
         notes.append("fused Adam is GPU-only (fbgemm CPU kernels); estimated as non-fused on the CPU")
-    if spec.world_size > 1:
+    if spec.world_size > 1 and not is_torch_backend(spec):
         notes.append(f"world_size {spec.world_size}: tables placed as torchrec's greedy partitioner would (the "
                      "fullest rank is estimated, every rank in `ranks`); NCCL's own buffers are not counted "
                      "(calibrate from history)")
-    host_tables = [i for i, t in enumerate(spec.tables) if t.placement != "hbm"] if gpu is not None else []
+    host_tables = [i for i, t in enumerate(spec.tables) if t.placement != "hbm"] \
+        if gpu is not None and not is_torch_backend(spec) else []
+    if is_torch_backend(spec):
+        notes.append("backend torch: plain-PyTorch DLRM (nn.EmbeddingBag), every table in device memory"
+                     + (", replicated on every rank (DDP)" if spec.world_size > 1 else ""))
     tape, gpu_breakdown, host_breakdown = _memory(spec, gpu, tables, host_tables)
     return Estimate(
         gpu_peak_bytes=sum(gpu_breakdown.values()), host_peak_bytes=sum(host_breakdown.values()),
@@ -400,6 +416,10 @@ def checkpoint_snapshot_bytes(spec: JobSpec, tables: list[int], device: str) -> 
     state <= 1 GiB, checkpoints on)."""
     if spec.world_size != 1 or spec.checkpoint_every_steps == 0:
         return 0
+    if is_torch_backend(spec):  # one process: no gradient lives between steps in the state
+        st = timeline_torch.static_parts(spec, tables, device)
+        torch_state = st.emb_weights + st.emb_opt_state + st.dense_params + st.dense_opt_state
+        return torch_state if torch_state <= ASYNC_CHECKPOINT_MAX_BYTES else 0
     state = static_bytes(spec, tables, device) - static_parts(spec, tables, device).dense_grads \
         - static_parts(spec, tables, device).emb_grad_bucket
     return state if state <= ASYNC_CHECKPOINT_MAX_BYTES else 0
@@ -419,6 +439,8 @@ def uvm_cache_bytes(spec: JobSpec) -> int:
     cache state (int64 per slot, int32 per row; torchrec planner
     `_calculate_cache_aux_state_sizes`)."""
     total = 0
+    if is_torch_backend(spec):  # plain torch has no UVM cache: such tables are refused on a GPU
+        return 0
     for t in spec.tables:
         if t.placement != "uvm":
             continue

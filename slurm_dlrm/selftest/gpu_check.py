@@ -1,20 +1,22 @@
-"""`scripts/gpu-check.sh OUTDIR [--dry]`: one prepared run on a GPU machine (issue 33).
+"""`scripts/gpu-check.sh OUTDIR [--dry]`: one prepared run on a GPU machine (issues 33, 38).
 
-Three steps, each written under OUTDIR as it finishes (a run cut short keeps what it had):
+Four steps, each written under OUTDIR as it finishes (a run cut short keeps what it had):
 
 1. `slurm-dlrm selftest --json` on GPU 0 -> selftest.json (what it cannot do there is
-   SKIP with the reason, e.g. the runner's torchrec model where torchrec is missing);
-2. memory: the estimator (`slurm_dlrm.estimate.estimate`) against a plain-torch DLRM
-   built from the same spec (`plain_dlrm`), one child process per config: torch's
-   max_memory_allocated / max_memory_reserved, NVML's memory of the process, the
-   optimizer state held; and which estimator rules the plain-torch model does not follow
-   -> memory.jsonl;
-3. co-location: job types from memory-bound to compute-bound, one warm worker process
-   each, timed alone (with NVML's SM and memory-controller busy shares) and in every pair
-   on the GPU, under our own MPS daemon (`slurm_dlrm.agent.mps.open_mps`, the members'
-   environment from the agent's `member_env`) or, when it does not start, time-slicing
-   -> colocation.jsonl and colocation.csv (the format `slurm-dlrm interference eval
-   --samples` reads).
+   SKIP with the reason, e.g. the runner's torchrec specs where torchrec is missing);
+2. memory: our runner (`slurm-dlrm train`, `backend: torch`) per config, one process
+   each: its metrics' peak (torch's max_memory_allocated) and NVML's most memory for its
+   pid, beside the estimator's figure for the same spec and backend -> memory.jsonl;
+3. pack: `slurm-dlrm agent --pack-file` without Slurm, five members of our runner on
+   GPU 0 under our MPS daemon with the service's fences, one of them over its fence
+   (it must end as a GPU OOM, its neighbours complete); the agent's NVML samples
+   ingested into a store, `acct` for the jobs (slurm_dlrm.selftest.gpu_pack) -> pack.jsonl;
+4. co-location: job types from memory-bound to compute-bound, one warm worker process
+   each, timed alone and in groups of 2-5 (each window twice) with the MPS thread shares
+   the agent would set, NVML's busy shares and GPM metrics beside them, under our own
+   MPS daemon (`slurm_dlrm.agent.mps.open_mps`, the members' environment from the
+   agent's `member_env`) or, when it does not start, time-slicing -> colocation.jsonl
+   and colocation.csv (the format `slurm-dlrm interference eval --samples` reads).
 
 summary.txt says what was measured and whether the issue's targets were met.
 
@@ -23,7 +25,7 @@ the CPU, tiny sizes. Every dry record carries "dry": true, the CSV and the summa
 DRY in their first line: nothing in them is a GPU measurement.
 
 This process never imports torch (a CUDA context here would be one more client on the
-GPU); the measuring is done by `python -m slurm_dlrm.selftest.gpu_worker`.
+GPU); the measuring is done by its children (the runner, the agent, the workers).
 """
 
 
@@ -45,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.errors import BadInput
-from slurm_dlrm.selftest import gpu_colocation
+from slurm_dlrm.selftest import gpu_colocation, gpu_pack
 from slurm_dlrm.selftest.gpu_configs import (
     GIB,
     JOB_TYPES,
@@ -68,6 +70,8 @@ DRY_WINDOW_S = 0.3
 # The GPU run's whole budget (the lent machine runs a command at most 10 minutes; the
 # issue asks for under 8): the co-location windows shrink to end inside it.
 GPU_BUDGET_S = 450.0
+# Dry: the runner for the first few memory configs only (each child imports torch: seconds).
+DRY_MEMORY_CONFIGS = 1
 
 
 def prepare(out: Out, site_path: Path, model: str | None) -> Env:
@@ -182,48 +186,85 @@ def rules_that_differ(spec: Any) -> list[str]:
     return out
 
 
+def run_runner(argv: list[str], env: dict[str, str], timeout_s: float, nvml_index: int | None,
+               err_path: Path) -> tuple[int | None, int | None]:
+    """Run one `slurm-dlrm train` child; (its exit code or None on timeout, the most
+    device memory NVML saw for its pid while it ran)."""
+    from slurm_dlrm.agent.nvml import Nvml
+
+    nv = Nvml()
+    nvml_ok = nvml_index is not None and nv.init()
+    peak: int | None = None
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err,  # noqa: S603
+                                cwd=REPO)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if nvml_ok:
+                assert nvml_index is not None
+                for ps in nv.sample([nvml_index]).processes:
+                    if ps.pid == proc.pid and ps.gpu_mem_bytes is not None:
+                        peak = max(peak or 0, ps.gpu_mem_bytes)
+            time.sleep(0.1)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+            return None, peak
+        return proc.returncode, peak
+    finally:
+        nv.shutdown()
+
+
 def step_memory(out: Out, where: Env, configs: tuple[tuple[str, dict[str, Any]], ...]) -> list[dict[str, Any]]:
+    """Our runner (`backend: torch`) per config, one process each: its metrics' peak
+    (torch.cuda.max_memory_allocated) and NVML's per-process memory beside the
+    estimate of the same spec for that backend."""
     from slurm_dlrm.estimate import estimate
     from slurm_dlrm.site import load_site
     from slurm_dlrm.spec import parse_spec
 
     model = load_site(where.site_path).gpu_model(where.model_name)
-    specs = []
-    for name, overrides in configs:
-        data = spec_data(name, overrides, out.dry)
-        (where.work / f"{name}.json").write_text(json.dumps(data))
-        specs.append((name, data, parse_spec(data, name)))
-    argv = [sys.executable, "-m", "slurm_dlrm.selftest.gpu_worker", "memory", "--device", where.device,
-            "--steps", str(MEMORY_STEPS)]
-    if where.nvml_index is not None:
-        argv += ["--nvml-index", str(where.nvml_index)]
-    env = dict(where.env, SLURM_DLRM_JOB_ID="800000")  # the fake NVML lists the worker as a GPU process
-    # On a GPU one process per config: torch's peaks and NVML's figure are per process.
-    # Dry, one process for all (a torch import costs seconds here; nothing is measured).
-    batches = [[n for n, _, _ in specs]] if out.dry else [[n] for n, _, _ in specs]
-    events: dict[str, dict[str, Any]] = {}
-    for names in batches:
-        t0 = time.monotonic()
-        got = _run_worker([*argv, *(str(where.work / f"{n}.json") for n in names)], env,
-                          MEMORY_TIMEOUT_S * len(names))
-        for n in names:
-            ev = next((e for e in got if e.get("spec") == n), None) or \
-                next((e for e in got if e.get("event") == "error" and "spec" not in e), None) or \
-                {"event": "error", "error": "the worker reported nothing for it"}
-            events[n] = dict(ev, seconds=round((time.monotonic() - t0) / len(names), 1))
     records = []
-    for name, data, spec in specs:
-        rec = memory_record(name, data, spec, estimate(spec, model), events[name], where.model_name, out.dry)
+    # the fake NVML lists the child as a GPU process (dry); one member job id per run
+    env = dict(where.env, SLURM_DLRM_JOB_ID="800000")
+    for name, overrides in configs:
+        data = dict(spec_data(name, overrides, out.dry), backend="torch", steps=MEMORY_STEPS,
+                    metrics_every_steps=MEMORY_STEPS, checkpoint_every_steps=0)
+        spec = parse_spec(data, name)
+        run_dir = where.work / f"run-{name}"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "spec.json").write_text(json.dumps(data))
+        argv = [sys.executable, "-m", "slurm_dlrm.train", str(run_dir / "spec.json"), "--device", where.device,
+                "--metrics-file", str(run_dir / "metrics.jsonl"), "--checkpoint-dir", str(run_dir / "ckpt"),
+                "--no-resume"]
+        t0 = time.monotonic()
+        code, nvml_peak = run_runner(argv, env, MEMORY_TIMEOUT_S, where.nvml_index, run_dir / "err.txt")
+        ev: dict[str, Any] = {"seconds": round(time.monotonic() - t0, 1)}
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+        if code == 0 and lines:
+            last = json.loads(lines[-1])
+            ev.update(event="memory", max_memory_allocated_bytes=last.get("peak_gpu_bytes"),
+                      nvml_process_bytes=nvml_peak, peak_tensor_bytes=last.get("peak_tensor_bytes"),
+                      runner_exit_code=code, samples_per_s=last.get("samples_per_s"))
+        else:
+            tail = (run_dir / "err.txt").read_text().strip().splitlines()[-2:] if (run_dir / "err.txt").exists() \
+                else []
+            ev.update(event="error", error=f"runner exit {code}: {' | '.join(tail)[-400:]}")
+        rec = memory_record(name, data, spec, estimate(spec, model), ev, where.model_name, out.dry)
+        rec["runner"] = {"exit_code": code, "backend": "torch", "peak_tensor_bytes": ev.get("peak_tensor_bytes"),
+                         "samples_per_s": ev.get("samples_per_s")}
         out.jsonl("memory.jsonl", rec)
         records.append(rec)
         if rec["status"] == "ERROR":
             out.log(f"memory {name}: ERROR {rec['error']}")
         else:
             r = rec["rules"]
-            out.log(f"memory {name}: estimate {rec['estimate_bytes'] / MIB:.0f} MiB, reserved "
-                    f"{(rec['measured']['max_memory_reserved_bytes'] or 0) / MIB:.0f} MiB "
-                    f"({r['estimate_without_context_vs_reserved_pct']}% w/o context), NVML "
-                    f"{(rec['measured']['nvml_process_bytes'] or 0) / MIB:.0f} MiB ({r['estimate_vs_nvml_pct']}%)")
+            out.log(f"memory {name}: runner (backend torch) peak "
+                    f"{(rec['measured']['max_memory_allocated_bytes'] or 0) / MIB:.0f} MiB allocated, NVML "
+                    f"{(rec['measured']['nvml_process_bytes'] or 0) / MIB:.0f} MiB; estimate "
+                    f"{rec['estimate_bytes'] / MIB:.0f} MiB ({r['estimate_tensors_vs_allocated_pct']}% of allocated "
+                    f"w/o context and rounding, {r['estimate_vs_nvml_pct']}% of NVML)")
     return records
 
 
@@ -234,7 +275,8 @@ def memory_record(name: str, data: dict[str, Any], spec: Any, est: Any, ev: dict
 
     bd = est.gpu_breakdown
     rec: dict[str, Any] = {"config": name, "spec": data, "gpu_model": model_name, "estimate_bytes": est.gpu_peak_bytes,
-                           "estimate_breakdown": bd, "rules_that_differ": rules_that_differ(spec),
+                           "estimate_breakdown": bd, "estimate_notes": list(est.notes),
+                           "rules_that_differ": [] if spec.backend == "torch" else rules_that_differ(spec),
                            "seconds": ev.get("seconds")}
     if ev.get("event") != "memory":
         rec.update(status="ERROR", error=ev.get("error"))
@@ -278,7 +320,8 @@ def memory_record(name: str, data: dict[str, Any], spec: Any, est: Any, ev: dict
 def memory_targets(records: list[dict[str, Any]]) -> dict[str, Any]:
     """The issue's targets over the configs that ran: median |error| <= 3 %, none under by > 3 %."""
     out: dict[str, Any] = {}
-    for key in ("estimate_without_context_vs_reserved_pct", "estimate_vs_nvml_pct"):
+    for key in ("estimate_tensors_vs_allocated_pct", "estimate_without_context_vs_reserved_pct",
+                "estimate_vs_nvml_pct"):
         errs = [r["rules"][key] for r in records if r.get("rules") and r["rules"].get(key) is not None]
         if not errs:
             out[key] = {"configs": 0}
@@ -291,7 +334,7 @@ def memory_targets(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_summary(out: Out, where: Env, selftest: dict[str, Any] | None, memory: list[dict[str, Any]],
-                  coloc: dict[str, Any] | None, seconds: float) -> str:
+                  coloc: dict[str, Any] | None, seconds: float, pack: dict[str, Any] | None = None) -> str:
     lines = []
     if out.dry:
         lines.append("DRY RUN: fake NVML, fake MPS daemon, torch on the CPU, tiny sizes. NOTHING HERE WAS MEASURED "
@@ -305,7 +348,7 @@ def write_summary(out: Out, where: Env, selftest: dict[str, Any] | None, memory:
             lines.append(f"  {c['name']}: {c['status']} {c['figure']}"
                          + (f" ({c['fix'] or c['detail']})" if c["status"] in ("FAIL", "SKIP") else ""))
     ok = [r for r in memory if r.get("status") in ("MEASURED", "DRY")]
-    lines.append(f"memory: {len(ok)} of {len(memory)} plain-torch configs ran")
+    lines.append(f"memory: {len(ok)} of {len(memory)} configs ran with our runner (backend torch)")
     for key, t in memory_targets(ok).items():
         if t.get("configs"):
             verdict = "DRY" if out.dry else ("target met" if t["met"] else "target NOT met")
@@ -314,11 +357,19 @@ def write_summary(out: Out, where: Env, selftest: dict[str, Any] | None, memory:
     for r in memory:
         if r.get("status") == "ERROR":
             lines.append(f"  {r['config']}: ERROR {r.get('error')}")
+    if pack is not None:
+        lines.extend(gpu_pack.summary_lines(pack, out.dry))
     if coloc is not None:
-        n_pairs = sum(1 for line in (out.folder / "colocation.csv").read_text().splitlines()
-                      if line and not line.startswith("#")) // 2
+        sizes: dict[int, int] = {}
+        measured = {tuple(g["jobs"]) for g in coloc["groups"]
+                    if all(ev.get("steps_per_s") is not None for ev in g["windows"])}
+        for g in measured:
+            sizes[len(g)] = sizes.get(len(g), 0) + 1
+        gpm = sum(1 for g in coloc["groups"] if (g.get("nvml") or {}).get("gpm"))
         lines.append(f"co-location ({coloc['mode']}; {coloc['mps_detail']}): {len(coloc['alone'])} job types "
-                     f"alone, {n_pairs} pairs in colocation.csv (target 28)")
+                     f"alone x{coloc['repeats']}, {len(measured)} measured groups x{coloc['repeats']} "
+                     f"(sizes {dict(sorted(sizes.items()))}; target >= 40, sizes 2-5), GPM metrics in {gpm} of "
+                     f"{len(coloc['groups'])} group windows")
     text = "\n".join(lines) + "\n"
     (out.folder / "summary.txt").write_text(text)
     return text
@@ -334,16 +385,20 @@ def run(out_dir: Path, dry: bool, site_path: Path, model: str | None, window_s: 
     where = prepare(out, site_path, model)
     out.log(f"gpu-check{' (DRY)' if dry else ''}: GPU {where.gpu_name}, NVML index {where.nvml_index}, "
             f"model {where.model_name} ({where.model_note}), device {where.device}")
-    selftest = memory = coloc = None
+    selftest = memory = coloc = pack = None
     try:
         if "selftest" not in skip:
             selftest = step_selftest(out, where, site_path, 420.0)
-        memory = step_memory(out, where, MEMORY_CONFIGS) if "memory" not in skip else []
+        # every other config on a GPU (a runner start costs ~10 s of the 8 minutes)
+        configs = MEMORY_CONFIGS[:DRY_MEMORY_CONFIGS] if dry else MEMORY_CONFIGS[::2]
+        memory = step_memory(out, where, configs) if "memory" not in skip else []
+        if "pack" not in skip:
+            pack = gpu_pack.step_pack(out, where)
         if "colocation" not in skip:
             deadline = None if dry else t0 + GPU_BUDGET_S - 15
             coloc = gpu_colocation.step_colocation(out, where, JOB_TYPES, window_s, deadline)
     finally:
-        text = write_summary(out, where, selftest, memory or [], coloc, time.monotonic() - t0)
+        text = write_summary(out, where, selftest, memory or [], coloc, time.monotonic() - t0, pack)
         shutil.rmtree(where.work, ignore_errors=True)
     sys.stdout.write(text)
     return 0
@@ -375,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="the site's GPU model (default: matched by NVML's memory)")
     p.add_argument("--window-s", type=float, default=None,
                    help=f"seconds per co-location window (default {GPU_WINDOW_S}, dry {DRY_WINDOW_S})")
-    p.add_argument("--skip", action="append", default=[], choices=("selftest", "memory", "colocation"),
+    p.add_argument("--skip", action="append", default=[], choices=("selftest", "memory", "pack", "colocation"),
                    help="leave a step out (repeatable)")
     args = p.parse_args(argv)
     out_dir = Path(args.out_dir)

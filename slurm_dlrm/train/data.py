@@ -18,10 +18,9 @@ from typing import IO, Any, Protocol
 
 import numpy as np
 import torch
-from torchrec.datasets.utils import Batch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from slurm_dlrm.errors import BadInput, SpecError
+from slurm_dlrm.train.batch import Batch, KeyedJaggedTensor  # torchrec's where it imports
 
 CRITEO_DENSE = 13
 CRITEO_SPARSE = 26

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +30,10 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.types import DataType
 
 from slurm_dlrm.errors import SpecError
+from slurm_dlrm.estimate.backend import TORCHREC
+from slurm_dlrm.train.built import Built
+
+__all__ = ["Built", "build", "build_dlrm", "plan_text", "CPU_FUSED_OPTIMIZERS"]
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +46,6 @@ _GPU_KERNELS = {
 }
 # The sparse optimizers fbgemm's CPU kernels implement (fbgemm-gpu-cpu 1.8.0).
 CPU_FUSED_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad")
-
-
-@dataclass
-class Built:
-    model: DistributedModelParallel
-    optimizer: KeyedOptimizer
-    fused: bool
-    # Optimizers whose state appears only after the first step (init_state before a load).
-    lazy_optimizers: list[KeyedOptimizer] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
 
 
 def _dense_optimizer_cls(kind: str) -> Callable[..., torch.optim.Optimizer]:
@@ -164,7 +157,7 @@ def build(spec: Any, device: torch.device, world_size: int, local_world_size: in
                                       lambda ps: _dense_optimizer_cls(opt.type)(ps, lr=lr))
         optimizer = CombinedOptimizer([("embedding", emb), ("dense", dense)])
         lazy.extend([emb, dense])
-    return Built(model=model, optimizer=optimizer, fused=fused, lazy_optimizers=lazy, notes=notes)
+    return Built(model=model, optimizer=optimizer, fused=fused, lazy_optimizers=lazy, notes=notes, backend=TORCHREC)
 
 
 def plan_text(model: DistributedModelParallel) -> str:

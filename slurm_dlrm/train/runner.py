@@ -40,6 +40,8 @@ from slurm_dlrm.errors import (
     BadInput,
 )
 from slurm_dlrm.train import checkpoint as ckpt
+from slurm_dlrm.train.backends import TORCH, build, plan_text, resolve
+from slurm_dlrm.train.built import Built
 from slurm_dlrm.train.data import BatchSource, Prefetcher, eval_batches, make_source
 from slurm_dlrm.train.evaluation import Evaluator, import_metrics_in_background, stop_reason
 from slurm_dlrm.train.hostmem import fix_malloc_mmap_threshold
@@ -52,7 +54,6 @@ from slurm_dlrm.train.metrics import (
     peak_rss_bytes,
     rss_bytes,
 )
-from slurm_dlrm.train.model import Built, build, plan_text
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +214,13 @@ def _count_saved_tensors(counter: list[int]) -> Iterator[None]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
+
+
+def _grad_bytes(g: torch.Tensor) -> int:
+    """A gradient's own bytes: a sparse one (backend torch's tables) holds its ids and rows."""
+    if g.is_sparse:
+        return int(g._indices().numel() * g._indices().element_size() + g._values().numel() * g._values().element_size())
+    return int(g.numel() * g.element_size())
 
 
 def _batch_bytes(batch: Any) -> int:
@@ -398,16 +406,21 @@ class Trainer:
                 if key not in seen:
                     seen.add(key)
                     total += t.untyped_storage().nbytes()
-            grads = sum(p.grad.numel() * p.grad.element_size() for p in self.built.model.parameters()
-                        if p.grad is not None)
+            grads = sum(_grad_bytes(p.grad) for p in self.built.model.parameters() if p.grad is not None)
             self._static_tensor_bytes = total + grads
         return self._static_tensor_bytes + self._activation_bytes
 
     def _predict(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Click probabilities and labels of one held-out batch (no gradient, no update)."""
+        if self.built.backend == TORCH:
+            batch.sparse_features.length_per_key()  # read on the host, as HostLengths does for training
         batch = batch.to(self.device)
         with self._autocast():
-            _, (_, logits, labels) = self.built.model(batch)
+            out = self.built.model(batch)
+        if self.built.backend == TORCH:  # (loss, logits); torchrec's DLRMTrain: (loss, (loss, logits, labels))
+            logits, labels = out[1], batch.labels
+        else:
+            _, (_, logits, labels) = out
         return torch.sigmoid(logits.float()), labels
 
     def _evaluate(self, done: int, metrics: MetricsWriter | None, progress: Progress | None) -> tuple[float, str]:
@@ -612,15 +625,21 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     if info.world_size != int(spec.world_size):
         log.warning("spec asks for world_size %d; this launch has %d processes", spec.world_size, info.world_size)
     torch.manual_seed(int(spec.seed) * 1000 + info.rank)
-    built = build(spec, device, info.world_size, sharding_local_size(device, info.local_world_size))
+    backend, why = resolve(getattr(spec, "backend", "auto"))
+    log.info("%s", why)  # once per job: other ranks log warnings only
+    built = build(backend, spec, device, info.world_size, sharding_local_size(device, info.local_world_size))
     for note in built.notes:
         log.warning("%s", note)
-    source = make_source(spec, info.rank, info.world_size, pin_memory=device.type == "cuda")
+    source: BatchSource = make_source(spec, info.rank, info.world_size, pin_memory=device.type == "cuda")
+    if backend == TORCH:
+        from slurm_dlrm.train.backend_torch import HostLengths
+
+        source = HostLengths(source)
     total = total_steps_of(spec, source, opts.steps)
     expect = {
         "world_size": info.world_size,
         "spec_fingerprint": spec_fingerprint(spec),
-        "plan_hash": _plan_hash(plan_text(built.model)),
+        "plan_hash": _plan_hash(plan_text(built)),
     }
     repeat = getattr(source, "repeat_every_steps", None)
     if repeat is not None and repeat < total:
