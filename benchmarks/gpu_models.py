@@ -5,7 +5,7 @@ torch 2.11; `scripts/gpu-check.sh`). Nothing here needs a GPU. Three models, eac
 what the planner had before:
 
 - memory: the plain-torch DLRM of each of the 14 memory configs estimated by its own
-  rules (`estimate.plain_torch`: traced under FakeTensorMode, two cuBLAS workspaces,
+  rules (`train.plain_trace`: traced under FakeTensorMode, two cuBLAS workspaces,
   the caching allocator's rounding, CUDA transients per id) plus NVML's per-process
   overhead, against NVML's memory of the process. Leave-one-config-out: the held-out
   config's NVML overhead and bytes per id are fitted on the other 13 only. Beside it:
@@ -38,12 +38,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from slurm_dlrm.estimate import gpu_calibration as C  # noqa: E402
-from slurm_dlrm.estimate.plain_torch import CUBLAS_THREADS  # noqa: E402
 from slurm_dlrm.interference_io import read_groups  # noqa: E402
 from slurm_dlrm.packing.interference import DEFAULT_PARAMS  # noqa: E402
 from slurm_dlrm.packing.pairwise import choose_planner_model  # noqa: E402
 from slurm_dlrm.selftest.gpu_run import load_run, memory_rows, profile_inputs  # noqa: E402
 from slurm_dlrm.site import load_site  # noqa: E402
+from slurm_dlrm.train.plain_trace import CUBLAS_THREADS  # noqa: E402
 from slurm_dlrm.truth import composition_error, synthetic_groups  # noqa: E402
 
 RUN = ROOT / "tests" / "data" / "gpu" / "h100-2026-11-27"

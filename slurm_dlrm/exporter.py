@@ -3,7 +3,9 @@
 A custom `prometheus_client` collector: every scrape opens each store read-only
 (`Store(path, readonly=True)`, SQLite `mode=ro`: a scrape never writes), reads it with
 `slurm_dlrm.store.metrics.read_store`, and yields metric families; prometheus_client
-writes the exposition format. Metric names, units and labels: docs/admin.md
+writes the exposition format. One module over 600 lines: the collector and the
+HTTP(S) server that bounds each connection (issue 41) share the scrape state; the server
+part is the first to move out when it grows. Metric names, units and labels: docs/admin.md
 ("Prometheus and Grafana").
 
 A store that cannot be read (corrupt, locked, being migrated, owned by someone else,

@@ -91,8 +91,8 @@ def test_the_two_overheads_come_from_their_own_measurements(run, h100, tmp_path)
 def test_the_plain_torch_model_by_its_own_rules_is_within_3pct_of_nvml(run, h100):
     """Three configs (small and large batch, fp32 and bf16): each config's bytes per id
     fitted on the other two, NVML's overhead on the other configs' records."""
-    from slurm_dlrm.estimate.plain_torch import CUBLAS_THREADS
     from slurm_dlrm.selftest.gpu_run import memory_rows
+    from slurm_dlrm.train.plain_trace import CUBLAS_THREADS
 
     names = ("mem-sgd-dot-b512", "mem-sgd-dot-b16384", "mem-rowwise-dot-bf16-b16384")
     rows = memory_rows(run, names)
@@ -113,8 +113,8 @@ def test_the_plain_torch_model_by_its_own_rules_is_within_3pct_of_nvml(run, h100
 def test_estimate_plain_adds_the_gpu_rules(h100):
     import dataclasses
 
-    from slurm_dlrm.estimate.plain_torch import PlainTrace, estimate_plain
     from slurm_dlrm.spec import parse_spec
+    from slurm_dlrm.train.plain_trace import PlainTrace, estimate_plain
 
     spec = parse_spec({"name": "p", "tables": [{"rows": 1000, "dim": 16}], "dense_features": 4, "bottom_mlp": [16],
                        "top_mlp": [8, 1], "batch_size": 100}, "p")

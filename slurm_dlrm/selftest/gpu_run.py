@@ -2,7 +2,7 @@
 
 `load_run(folder)` reads selftest.json, memory.jsonl and colocation.jsonl (a DRY run is
 refused: nothing in it was measured on a GPU). `memory_rows` traces the plain-torch
-model of every memory config (`estimate.plain_torch`, imports torch); `profile_inputs`
+model of every memory config (`train.plain_trace`, imports torch); `profile_inputs`
 gives each job type's estimator figures beside what NVML saw alone. `site_figures`
 fits what `selftest --write-site` keeps: the two per-process overheads and the
 profile calibration.
@@ -94,8 +94,8 @@ class MemoryRow:
 
 def memory_rows(run: GpuRun, names: tuple[str, ...] | None = None) -> list[MemoryRow]:
     from slurm_dlrm.estimate.analytic import allocator_rounding_bytes
-    from slurm_dlrm.estimate.plain_torch import ids_per_step, trace_plain_step
     from slurm_dlrm.spec import parse_spec
+    from slurm_dlrm.train.plain_trace import ids_per_step, trace_plain_step
 
     rows = []
     for r in run.memory:
@@ -114,9 +114,9 @@ def profile_inputs(run: GpuRun, gpu: GpuModel) -> list[C.ProfileInputs]:
     """Each job type measured alone: the estimator's GPU times on the calibrated model,
     the plain-torch step's kernel count (traced), the estimator's shares, NVML's."""
     from slurm_dlrm.estimate.analytic import compute_profile, gpu_step_times
-    from slurm_dlrm.estimate.plain_torch import trace_plain_step
     from slurm_dlrm.selftest.gpu_configs import JOB_TYPES, spec_data
     from slurm_dlrm.spec import parse_spec
+    from slurm_dlrm.train.plain_trace import trace_plain_step
 
     model = calibrated_model(run, gpu)
     # The estimator's own shares on the same model, as compute_profile computes them

@@ -615,7 +615,11 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     """Distributed group, model, optimizer, data, resume. Raises on failure."""
     from slurm_dlrm.spec import spec_fingerprint
 
-    if spec.eval.enabled:
+    backend, why = resolve(getattr(spec, "backend", "auto"))
+    # torchrec's metrics with torchrec; the same formulas in plain torch where torchrec is
+    # not the backend (it may not import there; evaluation.py: identical numbers)
+    metrics_backend = "reference" if backend == TORCH else "torchrec"
+    if spec.eval.enabled and metrics_backend == "torchrec":
         import_metrics_in_background()
     dist_probe_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = pick_device(opts.device, dist_probe_rank)
@@ -625,7 +629,6 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     if info.world_size != int(spec.world_size):
         log.warning("spec asks for world_size %d; this launch has %d processes", spec.world_size, info.world_size)
     torch.manual_seed(int(spec.seed) * 1000 + info.rank)
-    backend, why = resolve(getattr(spec, "backend", "auto"))
     log.info("%s", why)  # once per job: other ranks log warnings only
     built = build(backend, spec, device, info.world_size, sharding_local_size(device, info.local_world_size))
     for note in built.notes:
@@ -649,7 +652,7 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     if spec.eval.enabled:
         batches, planted = eval_batches(spec, info.rank, info.world_size)
         evaluator = Evaluator(batches, int(spec.eval.every_steps), total, world_size=info.world_size,
-                              planted=planted)
+                              planted=planted, backend=metrics_backend)
     trainer = Trainer(spec=spec, opts=opts, dist_info=info, device=device, built=built, source=source,
                       total_steps=total, stop=stop, expect=expect, evaluator=evaluator)
     trainer.resume()

@@ -1,6 +1,6 @@
 """The plain-torch DLRM estimated by its own rules (issue 37).
 
-`slurm_dlrm/selftest/plain_dlrm.py` is the model that runs where torchrec and fbgemm do
+`slurm_dlrm/train/plain_dlrm.py` is the model that runs where torchrec and fbgemm do
 not (the GPU check, the runner's plain-torch backend). It follows other rules than the
 torchrec model the analytic estimator replays (`gpu_check.rules_that_differ`): sparse
 table gradients and a torch optimizer step instead of fbgemm's fused update, int64
@@ -80,7 +80,7 @@ def trace_plain_step(spec: JobSpec) -> PlainTrace:
     """One traced training step (two, so the optimizer state exists) of `plain_dlrm`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from slurm_dlrm.selftest import plain_dlrm
+    from slurm_dlrm.train import plain_dlrm
 
     if spec.world_size != 1 or spec.custom_module or any(t.placement != "hbm" for t in spec.tables):
         raise ValueError(f"{spec.name}: the plain-torch DLRM covers one process, HBM tables, the built-in model")
@@ -88,7 +88,7 @@ def trace_plain_step(spec: JobSpec) -> PlainTrace:
     tracker = _SparseAwareTracker()
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = plain_dlrm.PlainDLRM(spec, cpu, sparse_tables=spec.optimizer.fused)
-        optimizers, _ = plain_dlrm._optimizers(spec, model, spec.optimizer.fused)
+        optimizers, _ = plain_dlrm.optimizers_for(spec, model, spec.optimizer.fused)
         for opt in optimizers:
             for group in opt.param_groups:
                 if "foreach" in group:  # torch picks the foreach kernels for CUDA tensors
@@ -173,6 +173,6 @@ def estimate_plain(spec: JobSpec, gpu: GpuModel, trace: PlainTrace | None = None
         gpu_peak_bytes=peak, host_peak_bytes=HOST_RUNTIME_CUDA_BYTES, gpu_breakdown=bd,
         host_breakdown={"runtime": HOST_RUNTIME_CUDA_BYTES}, profile=compute_profile(spec, gpu),
         tensor_peak_bytes=trace.peak_bytes, peak_phase="step", gpu_model=gpu.name, method="traced-plain-torch",
-        notes=("plain torch (slurm_dlrm/selftest/plain_dlrm.py) traced under FakeTensorMode: sparse table "
+        notes=("plain torch (slurm_dlrm/train/plain_dlrm.py) traced under FakeTensorMode: sparse table "
                "gradients, torch optimizers with foreach kernels",),
         gpu_fence_bytes=fence_bytes(peak, gpu))
