@@ -23,6 +23,7 @@ import re
 import time
 from pathlib import Path
 
+from slurm_dlrm.osutil import pid_alive
 from slurm_dlrm.service.daemon import this_host
 
 log = logging.getLogger(__name__)
@@ -33,16 +34,6 @@ STALE_ANY_S = 86400.0
 _OWN_TMP = re.compile(r"^\.(?P<file>.+)\.(?P<pid>\d+)\.tmp$")
 # dropbox.write_request: .<time_ns>-<kind>-<host>-<pid>-<random>.req.tmp
 _REQ_TMP = re.compile(r"^\.\d{20}-[a-z]+-(?P<host>[A-Za-z0-9_-]*)-(?P<pid>\d+)-[0-9a-f]+\.req\.tmp$")
-
-
-def _alive_here(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _safe_host(host: str) -> str:
@@ -70,9 +61,9 @@ def stale_temporaries(store_dir: Path, *, now_t: float | None = None) -> list[Pa
                 continue  # renamed meanwhile: it was a live writer's
             pid = int(m["pid"])
             if pattern is _REQ_TMP and m["host"] == here:
-                stale = not _alive_here(pid)
+                stale = not pid_alive(pid)
             else:
-                stale = age_s >= STALE_ANY_S or (age_s >= STALE_TMP_S and not _alive_here(pid))
+                stale = age_s >= STALE_ANY_S or (age_s >= STALE_TMP_S and not pid_alive(pid))
             if stale:
                 out.append(path)
     return out
