@@ -715,7 +715,12 @@ def run(spec: Any, opts: RunOptions) -> int:
         if stopped is not None:
             log.info("already done: eval.stop_when stopped it at step %s: %s", stopped.get("step"), stopped.get("reason"))
             return TRAIN_EXIT_OK
-        return trainer.run()
+        code = trainer.run()
+        if code == TRAIN_EXIT_OK and trainer.dist_info.world_size > 1:
+            # every rank past its last collective before any tears the group down: a rank
+            # whose peer had already exited could hang in gloo at exit (backend torch, DDP)
+            dist.barrier()
+        return code
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
         if isinstance(exc, SystemExit | KeyboardInterrupt):
             raise
