@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
+torch = pytest.importorskip("torch")
 pytest.importorskip("torchrec")
 spec_mod = pytest.importorskip("slurm_dlrm.spec")
 
