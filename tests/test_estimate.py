@@ -123,7 +123,7 @@ def test_torch_backend_is_estimated_by_its_own_rules():
     """Not torchrec's: no DDP bucket at one rank (a non-fused run counts its full-table
     gradient once), every table in device memory, replicated on every rank with DDP's
     broadcast at set-up; `auto` follows what this environment has."""
-    from slurm_dlrm.estimate.backend import backend_for_estimate, fbgemm_installed
+    from slurm_dlrm.estimate.backend import backend_for_estimate, fbgemm_installed, torch_installed
 
     nonfused = {"optimizer": {"type": "adagrad", "fused": False}}
     tr, pt = estimate(small(backend="torchrec", **nonfused), H100), estimate(small(backend="torch", **nonfused), H100)
@@ -136,7 +136,8 @@ def test_torch_backend_is_estimated_by_its_own_rules():
     assert [r.tables for r in ws2.ranks] == [(0, 1, 2), (0, 1, 2)]
     assert ws2.peak_phase.startswith("DDP set-up") or ws2.tensor_peak_bytes > 2 * tables
     assert backend_for_estimate("torch") == "torch" and backend_for_estimate("torchrec") == "torchrec"
-    assert backend_for_estimate("auto") == ("torchrec" if fbgemm_installed() else "torch")
+    # a host without torch (a login node with the project alone) estimates torchrec
+    assert backend_for_estimate("auto") == ("torchrec" if fbgemm_installed() or not torch_installed() else "torch")
     assert estimate(small(), None).tensor_peak_bytes == \
         estimate(small(backend=backend_for_estimate("auto")), None).tensor_peak_bytes
 

@@ -88,6 +88,7 @@ def test_the_two_overheads_come_from_their_own_measurements(run, h100, tmp_path)
     assert "as NVML counts it" in r.output and "the fence" in r.output
 
 
+@pytest.mark.torch  # traces the plain-torch model
 def test_the_plain_torch_model_by_its_own_rules_is_within_3pct_of_nvml(run, h100):
     """Three configs (small and large batch, fp32 and bf16): each config's bytes per id
     fitted on the other two, NVML's overhead on the other configs' records."""
@@ -110,6 +111,7 @@ def test_the_plain_torch_model_by_its_own_rules_is_within_3pct_of_nvml(run, h100
     assert min(before) < -15  # what the run's estimate (torchrec's rules, a CUDA 12 context) said
 
 
+@pytest.mark.torch  # traces the plain-torch model
 def test_estimate_plain_adds_the_gpu_rules(h100):
     import dataclasses
 
