@@ -14,4 +14,4 @@ lint: setup
 	$(VENV)/bin/mypy
 
 test: lint
-	CI=$${CI:-} $(PY) -m pytest -q
+	CI=$${CI:-} $(PY) -m pytest -q --durations=25
