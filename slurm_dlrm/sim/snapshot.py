@@ -1,10 +1,10 @@
 """The queue and the running packs at one moment, as the service sees them (estimates
-only): `Snapshot` with its `RunningPack`s and their `RunningMember`s. A run records one at
-`simulate(snapshot_at_s=...)`; `simulate(resume=...)` starts from one, which is what
-`queue --start` does (sim/start_estimate.py, service/start_times.py).
+only): `Snapshot` with its `RunningPack`s and their `RunningMember`s. A run records one
+at `simulate(snapshot_at_s=...)` and starts from one at `simulate(resume=...)`
+(sim/engine.py), which is what `queue --start` does (sim/start_estimate.py).
 
-Apart from the event loop (sim/engine.py) because the service builds these from its
-store without running the simulator.
+Apart from the simulator's state because the service builds these from its store
+(service/start_times.py) without the simulator's internals.
 """
 
 from __future__ import annotations
@@ -61,3 +61,4 @@ class Snapshot:
     # the share of steps left), where it differs from the measured one in `running`
     planned_left_s: tuple[tuple[int, float], ...] = ()
     round_due: bool = True  # something changed since the last round (else the next waits for a change)
+
