@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from slurm_dlrm.sim import parse_cluster, parse_workload, simulate
-from slurm_dlrm.sim.engine import RunningMember, RunningPack, Snapshot
+from slurm_dlrm.sim.snapshot import RunningMember, RunningPack, Snapshot
 from slurm_dlrm.sim.start_estimate import expected_starts, within_share
 from slurm_dlrm.site import GIB
 

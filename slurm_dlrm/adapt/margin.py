@@ -1,6 +1,6 @@
 """Fences from the estimate's observed error (docs/packing.md "Closer to the bound", 5).
 
-The simulator (`sim/engine.py`, `round_limits`) and the live service
+The simulator (`sim/planner_view.py`, `round_limits`) and the live service
 (`service/measured.py`, `learned_limits`) both take each round's GPU memory margin
 from here, so the margin the simulator credits is the one the service runs. Pure.
 """

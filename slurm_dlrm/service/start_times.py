@@ -68,7 +68,7 @@ def running_packs(store: Any, site: Any, user: str, live: dict[int, Any], now_s:
     (the refill headroom it may hold beyond them is not in the store)."""
     from slurm_dlrm.service.measured import member_peaks
     from slurm_dlrm.service.recovery import RecoveryConfig
-    from slurm_dlrm.sim.engine import RunningMember, RunningPack
+    from slurm_dlrm.sim.snapshot import RunningMember, RunningPack
     from slurm_dlrm.site import expand_hostlist
     from slurm_dlrm.store.states import PackState
 
@@ -104,7 +104,7 @@ def running_packs(store: Any, site: Any, user: str, live: dict[int, Any], now_s:
 
 def expected_start_times(store: Any, site: Any, user: str, now_s: float, policy: str | None = None) -> dict[int, float]:
     """Job id -> expected start (epoch seconds) of the user's waiting packed jobs."""
-    from slurm_dlrm.sim.engine import Snapshot
+    from slurm_dlrm.sim.snapshot import Snapshot
     from slurm_dlrm.sim.start_estimate import expected_starts
     from slurm_dlrm.store.states import JobState
 

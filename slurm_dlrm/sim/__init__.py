@@ -1,7 +1,7 @@
 """Discrete-event simulator: replay a workload on a cluster through the packing
 policies (pure; the CLI `slurm-dlrm simulate` reads the files and draws the plots)."""
 
-from slurm_dlrm.sim.engine import JobOutcome, SimResult, Snapshot, job_demand, simulate
+from slurm_dlrm.sim.engine import simulate
 from slurm_dlrm.sim.files import (
     SimCluster,
     SimJob,
@@ -12,6 +12,7 @@ from slurm_dlrm.sim.files import (
     parse_workload,
     workload_summary,
 )
+from slurm_dlrm.sim.planner_view import job_demand
 from slurm_dlrm.sim.report import (
     comparison_table,
     ideal_makespan_bounds_s,
@@ -19,6 +20,8 @@ from slurm_dlrm.sim.report import (
     ideal_throughput_bounds_jobs_per_h,
     ideal_throughput_jobs_per_h,
 )
+from slurm_dlrm.sim.results import JobOutcome, SimResult
+from slurm_dlrm.sim.snapshot import Snapshot
 
 __all__ = ["JobOutcome", "SimCluster", "SimJob", "SimNode", "SimResult", "Snapshot", "Workload", "comparison_table",
            "generate_jobs", "ideal_makespan_bounds_s", "ideal_makespan_s", "ideal_throughput_bounds_jobs_per_h",

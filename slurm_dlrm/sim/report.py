@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from slurm_dlrm.packing.model import PackingLimits
-from slurm_dlrm.sim.engine import SimResult
 from slurm_dlrm.sim.files import SimCluster, Workload
+from slurm_dlrm.sim.results import SimResult
 
 
 def ideal_makespan_s(workload: Workload, cluster: SimCluster, limits: PackingLimits | None = None) -> float:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from slurm_dlrm.sim.engine import Snapshot, simulate
+from slurm_dlrm.sim.engine import simulate
 from slurm_dlrm.sim.files import SimCluster, SimJob, Workload
+from slurm_dlrm.sim.snapshot import Snapshot
 
 
 def forward_workload(snapshot: Snapshot, jobs: dict[int, SimJob]) -> Workload:
