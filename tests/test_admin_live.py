@@ -25,13 +25,9 @@ from click.testing import CliRunner
 from slurm_dlrm.admin.marker import format_marker
 from slurm_dlrm.admin.render import lua_str, render_site, write_rendered
 from slurm_dlrm.cli import cli
-from slurm_dlrm.localcluster import (
-    PORT_FIRST_SLURMD,
-    LocalCluster,
-    config_from_site,
-    pick_base_port,
-    which_missing,
-)
+from slurm_dlrm.localcluster import LocalCluster, config_from_site, which_missing
+from slurm_dlrm.localcluster.config import PORT_FIRST_SLURMD
+from slurm_dlrm.localcluster.ports import pick_base_port
 from slurm_dlrm.site import REPO_SITE_FILE, load_site
 from slurm_dlrm.slurm.client import SlurmClient
 from slurm_dlrm.slurm.parse import job_node_sharing, tres_items

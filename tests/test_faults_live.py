@@ -138,7 +138,7 @@ def _kill_node(cluster, node: str, slurm_job_id: str) -> None:
     """A node crash: its slurmd and every process of the pack's steps on it die at once."""
     import psutil
 
-    from slurm_dlrm.localcluster import _is_ours
+    from slurm_dlrm.localcluster.processes import is_ours
 
     pid_file = cluster.config.run_dir / f"slurmd-{node}.pid"
     slurmd = int(pid_file.read_text().split()[0])
@@ -147,7 +147,7 @@ def _kill_node(cluster, node: str, slurm_job_id: str) -> None:
         cmd = " ".join(p.info["cmdline"] or [])
         # Job ids restart at 1 in every cluster: another instance on this host (another
         # checkout, a chroot) may run a job with the same id. Only this cluster's.
-        if cmd.startswith(f"slurmstepd: [{slurm_job_id}.") and _is_ours(p.pid, cluster.config.state_dir):
+        if cmd.startswith(f"slurmstepd: [{slurm_job_id}.") and is_ours(p.pid, cluster.config.state_dir):
             victims.append(p)
             victims += p.children(recursive=True)
     assert len(victims) > 1, f"no slurmstepd of job {slurm_job_id} found on {node}"

@@ -20,8 +20,9 @@ from click.testing import CliRunner
 from slurm_dlrm import localcluster as lc
 from slurm_dlrm.cli import cli
 from slurm_dlrm.errors import BadInput
+from slurm_dlrm.localcluster import config, ports, processes, rendering
 from slurm_dlrm.slurm import JobState
-from slurm_dlrm.slurm.base import AccountingDisabled
+from slurm_dlrm.slurm.base import AccountingDisabled, SlurmError
 from slurm_dlrm.slurm.wait import wait_for_jobs
 
 
@@ -52,7 +53,7 @@ def test_render_is_private_to_the_instance(tmp_path):
     dbd = cfg.etc_dir / "slurmdbd.conf"
     assert "StorageHost=127.0.0.1" in dbd.read_text() and "StoragePort=23002" in dbd.read_text()
     assert dbd.stat().st_mode & 0o077 == 0
-    assert lc.load_saved_config(cfg.state_dir) == cfg
+    assert config.load_saved_config(cfg.state_dir) == cfg
 
 
 def test_render_hooks_for_the_admin_tools(tmp_path):
@@ -102,7 +103,7 @@ def test_render_installs_the_admin_files_for_its_own_site(tmp_path):
     assert "AccountingStorageTRES=gres/gpu,gres/gpu:h100,gres/mps,gres/shard" in conf
     # one source per key: slurmctld logged "SelectTypeParameters 1 specified more than once"
     # (and JobSubmitPlugins, AccountingStorageTRES, GresTypes, SelectType: issue 43 item 6)
-    keys = [k for k in map(lc._conf_key, conf.splitlines()) if k and k not in ("nodename", "partitionname")]
+    keys = [k for k in map(rendering._conf_key, conf.splitlines()) if k and k not in ("nodename", "partitionname")]
     assert sorted(k for k in set(keys) if keys.count(k) > 1) == []
     assert "# SelectTypeParameters: set by the fragment below" in conf
     assert (cfg.etc_dir / "gres.conf").read_text() == files["gres.conf"]
@@ -128,12 +129,12 @@ def test_one_source_per_key_leaves_each_setting_the_fragment_sets_to_it():
             "SelectType=select/cons_tres\nNodeName=node2 CPUs=4\n")
     extra = ("# SelectTypeParameters=ignored comment\nSelectTypeParameters=CR_CPU_Memory\n"
              "SelectType=select/cons_tres\nNodeName=node2 CPUs=4\n")
-    out = lc.one_source_per_key(conf, extra)
+    out = rendering.one_source_per_key(conf, extra)
     assert out == ("# head\n# SelectTypeParameters: set by the fragment below\n"
                    "# selecttype: set by the fragment below\nMinJobAge=300\nNodeName=node1 CPUs=4\n\n"
                    "# ---- from --slurm-conf-extra x\nSelectTypeParameters=CR_CPU_Memory\n"
                    "SelectType=select/cons_tres\nNodeName=node2 CPUs=4\n")
-    assert lc.one_source_per_key("MinJobAge=300\n", "") == "MinJobAge=300\n"
+    assert rendering.one_source_per_key("MinJobAge=300\n", "") == "MinJobAge=300\n"
 
 
 @pytest.mark.parametrize(("kw", "message"), [
@@ -148,21 +149,21 @@ def test_bad_options_are_bad_input(tmp_path, kw, message):
 def test_ports_derived_per_state_dir_and_skip_busy_ones(tmp_path, monkeypatch):
     monkeypatch.delenv(lc.ENV_PORT, raising=False)
     a, b = tmp_path / "a", tmp_path / "b"
-    pa, pb = lc.derived_base_port(a), lc.derived_base_port(b)
+    pa, pb = ports.derived_base_port(a), ports.derived_base_port(b)
     assert pa != pb and pa % lc.PORTS_PER_INSTANCE == 0
-    assert lc.DERIVED_PORT_LOW <= pa < 32768
+    assert ports.DERIVED_PORT_LOW <= pa < 32768
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", pa + lc.PORT_FIRST_SLURMD + 1))  # node2's port is taken ...
+            s.bind(("127.0.0.1", pa + config.PORT_FIRST_SLURMD + 1))  # node2's port is taken ...
             s.listen()
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE:
                 raise
             # ... or already was, by another process on this shared host: the same case.
-        picked = lc.pick_base_port(a, nodes=2)
+        picked = ports.pick_base_port(a, nodes=2)
     assert picked != pa and picked % lc.PORTS_PER_INSTANCE == 0
     monkeypatch.setenv(lc.ENV_PORT, "12345")
-    assert lc.pick_base_port(a, nodes=2) == 12345
+    assert ports.pick_base_port(a, nodes=2) == 12345
 
 
 def test_status_of_a_never_started_cluster_and_cli_errors(tmp_path):
@@ -285,7 +286,7 @@ def test_down_stops_only_what_it_started(slurm_cluster, tmp_path):
     """A second, small cluster: a running job, then down; a look-alike `slurmd` survives."""
     state_dir = Path("/tmp") / f"sdlrm-t-{os.getpid()}"
     cfg = lc.config_from_site(state_dir=state_dir, nodes=1, gpus_per_node=1,
-                              base_port=lc.pick_base_port(state_dir, nodes=1))
+                              base_port=ports.pick_base_port(state_dir, nodes=1))
     decoy_bin = tmp_path / "slurmd"
     shutil.copy("/bin/sleep", decoy_bin)
     decoy = subprocess.Popen([str(decoy_bin), "300"])  # noqa: S603 - named like ours, not ours
@@ -303,7 +304,7 @@ def test_down_stops_only_what_it_started(slurm_cluster, tmp_path):
         # RUNNING can come before the step starts (the installed prolog runs first): wait.
         deadline = time.monotonic() + 30
         while True:
-            tasks = [pid for pid in lc._ours_by_environ(state_dir) if pid not in pids]
+            tasks = [pid for pid in processes.ours_by_environ(state_dir) if pid not in pids]
             comms = {Path(f"/proc/{pid}/comm").read_text().strip() for pid in tasks if Path(f"/proc/{pid}").exists()}
             if "slurmstepd" in comms or time.monotonic() > deadline:
                 break
@@ -311,10 +312,10 @@ def test_down_stops_only_what_it_started(slurm_cluster, tmp_path):
         assert "slurmstepd" in comms, comms
         stopped = cluster.down()
         assert "slurmctld" in stopped and "munged" in stopped
-        assert not [pid for pid in tasks if Path(f"/proc/{pid}").exists() and lc._is_ours(pid, state_dir)]
-        assert list(lc._ours_by_environ(state_dir)) == []
+        assert not [pid for pid in tasks if Path(f"/proc/{pid}").exists() and processes.is_ours(pid, state_dir)]
+        assert list(processes.ours_by_environ(state_dir)) == []
         for pid in pids:
-            assert pid is not None and not lc._is_ours(pid, state_dir)
+            assert pid is not None and not processes.is_ours(pid, state_dir)
         assert decoy.poll() is None, "down killed a process only because of its name"
         assert not cluster.status(query_nodes=False).up
         assert cluster.down() == []  # twice is fine
@@ -334,13 +335,13 @@ def test_failed_up_leaves_nothing_running(slurm_cluster, tmp_path):
     extra = tmp_path / "bad.conf"
     extra.write_text("NoSuchSlurmOption=1\n")
     cfg = lc.config_from_site(state_dir=state_dir, nodes=1, gpus_per_node=1, slurm_conf_extra=extra,
-                              base_port=lc.pick_base_port(state_dir, nodes=1))
+                              base_port=ports.pick_base_port(state_dir, nodes=1))
     cluster = lc.LocalCluster(cfg)
     try:
         with pytest.raises(lc.ClusterError, match="slurmctld"):
             cluster.up(wait_s=30)
         assert not any(d.running for d in cluster.daemons())
-        assert list(lc._ours_by_environ(state_dir)) == []
+        assert list(processes.ours_by_environ(state_dir)) == []
     finally:
         cluster.down()
         shutil.rmtree(state_dir, ignore_errors=True)
@@ -390,12 +391,12 @@ def test_hooks_job_submit_lua_and_extra_lines_reach_slurmctld(slurm_cluster, tmp
     extra.write_text("MaxJobCount=4242\n")
     state_dir = Path("/tmp") / f"sdlrm-h-{os.getpid()}"
     cfg = lc.config_from_site(state_dir=state_dir, nodes=1, gpus_per_node=1, job_submit_lua=lua,
-                              slurm_conf_extra=extra, base_port=lc.pick_base_port(state_dir, nodes=1))
+                              slurm_conf_extra=extra, base_port=ports.pick_base_port(state_dir, nodes=1))
     cluster = lc.LocalCluster(cfg)
     try:
         cluster.up(wait_s=60)
         client = cluster.client()
-        with pytest.raises(lc.SlurmError, match="forbidden: pick another name"):
+        with pytest.raises(SlurmError, match="forbidden: pick another name"):
             client.sbatch(_script("true"), ["--job-name=forbidden", "--output=/dev/null"])
         ok = client.sbatch(_script("true"), ["--job-name=allowed", "--output=/dev/null"])
         assert ok > 0
@@ -415,7 +416,7 @@ def test_rendered_files_match_golden(accounting, monkeypatch):
     """Regenerate: UPDATE_GOLDEN=1 pytest tests/test_localcluster.py -k golden"""
     if os.geteuid() != 0:
         pytest.skip("mknod needs root")
-    monkeypatch.setattr(lc.socket, "gethostname", lambda: "host.example.org")
+    monkeypatch.setattr(rendering.socket, "gethostname", lambda: "host.example.org")
     state_dir = Path("/tmp") / f"sdlrm-golden-{os.getpid()}"
     try:
         # Explicit values (the dataclass defaults), so edits of site.toml do not move the goldens.
@@ -473,7 +474,7 @@ def test_up_after_a_slurmctld_killed_before_its_first_save(slurm_cluster):
     # midway leaves a half-made MariaDB datadir that mariadb-install-db refuses.
     state_dir = Path(tempfile.mkdtemp(prefix="sdlrm-k-", dir="/tmp"))
     cfg = lc.config_from_site(state_dir=state_dir, nodes=1, gpus_per_node=1, accounting=True,
-                              base_port=lc.pick_base_port(state_dir, nodes=1))
+                              base_port=ports.pick_base_port(state_dir, nodes=1))
     cluster = lc.LocalCluster(cfg)
     try:
         cluster.up(wait_s=90)
@@ -481,7 +482,7 @@ def test_up_after_a_slurmctld_killed_before_its_first_save(slurm_cluster):
         assert ctld.pid is not None
         os.kill(ctld.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while lc._is_ours(ctld.pid, state_dir) and time.monotonic() < deadline:
+        while processes.is_ours(ctld.pid, state_dir) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert (state_dir / "ctld" / "clustername").exists()
         # What the kill leaves: no save yet (should a slow machine have saved first, this

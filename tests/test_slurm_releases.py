@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from slurm_dlrm.admin.check import parse_scontrol_config
-from slurm_dlrm.localcluster import sacctmgr_already_there
+from slurm_dlrm.localcluster.accounting import sacctmgr_already_there
 from slurm_dlrm.slurm import JobState, SlurmClient, parse
 from slurm_dlrm.slurm.client import DEFAULT_SACCT_FIELDS, NODES_ARGV, SQUEUE_ARGV
 

@@ -2,22 +2,18 @@
 before the policy packs the rest (docs/packing.md "Refilling running packs").
 Used by `mem-best-fit` and `complementary`.
 
-Over 600 lines for now: the joins, the gangs' placement and their reservations with
-backfill (issue 31) all read and change the same per-GPU state of one round (`_PackGpu`);
-moving the reservations to a module of their own needs that state made public first
-(a follow-up, noted in the closing note of wave 3)."""
+This module makes the refill choice: who joins which pack GPU, in which order, gangs
+all ranks or none. The per-GPU state of the pass is `pack_gpus.PackGpu`; the room held
+for a job that cannot join yet (drain tail, waiting gangs) is in `reservations.py`."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 
-from slurm_dlrm.errors import BadInput
 from slurm_dlrm.packing.common import (
     URGENT_PRIORITY,
-    Node,
     drain_tail,
     host_fits,
     is_overdue_priority,
@@ -46,7 +42,16 @@ from slurm_dlrm.packing.model import (
     rank_members,
     usable_gpu_bytes,
 )
-from slurm_dlrm.site import MIB, GpuModel
+from slurm_dlrm.packing.pack_gpus import PackGpu, join, pack_gpus
+from slurm_dlrm.packing.reservations import (
+    Reservation,
+    backfills,
+    gang_holds,
+    reserve_for_gang,
+    reserve_for_tail,
+    take_slack,
+)
+from slurm_dlrm.site import MIB
 
 _JOIN_SCAN = 24  # pending jobs looked at per pick for one pack GPU (complementary)
 # A joiner must add at least this much priced work per unit of the priced resources it
@@ -55,7 +60,7 @@ _JOIN_SCAN = 24  # pending jobs looked at per pick for one pack GPU (complementa
 # joiner (docs/packing.md "Refilling running packs").
 _MIN_EFFICIENCY = 0.4
 # A pending job expected to run >= this share of the time the whole backlog needs is a
-# drain-tail job: it goes first and gets a reservation (`drain_tail`, `_reserve`).
+# drain-tail job: it goes first and gets a reservation (`drain_tail`, `reservations.reserve_for_tail`).
 _TAIL_FACTOR = 0.25
 # Switches for benchmarks/bound_ablation.py (what each mechanism contributes).
 _PRICED = True
@@ -65,7 +70,7 @@ _RESERVE = True
 _PRICED_OVERDUE = True
 # Issue 31, second pass: under the slowdown bound an overdue gang past its reservation
 # point reserved its GPUs before single-GPU jobs joined, and held one rank's room on them
-# (`_gang_holds`; with `_GANG_ROOM` False the whole GPU drained, EASY on the live members'
+# (`reservations.gang_holds`; with `_GANG_ROOM` False the whole GPU drained, EASY on the live members'
 # end). Both measured worse than the reservation every refill already makes for the
 # first gang that cannot join, made under the bound only for a gang past that point
 # (docs/packing.md "Every job gets its turn", the table); True restores them for
@@ -80,47 +85,6 @@ def _join_key(job: JobDemand) -> tuple[float, bool, float, float, int]:
     # such a joiner (`_times_fit`), and a front of them would use up every pack GPU's scan.
     d = job.est_duration_s
     return (-job.priority, d is None, d or 0.0, job.submit_time_s, job.job_id)
-
-
-@dataclass
-class _PackGpu:
-    """A pack GPU (`OpenGpu` with `pack=True`) during a refill pass."""
-
-    key: str
-    gpu: GpuModel
-    node: Node  # shared by the GPUs of one pack node: the allocation's free CPUs and host memory
-    live: list[JobDemand]
-    joined: list[JobDemand]
-    used_bytes: int
-    slots: int  # members that may still be added (client and member limits, counting live ones)
-    remaining_s: float | None
-
-    @property
-    def members(self) -> list[JobDemand]:
-        return self.live + self.joined
-
-
-def _pack_gpus(request: PackingRequest) -> list[_PackGpu]:
-    """The request's pack GPUs, in key order. GPUs whose keys agree up to the last ':'
-    (the service's f"{pack_id}:{node_index}:{gpu_index}") share one node's free CPUs and
-    host memory. A pack GPU without `free_cpus` / `free_host_mem_bytes` takes no joins."""
-    limits = request.limits
-    out: list[_PackGpu] = []
-    nodes: dict[str, Node] = {}
-    for og in sorted((o for o in request.open_gpus if o.pack), key=lambda o: o.key):
-        try:
-            gpu = request.gpu_model(og.gpu_model)
-        except KeyError:
-            raise BadInput(f"open_gpus[{og.key!r}].gpu_model: unknown GPU model {og.gpu_model!r}") from None
-        if og.free_cpus is None or og.free_host_mem_bytes is None:
-            continue
-        group = og.key.rsplit(":", 1)[0] if og.key.count(":") >= 2 else og.key
-        node = nodes.setdefault(group, Node(og.node_name, gpu, 0, og.free_cpus, og.free_host_mem_bytes))
-        used = sum(live_gpu_bytes(j, gpu, limits) for j in og.live)
-        running = max(og.members, len(og.live))
-        out.append(_PackGpu(og.key, gpu, node, list(og.live), [], used,
-                            max(0, limits.members_per_gpu - running), og.remaining_s))
-    return out
 
 
 def _key_indices(key: str) -> tuple[int, int]:
@@ -139,7 +103,7 @@ def _join_speeds(members: list[JobDemand], params: InterferenceParams) -> list[f
                                          [util_fraction(j.membw_util_pct) for j in members], params)
 
 
-def _join_fits(pg: _PackGpu, job: JobDemand, limits: PackingLimits) -> bool:
+def _join_fits(pg: PackGpu, job: JobDemand, limits: PackingLimits) -> bool:
     """Memory (live members' fences count), client slots, the allocation's free CPUs and
     host memory on that node."""
     return (len(pg.joined) < pg.slots
@@ -147,7 +111,7 @@ def _join_fits(pg: _PackGpu, job: JobDemand, limits: PackingLimits) -> bool:
             and host_fits(pg.node, job, limits))
 
 
-def _allocation_bound(pgs: list[_PackGpu], queue: list[JobDemand], limits: PackingLimits) -> set[str]:
+def _allocation_bound(pgs: list[PackGpu], queue: list[JobDemand], limits: PackingLimits) -> set[str]:
     """Keys of the pack GPUs that a waiting single-GPU job would fit (GPU memory) but
     their allocation never would: it has too few CPUs or too little host memory even
     with every live member ended. Slurm cannot grow a running job and the headroom is
@@ -168,7 +132,7 @@ def _allocation_bound(pgs: list[_PackGpu], queue: list[JobDemand], limits: Packi
     return out
 
 
-def _times_fit(pg: _PackGpu, members: list[JobDemand], speeds: list[float]) -> bool:
+def _times_fit(pg: PackGpu, members: list[JobDemand], speeds: list[float]) -> bool:
     """With the allocation's time left known: every joiner's time limit (or, without one,
     its expected run time at its predicted speed) and every live member's expected rest
     at its new speed must fit in it. A joiner of unknown length does not fit."""
@@ -202,7 +166,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
     joins first; if it cannot, nothing of lower priority joins. Returns the joins and
     the jobs still pending."""
     limits = request.limits
-    pgs = _pack_gpus(request)
+    pgs = pack_gpus(request)
     # complementary takes joiners in its seeds' order (priority band, then shortest
     # expected run first: aging keeps long jobs from starving), mem-best-fit first come,
     # first served.
@@ -232,10 +196,10 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
     # their order, gangs and single-GPU jobs alike: otherwise the gang pass below, and
     # then the gain-driven fill, would take the room ahead of them.
     # A gang past the bound's reservation point that cannot join now reserves its W
-    # GPUs of one pack node first (`_reserve_for_gang`): they take no single-GPU joins
+    # GPUs of one pack node first (`reservations.reserve_for_gang`): they take no single-GPU joins
     # and drain for it; the pack's other GPUs carry on.
     reserved: set[str] = set()
-    holds: dict[str, _Reservation] = {}
+    holds: dict[str, Reservation] = {}
     gang: JobDemand | None = None
     fair, now = request.fair, request.now_s
     backfill = False
@@ -250,9 +214,9 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
         if _GANG_ROOM and reserved and gang is not None:
             # The gang needs one rank's room on each reserved GPU, not the whole GPU:
             # a joiner may take a reserved GPU if it ends before that room is expected
-            # free on all of them, or if it leaves the room (`_gang_holds`).
-            holds = _gang_holds([pg for pg in pgs if pg.key in reserved], gang, limits,
-                                policy == "complementary")
+            # free on all of them, or if it leaves the room (`reservations.gang_holds`).
+            holds = gang_holds([pg for pg in pgs if pg.key in reserved], gang, limits,
+                               policy == "complementary")
         else:
             # EASY backfill on the reserved GPUs: a joiner must end before their live
             # members do (their time left is capped there; `_times_fit`).
@@ -273,7 +237,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
             continue  # they lead the queue the priced fill scans (`_fill_by_gain`)
         target = _best_gain_gpu(open_pgs, job, limits, params)
         if target is not None:
-            _join(target, job, limits)
+            join(target, job, limits)
             placed.add(job.job_id)
     # Multi-GPU jobs first, all ranks or none (docs/packing.md "Multi-GPU jobs"). Under the
     # slowdown bound only a gang past its reservation point reserves (the overdue band
@@ -297,7 +261,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
         for job in singles:
             if held_back(job):
                 break
-            best: _PackGpu | None = None
+            best: PackGpu | None = None
             best_left = 0
             for pg in pgs:
                 if not _join_fits(pg, job, limits):
@@ -309,7 +273,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
                 if best is None or left < best_left:
                     best, best_left = pg, left
             if best is not None:
-                _join(best, job, limits)
+                join(best, job, limits)
                 placed.add(job.job_id)
             elif job.priority >= URGENT_PRIORITY:
                 held.append(job)
@@ -322,7 +286,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
             if best_gpu is None:
                 held.append(job)
                 break
-            _join(best_gpu, job, limits)
+            join(best_gpu, job, limits)
             placed.add(job.job_id)
         if not held and pgs:  # (a waiting gang may have reserved every pack GPU)
             # An overdue job that fits nowhere gets the reservation a drain-tail job gets.
@@ -343,10 +307,10 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
     return joins, [j for j in queue if j.job_id not in placed]
 
 
-def _best_gain_gpu(pgs: list[_PackGpu], job: JobDemand, limits: PackingLimits,
-                   params: InterferenceParams) -> _PackGpu | None:
+def _best_gain_gpu(pgs: list[PackGpu], job: JobDemand, limits: PackingLimits,
+                   params: InterferenceParams) -> PackGpu | None:
     """The pack GPU where `job` fits and adds most predicted summed speed, or None."""
-    best_gpu: _PackGpu | None = None
+    best_gpu: PackGpu | None = None
     best_gain = -math.inf
     for pg in pgs:
         if not _join_fits(pg, job, limits):
@@ -359,7 +323,7 @@ def _best_gain_gpu(pgs: list[_PackGpu], job: JobDemand, limits: PackingLimits,
     return best_gpu
 
 
-def _join_gangs(pgs: list[_PackGpu], gangs: list[JobDemand], placed: set[int], limits: PackingLimits,
+def _join_gangs(pgs: list[PackGpu], gangs: list[JobDemand], placed: set[int], limits: PackingLimits,
                 params: InterferenceParams, load_target: bool, reserved: set[str],
                 may_reserve: Callable[[JobDemand], bool] | None = None) -> JobDemand | None:
     """Multi-GPU jobs join a running pack's node all ranks or none: each rank (heaviest
@@ -368,9 +332,9 @@ def _join_gangs(pgs: list[_PackGpu], gangs: list[JobDemand], placed: set[int], l
     `load_target` (complementary): no GPU's summed SM or bandwidth use past the target.
     Returns the first urgent gang that could not join, or None; the first gang that
     could not join (and passes `may_reserve`, if given) reserves GPUs
-    (`_reserve_for_gang`, keys added to `reserved`)."""
+    (`reservations.reserve_for_gang`, keys added to `reserved`)."""
     stuck: JobDemand | None = None
-    groups: dict[int, list[_PackGpu]] = {}
+    groups: dict[int, list[PackGpu]] = {}
     for pg in pgs:
         groups.setdefault(id(pg.node), []).append(pg)
     for job in gangs:
@@ -380,9 +344,9 @@ def _join_gangs(pgs: list[_PackGpu], gangs: list[JobDemand], placed: set[int], l
             if (len(group) < job.world_size or sum(m.cpus for m in ranks) > node.free_cpus
                     or sum(host_limit_bytes(m, limits) for m in ranks) > node.free_mem_bytes):
                 continue
-            chosen: list[_PackGpu] = []
+            chosen: list[PackGpu] = []
             for m in ranks:
-                best: _PackGpu | None = None
+                best: PackGpu | None = None
                 best_load = math.inf
                 for pg in group:
                     if any(pg is c for c in chosen) or not _join_fits(pg, m, limits):
@@ -402,41 +366,19 @@ def _join_gangs(pgs: list[_PackGpu], gangs: list[JobDemand], placed: set[int], l
                 chosen.append(best)
             if len(chosen) == len(ranks):
                 for m, pg in zip(ranks, chosen, strict=True):
-                    _join(pg, m, limits)
+                    join(pg, m, limits)
                 placed.add(job.job_id)
                 break
         if job.job_id not in placed and stuck is None and job.priority >= URGENT_PRIORITY:
             stuck = job
         if job.job_id not in placed and not reserved and (may_reserve is None or may_reserve(job)):
-            _reserve_for_gang(groups, ranks, limits, reserved)
+            reserve_for_gang(groups, ranks, limits, reserved)
     return stuck
 
 
-def _reserve_for_gang(groups: dict[int, list[_PackGpu]], ranks: list[JobDemand], limits: PackingLimits,
-                      reserved: set[str]) -> None:
-    """The first gang that could not join reserves the `world_size` least loaded GPUs of
-    the pack node that has them: single-GPU jobs stop joining those, so their room
-    grows as members end and the gang gets in (refill would otherwise fill every
-    freed share at once and the gang would never see room on W GPUs together)."""
-    best: tuple[float, list[_PackGpu]] | None = None
-    for group in groups.values():
-        if len(group) < len(ranks):
-            continue
-        loads = sorted(group, key=lambda pg: (max(sum(util_fraction(j.sm_util_pct) for j in pg.members),
-                                                  sum(util_fraction(j.membw_util_pct) for j in pg.members)),
-                                              pg.used_bytes, pg.key))
-        chosen = loads[:len(ranks)]
-        worst = max(max(sum(util_fraction(j.sm_util_pct) for j in pg.members),
-                        sum(util_fraction(j.membw_util_pct) for j in pg.members)) for pg in chosen)
-        if best is None or worst < best[0]:
-            best = (worst, chosen)
-    if best is not None:
-        reserved.update(pg.key for pg in best[1])
-
-
-def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int], limits: PackingLimits,
+def _fill_by_gain(pgs: list[PackGpu], queue: list[JobDemand], placed: set[int], limits: PackingLimits,
                   params: InterferenceParams, tail: frozenset[int] = frozenset(),
-                  holds: dict[str, _Reservation] | None = None) -> None:
+                  holds: dict[str, Reservation] | None = None) -> None:
     """complementary's refill: each pack GPU in turn takes the job, among the next
     `_JOIN_SCAN` that fit in the given order, that raises its predicted summed speed most,
     while that gain is at least `min_gain`.
@@ -475,7 +417,7 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
 
     # The first drain-tail job that fits no pack GPU now gets the GPU where it can start
     # soonest (EASY backfill): only joiners that end before then, or leave it room, join it.
-    reservation = _reserve(pgs, [j for j in rest if j.job_id in tail], limits) if tail and _RESERVE else None
+    reservation = reserve_for_tail(pgs, [j for j in rest if j.job_id in tail], limits) if tail and _RESERVE else None
     # Prices of GPU memory, CPUs, SMs and bandwidth: how much of each the pending work
     # still needs (duration-weighted), the largest 1. A GPU's value is its members'
     # predicted speeds weighted by what they take of the priced resources, so joins
@@ -536,8 +478,8 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
                 if min_fence[i] > free_mem or min_cpus[i] > free_cpus or min_host[i] > free_host:
                     break  # nothing from here on fits
                 if (fence[i] > free_mem or cpus[i] > free_cpus or host[i] > free_host
-                        or (res is not None and not _backfills(res, rest[i], fence[i], cpus[i], sm[i], bw[i],
-                                                               len(pg.joined), host[i]))):
+                        or (res is not None and not backfills(res, rest[i], fence[i], cpus[i], sm[i], bw[i],
+                                                              len(pg.joined), host[i]))):
                     i = untaken(i + 1)
                     continue
                 scanned += 1
@@ -555,132 +497,8 @@ def _fill_by_gain(pgs: list[_PackGpu], queue: list[JobDemand], placed: set[int],
                 i = untaken(i + 1)
             if pick < 0:
                 break
-            _join(pg, rest[pick], limits)
-            if res is not None and not _ends_before(res, rest[pick]):
-                res.slack_bytes -= fence[pick]
-                res.slack_cpus -= cpus[pick]
-                res.slack_sm -= sm[pick]
-                res.slack_bw -= bw[pick]
-                if res.node_slack is not None:  # shared by the node's reserved GPUs
-                    res.node_slack[0] -= cpus[pick]
-                    res.node_slack[1] -= host[pick]
+            join(pg, rest[pick], limits)
+            if res is not None:
+                take_slack(res, rest[pick], fence[pick], cpus[pick], sm[pick], bw[pick], host[pick])
             skip[pick] = pick + 1
             placed.add(rest[pick].job_id)
-
-
-def _join(pg: _PackGpu, job: JobDemand, limits: PackingLimits) -> None:
-    pg.joined.append(job)
-    pg.used_bytes += member_fence_bytes(job, pg.gpu, limits)
-    pg.node.free_cpus -= job.cpus
-    pg.node.free_mem_bytes -= host_limit_bytes(job, limits)
-
-
-
-@dataclass
-class _Reservation:
-    """A pack GPU held for a drain-tail job that fits no pack GPU yet (EASY backfill)."""
-
-    gpu: _PackGpu
-    start_s: float  # when enough of its live members are expected to have ended
-    slack_bytes: int  # GPU memory a longer joiner may still take beside the reserved job
-    slack_cpus: int
-    # For a gang's rank (`_gang_holds`): SM and bandwidth shares a longer joiner may
-    # still take under the load target, and the joined members that leave it a slot.
-    slack_sm: float = math.inf
-    slack_bw: float = math.inf
-    max_joined: int | None = None
-    # The allocation's CPUs and host memory the gang's ranks leave on the node: one list
-    # shared by the holds of that node, since a joiner on any of its GPUs takes from it.
-    node_slack: list[int] | None = None
-
-
-def _ends_before(res: _Reservation, job: JobDemand) -> bool:
-    return job.est_duration_s is not None and job.est_duration_s <= res.start_s
-
-
-def _backfills(res: _Reservation, job: JobDemand, fence: int, cpus: int, sm: float = 0.0, bw: float = 0.0,
-               joined: int = 0, host_bytes: int = 0) -> bool:
-    """Whether `job` may join the reserved GPU: it ends before the reservation's start,
-    or it leaves the reserved job its room."""
-    return _ends_before(res, job) or (fence <= res.slack_bytes and cpus <= res.slack_cpus
-                                      and sm <= res.slack_sm + 1e-9 and bw <= res.slack_bw + 1e-9
-                                      and (res.max_joined is None or joined < res.max_joined)
-                                      and (res.node_slack is None
-                                           or (cpus <= res.node_slack[0] and host_bytes <= res.node_slack[1])))
-
-
-def _gang_holds(gpus: list[_PackGpu], gang: JobDemand, limits: PackingLimits,
-                load_target: bool) -> dict[str, _Reservation]:
-    """A reservation of one rank's room on each GPU a waiting gang reserved: memory for
-    its heaviest rank's fence, a client slot and (`load_target`, complementary) SM and
-    bandwidth under the target, as `_join_gangs` asks. Its start is when the last of
-    these GPUs is expected to have that room, its live members ending in their expected
-    order (unknown length: never, and then only joiners that leave the room join)."""
-    ranks = rank_members(gang)
-    heavy = min(ranks, key=rank_load)
-    sm_r, bw_r = util_fraction(heavy.sm_util_pct), util_fraction(heavy.membw_util_pct)
-    start_s = 0.0
-    out: dict[str, _Reservation] = {}
-    node_slack: dict[int, list[int]] = {}
-    for pg in gpus:
-        shared = node_slack.setdefault(id(pg.node), [pg.node.free_cpus - sum(m.cpus for m in ranks),
-                                                     pg.node.free_mem_bytes - sum(host_limit_bytes(m, limits)
-                                                                                  for m in ranks)])
-        fence = max(member_fence_bytes(m, pg.gpu, limits) for m in ranks)
-        free = usable_gpu_bytes(pg.gpu) - pg.used_bytes
-        sm = sum(util_fraction(j.sm_util_pct) for j in pg.members)
-        bw = sum(util_fraction(j.membw_util_pct) for j in pg.members)
-        target = limits.target_load if load_target else math.inf
-        slots = pg.slots - len(pg.joined)
-        out[pg.key] = _Reservation(pg, 0.0, free - fence, 1 << 62, target - sm - sm_r, target - bw - bw_r,
-                                   pg.slots - 1, shared)
-        t = 0.0
-        live = sorted(pg.live, key=lambda x: math.inf if x.est_duration_s is None else x.est_duration_s)
-        for k, m in enumerate(live):
-            if fence <= free and slots >= 1 and (k == len(pg.members) or max(sm + sm_r, bw + bw_r) <= target + 1e-9):
-                break
-            t = math.inf if m.est_duration_s is None else m.est_duration_s
-            free += live_gpu_bytes(m, pg.gpu, limits)
-            sm -= util_fraction(m.sm_util_pct)
-            bw -= util_fraction(m.membw_util_pct)
-            slots += 1
-        if not (fence <= free and slots >= 1
-                and (len(live) == len(pg.members) or max(sm + sm_r, bw + bw_r) <= target + 1e-9)):
-            t = math.inf  # no room even with every live member ended (this round's joiners stay)
-        start_s = max(start_s, t)
-    for r in out.values():
-        r.start_s = 0.0 if start_s == math.inf else start_s
-    return out
-
-
-def _reserve(pgs: list[_PackGpu], tail: list[JobDemand], limits: PackingLimits) -> _Reservation | None:
-    """EASY backfill over GPU memory and CPUs: the first job of `tail` that fits no pack
-    GPU now gets the pack GPU where its room frees up soonest, counting the live members
-    ending in their expected order (a member of unknown length never ends). None if
-    every tail job fits somewhere now, or none can ever."""
-    for job in tail:
-        best: _Reservation | None = None
-        fits_now = False
-        for pg in pgs:
-            fence = member_fence_bytes(job, pg.gpu, limits)
-            free = usable_gpu_bytes(pg.gpu) - pg.used_bytes
-            free_cpus = pg.node.free_cpus
-            if fence <= free and job.cpus <= free_cpus and host_limit_bytes(job, limits) <= pg.node.free_mem_bytes:
-                fits_now = True
-                break
-            start_s = 0.0
-            for m in sorted(pg.live, key=lambda x: math.inf if x.est_duration_s is None else x.est_duration_s):
-                if fence <= free and job.cpus <= free_cpus:
-                    break
-                if m.est_duration_s is None:
-                    start_s = math.inf
-                    break
-                start_s = m.est_duration_s
-                free += live_gpu_bytes(m, pg.gpu, limits)
-                free_cpus += m.cpus
-            if (fence <= free and job.cpus <= free_cpus and start_s < math.inf
-                    and (best is None or start_s < best.start_s)):
-                best = _Reservation(pg, start_s, free - fence, free_cpus - job.cpus)
-        if not fits_now:
-            return best
-    return None
