@@ -57,3 +57,40 @@ def test_pid_of_a_killed_predecessor_is_not_reported(tmp_path):
     paths.pid.write_text(f"{os.getpid()}\n")
     assert running_pid(paths) == os.getpid()
     lock.release()
+
+
+def test_status_a_neighbour_placed_is_not_read(tmp_path):
+    """`queue`/`serve status` read the status file: a FIFO must not stall them (the old
+    read_text blocked forever), nor a link, a file others may write, or another user's
+    file forge what they show."""
+    import os
+    import threading
+
+    paths = ServicePaths(tmp_path)
+    os.mkfifo(paths.status)
+    got: list[dict] = []
+    reader = threading.Thread(target=lambda: got.append(read_status(paths)), daemon=True)
+    reader.start()
+    reader.join(5)
+    assert got == [{}], "read_status blocked on a FIFO"
+    paths.status.unlink()
+
+    forged = tmp_path / "forged.json"
+    forged.write_text('{"host": "elsewhere", "pid": 1}')
+    paths.status.symlink_to(forged)
+    assert read_status(paths) == {}
+    paths.status.unlink()
+
+    write_status(paths, {"host": "here"})
+    os.chmod(paths.status, 0o622)
+    assert read_status(paths) == {}
+    os.chmod(paths.status, 0o600)
+    assert read_status(paths) == {"host": "here"}
+    if os.geteuid() == 0:
+        os.chown(paths.status, 65534, 65534)
+        assert read_status(paths) == {}
+
+    paths.status.write_bytes(b"{" + b" " * (70 * 1024) + b"}")
+    os.chown(paths.status, os.geteuid(), os.getegid())
+    os.chmod(paths.status, 0o600)
+    assert read_status(paths) == {}

@@ -33,7 +33,7 @@ from typing import Any
 
 from slurm_dlrm.errors import DlrmError
 from slurm_dlrm.osutil import pid_alive, write_atomic
-from slurm_dlrm.store.db import refuse_foreign
+from slurm_dlrm.store.db import open_own_file, refuse_foreign
 
 log = logging.getLogger(__name__)
 
@@ -259,9 +259,32 @@ def write_status(paths: ServicePaths, status: dict[str, Any]) -> None:
     write_atomic(paths.status, json.dumps(status, sort_keys=True) + "\n")
 
 
+# The service writes a few hundred bytes; anything much larger is not its file.
+MAX_STATUS_BYTES = 64 * 1024
+
+
 def read_status(paths: ServicePaths) -> dict[str, Any]:
+    """What the service last wrote, {} if nothing usable: a FIFO, a link, a file of
+    another user's or one others may write is not read (a neighbour must not stall or
+    forge `queue`/`serve status`; the folder checks cover the rest)."""
     try:
-        data = json.loads(paths.status.read_text())
-    except (OSError, ValueError):
+        fd = open_own_file(paths.status, "service status file")
+    except FileNotFoundError:
+        return {}
+    except (OSError, DlrmError) as exc:
+        log.warning("%s", exc)
+        return {}
+    try:
+        raw = os.read(fd, MAX_STATUS_BYTES + 1)
+    except OSError:
+        return {}
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_STATUS_BYTES:
+        log.warning("service status file %s is larger than %d bytes; not read", paths.status, MAX_STATUS_BYTES)
+        return {}
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
