@@ -25,11 +25,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.agent import fences
+from slurm_dlrm.agent.member import Member
 from slurm_dlrm.agent.mps import MpsError, MpsSetup, open_mps
 from slurm_dlrm.agent.nvml import Nvml, NvmlSnapshot
 from slurm_dlrm.agent.outlog import (
@@ -39,14 +40,8 @@ from slurm_dlrm.agent.outlog import (
     short_reason,
     tail_lines,
 )
-from slurm_dlrm.agent.placement import (
-    CLOSED_DIR,
-    JOINS_DIR,
-    MemberPlacement,
-    Placement,
-    parse_join,
-)
-from slurm_dlrm.agent.procstat import MetricsTail, TreeSample, TreeSampler
+from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR, MemberPlacement, Placement, parse_join
+from slurm_dlrm.agent.procstat import MetricsTail, TreeSample
 from slurm_dlrm.agent.reports import ReportWriter
 from slurm_dlrm.errors import (
     ENV_CHECKPOINT_DIR,
@@ -102,38 +97,6 @@ class AgentOptions:
     heartbeat_every_s: float = 30.0
     sample_interval_s: float | None = None  # overrides the placement's
     slurm_job_id: str | None = None
-
-
-@dataclass
-class Member:
-    placement: MemberPlacement
-    env: dict[str, str] = field(default_factory=dict)
-    popen: subprocess.Popen[bytes] | None = None
-    pid: int | None = None  # the member's own pid, leader of its process group
-    pid_file: Path | None = None
-    launched_at: float = 0.0
-    state: str = "PENDING"
-    exit_code: int | None = None
-    reason: str = ""
-    stop_reason: str | None = None  # why we stopped it: OOM_HOST | OOM_GPU | CANCEL | TERM | KILLED | TIMEOUT
-    stop_detail: str = ""
-    cancel_since: float | None = None  # monotonic time of the SIGTERM for a cancel request
-    cancel_killed: bool = False
-    tree: TreeSampler = field(default_factory=TreeSampler)
-    metrics: MetricsTail | None = None
-    last_tree: TreeSample | None = None
-    output_path: Path | None = None  # the runner's stdout+stderr on this node
-    fence: dict[str, Any] = field(default_factory=dict)  # what holds it to its memory limit
-    cgroup: Path | None = None  # its dmem cgroup, joined before exec
-    master_port: int | None = None  # a rank of a multi-rank job: its job's MASTER_PORT
-    rdzv_file: str | None = None  # and its job's private FileStore
-    oom_kills_at_launch: int | None = None  # the job cgroup's oom_kill count when it started
-    deadline: float | None = None  # monotonic time it is told to stop: its time limit minus the lead
-    timeout_kill_at: float | None = None  # and SIGKILL'ed if it has not stopped by then
-
-    @property
-    def done(self) -> bool:
-        return self.state not in ("PENDING", "RUNNING")
 
 
 def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool,
