@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from slurm_dlrm.agent.loop import Agent, AgentOptions, classify_exit, member_env, step_argv
+from slurm_dlrm.agent.launch import member_env, step_argv
+from slurm_dlrm.agent.loop import Agent, AgentOptions, classify_exit
 from slurm_dlrm.agent.mps import MpsDaemon, MpsSetup
 from slurm_dlrm.agent.placement import parse_placement
 from slurm_dlrm.agent.procstat import MetricsTail, TreeSampler

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.agent import fences
+from slurm_dlrm.agent.launch import free_port, resolve_pid, start_process
 from slurm_dlrm.agent.member import Member
 from slurm_dlrm.agent.mps import MpsError, MpsSetup, open_mps
 from slurm_dlrm.agent.nvml import Nvml, NvmlSnapshot
@@ -44,9 +45,6 @@ from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR, MemberPlacement, P
 from slurm_dlrm.agent.procstat import MetricsTail, TreeSample
 from slurm_dlrm.agent.reports import ReportWriter
 from slurm_dlrm.errors import (
-    ENV_CHECKPOINT_DIR,
-    ENV_JOB_ID,
-    ENV_METRICS_FILE,
     TRAIN_EXIT_BAD_SPEC,
     TRAIN_EXIT_OK,
     TRAIN_EXIT_OOM_GPU,
@@ -59,25 +57,11 @@ log = logging.getLogger(__name__)
 NODES_DIR = "nodes"  # <pack_dir>/nodes/<node_index>.json: the node's real GPU indexes
 
 MIB = 1 << 20
-PID_FILE_TIMEOUT_S = 120.0
 # A signal to the allocation reaches members directly too (same step, or their own step);
 # forwarding it at once doubles it, and a duplicate that lands while a member's
 # interpreter shuts down (handlers reset) kills it. So the agent forwards a little later,
 # to members still running: it still matters when only the agent was signalled.
 FORWARD_DELAY_S = 1.0  # a step that has not started its member by then is stopped
-# Variables Slurm or a site may have set for the whole job that must not leak into a member.
-_MPS_CLIENT_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
-# torch.distributed's launch variables: set for the ranks of a multi-rank job, removed
-# otherwise (an agent started by torchrun or a wrapper must not make members ranks of it);
-# SLURM_DLRM_RDZV_FILE is the runner's own local launcher's rendezvous (train/launch.py).
-DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "GROUP_RANK", "SLURM_DLRM_RDZV_FILE")
-MASTER_ADDR = "127.0.0.1"  # a job's ranks share one node (gang placement, docs/interfaces.md section 3)
-# The ranks' rendezvous: a torch.distributed FileStore in a 0700 folder of the agent's
-# run folder, which our runner prefers to env:// (train/runner.py). A TCPStore on
-# 127.0.0.1:MASTER_PORT authenticates nothing: any process on the node could join or
-# feed it. MASTER_ADDR/MASTER_PORT stay set for a `command` of the user's own.
-ENV_RDZV_FILE = "SLURM_DLRM_RDZV_FILE"
 # The order in which a multi-rank job's end state is chosen from its ranks' (the worst wins).
 _GANG_STATE_ORDER = ("FAILED", "OOM_GPU", "OOM_HOST", "CANCELLED", "TIMEOUT", "PREEMPTED", "COMPLETED")
 
@@ -154,79 +138,6 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def member_env(base: dict[str, str], m: MemberPlacement, gpus: list[str], mps: MpsSetup,
-               pipe_dir: str | None = None, master_port: int | None = None,
-               rdzv_file: str | None = None) -> dict[str, str]:
-    """The environment of one member (docs/agent.md lists every variable). pipe_dir: the
-    member's MPS v3 namespace folder (its socket picks the namespace); master_port: its
-    job's rendezvous port when it is one rank of several."""
-    if m.gpu_index >= len(gpus):
-        raise ValueError(f"member {m.name}: gpu_index {m.gpu_index} but the node has {len(gpus)} GPUs")
-    env = dict(base)
-    for var in (*_MPS_CLIENT_VARS, *DIST_VARS):
-        env.pop(var, None)
-    if m.world_size > 1:
-        if master_port is None:
-            raise ValueError(f"member {m.name}: rank {m.rank} of {m.world_size} without a MASTER_PORT")
-        # One torch.distributed job on one node: env:// rendezvous at rank 0's TCP store.
-        env.update(RANK=str(m.rank), LOCAL_RANK=str(m.rank), WORLD_SIZE=str(m.world_size),
-                   LOCAL_WORLD_SIZE=str(m.world_size), MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(master_port))
-        if rdzv_file is not None:
-            env[ENV_RDZV_FILE] = rdzv_file
-    if mps.daemon is not None and mps.mode == "own":
-        # Our daemon sees only the allocation's GPUs and renumbers them 0..n-1 for clients.
-        env["CUDA_VISIBLE_DEVICES"] = str(m.gpu_index)
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = gpus[m.gpu_index]
-    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers GPUs as NVML does
-    if mps.daemon is not None:
-        env.update(mps.daemon.env())
-        if pipe_dir is not None:
-            env["CUDA_MPS_PIPE_DIRECTORY"] = pipe_dir
-        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(m.mps_thread_pct)
-        # The member sees one GPU, its device 0; this is the fence gres/mps never sets.
-        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={m.gpu_mem_limit_mib}M"
-    env[ENV_METRICS_FILE] = m.metrics_path
-    env[ENV_CHECKPOINT_DIR] = m.checkpoint_dir
-    env[ENV_JOB_ID] = str(m.job_id)
-    env["OMP_NUM_THREADS"] = str(m.cpus)
-    return env
-
-
-# Variables applied again inside a Slurm step, after slurmstepd sets its own.
-STEP_OVERRIDES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
-                  "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY",
-                  "OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT", ENV_RDZV_FILE)
-
-
-def free_port(taken: set[int], host: str = MASTER_ADDR) -> int:
-    """A TCP port no one listens on now, not in `taken` (the ports this agent gave its
-    running jobs): the kernel picks it (bind to port 0). Between this probe and rank 0's
-    bind another process could take it; the job then fails at rendezvous and is requeued."""
-    for _ in range(64):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port not in taken:
-            return port
-    raise OSError("no free TCP port for MASTER_PORT")
-
-
-def step_argv(m: MemberPlacement, env: dict[str, str], node_name: str, pid_file: Path, python: str) -> list[str]:
-    """`srun --overlap` argv that runs one member as its own job step on this node."""
-    # --mem=0: the step shares the job's memory (the agent enforces each member's budget);
-    # without it srun takes $SLURM_MEM_PER_CPU from the batch job and, in Slurm 22.05,
-    # refuses the step because the agent's step holds that memory, --overlap or not.
-    argv = ["srun", "--overlap", "--mem=0", "--nodes=1", "--ntasks=1", f"--nodelist={node_name}",
-            f"--job-name={m.name}", "--export=ALL", "--input=none",
-            python, "-m", "slurm_dlrm.agent.member_exec", "--pid-file", str(pid_file)]
-    for var in STEP_OVERRIDES:
-        if var in env:
-            argv += ["--setenv", f"{var}={env[var]}"]
-    return [*argv, "--", *m.command]
 
 
 class Agent:
@@ -570,36 +481,16 @@ class Agent:
     def _launch(self, m: Member, joined: bool = False) -> None:
         """Start one member (or rank) whose cancel and fence `_launch_job` checked."""
         p = m.placement
-        pipe_dir = None
-        if m.fence.get("kind") == "v3" and self.mps.daemon is not None:
-            pipe_dir = str(self.mps.daemon.pipe_dir / m.fence["server"] / m.fence["namespace"])
+        o = self.opts
         try:
-            m.env = member_env(self.base_env, p, self.opts.gpus, self.mps, pipe_dir=pipe_dir,
-                               master_port=m.master_port, rdzv_file=m.rdzv_file)
-            for d in (Path(p.checkpoint_dir), Path(p.metrics_path).parent):
-                d.mkdir(parents=True, exist_ok=True)
-            m.output_path = Path(p.metrics_path).parent / f"output-{self.opts.node_name}.log"
-            out = open(m.output_path, "ab")  # noqa: SIM115
-            self._link_output(m)
-            if self.opts.launch == "step":
-                m.pid_file = self.run_dir / f"member-{p.key}.pid"
-                m.pid_file.unlink(missing_ok=True)
-                argv = step_argv(p, m.env, self.opts.node_name, m.pid_file, self.opts.python)
-            else:
-                argv = list(p.command)
-            cgroup = m.cgroup
-            # dmem: the member joins its cgroup before exec, so its first allocation is charged there.
-            preexec = (lambda: fences.join_cgroup(cgroup)) if cgroup is not None else None
-            with out:
-                m.popen = subprocess.Popen(  # noqa: S603 - argv list from the placement, no shell
-                    argv, env=m.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=preexec)  # noqa: PLW1509 - the agent has no threads
+            argv = start_process(m, base_env=self.base_env, gpus=o.gpus, mps=self.mps, launch=o.launch,
+                                 node_name=o.node_name, run_dir=self.run_dir, python=o.python)
         except (OSError, ValueError) as exc:
             m.state, m.exit_code, m.reason = "FAILED", None, f"could not launch: {exc}"
             self._ended(m)
             return
         if self.opts.launch != "step":
-            m.pid = m.popen.pid
+            m.pid = m.popen.pid  # type: ignore[union-attr]
         m.launched_at = time.monotonic()
         if p.time_limit_s is not None:
             # a joiner's limit counts from its own start; the first members' from the pack's
@@ -614,21 +505,6 @@ class Agent:
                             **({"joined": True} if joined else {}), **({"fence": m.fence} if m.fence else {}))
         log.info("launched %s (job %d%s) as %s", p.name, p.job_id,
                  f" rank {p.rank}/{p.world_size}" if p.world_size > 1 else "", self.opts.launch)
-
-    def _link_output(self, m: Member) -> None:
-        """The job's -o/-e paths as links to its log (issue 43 item 8), made by the agent as
-        the user; a path that is a file of its own is left alone (said in the agent log)."""
-        for link in m.placement.output_links:
-            path = Path(link)
-            try:
-                if path.is_symlink():
-                    path.unlink()
-                elif path.exists():
-                    log.warning("job %d: -o/-e %s exists and is not a link; not replaced", m.placement.job_id, path)
-                    continue
-                path.symlink_to(m.output_path)  # type: ignore[arg-type]
-            except OSError as exc:
-                log.warning("job %d: cannot link -o/-e %s to its log: %s", m.placement.job_id, path, exc)
 
     def _loop(self, rsock: socket.socket) -> None:
         next_tick = time.monotonic() + self.interval_s
@@ -716,20 +592,8 @@ class Agent:
 
     # ------------------------------------------------------------ member life cycle
 
-    def _resolve_pid(self, m: Member) -> None:
-        if m.pid is not None or m.pid_file is None:
-            return
-        try:
-            m.pid = int(m.pid_file.read_text().strip())
-        except (OSError, ValueError):
-            if time.monotonic() - m.launched_at > PID_FILE_TIMEOUT_S and m.popen is not None:
-                log.error("%s: step did not start within %.0fs; stopping srun", m.placement.name, PID_FILE_TIMEOUT_S)
-                m.stop_reason = m.stop_reason or "KILLED"
-                with contextlib.suppress(OSError):
-                    m.popen.kill()
-
     def _signal(self, m: Member, sig: int) -> None:
-        self._resolve_pid(m)
+        resolve_pid(m)
         if m.pid is not None:
             try:
                 os.killpg(m.pid, sig)
@@ -819,7 +683,7 @@ class Agent:
         for m in self.members:
             if m.done or m.popen is None:
                 continue
-            self._resolve_pid(m)
+            resolve_pid(m)
             rc = m.popen.poll()
             if rc is None:
                 continue
@@ -970,7 +834,7 @@ class Agent:
 
     def _sample_member(self, m: Member, snap: NvmlSnapshot | None, gpu_by_nvml: dict[int, Any]) -> None:
         p = m.placement
-        self._resolve_pid(m)
+        resolve_pid(m)
         if m.pid is None:
             return
         tree = m.tree.sample(m.pid)
