@@ -34,24 +34,11 @@ from slurm_dlrm.agent.launch import free_port, resolve_pid, start_process
 from slurm_dlrm.agent.member import Member
 from slurm_dlrm.agent.mps import MpsError, MpsSetup, open_mps
 from slurm_dlrm.agent.nvml import Nvml, NvmlSnapshot
-from slurm_dlrm.agent.outlog import (
-    REASON_MAX_CHARS,
-    error_line,
-    newest_checkpoint_step,
-    short_reason,
-    tail_lines,
-)
 from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR, MemberPlacement, Placement, parse_join
 from slurm_dlrm.agent.procstat import MetricsTail, TreeSample
+from slurm_dlrm.agent.reaping import job_outcome, reap_ended, signal_name
 from slurm_dlrm.agent.reports import ReportWriter
-from slurm_dlrm.errors import (
-    TRAIN_EXIT_BAD_SPEC,
-    TRAIN_EXIT_OK,
-    TRAIN_EXIT_OOM_GPU,
-    TRAIN_EXIT_OOM_HOST,
-    TRAIN_EXIT_PREEMPTED,
-    BadInput,
-)
+from slurm_dlrm.errors import BadInput
 
 log = logging.getLogger(__name__)
 NODES_DIR = "nodes"  # <pack_dir>/nodes/<node_index>.json: the node's real GPU indexes
@@ -62,8 +49,6 @@ MIB = 1 << 20
 # interpreter shuts down (handlers reset) kills it. So the agent forwards a little later,
 # to members still running: it still matters when only the agent was signalled.
 FORWARD_DELAY_S = 1.0  # a step that has not started its member by then is stopped
-# The order in which a multi-rank job's end state is chosen from its ranks' (the worst wins).
-_GANG_STATE_ORDER = ("FAILED", "OOM_GPU", "OOM_HOST", "CANCELLED", "TIMEOUT", "PREEMPTED", "COMPLETED")
 
 
 @dataclass
@@ -81,63 +66,6 @@ class AgentOptions:
     heartbeat_every_s: float = 30.0
     sample_interval_s: float | None = None  # overrides the placement's
     slurm_job_id: str | None = None
-
-
-def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool,
-                  oom_kills: int | None = None) -> tuple[str, int, str]:
-    """(state, exit code in shell convention, reason) for a member that ended.
-
-    `oom_kills`: how much the job cgroup's memory.events oom_kill rose while it ran
-    (None: unknown). Every kill the agent sends has a `stop_reason`, so a SIGKILL
-    without one came from outside: the counter tells the OOM killer from the rest."""
-    signum = -returncode if returncode < 0 else None
-    if via_srun and returncode > 128:
-        signum = returncode - 128
-    code = 128 + signum if signum else returncode
-    sig_name = _signal_name(signum) if signum else ""
-    if stop_reason in ("OOM_HOST", "OOM_GPU"):
-        return stop_reason, code, ""
-    if stop_reason == "CANCEL":
-        return "CANCELLED", code, "cancelled by the service"
-    if returncode == TRAIN_EXIT_OK:
-        return "COMPLETED", code, ""
-    if stop_reason == "TIMEOUT":
-        if returncode == TRAIN_EXIT_PREEMPTED:
-            return "TIMEOUT", code, "reached its time limit; stopped with a checkpoint (exit 5)"
-        return "TIMEOUT", code, (f"reached its time limit; ended by {sig_name or f'exit code {returncode}'} "
-                                 "without a checkpoint exit")
-    if stop_reason == "GANG":
-        return "CANCELLED", code, "stopped because another rank of its job ended"
-    if returncode == TRAIN_EXIT_OOM_GPU:
-        return "OOM_GPU", code, "CUDA out of memory (runner exit code 3)"
-    if returncode == TRAIN_EXIT_OOM_HOST:
-        return "OOM_HOST", code, "host MemoryError (runner exit code 4)"
-    if returncode == TRAIN_EXIT_PREEMPTED:
-        return "PREEMPTED", code, "checkpointed and stopped after a signal"
-    if stop_reason == "KILLED":
-        return "CANCELLED", code, "did not exit within term_grace_s after SIGTERM; killed"
-    if stop_reason == "TERM":
-        return "CANCELLED", code, f"stopped by {sig_name or f'exit code {returncode}'} without a checkpoint exit"
-    if signum == signal.SIGKILL:
-        if oom_kills:
-            # host memory ran out under the job's cgroup limit (Slurm's --mem): retried
-            # with more host memory like the agent's own budget stop (issue 43)
-            return "OOM_HOST", code, f"killed by SIGKILL: the kernel OOM killer (cgroup oom_kill +{oom_kills} while it ran)"
-        if oom_kills == 0:
-            return "FAILED", code, "killed by SIGKILL from outside the agent, not the OOM killer (Slurm, scancel, a user)"
-        return "FAILED", code, "killed by SIGKILL from outside the agent (OOM killer, Slurm or a user: no cgroup to tell)"
-    if signum:
-        return "FAILED", code, f"killed by {sig_name}"
-    if returncode == TRAIN_EXIT_BAD_SPEC:
-        return "FAILED", code, "the spec did not validate (runner exit code 2)"
-    return "FAILED", code, f"exit code {returncode}"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 class Agent:
@@ -617,7 +545,7 @@ class Agent:
     def _begin_termination(self) -> None:
         assert self._term_signal is not None
         self._terminating_since = time.monotonic()
-        log.warning("%s received: forwarding to %d members in %.1fs, grace %.0fs", _signal_name(self._term_signal),
+        log.warning("%s received: forwarding to %d members in %.1fs, grace %.0fs", signal_name(self._term_signal),
                     sum(not m.done for m in self.members), FORWARD_DELAY_S, self.placement.term_grace_s)
         for m in self.members:
             if not m.done:
@@ -679,32 +607,7 @@ class Agent:
                 self._signal(m, signal.SIGKILL)
 
     def _reap(self) -> None:
-        ended: list[Member] = []
-        for m in self.members:
-            if m.done or m.popen is None:
-                continue
-            resolve_pid(m)
-            rc = m.popen.poll()
-            if rc is None:
-                continue
-            if m.pid is not None and self.opts.launch == "process":
-                # The leader is gone; leftovers of its group (loader workers) go with it.
-                with contextlib.suppress(OSError):
-                    os.killpg(m.pid, signal.SIGKILL)
-            now_kills = fences.oom_kill_count(self._oom_cgroup)
-            rose = None if now_kills is None or m.oom_kills_at_launch is None else now_kills - m.oom_kills_at_launch
-            state, code, reason = classify_exit(rc, m.stop_reason, via_srun=self.opts.launch == "step",
-                                                oom_kills=rose)
-            if state == m.stop_reason and m.stop_detail:
-                reason = m.stop_detail
-            reason = self._explain(m, state, code, reason)
-            m.state, m.exit_code, m.reason = state, code, reason
-            log.info("%s (job %d) ended: %s %s", m.placement.name, m.placement.job_id, state, reason)
-            ended.append(m)
-        # A rank killed outright is the cause, not the sibling that then lost its peer in
-        # the same turn (gloo fails it with exit 1): report signal deaths first.
-        ended.sort(key=lambda m: (m.stop_reason not in ("OOM_HOST", "OOM_GPU"), not (m.exit_code or 0) > 128))
-        for m in ended:
+        for m in reap_ended(self.members, self.opts.launch, self._oom_cgroup):
             self._ended(m)
 
     # ------------------------------------------------------------ multi-rank jobs (issue 18)
@@ -743,22 +646,8 @@ class Agent:
 
     def _job_ended(self, job_id: int, ranks: list[Member]) -> None:
         """The one `member` record of a multi-rank job (docs/agent.md "Multi-rank jobs")."""
-        cause = self._gang_cause.get(job_id)
         world = ranks[0].placement.world_size
-        if cause is not None:
-            rep = cause
-            others = world - 1
-            reason = f"rank {cause.placement.rank}: {cause.reason or cause.state.lower()}; " \
-                     f"its {others} other rank{'s' if others != 1 else ''} stopped"
-        else:
-            states = {r.state for r in ranks}
-            state = next(s for s in _GANG_STATE_ORDER if s in states)
-            rep = min((r for r in ranks if r.state == state), key=lambda r: r.placement.rank)
-            reason = rep.reason
-        # A rank that crashed or was killed is requeued with its job as a whole (all ranks
-        # resume from the shared checkpoint); a bad spec or a rank that never started is not.
-        requeue = (rep.state == "FAILED" and cause is not None and rep.exit_code is not None
-                   and rep.exit_code != TRAIN_EXIT_BAD_SPEC)
+        rep, reason, requeue = job_outcome(ranks, self._gang_cause.get(job_id))
         self.job_states[job_id] = rep.state
         self.reports.member(job_id, rep.state, rep.exit_code, reason, rank=rep.placement.rank, world_size=world,
                             ranks=[{"rank": r.placement.rank, "gpu_index": r.placement.gpu_index, "state": r.state,
@@ -788,26 +677,6 @@ class Agent:
             os.replace(tmp, d / f"{o.node_index}.json")
         except OSError as exc:  # only `queue`'s GPU column depends on it
             log.warning("could not write %s: %s", d, exc)
-
-    def _explain(self, m: Member, state: str, code: int, reason: str) -> str:
-        """The runner's own words where ours are generic: its one-line error for a
-        failure, the step it checkpointed at for a cancel (docs/agent.md)."""
-        # Not for a death by signal (code 128 + signum): the process wrote no cause, and
-        # the log a job's ranks share may end with a sibling's error (gloo's lost peer).
-        if state == "FAILED" and m.output_path is not None and code <= 128:
-            cause = error_line(tail_lines(m.output_path, 40))
-            if cause:
-                return f"{short_reason(cause, REASON_MAX_CHARS - 20)} (exit code {code})"
-        if state in ("CANCELLED", "TIMEOUT") and code == TRAIN_EXIT_PREEMPTED:
-            # the checkpoint it stopped with (a metrics line may be a few steps older)
-            step = newest_checkpoint_step(Path(m.placement.checkpoint_dir))
-            if step is None and m.metrics is not None:
-                m.metrics.poll()
-                step = m.metrics.last.get("step") if m.metrics.last else None
-            at = f" at step {step}" if isinstance(step, int) else ""
-            why = "reached its time limit" if state == "TIMEOUT" else "cancelled"
-            return f"{why}; stopped{at} with a checkpoint (exit 5); `slurm-dlrm requeue {m.placement.job_id}` resumes it"
-        return reason
 
     # ------------------------------------------------------------ sampling and enforcement
 
@@ -903,7 +772,7 @@ class Agent:
         states: dict[str, int] = {}
         for m in self.members:
             states[m.state] = states.get(m.state, 0) + 1
-        signame = _signal_name(self._term_signal) if self._term_signal else ""
+        signame = signal_name(self._term_signal) if self._term_signal else ""
         self.reports.agent("exit", f"members: {states}" + (f"; after {signame}" if signame else ""), states=states)
         self.reports.close()
 
