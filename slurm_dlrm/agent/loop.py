@@ -38,17 +38,25 @@ from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR, MemberPlacement, P
 from slurm_dlrm.agent.procstat import MetricsTail, TreeSample
 from slurm_dlrm.agent.reaping import job_outcome, reap_ended, signal_name
 from slurm_dlrm.agent.reports import ReportWriter
+from slurm_dlrm.agent.stopping import (
+    FORWARD_DELAY_S,
+    begin_termination,
+    cancel_members,
+    cancel_requested,
+    check_time_limits,
+    forward,
+    install_signal_handlers,
+    kill_after_grace,
+    restore_signal_handlers,
+    signal_member,
+    stop_member,
+)
 from slurm_dlrm.errors import BadInput
 
 log = logging.getLogger(__name__)
 NODES_DIR = "nodes"  # <pack_dir>/nodes/<node_index>.json: the node's real GPU indexes
 
 MIB = 1 << 20
-# A signal to the allocation reaches members directly too (same step, or their own step);
-# forwarding it at once doubles it, and a duplicate that lands while a member's
-# interpreter shuts down (handlers reset) kills it. So the agent forwards a little later,
-# to members still running: it still matters when only the agent was signalled.
-FORWARD_DELAY_S = 1.0  # a step that has not started its member by then is stopped
 
 
 @dataclass
@@ -110,34 +118,20 @@ class Agent:
         rsock, wsock = socket.socketpair()
         rsock.setblocking(False)
         wsock.setblocking(False)
-        old_handlers = self._install_signals(wsock)
+        old_handlers = install_signal_handlers(wsock, self._on_term)
         try:
             self._start()
             self._loop(rsock)
         finally:
             self._finish()
-            self._restore_signals(old_handlers)
+            restore_signal_handlers(old_handlers)
             rsock.close()
             wsock.close()
         return 0
 
-    def _install_signals(self, wsock: socket.socket) -> dict[int, Any]:
-        old: dict[int, Any] = {}
-
-        def on_term(signum: int, frame: Any) -> None:
-            if self._term_signal is None:
-                self._term_signal = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
-
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            old[sig] = signal.signal(sig, on_term)
-        old[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda s, f: None)  # wakes select
-        old[-1] = signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
-        return old
-
-    def _restore_signals(self, old: dict[int, Any]) -> None:
-        signal.set_wakeup_fd(old.pop(-1))
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    def _on_term(self, signum: int, frame: Any) -> None:
+        if self._term_signal is None:
+            self._term_signal = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
 
     def _start(self) -> None:
         o = self.opts
@@ -353,19 +347,11 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 - a refused default must not stop the pack
             log.warning("MPS defaults: %s", exc)
 
-    def _cancel_requested(self) -> set[int]:
-        """Job ids named in <pack_dir>/cancel/ (docs/interfaces.md section 3a)."""
-        try:
-            names = os.listdir(self.cancel_dir)
-        except OSError:
-            return set()
-        return {int(n) for n in names if n.isdigit()}
-
     def _launch_job(self, ms: list[Member], joined: bool = False) -> None:
         """Start one job: a single member, or all W ranks of a multi-rank job (gang: a rank
         that cannot start, its fence refused or its cancel asked, keeps all from starting)."""
         p = ms[0].placement
-        if p.job_id in self._cancel_requested():
+        if p.job_id in cancel_requested(self.cancel_dir):
             for m in ms:
                 if not m.done:
                     m.state, m.reason = "CANCELLED", "cancelled by the service before it started"
@@ -449,8 +435,8 @@ class Agent:
                 self._begin_termination()
             self._reap()
             self._forward()
-            self._kill_after_grace()
-            self._check_time_limits()
+            kill_after_grace(self.members, self.placement.term_grace_s, self._terminating_since)
+            check_time_limits(self.members)
             now = time.monotonic()
             if now >= next_tick:
                 self._tick()
@@ -520,36 +506,10 @@ class Agent:
 
     # ------------------------------------------------------------ member life cycle
 
-    def _signal(self, m: Member, sig: int) -> None:
-        resolve_pid(m)
-        if m.pid is not None:
-            try:
-                os.killpg(m.pid, sig)
-                return
-            except ProcessLookupError:
-                pass
-            except PermissionError as exc:
-                log.warning("cannot signal %s: %s", m.placement.name, exc)
-        if m.popen is not None and m.popen.poll() is None:
-            with contextlib.suppress(OSError):
-                m.popen.send_signal(sig)  # srun forwards it to the step
-
-    def stop(self, m: Member, reason: str, detail: str) -> None:
-        """Stop one member for exceeding a budget; its neighbours are not touched."""
-        if m.done or m.stop_reason in ("OOM_HOST", "OOM_GPU"):
-            return
-        m.stop_reason, m.stop_detail = reason, detail
-        log.warning("stopping %s (job %d): %s", m.placement.name, m.placement.job_id, detail)
-        self._signal(m, signal.SIGKILL)
-
     def _begin_termination(self) -> None:
         assert self._term_signal is not None
         self._terminating_since = time.monotonic()
-        log.warning("%s received: forwarding to %d members in %.1fs, grace %.0fs", signal_name(self._term_signal),
-                    sum(not m.done for m in self.members), FORWARD_DELAY_S, self.placement.term_grace_s)
-        for m in self.members:
-            if not m.done:
-                m.stop_reason = m.stop_reason or "TERM"
+        begin_termination(self.members, self._term_signal, self.placement.term_grace_s)
 
     def _forward(self) -> None:
         if self._forwarded or self._terminating_since is None or self._term_signal is None:
@@ -557,54 +517,7 @@ class Agent:
         if time.monotonic() - self._terminating_since < min(FORWARD_DELAY_S, self.placement.term_grace_s / 2):
             return
         self._forwarded = True
-        for m in self.members:
-            if not m.done:
-                self._signal(m, self._term_signal)
-
-    def _check_time_limits(self) -> None:
-        """A member at its time limit minus its lead is told to stop (SIGTERM: it
-        checkpoints and exits 5) and ends TIMEOUT; one still there just before the limit
-        itself is killed (issue 42)."""
-        now = time.monotonic()
-        for m in self.members:
-            if m.done or m.deadline is None:
-                continue
-            if m.timeout_kill_at is None and now >= m.deadline and m.stop_reason is None:
-                lead = m.placement.stop_lead_s
-                m.stop_reason = "TIMEOUT"
-                m.timeout_kill_at = now + max(1.0, lead - max(2.0, 0.2 * lead))
-                log.warning("%s (job %d): time limit %.0fs reached less its %.0fs lead; stopping it", m.placement.name,
-                            m.placement.job_id, m.placement.time_limit_s or 0, lead)
-                self._signal(m, signal.SIGTERM)
-            elif m.timeout_kill_at is not None and now >= m.timeout_kill_at and not m.cancel_killed:
-                m.cancel_killed = True
-                self._signal(m, signal.SIGKILL)
-
-    def _check_cancels(self) -> None:
-        wanted = self._cancel_requested()
-        if not wanted:
-            return
-        for m in self.members:
-            if m.placement.job_id in wanted and not m.done and m.cancel_since is None:
-                log.warning("cancel requested for %s (job %d)", m.placement.name, m.placement.job_id)
-                m.stop_reason, m.cancel_since = "CANCEL", time.monotonic()
-                self._signal(m, signal.SIGTERM)
-
-    def _kill_after_grace(self) -> None:
-        now = time.monotonic()
-        for m in self.members:
-            if (not m.done and m.cancel_since is not None and not m.cancel_killed
-                    and now - m.cancel_since >= self.placement.term_grace_s):
-                m.cancel_killed = True
-                self._signal(m, signal.SIGKILL)
-        if self._terminating_since is None:
-            return
-        if time.monotonic() - self._terminating_since < self.placement.term_grace_s:
-            return
-        for m in self.members:
-            if not m.done and m.stop_reason != "KILLED":
-                m.stop_reason = "KILLED" if m.stop_reason in ("TERM", None) else m.stop_reason
-                self._signal(m, signal.SIGKILL)
+        forward(self.members, self._term_signal)
 
     def _reap(self) -> None:
         for m in reap_ended(self.members, self.opts.launch, self._oom_cgroup):
@@ -639,7 +552,7 @@ class Agent:
                     log.warning("job %d: rank %d ended %s; stopping rank %d", p.job_id, p.rank, m.state,
                                 r.placement.rank)
                     r.stop_reason, r.cancel_since = "GANG", now
-                    self._signal(r, signal.SIGTERM)
+                    signal_member(r, signal.SIGTERM)
         # Ranks that end in the same turn are all done by the first one's call: report once.
         if all(r.done for r in ranks) and p.job_id not in self.job_states:
             self._job_ended(p.job_id, ranks)
@@ -681,7 +594,7 @@ class Agent:
     # ------------------------------------------------------------ sampling and enforcement
 
     def _tick(self) -> None:
-        self._check_cancels()
+        cancel_members(self.members, cancel_requested(self.cancel_dir))
         self._check_joins()
         snap = self.nvml.sample([i for i in self._nvml_indices if i >= 0]) if self._nvml_indices else None
         gpu_by_nvml = {g.index: g for g in snap.gpus} if snap else {}
@@ -737,13 +650,13 @@ class Agent:
         tol = 1.0 + self.placement.host_mem_tolerance_pct / 100.0
         budget = int(p.host_mem_limit_bytes * tol)
         if tree.rss_bytes > budget:
-            self.stop(m, "OOM_HOST", f"host RSS {tree.rss_bytes} B over budget {p.host_mem_limit_bytes} B "
+            stop_member(m, "OOM_HOST", f"host RSS {tree.rss_bytes} B over budget {p.host_mem_limit_bytes} B "
                       f"+ {self.placement.host_mem_tolerance_pct:g}%")
             return
         gpu_budget = int(p.gpu_mem_limit_mib * MIB * tol)
         if self.mps.daemon is None and gpu_mem is not None and gpu_mem > gpu_budget:
             # Without MPS nothing fences GPU memory; stop the member before it takes a neighbour's.
-            self.stop(m, "OOM_GPU", f"GPU memory {gpu_mem} B over limit {p.gpu_mem_limit_mib} MiB "
+            stop_member(m, "OOM_GPU", f"GPU memory {gpu_mem} B over limit {p.gpu_mem_limit_mib} MiB "
                       f"+ {self.placement.host_mem_tolerance_pct:g}% (no MPS fence)")
 
     # ------------------------------------------------------------ shutdown
@@ -753,7 +666,7 @@ class Agent:
         for m in self.members:
             if not m.done and m.popen is not None:
                 m.stop_reason = m.stop_reason or "KILLED"
-                self._signal(m, signal.SIGKILL)
+                signal_member(m, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     m.popen.wait(timeout=10)
         self._reap()
