@@ -30,14 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.agent import fences
-from slurm_dlrm.agent.launch import free_port, resolve_pid, start_process
+from slurm_dlrm.agent.launch import free_port, start_process
 from slurm_dlrm.agent.member import Member
 from slurm_dlrm.agent.mps import MpsError, MpsSetup, open_mps
-from slurm_dlrm.agent.nvml import Nvml, NvmlSnapshot
+from slurm_dlrm.agent.nvml import Nvml
 from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR, MemberPlacement, Placement, parse_join
-from slurm_dlrm.agent.procstat import MetricsTail, TreeSample
+from slurm_dlrm.agent.procstat import MetricsTail
 from slurm_dlrm.agent.reaping import job_outcome, reap_ended, signal_name
 from slurm_dlrm.agent.reports import ReportWriter
+from slurm_dlrm.agent.sampling import budget_breach, sample_gpus, sample_member
 from slurm_dlrm.agent.stopping import (
     FORWARD_DELAY_S,
     begin_termination,
@@ -596,68 +597,21 @@ class Agent:
     def _tick(self) -> None:
         cancel_members(self.members, cancel_requested(self.cancel_dir))
         self._check_joins()
-        snap = self.nvml.sample([i for i in self._nvml_indices if i >= 0]) if self._nvml_indices else None
-        gpu_by_nvml = {g.index: g for g in snap.gpus} if snap else {}
-        for pos, nvml_index in enumerate(self._nvml_indices):
-            g = gpu_by_nvml.get(nvml_index)
-            if g is None:
-                continue
-            self.reports.sample(None, pos, sm_util_pct=g.sm_util_pct, mem_util_pct=g.mem_util_pct,
-                                gpu_mem_bytes=g.memory_used_bytes, gpu_mem_total_bytes=g.memory_total_bytes,
-                                nvml_index=nvml_index, gpu_lost=g.lost, **({"error": g.error} if g.error else {}))
+        snap, gpu_by_nvml = sample_gpus(self.nvml, self._nvml_indices, self.reports)
         for m in self.members:
             if m.done:
                 continue
-            self._sample_member(m, snap, gpu_by_nvml)
+            measured = sample_member(m, snap, gpu_by_nvml, self._nvml_indices, self.stale_after_s, self.reports)
+            if measured is None:
+                continue
+            breach = budget_breach(m.placement, *measured, self.placement.host_mem_tolerance_pct,
+                                   mps_fenced=self.mps.daemon is not None)
+            if breach is not None:
+                stop_member(m, *breach)
         now = time.monotonic()
         if now - self._last_heartbeat >= self.opts.heartbeat_every_s:
             self.reports.heartbeat()
             self._last_heartbeat = now
-
-    def _sample_member(self, m: Member, snap: NvmlSnapshot | None, gpu_by_nvml: dict[int, Any]) -> None:
-        p = m.placement
-        resolve_pid(m)
-        if m.pid is None:
-            return
-        tree = m.tree.sample(m.pid)
-        if tree is None:
-            return  # exited between the poll and now: reaped next round
-        m.last_tree = tree
-        gpu_mem = sm = mem_util = None
-        nvml_index = self._nvml_indices[p.gpu_index] if p.gpu_index < len(self._nvml_indices) else -1
-        gpu = gpu_by_nvml.get(nvml_index)
-        if snap is not None and gpu is not None and not gpu.lost and gpu.error is None:
-            gpu_mem = 0  # measured: a member without a CUDA context yet uses none
-            procs = snap.by_pid()
-            for pid in tree.pids:
-                ps = procs.get(pid)
-                if ps is None:
-                    continue
-                if ps.gpu_mem_bytes is not None:
-                    gpu_mem += ps.gpu_mem_bytes
-                if ps.sm_util_pct is not None:
-                    sm = (sm or 0.0) + ps.sm_util_pct
-                    mem_util = (mem_util or 0.0) + (ps.mem_util_pct or 0.0)
-        sps = m.metrics.samples_per_s(self.stale_after_s) if m.metrics else None
-        self.reports.sample(p.job_id, p.gpu_index, sm_util_pct=sm, mem_util_pct=mem_util, gpu_mem_bytes=gpu_mem,
-                            host_cpu_pct=round(tree.cpu_pct, 2) if tree.cpu_pct is not None else None,
-                            rss_bytes=tree.rss_bytes, samples_per_s=sps,
-                            **({"rank": p.rank} if p.world_size > 1 else {}))
-        self._enforce(m, tree, gpu_mem)
-
-    def _enforce(self, m: Member, tree: TreeSample, gpu_mem: int | None) -> None:
-        p = m.placement
-        tol = 1.0 + self.placement.host_mem_tolerance_pct / 100.0
-        budget = int(p.host_mem_limit_bytes * tol)
-        if tree.rss_bytes > budget:
-            stop_member(m, "OOM_HOST", f"host RSS {tree.rss_bytes} B over budget {p.host_mem_limit_bytes} B "
-                      f"+ {self.placement.host_mem_tolerance_pct:g}%")
-            return
-        gpu_budget = int(p.gpu_mem_limit_mib * MIB * tol)
-        if self.mps.daemon is None and gpu_mem is not None and gpu_mem > gpu_budget:
-            # Without MPS nothing fences GPU memory; stop the member before it takes a neighbour's.
-            stop_member(m, "OOM_GPU", f"GPU memory {gpu_mem} B over limit {p.gpu_mem_limit_mib} MiB "
-                      f"+ {self.placement.host_mem_tolerance_pct:g}% (no MPS fence)")
 
     # ------------------------------------------------------------ shutdown
 
