@@ -33,6 +33,7 @@ from slurm_dlrm.agent import fences
 from slurm_dlrm.agent.launch import free_port, start_process
 from slurm_dlrm.agent.member import Member
 from slurm_dlrm.agent.mps import MpsError, MpsSetup, open_mps
+from slurm_dlrm.agent.node_gpus import gpu_facts, nvml_indices, nvml_position, write_node_gpus
 from slurm_dlrm.agent.nvml import Nvml
 from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR, MemberPlacement, Placement, parse_join
 from slurm_dlrm.agent.procstat import MetricsTail
@@ -55,7 +56,6 @@ from slurm_dlrm.agent.stopping import (
 from slurm_dlrm.errors import BadInput
 
 log = logging.getLogger(__name__)
-NODES_DIR = "nodes"  # <pack_dir>/nodes/<node_index>.json: the node's real GPU indexes
 
 MIB = 1 << 20
 
@@ -149,8 +149,8 @@ class Agent:
                            members=[m.placement.job_id for m in self.members])
         self.reports.heartbeat()
         self._last_heartbeat = time.monotonic()
-        self._write_node_gpus()
-        self._setup_nvml()
+        write_node_gpus(self.placement.pack_dir, o.node_index, o.node_name, o.gpus, self.base_env)
+        self._nvml_indices = nvml_indices(self.nvml, o.gpus)
         wanted = self.placement.mps and o.site_mps_enabled and o.mps_mode != "off"
         if not self.members:
             wanted = False  # nothing to run here: no daemon either
@@ -213,7 +213,7 @@ class Agent:
             errors.append(str(exc))
         self.fence_error = "; ".join(errors) or None
         if self.fence_kind == "v3" or self.dmem is not None:
-            self._gpu_facts()
+            self._gpu_total_bytes, self._gpu_uuid = gpu_facts(self.nvml, self._nvml_indices)
 
     def _fence_report(self) -> dict[str, Any]:
         """What the mps_started / mps_unavailable record says of the fences (docs/agent.md)."""
@@ -290,7 +290,8 @@ class Agent:
             m.fence.update(kind="v2-env")
         if self.dmem is not None:
             try:
-                region = fences.region_for_gpu(self.dmem.regions, self._nvml_position(p.gpu_index))
+                region = fences.region_for_gpu(self.dmem.regions,
+                                              nvml_position(p.gpu_index, self._nvml_indices, self.opts.gpus))
                 soft = (p.gpu_mem_estimate_mib or p.gpu_mem_limit_mib) * MIB
                 f = self.dmem.fence(p.key, region, soft, p.gpu_mem_limit_mib * MIB)
             except fences.FenceError as exc:
@@ -299,39 +300,6 @@ class Agent:
             m.fence.update(dmem_cgroup=str(f.path), dmem_region=region, dmem_min_bytes=f.min_bytes,
                            dmem_max_bytes=f.max_bytes)
         return None
-
-    def _nvml_position(self, gpu_index: int) -> int:
-        """The GPU's NVML index (dmem regions are listed per physical GPU)."""
-        if gpu_index < len(self._nvml_indices) and self._nvml_indices[gpu_index] >= 0:
-            return self._nvml_indices[gpu_index]
-        g = self.opts.gpus[gpu_index] if gpu_index < len(self.opts.gpus) else ""
-        return int(g) if g.isdigit() else gpu_index
-
-    def _setup_nvml(self) -> None:
-        if not self.nvml.init():
-            return
-        if all(g.isdigit() for g in self.opts.gpus):
-            self._nvml_indices = [int(g) for g in self.opts.gpus]
-        else:
-            # UUID names: find each one's NVML index.
-            snap = self.nvml.sample(list(range(self.nvml.device_count())))
-            by_uuid = {g.uuid: g.index for g in snap.gpus if g.uuid}
-            for name in self.opts.gpus:
-                match = [i for u, i in by_uuid.items() if u.startswith(name)]
-                self._nvml_indices.append(match[0] if match else -1)
-
-    def _gpu_facts(self) -> None:
-        """Each GPU's total memory and UUID (enforced fences only, so v2 nodes sample NVML
-        as before): a fence above its GPU is refused, SM partitions name the UUID."""
-        if not self._nvml_indices:
-            return
-        by_index = {g.index: g for g in self.nvml.sample([i for i in self._nvml_indices if i >= 0]).gpus}
-        for pos, idx in enumerate(self._nvml_indices):
-            g = by_index.get(idx)
-            if g is not None and g.memory_total_bytes:
-                self._gpu_total_bytes[pos] = g.memory_total_bytes
-            if g is not None and g.uuid:
-                self._gpu_uuid[pos] = g.uuid
 
     def _configure_mps(self) -> None:
         daemon = self.mps.daemon
@@ -568,29 +536,6 @@ class Agent:
                                     "exit_code": r.exit_code} for r in sorted(ranks, key=lambda r: r.placement.rank)],
                             **({"requeue": True} if requeue else {}))
         log.info("job %d (%d ranks) ended: %s %s", job_id, world, rep.state, reason)
-
-    def _write_node_gpus(self) -> None:
-        """`<pack_dir>/nodes/<node_index>.json`: the node and its GPUs as the node numbers
-        them (Slurm's IDX, from SLURM_STEP_GPUS/SLURM_JOB_GPUS, which device cgroups do
-        not renumber; else the CUDA names), so `queue` shows the GPU a member really
-        has, not its position in the allocation (docs/interfaces.md 3a)."""
-        o = self.opts
-        real = None
-        for key in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
-            value = self.base_env.get(key, "").strip()
-            if value and value != "NoDevFiles":
-                real = [g.strip() for g in value.split(",") if g.strip()]
-                break
-        if real is None or len(real) != len(o.gpus):
-            real = list(o.gpus)
-        d = Path(self.placement.pack_dir) / NODES_DIR
-        try:
-            d.mkdir(mode=0o700, exist_ok=True)
-            tmp = d / f".{o.node_index}.tmp"
-            tmp.write_text(json.dumps({"node": o.node_name, "gpus": real, "cuda_visible_devices": list(o.gpus)}))
-            os.replace(tmp, d / f"{o.node_index}.json")
-        except OSError as exc:  # only `queue`'s GPU column depends on it
-            log.warning("could not write %s: %s", d, exc)
 
     # ------------------------------------------------------------ sampling and enforcement
 
