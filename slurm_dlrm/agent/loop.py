@@ -4,16 +4,19 @@ One agent per node of a pack allocation. It is single-threaded: it sleeps in `se
 on a signal wake-up pipe, so SIGTERM and child exits are handled at once and sampling
 happens every `sample_interval_s` otherwise.
 
-Over 600 lines: one class, `Agent`, a single-threaded loop whose launch, sampling,
-enforcement and reporting steps share the members' state; the NVML, MPS, /proc and
-report seams already live apart (nvml.py, mps.py, procstat.py, reports.py), and so do
-the fences' pure parts (fences.py: capabilities, v3 configuration, dmem files).
+`Agent` holds the members' state and decides what happens each turn: start (MPS and
+the fences), launch a job or its gang of ranks, take joins, report ends, shut down.
+How one thing is done lives beside it: launch.py (a member's environment, argv and
+process), stopping.py (signals, cancels, time limits, the kill after the grace),
+sampling.py (sample rows and budgets), reaping.py (exit classification and the reason
+text), joins.py (refill's join files and the closed marker), node_gpus.py (the node's
+GPUs as NVML and Slurm name them), member.py (the per-member state); the seams are
+nvml.py, mps.py, procstat.py and reports.py, the fences' pure parts fences.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import select
@@ -30,12 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.agent import fences
+from slurm_dlrm.agent.joins import close_node, read_joins
 from slurm_dlrm.agent.launch import free_port, start_process
 from slurm_dlrm.agent.member import Member
 from slurm_dlrm.agent.mps import MpsError, MpsSetup, open_mps
 from slurm_dlrm.agent.node_gpus import gpu_facts, nvml_indices, nvml_position, write_node_gpus
 from slurm_dlrm.agent.nvml import Nvml
-from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR, MemberPlacement, Placement, parse_join
+from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR, MemberPlacement, Placement
 from slurm_dlrm.agent.procstat import MetricsTail
 from slurm_dlrm.agent.reaping import job_outcome, reap_ended, signal_name
 from slurm_dlrm.agent.reports import ReportWriter
@@ -432,46 +436,13 @@ class Agent:
         """Launch this node's new joiners from <pack_dir>/joins/ (docs/interfaces.md 3b)."""
         if self._terminating_since is not None:
             return  # the allocation is ending: a joiner would only be stopped again
-        try:
-            names = sorted(n for n in os.listdir(self.joins_dir)
-                           if n.endswith(".json") and not n.startswith(".") and n not in self._joins_seen)
-        except OSError:
-            return
         known = {m.placement.job_id for m in self.members}
-        for name in names:
-            path = self.joins_dir / name
-            try:
-                data = json.loads(path.read_text())
-                entries = parse_join(data, f"joins/{name}")
-            except (OSError, ValueError, BadInput) as exc:
-                # written by the service atomically, so a bad file stays bad: report it once
-                self._joins_seen.add(name)
-                self.reports.agent("join_refused", f"{name}: {exc}")
-                continue
-            self._joins_seen.add(name)
+        for entries in read_joins(self.joins_dir, self._joins_seen, self.opts.node_index, known, self.reports):
             entry = entries[0]
-            if entry.node_index != self.opts.node_index:
-                continue  # another node's joiner (a job's ranks share one node)
-            if entry.job_id in known:
-                continue
             ms = [Member(e) for e in entries]
             self.members.extend(ms)
-            known.add(entry.job_id)
             log.info("join: %s (job %d) on GPU %s", entry.name, entry.job_id, ",".join(str(e.gpu_index) for e in entries))
             self._launch_job(ms, joined=True)
-
-    def _close(self) -> None:
-        """Tell the service this node takes no more joins; reports first, so a joiner the
-        service finds unstarted after seeing the marker really never started."""
-        self.reports.flush()
-        try:
-            self.closed_path.parent.mkdir(mode=0o700, exist_ok=True)
-            tmp = self.closed_path.with_name(f".{self.closed_path.name}.tmp")
-            tmp.write_text(f"{time.time()}\n")
-            os.replace(tmp, self.closed_path)
-            self.reports.agent("closed", f"node {self.opts.node_index} takes no more joins")
-        except OSError as exc:
-            log.warning("cannot write %s: %s", self.closed_path, exc)
 
     # ------------------------------------------------------------ member life cycle
 
@@ -569,7 +540,7 @@ class Agent:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     m.popen.wait(timeout=10)
         self._reap()
-        self._close()
+        close_node(self.closed_path, self.opts.node_index, self.reports)
         if self.dmem is not None:
             for m in self.members:
                 self.dmem.remove(m.placement.key)
