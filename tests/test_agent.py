@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from slurm_dlrm.agent.loop import Agent, AgentOptions, classify_exit, member_env, step_argv
+from slurm_dlrm.agent.launch import member_env, step_argv
+from slurm_dlrm.agent.loop import Agent, AgentOptions
 from slurm_dlrm.agent.mps import MpsDaemon, MpsSetup
 from slurm_dlrm.agent.placement import parse_placement
 from slurm_dlrm.agent.procstat import MetricsTail, TreeSampler
+from slurm_dlrm.agent.reaping import classify_exit
 from slurm_dlrm.agent.reports import ReportWriter, read_reports
 from slurm_dlrm.cli import cli
 from slurm_dlrm.emulated import mps_control as fake_mps_control

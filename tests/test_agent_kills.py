@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from slurm_dlrm.agent import fences
-from slurm_dlrm.agent.loop import Agent, classify_exit
+from slurm_dlrm.agent.loop import Agent
 from slurm_dlrm.agent.placement import parse_placement
+from slurm_dlrm.agent.reaping import classify_exit
 from slurm_dlrm.agent.reports import read_reports
 from slurm_dlrm.emulated.standin import member_entry, placement_dict
 from tests.test_agent_ranks import _opts, world  # noqa: F401 - world is a fixture

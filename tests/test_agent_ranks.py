@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from slurm_dlrm.agent.loop import Agent, AgentOptions, free_port, member_env
+from slurm_dlrm.agent.launch import free_port, member_env
+from slurm_dlrm.agent.loop import Agent, AgentOptions
 from slurm_dlrm.agent.mps import MpsSetup
 from slurm_dlrm.agent.placement import parse_join, parse_placement
 from slurm_dlrm.agent.reports import read_reports
@@ -312,7 +313,7 @@ def test_a_join_of_two_ranks_starts_both(world):
 
 
 def test_a_rank_as_a_job_step_gets_its_rank_variables_again(tmp_path):
-    from slurm_dlrm.agent.loop import step_argv
+    from slurm_dlrm.agent.launch import step_argv
 
     rank = parse_placement(placement_dict(tmp_path, rank_entries(member_entry(tmp_path, 5, 0), [0, 1]))).members[1]
     env = member_env({"PATH": "/bin"}, rank, ["0", "1"], MpsSetup("off", None, ""), master_port=29500)

@@ -4,16 +4,19 @@ One agent per node of a pack allocation. It is single-threaded: it sleeps in `se
 on a signal wake-up pipe, so SIGTERM and child exits are handled at once and sampling
 happens every `sample_interval_s` otherwise.
 
-Over 600 lines: one class, `Agent`, a single-threaded loop whose launch, sampling,
-enforcement and reporting steps share the members' state; the NVML, MPS, /proc and
-report seams already live apart (nvml.py, mps.py, procstat.py, reports.py), and so do
-the fences' pure parts (fences.py: capabilities, v3 configuration, dmem files).
+`Agent` holds the members' state and decides what happens each turn: start (MPS and
+the fences), launch a job or its gang of ranks, take joins, report ends, shut down.
+How one thing is done lives beside it: launch.py (a member's environment, argv and
+process), stopping.py (signals, cancels, time limits, the kill after the grace),
+sampling.py (sample rows and budgets), reaping.py (exit classification and the reason
+text), joins.py (refill's join files and the closed marker), node_gpus.py (the node's
+GPUs as NVML and Slurm name them), member.py (the per-member state); the seams are
+nvml.py, mps.py, procstat.py and reports.py, the fences' pure parts fences.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import select
@@ -25,66 +28,40 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.agent import fences
+from slurm_dlrm.agent.joins import close_node, read_joins
+from slurm_dlrm.agent.launch import free_port, start_process
+from slurm_dlrm.agent.member import Member
 from slurm_dlrm.agent.mps import MpsError, MpsSetup, open_mps
-from slurm_dlrm.agent.nvml import Nvml, NvmlSnapshot
-from slurm_dlrm.agent.outlog import (
-    REASON_MAX_CHARS,
-    error_line,
-    newest_checkpoint_step,
-    short_reason,
-    tail_lines,
-)
-from slurm_dlrm.agent.placement import (
-    CLOSED_DIR,
-    JOINS_DIR,
-    MemberPlacement,
-    Placement,
-    parse_join,
-)
-from slurm_dlrm.agent.procstat import MetricsTail, TreeSample, TreeSampler
+from slurm_dlrm.agent.node_gpus import gpu_facts, nvml_indices, nvml_position, write_node_gpus
+from slurm_dlrm.agent.nvml import Nvml
+from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR, MemberPlacement, Placement
+from slurm_dlrm.agent.procstat import MetricsTail
+from slurm_dlrm.agent.reaping import job_outcome, reap_ended, signal_name
 from slurm_dlrm.agent.reports import ReportWriter
-from slurm_dlrm.errors import (
-    ENV_CHECKPOINT_DIR,
-    ENV_JOB_ID,
-    ENV_METRICS_FILE,
-    TRAIN_EXIT_BAD_SPEC,
-    TRAIN_EXIT_OK,
-    TRAIN_EXIT_OOM_GPU,
-    TRAIN_EXIT_OOM_HOST,
-    TRAIN_EXIT_PREEMPTED,
-    BadInput,
+from slurm_dlrm.agent.sampling import budget_breach, sample_gpus, sample_member
+from slurm_dlrm.agent.stopping import (
+    FORWARD_DELAY_S,
+    begin_termination,
+    cancel_members,
+    cancel_requested,
+    check_time_limits,
+    forward,
+    install_signal_handlers,
+    kill_after_grace,
+    restore_signal_handlers,
+    signal_member,
+    stop_member,
 )
+from slurm_dlrm.errors import BadInput
 
 log = logging.getLogger(__name__)
-NODES_DIR = "nodes"  # <pack_dir>/nodes/<node_index>.json: the node's real GPU indexes
 
 MIB = 1 << 20
-PID_FILE_TIMEOUT_S = 120.0
-# A signal to the allocation reaches members directly too (same step, or their own step);
-# forwarding it at once doubles it, and a duplicate that lands while a member's
-# interpreter shuts down (handlers reset) kills it. So the agent forwards a little later,
-# to members still running: it still matters when only the agent was signalled.
-FORWARD_DELAY_S = 1.0  # a step that has not started its member by then is stopped
-# Variables Slurm or a site may have set for the whole job that must not leak into a member.
-_MPS_CLIENT_VARS = ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
-# torch.distributed's launch variables: set for the ranks of a multi-rank job, removed
-# otherwise (an agent started by torchrun or a wrapper must not make members ranks of it);
-# SLURM_DLRM_RDZV_FILE is the runner's own local launcher's rendezvous (train/launch.py).
-DIST_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "GROUP_RANK", "SLURM_DLRM_RDZV_FILE")
-MASTER_ADDR = "127.0.0.1"  # a job's ranks share one node (gang placement, docs/interfaces.md section 3)
-# The ranks' rendezvous: a torch.distributed FileStore in a 0700 folder of the agent's
-# run folder, which our runner prefers to env:// (train/runner.py). A TCPStore on
-# 127.0.0.1:MASTER_PORT authenticates nothing: any process on the node could join or
-# feed it. MASTER_ADDR/MASTER_PORT stay set for a `command` of the user's own.
-ENV_RDZV_FILE = "SLURM_DLRM_RDZV_FILE"
-# The order in which a multi-rank job's end state is chosen from its ranks' (the worst wins).
-_GANG_STATE_ORDER = ("FAILED", "OOM_GPU", "OOM_HOST", "CANCELLED", "TIMEOUT", "PREEMPTED", "COMPLETED")
 
 
 @dataclass
@@ -102,168 +79,6 @@ class AgentOptions:
     heartbeat_every_s: float = 30.0
     sample_interval_s: float | None = None  # overrides the placement's
     slurm_job_id: str | None = None
-
-
-@dataclass
-class Member:
-    placement: MemberPlacement
-    env: dict[str, str] = field(default_factory=dict)
-    popen: subprocess.Popen[bytes] | None = None
-    pid: int | None = None  # the member's own pid, leader of its process group
-    pid_file: Path | None = None
-    launched_at: float = 0.0
-    state: str = "PENDING"
-    exit_code: int | None = None
-    reason: str = ""
-    stop_reason: str | None = None  # why we stopped it: OOM_HOST | OOM_GPU | CANCEL | TERM | KILLED | TIMEOUT
-    stop_detail: str = ""
-    cancel_since: float | None = None  # monotonic time of the SIGTERM for a cancel request
-    cancel_killed: bool = False
-    tree: TreeSampler = field(default_factory=TreeSampler)
-    metrics: MetricsTail | None = None
-    last_tree: TreeSample | None = None
-    output_path: Path | None = None  # the runner's stdout+stderr on this node
-    fence: dict[str, Any] = field(default_factory=dict)  # what holds it to its memory limit
-    cgroup: Path | None = None  # its dmem cgroup, joined before exec
-    master_port: int | None = None  # a rank of a multi-rank job: its job's MASTER_PORT
-    rdzv_file: str | None = None  # and its job's private FileStore
-    oom_kills_at_launch: int | None = None  # the job cgroup's oom_kill count when it started
-    deadline: float | None = None  # monotonic time it is told to stop: its time limit minus the lead
-    timeout_kill_at: float | None = None  # and SIGKILL'ed if it has not stopped by then
-
-    @property
-    def done(self) -> bool:
-        return self.state not in ("PENDING", "RUNNING")
-
-
-def classify_exit(returncode: int, stop_reason: str | None, via_srun: bool,
-                  oom_kills: int | None = None) -> tuple[str, int, str]:
-    """(state, exit code in shell convention, reason) for a member that ended.
-
-    `oom_kills`: how much the job cgroup's memory.events oom_kill rose while it ran
-    (None: unknown). Every kill the agent sends has a `stop_reason`, so a SIGKILL
-    without one came from outside: the counter tells the OOM killer from the rest."""
-    signum = -returncode if returncode < 0 else None
-    if via_srun and returncode > 128:
-        signum = returncode - 128
-    code = 128 + signum if signum else returncode
-    sig_name = _signal_name(signum) if signum else ""
-    if stop_reason in ("OOM_HOST", "OOM_GPU"):
-        return stop_reason, code, ""
-    if stop_reason == "CANCEL":
-        return "CANCELLED", code, "cancelled by the service"
-    if returncode == TRAIN_EXIT_OK:
-        return "COMPLETED", code, ""
-    if stop_reason == "TIMEOUT":
-        if returncode == TRAIN_EXIT_PREEMPTED:
-            return "TIMEOUT", code, "reached its time limit; stopped with a checkpoint (exit 5)"
-        return "TIMEOUT", code, (f"reached its time limit; ended by {sig_name or f'exit code {returncode}'} "
-                                 "without a checkpoint exit")
-    if stop_reason == "GANG":
-        return "CANCELLED", code, "stopped because another rank of its job ended"
-    if returncode == TRAIN_EXIT_OOM_GPU:
-        return "OOM_GPU", code, "CUDA out of memory (runner exit code 3)"
-    if returncode == TRAIN_EXIT_OOM_HOST:
-        return "OOM_HOST", code, "host MemoryError (runner exit code 4)"
-    if returncode == TRAIN_EXIT_PREEMPTED:
-        return "PREEMPTED", code, "checkpointed and stopped after a signal"
-    if stop_reason == "KILLED":
-        return "CANCELLED", code, "did not exit within term_grace_s after SIGTERM; killed"
-    if stop_reason == "TERM":
-        return "CANCELLED", code, f"stopped by {sig_name or f'exit code {returncode}'} without a checkpoint exit"
-    if signum == signal.SIGKILL:
-        if oom_kills:
-            # host memory ran out under the job's cgroup limit (Slurm's --mem): retried
-            # with more host memory like the agent's own budget stop (issue 43)
-            return "OOM_HOST", code, f"killed by SIGKILL: the kernel OOM killer (cgroup oom_kill +{oom_kills} while it ran)"
-        if oom_kills == 0:
-            return "FAILED", code, "killed by SIGKILL from outside the agent, not the OOM killer (Slurm, scancel, a user)"
-        return "FAILED", code, "killed by SIGKILL from outside the agent (OOM killer, Slurm or a user: no cgroup to tell)"
-    if signum:
-        return "FAILED", code, f"killed by {sig_name}"
-    if returncode == TRAIN_EXIT_BAD_SPEC:
-        return "FAILED", code, "the spec did not validate (runner exit code 2)"
-    return "FAILED", code, f"exit code {returncode}"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def member_env(base: dict[str, str], m: MemberPlacement, gpus: list[str], mps: MpsSetup,
-               pipe_dir: str | None = None, master_port: int | None = None,
-               rdzv_file: str | None = None) -> dict[str, str]:
-    """The environment of one member (docs/agent.md lists every variable). pipe_dir: the
-    member's MPS v3 namespace folder (its socket picks the namespace); master_port: its
-    job's rendezvous port when it is one rank of several."""
-    if m.gpu_index >= len(gpus):
-        raise ValueError(f"member {m.name}: gpu_index {m.gpu_index} but the node has {len(gpus)} GPUs")
-    env = dict(base)
-    for var in (*_MPS_CLIENT_VARS, *DIST_VARS):
-        env.pop(var, None)
-    if m.world_size > 1:
-        if master_port is None:
-            raise ValueError(f"member {m.name}: rank {m.rank} of {m.world_size} without a MASTER_PORT")
-        # One torch.distributed job on one node: env:// rendezvous at rank 0's TCP store.
-        env.update(RANK=str(m.rank), LOCAL_RANK=str(m.rank), WORLD_SIZE=str(m.world_size),
-                   LOCAL_WORLD_SIZE=str(m.world_size), MASTER_ADDR=MASTER_ADDR, MASTER_PORT=str(master_port))
-        if rdzv_file is not None:
-            env[ENV_RDZV_FILE] = rdzv_file
-    if mps.daemon is not None and mps.mode == "own":
-        # Our daemon sees only the allocation's GPUs and renumbers them 0..n-1 for clients.
-        env["CUDA_VISIBLE_DEVICES"] = str(m.gpu_index)
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = gpus[m.gpu_index]
-    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers GPUs as NVML does
-    if mps.daemon is not None:
-        env.update(mps.daemon.env())
-        if pipe_dir is not None:
-            env["CUDA_MPS_PIPE_DIRECTORY"] = pipe_dir
-        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(m.mps_thread_pct)
-        # The member sees one GPU, its device 0; this is the fence gres/mps never sets.
-        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={m.gpu_mem_limit_mib}M"
-    env[ENV_METRICS_FILE] = m.metrics_path
-    env[ENV_CHECKPOINT_DIR] = m.checkpoint_dir
-    env[ENV_JOB_ID] = str(m.job_id)
-    env["OMP_NUM_THREADS"] = str(m.cpus)
-    return env
-
-
-# Variables applied again inside a Slurm step, after slurmstepd sets its own.
-STEP_OVERRIDES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
-                  "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY",
-                  "OMP_NUM_THREADS", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                  "MASTER_PORT", ENV_RDZV_FILE)
-
-
-def free_port(taken: set[int], host: str = MASTER_ADDR) -> int:
-    """A TCP port no one listens on now, not in `taken` (the ports this agent gave its
-    running jobs): the kernel picks it (bind to port 0). Between this probe and rank 0's
-    bind another process could take it; the job then fails at rendezvous and is requeued."""
-    for _ in range(64):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = int(s.getsockname()[1])
-        if port not in taken:
-            return port
-    raise OSError("no free TCP port for MASTER_PORT")
-
-
-def step_argv(m: MemberPlacement, env: dict[str, str], node_name: str, pid_file: Path, python: str) -> list[str]:
-    """`srun --overlap` argv that runs one member as its own job step on this node."""
-    # --mem=0: the step shares the job's memory (the agent enforces each member's budget);
-    # without it srun takes $SLURM_MEM_PER_CPU from the batch job and, in Slurm 22.05,
-    # refuses the step because the agent's step holds that memory, --overlap or not.
-    argv = ["srun", "--overlap", "--mem=0", "--nodes=1", "--ntasks=1", f"--nodelist={node_name}",
-            f"--job-name={m.name}", "--export=ALL", "--input=none",
-            python, "-m", "slurm_dlrm.agent.member_exec", "--pid-file", str(pid_file)]
-    for var in STEP_OVERRIDES:
-        if var in env:
-            argv += ["--setenv", f"{var}={env[var]}"]
-    return [*argv, "--", *m.command]
 
 
 class Agent:
@@ -308,34 +123,20 @@ class Agent:
         rsock, wsock = socket.socketpair()
         rsock.setblocking(False)
         wsock.setblocking(False)
-        old_handlers = self._install_signals(wsock)
+        old_handlers = install_signal_handlers(wsock, self._on_term)
         try:
             self._start()
             self._loop(rsock)
         finally:
             self._finish()
-            self._restore_signals(old_handlers)
+            restore_signal_handlers(old_handlers)
             rsock.close()
             wsock.close()
         return 0
 
-    def _install_signals(self, wsock: socket.socket) -> dict[int, Any]:
-        old: dict[int, Any] = {}
-
-        def on_term(signum: int, frame: Any) -> None:
-            if self._term_signal is None:
-                self._term_signal = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
-
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
-            old[sig] = signal.signal(sig, on_term)
-        old[signal.SIGCHLD] = signal.signal(signal.SIGCHLD, lambda s, f: None)  # wakes select
-        old[-1] = signal.set_wakeup_fd(wsock.fileno(), warn_on_full_buffer=False)
-        return old
-
-    def _restore_signals(self, old: dict[int, Any]) -> None:
-        signal.set_wakeup_fd(old.pop(-1))
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    def _on_term(self, signum: int, frame: Any) -> None:
+        if self._term_signal is None:
+            self._term_signal = signal.SIGUSR1 if signum == signal.SIGUSR1 else signal.SIGTERM
 
     def _start(self) -> None:
         o = self.opts
@@ -352,8 +153,8 @@ class Agent:
                            members=[m.placement.job_id for m in self.members])
         self.reports.heartbeat()
         self._last_heartbeat = time.monotonic()
-        self._write_node_gpus()
-        self._setup_nvml()
+        write_node_gpus(self.placement.pack_dir, o.node_index, o.node_name, o.gpus, self.base_env)
+        self._nvml_indices = nvml_indices(self.nvml, o.gpus)
         wanted = self.placement.mps and o.site_mps_enabled and o.mps_mode != "off"
         if not self.members:
             wanted = False  # nothing to run here: no daemon either
@@ -416,7 +217,7 @@ class Agent:
             errors.append(str(exc))
         self.fence_error = "; ".join(errors) or None
         if self.fence_kind == "v3" or self.dmem is not None:
-            self._gpu_facts()
+            self._gpu_total_bytes, self._gpu_uuid = gpu_facts(self.nvml, self._nvml_indices)
 
     def _fence_report(self) -> dict[str, Any]:
         """What the mps_started / mps_unavailable record says of the fences (docs/agent.md)."""
@@ -493,7 +294,8 @@ class Agent:
             m.fence.update(kind="v2-env")
         if self.dmem is not None:
             try:
-                region = fences.region_for_gpu(self.dmem.regions, self._nvml_position(p.gpu_index))
+                region = fences.region_for_gpu(self.dmem.regions,
+                                              nvml_position(p.gpu_index, self._nvml_indices, self.opts.gpus))
                 soft = (p.gpu_mem_estimate_mib or p.gpu_mem_limit_mib) * MIB
                 f = self.dmem.fence(p.key, region, soft, p.gpu_mem_limit_mib * MIB)
             except fences.FenceError as exc:
@@ -502,39 +304,6 @@ class Agent:
             m.fence.update(dmem_cgroup=str(f.path), dmem_region=region, dmem_min_bytes=f.min_bytes,
                            dmem_max_bytes=f.max_bytes)
         return None
-
-    def _nvml_position(self, gpu_index: int) -> int:
-        """The GPU's NVML index (dmem regions are listed per physical GPU)."""
-        if gpu_index < len(self._nvml_indices) and self._nvml_indices[gpu_index] >= 0:
-            return self._nvml_indices[gpu_index]
-        g = self.opts.gpus[gpu_index] if gpu_index < len(self.opts.gpus) else ""
-        return int(g) if g.isdigit() else gpu_index
-
-    def _setup_nvml(self) -> None:
-        if not self.nvml.init():
-            return
-        if all(g.isdigit() for g in self.opts.gpus):
-            self._nvml_indices = [int(g) for g in self.opts.gpus]
-        else:
-            # UUID names: find each one's NVML index.
-            snap = self.nvml.sample(list(range(self.nvml.device_count())))
-            by_uuid = {g.uuid: g.index for g in snap.gpus if g.uuid}
-            for name in self.opts.gpus:
-                match = [i for u, i in by_uuid.items() if u.startswith(name)]
-                self._nvml_indices.append(match[0] if match else -1)
-
-    def _gpu_facts(self) -> None:
-        """Each GPU's total memory and UUID (enforced fences only, so v2 nodes sample NVML
-        as before): a fence above its GPU is refused, SM partitions name the UUID."""
-        if not self._nvml_indices:
-            return
-        by_index = {g.index: g for g in self.nvml.sample([i for i in self._nvml_indices if i >= 0]).gpus}
-        for pos, idx in enumerate(self._nvml_indices):
-            g = by_index.get(idx)
-            if g is not None and g.memory_total_bytes:
-                self._gpu_total_bytes[pos] = g.memory_total_bytes
-            if g is not None and g.uuid:
-                self._gpu_uuid[pos] = g.uuid
 
     def _configure_mps(self) -> None:
         daemon = self.mps.daemon
@@ -551,19 +320,11 @@ class Agent:
         except Exception as exc:  # noqa: BLE001 - a refused default must not stop the pack
             log.warning("MPS defaults: %s", exc)
 
-    def _cancel_requested(self) -> set[int]:
-        """Job ids named in <pack_dir>/cancel/ (docs/interfaces.md section 3a)."""
-        try:
-            names = os.listdir(self.cancel_dir)
-        except OSError:
-            return set()
-        return {int(n) for n in names if n.isdigit()}
-
     def _launch_job(self, ms: list[Member], joined: bool = False) -> None:
         """Start one job: a single member, or all W ranks of a multi-rank job (gang: a rank
         that cannot start, its fence refused or its cancel asked, keeps all from starting)."""
         p = ms[0].placement
-        if p.job_id in self._cancel_requested():
+        if p.job_id in cancel_requested(self.cancel_dir):
             for m in ms:
                 if not m.done:
                     m.state, m.reason = "CANCELLED", "cancelled by the service before it started"
@@ -607,36 +368,16 @@ class Agent:
     def _launch(self, m: Member, joined: bool = False) -> None:
         """Start one member (or rank) whose cancel and fence `_launch_job` checked."""
         p = m.placement
-        pipe_dir = None
-        if m.fence.get("kind") == "v3" and self.mps.daemon is not None:
-            pipe_dir = str(self.mps.daemon.pipe_dir / m.fence["server"] / m.fence["namespace"])
+        o = self.opts
         try:
-            m.env = member_env(self.base_env, p, self.opts.gpus, self.mps, pipe_dir=pipe_dir,
-                               master_port=m.master_port, rdzv_file=m.rdzv_file)
-            for d in (Path(p.checkpoint_dir), Path(p.metrics_path).parent):
-                d.mkdir(parents=True, exist_ok=True)
-            m.output_path = Path(p.metrics_path).parent / f"output-{self.opts.node_name}.log"
-            out = open(m.output_path, "ab")  # noqa: SIM115
-            self._link_output(m)
-            if self.opts.launch == "step":
-                m.pid_file = self.run_dir / f"member-{p.key}.pid"
-                m.pid_file.unlink(missing_ok=True)
-                argv = step_argv(p, m.env, self.opts.node_name, m.pid_file, self.opts.python)
-            else:
-                argv = list(p.command)
-            cgroup = m.cgroup
-            # dmem: the member joins its cgroup before exec, so its first allocation is charged there.
-            preexec = (lambda: fences.join_cgroup(cgroup)) if cgroup is not None else None
-            with out:
-                m.popen = subprocess.Popen(  # noqa: S603 - argv list from the placement, no shell
-                    argv, env=m.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True, preexec_fn=preexec)  # noqa: PLW1509 - the agent has no threads
+            argv = start_process(m, base_env=self.base_env, gpus=o.gpus, mps=self.mps, launch=o.launch,
+                                 node_name=o.node_name, run_dir=self.run_dir, python=o.python)
         except (OSError, ValueError) as exc:
             m.state, m.exit_code, m.reason = "FAILED", None, f"could not launch: {exc}"
             self._ended(m)
             return
         if self.opts.launch != "step":
-            m.pid = m.popen.pid
+            m.pid = m.popen.pid  # type: ignore[union-attr]
         m.launched_at = time.monotonic()
         if p.time_limit_s is not None:
             # a joiner's limit counts from its own start; the first members' from the pack's
@@ -651,21 +392,6 @@ class Agent:
                             **({"joined": True} if joined else {}), **({"fence": m.fence} if m.fence else {}))
         log.info("launched %s (job %d%s) as %s", p.name, p.job_id,
                  f" rank {p.rank}/{p.world_size}" if p.world_size > 1 else "", self.opts.launch)
-
-    def _link_output(self, m: Member) -> None:
-        """The job's -o/-e paths as links to its log (issue 43 item 8), made by the agent as
-        the user; a path that is a file of its own is left alone (said in the agent log)."""
-        for link in m.placement.output_links:
-            path = Path(link)
-            try:
-                if path.is_symlink():
-                    path.unlink()
-                elif path.exists():
-                    log.warning("job %d: -o/-e %s exists and is not a link; not replaced", m.placement.job_id, path)
-                    continue
-                path.symlink_to(m.output_path)  # type: ignore[arg-type]
-            except OSError as exc:
-                log.warning("job %d: cannot link -o/-e %s to its log: %s", m.placement.job_id, path, exc)
 
     def _loop(self, rsock: socket.socket) -> None:
         next_tick = time.monotonic() + self.interval_s
@@ -682,8 +408,8 @@ class Agent:
                 self._begin_termination()
             self._reap()
             self._forward()
-            self._kill_after_grace()
-            self._check_time_limits()
+            kill_after_grace(self.members, self.placement.term_grace_s, self._terminating_since)
+            check_time_limits(self.members)
             now = time.monotonic()
             if now >= next_tick:
                 self._tick()
@@ -710,91 +436,20 @@ class Agent:
         """Launch this node's new joiners from <pack_dir>/joins/ (docs/interfaces.md 3b)."""
         if self._terminating_since is not None:
             return  # the allocation is ending: a joiner would only be stopped again
-        try:
-            names = sorted(n for n in os.listdir(self.joins_dir)
-                           if n.endswith(".json") and not n.startswith(".") and n not in self._joins_seen)
-        except OSError:
-            return
         known = {m.placement.job_id for m in self.members}
-        for name in names:
-            path = self.joins_dir / name
-            try:
-                data = json.loads(path.read_text())
-                entries = parse_join(data, f"joins/{name}")
-            except (OSError, ValueError, BadInput) as exc:
-                # written by the service atomically, so a bad file stays bad: report it once
-                self._joins_seen.add(name)
-                self.reports.agent("join_refused", f"{name}: {exc}")
-                continue
-            self._joins_seen.add(name)
+        for entries in read_joins(self.joins_dir, self._joins_seen, self.opts.node_index, known, self.reports):
             entry = entries[0]
-            if entry.node_index != self.opts.node_index:
-                continue  # another node's joiner (a job's ranks share one node)
-            if entry.job_id in known:
-                continue
             ms = [Member(e) for e in entries]
             self.members.extend(ms)
-            known.add(entry.job_id)
             log.info("join: %s (job %d) on GPU %s", entry.name, entry.job_id, ",".join(str(e.gpu_index) for e in entries))
             self._launch_job(ms, joined=True)
 
-    def _close(self) -> None:
-        """Tell the service this node takes no more joins; reports first, so a joiner the
-        service finds unstarted after seeing the marker really never started."""
-        self.reports.flush()
-        try:
-            self.closed_path.parent.mkdir(mode=0o700, exist_ok=True)
-            tmp = self.closed_path.with_name(f".{self.closed_path.name}.tmp")
-            tmp.write_text(f"{time.time()}\n")
-            os.replace(tmp, self.closed_path)
-            self.reports.agent("closed", f"node {self.opts.node_index} takes no more joins")
-        except OSError as exc:
-            log.warning("cannot write %s: %s", self.closed_path, exc)
-
     # ------------------------------------------------------------ member life cycle
-
-    def _resolve_pid(self, m: Member) -> None:
-        if m.pid is not None or m.pid_file is None:
-            return
-        try:
-            m.pid = int(m.pid_file.read_text().strip())
-        except (OSError, ValueError):
-            if time.monotonic() - m.launched_at > PID_FILE_TIMEOUT_S and m.popen is not None:
-                log.error("%s: step did not start within %.0fs; stopping srun", m.placement.name, PID_FILE_TIMEOUT_S)
-                m.stop_reason = m.stop_reason or "KILLED"
-                with contextlib.suppress(OSError):
-                    m.popen.kill()
-
-    def _signal(self, m: Member, sig: int) -> None:
-        self._resolve_pid(m)
-        if m.pid is not None:
-            try:
-                os.killpg(m.pid, sig)
-                return
-            except ProcessLookupError:
-                pass
-            except PermissionError as exc:
-                log.warning("cannot signal %s: %s", m.placement.name, exc)
-        if m.popen is not None and m.popen.poll() is None:
-            with contextlib.suppress(OSError):
-                m.popen.send_signal(sig)  # srun forwards it to the step
-
-    def stop(self, m: Member, reason: str, detail: str) -> None:
-        """Stop one member for exceeding a budget; its neighbours are not touched."""
-        if m.done or m.stop_reason in ("OOM_HOST", "OOM_GPU"):
-            return
-        m.stop_reason, m.stop_detail = reason, detail
-        log.warning("stopping %s (job %d): %s", m.placement.name, m.placement.job_id, detail)
-        self._signal(m, signal.SIGKILL)
 
     def _begin_termination(self) -> None:
         assert self._term_signal is not None
         self._terminating_since = time.monotonic()
-        log.warning("%s received: forwarding to %d members in %.1fs, grace %.0fs", _signal_name(self._term_signal),
-                    sum(not m.done for m in self.members), FORWARD_DELAY_S, self.placement.term_grace_s)
-        for m in self.members:
-            if not m.done:
-                m.stop_reason = m.stop_reason or "TERM"
+        begin_termination(self.members, self._term_signal, self.placement.term_grace_s)
 
     def _forward(self) -> None:
         if self._forwarded or self._terminating_since is None or self._term_signal is None:
@@ -802,82 +457,10 @@ class Agent:
         if time.monotonic() - self._terminating_since < min(FORWARD_DELAY_S, self.placement.term_grace_s / 2):
             return
         self._forwarded = True
-        for m in self.members:
-            if not m.done:
-                self._signal(m, self._term_signal)
-
-    def _check_time_limits(self) -> None:
-        """A member at its time limit minus its lead is told to stop (SIGTERM: it
-        checkpoints and exits 5) and ends TIMEOUT; one still there just before the limit
-        itself is killed (issue 42)."""
-        now = time.monotonic()
-        for m in self.members:
-            if m.done or m.deadline is None:
-                continue
-            if m.timeout_kill_at is None and now >= m.deadline and m.stop_reason is None:
-                lead = m.placement.stop_lead_s
-                m.stop_reason = "TIMEOUT"
-                m.timeout_kill_at = now + max(1.0, lead - max(2.0, 0.2 * lead))
-                log.warning("%s (job %d): time limit %.0fs reached less its %.0fs lead; stopping it", m.placement.name,
-                            m.placement.job_id, m.placement.time_limit_s or 0, lead)
-                self._signal(m, signal.SIGTERM)
-            elif m.timeout_kill_at is not None and now >= m.timeout_kill_at and not m.cancel_killed:
-                m.cancel_killed = True
-                self._signal(m, signal.SIGKILL)
-
-    def _check_cancels(self) -> None:
-        wanted = self._cancel_requested()
-        if not wanted:
-            return
-        for m in self.members:
-            if m.placement.job_id in wanted and not m.done and m.cancel_since is None:
-                log.warning("cancel requested for %s (job %d)", m.placement.name, m.placement.job_id)
-                m.stop_reason, m.cancel_since = "CANCEL", time.monotonic()
-                self._signal(m, signal.SIGTERM)
-
-    def _kill_after_grace(self) -> None:
-        now = time.monotonic()
-        for m in self.members:
-            if (not m.done and m.cancel_since is not None and not m.cancel_killed
-                    and now - m.cancel_since >= self.placement.term_grace_s):
-                m.cancel_killed = True
-                self._signal(m, signal.SIGKILL)
-        if self._terminating_since is None:
-            return
-        if time.monotonic() - self._terminating_since < self.placement.term_grace_s:
-            return
-        for m in self.members:
-            if not m.done and m.stop_reason != "KILLED":
-                m.stop_reason = "KILLED" if m.stop_reason in ("TERM", None) else m.stop_reason
-                self._signal(m, signal.SIGKILL)
+        forward(self.members, self._term_signal)
 
     def _reap(self) -> None:
-        ended: list[Member] = []
-        for m in self.members:
-            if m.done or m.popen is None:
-                continue
-            self._resolve_pid(m)
-            rc = m.popen.poll()
-            if rc is None:
-                continue
-            if m.pid is not None and self.opts.launch == "process":
-                # The leader is gone; leftovers of its group (loader workers) go with it.
-                with contextlib.suppress(OSError):
-                    os.killpg(m.pid, signal.SIGKILL)
-            now_kills = fences.oom_kill_count(self._oom_cgroup)
-            rose = None if now_kills is None or m.oom_kills_at_launch is None else now_kills - m.oom_kills_at_launch
-            state, code, reason = classify_exit(rc, m.stop_reason, via_srun=self.opts.launch == "step",
-                                                oom_kills=rose)
-            if state == m.stop_reason and m.stop_detail:
-                reason = m.stop_detail
-            reason = self._explain(m, state, code, reason)
-            m.state, m.exit_code, m.reason = state, code, reason
-            log.info("%s (job %d) ended: %s %s", m.placement.name, m.placement.job_id, state, reason)
-            ended.append(m)
-        # A rank killed outright is the cause, not the sibling that then lost its peer in
-        # the same turn (gloo fails it with exit 1): report signal deaths first.
-        ended.sort(key=lambda m: (m.stop_reason not in ("OOM_HOST", "OOM_GPU"), not (m.exit_code or 0) > 128))
-        for m in ended:
+        for m in reap_ended(self.members, self.opts.launch, self._oom_cgroup):
             self._ended(m)
 
     # ------------------------------------------------------------ multi-rank jobs (issue 18)
@@ -909,29 +492,15 @@ class Agent:
                     log.warning("job %d: rank %d ended %s; stopping rank %d", p.job_id, p.rank, m.state,
                                 r.placement.rank)
                     r.stop_reason, r.cancel_since = "GANG", now
-                    self._signal(r, signal.SIGTERM)
+                    signal_member(r, signal.SIGTERM)
         # Ranks that end in the same turn are all done by the first one's call: report once.
         if all(r.done for r in ranks) and p.job_id not in self.job_states:
             self._job_ended(p.job_id, ranks)
 
     def _job_ended(self, job_id: int, ranks: list[Member]) -> None:
         """The one `member` record of a multi-rank job (docs/agent.md "Multi-rank jobs")."""
-        cause = self._gang_cause.get(job_id)
         world = ranks[0].placement.world_size
-        if cause is not None:
-            rep = cause
-            others = world - 1
-            reason = f"rank {cause.placement.rank}: {cause.reason or cause.state.lower()}; " \
-                     f"its {others} other rank{'s' if others != 1 else ''} stopped"
-        else:
-            states = {r.state for r in ranks}
-            state = next(s for s in _GANG_STATE_ORDER if s in states)
-            rep = min((r for r in ranks if r.state == state), key=lambda r: r.placement.rank)
-            reason = rep.reason
-        # A rank that crashed or was killed is requeued with its job as a whole (all ranks
-        # resume from the shared checkpoint); a bad spec or a rank that never started is not.
-        requeue = (rep.state == "FAILED" and cause is not None and rep.exit_code is not None
-                   and rep.exit_code != TRAIN_EXIT_BAD_SPEC)
+        rep, reason, requeue = job_outcome(ranks, self._gang_cause.get(job_id))
         self.job_states[job_id] = rep.state
         self.reports.member(job_id, rep.state, rep.exit_code, reason, rank=rep.placement.rank, world_size=world,
                             ranks=[{"rank": r.placement.rank, "gpu_index": r.placement.gpu_index, "state": r.state,
@@ -939,116 +508,26 @@ class Agent:
                             **({"requeue": True} if requeue else {}))
         log.info("job %d (%d ranks) ended: %s %s", job_id, world, rep.state, reason)
 
-    def _write_node_gpus(self) -> None:
-        """`<pack_dir>/nodes/<node_index>.json`: the node and its GPUs as the node numbers
-        them (Slurm's IDX, from SLURM_STEP_GPUS/SLURM_JOB_GPUS, which device cgroups do
-        not renumber; else the CUDA names), so `queue` shows the GPU a member really
-        has, not its position in the allocation (docs/interfaces.md 3a)."""
-        o = self.opts
-        real = None
-        for key in ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS"):
-            value = self.base_env.get(key, "").strip()
-            if value and value != "NoDevFiles":
-                real = [g.strip() for g in value.split(",") if g.strip()]
-                break
-        if real is None or len(real) != len(o.gpus):
-            real = list(o.gpus)
-        d = Path(self.placement.pack_dir) / NODES_DIR
-        try:
-            d.mkdir(mode=0o700, exist_ok=True)
-            tmp = d / f".{o.node_index}.tmp"
-            tmp.write_text(json.dumps({"node": o.node_name, "gpus": real, "cuda_visible_devices": list(o.gpus)}))
-            os.replace(tmp, d / f"{o.node_index}.json")
-        except OSError as exc:  # only `queue`'s GPU column depends on it
-            log.warning("could not write %s: %s", d, exc)
-
-    def _explain(self, m: Member, state: str, code: int, reason: str) -> str:
-        """The runner's own words where ours are generic: its one-line error for a
-        failure, the step it checkpointed at for a cancel (docs/agent.md)."""
-        # Not for a death by signal (code 128 + signum): the process wrote no cause, and
-        # the log a job's ranks share may end with a sibling's error (gloo's lost peer).
-        if state == "FAILED" and m.output_path is not None and code <= 128:
-            cause = error_line(tail_lines(m.output_path, 40))
-            if cause:
-                return f"{short_reason(cause, REASON_MAX_CHARS - 20)} (exit code {code})"
-        if state in ("CANCELLED", "TIMEOUT") and code == TRAIN_EXIT_PREEMPTED:
-            # the checkpoint it stopped with (a metrics line may be a few steps older)
-            step = newest_checkpoint_step(Path(m.placement.checkpoint_dir))
-            if step is None and m.metrics is not None:
-                m.metrics.poll()
-                step = m.metrics.last.get("step") if m.metrics.last else None
-            at = f" at step {step}" if isinstance(step, int) else ""
-            why = "reached its time limit" if state == "TIMEOUT" else "cancelled"
-            return f"{why}; stopped{at} with a checkpoint (exit 5); `slurm-dlrm requeue {m.placement.job_id}` resumes it"
-        return reason
-
     # ------------------------------------------------------------ sampling and enforcement
 
     def _tick(self) -> None:
-        self._check_cancels()
+        cancel_members(self.members, cancel_requested(self.cancel_dir))
         self._check_joins()
-        snap = self.nvml.sample([i for i in self._nvml_indices if i >= 0]) if self._nvml_indices else None
-        gpu_by_nvml = {g.index: g for g in snap.gpus} if snap else {}
-        for pos, nvml_index in enumerate(self._nvml_indices):
-            g = gpu_by_nvml.get(nvml_index)
-            if g is None:
-                continue
-            self.reports.sample(None, pos, sm_util_pct=g.sm_util_pct, mem_util_pct=g.mem_util_pct,
-                                gpu_mem_bytes=g.memory_used_bytes, gpu_mem_total_bytes=g.memory_total_bytes,
-                                nvml_index=nvml_index, gpu_lost=g.lost, **({"error": g.error} if g.error else {}))
+        snap, gpu_by_nvml = sample_gpus(self.nvml, self._nvml_indices, self.reports)
         for m in self.members:
             if m.done:
                 continue
-            self._sample_member(m, snap, gpu_by_nvml)
+            measured = sample_member(m, snap, gpu_by_nvml, self._nvml_indices, self.stale_after_s, self.reports)
+            if measured is None:
+                continue
+            breach = budget_breach(m.placement, *measured, self.placement.host_mem_tolerance_pct,
+                                   mps_fenced=self.mps.daemon is not None)
+            if breach is not None:
+                stop_member(m, *breach)
         now = time.monotonic()
         if now - self._last_heartbeat >= self.opts.heartbeat_every_s:
             self.reports.heartbeat()
             self._last_heartbeat = now
-
-    def _sample_member(self, m: Member, snap: NvmlSnapshot | None, gpu_by_nvml: dict[int, Any]) -> None:
-        p = m.placement
-        self._resolve_pid(m)
-        if m.pid is None:
-            return
-        tree = m.tree.sample(m.pid)
-        if tree is None:
-            return  # exited between the poll and now: reaped next round
-        m.last_tree = tree
-        gpu_mem = sm = mem_util = None
-        nvml_index = self._nvml_indices[p.gpu_index] if p.gpu_index < len(self._nvml_indices) else -1
-        gpu = gpu_by_nvml.get(nvml_index)
-        if snap is not None and gpu is not None and not gpu.lost and gpu.error is None:
-            gpu_mem = 0  # measured: a member without a CUDA context yet uses none
-            procs = snap.by_pid()
-            for pid in tree.pids:
-                ps = procs.get(pid)
-                if ps is None:
-                    continue
-                if ps.gpu_mem_bytes is not None:
-                    gpu_mem += ps.gpu_mem_bytes
-                if ps.sm_util_pct is not None:
-                    sm = (sm or 0.0) + ps.sm_util_pct
-                    mem_util = (mem_util or 0.0) + (ps.mem_util_pct or 0.0)
-        sps = m.metrics.samples_per_s(self.stale_after_s) if m.metrics else None
-        self.reports.sample(p.job_id, p.gpu_index, sm_util_pct=sm, mem_util_pct=mem_util, gpu_mem_bytes=gpu_mem,
-                            host_cpu_pct=round(tree.cpu_pct, 2) if tree.cpu_pct is not None else None,
-                            rss_bytes=tree.rss_bytes, samples_per_s=sps,
-                            **({"rank": p.rank} if p.world_size > 1 else {}))
-        self._enforce(m, tree, gpu_mem)
-
-    def _enforce(self, m: Member, tree: TreeSample, gpu_mem: int | None) -> None:
-        p = m.placement
-        tol = 1.0 + self.placement.host_mem_tolerance_pct / 100.0
-        budget = int(p.host_mem_limit_bytes * tol)
-        if tree.rss_bytes > budget:
-            self.stop(m, "OOM_HOST", f"host RSS {tree.rss_bytes} B over budget {p.host_mem_limit_bytes} B "
-                      f"+ {self.placement.host_mem_tolerance_pct:g}%")
-            return
-        gpu_budget = int(p.gpu_mem_limit_mib * MIB * tol)
-        if self.mps.daemon is None and gpu_mem is not None and gpu_mem > gpu_budget:
-            # Without MPS nothing fences GPU memory; stop the member before it takes a neighbour's.
-            self.stop(m, "OOM_GPU", f"GPU memory {gpu_mem} B over limit {p.gpu_mem_limit_mib} MiB "
-                      f"+ {self.placement.host_mem_tolerance_pct:g}% (no MPS fence)")
 
     # ------------------------------------------------------------ shutdown
 
@@ -1057,11 +536,11 @@ class Agent:
         for m in self.members:
             if not m.done and m.popen is not None:
                 m.stop_reason = m.stop_reason or "KILLED"
-                self._signal(m, signal.SIGKILL)
+                signal_member(m, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     m.popen.wait(timeout=10)
         self._reap()
-        self._close()
+        close_node(self.closed_path, self.opts.node_index, self.reports)
         if self.dmem is not None:
             for m in self.members:
                 self.dmem.remove(m.placement.key)
@@ -1076,7 +555,7 @@ class Agent:
         states: dict[str, int] = {}
         for m in self.members:
             states[m.state] = states.get(m.state, 0) + 1
-        signame = _signal_name(self._term_signal) if self._term_signal else ""
+        signame = signal_name(self._term_signal) if self._term_signal else ""
         self.reports.agent("exit", f"members: {states}" + (f"; after {signame}" if signame else ""), states=states)
         self.reports.close()
 

@@ -103,7 +103,7 @@ def _open_mps(out: Out, where: Env) -> Any:
 
 
 def _member_env(where: Env, mps: Any, i: int, name: str, thread_pct: int = 100) -> dict[str, str]:
-    from slurm_dlrm.agent.loop import member_env
+    from slurm_dlrm.agent.launch import member_env
     from slurm_dlrm.agent.placement import MemberPlacement
 
     m = MemberPlacement(job_id=700_000 + i, name=name, node_index=0, gpu_index=0, mps_thread_pct=thread_pct,

@@ -2,7 +2,7 @@
 
 Order matters: NVML first (what is this GPU), then MPS (our own daemon, started and
 quit through `slurm_dlrm.agent.mps`, clients given the environment of
-`slurm_dlrm.agent.loop.member_env`, sampled through `slurm_dlrm.agent.nvml`: the agent's
+`slurm_dlrm.agent.launch.member_env`, sampled through `slurm_dlrm.agent.nvml`: the agent's
 code paths), then, with the daemon gone, the estimator and the calibration, each in a
 child process with its own CUDA context. This process never imports torch: a CUDA
 context here would be a non-MPS client holding an EXCLUSIVE_PROCESS GPU.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.agent.loop import member_env
+from slurm_dlrm.agent.launch import member_env
 from slurm_dlrm.agent.mps import MPS_CONTROL, MpsSetup, open_mps
 from slurm_dlrm.agent.nvml import Nvml
 from slurm_dlrm.agent.placement import MemberPlacement, allocation_gpus
