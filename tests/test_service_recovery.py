@@ -273,12 +273,17 @@ def test_a_new_spec_takes_its_host_demand_and_pack_mem_from_the_sites_measured_r
 
     svc, store, slurm, clock, cluster = world
     old = [int(store.add_job(user=USER, name=f"old{i}", spec=spec_dict(f"old{i}"), spec_fingerprint=f"fp-old{i}",
-                             estimate=_cuda_estimate(2048), gpu_model="h100")) for i in range(3)]
+                             estimate=_cuda_estimate(2048), gpu_model="h100")) for i in range(4)]
     pack, sid, p = start(svc, slurm, cluster)
     assert {m["job_id"] for m in p["members"]} == set(old)
     assert all(m["host_mem_limit_bytes"] >= 2048 << 20 for m in p["members"])  # the analytic estimate
+    # The 4th trained on the CPU (its runner's metrics say so): its tables were in host
+    # memory, which a GPU-run estimate does not count; it says nothing about the runtime.
+    metrics = Path(p["pack_dir"]).parent / "jobs" / str(old[3]) / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text(json.dumps({"step": 10, "device": "cpu"}) + "\n")
     # measured 300, 260 and 280 MiB below their estimates: the site's runtime term is smaller
-    for job_id, rss_mib in zip(old, (1748, 1788, 1768), strict=True):
+    for job_id, rss_mib in zip(old, (1748, 1788, 1768, 2548), strict=True):
         cluster.report(p, [{"type": "sample", "job_id": job_id, "gpu_index": 0, "rss_bytes": rss_mib << 20,
                             "sm_util_pct": 20.0, "samples_per_s": 100.0}])
         cluster.member(p, job_id, "COMPLETED", 0)
@@ -304,6 +309,6 @@ def test_a_new_spec_takes_its_host_demand_and_pack_mem_from_the_sites_measured_r
                                  p2.get("reserve_cpus", 0), p2.get("reserve_host_mem_bytes", 0))
     assert f"--mem={mem_mib}M" in slurm.job(int(pack2.slurm_job_id)).script
     ev = [e for e in store.events(job_id=new, kind="adapt") if "site's host calibration" in e["reason"]]
-    assert len(ev) == 1 and "3072 -> 2812 MiB" in ev[0]["reason"] and ev[0]["data"]["runs"] == 3
+    assert len(ev) == 1 and "3072 -> 2812 MiB" in ev[0]["reason"] and ev[0]["data"]["runs"] == 3  # not the CPU one
     assert ev[0]["data"]["site_host_correction_bytes"] == -(260 << 20)
     assert not [e for e in store.events(job_id=again, kind="adapt") if "site's host" in e["reason"]]

@@ -127,7 +127,8 @@ def _history(site: Any, fingerprint: str) -> tuple[list[Any], list[Any]]:
     """Measured peaks of earlier jobs with this fingerprint, and the site's recent finished
     runs of any spec (`SiteRun`s, both device kinds), from the user's store (if any)."""
     from slurm_dlrm.estimate import HistoryRecord
-    from slurm_dlrm.estimate.calibrate import SITE_MAX_RUNS, site_run
+    from slurm_dlrm.estimate.calibrate import SITE_MAX_RUNS
+    from slurm_dlrm.service.recovery import site_runs
 
     try:
         from slurm_dlrm.service.remote import lease_elsewhere, open_snapshot
@@ -142,14 +143,14 @@ def _history(site: Any, fingerprint: str) -> tuple[list[Any], list[Any]]:
         # on a login node whose service does not hold the store: the copy it publishes
         with (open_snapshot(site, user, lease) if lease is not None else Store(path, readonly=True)) as store:
             rows = store.calibration(fingerprint, limit=20)
-            site_rows = [r for kind in ("cpu", "cuda") for r in store.site_host_runs(kind, limit=SITE_MAX_RUNS)]
+            # both device kinds; a run trained on another device than its estimate's is left out
+            measured = [r for kind in ("cpu", "cuda")
+                    for r in site_runs(store.site_host_runs(kind, limit=SITE_MAX_RUNS), kind)]
     except (DlrmError, OSError, ImportError) as exc:  # no history is not an error
         log.warning("no calibration history: %s", exc)
         return [], []
-    site_runs = [r for r in (site_run(x.estimate, x.meas_host_peak_bytes, x.end_time or 0.0) for x in site_rows)
-                 if r is not None]
     return [HistoryRecord(fingerprint, r.est_gpu_peak_bytes, r.meas_gpu_peak_bytes, r.est_host_peak_bytes,
-                          r.meas_host_peak_bytes, t=r.end_time or 0.0) for r in rows], site_runs
+                          r.meas_host_peak_bytes, t=r.end_time or 0.0) for r in rows], measured
 
 
 def human_bytes(n: float) -> str:

@@ -98,6 +98,32 @@ REFIT_PACKS = 200  # the most recent ended packs whose co-locations feed the int
 UNKNOWN_REMAINING_S = 1e9  # a job without a step count: only the threshold decides
 
 
+def site_runs(rows: list[Any], device_kind: str, ran_on_cache: dict[int, str | None] | None = None) -> list[Any]:
+    """The site-wide host calibration's runs (`SiteRun`) from `Store.site_host_runs` rows
+    of `device_kind`. A run whose runner recorded another device (a GPU-run estimate of a
+    member that trained on the CPU, as on fake GPUs: its tables were in host memory) is
+    left out: its RSS says nothing about that estimate's runtime term. Unknown (no
+    metrics): kept. `ran_on_cache`: job id -> device, kept across calls (a finished run's
+    metrics do not change); trimmed to `rows`."""
+    from slurm_dlrm.estimate.calibrate import site_run
+    from slurm_dlrm.store.report import ran_on
+
+    cache = {} if ran_on_cache is None else ran_on_cache
+    out = []
+    for row in rows:
+        if row.job_id not in cache:
+            cache[row.job_id] = ran_on(row.pack_dir, row.job_id)
+        if cache[row.job_id] not in (None, device_kind):
+            continue
+        r = site_run(row.estimate, row.meas_host_peak_bytes, row.end_time or 0.0)
+        if r is not None:
+            out.append(r)
+    if ran_on_cache is not None and len(cache) > 4 * len(rows) + 64:
+        for job_id in set(cache) - {row.job_id for row in rows}:
+            del cache[job_id]
+    return out
+
+
 @dataclass(frozen=True)
 class RecoveryConfig:
     straggler_ratio: float = 0.7
@@ -124,6 +150,7 @@ class Recovery:
         self._cache_round = -1
         self._history: dict[str, tuple[tuple[float, float, int], list[Profile]]] = {}
         self._site_runs: dict[str, list[Any]] = {}  # device kind -> the site's recent runs (SiteRun)
+        self._ran_on: dict[int, str | None] = {}  # finished job -> the device its runner recorded
         self._learned_events: list[dict[str, Any]] | None = None
         self._perf: dict[str, PerfModel | None] = {}
         self._busy: dict[str | None, int] = {}  # partition -> GPUs the user's packs hold
@@ -276,7 +303,6 @@ class Recovery:
             SITE_MAX_RUNS,
             estimate_device_kind,
             site_host_correction,
-            site_run,
         )
 
         est = job.estimate or {}
@@ -287,9 +313,8 @@ class Recovery:
         if job.host_mem_request_bytes not in (None, job.est_host_peak_bytes):
             return demand
         if kind not in self._site_runs:
-            rows = self.store.site_host_runs(kind, limit=SITE_MAX_RUNS)
-            self._site_runs[kind] = [r for r in (site_run(row.estimate, row.meas_host_peak_bytes, row.end_time or 0.0)
-                                                 for row in rows) if r is not None]
+            self._site_runs[kind] = site_runs(self.store.site_host_runs(kind, limit=SITE_MAX_RUNS), kind,
+                                              self._ran_on)
         corr = site_host_correction(self._site_runs[kind], kind, int(bd["runtime"]))
         if corr is None or corr.correction_bytes == 0:
             return demand

@@ -196,10 +196,11 @@ LIMIT :limit
 # The site-wide host calibration (estimate/calibrate.py `site_calibrate`): the most
 # recent COMPLETED jobs of any fingerprint with a measured peak RSS, of one device kind
 # as the estimate's host breakdown tells it (`estimate_device_kind`: a `runtime` term,
-# and `tensors` only for a CPU run), with the estimate they were submitted with.
+# and `tensors` only for a CPU run), with the estimate they were submitted with and their
+# last pack's folder (where the runner's metrics say which device it trained on).
 SITE_HOST_RUNS = """
 SELECT j.id AS job_id, coalesce(j.end_time, j.updated_time) AS end_time, s.estimate_json,
-       u.rss_peak_bytes AS meas_host_peak_bytes
+       u.rss_peak_bytes AS meas_host_peak_bytes, (SELECT p.pack_dir FROM packs p WHERE p.id = j.pack_id) AS pack_dir
 FROM jobs j JOIN job_usage u ON u.job_id = j.id JOIN job_specs s ON s.job_id = j.id
 WHERE j.state = :completed AND u.rss_peak_bytes > 0 AND s.estimate_json IS NOT NULL
   AND json_type(s.estimate_json, '$.host_breakdown.runtime') IS NOT NULL

@@ -179,6 +179,7 @@ class SiteHostRun:
     end_time: float | None
     estimate: dict[str, Any]
     meas_host_peak_bytes: int
+    pack_dir: str | None = None  # its last pack's folder (store/report.py `ran_on` reads its device there)
 
 
 @dataclass(frozen=True)

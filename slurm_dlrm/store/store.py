@@ -813,7 +813,7 @@ class Store:
         rows = self.query("site_host_runs", {"completed": JobState.COMPLETED.value, "device_kind": device_kind,
                                              "limit": limit})
         return [SiteHostRun(job_id=int(r["job_id"]), end_time=r["end_time"], estimate=json.loads(r["estimate_json"]),
-                            meas_host_peak_bytes=int(r["meas_host_peak_bytes"])) for r in rows]
+                            meas_host_peak_bytes=int(r["meas_host_peak_bytes"]), pack_dir=r["pack_dir"]) for r in rows]
 
     def usage(self, job_id: int) -> JobUsage | None:
         """Measured peaks and means of a job (None before its first sample)."""
