@@ -22,7 +22,11 @@ Run:  /work/main/.venv/bin/python benchmarks/estimator_accuracy.py [--only NAME]
 Last line:  estimator: configs=N median_err_pct=X p95_err_pct=X max_under_pct=X
             rss_median_err_pct=X rss_max_under_pct=X planner_median_err_pct=X
             rss_anon_median_err_pct=X rss_anon_max_under_pct=X rss_file_median_mib=X
-(rss_anon_*: peak RSS less the mapped libraries' resident pages, which the page cache
+            rss_site_median_err_pct=X rss_site_max_under_pct=X
+(rss_site_*: the host peak with the site-wide calibration from measured runs
+(`slurm_dlrm.estimate.calibrate.site_calibrate`), held out: each config's correction is
+learned from the OTHER configs' measurements only, so it is judged on a run it never saw.
+rss_anon_*: peak RSS less the mapped libraries' resident pages, which the page cache
 decides, against the estimate less its `HOST_RUNTIME_CPU_MAPPED_FILES_BYTES`.)
 """
 
@@ -45,6 +49,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from slurm_dlrm.estimate import estimate  # noqa: E402
 from slurm_dlrm.estimate.analytic import HOST_RUNTIME_CPU_MAPPED_FILES_BYTES  # noqa: E402
+from slurm_dlrm.estimate.calibrate import SITE_MAX_RUNS, SiteRun, site_calibrate  # noqa: E402
 from slurm_dlrm.spec import load_spec, parse_spec  # noqa: E402
 
 MIB = 1 << 20
@@ -206,6 +211,7 @@ def main() -> None:
     anon_errs: list[float] = []  # without the mapped libraries' resident pages (page cache)
     file_mibs: list[float] = []
     planner_errs: list[float] = []
+    measured: list[tuple[str, Any, int]] = []  # (name, estimate, peak RSS) for the held-out site calibration
     t0 = time.time()
     pool = ThreadPoolExecutor(max(1, args.jobs))
     futures = [pool.submit(measure, d, args.steps) for d in configs]
@@ -226,12 +232,14 @@ def main() -> None:
         rss_errs.append(re)
         anon_errs.append(ae)
         file_mibs.append(files / MIB)
+        measured.append((d["name"], est, int(m["peak_rss_bytes"])))
         print(f"{d['name']:<24} {meas / MIB:>8.2f}M {est.tensor_peak_bytes / MIB:>8.2f}M {e:>+6.2f} | "
               f"{m['planner_bytes'] / MIB:>8.2f}M {pe:>+7.1f} | {m['peak_rss_bytes'] / MIB:>7.0f}M "
               f"{est.host_peak_bytes / MIB:>7.0f}M {re:>+6.1f} {files / MIB:>5.0f}M {ae:>+6.1f} | "
               f"{est_ms:>5.1f} {est.peak_phase}", flush=True)
     pool.shutdown()
     tmp.cleanup()
+    site_errs = site_held_out(measured)
     abs_errs = [abs(x) for x in errs]
     unders = [-x for x in errs if x < 0]
     print()
@@ -256,8 +264,43 @@ def main() -> None:
           f"planner_median_err_pct={statistics.median(abs(x) for x in planner_errs):.2f} "
           f"rss_anon_median_err_pct={statistics.median(abs(x) for x in anon_errs):.2f} "
           f"rss_anon_max_under_pct={max(max((-x for x in anon_errs), default=0.0), 0.0):.2f} "
-          f"rss_file_median_mib={statistics.median(file_mibs):.0f}"
+          f"rss_file_median_mib={statistics.median(file_mibs):.0f} "
+          f"rss_site_median_err_pct={statistics.median(abs(x) for x in site_errs):.2f} "
+          f"rss_site_max_under_pct={max(max((-x for x in site_errs), default=0.0), 0.0):.2f}"
           + ("" if args.backend == "torchrec" else f" backend={args.backend}"))
+
+
+def site_held_out(measured: list[tuple[str, Any, int]]) -> list[float]:
+    """Per config, the error of the host peak calibrated from the other configs' measured
+    runs only (leave-one-out: `site_calibrate` never saw the run it is judged on); prints
+    a table, and the cost of one `site_calibrate` call over `SITE_MAX_RUNS` runs."""
+    print()
+    print(f"host peak with the site calibration, held out (learned from the other {len(measured) - 1} configs' "
+          f"measured RSS; the most recent {SITE_MAX_RUNS} of them)")
+    print(f"{'config':<24} {'RSS':>8} {'est RSS':>8} {'err%':>6} | {'site':>8} {'corr':>6} {'err%':>6}")
+    errs = []
+    for i, (name, est, rss) in enumerate(measured):
+        # in config order, as a site would have met them; the held-out one left out
+        runs = [SiteRun("cpu", e.host_peak_bytes, r, t=float(j)) for j, (_, e, r) in enumerate(measured) if j != i]
+        site = site_calibrate(est, runs)
+        err = pct(site.host_peak_bytes, rss)
+        errs.append(err)
+        print(f"{name:<24} {rss / MIB:>7.0f}M {est.host_peak_bytes / MIB:>7.0f}M "
+              f"{pct(est.host_peak_bytes, rss):>+6.1f} | {site.host_peak_bytes / MIB:>7.0f}M "
+              f"{site.host_breakdown.get('site_calibration', 0) / MIB:>+5.0f}M {err:>+6.2f}")
+    if measured:
+        est = measured[0][1]
+        runs = [SiteRun("cpu", e.host_peak_bytes, r, t=float(j)) for j, (_, e, r) in enumerate(measured)]
+        runs = (runs * SITE_MAX_RUNS)[:SITE_MAX_RUNS]
+        n = 2000
+        t = time.perf_counter()
+        for _ in range(n):
+            site_calibrate(est, runs)
+        print(f"site_calibrate over {len(runs)} runs: {(time.perf_counter() - t) / n * 1e6:.1f} us per call")
+    print(f"estimator, host peak RSS with the site calibration (held out): median |err| "
+          f"{statistics.median(abs(x) for x in errs or [0.0]):.2f}%  worst under-estimate "
+          f"{max((-x for x in errs), default=0.0):.2f}%")
+    return errs or [0.0]
 
 
 if __name__ == "__main__":

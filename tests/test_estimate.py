@@ -278,6 +278,65 @@ def test_calibrate_scales_by_the_worst_ratio_and_says_so():
     assert calibrate(est, [HistoryRecord(fp, 1, 10**9)]).gpu_peak_bytes == est.gpu_peak_bytes * 3
 
 
+def test_site_calibration_is_the_largest_gap_of_recent_runs_of_the_same_device_kind():
+    from slurm_dlrm.estimate.calibrate import SiteRun, site_calibrate, site_host_correction
+
+    mib = 1 << 20
+    cpu_est = estimate(small(), None)
+    runtime = cpu_est.host_breakdown["runtime"]
+    # the site's CPU runs all measured about 110 MiB below their estimates (issue 43 item 13)
+    gaps_mib = [-113, -107, -120, -111]
+    runs = [SiteRun("cpu", 500 * mib, (500 + g) * mib, t=i) for i, g in enumerate(gaps_mib)]
+    cal = site_calibrate(cpu_est, runs)
+    assert cal.host_breakdown["site_calibration"] == -107 * mib
+    assert cal.host_peak_bytes == cpu_est.host_peak_bytes - 107 * mib
+    assert sum(cal.host_breakdown.values()) == cal.host_peak_bytes
+    assert any("from 4 finished cpu run(s)" in n for n in cal.notes)
+    # the max covers every run it saw: none of them would have been under-estimated
+    c = site_host_correction(runs, "cpu", runtime)
+    assert c is not None and all(r.estimated_host_peak_bytes + c.correction_bytes >= r.measured_host_peak_bytes
+                                 for r in runs)
+    # too few runs: the runtime constant alone (the safe prior of a new site)
+    assert site_calibrate(cpu_est, runs[:2]) == cpu_est
+    assert site_host_correction(runs[:2], "cpu", runtime) is None
+    # device kinds apart: CUDA runs say nothing about a CPU run's runtime term, and back
+    cuda_runs = [SiteRun("cuda", 2000 * mib, 1000 * mib, t=10 + i) for i in range(5)]
+    assert site_calibrate(cpu_est, cuda_runs) == cpu_est
+    assert site_calibrate(cpu_est, runs + cuda_runs).host_breakdown["site_calibration"] == -107 * mib
+    gpu_est = estimate(small(), H100)
+    assert site_calibrate(gpu_est, runs) == gpu_est
+    gpu_cal = site_calibrate(gpu_est, cuda_runs)  # 1000 MiB below, clamped to half the CUDA runtime
+    assert gpu_cal.host_breakdown["site_calibration"] == -(gpu_est.host_breakdown["runtime"] // 2)
+    assert any("clamped" in n for n in gpu_cal.notes)
+    # clamped upwards too (a measurement gone wrong cannot blow --mem up without bound)
+    huge = [SiteRun("cpu", mib, 10**12, t=i) for i in range(3)]
+    assert site_calibrate(cpu_est, huge).host_breakdown["site_calibration"] == runtime // 2
+    # only the most recent runs count: an old outlier drops out after max_runs
+    old = [SiteRun("cpu", 500 * mib, 700 * mib, t=-1)]
+    assert site_host_correction(old + runs, "cpu", runtime, max_runs=4).correction_bytes == -107 * mib
+    assert site_host_correction(old + runs, "cpu", runtime, max_runs=5).correction_bytes == 200 * mib
+    # the per-fingerprint calibration wins when present
+    fp = spec_fingerprint(small())
+    per_fp = calibrate(cpu_est, [HistoryRecord(fp, None, None, 10**9, 10**9)], fingerprint=fp)
+    assert site_calibrate(per_fp, runs) == per_fp
+
+
+def test_site_run_from_a_stored_estimate_drops_calibration_and_tells_device_kinds_apart():
+    from slurm_dlrm.estimate.calibrate import site_run
+
+    cpu = estimate(small(), None).to_dict()
+    gpu = estimate(small(), H100).to_dict()
+    r = site_run(cpu, 400 << 20, t=5.0)
+    assert r is not None and r.device_kind == "cpu" and r.estimated_host_peak_bytes == cpu["host_peak_bytes"]
+    assert site_run(gpu, 400 << 20) is not None and site_run(gpu, 400 << 20).device_kind == "cuda"
+    # a calibrated estimate is judged by what the estimator itself said
+    cal = dict(cpu, host_peak_bytes=cpu["host_peak_bytes"] - (50 << 20),
+               host_breakdown={**cpu["host_breakdown"], "site_calibration": -(50 << 20)})
+    assert site_run(cal, 1).estimated_host_peak_bytes == cpu["host_peak_bytes"]
+    assert site_run(cpu, None) is None and site_run(cpu, 0) is None
+    assert site_run({"host_peak_bytes": 10, "host_breakdown": {"python": 10}}, 5) is None  # no runtime term
+
+
 def test_copies_per_gpu():
     est = estimate(small(), H100)
     fit = copies_per_gpu(est, H100)

@@ -190,3 +190,40 @@ def test_a_host_calibration_is_its_own_line_not_a_negative_part(good_spec, tmp_p
     out = CliRunner().invoke(cli, ["estimate", "--site", str(site_file), str(good_spec), "--gpu", "h100"]).output
     assert "calibrated from earlier runs" in out
     assert not any(line.lstrip("│ ").startswith("calibration ") for line in out.splitlines()), out
+
+
+def test_a_spec_with_no_runs_of_its_own_takes_the_sites_host_calibration(good_spec, tmp_path):
+    # issue 43 item 13: the host runtime term depends on the machine; the site's finished
+    # runs of other specs correct it, on a line of its own (--no-history: not)
+    from slurm_dlrm.site import load_site
+    from slurm_dlrm.spec import load_spec
+    from slurm_dlrm.store import NewPlacement, Store, store_path_for
+    from slurm_dlrm.store.states import JobState
+
+    site_file = tmp_path / "site.toml"
+    site_file.write_text(REPO_SITE_FILE.read_text().replace('store_dir = "~/.local/share/slurm-dlrm"',
+                                                            f'store_dir = "{tmp_path}/store"'))
+    spec = load_spec(good_spec)
+    args = ["estimate", "--site", str(site_file), str(good_spec), "--gpu", "h100"]
+    est = json.loads(CliRunner().invoke(cli, [*args, "--json"]).output)[0]["estimates"]["h100"]
+    path = store_path_for(load_site(site_file))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with Store(path) as store:
+        for i, below_mib in enumerate((120, 100, 110)):
+            job_id = store.add_job(user="u", name=f"other{i}", spec=spec.to_dict(), spec_fingerprint=f"other-{i}",
+                                   estimate=est)
+            pack_id = store.add_pack(name=f"p{job_id}", user="u", policy="exclusive", n_gpus=1,
+                                     placements=[NewPlacement(job_id=job_id, node_index=0, gpu_index=0)])
+            store.transition_job(job_id, JobState.RUNNING, "started")
+            store.add_samples([{"t": 1.0, "pack_id": pack_id, "job_id": job_id, "node": "n1", "gpu_index": 0,
+                                "rss_bytes": est["host_peak_bytes"] - (below_mib << 20)}])
+            store.transition_job(job_id, JobState.COMPLETED, "done", exit_code=0)
+    site_est = json.loads(CliRunner().invoke(cli, [*args, "--json"]).output)[0]["estimates"]["h100"]
+    assert site_est["host_breakdown"]["site_calibration"] == -(100 << 20)
+    assert site_est["host_peak_bytes"] == est["host_peak_bytes"] - (100 << 20)
+    assert any("from 3 finished cuda run(s)" in n for n in site_est["notes"])
+    out = CliRunner().invoke(cli, args).output
+    assert "calibrated from the site's runs of any spec (-100.00 MiB)" in out, out
+    assert not any(line.lstrip("│ ").startswith("site_calibration") for line in out.splitlines()), out
+    plain = json.loads(CliRunner().invoke(cli, [*args, "--json", "--no-history"]).output)[0]["estimates"]["h100"]
+    assert plain == est

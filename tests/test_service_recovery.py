@@ -253,3 +253,62 @@ def test_node_fail_fences_the_old_run_before_the_rerun(world):
     assert (Path(p["pack_dir"]) / "cancel" / str(a)).exists()  # a surviving agent stops it
     job = store.get_job(a)
     assert job.attempt == 1 and job.state in (JobState.PENDING, JobState.PLANNED)
+
+
+def _cuda_estimate(host_mib: int) -> dict:
+    """An estimate dict whose host breakdown took the CUDA runtime term (as the analytic one does)."""
+    d = estimate_dict()
+    d["host_peak_bytes"] = host_mib << 20
+    d["host_breakdown"] = {"runtime": 1536 << 20, "pinned_staging": (host_mib - 1536) << 20}
+    return d
+
+
+def test_a_new_spec_takes_its_host_demand_and_pack_mem_from_the_sites_measured_runs(world):
+    """Issue 43 item 13: the host runtime term's resident share depends on the site, so a
+    spec with no run of its own is sized from what the site's finished runs of any spec
+    measured (the largest measured - estimated), which lowers an over-estimate."""
+    import math
+
+    from slurm_dlrm.service.refill import pack_allocation
+
+    svc, store, slurm, clock, cluster = world
+    old = [int(store.add_job(user=USER, name=f"old{i}", spec=spec_dict(f"old{i}"), spec_fingerprint=f"fp-old{i}",
+                             estimate=_cuda_estimate(2048), gpu_model="h100")) for i in range(4)]
+    pack, sid, p = start(svc, slurm, cluster)
+    assert {m["job_id"] for m in p["members"]} == set(old)
+    assert all(m["host_mem_limit_bytes"] >= 2048 << 20 for m in p["members"])  # the analytic estimate
+    # The 4th trained on the CPU (its runner's metrics say so): its tables were in host
+    # memory, which a GPU-run estimate does not count; it says nothing about the runtime.
+    metrics = Path(p["pack_dir"]).parent / "jobs" / str(old[3]) / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    metrics.write_text(json.dumps({"step": 10, "device": "cpu"}) + "\n")
+    # measured 300, 260 and 280 MiB below their estimates: the site's runtime term is smaller
+    for job_id, rss_mib in zip(old, (1748, 1788, 1768, 2548), strict=True):
+        cluster.report(p, [{"type": "sample", "job_id": job_id, "gpu_index": 0, "rss_bytes": rss_mib << 20,
+                            "sm_util_pct": 20.0, "samples_per_s": 100.0}])
+        cluster.member(p, job_id, "COMPLETED", 0)
+    slurm.finish(sid)
+    svc.run_round()
+    assert all(store.get_job(j).state == JobState.COMPLETED for j in old)
+    new = int(store.add_job(user=USER, name="new", spec=spec_dict("new"), spec_fingerprint="fp-new",
+                            estimate=_cuda_estimate(3072), gpu_model="h100"))
+    again = int(store.add_job(user=USER, name="again", spec=spec_dict("again"), spec_fingerprint="fp-old0",
+                              estimate=_cuda_estimate(2048), gpu_model="h100"))
+    clock.advance(60)
+    svc.run_round()
+    placed = {m["job_id"]: (x, pl) for x in store.packs() if x.id != pack.id
+              for pl in [cluster.placement_of(int(x.slurm_job_id))] for m in pl["members"]}
+    limits = {j: m["host_mem_limit_bytes"] for j, (_, pl) in placed.items() for m in pl["members"] if m["job_id"] == j}
+    margin = 1.0 + svc.site.packing.memory_margin_pct / 100.0
+    # the largest measured - estimated of the three runs: -260 MiB (it covers each of them)
+    assert limits[new] == math.ceil(((3072 - 260) << 20) * margin)
+    # a spec with runs of its own keeps its own calibration (it wins): not lowered
+    assert limits[again] == math.ceil((2048 << 20) * margin)
+    pack2, p2 = placed[new]  # its pack's --mem is sized from the lowered limit
+    _, mem_mib = pack_allocation(p2["members"], pack2.n_nodes, *svc.node_limits(), 512,
+                                 p2.get("reserve_cpus", 0), p2.get("reserve_host_mem_bytes", 0))
+    assert f"--mem={mem_mib}M" in slurm.job(int(pack2.slurm_job_id)).script
+    ev = [e for e in store.events(job_id=new, kind="adapt") if "site's host calibration" in e["reason"]]
+    assert len(ev) == 1 and "3072 -> 2812 MiB" in ev[0]["reason"] and ev[0]["data"]["runs"] == 3  # not the CPU one
+    assert ev[0]["data"]["site_host_correction_bytes"] == -(260 << 20)
+    assert not [e for e in store.events(job_id=again, kind="adapt") if "site's host" in e["reason"]]

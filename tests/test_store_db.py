@@ -273,3 +273,31 @@ def test_a_store_of_version_7_is_migrated_to_take_timeout_and_array_tasks(tmp_pa
         assert s.check() == []
         with pytest.raises(sqlite3.IntegrityError):
             s.conn.execute("UPDATE jobs SET state = 'BOGUS' WHERE id = 1")
+
+
+def test_site_host_runs_are_completed_measured_runs_of_one_device_kind_newest_first(tmp_path):
+    """The site-wide host calibration's input (issue 43 item 13): any fingerprint, only
+    COMPLETED jobs with a measured peak RSS, CPU-run and GPU-run estimates apart."""
+    cpu = {"host_peak_bytes": 500, "host_breakdown": {"runtime": 400, "tensors": 100}}
+    cuda = {"host_peak_bytes": 2000, "host_breakdown": {"runtime": 1500, "pinned_staging": 500}}
+    clock = [100.0]
+    with Store(tmp_path / "s.sqlite", clock=lambda: clock[0]) as s:
+        def run(est, rss, end_state=JobState.COMPLETED):
+            j = s.add_job(user="u", name="n", spec={}, spec_fingerprint=f"fp{clock[0]}", estimate=est)
+            p = s.add_pack(name=f"p{j}", user="u", policy="exclusive", n_gpus=1,
+                           placements=[NewPlacement(job_id=j, node_index=0, gpu_index=0)])
+            s.transition_job(j, JobState.RUNNING, "started")
+            s.add_samples([{"t": clock[0], "pack_id": p, "job_id": j, "node": "n1", "gpu_index": 0, "rss_bytes": rss}])
+            s.transition_job(j, end_state, "done", exit_code=0 if end_state == JobState.COMPLETED else 1)
+            clock[0] += 10
+            return j
+
+        a, b = run(cpu, 450), run(cuda, 1800)
+        run(cpu, 9999, JobState.FAILED)  # ended early or not: not a finished run's peak
+        run(cpu, None)  # no RSS measured
+        c = run(cpu, 480)
+        s.add_job(user="u", name="pending", spec={}, spec_fingerprint="x", estimate=cpu)
+        assert [(r.job_id, r.meas_host_peak_bytes) for r in s.site_host_runs("cpu")] == [(c, 480), (a, 450)]
+        assert s.site_host_runs("cpu")[0].estimate == cpu
+        assert [r.job_id for r in s.site_host_runs("cuda")] == [b]
+        assert [r.job_id for r in s.site_host_runs("cpu", limit=1)] == [c]

@@ -26,7 +26,9 @@ of the host peak, the compute profile (FLOPs and embedding bytes per sample, pre
 solo SM and memory-bandwidth utilisation, label), and how many copies of the job fit
 one GPU of each model of the site (with the site's packing margin). When the store holds
 measured peaks of earlier jobs with the same spec fingerprint, the estimate is
-calibrated from them and says so (--no-history to skip).
+calibrated from them and says so; where it holds none, the host peak is calibrated from
+the site's finished runs of any spec (at least 3, same device kind: the host runtime
+term depends on the machine) and says so on its own line (--no-history to skip both).
 
 Exit codes: 0 ok, 2 bad spec or site config (one line naming the field).
 """
@@ -92,10 +94,11 @@ def _advise(results: list[dict[str, Any]], specs: list[Any], models: list[Any], 
 
 def _estimate_one(spec: Any, models: list[Any], site: Any, use_history: bool) -> dict[str, Any]:
     from slurm_dlrm.estimate import calibrate, copies_per_gpu, estimate
+    from slurm_dlrm.estimate.calibrate import site_calibrate
     from slurm_dlrm.spec import spec_fingerprint
 
     fp = spec_fingerprint(spec)
-    history = _history(site, fp) if use_history else []
+    history, site_runs = _history(site, fp) if use_history else ([], [])
     out: dict[str, Any] = {"spec": spec.source, "name": spec.name, "fingerprint": fp, "estimates": {}, "fits": {}}
     for gpu in models:
         if spec.custom_module:
@@ -112,6 +115,7 @@ def _estimate_one(spec: Any, models: list[Any], site: Any, use_history: bool) ->
         else:
             est = estimate(spec, gpu)
         est = calibrate(est, history, fingerprint=fp)
+        est = site_calibrate(est, site_runs)  # unchanged where the fingerprint's own runs corrected the host peak
         fit = copies_per_gpu(est, gpu, site.packing.memory_margin_pct)
         out["estimates"][gpu.name] = est.to_dict()
         out["fits"][gpu.name] = {"gpu_mem_bytes": fit.gpu_mem_bytes, "gpu_peak_bytes_with_margin": fit.gpu_peak_bytes,
@@ -119,9 +123,12 @@ def _estimate_one(spec: Any, models: list[Any], site: Any, use_history: bool) ->
     return out
 
 
-def _history(site: Any, fingerprint: str) -> list[Any]:
-    """Measured peaks of earlier jobs with this fingerprint, from the user's store (if any)."""
+def _history(site: Any, fingerprint: str) -> tuple[list[Any], list[Any]]:
+    """Measured peaks of earlier jobs with this fingerprint, and the site's recent finished
+    runs of any spec (`SiteRun`s, both device kinds), from the user's store (if any)."""
     from slurm_dlrm.estimate import HistoryRecord
+    from slurm_dlrm.estimate.calibrate import SITE_MAX_RUNS
+    from slurm_dlrm.service.recovery import site_runs
 
     try:
         from slurm_dlrm.service.remote import lease_elsewhere, open_snapshot
@@ -132,15 +139,18 @@ def _history(site: Any, fingerprint: str) -> list[Any]:
         lease = lease_elsewhere(site, user)
         path = store_path_for(site, user)
         if lease is None and not path.exists():
-            return []
+            return [], []
         # on a login node whose service does not hold the store: the copy it publishes
         with (open_snapshot(site, user, lease) if lease is not None else Store(path, readonly=True)) as store:
             rows = store.calibration(fingerprint, limit=20)
+            # both device kinds; a run trained on another device than its estimate's is left out
+            measured = [r for kind in ("cpu", "cuda")
+                    for r in site_runs(store.site_host_runs(kind, limit=SITE_MAX_RUNS), kind)]
     except (DlrmError, OSError, ImportError) as exc:  # no history is not an error
         log.warning("no calibration history: %s", exc)
-        return []
+        return [], []
     return [HistoryRecord(fingerprint, r.est_gpu_peak_bytes, r.meas_gpu_peak_bytes, r.est_host_peak_bytes,
-                          r.meas_host_peak_bytes, t=r.end_time or 0.0) for r in rows]
+                          r.meas_host_peak_bytes, t=r.end_time or 0.0) for r in rows], measured
 
 
 def human_bytes(n: float) -> str:
@@ -185,13 +195,17 @@ def _print_human(results: list[dict[str, Any]]) -> None:
         # is its own line (issue 42: a "calibration -775 MiB" part under a total that
         # was not what the parts said)
         calibration = first["host_breakdown"].get("calibration") or 0
+        site_calibration = first["host_breakdown"].get("site_calibration") or 0
         for k, v in first["host_breakdown"].items():
-            if v and k != "calibration":
+            if v and k not in ("calibration", "site_calibration"):
                 host.add_row(k, human_bytes(v))
-        analytic = first["host_peak_bytes"] - calibration
+        analytic = first["host_peak_bytes"] - calibration - site_calibration
         host.add_row("[bold]total[/bold]", f"[bold]{human_bytes(analytic)}[/bold]")
         if calibration:
             host.add_row("calibrated from earlier runs", human_bytes(first["host_peak_bytes"]))
+        if site_calibration:
+            host.add_row(f"calibrated from the site's runs of any spec ({human_bytes(site_calibration)})",
+                         human_bytes(first["host_peak_bytes"]))
         console.print(host)
         prof = Table(title="compute profile (solo)", title_justify="left")
         for col in ("GPU", "label", "SM %", "mem BW %", "host cores", "samples/s", "GFLOP/sample",

@@ -29,7 +29,10 @@ the agent's cancel hook, and leaves an event with the reason of every decision:
   `_choose_planner_model`).
 - `adapt_demand`: warm start of a job's first run from the history of its spec
   fingerprint (memory raise learned from OOMs and measured peaks; measured profile of
-  similar finished jobs); a requeued job's demand takes its own measured profile.
+  similar finished jobs); a requeued job's demand takes its own measured profile. A
+  fingerprint without history takes its host demand (so the pack's --mem) from the
+  site-wide host calibration (`estimate.calibrate.site_host_correction` over the user's
+  finished runs of any spec), which may lower it: a host OOM is retried with more.
 - `tune_shares`: where every member of a GPU has a fitted resource-performance model
   (`fit_perf_model` on samples taken at different MPS shares and CPU counts), the SM
   shares are split by `allocate_shares` and CPUs trimmed by `PerfModel.cores_for`.
@@ -95,6 +98,32 @@ REFIT_PACKS = 200  # the most recent ended packs whose co-locations feed the int
 UNKNOWN_REMAINING_S = 1e9  # a job without a step count: only the threshold decides
 
 
+def site_runs(rows: list[Any], device_kind: str, ran_on_cache: dict[int, str | None] | None = None) -> list[Any]:
+    """The site-wide host calibration's runs (`SiteRun`) from `Store.site_host_runs` rows
+    of `device_kind`. A run whose runner recorded another device (a GPU-run estimate of a
+    member that trained on the CPU, as on fake GPUs: its tables were in host memory) is
+    left out: its RSS says nothing about that estimate's runtime term. Unknown (no
+    metrics): kept. `ran_on_cache`: job id -> device, kept across calls (a finished run's
+    metrics do not change); trimmed to `rows`."""
+    from slurm_dlrm.estimate.calibrate import site_run
+    from slurm_dlrm.store.report import ran_on
+
+    cache = {} if ran_on_cache is None else ran_on_cache
+    out = []
+    for row in rows:
+        if row.job_id not in cache:
+            cache[row.job_id] = ran_on(row.pack_dir, row.job_id)
+        if cache[row.job_id] not in (None, device_kind):
+            continue
+        r = site_run(row.estimate, row.meas_host_peak_bytes, row.end_time or 0.0)
+        if r is not None:
+            out.append(r)
+    if ran_on_cache is not None and len(cache) > 4 * len(rows) + 64:
+        for job_id in set(cache) - {row.job_id for row in rows}:
+            del cache[job_id]
+    return out
+
+
 @dataclass(frozen=True)
 class RecoveryConfig:
     straggler_ratio: float = 0.7
@@ -120,6 +149,8 @@ class Recovery:
         # history questions 1,000 times.
         self._cache_round = -1
         self._history: dict[str, tuple[tuple[float, float, int], list[Profile]]] = {}
+        self._site_runs: dict[str, list[Any]] = {}  # device kind -> the site's recent runs (SiteRun)
+        self._ran_on: dict[int, str | None] = {}  # finished job -> the device its runner recorded
         self._learned_events: list[dict[str, Any]] | None = None
         self._perf: dict[str, PerfModel | None] = {}
         self._busy: dict[str | None, int] = {}  # partition -> GPUs the user's packs hold
@@ -137,6 +168,7 @@ class Recovery:
         if self._cache_round != self.svc.rounds:
             self._cache_round = self.svc.rounds
             self._history.clear()
+            self._site_runs.clear()
             self._learned_events = None
             self._pending = None
             self._perf.clear()
@@ -248,6 +280,8 @@ class Recovery:
             if want > demand.host_mem_bytes:
                 demand = replace(demand, host_mem_bytes=want)
                 notes.append(f"host x{host_f:.2f}")
+        if runs == 0:
+            demand = self._site_host(job, demand)
         if similar:
             analytic = Profile(demand.sm_util_pct, demand.membw_util_pct, demand.host_cpu_cores,
                                demand.solo_samples_per_s)
@@ -258,6 +292,45 @@ class Recovery:
             self.store.add_event(ADAPT, f"warm start from {max(runs, len(similar))} run(s) of spec "
                                  f"{job.spec_fingerprint[:12]}: {'; '.join(notes)}", job_id=job.id,
                                  data={"gpu_factor": gpu_f, "host_factor": host_f, "similar": len(similar)})
+        return demand
+
+    def _site_host(self, job: Any, demand: Any) -> Any:
+        """A job whose fingerprint has no history: its host demand corrected by the site's
+        finished runs of any spec with the same device kind (issue 43 item 13: the runtime
+        term's resident pages depend on the site's page cache). Not where the store holds a
+        request other than the estimate (an OOM raise): that one is a measurement."""
+        from slurm_dlrm.estimate.calibrate import (
+            SITE_MAX_RUNS,
+            estimate_device_kind,
+            site_host_correction,
+        )
+
+        est = job.estimate or {}
+        bd = est.get("host_breakdown") or {}
+        kind = estimate_device_kind(bd)
+        if kind is None or not job.est_host_peak_bytes or "calibration" in bd or "site_calibration" in bd:
+            return demand
+        if job.host_mem_request_bytes not in (None, job.est_host_peak_bytes):
+            return demand
+        if kind not in self._site_runs:
+            self._site_runs[kind] = site_runs(self.store.site_host_runs(kind, limit=SITE_MAX_RUNS), kind,
+                                              self._ran_on)
+        corr = site_host_correction(self._site_runs[kind], kind, int(bd["runtime"]))
+        if corr is None or corr.correction_bytes == 0:
+            return demand
+        delta = corr.correction_bytes
+        before = demand.host_mem_bytes
+        demand = replace(demand, host_mem_bytes=max(1, before + delta),
+                         ranks=tuple(replace(r, host_mem_bytes=max(1, r.host_mem_bytes + delta))
+                                     for r in demand.ranks))
+        if self._once("site-host", job):
+            self.store.add_event(
+                ADAPT, f"warm start from the site's host calibration: spec {job.spec_fingerprint[:12]} has no "
+                f"finished run; host peak {before / MIB:.0f} -> {demand.host_mem_bytes / MIB:.0f} MiB "
+                f"({delta / MIB:+.0f} MiB, the largest measured - estimated of the {corr.runs} most recent "
+                f"finished {kind} run(s) of any spec" + (", clamped to half the runtime term)" if corr.clamped else ")"),
+                job_id=job.id, data={"site_host_correction_bytes": delta, "runs": corr.runs, "device_kind": kind,
+                                     "clamped": corr.clamped})
         return demand
 
     def _similar_profiles(self, job: Any) -> list[Profile]:

@@ -193,6 +193,23 @@ ORDER BY j.end_time DESC, j.id DESC
 LIMIT :limit
 """
 
+# The site-wide host calibration (estimate/calibrate.py `site_calibrate`): the most
+# recent COMPLETED jobs of any fingerprint with a measured peak RSS, of one device kind
+# as the estimate's host breakdown tells it (`estimate_device_kind`: a `runtime` term,
+# and `tensors` only for a CPU run), with the estimate they were submitted with and their
+# last pack's folder (where the runner's metrics say which device it trained on).
+SITE_HOST_RUNS = """
+SELECT j.id AS job_id, coalesce(j.end_time, j.updated_time) AS end_time, s.estimate_json,
+       u.rss_peak_bytes AS meas_host_peak_bytes, (SELECT p.pack_dir FROM packs p WHERE p.id = j.pack_id) AS pack_dir
+FROM jobs j JOIN job_usage u ON u.job_id = j.id JOIN job_specs s ON s.job_id = j.id
+WHERE j.state = :completed AND u.rss_peak_bytes > 0 AND s.estimate_json IS NOT NULL
+  AND json_type(s.estimate_json, '$.host_breakdown.runtime') IS NOT NULL
+  AND (CASE WHEN json_type(s.estimate_json, '$.host_breakdown.tensors') IS NOT NULL THEN 'cpu' ELSE 'cuda' END)
+      = :device_kind
+ORDER BY end_time DESC, j.id DESC
+LIMIT :limit
+"""
+
 # Live members' measured GPU peaks in one pack (NVML's per-process bytes, the CUDA
 # context included), per rank GPU, with the span their samples cover: refill counts a
 # member past its warm-up at its peak (service/measured.py). The job index serves it.
@@ -392,6 +409,7 @@ QUERIES: dict[str, str] = {
     "acct": ACCT,
     "acct_filtered": ACCT_FILTERED,
     "calibration": CALIBRATION,
+    "site_host_runs": SITE_HOST_RUNS,
     "member_peaks": MEMBER_PEAKS,
     "peak_errors": PEAK_ERRORS,
     "usage_mismatch": USAGE_MISMATCH,

@@ -171,6 +171,18 @@ class CalibrationRow:
 
 
 @dataclass(frozen=True)
+class SiteHostRun:
+    """A COMPLETED job of any fingerprint: the estimate it was submitted with
+    (`Estimate.to_dict()`) and its measured peak RSS, for the site-wide host calibration."""
+
+    job_id: int
+    end_time: float | None
+    estimate: dict[str, Any]
+    meas_host_peak_bytes: int
+    pack_dir: str | None = None  # its last pack's folder (store/report.py `ran_on` reads its device there)
+
+
+@dataclass(frozen=True)
 class JobUsage:
     """What the samples of one job measured so far (all attempts), from `job_usage`."""
 

@@ -45,6 +45,7 @@ from slurm_dlrm.store.records import (
     NewPlacement,
     Pack,
     Placement,
+    SiteHostRun,
 )
 from slurm_dlrm.store.states import (
     JOB_ATTEMPT_FROM,
@@ -805,6 +806,15 @@ class Store:
                                           "terminal": json.dumps(sorted(s.value for s in JOB_TERMINAL))})
         return [CalibrationRow(**{**r, "state": JobState(r["state"])}) for r in rows]
 
+    def site_host_runs(self, device_kind: str, *, limit: int = 20) -> list[SiteHostRun]:
+        """The most recent COMPLETED jobs of any fingerprint whose estimate took the
+        `device_kind` ("cpu" | "cuda") runtime term and whose peak RSS was measured:
+        the site-wide host calibration's input, newest first."""
+        rows = self.query("site_host_runs", {"completed": JobState.COMPLETED.value, "device_kind": device_kind,
+                                             "limit": limit})
+        return [SiteHostRun(job_id=int(r["job_id"]), end_time=r["end_time"], estimate=json.loads(r["estimate_json"]),
+                            meas_host_peak_bytes=int(r["meas_host_peak_bytes"]), pack_dir=r["pack_dir"]) for r in rows]
+
     def usage(self, job_id: int) -> JobUsage | None:
         """Measured peaks and means of a job (None before its first sample)."""
         rows = self.query("job_usage", {"job_id": job_id})
@@ -870,7 +880,7 @@ def _usage_rows(rows: Sequence[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 
 __all__ = [
-    "CalibrationRow", "Job", "JobUsage", "NewPlacement", "Pack", "Placement", "Store", "StoreBusy",
+    "CalibrationRow", "Job", "SiteHostRun", "JobUsage", "NewPlacement", "Pack", "Placement", "Store", "StoreBusy",
     "current_user", "is_busy", "store_path_for",
 ]
 
