@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from service_harness import FakeClock, add_job, make_site
+from service_harness import FakeClock, add_job, make_site, write_site_file
 
 from slurm_dlrm.service.begin_time import parse_begin
 from slurm_dlrm.service.core import PackingService, ServiceSettings
@@ -77,11 +77,7 @@ def test_negative_nice_is_for_root_only(monkeypatch):
 
 def _cli_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     repo = Path(__file__).resolve().parent.parent
-    site_file = tmp_path / "site.toml"
-    text = (repo / "site-config" / "site.toml").read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
-    site_file.write_text(text)
+    site_file = write_site_file(tmp_path)
     monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
     return repo / "examples" / "sweep" / "tiny-a.yaml"
 
