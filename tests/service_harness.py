@@ -81,6 +81,24 @@ def wait_until(what: Callable[[], Any], timeout_s: float = 240.0, every_s: float
         time.sleep(every_s)
 
 
+def fake_service(tmp: Path, user: str = "root", **settings: Any) -> tuple[Any, Any, Any, FakeClock]:
+    """`user`'s packing service over a store in `tmp` (site: `make_site(tmp)`) and a
+    FakeSlurm, on one FakeClock: (service, store, slurm, clock). `settings`: more
+    ServiceSettings; it dispatches at once (dispatch_window_s 0) unless told otherwise.
+    The caller closes the store."""
+    from slurm_dlrm.service.core import PackingService, ServiceSettings
+    from slurm_dlrm.slurm.fake import FakeSlurm
+    from slurm_dlrm.store.store import Store
+
+    clock = FakeClock()
+    site = make_site(tmp)
+    store = Store(tmp / "store.sqlite", clock=clock)
+    slurm = FakeSlurm(clock=clock, user=user)
+    svc = PackingService(store, slurm, site, ServiceSettings(
+        user=user, python="/venv/bin/python", **{"dispatch_window_s": 0.0, **settings}), clock=clock)
+    return svc, store, slurm, clock
+
+
 def estimate_dict(gpu_gib: float = 2.0, host_gib: float = 1.0, sm: float = 30.0, bw: float = 30.0,
                   cores: float = 1.0, label: str = "compute-bound", sps: float = 50_000.0) -> dict[str, Any]:
     gpu = int(gpu_gib * GIB)

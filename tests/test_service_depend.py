@@ -4,27 +4,19 @@ are met, and fails one whose can never be (FakeSlurm rounds, fake clock)."""
 from __future__ import annotations
 
 import pytest
-from service_harness import FakeClock, add_job, make_site, write_site_file
+from service_harness import add_job, fake_service, write_site_file
 
 from slurm_dlrm.errors import BadInput
-from slurm_dlrm.service.core import PackingService, ServiceSettings
 from slurm_dlrm.service.depend import parse_dependency
 from slurm_dlrm.service.queue import queue_rows
-from slurm_dlrm.slurm.fake import FakeSlurm
 from slurm_dlrm.store.states import JobState
-from slurm_dlrm.store.store import Store
 
 USER = "root"
 
 
 @pytest.fixture
 def world(tmp_path):
-    clock = FakeClock()
-    site = make_site(tmp_path)
-    store = Store(tmp_path / "store.sqlite", clock=clock)
-    slurm = FakeSlurm(clock=clock, user=USER)
-    svc = PackingService(store, slurm, site, ServiceSettings(user=USER, python="/venv/bin/python",
-                                                             dispatch_window_s=0.0), clock=clock)
+    svc, store, _slurm, _clock = fake_service(tmp_path, USER)
     yield svc, store
     store.close()
 

@@ -9,16 +9,14 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from service_harness import FakeClock, add_job, make_site, write_site_file
+from service_harness import add_job, fake_service, write_site_file
 
 from slurm_dlrm.service.begin_time import parse_begin
-from slurm_dlrm.service.core import PackingService, ServiceSettings
 from slurm_dlrm.service.sbatch_options import (
     SbatchOptionError,
     parse_sbatch_args,
     parse_sbatch_script,
 )
-from slurm_dlrm.slurm.fake import FakeSlurm
 from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS
 from slurm_dlrm.store.states import JobState
 from slurm_dlrm.store.store import Store
@@ -136,12 +134,7 @@ USER = "root"
 
 @pytest.fixture
 def world(tmp_path):
-    clock = FakeClock()
-    site = make_site(tmp_path)
-    store = Store(tmp_path / "store.sqlite", clock=clock)
-    slurm = FakeSlurm(clock=clock, user=USER)
-    svc = PackingService(store, slurm, site, ServiceSettings(user=USER, python="/venv/bin/python",
-                                                             dispatch_window_s=0.0), clock=clock)
+    svc, store, _slurm, clock = fake_service(tmp_path, USER)
     yield svc, store, clock
     store.close()
 
