@@ -167,3 +167,25 @@ def dropbox_env(tmp_path: Path) -> Iterator[tuple[Any, Path, Any]]:
         yield site, site.store_dir_for(user), store
     finally:
         store.close()
+
+
+@pytest.fixture
+def agent_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder for an agent on no GPU: the fake MPS control daemon first on PATH, fake
+    NVML with 2 GPUs, no MPS pipe folder or Slurm node name from outside, the checkout on
+    PYTHONPATH (members import slurm_dlrm), and tmp/ for the agent's temporaries."""
+    import json
+
+    from slurm_dlrm.emulated import mps_control as fake_mps_control
+    from slurm_dlrm.emulated import nvml as fake_nvml
+
+    fake_mps_control.install_launcher(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
+    scenario = tmp_path / "nvml.json"
+    scenario.write_text(json.dumps({"gpu_count": 2}))
+    monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, str(scenario))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    (tmp_path / "tmp").mkdir()
+    return tmp_path
