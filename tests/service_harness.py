@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sqlite3
 import time
 import tomllib
 from collections.abc import Callable
@@ -97,6 +98,23 @@ def fake_service(tmp: Path, user: str = "root", **settings: Any) -> tuple[Any, A
     svc = PackingService(store, slurm, site, ServiceSettings(
         user=user, python="/venv/bin/python", **{"dispatch_window_s": 0.0, **settings}), clock=clock)
     return svc, store, slurm, clock
+
+
+def old_store(path: Path, version: int, edit: Callable[[str], str] = lambda stmt: stmt) -> sqlite3.Connection:
+    """A store at `path` (its folder made, 0700) as schema `version` left it: the first
+    `version` migrations applied, each statement through `edit` first (a CHECK that
+    version had). Returns the open connection; the caller adds rows and sets
+    user_version."""
+    from slurm_dlrm.store.migrations import MIGRATIONS
+
+    path.parent.mkdir(mode=0o700)
+    conn = sqlite3.connect(path)
+    for m in MIGRATIONS[:version]:
+        for stmt in m.statements:
+            conn.execute(edit(stmt))
+        if m.apply is not None:
+            m.apply(conn)
+    return conn
 
 
 def estimate_dict(gpu_gib: float = 2.0, host_gib: float = 1.0, sm: float = 30.0, bw: float = 30.0,

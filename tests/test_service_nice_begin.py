@@ -4,12 +4,11 @@ waits for its begin time, and the user's own order holds."""
 
 from __future__ import annotations
 
-import sqlite3
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from service_harness import add_job, fake_service, write_site_file
+from service_harness import add_job, fake_service, old_store, write_site_file
 
 from slurm_dlrm.service.begin_time import parse_begin
 from slurm_dlrm.service.sbatch_options import (
@@ -17,7 +16,7 @@ from slurm_dlrm.service.sbatch_options import (
     parse_sbatch_args,
     parse_sbatch_script,
 )
-from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS
+from slurm_dlrm.store.migrations import LATEST_VERSION
 from slurm_dlrm.store.states import JobState
 from slurm_dlrm.store.store import Store
 
@@ -107,13 +106,7 @@ def test_submit_bad_nice_or_begin_is_one_line_exit_2_nothing_recorded(tmp_path, 
 
 def test_v6_store_gets_nice_and_begin_and_its_jobs_keep_nice_0(tmp_path):
     p = tmp_path / "s" / "store.sqlite"
-    p.parent.mkdir(mode=0o700)
-    conn = sqlite3.connect(p)
-    for m in MIGRATIONS[:6]:
-        for stmt in m.statements:
-            conn.execute(stmt)
-        if m.apply is not None:
-            m.apply(conn)
+    conn = old_store(p, 6)
     conn.executescript("""
         INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, updated_time)
             VALUES ('u', 'a', 'PENDING', 'fp', 1.0, 1.0);
