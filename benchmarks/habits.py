@@ -38,17 +38,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-SPEC = """\
-name: {name}
-tables:
-  - {{name: t0, rows: 1000, dim: 8}}
-dense_features: 13
-bottom_mlp: [16, 8]
-top_mlp: [16, 1]
-batch_size: 64
-steps: 1
-command: ["true"]
-"""
+from _shared import probe_spec  # noqa: E402 - benchmarks/ is on sys.path (this script's folder)
 
 
 @dataclass(frozen=True)
@@ -273,9 +263,9 @@ class World:
         array_script = work / "array.sh"
         array_script.write_text("#!/bin/bash\n#SBATCH --array=0-1\ntrue\n")
         spec = work / "job.yaml"
-        spec.write_text(SPEC.format(name=f"{self.tag}-spec"))
+        spec.write_text(probe_spec(f"{self.tag}-spec"))
         array_spec = work / "array.yaml"
-        array_spec.write_text("#SBATCH --array=0-1\n" + SPEC.format(name=f"{self.tag}-spec"))
+        array_spec.write_text("#SBATCH --array=0-1\n" + probe_spec(f"{self.tag}-spec"))
         self.slurm.files = {"SCRIPT": str(script), "ARRAY_SCRIPT": str(array_script)}
         self.ours.files = {"SPEC": str(spec), "ARRAY_SPEC": str(array_spec)}
 

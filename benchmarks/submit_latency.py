@@ -31,17 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-SPEC = """\
-name: latency-probe
-tables:
-  - {name: t0, rows: 1000, dim: 8}
-dense_features: 13
-bottom_mlp: [16, 8]
-top_mlp: [16, 1]
-batch_size: 64
-steps: 1
-command: ["true"]
-"""
+from _shared import probe_spec  # noqa: E402 - benchmarks/ is on sys.path (this script's folder)
 
 
 def timed(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> tuple[float, float, str]:
@@ -75,7 +65,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="slurm-dlrm-latency-"))
     site_path = demo_site(work)
     spec = work / "probe.yaml"
-    spec.write_text(SPEC)
+    spec.write_text(probe_spec("latency-probe"))
     env = {**os.environ, "SLURM_CONF": str(cluster.config.slurm_conf), "SLURM_DLRM_SITE": str(site_path),
            "PYTHONPATH": str(REPO)}
     os.environ.update({k: env[k] for k in ("SLURM_CONF", "SLURM_DLRM_SITE")})

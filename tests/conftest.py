@@ -19,9 +19,11 @@ of skipping them.
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -115,3 +117,75 @@ def slurm_cluster() -> Iterator[SlurmTestCluster]:
             if started_flag.exists() and not others:
                 cluster.down()
                 started_flag.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def live_service(slurm_cluster: SlurmTestCluster, tmp_path: Path,
+                 monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, str]]:
+    """The packing service of this user on the local Slurm cluster, with its site (store
+    and spool) in tmp_path, as `slurm-dlrm` commands of the test find it; yields (site,
+    user). At the end it stops the service and scancels whatever of the test is still in
+    Slurm (packs, and --no-pack jobs)."""
+    from service_harness import make_site, write_site_file
+
+    from slurm_dlrm.service.daemon import spawn_service, stop, wait_until_running
+    from slurm_dlrm.service.submit import service_paths
+    from slurm_dlrm.store.store import Store, current_user
+
+    site = make_site(tmp_path)
+    monkeypatch.setenv("SLURM_DLRM_SITE", str(write_site_file(tmp_path)))
+    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.slurm_conf))
+    monkeypatch.chdir(tmp_path)
+    user = current_user()
+    paths = service_paths(site, user)
+    spawn_service(paths, ["--round-seconds", "1"])
+    assert wait_until_running(paths, timeout_s=30) is not None, paths.log.read_text()[-2000:]
+    yield site, user
+    try:
+        stop(paths, timeout_s=30)
+    finally:
+        with Store.for_user(site, user) as store:
+            ids = {p.slurm_job_id for p in store.packs(["SUBMITTING", "QUEUED", "RUNNING"]) if p.slurm_job_id}
+            ids |= {j.slurm_job_id for j in store.jobs(["PENDING", "PLANNED", "RUNNING"]) if j.slurm_job_id}
+        if ids:
+            subprocess.run(["scancel", *sorted(map(str, ids))], check=False, timeout=30)  # noqa: S603, S607
+
+
+@pytest.fixture
+def dropbox_env(tmp_path: Path) -> Iterator[tuple[Any, Path, Any]]:
+    """This user's store, held open as the service holds it, in a site under tmp_path:
+    yields (site, store folder, store) for tests of requests dropped there by another
+    login node (service_harness.ingest_dropped reads them in)."""
+    from service_harness import make_site
+
+    from slurm_dlrm.store.store import Store, current_user
+
+    site = make_site(tmp_path)
+    user = current_user()
+    store = Store.for_user(site, user)
+    try:
+        yield site, site.store_dir_for(user), store
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def agent_world(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder for an agent on no GPU: the fake MPS control daemon first on PATH, fake
+    NVML with 2 GPUs, no MPS pipe folder or Slurm node name from outside, the checkout on
+    PYTHONPATH (members import slurm_dlrm), and tmp/ for the agent's temporaries."""
+    import json
+
+    from slurm_dlrm.emulated import mps_control as fake_mps_control
+    from slurm_dlrm.emulated import nvml as fake_nvml
+
+    fake_mps_control.install_launcher(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
+    scenario = tmp_path / "nvml.json"
+    scenario.write_text(json.dumps({"gpu_count": 2}))
+    monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, str(scenario))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1]))
+    (tmp_path / "tmp").mkdir()
+    return tmp_path

@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sqlite3
+import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,84 @@ def make_site(tmp: Path, **packing: Any) -> SiteConfig:
     return parse_site(data, "test-site")
 
 
+def write_site_file(tmp: Path, store_dir: Path | None = None) -> Path:
+    """The repository's site.toml with each user's store and spool under `tmp` (the same
+    site as `make_site(tmp)`; `store_dir`: another store folder, with `{user}` in it),
+    written to tmp/site.toml for $SLURM_DLRM_SITE."""
+    text = REPO_SITE_FILE.read_text()
+    for key, default, ours in (("store_dir", "~/.local/share/slurm-dlrm", store_dir or tmp / "store-{user}"),
+                               ("spool_dir", "~/.local/share/slurm-dlrm/spool", tmp / "spool-{user}")):
+        line = f'{key} = "{default}"'
+        assert line in text, f"{REPO_SITE_FILE} has no line {line}"
+        text = text.replace(line, f'{key} = "{ours}"')
+    site_file = tmp / "site.toml"
+    site_file.write_text(text)
+    return site_file
+
+
+def cli(*args: str) -> Any:
+    """`slurm-dlrm ARGS` in this process (click's CliRunner); exceptions propagate."""
+    from click.testing import CliRunner
+
+    from slurm_dlrm.cli import cli as main
+
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def show_job(job_id: int) -> dict[str, Any]:
+    """`slurm-dlrm show JOB --json`, which must succeed."""
+    r = cli("show", str(job_id), "--json")
+    assert r.exit_code == 0, r.output
+    return dict(json.loads(r.output))
+
+
+def wait_until(what: Callable[[], Any], timeout_s: float = 240.0, every_s: float = 0.5) -> Any:
+    """Polls `what` until it returns something true, and returns that; fails the test
+    after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = what()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what.__doc__ or what}"
+        time.sleep(every_s)
+
+
+def fake_service(tmp: Path, user: str = "root", **settings: Any) -> tuple[Any, Any, Any, FakeClock]:
+    """`user`'s packing service over a store in `tmp` (site: `make_site(tmp)`) and a
+    FakeSlurm, on one FakeClock: (service, store, slurm, clock). `settings`: more
+    ServiceSettings; it dispatches at once (dispatch_window_s 0) unless told otherwise.
+    The caller closes the store."""
+    from slurm_dlrm.service.core import PackingService, ServiceSettings
+    from slurm_dlrm.slurm.fake import FakeSlurm
+    from slurm_dlrm.store.store import Store
+
+    clock = FakeClock()
+    site = make_site(tmp)
+    store = Store(tmp / "store.sqlite", clock=clock)
+    slurm = FakeSlurm(clock=clock, user=user)
+    svc = PackingService(store, slurm, site, ServiceSettings(
+        user=user, python="/venv/bin/python", **{"dispatch_window_s": 0.0, **settings}), clock=clock)
+    return svc, store, slurm, clock
+
+
+def old_store(path: Path, version: int, edit: Callable[[str], str] = lambda stmt: stmt) -> sqlite3.Connection:
+    """A store at `path` (its folder made, 0700) as schema `version` left it: the first
+    `version` migrations applied, each statement through `edit` first (a CHECK that
+    version had). Returns the open connection; the caller adds rows and sets
+    user_version."""
+    from slurm_dlrm.store.migrations import MIGRATIONS
+
+    path.parent.mkdir(mode=0o700)
+    conn = sqlite3.connect(path)
+    for m in MIGRATIONS[:version]:
+        for stmt in m.statements:
+            conn.execute(edit(stmt))
+        if m.apply is not None:
+            m.apply(conn)
+    return conn
+
+
 def estimate_dict(gpu_gib: float = 2.0, host_gib: float = 1.0, sm: float = 30.0, bw: float = 30.0,
                   cores: float = 1.0, label: str = "compute-bound", sps: float = 50_000.0) -> dict[str, Any]:
     gpu = int(gpu_gib * GIB)
@@ -51,6 +132,25 @@ def estimate_dict(gpu_gib: float = 2.0, host_gib: float = 1.0, sm: float = 30.0,
 def spec_dict(name: str, steps: int = 100) -> dict[str, Any]:
     return {"name": name, "tables": [{"name": "t0", "rows": 1000, "dim": 8}], "dense_features": 13,
             "bottom_mlp": [16, 8], "top_mlp": [16, 1], "batch_size": 64, "steps": steps}
+
+
+def request_row(name: str | None, **kw: Any) -> dict[str, Any]:
+    """One job row of a submit request another login node drops (service/dropbox.py)."""
+    return {"name": name, "spec": spec_dict(str(name)), "spec_fingerprint": f"fp-{name}",
+            "estimate": estimate_dict(), "gpu_model": "h100", "sbatch": {}, "reason": "submitted from another host",
+            **kw}
+
+
+def ingest_dropped(site: SiteConfig, store_dir: Path, store: Any) -> Any:
+    """One round of the service's reading of dropped requests into `store`, against a
+    FakeSlurm (tests/conftest.py's `dropbox_env` gives the three)."""
+    from slurm_dlrm.service.dropbox import ingest_requests
+    from slurm_dlrm.service.remote import appliers
+    from slurm_dlrm.slurm.fake import FakeSlurm
+    from slurm_dlrm.store.store import current_user
+
+    user = current_user()
+    return ingest_requests(store, store_dir, user, appliers(site, user, FakeSlurm()))
 
 
 def add_job(store: Any, name: str, *, user: str = "root", sbatch: dict[str, Any] | None = None,

@@ -12,46 +12,22 @@ import time
 from pathlib import Path
 
 import pytest
+from agent_harness import agent_options
 from click.testing import CliRunner
 
 from slurm_dlrm.agent.launch import member_env, step_argv
-from slurm_dlrm.agent.loop import Agent, AgentOptions
+from slurm_dlrm.agent.loop import Agent
 from slurm_dlrm.agent.mps import MpsDaemon, MpsSetup
 from slurm_dlrm.agent.placement import parse_placement
 from slurm_dlrm.agent.procstat import MetricsTail, TreeSampler
 from slurm_dlrm.agent.reaping import classify_exit
 from slurm_dlrm.agent.reports import ReportWriter, read_reports
 from slurm_dlrm.cli import cli
-from slurm_dlrm.emulated import mps_control as fake_mps_control
-from slurm_dlrm.emulated import nvml as fake_nvml
 from slurm_dlrm.emulated.standin import member_entry, placement_dict
 from slurm_dlrm.errors import BadInput
 
-ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_KEYS = {"type", "t", "pack_id", "job_id", "node", "gpu_index", "sm_util_pct", "mem_util_pct",
                "gpu_mem_bytes", "host_cpu_pct", "rss_bytes", "samples_per_s"}
-
-
-@pytest.fixture
-def world(tmp_path, monkeypatch):
-    """Fake MPS control first on PATH, fake NVML with 2 GPUs, a pack folder."""
-    fake_mps_control.install_launcher(tmp_path / "bin")
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
-    scenario = tmp_path / "nvml.json"
-    scenario.write_text(json.dumps({"gpu_count": 2}))
-    monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, str(scenario))
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    (tmp_path / "tmp").mkdir()
-    return tmp_path
-
-
-def _opts(world, **kw):
-    base = dict(node_index=0, node_name="n1", gpus=["0", "1"], launch="process", tmp_root=str(world / "tmp"),
-                heartbeat_every_s=0.5)
-    base.update(kw)
-    return AgentOptions(**base)
 
 
 # ------------------------------------------------------------------ pure parts
@@ -204,19 +180,19 @@ def test_a_zombie_member_is_not_sampled():
 
 # ------------------------------------------------------------------ the loop
 
-def test_pack_runs_members_enforces_and_reports(world):
-    pack = world / "pack"
+def test_pack_runs_members_enforces_and_reports(agent_world):
+    pack = agent_world / "pack"
     members = [
-        member_entry(pack, 1, 0, args=["--steps", "25", "--step-s", "0.08", "--env-out", str(world / "env1.json")]),
+        member_entry(pack, 1, 0, args=["--steps", "25", "--step-s", "0.08", "--env-out", str(agent_world / "env1.json")]),
         member_entry(pack, 2, 1, host_mem_limit_mib=120, args=["--steps", "200", "--step-s", "0.08",
                                                                  "--grow-mib-per-step", "16"]),
         member_entry(pack, 3, 0, args=["--steps", "3", "--step-s", "0.05", "--exit-code", "3"]),
         member_entry(pack, 4, 1, args=["--steps", "25", "--step-s", "0.08", "--busy",
-                                       "--env-out", str(world / "env4.json")]),
+                                       "--env-out", str(agent_world / "env4.json")]),
         member_entry(pack, 5, 5, args=["--steps", "1"]),  # names a GPU the node does not have
     ]
     placement = parse_placement(placement_dict(pack, members, sample_interval_s=0.15))
-    agent = Agent(placement, _opts(world))
+    agent = Agent(placement, agent_options(agent_world))
     t0 = time.monotonic()
     assert agent.run() == 0
     assert time.monotonic() - t0 < 20
@@ -224,8 +200,8 @@ def test_pack_runs_members_enforces_and_reports(world):
     assert states == {1: "COMPLETED", 2: "OOM_HOST", 3: "OOM_GPU", 4: "COMPLETED", 5: "FAILED"}
     assert (pack / "job-1" / "ckpt" / "checkpoint.json").exists()
 
-    env1 = json.loads((world / "env1.json").read_text())["env"]
-    env4 = json.loads((world / "env4.json").read_text())["env"]
+    env1 = json.loads((agent_world / "env1.json").read_text())["env"]
+    env4 = json.loads((agent_world / "env4.json").read_text())["env"]
     assert env1["CUDA_VISIBLE_DEVICES"] == "0" and env4["CUDA_VISIBLE_DEVICES"] == "1"
     assert env1["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=3000M" and env1["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     assert env1["SLURM_DLRM_JOB_ID"] == "1" and env4["SLURM_DLRM_METRICS_FILE"] == members[3]["metrics_path"]
@@ -261,13 +237,13 @@ def test_pack_runs_members_enforces_and_reports(world):
     assert any(r["gpu_mem_bytes"] and r["gpu_mem_bytes"] > 1 << 20 for r in m1)
 
 
-def test_without_mps_gpu_memory_is_fenced_by_the_agent(world):
-    pack = world / "pack"
+def test_without_mps_gpu_memory_is_fenced_by_the_agent(agent_world):
+    pack = agent_world / "pack"
     members = [member_entry(pack, 1, 0, gpu_mem_limit_mib=40, args=["--steps", "200", "--step-s", "0.05",
                                                                     "--grow-mib-per-step", "8"]),
                member_entry(pack, 2, 0, args=["--steps", "10", "--step-s", "0.05"])]
     placement = parse_placement(placement_dict(pack, members, sample_interval_s=0.1, mps=False))
-    agent = Agent(placement, _opts(world))
+    agent = Agent(placement, agent_options(agent_world))
     agent.run()
     assert [m.state for m in agent.members] == ["OOM_GPU", "COMPLETED"]
     recs = read_reports(agent.reports.path)
@@ -275,11 +251,11 @@ def test_without_mps_gpu_memory_is_fenced_by_the_agent(world):
     assert "no MPS fence" in agent.members[0].reason
 
 
-def test_a_lost_gpu_is_reported_and_members_go_on(world):
-    (world / "nvml.json").write_text(json.dumps({"gpus": [{}, {"lost_after_calls": 10}]}))
-    pack = world / "pack"
+def test_a_lost_gpu_is_reported_and_members_go_on(agent_world):
+    (agent_world / "nvml.json").write_text(json.dumps({"gpus": [{}, {"lost_after_calls": 10}]}))
+    pack = agent_world / "pack"
     members = [member_entry(pack, 1, 1, args=["--steps", "12", "--step-s", "0.05"])]
-    agent = Agent(parse_placement(placement_dict(pack, members, sample_interval_s=0.1)), _opts(world))
+    agent = Agent(parse_placement(placement_dict(pack, members, sample_interval_s=0.1)), agent_options(agent_world))
     agent.run()
     assert agent.members[0].state == "COMPLETED"
     gpu1 = [r for r in read_reports(agent.reports.path) if r["type"] == "sample" and r["job_id"] is None
@@ -287,8 +263,8 @@ def test_a_lost_gpu_is_reported_and_members_go_on(world):
     assert gpu1[-1]["gpu_lost"] is True and gpu1[-1]["gpu_mem_bytes"] is None and not gpu1[0]["gpu_lost"]
 
 
-def test_cancel_files_stop_one_member(world):
-    pack = world / "pack"
+def test_cancel_files_stop_one_member(agent_world):
+    pack = agent_world / "pack"
     members = [member_entry(pack, 1, 0, args=["--steps", "10000", "--step-s", "0.05"]),
                member_entry(pack, 2, 0, args=["--steps", "10000", "--step-s", "0.05", "--ignore-term"]),
                member_entry(pack, 3, 1, args=["--steps", "30", "--step-s", "0.05"]),
@@ -297,7 +273,7 @@ def test_cancel_files_stop_one_member(world):
     (pack / "cancel" / "4").touch()  # cancelled before it started: never launched
     (pack / "cancel" / ".9.tmp").touch()  # a half-made request is not a request
     placement = parse_placement(placement_dict(pack, members, sample_interval_s=0.1, term_grace_s=0.5))
-    agent = Agent(placement, _opts(world))
+    agent = Agent(placement, agent_options(agent_world))
 
     def cancel_soon():
         deadline = time.monotonic() + 10
@@ -324,10 +300,10 @@ def test_cancel_files_stop_one_member(world):
     assert not Path(members[3]["metrics_path"]).exists()
 
 
-def test_a_failed_member_reports_the_runners_own_error(world):
+def test_a_failed_member_reports_the_runners_own_error(agent_world):
     # The runner logs its cause (`ERROR slurm_dlrm.train.runner: bad spec: ...`) into the
     # member's output file; the agent reports that line, not "the spec did not validate".
-    pack = world / "pack"
+    pack = agent_world / "pack"
     fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
     say = (f"import logging, sys; logging.basicConfig(format={fmt!r}); print('loading', flush=True); "
            "logging.getLogger('slurm_dlrm.train.runner').error('bad spec: data.path: no Criteo TSV file at /d/x.tsv'); "
@@ -336,7 +312,7 @@ def test_a_failed_member_reports_the_runners_own_error(world):
     members = [{**member_entry(pack, 1, 0), "command": [sys.executable, "-c", say]},
                {**member_entry(pack, 2, 1), "command": [sys.executable, "-c", crash]},
                {**member_entry(pack, 3, 1), "command": [sys.executable, "-c", "import sys; sys.exit(1)"]}]
-    agent = Agent(parse_placement(placement_dict(pack, members, sample_interval_s=0.1, mps=False)), _opts(world))
+    agent = Agent(parse_placement(placement_dict(pack, members, sample_interval_s=0.1, mps=False)), agent_options(agent_world))
     agent.run()
     reasons = [m.reason for m in agent.members]
     assert reasons == ["bad spec: data.path: no Criteo TSV file at /d/x.tsv (exit code 2)",
@@ -345,17 +321,17 @@ def test_a_failed_member_reports_the_runners_own_error(world):
     assert (pack / "job-1" / "output-n1.log").read_text().startswith("loading")
 
 
-def test_the_agent_writes_the_nodes_real_gpu_indexes(world):
+def test_the_agent_writes_the_nodes_real_gpu_indexes(agent_world):
     # Device cgroups renumber CUDA_VISIBLE_DEVICES to 0..n-1; SLURM_JOB_GPUS keeps the
     # node's own indexes (Slurm's IDX), which is what `queue` shows.
-    pack = world / "pack"
+    pack = agent_world / "pack"
     members = [member_entry(pack, 1, 1, args=["--steps", "1"])]
     env = {**os.environ, "SLURM_JOB_GPUS": "1,3", "CUDA_VISIBLE_DEVICES": "0,1"}
-    Agent(parse_placement(placement_dict(pack, members, mps=False)), _opts(world), env=env).run()
+    Agent(parse_placement(placement_dict(pack, members, mps=False)), agent_options(agent_world), env=env).run()
     assert json.loads((pack / "nodes" / "0.json").read_text()) == {
         "node": "n1", "gpus": ["1", "3"], "cuda_visible_devices": ["0", "1"]}
     env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")}
-    Agent(parse_placement(placement_dict(pack, members, mps=False)), _opts(world, gpus=["2", "5"]), env=env).run()
+    Agent(parse_placement(placement_dict(pack, members, mps=False)), agent_options(agent_world, gpus=["2", "5"]), env=env).run()
     assert json.loads((pack / "nodes" / "0.json").read_text())["gpus"] == ["2", "5"]
 
 
@@ -370,19 +346,19 @@ def test_pack_id_finds_the_placement(tmp_path):
         find_pack_file(tmp_path, 3, "placement.json")
 
 
-def _agent_cli(world, placement, *extra):
-    path = world / "placement.json"
+def _agent_cli(agent_world, placement, *extra):
+    path = agent_world / "placement.json"
     path.write_text(json.dumps(placement))
     return subprocess.Popen([sys.executable, "-m", "slurm_dlrm", "agent", "--pack-file", str(path),  # noqa: S603
                              "--launch", "process", "--gpus", "0,1", "--node-name", "n1", "--json", *extra],
-                            cwd=world, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, TMPDIR=str(world / "tmp")))
+                            cwd=agent_world, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=str(agent_world / "tmp")))
 
 
-def test_sigterm_is_forwarded_and_members_checkpoint(world):
-    pack = world / "pack"
+def test_sigterm_is_forwarded_and_members_checkpoint(agent_world):
+    pack = agent_world / "pack"
     members = [member_entry(pack, i, i % 2, args=["--steps", "10000", "--step-s", "0.05"]) for i in (1, 2, 3)]
-    proc = _agent_cli(world, placement_dict(pack, members, sample_interval_s=0.2, term_grace_s=10))
+    proc = _agent_cli(agent_world, placement_dict(pack, members, sample_interval_s=0.2, term_grace_s=10))
     metrics = [Path(m["metrics_path"]) for m in members]
     deadline = time.monotonic() + 20
     while not all(p.exists() and p.stat().st_size for p in metrics) and time.monotonic() < deadline:
@@ -399,11 +375,11 @@ def test_sigterm_is_forwarded_and_members_checkpoint(world):
     assert [r["event"] for r in recs if r["type"] == "agent"][-2] == "mps_stopped"
 
 
-def test_a_member_ignoring_sigterm_is_killed_after_the_grace(world):
-    pack = world / "pack"
+def test_a_member_ignoring_sigterm_is_killed_after_the_grace(agent_world):
+    pack = agent_world / "pack"
     members = [member_entry(pack, 1, 0, args=["--steps", "10000", "--step-s", "0.05", "--ignore-term"]),
                member_entry(pack, 2, 1, args=["--steps", "10000", "--step-s", "0.05"])]
-    proc = _agent_cli(world, placement_dict(pack, members, sample_interval_s=0.2, term_grace_s=1.0), "--mps", "off")
+    proc = _agent_cli(agent_world, placement_dict(pack, members, sample_interval_s=0.2, term_grace_s=1.0), "--mps", "off")
     deadline = time.monotonic() + 20
     while not Path(members[0]["metrics_path"]).exists() and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from agent_harness import agent_options
 
 from slurm_dlrm.agent import fences
 from slurm_dlrm.agent.loop import Agent
@@ -19,7 +20,6 @@ from slurm_dlrm.agent.placement import parse_placement
 from slurm_dlrm.agent.reaping import classify_exit
 from slurm_dlrm.agent.reports import read_reports
 from slurm_dlrm.emulated.standin import member_entry, placement_dict
-from tests.test_agent_ranks import _opts, world  # noqa: F401 - world is a fixture
 
 
 def test_classify_a_sigkill_by_who_sent_it():
@@ -70,19 +70,19 @@ def test_oom_cgroup_v1_sums_the_jobs_folders(tmp_path):
 
 
 @pytest.mark.parametrize("oom_killed", [True, False])
-def test_an_outside_sigkill_is_reported_by_its_sender(world, monkeypatch, oom_killed):  # noqa: F811
+def test_an_outside_sigkill_is_reported_by_its_sender(agent_world, monkeypatch, oom_killed):
     own = Path(Path("/proc/self/cgroup").read_text().split("0::", 1)[1].splitlines()[0].strip().lstrip("/"))
-    root = world / "cgroup"
+    root = agent_world / "cgroup"
     events = root / own / "memory.events"
     events.parent.mkdir(parents=True, exist_ok=True)
     events.write_text("oom 0\noom_kill 3\n")
     monkeypatch.setenv(fences.ENV_CGROUP_ROOT, str(root))
-    pack = world / "pack"
-    env_out = world / "env-6"
+    pack = agent_world / "pack"
+    env_out = agent_world / "env-6"
     pd = placement_dict(pack, [member_entry(pack, 6, 0, args=["--steps", "2000", "--step-s", "0.05",
                                                                    "--env-out", str(env_out)])],
                         sample_interval_s=0.1)
-    agent = Agent(parse_placement(pd), _opts(world, gpus=["0"]))
+    agent = Agent(parse_placement(pd), agent_options(agent_world, gpus=["0"]))
 
     def killer() -> None:
         deadline = time.monotonic() + 20

@@ -11,57 +11,33 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from agent_harness import agent_options
 
 from slurm_dlrm.agent.launch import free_port, member_env
-from slurm_dlrm.agent.loop import Agent, AgentOptions
+from slurm_dlrm.agent.loop import Agent
 from slurm_dlrm.agent.mps import MpsSetup
 from slurm_dlrm.agent.placement import parse_join, parse_placement
 from slurm_dlrm.agent.reports import read_reports
-from slurm_dlrm.emulated import mps_control as fake_mps_control
-from slurm_dlrm.emulated import nvml as fake_nvml
 from slurm_dlrm.emulated.standin import member_entry, placement_dict, rank_entries
 from slurm_dlrm.errors import BadInput
 
-ROOT = Path(__file__).resolve().parents[1]
 LONG = ["--steps", "10000", "--step-s", "0.05"]
 
 
-@pytest.fixture
-def world(tmp_path, monkeypatch):
-    fake_mps_control.install_launcher(tmp_path / "bin")
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    monkeypatch.delenv("SLURMD_NODENAME", raising=False)
-    scenario = tmp_path / "nvml.json"
-    scenario.write_text(json.dumps({"gpu_count": 2}))
-    monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, str(scenario))
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    (tmp_path / "tmp").mkdir()
-    return tmp_path
-
-
-def _opts(world, **kw):
-    base = dict(node_index=0, node_name="n1", gpus=["0", "1"], launch="process", tmp_root=str(world / "tmp"),
-                heartbeat_every_s=0.5)
-    base.update(kw)
-    return AgentOptions(**base)
-
-
-def _pack(world, args, single_args=None, **kw):
+def _pack(agent_world, args, single_args=None, **kw):
     """Job 5 with 2 ranks on GPUs 0 and 1 (rank fences differ) and single job 6 on GPU 1."""
-    pack = world / "pack"
-    env_out = ["--env-out", str(world / "env-5")]
+    pack = agent_world / "pack"
+    env_out = ["--env-out", str(agent_world / "env-5")]
     ranks = rank_entries(member_entry(pack, 5, 0, args=[*args, *env_out]), [0, 1],
                          gpu_mem_limit_mib=[1000, 2000], mps_thread_pct=[30, 40])
     single = member_entry(pack, 6, 1, args=single_args or ["--steps", "40", "--step-s", "0.05"])
     return pack, placement_dict(pack, [*ranks, single], sample_interval_s=0.1, **kw)
 
 
-def _rank_env(world, rank, timeout_s=20.0):
-    path = world / f"env-5.rank{rank}"
+def _rank_env(agent_world, rank, timeout_s=20.0):
+    path = agent_world / f"env-5.rank{rank}"
     deadline = time.monotonic() + timeout_s
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -136,12 +112,12 @@ def test_free_port_is_free_and_not_taken():
 
 # ------------------------------------------------------------------ the loop
 
-def test_ranks_get_their_gpu_fence_and_one_port_and_the_job_reports_once(world):
-    pack, pd = _pack(world, ["--steps", "30", "--step-s", "0.05"])
-    agent = Agent(parse_placement(pd), _opts(world))
+def test_ranks_get_their_gpu_fence_and_one_port_and_the_job_reports_once(agent_world):
+    pack, pd = _pack(agent_world, ["--steps", "30", "--step-s", "0.05"])
+    agent = Agent(parse_placement(pd), agent_options(agent_world))
     agent.run()
     assert agent.job_states == {5: "COMPLETED", 6: "COMPLETED"}
-    envs = [_rank_env(world, r)["env"] for r in (0, 1)]
+    envs = [_rank_env(agent_world, r)["env"] for r in (0, 1)]
     assert [e["RANK"] for e in envs] == ["0", "1"] and {e["WORLD_SIZE"] for e in envs} == {"2"}
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0", "1"]  # each rank its own GPU
     assert [e["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] for e in envs] == ["0=1000M", "0=2000M"]  # and its own fence
@@ -159,12 +135,12 @@ def test_ranks_get_their_gpu_fence_and_one_port_and_the_job_reports_once(world):
     assert not any(r["samples_per_s"] for r in samples if r["rank"] == 1)  # rank 0's metrics are counted once
 
 
-def test_ranks_that_end_in_the_same_turn_report_the_job_once(world):
+def test_ranks_that_end_in_the_same_turn_report_the_job_once(agent_world):
     # On a busy machine both ranks can end between two turns of the loop (issue 28): the
     # agent then reaps them together, and the job must still get exactly one end record.
-    pack = world / "pack"
+    pack = agent_world / "pack"
     ranks = rank_entries(member_entry(pack, 5, 0, args=["--steps", "5", "--step-s", "0.05"]), [0, 1])
-    agent = Agent(parse_placement(placement_dict(pack, ranks, sample_interval_s=0.1)), _opts(world))
+    agent = Agent(parse_placement(placement_dict(pack, ranks, sample_interval_s=0.1)), agent_options(agent_world))
     reap = agent._reap
 
     def reap_once_both_ended():
@@ -180,14 +156,14 @@ def test_ranks_that_end_in_the_same_turn_report_the_job_once(world):
     assert agent.job_states == {5: "COMPLETED"}
 
 
-def test_a_killed_rank_stops_its_sibling_not_the_neighbour(world):
-    pack, pd = _pack(world, LONG, single_args=["--steps", "10000", "--step-s", "0.05"], term_grace_s=3)
-    agent = Agent(parse_placement(pd), _opts(world))
+def test_a_killed_rank_stops_its_sibling_not_the_neighbour(agent_world):
+    pack, pd = _pack(agent_world, LONG, single_args=["--steps", "10000", "--step-s", "0.05"], term_grace_s=3)
+    agent = Agent(parse_placement(pd), agent_options(agent_world))
     seen: dict[str, float] = {}
 
     def kill_rank_1():
-        victim = _rank_env(world, 1)["pid"]
-        _rank_env(world, 0)
+        victim = _rank_env(agent_world, 1)["pid"]
+        _rank_env(agent_world, 0)
         seen["t"] = time.monotonic()
         os.kill(victim, signal.SIGKILL)
         deadline = time.monotonic() + 20
@@ -214,13 +190,13 @@ def test_a_killed_rank_stops_its_sibling_not_the_neighbour(world):
     assert agent.job_states[5] == "FAILED"
 
 
-def test_a_rank_over_its_host_budget_stops_the_job_as_oom(world):
-    pack = world / "pack"
+def test_a_rank_over_its_host_budget_stops_the_job_as_oom(agent_world):
+    pack = agent_world / "pack"
     args = ["--steps", "10000", "--step-s", "0.05", "--grow-mib-per-step", "4"]
     ranks = rank_entries(member_entry(pack, 5, 0, args=args), [0, 1],
                          host_mem_limit_bytes=[4 << 30, 60 << 20])  # rank 1's own fence is the small one
     pd = placement_dict(pack, ranks, sample_interval_s=0.1, term_grace_s=3)
-    agent = Agent(parse_placement(pd), _opts(world))
+    agent = Agent(parse_placement(pd), agent_options(agent_world))
     agent.run()
     r0, r1 = agent.members
     assert r1.state == "OOM_HOST" and r0.state == "CANCELLED" and r0.stop_reason == "GANG"
@@ -229,13 +205,13 @@ def test_a_rank_over_its_host_budget_stops_the_job_as_oom(world):
     assert [(e["state"], e["rank"], e.get("requeue")) for e in end] == [("OOM_HOST", 1, None)]
 
 
-def test_cancel_reaches_every_rank(world):
-    pack, pd = _pack(world, LONG, term_grace_s=5)
-    agent = Agent(parse_placement(pd), _opts(world))
+def test_cancel_reaches_every_rank(agent_world):
+    pack, pd = _pack(agent_world, LONG, term_grace_s=5)
+    agent = Agent(parse_placement(pd), agent_options(agent_world))
 
     def cancel():
-        _rank_env(world, 0)
-        _rank_env(world, 1)
+        _rank_env(agent_world, 0)
+        _rank_env(agent_world, 1)
         (pack / "cancel").mkdir(exist_ok=True)
         (pack / "cancel" / "5").touch()
 
@@ -248,20 +224,20 @@ def test_cancel_reaches_every_rank(world):
     assert json.loads((pack / "job-5" / "ckpt" / "checkpoint.json").read_text())["step"] > 0
 
 
-def test_a_cancelled_job_starts_none_of_its_ranks(world):
-    pack, pd = _pack(world, LONG)
+def test_a_cancelled_job_starts_none_of_its_ranks(agent_world):
+    pack, pd = _pack(agent_world, LONG)
     (pack / "cancel").mkdir(parents=True)
     (pack / "cancel" / "5").touch()
-    agent = Agent(parse_placement(pd), _opts(world))
+    agent = Agent(parse_placement(pd), agent_options(agent_world))
     agent.run()
     assert [m.state for m in agent.members] == ["CANCELLED", "CANCELLED", "COMPLETED"]
     assert all(m.popen is None for m in agent.members[:2])
 
 
-def test_a_refused_rank_keeps_the_whole_job_from_starting(world):
-    pack, pd = _pack(world, LONG)
+def test_a_refused_rank_keeps_the_whole_job_from_starting(agent_world):
+    pack, pd = _pack(agent_world, LONG)
     pd["members"][1]["gpu_index"] = 5  # no such GPU: rank 1 cannot launch
-    agent = Agent(parse_placement(pd), _opts(world))
+    agent = Agent(parse_placement(pd), agent_options(agent_world))
     agent.run()
     r0, r1, single = agent.members
     assert r0.state == r1.state == "FAILED" and single.state == "COMPLETED"
@@ -271,15 +247,15 @@ def test_a_refused_rank_keeps_the_whole_job_from_starting(world):
     assert "requeue" not in end[-1]  # it never ran: a requeue would fail the same way
 
 
-def test_sigterm_reaches_every_rank(world):
-    pack, pd = _pack(world, LONG, term_grace_s=10)
-    (world / "placement.json").write_text(json.dumps(pd))
+def test_sigterm_reaches_every_rank(agent_world):
+    pack, pd = _pack(agent_world, LONG, term_grace_s=10)
+    (agent_world / "placement.json").write_text(json.dumps(pd))
     proc = subprocess.Popen([sys.executable, "-m", "slurm_dlrm", "agent", "--pack-file",  # noqa: S603
-                             str(world / "placement.json"),
+                             str(agent_world / "placement.json"),
                              "--node-name", "n1", "--gpus", "0,1", "--json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, TMPDIR=str(world / "tmp")))
-    _rank_env(world, 0)
-    _rank_env(world, 1)
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, TMPDIR=str(agent_world / "tmp")))
+    _rank_env(agent_world, 0)
+    _rank_env(agent_world, 1)
     time.sleep(0.3)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=30)
@@ -289,14 +265,14 @@ def test_sigterm_reaches_every_rank(world):
     assert sorted((r["rank"], r["state"]) for r in ranks) == [(0, "PREEMPTED"), (1, "PREEMPTED")]
 
 
-def test_a_join_of_two_ranks_starts_both(world):
-    pack = world / "pack"
+def test_a_join_of_two_ranks_starts_both(agent_world):
+    pack = agent_world / "pack"
     first = member_entry(pack, 6, 0, args=["--steps", "20", "--step-s", "0.05"])
     pd = placement_dict(pack, [first], sample_interval_s=0.1)
     pd["join_grace_s"] = 3.0
     ranks = rank_entries(member_entry(pack, 5, 0, args=["--steps", "10", "--step-s", "0.05",
-                                                       "--env-out", str(world / "env-5")]), [0, 1])
-    agent = Agent(parse_placement(pd), _opts(world))
+                                                       "--env-out", str(agent_world / "env-5")]), [0, 1])
+    agent = Agent(parse_placement(pd), agent_options(agent_world))
 
     def join():
         time.sleep(0.3)
@@ -309,7 +285,7 @@ def test_a_join_of_two_ranks_starts_both(world):
     t.join()
     assert agent.job_states == {6: "COMPLETED", 5: "COMPLETED"}
     assert [(m.placement.rank, m.placement.gpu_index) for m in agent.members[1:]] == [(0, 0), (1, 1)]
-    assert _rank_env(world, 1)["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+    assert _rank_env(agent_world, 1)["env"]["CUDA_VISIBLE_DEVICES"] == "1"
 
 
 def test_a_rank_as_a_job_step_gets_its_rank_variables_again(tmp_path):

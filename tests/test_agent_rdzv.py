@@ -12,18 +12,19 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from agent_harness import agent_options
 
 from slurm_dlrm.agent.loop import Agent
 from slurm_dlrm.agent.placement import parse_placement
 from slurm_dlrm.errors import BadInput
-from tests.test_agent_ranks import _opts, _pack, _rank_env, world  # noqa: F401 - world is a fixture
+from tests.test_agent_ranks import _pack, _rank_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_ranks_rendezvous_through_a_private_file_of_their_own_job(world):  # noqa: F811
-    pack, pd = _pack(world, ["--steps", "20", "--step-s", "0.05"])
-    agent = Agent(parse_placement(pd), _opts(world))
+def test_ranks_rendezvous_through_a_private_file_of_their_own_job(agent_world):
+    pack, pd = _pack(agent_world, ["--steps", "20", "--step-s", "0.05"])
+    agent = Agent(parse_placement(pd), agent_options(agent_world))
     seen: list[tuple[int, int]] = []
     real_launch = agent._launch
 
@@ -39,18 +40,18 @@ def test_ranks_rendezvous_through_a_private_file_of_their_own_job(world):  # noq
     agent._launch = spy  # type: ignore[method-assign]
     agent.run()
     assert agent.job_states == {5: "COMPLETED", 6: "COMPLETED"}
-    envs = [_rank_env(world, r)["env"] for r in (0, 1)]
+    envs = [_rank_env(agent_world, r)["env"] for r in (0, 1)]
     files = {e["SLURM_DLRM_RDZV_FILE"] for e in envs}
     assert len(files) == 1  # one store for the job's ranks
     (rdzv,) = files
-    assert Path(rdzv).parent.parent == Path(_opts(world).tmp_root) / agent.run_dir.name
+    assert Path(rdzv).parent.parent == Path(agent_options(agent_world).tmp_root) / agent.run_dir.name
     assert seen == [(0o700, os.geteuid())] * 2  # a folder only its user can enter
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a folder owned by another uid")
-def test_a_run_folder_someone_else_made_first_is_refused(world):  # noqa: F811
-    pack, pd = _pack(world, ["--steps", "5"])
-    agent = Agent(parse_placement(pd), _opts(world))
+def test_a_run_folder_someone_else_made_first_is_refused(agent_world):
+    pack, pd = _pack(agent_world, ["--steps", "5"])
+    agent = Agent(parse_placement(pd), agent_options(agent_world))
     agent.run_dir.mkdir(parents=True)
     os.chmod(agent.run_dir, 0o777)
     os.chown(agent.run_dir, 65534, 65534)  # nobody squatted the predictable name in /tmp

@@ -4,39 +4,19 @@ import json
 import os
 import threading
 import time
-from pathlib import Path
 
-import pytest
+from agent_harness import agent_options
 
-from slurm_dlrm.agent.loop import Agent, AgentOptions
+from slurm_dlrm.agent.loop import Agent
 from slurm_dlrm.agent.placement import parse_placement
 from slurm_dlrm.agent.reports import read_reports
-from slurm_dlrm.emulated import mps_control as fake_mps_control
-from slurm_dlrm.emulated import nvml as fake_nvml
 from slurm_dlrm.emulated.standin import member_entry, placement_dict
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
-@pytest.fixture
-def world(tmp_path, monkeypatch):
-    fake_mps_control.install_launcher(tmp_path / "bin")
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
-    scenario = tmp_path / "nvml.json"
-    scenario.write_text(json.dumps({"gpu_count": 2}))
-    monkeypatch.setenv(fake_nvml.ENV_FAKE_NVML, str(scenario))
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
-    (tmp_path / "tmp").mkdir()
-    return tmp_path
-
-
-def _agent(world, pack, members, join_grace_s):
+def _agent(agent_world, pack, members, join_grace_s):
     data = placement_dict(pack, members, sample_interval_s=0.1)
     data["join_grace_s"] = join_grace_s
-    opts = AgentOptions(node_index=0, node_name="n1", gpus=["0", "1"], launch="process",
-                        tmp_root=str(world / "tmp"), heartbeat_every_s=0.5)
-    return Agent(parse_placement(data), opts)
+    return Agent(parse_placement(data), agent_options(agent_world))
 
 
 def _write_join(pack, entry, name=None):
@@ -48,13 +28,13 @@ def _write_join(pack, entry, name=None):
     os.replace(tmp, joins / final)
 
 
-def test_joiner_launched_on_its_node_with_its_fence_then_grace_and_closed_marker(world):
-    pack = world / "pack"
+def test_joiner_launched_on_its_node_with_its_fence_then_grace_and_closed_marker(agent_world):
+    pack = agent_world / "pack"
     first = member_entry(pack, 1, 0, args=["--steps", "4", "--step-s", "0.05"])
     joiner = member_entry(pack, 2, 1, gpu_mem_limit_mib=1234, mps_thread_pct=30,
-                          args=["--steps", "4", "--step-s", "0.05", "--env-out", str(world / "env2.json")])
+                          args=["--steps", "4", "--step-s", "0.05", "--env-out", str(agent_world / "env2.json")])
     other_node = member_entry(pack, 3, 0, node_index=1, args=["--steps", "1"])
-    agent = _agent(world, pack, [first], join_grace_s=1.5)
+    agent = _agent(agent_world, pack, [first], join_grace_s=1.5)
     ended_at: dict[str, float] = {}
 
     def service() -> None:
@@ -77,7 +57,7 @@ def test_joiner_launched_on_its_node_with_its_fence_then_grace_and_closed_marker
     t.join()
     ended_at["agent"] = time.monotonic()
     assert {m.placement.job_id: m.state for m in agent.members} == {1: "COMPLETED", 2: "COMPLETED"}
-    env2 = json.loads((world / "env2.json").read_text())["env"]
+    env2 = json.loads((agent_world / "env2.json").read_text())["env"]
     assert env2["CUDA_VISIBLE_DEVICES"] == "1"  # its gpu_index under the agent's own daemon
     assert env2["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=1234M"
     assert env2["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "30" and env2["SLURM_DLRM_JOB_ID"] == "2"
@@ -100,9 +80,9 @@ def test_joiner_launched_on_its_node_with_its_fence_then_grace_and_closed_marker
     assert ended_at["agent"] - t0 < 20
 
 
-def test_no_join_within_grace_exits_and_closes(world):
-    pack = world / "pack"
-    agent = _agent(world, pack, [member_entry(pack, 1, 0, args=["--steps", "2", "--step-s", "0.05"])],
+def test_no_join_within_grace_exits_and_closes(agent_world):
+    pack = agent_world / "pack"
+    agent = _agent(agent_world, pack, [member_entry(pack, 1, 0, args=["--steps", "2", "--step-s", "0.05"])],
                    join_grace_s=0.8)
     t0 = time.monotonic()
     assert agent.run() == 0
@@ -113,11 +93,11 @@ def test_no_join_within_grace_exits_and_closes(world):
     # service requeues it (tests/test_service_refill.py)
 
 
-def test_sigterm_while_waiting_for_joins_exits_at_once(world):
+def test_sigterm_while_waiting_for_joins_exits_at_once(agent_world):
     import signal
 
-    pack = world / "pack"
-    agent = _agent(world, pack, [member_entry(pack, 1, 0, args=["--steps", "1", "--step-s", "0.01"])],
+    pack = agent_world / "pack"
+    agent = _agent(agent_world, pack, [member_entry(pack, 1, 0, args=["--steps", "1", "--step-s", "0.01"])],
                    join_grace_s=60.0)
     timer = threading.Timer(1.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
     timer.start()

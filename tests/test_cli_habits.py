@@ -7,6 +7,7 @@ import os
 from datetime import datetime
 
 import pytest
+from service_harness import write_site_file
 from test_store_acct import T0, hist, invoke  # noqa: F401 - hist is a fixture
 
 from slurm_dlrm.store.acct import parse_time
@@ -60,15 +61,7 @@ def test_slurm_clock_and_date_forms():
 
 @pytest.fixture
 def env(tmp_path, monkeypatch):
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parent.parent
-    site_file = tmp_path / "site.toml"
-    text = (repo / "site-config" / "site.toml").read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
-    site_file.write_text(text)
-    monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
+    monkeypatch.setenv("SLURM_DLRM_SITE", str(write_site_file(tmp_path)))
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

@@ -9,7 +9,7 @@ import re
 import time
 
 import pytest
-from test_agent import _opts, world  # noqa: F401 - world is a fixture
+from agent_harness import agent_options
 
 from slurm_dlrm.agent.loop import Agent
 from slurm_dlrm.agent.placement import parse_placement
@@ -40,11 +40,11 @@ def test_a_pack_with_its_own_limit_is_not_signalled_two_minutes_early_by_slurm()
     assert "--signal=TERM@120" in _flags(None)  # the partition's limit: Slurm's signal, as before
 
 
-def test_a_member_at_its_limit_checkpoints_and_ends_timeout(world):  # noqa: F811
+def test_a_member_at_its_limit_checkpoints_and_ends_timeout(agent_world):
     # one agent run, three members: one stops with a checkpoint at its limit less the lead,
     # one ignores SIGTERM and is killed before its limit (not after term_grace_s), one has
     # no limit and completes. The limit counts from the agent's start (the pack's).
-    pack = world / "pack"
+    pack = agent_world / "pack"
     short = dict(member_entry(pack, 1, 0, args=["--steps", "100000", "--step-s", "0.05"]),
                  time_limit_s=5.0, stop_lead_s=1.0)
     # a shell ignores SIGTERM from its first millisecond (the stand-in's Python takes a while
@@ -53,10 +53,10 @@ def test_a_member_at_its_limit_checkpoints_and_ends_timeout(world):  # noqa: F81
                     time_limit_s=5.0, stop_lead_s=2.0)
     # and its -o (#SBATCH --output) is a link to its own log (issue 43 item 8)
     plain = dict(member_entry(pack, 3, 1), command=["bash", "-c", "echo hello; sleep 0.5"],
-                 output_links=[str(world / "out-3.txt")])
+                 output_links=[str(agent_world / "out-3.txt")])
     placement = parse_placement(placement_dict(pack, [short, stubborn, plain], sample_interval_s=0.1,
                                                term_grace_s=30.0))
-    agent = Agent(placement, _opts(world))
+    agent = Agent(placement, agent_options(agent_world))
     t0 = time.monotonic()
     agent.run()
     took_s = time.monotonic() - t0
@@ -65,8 +65,8 @@ def test_a_member_at_its_limit_checkpoints_and_ends_timeout(world):  # noqa: F81
     assert re.fullmatch(r"reached its time limit; stopped at step \d+ with a checkpoint \(exit 5\); "
                         r"`slurm-dlrm requeue 1` resumes it", agent.members[0].reason), agent.members[0].reason
     assert "without a checkpoint exit" in agent.members[1].reason
-    assert (world / "out-3.txt").resolve() == agent.members[2].output_path.resolve()
-    assert "hello" in (world / "out-3.txt").read_text()
+    assert (agent_world / "out-3.txt").resolve() == agent.members[2].output_path.resolve()
+    assert "hello" in (agent_world / "out-3.txt").read_text()
     assert 3.9 <= took_s < 8.0  # to its limit less the lead, not at once (and the agent's own teardown)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from service_harness import write_site_file
 
 from slurm_dlrm.cli import cli
 
@@ -20,11 +21,7 @@ EXAMPLES = REPO / "examples" / "sweep"
 
 @pytest.fixture
 def env(tmp_path, monkeypatch):
-    site_file = tmp_path / "site.toml"
-    text = (REPO / "site-config" / "site.toml").read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
-    site_file.write_text(text)
+    site_file = write_site_file(tmp_path)
     monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
     monkeypatch.chdir(tmp_path)
     return tmp_path

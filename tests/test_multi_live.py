@@ -8,27 +8,27 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_no_pack_live import _job, _until, live, run  # noqa: F401  (live: the fixture)
+from service_harness import cli, show_job, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "sweep"
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 
 
-def test_two_rank_job_packed_beside_single_gpu_jobs(live, tmp_path):  # noqa: F811
+def test_two_rank_job_packed_beside_single_gpu_jobs(live_service, tmp_path):
     text = (EXAMPLES / "tiny-a.yaml").read_text().replace("name: tiny-a", "name: multi2")
     spec = tmp_path / "multi2.yaml"
     spec.write_text(text + "world_size: 2\n")
-    r = run("submit", str(spec), str(EXAMPLES / "tiny-b.yaml"), str(EXAMPLES / "tiny-c.yaml"), "--parsable")
+    r = cli("submit", str(spec), str(EXAMPLES / "tiny-b.yaml"), str(EXAMPLES / "tiny-c.yaml"), "--parsable")
     assert r.exit_code == 0, r.output
     multi, *singles = (int(line) for line in r.output.split())
 
     def all_done():
         """the three jobs ended"""
-        jobs = [_job(j) for j in (multi, *singles)]
+        jobs = [show_job(j) for j in (multi, *singles)]
         return jobs if all(j["state"] not in ("PENDING", "PLANNED", "RUNNING") for j in jobs) else None
 
-    m, *s = _until(all_done)
+    m, *s = wait_until(all_done)
     assert [j["state"] for j in (m, *s)] == ["COMPLETED"] * 3, [(j["name"], j["state"], j["reason"]) for j in (m, *s)]
     ranks = sorted(m["placements"], key=lambda p: p["rank"])
     assert [(p["rank"], p["world_size"]) for p in ranks] == [(0, 2), (1, 2)]

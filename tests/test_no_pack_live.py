@@ -7,12 +7,10 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
-from service_harness import make_site
+from service_harness import cli, show_job, wait_until
 
 pytest.importorskip("slurm_dlrm.estimate")
 
@@ -20,57 +18,6 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "sweep"
 # The jobs really train (slurm-dlrm train in the batch script): torch.
 pytestmark = [pytest.mark.slurm, pytest.mark.torch]
-
-
-@pytest.fixture
-def live(slurm_cluster, tmp_path, monkeypatch):
-    from slurm_dlrm.service.daemon import spawn_service, stop, wait_until_running
-    from slurm_dlrm.service.submit import service_paths
-    from slurm_dlrm.store.store import Store, current_user
-
-    site = make_site(tmp_path)
-    site_file = tmp_path / "site.toml"
-    text = (REPO / "site-config" / "site.toml").read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
-    site_file.write_text(text)
-    monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
-    monkeypatch.setenv("SLURM_CONF", str(slurm_cluster.slurm_conf))
-    monkeypatch.chdir(tmp_path)
-    user = current_user()
-    paths = service_paths(site, user)
-    spawn_service(paths, ["--round-seconds", "1"])
-    assert wait_until_running(paths, timeout_s=30) is not None, paths.log.read_text()[-2000:]
-    yield site, user
-    try:
-        stop(paths, timeout_s=30)
-    finally:
-        with Store.for_user(site, user) as store:  # leave no job of this test in Slurm
-            ids = [int(j.slurm_job_id) for j in store.jobs(["PENDING", "PLANNED", "RUNNING"]) if j.slurm_job_id]
-        if ids:
-            subprocess.run(["scancel", *map(str, ids)], check=False, timeout=30)  # noqa: S603, S607
-
-
-def run(*args: str):
-    from slurm_dlrm.cli import cli
-
-    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
-
-
-def _job(job_id: int) -> dict:
-    r = run("show", str(job_id), "--json")
-    assert r.exit_code == 0, r.output
-    return json.loads(r.output)
-
-
-def _until(what, timeout_s: float = 240.0, every_s: float = 0.5):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = what()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"timed out waiting for {what.__doc__ or what}"
-        time.sleep(every_s)
 
 
 def _slurm_gpu_idx(slurm_job_id: str) -> set[int]:
@@ -84,20 +31,20 @@ def _slurm_gpu_idx(slurm_job_id: str) -> set[int]:
     return idx
 
 
-def test_a_no_pack_job_is_one_of_ours_from_submit_to_acct_and_cancel(live, tmp_path):
+def test_a_no_pack_job_is_one_of_ours_from_submit_to_acct_and_cancel(live_service, tmp_path):
     long_spec = tmp_path / "long.yaml"
     long_spec.write_text((EXAMPLES / "tiny-a.yaml").read_text().replace("name: tiny-a", "name: long-one")
                          .replace("steps: 60", "steps: 100000"))
-    r = run("submit", "--no-pack", str(EXAMPLES / "tiny-a.yaml"))
+    r = cli("submit", "--no-pack", str(EXAMPLES / "tiny-a.yaml"))
     assert r.exit_code == 0, r.output
     m = re.fullmatch(r"Submitted job (\d+) \(Slurm (\d+); tiny-a: --mem=\d+M --cpus-per-task=\d+ "
                      r"--gres=(?:gpu:1|mps:\d+)\)\n", r.stdout)  # stderr: the site's MPS note
     assert m, r.output
     short_id, short_sid = int(m.group(1)), m.group(2)
-    r = run("submit", "--no-pack", "--parsable", str(long_spec))
+    r = cli("submit", "--no-pack", "--parsable", str(long_spec))
     assert r.exit_code == 0, r.output
     long_id = int(r.stdout.strip())  # sbatch --parsable's form: the id alone (issue 42)
-    long_sid = int(json.loads(run("show", str(long_id), "--json").output)["slurm_job_id"])
+    long_sid = int(json.loads(cli("show", str(long_id), "--json").output)["slurm_job_id"])
     assert long_id == short_id + 1 and long_sid != int(short_sid)
 
     # Slurm's own view agrees: the marker carries our id
@@ -107,30 +54,30 @@ def test_a_no_pack_job_is_one_of_ours_from_submit_to_acct_and_cancel(live, tmp_p
 
     # The long one runs: queue shows it under our id, with the GPU Slurm gave it on its node.
     def running_row():
-        rows = {r["job_id"]: r for r in json.loads(run("queue", "--json").output)["jobs"]}
+        rows = {r["job_id"]: r for r in json.loads(cli("queue", "--json").output)["jobs"]}
         row = rows.get(long_id)
         return row if row and row["state"] == "RUNNING" and row["gpu"] is not None else None
 
-    row = _until(running_row)
+    row = wait_until(running_row)
     assert (row["pack"], row["slurm_job_id"]) == ("no-pack", str(long_sid)) and row["node"]
     assert row["gpu"] in _slurm_gpu_idx(str(long_sid)), row
 
     # The short one ends: show and acct have it COMPLETED with exit code 0 and its Slurm id.
-    short = _until(lambda: (j := _job(short_id))["state"] in ("COMPLETED", "FAILED", "CANCELLED", "OOM") and j)
+    short = wait_until(lambda: (j := show_job(short_id))["state"] in ("COMPLETED", "FAILED", "CANCELLED", "OOM") and j)
     assert (short["state"], short["exit_code"], short["slurm_job_id"]) == ("COMPLETED", 0, short_sid), short
     assert short["mode"] == "no-pack" and short["logs"], short  # its output where `log` reads it
-    r = run("acct", "-j", str(short_id), "-o", "JobID,State,SlurmJobID,Pack,Elapsed,GPUHours", "--json")
+    r = cli("acct", "-j", str(short_id), "-o", "JobID,State,SlurmJobID,Pack,Elapsed,GPUHours", "--json")
     assert r.exit_code == 0, r.output
     (a,) = json.loads(r.output)
     assert (a["JobID"], a["State"], a["SlurmJobID"], a["Pack"]) == (short_id, "COMPLETED", short_sid, "no-pack"), a
     assert a["Elapsed"] > 0 and a["GPUHours"] > 0, a
-    r = run("acct", "-j", str(short_id), "-o", "JobID,State,ExitCode,SlurmJobID", "-P", "-n")
+    r = cli("acct", "-j", str(short_id), "-o", "JobID,State,ExitCode,SlurmJobID", "-P", "-n")
     assert r.output.strip() == f"{short_id}|COMPLETED|0:0|{short_sid}", r.output
 
     # cancel takes our id and scancels the Slurm job; the service records the end.
-    r = run("cancel", str(long_id))
+    r = cli("cancel", str(long_id))
     assert r.exit_code == 0 and f"Slurm job {long_sid}" in r.output, r.output
-    long = _until(lambda: (j := _job(long_id))["state"] not in ("PLANNED", "RUNNING") and j)
+    long = wait_until(lambda: (j := show_job(long_id))["state"] not in ("PLANNED", "RUNNING") and j)
     assert long["state"] == "CANCELLED", long
     state = subprocess.run(["sacct", "-X", "-n", "-P", "-j", str(long_sid), "-o", "State"],  # noqa: S603, S607
                            capture_output=True, text=True, timeout=30, check=True).stdout

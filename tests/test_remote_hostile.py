@@ -26,15 +26,22 @@ from slurm_dlrm.cli import cli
 from slurm_dlrm.errors import BadInput
 from slurm_dlrm.service import dropbox
 from slurm_dlrm.service.daemon import ServicePaths, this_host
-from slurm_dlrm.service.dropbox import ingest_requests, requests_dir, write_request
+from slurm_dlrm.service.dropbox import requests_dir, write_request
 from slurm_dlrm.service.hosts import lease_path, read_lease_file, write_lease_file
-from slurm_dlrm.service.remote import appliers, open_snapshot
+from slurm_dlrm.service.remote import open_snapshot
 from slurm_dlrm.service.snapshot import SnapshotPublisher, snapshot_path
 from slurm_dlrm.slurm.fake import FakeSlurm
 from slurm_dlrm.store.errors import StoreNotOwned, StoreUntrusted
 from slurm_dlrm.store.lease import Lease
 from slurm_dlrm.store.store import Store, current_user
-from tests.service_harness import add_job, estimate_dict, make_site, spec_dict
+from tests.service_harness import (
+    add_job,
+    estimate_dict,
+    ingest_dropped,
+    make_site,
+    request_row,
+    write_site_file,
+)
 from tests.test_exporter_security import ENDLESS_VIEW, other_account
 
 USER = current_user()
@@ -43,16 +50,13 @@ THIRTY_YEARS_S = 30 * 365 * 86400.0
 
 
 def _site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple:
-    from slurm_dlrm.site import REPO_SITE_FILE, load_site
+    from slurm_dlrm.site import load_site
 
     shared = tmp_path / "shared"  # /shared/{user}: the layout refuse_foreign anticipates
     shared.mkdir(mode=0o755)
-    text = REPO_SITE_FILE.read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{shared}/{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
-    (tmp_path / "site.toml").write_text(text)
-    monkeypatch.setenv("SLURM_DLRM_SITE", str(tmp_path / "site.toml"))
-    site = load_site(str(tmp_path / "site.toml"))
+    site_file = write_site_file(tmp_path, store_dir=shared / "{user}")
+    monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
+    site = load_site(str(site_file))
     return site, site.store_dir_for(USER)
 
 
@@ -144,11 +148,6 @@ def test_a_copy_with_an_endless_view_is_refused_not_spun_on(tmp_path, monkeypatc
 # ---------------------------------------------------------------- items 3 and 5: one request's fault
 
 
-def _row(name: str | None, **kw) -> dict:
-    return {"name": name, "spec": spec_dict(str(name)), "spec_fingerprint": f"fp-{name}",
-            "estimate": estimate_dict(), "gpu_model": "h100", "sbatch": {}, "reason": "from login2", **kw}
-
-
 def _drop_raw(store_dir: Path, line: bytes, name: str) -> str:
     folder = requests_dir(store_dir)
     folder.mkdir(mode=0o700, exist_ok=True)
@@ -164,46 +163,33 @@ def _head(payload: bytes, rid: str) -> bytes:
             + b',"uid":' + str(os.getuid()).encode() + b',"host":"login2","created_t":1,"payload":' + payload + b"}")
 
 
-@pytest.fixture
-def env(tmp_path):
-    site = make_site(tmp_path)
-    store_dir = site.store_dir_for(USER)
-    store = Store.for_user(site, USER)
-    yield site, store_dir, store
-    store.close()
-
-
-def _ingest(site, store_dir, store):
-    return ingest_requests(store, store_dir, USER, appliers(site, USER, FakeSlurm()))
-
-
-def test_one_malformed_request_is_refused_and_the_next_applied(env):
+def test_one_malformed_request_is_refused_and_the_next_applied(dropbox_env):
     """Item 3: a row whose estimate has the wrong shape (AttributeError), a NULL name
     (IntegrityError), a 100,000-deep JSON (RecursionError): each refused, moved to
     refused/, one event each; the good request after them is applied in the same round."""
-    site, store_dir, store = env
-    bad = [write_request(store_dir, "submit", {"rows": [_row("a", estimate=dict(estimate_dict(), profile=[1]))]},
+    site, store_dir, store = dropbox_env
+    bad = [write_request(store_dir, "submit", {"rows": [request_row("a", estimate=dict(estimate_dict(), profile=[1]))]},
                          user=USER, host="login2"),
-           write_request(store_dir, "submit", {"rows": [_row(None)]}, user=USER, host="login2"),
+           write_request(store_dir, "submit", {"rows": [request_row(None)]}, user=USER, host="login2"),
            _drop_raw(store_dir, _head(b'{"rows":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "deep"),
                      f"{time.time_ns():020d}-submit-login2-1-deep.req")]
-    good = write_request(store_dir, "submit", {"rows": [_row("good")]}, user=USER, host="login2")
-    st = _ingest(site, store_dir, store)
+    good = write_request(store_dir, "submit", {"rows": [request_row("good")]}, user=USER, host="login2")
+    st = ingest_dropped(site, store_dir, store)
     assert (st.applied, st.refused) == (1, 3)
     assert [j.name for j in store.jobs()] == ["good"]
     assert sorted(os.listdir(requests_dir(store_dir) / "refused")) == sorted(bad)
     assert not (requests_dir(store_dir) / good).exists()
     events = [e["reason"] for e in store.events(kind="request")]
     assert len(events) == 3 and all(any(n in e for e in events) for n in bad), events
-    again = _ingest(site, store_dir, store)  # nothing left in the way, nothing recorded twice
+    again = ingest_dropped(site, store_dir, store)  # nothing left in the way, nothing recorded twice
     assert (again.applied, again.refused) == (0, 0) and len(store.events(kind="request")) == 3
 
 
-def test_a_huge_row_count_is_refused_before_it_is_parsed(env, monkeypatch):
+def test_a_huge_row_count_is_refused_before_it_is_parsed(dropbox_env, monkeypatch):
     """Item 5: `[{},{},...]` well inside the 64 MiB cap (9 MiB here, 250 MB once decoded;
     64 MiB of it, 1.8 GB) and one nested past the depth cap are refused from their bytes:
     json.loads never sees them."""
-    site, store_dir, store = env
+    site, store_dir, store = dropbox_env
     n = 3_000_000
     wide = _drop_raw(store_dir, _head(b'{"rows":[' + b"{}," * (n - 1) + b"{}]}", "wide"), "1-wide.req")
     _drop_raw(store_dir, _head(b'{"rows":[' + b"[" * 40 + b"]" * 40 + b"]}", "deep"), "2-deep.req")
@@ -211,15 +197,15 @@ def test_a_huge_row_count_is_refused_before_it_is_parsed(env, monkeypatch):
     parsed: list[int] = []
     real_loads = json.loads
     monkeypatch.setattr(dropbox.json, "loads", lambda b, *a, **k: parsed.append(len(b)) or real_loads(b, *a, **k))
-    st = _ingest(site, store_dir, store)
+    st = ingest_dropped(site, store_dir, store)
     assert st.refused == 2 and parsed == []
     events = " ".join(e["reason"] for e in store.events(kind="request"))
     assert "too large" in events and "nested deeper than" in events
     monkeypatch.undo()
     # at the caps' edge, and JSON text that only looks deep or wide, is applied
-    deep_ok = {"rows": [_row("x" + "[{" * 50 + '\\"' + ",:" * 100)], "dependency": None}
+    deep_ok = {"rows": [request_row("x" + "[{" * 50 + '\\"' + ",:" * 100)], "dependency": None}
     write_request(store_dir, "submit", deep_ok, user=USER, host="login2")
-    assert _ingest(site, store_dir, store).applied == 1
+    assert ingest_dropped(site, store_dir, store).applied == 1
     dropbox.check_shape(b"[" * dropbox.MAX_REQUEST_DEPTH + b"]" * dropbox.MAX_REQUEST_DEPTH)
     with pytest.raises(dropbox.Refused):
         dropbox.check_shape(b"[" * (dropbox.MAX_REQUEST_DEPTH + 1) + b"]" * (dropbox.MAX_REQUEST_DEPTH + 1))

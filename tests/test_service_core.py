@@ -8,7 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from service_harness import FakeClock, FakeCluster, add_job, make_site
+from service_harness import FakeClock, FakeCluster, add_job, fake_service, make_site
 
 from slurm_dlrm.admin.marker import parse_marker
 from slurm_dlrm.service.cancel import cancel_job
@@ -34,11 +34,7 @@ USER = "root"
 
 @pytest.fixture
 def world(tmp_path):
-    clock = FakeClock()
-    site = make_site(tmp_path)
-    store = Store(tmp_path / "store.sqlite", clock=clock)
-    slurm = FakeSlurm(clock=clock, user=USER)
-    svc = PackingService(store, slurm, site, ServiceSettings(user=USER, python="/venv/bin/python", dispatch_window_s=0.0), clock=clock)
+    svc, store, slurm, clock = fake_service(tmp_path, USER)
     yield svc, store, slurm, clock, FakeCluster(slurm, clock)
     store.close()
 

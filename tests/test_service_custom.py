@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from service_harness import FakeClock, make_site
+from service_harness import FakeClock, make_site, write_site_file
 
 from slurm_dlrm.service.core import PackingService, ServiceSettings
 from slurm_dlrm.service.sbatch_options import SbatchOptions
@@ -49,11 +49,7 @@ def mods(tmp_path):
 
 
 def _site_file(tmp: Path) -> Path:
-    text = (REPO / "site-config" / "site.toml").read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp}/store-{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp}/spool-{{user}}"')
-    p = tmp / "site.toml"
-    p.write_text(text)
+    p = write_site_file(tmp)
     return p
 
 

@@ -4,27 +4,19 @@ are met, and fails one whose can never be (FakeSlurm rounds, fake clock)."""
 from __future__ import annotations
 
 import pytest
-from service_harness import FakeClock, add_job, make_site
+from service_harness import add_job, fake_service, write_site_file
 
 from slurm_dlrm.errors import BadInput
-from slurm_dlrm.service.core import PackingService, ServiceSettings
 from slurm_dlrm.service.depend import parse_dependency
 from slurm_dlrm.service.queue import queue_rows
-from slurm_dlrm.slurm.fake import FakeSlurm
 from slurm_dlrm.store.states import JobState
-from slurm_dlrm.store.store import Store
 
 USER = "root"
 
 
 @pytest.fixture
 def world(tmp_path):
-    clock = FakeClock()
-    site = make_site(tmp_path)
-    store = Store(tmp_path / "store.sqlite", clock=clock)
-    slurm = FakeSlurm(clock=clock, user=USER)
-    svc = PackingService(store, slurm, site, ServiceSettings(user=USER, python="/venv/bin/python",
-                                                             dispatch_window_s=0.0), clock=clock)
+    svc, store, _slurm, _clock = fake_service(tmp_path, USER)
     yield svc, store
     store.close()
 
@@ -76,11 +68,7 @@ def test_submit_refuses_unknown_dependency_ids_and_records_nothing(tmp_path, mon
     from slurm_dlrm.cli import cli
 
     repo = Path(__file__).resolve().parent.parent
-    site_file = tmp_path / "site.toml"
-    text = (repo / "site-config" / "site.toml").read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
-    site_file.write_text(text)
+    site_file = write_site_file(tmp_path)
     monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
     spec = str(repo / "examples" / "sweep" / "tiny-a.yaml")
     run = CliRunner().invoke

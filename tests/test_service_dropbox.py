@@ -22,62 +22,49 @@ from slurm_dlrm.slurm.fake import FakeSlurm
 from slurm_dlrm.store.lease import Lease
 from slurm_dlrm.store.states import JobState
 from slurm_dlrm.store.store import Store, current_user
-from tests.service_harness import add_job, estimate_dict, make_site, spec_dict
+from tests.service_harness import (
+    add_job,
+    ingest_dropped,
+    request_row,
+    write_site_file,
+)
 
 USER = current_user()
-
-
-def row(name: str) -> dict:
-    return {"name": name, "spec": spec_dict(name), "spec_fingerprint": f"fp-{name}", "estimate": estimate_dict(),
-            "gpu_model": "h100", "sbatch": {}, "reason": "submitted from another host"}
-
-
-@pytest.fixture
-def env(tmp_path):
-    site = make_site(tmp_path)
-    store_dir = site.store_dir_for(USER)
-    store = Store.for_user(site, USER)
-    yield site, store_dir, store
-    store.close()
-
-
-def ingest(site, store_dir, store):
-    return ingest_requests(store, store_dir, USER, appliers(site, USER, FakeSlurm()))
 
 
 def reasons(store):
     return [e["reason"] for e in store.events(kind="request")]
 
 
-def test_submit_request_applied_once(env):
-    site, store_dir, store = env
-    name = write_request(store_dir, "submit", {"rows": [row("a"), row("b")]}, user=USER, host="login2")
+def test_submit_request_applied_once(dropbox_env):
+    site, store_dir, store = dropbox_env
+    name = write_request(store_dir, "submit", {"rows": [request_row("a"), request_row("b")]}, user=USER, host="login2")
     assert (requests_dir(store_dir) / name).is_file()
     assert not [n for n in os.listdir(requests_dir(store_dir)) if n.startswith(".")]  # no temporary left
-    st = ingest(site, store_dir, store)
+    st = ingest_dropped(site, store_dir, store)
     assert st.applied == 1 and st.results[0]["job_ids"] == [1, 2]
     assert [j.name for j in store.jobs()] == ["a", "b"]
     assert (site.spool_dir_for(USER) / "jobs" / "1").is_dir()  # the runner's spec file, as submit writes it
     assert not (requests_dir(store_dir) / name).exists()
-    assert ingest(site, store_dir, store).applied == 0
+    assert ingest_dropped(site, store_dir, store).applied == 0
     assert len(store.jobs()) == 2
 
 
-def test_crash_after_commit_before_delete_is_not_applied_again(env, monkeypatch):
-    site, store_dir, store = env
-    name = write_request(store_dir, "submit", {"rows": [row("a")]}, user=USER, host="login2")
+def test_crash_after_commit_before_delete_is_not_applied_again(dropbox_env, monkeypatch):
+    site, store_dir, store = dropbox_env
+    name = write_request(store_dir, "submit", {"rows": [request_row("a")]}, user=USER, host="login2")
     keep = (requests_dir(store_dir) / name).read_bytes()
-    ingest(site, store_dir, store)
+    ingest_dropped(site, store_dir, store)
     (requests_dir(store_dir) / name).write_bytes(keep)  # as if the unlink never happened
-    st = ingest(site, store_dir, store)
+    st = ingest_dropped(site, store_dir, store)
     assert (st.applied, st.leftovers, st.refused) == (0, 1, 0)
     assert len(store.jobs()) == 1 and reasons(store) == []
     assert not (requests_dir(store_dir) / name).exists()
 
 
-def test_crash_before_commit_applies_it_at_the_next_round(env):
-    site, store_dir, store = env
-    write_request(store_dir, "submit", {"rows": [row("a")]}, user=USER, host="login2")
+def test_crash_before_commit_applies_it_at_the_next_round(dropbox_env):
+    site, store_dir, store = dropbox_env
+    write_request(store_dir, "submit", {"rows": [request_row("a")]}, user=USER, host="login2")
 
     def boom(store_, payload):
         appliers(site, USER, FakeSlurm())["submit"](store_, payload)
@@ -86,48 +73,48 @@ def test_crash_before_commit_applies_it_at_the_next_round(env):
     with pytest.raises(KeyboardInterrupt):
         ingest_requests(store, store_dir, USER, {"submit": boom})
     assert store.jobs() == []  # rolled back with its record
-    assert ingest(site, store_dir, store).applied == 1
+    assert ingest_dropped(site, store_dir, store).applied == 1
     assert len(store.jobs()) == 1
 
 
-def test_replayed_copy_is_refused_and_recorded_once(env):
-    site, store_dir, store = env
-    name = write_request(store_dir, "submit", {"rows": [row("a")]}, user=USER, host="login2")
+def test_replayed_copy_is_refused_and_recorded_once(dropbox_env):
+    site, store_dir, store = dropbox_env
+    name = write_request(store_dir, "submit", {"rows": [request_row("a")]}, user=USER, host="login2")
     raw = (requests_dir(store_dir) / name).read_bytes()
-    ingest(site, store_dir, store)
+    ingest_dropped(site, store_dir, store)
     (requests_dir(store_dir) / "99999999999999999999-submit-evil.req").write_bytes(raw)
-    st = ingest(site, store_dir, store)
+    st = ingest_dropped(site, store_dir, store)
     assert st.refused == 1 and len(store.jobs()) == 1
     assert len(reasons(store)) == 1 and "replayed" in reasons(store)[0]
     assert (requests_dir(store_dir) / "refused" / "99999999999999999999-submit-evil.req").exists()
-    ingest(site, store_dir, store)
+    ingest_dropped(site, store_dir, store)
     assert len(reasons(store)) == 1
 
 
-def test_truncated_file_is_refused(env):
-    site, store_dir, store = env
-    name = write_request(store_dir, "submit", {"rows": [row("a")]}, user=USER, host="login2")
+def test_truncated_file_is_refused(dropbox_env):
+    site, store_dir, store = dropbox_env
+    name = write_request(store_dir, "submit", {"rows": [request_row("a")]}, user=USER, host="login2")
     path = requests_dir(store_dir) / name
     path.write_bytes(path.read_bytes()[:-20])
     other = requests_dir(store_dir) / "00000000000000000001-x.req"
     raw = encode({"version": 1}).replace(b'"version":1', b'"version":2')  # altered after the checksum
     other.write_bytes(raw)
-    st = ingest(site, store_dir, store)
+    st = ingest_dropped(site, store_dir, store)
     assert st.refused == 2 and store.jobs() == []
     rs = reasons(store)
     assert any("truncated" in r and name in r for r in rs) and any("checksum" in r for r in rs)
 
 
-def test_foreign_requests_are_refused(env):
-    site, store_dir, store = env
+def test_foreign_requests_are_refused(dropbox_env):
+    site, store_dir, store = dropbox_env
     body = {"version": 1, "kind": "submit", "request_id": "r1", "user": "mallory", "uid": os.getuid() + 1,
-            "host": "login2", "created_t": 0, "payload": {"rows": [row("a")]}}
+            "host": "login2", "created_t": 0, "payload": {"rows": [request_row("a")]}}
     (requests_dir(store_dir)).mkdir(parents=True, exist_ok=True)
     (requests_dir(store_dir) / "1-submit.req").write_bytes(encode(body))
-    name = write_request(store_dir, "submit", {"rows": [row("b")]}, user=USER, host="login2")
+    name = write_request(store_dir, "submit", {"rows": [request_row("b")]}, user=USER, host="login2")
     if os.getuid() == 0:
         os.chown(requests_dir(store_dir) / name, 65534, 65534)  # a file someone else owns
-    st = ingest(site, store_dir, store)
+    st = ingest_dropped(site, store_dir, store)
     assert st.applied == 0 and store.jobs() == []
     rs = reasons(store)
     assert any("foreign" in r and "mallory" in r for r in rs)
@@ -135,21 +122,21 @@ def test_foreign_requests_are_refused(env):
         assert any("foreign: the file belongs to uid 65534" in r for r in rs)
 
 
-def test_symlink_is_refused(env, tmp_path):
-    site, store_dir, store = env
-    name = write_request(store_dir, "submit", {"rows": [row("a")]}, user=USER, host="login2")
+def test_symlink_is_refused(dropbox_env, tmp_path):
+    site, store_dir, store = dropbox_env
+    name = write_request(store_dir, "submit", {"rows": [request_row("a")]}, user=USER, host="login2")
     shutil.move(requests_dir(store_dir) / name, tmp_path / "elsewhere.req")
     os.symlink(tmp_path / "elsewhere.req", requests_dir(store_dir) / name)
-    assert ingest(site, store_dir, store).refused == 1 and store.jobs() == []
+    assert ingest_dropped(site, store_dir, store).refused == 1 and store.jobs() == []
 
 
-def test_bad_ids_refused_whole_and_recorded(env):
-    site, store_dir, store = env
+def test_bad_ids_refused_whole_and_recorded(dropbox_env):
+    site, store_dir, store = dropbox_env
     a = add_job(store, "a", user=USER)
     write_request(store_dir, "cancel", {"job_ids": [a, 999]}, user=USER, host="login2")
     write_request(store_dir, "cancel", {"job_ids": "all"}, user=USER, host="login2")
     write_request(store_dir, "submit", {"rows": [{"name": "x"}]}, user=USER, host="login2")
-    st = ingest(site, store_dir, store)
+    st = ingest_dropped(site, store_dir, store)
     assert st.refused == 3 and st.applied == 0
     assert store.get_job(a).state == JobState.PENDING  # nothing half-done
     rs = reasons(store)
@@ -158,19 +145,19 @@ def test_bad_ids_refused_whole_and_recorded(env):
     assert len(store.jobs()) == 1
 
 
-def test_cancel_and_requeue_requests(env):
-    site, store_dir, store = env
+def test_cancel_and_requeue_requests(dropbox_env):
+    site, store_dir, store = dropbox_env
     a = add_job(store, "a", user=USER)
     write_request(store_dir, "cancel", {"job_ids": [a]}, user=USER, host="login2")
-    ingest(site, store_dir, store)
+    ingest_dropped(site, store_dir, store)
     assert store.get_job(a).state == JobState.CANCELLED
     write_request(store_dir, "requeue", {"job_ids": [a]}, user=USER, host="login2")
-    ingest(site, store_dir, store)
+    ingest_dropped(site, store_dir, store)
     assert store.get_job(a).state == JobState.PENDING
 
 
-def test_snapshot_published_when_changed_and_readable_immutable(env):
-    site, store_dir, store = env
+def test_snapshot_published_when_changed_and_readable_immutable(dropbox_env):
+    site, store_dir, store = dropbox_env
     add_job(store, "a", user=USER)
     now = [0.0]
     pub = SnapshotPublisher(store_dir, clock=lambda: now[0])  # copies take no time on this clock
@@ -188,8 +175,8 @@ def test_snapshot_published_when_changed_and_readable_immutable(env):
     assert pub.publish_if_changed(store)
 
 
-def test_a_slow_copy_is_made_less_often(env):
-    site, store_dir, store = env
+def test_a_slow_copy_is_made_less_often(dropbox_env):
+    site, store_dir, store = dropbox_env
     now = [0.0]
 
     def clock():
@@ -224,15 +211,9 @@ def test_a_slow_copy_is_made_less_often(env):
 @pytest.fixture
 def other_host(tmp_path, monkeypatch):
     """The service holds the store from login9 (its lease file says so); we are not login9."""
-    from slurm_dlrm.site import REPO_SITE_FILE
-
-    text = REPO_SITE_FILE.read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
-    (tmp_path / "site.toml").write_text(text)
-    monkeypatch.setenv("SLURM_DLRM_SITE", str(tmp_path / "site.toml"))
     from slurm_dlrm.site import load_site
 
+    monkeypatch.setenv("SLURM_DLRM_SITE", str(write_site_file(tmp_path)))
     site = load_site(str(tmp_path / "site.toml"))
     store_dir = site.store_dir_for(USER)
     with Store.for_user(site, USER) as st:
@@ -294,7 +275,7 @@ def test_queue_and_cancel_elsewhere_use_the_copy(other_host):
     assert res.exit_code == 0 and "requested" in res.output and "login9" in res.output
     assert opened == []
     with Store.for_user(site, USER) as st:  # the service's next round
-        assert ingest(site, store_dir, st).applied == 1
+        assert ingest_dropped(site, store_dir, st).applied == 1
         assert st.get_job(a).state == JobState.CANCELLED
 
 
@@ -323,14 +304,14 @@ def test_dropbox_module_has_no_store_import():
     assert "slurm_dlrm.store.store" not in open(dropbox.__file__).read()
 
 
-def test_a_submit_from_another_host_keeps_nice_and_begin(env):
+def test_a_submit_from_another_host_keeps_nice_and_begin(dropbox_env):
     """--nice/--begin (issue 31) travel in the request's rows; a bad one refuses the request."""
-    site, store_dir, store = env
-    write_request(store_dir, "submit", {"rows": [dict(row("a"), nice=50, begin_time=2.0e9)]}, user=USER,
+    site, store_dir, store = dropbox_env
+    write_request(store_dir, "submit", {"rows": [dict(request_row("a"), nice=50, begin_time=2.0e9)]}, user=USER,
                   host="login2")
-    assert ingest(site, store_dir, store).applied == 1
+    assert ingest_dropped(site, store_dir, store).applied == 1
     job = store.jobs()[0]
     assert (job.nice, job.begin_time) == (50, 2.0e9)
-    write_request(store_dir, "submit", {"rows": [dict(row("b"), nice="-5")]}, user=USER, host="login2")
-    assert ingest(site, store_dir, store).applied == 0
+    write_request(store_dir, "submit", {"rows": [dict(request_row("b"), nice="-5")]}, user=USER, host="login2")
+    assert ingest_dropped(site, store_dir, store).applied == 0
     assert len(store.jobs()) == 1 and any("nice must be a number" in r for r in reasons(store))

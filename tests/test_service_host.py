@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from service_harness import write_site_file
 
 from slurm_dlrm.cli import cli
 from slurm_dlrm.service.daemon import (
@@ -32,7 +33,7 @@ from slurm_dlrm.service.daemon import (
     wake,
 )
 from slurm_dlrm.service.submit import ensure_service, service_paths
-from slurm_dlrm.site import REPO_SITE_FILE, load_site
+from slurm_dlrm.site import load_site
 from slurm_dlrm.store.store import current_user
 
 OTHER = "login2.example.org"
@@ -52,11 +53,7 @@ _HOLDER = textwrap.dedent("""
 
 @pytest.fixture
 def site_file(tmp_path, monkeypatch) -> Path:
-    text = REPO_SITE_FILE.read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
-    path = tmp_path / "site.toml"
-    path.write_text(text)
+    path = write_site_file(tmp_path)
     monkeypatch.setenv("SLURM_DLRM_SITE", str(path))
     return path
 

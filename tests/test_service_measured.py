@@ -8,14 +8,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from service_harness import FakeClock, FakeCluster, add_job, make_site
+from service_harness import FakeCluster, add_job, fake_service
 
 import slurm_dlrm.packing.policies as policies
 from slurm_dlrm.adapt.margin import learned_margin_pct, peak_error
 from slurm_dlrm.packing.model import live_gpu_bytes, member_fence_bytes
-from slurm_dlrm.service.core import PackingService, ServiceSettings
-from slurm_dlrm.slurm.fake import FakeSlurm
-from slurm_dlrm.store import JobState, PackState, Store
+from slurm_dlrm.store import JobState, PackState
 
 USER = "root"
 REAL_PLAN = policies.plan  # the fixture below records each request
@@ -27,12 +25,7 @@ EST_CTX = 600 * MIB  # the harness estimate's context
 
 @pytest.fixture
 def world(tmp_path, monkeypatch):
-    clock = FakeClock()
-    site = make_site(tmp_path)
-    store = Store(tmp_path / "store.sqlite", clock=clock)
-    slurm = FakeSlurm(clock=clock, user=USER)
-    svc = PackingService(store, slurm, site, ServiceSettings(user=USER, python="/venv/bin/python",
-                                                             dispatch_window_s=0.0), clock=clock)
+    svc, store, slurm, clock = fake_service(tmp_path, USER)
     requests: list = []
     real_plan = policies.plan
 

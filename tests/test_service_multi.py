@@ -7,24 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
-from service_harness import GIB, MIB, FakeClock, estimate_dict, make_site, spec_dict
+from service_harness import GIB, MIB, estimate_dict, fake_service, spec_dict
 
-from slurm_dlrm.service.core import PackingService, ServiceSettings
 from slurm_dlrm.service.queue import queue_rows
-from slurm_dlrm.slurm.fake import FakeSlurm
-from slurm_dlrm.store.store import Store
 
 USER = "root"
 
 
 @pytest.fixture
 def world(tmp_path):
-    clock = FakeClock()
-    site = make_site(tmp_path)
-    store = Store(tmp_path / "store.sqlite", clock=clock)
-    slurm = FakeSlurm(clock=clock, user=USER)
-    svc = PackingService(store, slurm, site, ServiceSettings(user=USER, python="/venv/bin/python",
-                                                             dispatch_window_s=0.0), clock=clock)
+    svc, store, _slurm, _clock = fake_service(tmp_path, USER)
     yield svc, store
     store.close()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from service_harness import FakeClock, make_site
+from service_harness import FakeClock, make_site, write_site_file
 
 from slurm_dlrm.admin.marker import parse_marker
 from slurm_dlrm.errors import BadInput
@@ -214,11 +214,7 @@ def test_observe_native_with_no_jobs_does_nothing(world):
 
 
 def test_cli_prints_our_id_with_the_slurm_id(tmp_path, monkeypatch):
-    site_file = tmp_path / "site.toml"
-    text = (REPO / "site-config" / "site.toml").read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
-    site_file.write_text(text)
+    site_file = write_site_file(tmp_path)
     monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
     monkeypatch.chdir(tmp_path)
     fake = FakeSlurm(user=USER, first_job_id=4)

@@ -4,22 +4,19 @@ waits for its begin time, and the user's own order holds."""
 
 from __future__ import annotations
 
-import sqlite3
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from service_harness import FakeClock, add_job, make_site
+from service_harness import add_job, fake_service, old_store, write_site_file
 
 from slurm_dlrm.service.begin_time import parse_begin
-from slurm_dlrm.service.core import PackingService, ServiceSettings
 from slurm_dlrm.service.sbatch_options import (
     SbatchOptionError,
     parse_sbatch_args,
     parse_sbatch_script,
 )
-from slurm_dlrm.slurm.fake import FakeSlurm
-from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS
+from slurm_dlrm.store.migrations import LATEST_VERSION
 from slurm_dlrm.store.states import JobState
 from slurm_dlrm.store.store import Store
 
@@ -77,11 +74,7 @@ def test_negative_nice_is_for_root_only(monkeypatch):
 
 def _cli_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     repo = Path(__file__).resolve().parent.parent
-    site_file = tmp_path / "site.toml"
-    text = (repo / "site-config" / "site.toml").read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
-    site_file.write_text(text)
+    site_file = write_site_file(tmp_path)
     monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
     return repo / "examples" / "sweep" / "tiny-a.yaml"
 
@@ -113,13 +106,7 @@ def test_submit_bad_nice_or_begin_is_one_line_exit_2_nothing_recorded(tmp_path, 
 
 def test_v6_store_gets_nice_and_begin_and_its_jobs_keep_nice_0(tmp_path):
     p = tmp_path / "s" / "store.sqlite"
-    p.parent.mkdir(mode=0o700)
-    conn = sqlite3.connect(p)
-    for m in MIGRATIONS[:6]:
-        for stmt in m.statements:
-            conn.execute(stmt)
-        if m.apply is not None:
-            m.apply(conn)
+    conn = old_store(p, 6)
     conn.executescript("""
         INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, updated_time)
             VALUES ('u', 'a', 'PENDING', 'fp', 1.0, 1.0);
@@ -140,12 +127,7 @@ USER = "root"
 
 @pytest.fixture
 def world(tmp_path):
-    clock = FakeClock()
-    site = make_site(tmp_path)
-    store = Store(tmp_path / "store.sqlite", clock=clock)
-    slurm = FakeSlurm(clock=clock, user=USER)
-    svc = PackingService(store, slurm, site, ServiceSettings(user=USER, python="/venv/bin/python",
-                                                             dispatch_window_s=0.0), clock=clock)
+    svc, store, _slurm, clock = fake_service(tmp_path, USER)
     yield svc, store, clock
     store.close()
 

@@ -8,14 +8,13 @@ import json
 from pathlib import Path
 
 import pytest
-from service_harness import FakeClock, FakeCluster, add_job, make_site
+from service_harness import FakeClock, FakeCluster, add_job, fake_service
 
 import slurm_dlrm.packing.policies as policies
 from slurm_dlrm.agent.placement import parse_member
 from slurm_dlrm.packing.model import Join, MemberPlacement, PackingPlan
-from slurm_dlrm.service.core import PackingService, ServiceSettings
+from slurm_dlrm.service.core import PackingService
 from slurm_dlrm.service.refill import JOINER_NOT_STARTED, pack_allocation
-from slurm_dlrm.slurm.fake import FakeSlurm
 from slurm_dlrm.store import JobState, NewPlacement, PackState, StaleState, Store
 
 USER = "root"
@@ -26,12 +25,7 @@ GIB = 1 << 30
 
 @pytest.fixture
 def world(tmp_path, monkeypatch):
-    clock = FakeClock()
-    site = make_site(tmp_path)
-    store = Store(tmp_path / "store.sqlite", clock=clock)
-    slurm = FakeSlurm(clock=clock, user=USER)
-    settings = ServiceSettings(user=USER, python="/venv/bin/python", dispatch_window_s=0.0)
-    svc = PackingService(store, slurm, site, settings, clock=clock)
+    svc, store, slurm, clock = fake_service(tmp_path, USER)
     requests: list = []
     real_plan = policies.plan
 

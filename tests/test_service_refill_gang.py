@@ -9,7 +9,15 @@ import json
 from pathlib import Path
 
 import pytest
-from service_harness import FakeClock, FakeCluster, add_job, estimate_dict, make_site, spec_dict
+from service_harness import (
+    FakeClock,
+    FakeCluster,
+    add_job,
+    estimate_dict,
+    fake_service,
+    make_site,
+    spec_dict,
+)
 
 import slurm_dlrm.packing.policies as policies
 from slurm_dlrm.agent.placement import parse_join
@@ -38,12 +46,7 @@ def add_gang(store, name: str, world_size: int = 2, gpu_gib: float = 2.0) -> int
 
 @pytest.fixture
 def world(tmp_path, monkeypatch):
-    clock = FakeClock()
-    site = make_site(tmp_path)
-    store = Store(tmp_path / "store.sqlite", clock=clock)
-    slurm = FakeSlurm(clock=clock, user=USER)
-    settings = ServiceSettings(user=USER, python="/venv/bin/python", dispatch_window_s=0.0)
-    svc = PackingService(store, slurm, site, settings, clock=clock)
+    svc, store, slurm, clock = fake_service(tmp_path, USER)
     requests: list = []
     real_plan = policies.plan
 

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from service_harness import make_site
+from service_harness import make_site, write_site_file
 
 pytest.importorskip("slurm_dlrm.estimate")
 
@@ -32,11 +32,7 @@ def live(slurm_cluster, tmp_path, monkeypatch):
     from slurm_dlrm.store.store import current_user
 
     site = make_site(tmp_path)
-    site_file = tmp_path / "site.toml"
-    text = (REPO / "site-config" / "site.toml").read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
-    site_file.write_text(text)
+    site_file = write_site_file(tmp_path)
     monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
     user = current_user()
     paths = service_paths(site, user)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from service_harness import make_site
+from service_harness import make_site, write_site_file
 
 from slurm_dlrm.cli import cli
 from slurm_dlrm.errors import BadInput
@@ -31,11 +31,7 @@ EXAMPLES = REPO / "examples" / "sweep"
 @pytest.fixture
 def env(tmp_path, monkeypatch):
     site = make_site(tmp_path)
-    site_file = tmp_path / "site.toml"
-    text = (REPO / "site-config" / "site.toml").read_text()
-    text = text.replace('store_dir = "~/.local/share/slurm-dlrm"', f'store_dir = "{tmp_path}/store-{{user}}"')
-    text = text.replace('spool_dir = "~/.local/share/slurm-dlrm/spool"', f'spool_dir = "{tmp_path}/spool-{{user}}"')
-    site_file.write_text(text)
+    site_file = write_site_file(tmp_path)
     monkeypatch.setenv("SLURM_DLRM_SITE", str(site_file))
     monkeypatch.chdir(tmp_path)
     return site, site_file, tmp_path

@@ -7,6 +7,7 @@ import sqlite3
 import stat
 
 import pytest
+from service_harness import old_store
 
 from slurm_dlrm.site import REPO_SITE_FILE, load_site
 from slurm_dlrm.store import NewPlacement, SchemaTooNew, Store, StoreError, store_path_for
@@ -180,13 +181,7 @@ def test_the_interim_v1_layout_is_migrated_too(tmp_path):
 
 def test_v3_store_gets_predicted_speed_and_old_placements_stay_uncorrected(tmp_path):
     p = tmp_path / "s" / "store.sqlite"
-    p.parent.mkdir(mode=0o700)
-    conn = sqlite3.connect(p)
-    for m in MIGRATIONS[:3]:
-        for stmt in m.statements:
-            conn.execute(stmt)
-        if m.apply is not None:
-            m.apply(conn)
+    conn = old_store(p, 3)
     conn.executescript("""
         INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, start_time, end_time, pack_id,
                           updated_time) VALUES ('u', 'a', 'COMPLETED', 'fp', 1.0, 10.0, 110.0, 1, 1.0);
@@ -217,13 +212,7 @@ def test_v3_store_gets_predicted_speed_and_old_placements_stay_uncorrected(tmp_p
 
 def test_v4_store_gets_job_modes_and_its_jobs_stay_packed(tmp_path):
     p = tmp_path / "s" / "store.sqlite"
-    p.parent.mkdir(mode=0o700)
-    conn = sqlite3.connect(p)
-    for m in MIGRATIONS[:4]:
-        for stmt in m.statements:
-            conn.execute(stmt)
-        if m.apply is not None:
-            m.apply(conn)
+    conn = old_store(p, 4)
     conn.executescript("""
         INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, updated_time)
             VALUES ('u', 'a', 'PENDING', 'fp', 1.0, 1.0);
@@ -251,13 +240,7 @@ def test_v4_store_gets_job_modes_and_its_jobs_stay_packed(tmp_path):
 def test_a_store_of_version_7_is_migrated_to_take_timeout_and_array_tasks(tmp_path):
     # issue 42: TIMEOUT is a job state; jobs.state's CHECK of an older store refused it
     p = tmp_path / "s" / "store.sqlite"
-    p.parent.mkdir(mode=0o700)
-    conn = sqlite3.connect(p)
-    for m in MIGRATIONS[:7]:
-        for stmt in m.statements:
-            conn.execute(stmt.replace(", 'TIMEOUT'", ""))  # the states a version-7 store had
-        if m.apply is not None:
-            m.apply(conn)
+    conn = old_store(p, 7, lambda stmt: stmt.replace(", 'TIMEOUT'", ""))  # the states a version-7 store had
     conn.execute("INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, updated_time) "
                  "VALUES ('u', 'old', 'RUNNING', 'fp', 1.0, 1.0)")
     conn.execute("INSERT INTO job_specs VALUES (1, '{}', NULL, NULL)")

@@ -605,16 +605,10 @@ def log(job_ref: str, follow: bool, tail: int | None, site_path: str | None) -> 
     spool = site.spool_dir_for(user)
 
     def state() -> Any:
-        from slurm_dlrm.store.errors import UnknownEntity
+        from slurm_dlrm.store.jobids import own_job
 
-        try:
-            with store.read():
-                job = store.get_job(job_id)
-        except UnknownEntity:
-            raise BadInput(f"job {job_id}: no such job in your store") from None
-        if job.user != user:
-            raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
-        return job.state
+        with store.read():
+            return own_job(store, job_id, user).state
 
     with store:
         job_id = resolve_one(store, job_ref)
@@ -676,19 +670,14 @@ def requeue(job_refs: tuple[str, ...], no_service: bool, site_path: str | None) 
     store = _open_store(site, user, readonly=False)
     if store is None:
         raise BadInput(f"job {job_refs[0]}: no such job (you have no store yet)")
-    from slurm_dlrm.store.errors import UnknownEntity
+    from slurm_dlrm.store.jobids import own_job
 
     with store:
         job_ids = resolve_many(store, job_refs)
         if not store.readonly:
             _wait_for_cancels(store, site, user, job_ids)
         for jid in job_ids:  # check all first: nothing half-done on a bad id
-            try:
-                job = store.get_job(jid)
-            except UnknownEntity:
-                raise BadInput(f"job {jid}: no such job in your store") from None
-            if job.user != user:
-                raise BadInput(f"job {jid}: belongs to {job.user}, not {user}")
+            job = own_job(store, jid, user)
             if job.state not in JOB_REQUEUABLE:
                 raise BadInput(not_requeuable(jid, str(job.state)))
         if store.readonly:  # another host's service writes the store: it requeues them

@@ -22,6 +22,7 @@ be cut in pieces.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from math import comb, sqrt
 
@@ -185,7 +186,7 @@ def dense_param_shapes(spec: JobSpec) -> list[tuple[int, ...]]:
     return shapes
 
 
-def _numel(shape: tuple[int, ...]) -> int:
+def numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d
@@ -193,7 +194,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def dense_param_bytes(spec: JobSpec) -> int:
-    return sum(_numel(s) for s in dense_param_shapes(spec)) * F32
+    return sum(numel(s) for s in dense_param_shapes(spec)) * F32
 
 
 def is_fixed_length(t: TableSpec) -> bool:
@@ -262,7 +263,8 @@ def embedding_optimizer_state_bytes(spec: JobSpec, tables: list[int] | None = No
     return total
 
 
-def _dense_opt_multiplier(spec: JobSpec) -> int:
+def dense_opt_state_multiplier(spec: JobSpec) -> int:
+    """The dense optimizer's state per parameter, in parameter sizes."""
     return {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}[spec.optimizer.type]
 
 
@@ -293,7 +295,7 @@ def static_parts(spec: JobSpec, device_tables: list[int], device: str = "cuda") 
     s = Shapes.of(spec)
     # triu_indices buffer of the dot interaction (2 x P int64) and torchrec/DDP scalars.
     small = (2 * comb(s.F + 1, 2) * I64 if spec.interaction.type == "dot" else 0) + 512 + 24 * s.F
-    return StaticParts(emb_w, emb_opt, grad_bucket, dense, dense, dense * _dense_opt_multiplier(spec), small)
+    return StaticParts(emb_w, emb_opt, grad_bucket, dense, dense, dense * dense_opt_state_multiplier(spec), small)
 
 
 def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] | None = None, *,
@@ -348,17 +350,7 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     # outputs, the interaction's cat, DCN's bias adds and the loss in fp32.
     amp = spec.mixed_precision in ("fp16", "bf16")
     h = 2 if amp else act
-    tape.where = "forward: bottom MLP"
-    relu_bottom: list[_T] = []
-    wcast_bottom: list[_T | None] = []
-    x_cast = tape.alloc(B * s.dense_in * h, ACT_BOTTOM) if amp else None  # dense input, saved
-    prev = s.dense_in
-    for w in s.bottom:
-        wcast_bottom.append(tape.alloc((w * prev + w) * h, ACT_BOTTOM) if amp else None)
-        pre = tape.alloc(B * w * h, ACT_BOTTOM)
-        relu_bottom.append(tape.alloc(B * w * h, ACT_BOTTOM))
-        tape.free(pre)
-        prev = w
+    x_cast, relu_bottom, wcast_bottom = forward_bottom_mlp(tape, s, amp, h)
 
     tape.where = "forward: embeddings"
     # KJT offsets (cached with the batch) and the per-key (F x (B+1)) offsets of the input dist
@@ -433,18 +425,7 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
             tape.free(combined)  # bmm saved its half casts instead
         tape.free(z, zf)
 
-    tape.where = "forward: top MLP"
-    relu_top: list[_T] = []
-    wcast_top: list[_T | None] = []
-    prev = s.top_in
-    for w in s.top[:-1]:
-        wcast_top.append(tape.alloc((w * prev + w) * h, ACT_TOP) if amp else None)
-        pre = tape.alloc(B * w * h, ACT_TOP)
-        relu_top.append(tape.alloc(B * w * h, ACT_TOP))
-        tape.free(pre)
-        prev = w
-    wcast_top.append(tape.alloc((s.top[-1] * prev + s.top[-1]) * h, ACT_TOP) if amp else None)
-    logits = tape.alloc(B * s.top[-1] * (h if amp else F32), ACT_TOP)
+    relu_top, wcast_top, logits = forward_top_mlp(tape, s, amp, h)
     tape.free(pooled)  # the pooled embeddings are not saved by the cat that consumed them
     if amp:
         if top_cast is not None:
@@ -463,30 +444,10 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
         tape.free(g)
         g = gh
 
-    def wgrad(n: int) -> _T:
-        """A weight gradient: in half precision under autocast, cast back to fp32."""
-        if not amp:
-            return tape.alloc(n * F32, BWD)
-        half = tape.alloc(n * h, BWD)
-        full = tape.alloc(n * F32, BWD)
-        tape.free(half)
-        return full
+    def wgrad(n: int) -> _T:  # copied into the DDP bucket once released
+        return weight_grad(tape, n, amp, h, BWD)
 
-    tape.where = "backward: top MLP"
-    widths_in = [s.top_in, *s.top[:-1]]
-    for j in range(len(s.top) - 1, -1, -1):
-        n_out, n_in = s.top[j], widths_in[j]
-        if j < len(s.top) - 1:  # hidden layer: ReLU backward first
-            gp = tape.alloc(B * n_out * h, BWD)
-            tape.free(g, relu_top[j])
-            g = gp
-        gin = tape.alloc(B * n_in * h, BWD)
-        wg = wgrad(n_out * n_in + n_out)  # weight+bias grad, copied into the bucket
-        tape.free(g, wcast_top[j])
-        if j == 0:
-            tape.free(top_input)
-        release_wgrad(wg)
-        g = gin
+    g = backward_top_mlp(tape, s, h, g, relu_top, wcast_top, top_input, wgrad, release_wgrad)
     if amp and s.dcn_layers:  # back to fp32 for the cross network
         gf = tape.alloc(B * n_comb * act, BWD)
         tape.free(g)
@@ -494,51 +455,9 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
 
     tape.where = "backward: interaction"
     if s.dcn_layers:
-        acc: _T | None = None  # gradient of x0 (= combined), accumulated over layers
-        G = g
-        for layer in range(s.dcn_layers - 1, -1, -1):
-            v, sb, _x_out, xc = dcn_saved[layer]
-            x_in = combined if layer == 0 else dcn_saved[layer - 1][2]
-            gs = tape.alloc(B * n_comb * act, BWD)
-            gx0 = tape.alloc(B * n_comb * act, BWD)
-            tape.free(sb)
-            if acc is None:
-                acc = gx0
-            else:
-                new = tape.alloc(B * n_comb * act, BWD)
-                tape.free(acc, gx0)
-                acc = new
-            if amp:
-                gsh = tape.alloc(B * n_comb * h, BWD)
-                tape.free(gs)
-                gs = gsh
-            wg = wgrad(n_comb * s.dcn_rank + n_comb)
-            gv = tape.alloc(B * s.dcn_rank * h, BWD)
-            tape.free(gs, v)
-            wg2 = wgrad(n_comb * s.dcn_rank)
-            gxv = tape.alloc(B * n_comb * h, BWD)
-            tape.free(gv)
-            if amp:
-                tape.free(xc)
-                gxf = tape.alloc(B * n_comb * act, BWD)
-                tape.free(gxv)
-                gxv = gxf
-            release_wgrad(wg)
-            release_wgrad(wg2)
-            tape.free(dcn_wcasts[layer])
-            if layer > 0:
-                tape.free(x_in)
-                G_next = tape.alloc(B * n_comb * act, BWD)
-                tape.free(G, gxv)
-                G = G_next
-            else:
-                tape.free(combined)
-                for extra in (G, gxv):  # identity path and V path into x0
-                    new = tape.alloc(B * n_comb * act, BWD)
-                    tape.free(acc, extra)
-                    acc = new
-        g_dense: _T | None = tape.alloc(B * s.D * h, BWD) if amp else None  # else a view of acc
-        g_comb = acc
+        g_comb = backward_dcn(tape, s, amp, h, g, combined, dcn_saved, dcn_wcasts, wgrad, release_wgrad,
+                              x0_held_to_end=False)
+        g_dense: _T | None = tape.alloc(B * s.D * h, BWD) if amp else None  # else a view of g_comb
     else:
         npairs = comb(s.F + 1, 2)
         nz = tape.alloc(B * (s.F + 1) ** 2 * h, BWD)
@@ -581,26 +500,176 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     if not full_grad_held:
         tape.free(full_grad)
 
-    tape.where = "backward: bottom MLP"
-    g_in = g_dense
-    widths_in = [s.dense_in, *s.bottom[:-1]]
-    for i in range(len(s.bottom) - 1, -1, -1):
-        gp = tape.alloc(B * s.bottom[i] * h, BWD)
-        tape.free(g_in, relu_bottom[i])
-        if g_in is None:  # DCN: the dense grad was a view of the interaction grad
-            tape.free(g_comb)
-        wg = wgrad(s.bottom[i] * widths_in[i] + s.bottom[i])
-        if i > 0:
-            g_in = tape.alloc(B * widths_in[i] * h, BWD)
-        tape.free(gp, wcast_bottom[i])
-        release_wgrad(wg)
-    tape.free(g_in, full_grad, x_cast, recv, *held)
+    # DCN without autocast: the dense grad is a view of the interaction grad
+    backward_bottom_mlp(tape, s, h, g_dense, relu_bottom, wcast_bottom, wgrad, release_wgrad, view_of=g_comb)
+    tape.free(full_grad, x_cast, recv, *held)
 
     # ---------------------------------------------------------------- optimizer step
     tape.where = "optimizer step"
     _optimizer_temps(spec, tape, tables, foreach_optimizer, fused)
     tape.free(batch, off32, logits)
     return tape
+
+
+# ---------------------------------------------------------------- the dense part
+# The bottom MLP, DCN's backward and the top MLP replay the same in both backends
+# (timeline_torch.py calls these too): the backends differ in the embeddings, the
+# interaction's forward and where weight gradients go (`wgrad` makes one, `release`
+# hands it over once its layer is done).
+
+WeightGrad = Callable[[int], "_T"]
+Release = Callable[["_T"], None]
+
+
+def weight_grad(tape: Tape, n: int, amp: bool, h: int, part: str) -> _T:
+    """A weight gradient of `n` elements: under autocast made in half precision and
+    cast back to fp32."""
+    if not amp:
+        return tape.alloc(n * F32, part)
+    half = tape.alloc(n * h, BWD)
+    full = tape.alloc(n * F32, part)
+    tape.free(half)
+    return full
+
+
+def forward_bottom_mlp(tape: Tape, s: Shapes, amp: bool, h: int) -> tuple[_T | None, list[_T], list[_T | None]]:
+    """Returns the saved half cast of the dense input (autocast), each layer's ReLU
+    output and each layer's half cast of its weights (autocast)."""
+    tape.where = "forward: bottom MLP"
+    B = s.B
+    relu: list[_T] = []
+    wcasts: list[_T | None] = []
+    x_cast = tape.alloc(B * s.dense_in * h, ACT_BOTTOM) if amp else None  # dense input, saved
+    prev = s.dense_in
+    for w in s.bottom:
+        wcasts.append(tape.alloc((w * prev + w) * h, ACT_BOTTOM) if amp else None)
+        pre = tape.alloc(B * w * h, ACT_BOTTOM)
+        relu.append(tape.alloc(B * w * h, ACT_BOTTOM))
+        tape.free(pre)
+        prev = w
+    return x_cast, relu, wcasts
+
+
+def forward_top_mlp(tape: Tape, s: Shapes, amp: bool, h: int) -> tuple[list[_T], list[_T | None], _T]:
+    """Returns each hidden layer's ReLU output, each layer's half cast of its weights
+    (autocast) and the logits."""
+    tape.where = "forward: top MLP"
+    B = s.B
+    relu: list[_T] = []
+    wcasts: list[_T | None] = []
+    prev = s.top_in
+    for w in s.top[:-1]:
+        wcasts.append(tape.alloc((w * prev + w) * h, ACT_TOP) if amp else None)
+        pre = tape.alloc(B * w * h, ACT_TOP)
+        relu.append(tape.alloc(B * w * h, ACT_TOP))
+        tape.free(pre)
+        prev = w
+    wcasts.append(tape.alloc((s.top[-1] * prev + s.top[-1]) * h, ACT_TOP) if amp else None)
+    logits = tape.alloc(B * s.top[-1] * h, ACT_TOP)
+    return relu, wcasts, logits
+
+
+def backward_top_mlp(tape: Tape, s: Shapes, h: int, g: _T, relu: list[_T], wcasts: list[_T | None],
+                     top_input: _T, wgrad: WeightGrad, release: Release) -> _T:
+    """From the loss's gradient `g` down the top MLP; returns the gradient of its input."""
+    tape.where = "backward: top MLP"
+    B = s.B
+    widths_in = [s.top_in, *s.top[:-1]]
+    for j in range(len(s.top) - 1, -1, -1):
+        n_out, n_in = s.top[j], widths_in[j]
+        if j < len(s.top) - 1:  # hidden layer: ReLU backward first
+            gp = tape.alloc(B * n_out * h, BWD)
+            tape.free(g, relu[j])
+            g = gp
+        gin = tape.alloc(B * n_in * h, BWD)
+        wg = wgrad(n_out * n_in + n_out)  # weight+bias grad
+        tape.free(g, wcasts[j])
+        if j == 0:
+            tape.free(top_input)
+        release(wg)
+        g = gin
+    return g
+
+
+def backward_dcn(tape: Tape, s: Shapes, amp: bool, h: int, g: _T, x0: _T,
+                 saved: list[tuple[_T, _T, _T, _T | None]], wcasts: list[_T | None], wgrad: WeightGrad,
+                 release: Release, *, x0_held_to_end: bool) -> _T:
+    """DCN's cross layers backward, from the gradient `g` of the last layer's output;
+    returns the gradient of x0 (the interaction's input, accumulated over layers).
+    `saved` per layer: v (B x r), s = W v + b, x_out, and the saved half cast of the
+    layer's input (None where none was saved: no autocast, or torch's first layer).
+    `x0_held_to_end`: torch's stack (x0) is freed after the last two gradient sums,
+    torchrec's cat before them (as each allocation log shows)."""
+    B, act = s.B, s.act_bytes
+    n_comb = (s.F + 1) * s.D
+    acc: _T | None = None
+    G = g
+    for layer in range(s.dcn_layers - 1, -1, -1):
+        v, sb, _x_out, xc = saved[layer]
+        x_in = x0 if layer == 0 else saved[layer - 1][2]
+        gs = tape.alloc(B * n_comb * act, BWD)
+        gx0 = tape.alloc(B * n_comb * act, BWD)
+        tape.free(sb)
+        if acc is None:
+            acc = gx0
+        else:
+            new = tape.alloc(B * n_comb * act, BWD)
+            tape.free(acc, gx0)
+            acc = new
+        if amp:
+            gsh = tape.alloc(B * n_comb * h, BWD)
+            tape.free(gs)
+            gs = gsh
+        wg = wgrad(n_comb * s.dcn_rank + n_comb)
+        gv = tape.alloc(B * s.dcn_rank * h, BWD)
+        tape.free(gs, v)
+        wg2 = wgrad(n_comb * s.dcn_rank)
+        gxv = tape.alloc(B * n_comb * h, BWD)
+        tape.free(gv)
+        if xc is not None:  # through the input's half cast, back to fp32
+            tape.free(xc)
+            gxf = tape.alloc(B * n_comb * act, BWD)
+            tape.free(gxv)
+            gxv = gxf
+        release(wg)
+        release(wg2)
+        tape.free(wcasts[layer])
+        if layer > 0:
+            tape.free(x_in)
+            G_next = tape.alloc(B * n_comb * act, BWD)
+            tape.free(G, gxv)
+            G = G_next
+        else:
+            if not x0_held_to_end:
+                tape.free(x0)
+            for extra in (G, gxv):  # identity path and V path into x0
+                new = tape.alloc(B * n_comb * act, BWD)
+                tape.free(acc, extra)
+                acc = new
+            tape.free(x0)
+    assert acc is not None  # noqa: S101 - dcn_layers >= 1
+    return acc
+
+
+def backward_bottom_mlp(tape: Tape, s: Shapes, h: int, g_dense: _T | None, relu: list[_T],
+                        wcasts: list[_T | None], wgrad: WeightGrad, release: Release, *,
+                        view_of: _T | None = None) -> None:
+    """From the gradient of the bottom MLP's output down to its first layer (whose input
+    needs no gradient). `g_dense` None: that gradient is a view of `view_of`, freed
+    with it."""
+    tape.where = "backward: bottom MLP"
+    B = s.B
+    g_in = g_dense
+    widths_in = [s.dense_in, *s.bottom[:-1]]
+    for i in range(len(s.bottom) - 1, -1, -1):
+        gp = tape.alloc(B * s.bottom[i] * h, BWD)
+        tape.free(g_in, relu[i])
+        if g_in is None:
+            tape.free(view_of)
+        wg = wgrad(s.bottom[i] * widths_in[i] + s.bottom[i])
+        g_in = tape.alloc(B * widths_in[i] * h, BWD) if i > 0 else None
+        tape.free(gp, wcasts[i])
+        release(wg)
 
 
 def _optimizer_temps(spec: JobSpec, tape: Tape, tables: list[int], foreach: bool, fused: bool) -> None:
@@ -614,7 +683,7 @@ def _optimizer_temps(spec: JobSpec, tape: Tape, tables: list[int], foreach: bool
     per_param = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}[kind]
     if not per_param:
         return
-    sizes = [_numel(sh) * F32 for sh in dense_param_shapes(spec)]
+    sizes = [numel(sh) * F32 for sh in dense_param_shapes(spec)]
     if not fused:
         emb_sizes = [spec.tables[i].rows * spec.tables[i].dim * F32 for i in tables]  # fp32 grads/state
         if kind == "rowwise_adagrad":  # torchrec RowWiseAdagrad: per-row temps

@@ -24,7 +24,6 @@ from math import comb
 from typing import Any
 
 from slurm_dlrm.estimate.timeline import (
-    ACT_BOTTOM,
     ACT_INTER,
     ACT_TOP,
     BWD,
@@ -45,10 +44,18 @@ from slurm_dlrm.estimate.timeline import (
     Shapes,
     StaticParts,
     Tape,
+    backward_bottom_mlp,
+    backward_dcn,
+    backward_top_mlp,
     batch_bytes,
+    dense_opt_state_multiplier,
     dense_param_bytes,
     dense_param_shapes,
+    forward_bottom_mlp,
+    forward_top_mlp,
     ids_per_batch,
+    numel,
+    weight_grad,
 )
 from slurm_dlrm.spec import JobSpec, TableSpec
 
@@ -84,7 +91,7 @@ def embedding_optimizer_state_bytes(spec: JobSpec, tables: list[int]) -> int:
 
 def _dense_opt_bytes(spec: JobSpec) -> int:
     n_params = len(dense_param_shapes(spec))
-    mult = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}[spec.optimizer.type]
+    mult = dense_opt_state_multiplier(spec)
     if not mult:
         return 0
     return dense_param_bytes(spec) * mult + n_params * STEP_COUNTER_BYTES
@@ -160,17 +167,7 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     offsets = tape.alloc(F * B * I64, INDEX_OFFSETS)
     tape.free(ends)
 
-    tape.where = "forward: bottom MLP"
-    relu_bottom: list[Any] = []
-    wcast_bottom: list[Any] = []
-    x_cast = tape.alloc(B * s.dense_in * h, ACT_BOTTOM) if amp else None
-    prev = s.dense_in
-    for w in s.bottom:
-        wcast_bottom.append(tape.alloc((w * prev + w) * h, ACT_BOTTOM) if amp else None)
-        pre = tape.alloc(B * w * h, ACT_BOTTOM)
-        relu_bottom.append(tape.alloc(B * w * h, ACT_BOTTOM))
-        tape.free(pre)
-        prev = w
+    x_cast, relu_bottom, wcast_bottom = forward_bottom_mlp(tape, s, amp, h)
 
     tape.where = "forward: embeddings"
     pooled: list[Any] = []
@@ -224,18 +221,7 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
         top_input = tape.alloc(B * s.top_in * h, ACT_INTER)
         tape.free(picked)
 
-    tape.where = "forward: top MLP"
-    relu_top: list[Any] = []
-    wcast_top: list[Any] = []
-    prev = s.top_in
-    for w in s.top[:-1]:
-        wcast_top.append(tape.alloc((w * prev + w) * h, ACT_TOP) if amp else None)
-        pre = tape.alloc(B * w * h, ACT_TOP)
-        relu_top.append(tape.alloc(B * w * h, ACT_TOP))
-        tape.free(pre)
-        prev = w
-    wcast_top.append(tape.alloc((s.top[-1] * prev + s.top[-1]) * h, ACT_TOP) if amp else None)
-    logits = tape.alloc(B * s.top[-1] * h, ACT_TOP)
+    relu_top, wcast_top, logits = forward_top_mlp(tape, s, amp, h)
     tape.free(*pooled)  # the forward's list of pooled rows goes out of scope
     tape.free(dots)  # only the index gather's indices are saved
     if top_cast is not None:
@@ -258,31 +244,16 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
         g = gh
 
     def wgrad(n: int) -> Any:
-        """A weight gradient: DDP copies it into its bucket; one process keeps it."""
-        if amp:
-            half = tape.alloc(n * h, BWD)
-            full = tape.alloc(n * F32, DENSE_GRADS)
-            tape.free(half)
-        else:
-            full = tape.alloc(n * F32, DENSE_GRADS)
+        """A weight gradient: DDP copies it into its bucket at once; one process keeps it."""
+        full = weight_grad(tape, n, amp, h, DENSE_GRADS)
         if ddp:
             tape.free(full)
         return full
 
-    tape.where = "backward: top MLP"
-    widths_in = [s.top_in, *s.top[:-1]]
-    for j in range(len(s.top) - 1, -1, -1):
-        n_out, n_in = s.top[j], widths_in[j]
-        if j < len(s.top) - 1:
-            gp = tape.alloc(B * n_out * h, BWD)
-            tape.free(g, relu_top[j])
-            g = gp
-        gin = tape.alloc(B * n_in * h, BWD)
-        wgrad(n_out * n_in + n_out)
-        tape.free(g, wcast_top[j])
-        if j == 0:
-            tape.free(top_input)
-        g = gin
+    def keep(_: Any) -> None:  # wgrad already let go of what DDP copied
+        pass
+
+    g = backward_top_mlp(tape, s, h, g, relu_top, wcast_top, top_input, wgrad, keep)
 
     tape.where = "backward: interaction"
     if amp and s.dcn_layers:  # back to fp32 for the cross network
@@ -290,48 +261,9 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
         tape.free(g)
         g = gf
     if s.dcn_layers:
-        acc: Any = None  # gradient of x0 (= combined), accumulated over layers
-        G = g
-        for layer in range(s.dcn_layers - 1, -1, -1):
-            v, sb, _x_out, xc = dcn_saved[layer]
-            x_in = combined if layer == 0 else dcn_saved[layer - 1][2]
-            gs = tape.alloc(B * n_comb * act, BWD)
-            gx0 = tape.alloc(B * n_comb * act, BWD)
-            tape.free(sb)
-            if acc is None:
-                acc = gx0
-            else:
-                new = tape.alloc(B * n_comb * act, BWD)
-                tape.free(acc, gx0)
-                acc = new
-            if amp:
-                gsh = tape.alloc(B * n_comb * h, BWD)
-                tape.free(gs)
-                gs = gsh
-            wgrad(n_comb * s.dcn_rank + n_comb)
-            gv = tape.alloc(B * s.dcn_rank * h, BWD)
-            tape.free(gs, v)
-            wgrad(n_comb * s.dcn_rank)
-            gxv = tape.alloc(B * n_comb * h, BWD)
-            tape.free(gv)
-            if amp and layer > 0:
-                tape.free(xc)
-                gxf = tape.alloc(B * n_comb * act, BWD)
-                tape.free(gxv)
-                gxv = gxf
-            tape.free(dcn_wcasts[layer])
-            if layer > 0:
-                tape.free(x_in)
-                G_next = tape.alloc(B * n_comb * act, BWD)
-                tape.free(G, gxv)
-                G = G_next
-            else:
-                for extra in (G, gxv):
-                    new = tape.alloc(B * n_comb * act, BWD)
-                    tape.free(acc, extra)
-                    acc = new
-                tape.free(combined)
-        g_stack = acc
+        # the first layer saved no half cast of its input (the stack is half already)
+        g_stack = backward_dcn(tape, s, amp, h, g, combined, dcn_saved, dcn_wcasts, wgrad, keep,
+                               x0_held_to_end=True)
         if amp:  # the stack was half: its gradient cast back
             gh = tape.alloc(B * n_comb * h, BWD)
             tape.free(g_stack)
@@ -371,16 +303,8 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
         table_grads.append(kept)
     tape.free(g_stack, offsets)
 
-    tape.where = "backward: bottom MLP"
-    g_in: Any = g_dense
-    widths_in = [s.dense_in, *s.bottom[:-1]]
-    for i in range(len(s.bottom) - 1, -1, -1):
-        gp = tape.alloc(B * s.bottom[i] * h, BWD)
-        tape.free(g_in, relu_bottom[i])
-        wgrad(s.bottom[i] * widths_in[i] + s.bottom[i])
-        g_in = tape.alloc(B * widths_in[i] * h, BWD) if i > 0 else None
-        tape.free(gp, wcast_bottom[i])
-    tape.free(g_in, x_cast)
+    backward_bottom_mlp(tape, s, h, g_dense, relu_bottom, wcast_bottom, wgrad, keep)
+    tape.free(x_cast)
 
     # ---------------------------------------------------------------- optimizer step
     tape.where = "optimizer step"
@@ -395,7 +319,7 @@ def ddp_broadcast_bucket_bytes(spec: JobSpec, tables: list[int]) -> int:
     the dense layers) and the dot interaction's index buffer, in order, cut into
     buckets once a bucket reaches DDP_BROADCAST_BUCKET_BYTES."""
     sizes = [spec.tables[i].rows * spec.tables[i].dim * table_dtype_bytes(spec.tables[i]) for i in tables]
-    sizes += [F32 * _numel(sh) for sh in dense_param_shapes(spec)]
+    sizes += [F32 * numel(sh) for sh in dense_param_shapes(spec)]
     if spec.interaction.type == "dot":
         sizes.append(2 * comb(len(spec.tables) + 1, 2) * I64)
     biggest = acc = 0
@@ -470,16 +394,9 @@ def _dense_optimizer_temps(spec: JobSpec, tape: Tape, foreach: bool) -> None:
     per = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}[spec.optimizer.type]
     if not per:
         return
-    sizes = [F32 * _numel(sh) for sh in dense_param_shapes(spec)]
+    sizes = [F32 * numel(sh) for sh in dense_param_shapes(spec)]
     if foreach:
         t = tape.alloc(sum(sizes) * per, OPT_TEMPS)
         tape.free(t)
         return
     _chain(tape, sizes, per)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

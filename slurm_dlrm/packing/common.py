@@ -223,7 +223,12 @@ def defer_early(job: JobDemand, maxima: tuple[int, int, list[GpuModel]], limits:
                  memory_aware: bool, blocked: list[JobDemand], deferred: list[Deferred]) -> bool:
     """Defer `job` if it cannot fit any free node now, or if room is held for an urgent
     job. An urgent job that does not fit *this round* holds the room for itself."""
-    reason = too_big_reason(job, maxima, limits, memory_aware)
+    return _defer(job, too_big_reason(job, maxima, limits, memory_aware), blocked, deferred)
+
+
+def _defer(job: JobDemand, reason: str | None, blocked: list[JobDemand], deferred: list[Deferred]) -> bool:
+    """Defer `job` for `reason` (a job that does not fit), else for room held for an
+    urgent job; True if deferred."""
     if reason:
         permanent = is_permanent(reason)
         deferred.append(Deferred(job.job_id, reason, permanent=permanent))
@@ -261,22 +266,27 @@ def defer_gang_early(job: JobDemand, nodes: list[Node], limits: PackingLimits, m
                      for n in free):
             reason = (f"needs {need_cpus} CPUs and {need_host // MIB} MiB of host memory on one node for its "
                       f"{job.world_size} ranks; no free node has that much this round")
-    if reason:
-        permanent = is_permanent(reason)
-        deferred.append(Deferred(job.job_id, reason, permanent=permanent))
-        if not permanent:
-            block_if_urgent(blocked, job)
-        return True
-    held = held_reason(blocked)
-    if held:
-        deferred.append(Deferred(job.job_id, held))
-        return True
-    return False
+    return _defer(job, reason, blocked, deferred)
 
 
 def gang_host_fits(node: Node, ranks: tuple[JobDemand, ...], limits: PackingLimits) -> bool:
     return (sum(m.cpus for m in ranks) <= node.free_cpus
             and sum(host_limit_bytes(m, limits) for m in ranks) <= node.free_mem_bytes)
+
+
+def fenced_node(nodes: list[Node], job: JobDemand, limits: PackingLimits) -> Node | None:
+    """The first node with a free GPU, the CPUs and host memory for `job`, and a GPU that
+    holds its fence (the fenced baselines' fresh GPU)."""
+    return next((n for n in nodes if n.free_gpus > 0 and host_fits(n, job, limits)
+                 and member_fence_bytes(job, n.gpu, limits) <= usable_gpu_bytes(n.gpu)), None)
+
+
+def fenced_gang_node(nodes: list[Node], job: JobDemand, ranks: tuple[JobDemand, ...],
+                     limits: PackingLimits) -> Node | None:
+    """The first node with `world_size` free GPUs, the CPUs and host memory for every
+    rank, and a GPU that holds each rank's fence."""
+    return next((n for n in nodes if n.free_gpus >= job.world_size and gang_host_fits(n, ranks, limits)
+                 and all(member_fence_bytes(m, n.gpu, limits) <= usable_gpu_bytes(n.gpu) for m in ranks)), None)
 
 
 def rank_load(m: JobDemand) -> tuple[float, int]:

@@ -10,10 +10,10 @@ from slurm_dlrm.packing.common import (
     defer_early,
     defer_gang_early,
     expand_nodes,
+    fenced_gang_node,
+    fenced_node,
     finish_plan,
-    gang_host_fits,
     gpu_budget,
-    host_fits,
     node_maxima,
     open_gpu,
     order_key,
@@ -28,7 +28,6 @@ from slurm_dlrm.packing.model import (
     PackingRequest,
     member_fence_bytes,
     rank_members,
-    usable_gpu_bytes,
 )
 
 
@@ -47,9 +46,7 @@ def plan_exclusive(request: PackingRequest, params: InterferenceParams) -> Packi
             if defer_gang_early(job, nodes, limits, True, blocked, deferred):
                 continue
             ranks = rank_members(job)
-            node = next((n for n in nodes if n.free_gpus >= job.world_size and gang_host_fits(n, ranks, limits)
-                         and all(member_fence_bytes(m, n.gpu, limits) <= usable_gpu_bytes(n.gpu) for m in ranks)),
-                        None)
+            node = fenced_gang_node(nodes, job, ranks, limits)
             if node is None or used + job.world_size > budget:
                 deferred.append(Deferred(job.job_id, NO_FREE_GPU))
                 block_if_urgent(blocked, job)
@@ -64,8 +61,7 @@ def plan_exclusive(request: PackingRequest, params: InterferenceParams) -> Packi
             continue
         if defer_early(job, maxima, limits, True, blocked, deferred):
             continue
-        node = next((n for n in nodes if n.free_gpus > 0 and host_fits(n, job, limits)
-                     and member_fence_bytes(job, n.gpu, limits) <= usable_gpu_bytes(n.gpu)), None)
+        node = fenced_node(nodes, job, limits)
         if node is None or used >= budget:
             deferred.append(Deferred(job.job_id, NO_FREE_GPU))
             block_if_urgent(blocked, job)

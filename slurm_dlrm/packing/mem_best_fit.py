@@ -14,8 +14,9 @@ from slurm_dlrm.packing.common import (
     defer_early,
     defer_gang_early,
     expand_nodes,
+    fenced_gang_node,
+    fenced_node,
     finish_plan,
-    gang_host_fits,
     gpu_budget,
     host_fits,
     node_maxima,
@@ -32,7 +33,6 @@ from slurm_dlrm.packing.model import (
     PackingRequest,
     member_fence_bytes,
     rank_members,
-    usable_gpu_bytes,
 )
 
 
@@ -56,9 +56,7 @@ def plan_mem_best_fit(request: PackingRequest, params: InterferenceParams) -> Pa
             if defer_gang_early(job, nodes, limits, True, blocked, deferred):
                 continue
             ranks = rank_members(job)
-            node = next((n for n in nodes if n.free_gpus >= job.world_size and gang_host_fits(n, ranks, limits)
-                         and all(member_fence_bytes(m, n.gpu, limits) <= usable_gpu_bytes(n.gpu) for m in ranks)),
-                        None)
+            node = fenced_gang_node(nodes, job, ranks, limits)
             if node is None or len(open_gpus) + job.world_size > budget:
                 deferred.append(Deferred(job.job_id, NO_FREE_GPU if len(open_gpus) < budget else NO_ROOM))
                 block_if_urgent(blocked, job)
@@ -88,8 +86,7 @@ def plan_mem_best_fit(request: PackingRequest, params: InterferenceParams) -> Pa
                         best = (free - fence, index)
                     break
         if best is None and len(open_gpus) < budget:
-            node = next((n for n in nodes if n.free_gpus > 0 and host_fits(n, job, limits)
-                         and member_fence_bytes(job, n.gpu, limits) <= usable_gpu_bytes(n.gpu)), None)
+            node = fenced_node(nodes, job, limits)
             if node is not None:
                 gpu = open_gpu(node, slots)
                 open_gpus.append(gpu)

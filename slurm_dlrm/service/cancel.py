@@ -25,17 +25,12 @@ def cancel_job(store: Any, slurm: Any, job_id: int, *, user: str) -> str:
     then reports 143 for a runner that exited 5. Only a pack none of whose members ever
     started is scancel'ed when its last member goes.
     """
-    from slurm_dlrm.errors import BadInput
     from slurm_dlrm.slurm import SlurmError
-    from slurm_dlrm.store.errors import StaleState, UnknownEntity
+    from slurm_dlrm.store.errors import StaleState
+    from slurm_dlrm.store.jobids import own_job
     from slurm_dlrm.store.states import JOB_TERMINAL, JobState
 
-    try:
-        job = store.get_job(job_id)
-    except UnknownEntity:
-        raise BadInput(f"job {job_id}: no such job in your store") from None
-    if job.user != user:
-        raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
+    job = own_job(store, job_id, user)
     if job.state in JOB_TERMINAL:
         return f"job {job_id} already ended ({job.state})"
     if job.no_pack:  # its own Slurm job: scancel it (the service records how it ended)
@@ -93,15 +88,11 @@ def requeue_job(store: Any, spool_dir: Path, job_id: int, *, user: str) -> str:
     (per job, not per pack). Returns what was done."""
     from slurm_dlrm.errors import BadInput
     from slurm_dlrm.service.joblog import last_checkpoint_step
-    from slurm_dlrm.store.errors import StaleState, UnknownEntity
+    from slurm_dlrm.store.errors import StaleState
+    from slurm_dlrm.store.jobids import own_job
     from slurm_dlrm.store.states import JOB_REQUEUABLE, JobState
 
-    try:
-        job = store.get_job(job_id)
-    except UnknownEntity:
-        raise BadInput(f"job {job_id}: no such job in your store") from None
-    if job.user != user:
-        raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
+    job = own_job(store, job_id, user)
     if job.state not in JOB_REQUEUABLE:
         raise BadInput(not_requeuable(job_id, str(job.state)))
     if job.no_pack:

@@ -262,15 +262,9 @@ def format_table(rows: list[dict[str, Any]], columns: Sequence[str] = QUEUE_COLU
 
 def job_details(store: Any, job_id: int, *, user: str, service: dict[str, Any]) -> dict[str, Any]:
     """Everything `show` prints about one job."""
-    from slurm_dlrm.errors import BadInput
-    from slurm_dlrm.store.errors import UnknownEntity
+    from slurm_dlrm.store.jobids import own_job
 
-    try:
-        job = store.get_job(job_id)
-    except UnknownEntity:
-        raise BadInput(f"job {job_id}: no such job in your store") from None
-    if job.user != user:
-        raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
+    job = own_job(store, job_id, user)
     (row,) = queue_rows(store, user=user, service=service, include_ended=True, job_ids=[job_id])
     packs = {p.id: p for p in store.packs(user=user)}
     history = []

@@ -56,16 +56,11 @@ def drop(site: SiteConfig, user: str, kind: str, payload: dict[str, Any]) -> str
 def check_ids(store: Any, job_ids: Sequence[int], user: str, *, requeue: bool = False) -> None:
     """All ids first, as the commands do on the service's host: nothing half-done."""
     from slurm_dlrm.service.cancel import not_requeuable
-    from slurm_dlrm.store.errors import UnknownEntity
+    from slurm_dlrm.store.jobids import own_job
     from slurm_dlrm.store.states import JOB_REQUEUABLE
 
     for jid in job_ids:
-        try:
-            job = store.get_job(int(jid))
-        except UnknownEntity:
-            raise BadInput(f"job {jid}: no such job in your store") from None
-        if job.user != user:
-            raise BadInput(f"job {jid}: belongs to {job.user}, not {user}")
+        job = own_job(store, int(jid), user)
         if requeue and job.state not in JOB_REQUEUABLE:
             raise BadInput(not_requeuable(int(jid), str(job.state)))
 

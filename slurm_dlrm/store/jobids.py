@@ -132,3 +132,16 @@ def _pack_hint(store: Any, ref: JobRef) -> str:
     name = rows[0]["name"]
     return (f" ({ref.job_id} is the Slurm job of your pack {name}: slurm-dlrm cancel --pack {name}; "
             f"`slurm-dlrm queue -o JOBID,PACK,SLURMID` lists its members)")
+
+
+def own_job(store: Any, job_id: int, user: str) -> Any:
+    """Job `job_id` of the store, if it is `user`'s; else bad input that says which."""
+    from slurm_dlrm.store.errors import UnknownEntity
+
+    try:
+        job = store.get_job(job_id)
+    except UnknownEntity:
+        raise BadInput(f"job {job_id}: no such job in your store") from None
+    if job.user != user:
+        raise BadInput(f"job {job_id}: belongs to {job.user}, not {user}")
+    return job
