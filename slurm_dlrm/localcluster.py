@@ -36,6 +36,7 @@ from typing import Any
 
 import jinja2
 
+from slurm_dlrm import localcgroup
 from slurm_dlrm.errors import BadInput, DlrmError
 from slurm_dlrm.package_data import data_dir
 from slurm_dlrm.site import SiteConfig, load_site
@@ -423,6 +424,7 @@ def instance_lock(state_dir: Path) -> Iterator[None]:
 
 class LocalCluster:
     def __init__(self, config: ClusterConfig) -> None:
+        self.memory_cgroup: localcgroup.MemoryCgroup | None = None  # set by render()
         self.config = config
 
     @classmethod
@@ -609,7 +611,7 @@ class LocalCluster:
             def_mem_per_cpu_mib=c.def_mem_per_cpu_mib, gpu_type=c.gpu_type,
             mps_per_gpu=c.mps_per_gpu, shards_per_gpu=c.shards_per_gpu, extra=extra,
             extra_source=extra_source, mysql_user=MYSQL_USER, mysql_db=MYSQL_DB,
-            mysql_password="")
+            mysql_password="", **self._memory_cgroup_values())
         env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), undefined=jinja2.StrictUndefined,
                                  trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
         _write(c.slurm_conf, one_source_per_key(env.get_template("slurm.conf.j2").render(values), extra))
@@ -618,6 +620,11 @@ class LocalCluster:
             _write(gres_path, gres_text)
         else:
             _write(gres_path, env.get_template("gres.conf.j2").render(values))
+        cgroup_conf = c.etc_dir / "cgroup.conf"
+        if values["task_plugin"] == "task/cgroup":
+            _write(cgroup_conf, env.get_template("cgroup.conf.j2").render(values))
+        else:
+            cgroup_conf.unlink(missing_ok=True)
         lua = c.etc_dir / "job_submit.lua"
         if lua_text is not None:
             _write(lua, lua_text)
@@ -633,6 +640,23 @@ class LocalCluster:
             _write(dbd, env.get_template("slurmdbd.conf.j2").render(values))
             dbd.chmod(0o600)  # slurmdbd refuses a world-readable file (it holds a password)
         saved_config_path(c.state_dir).write_text(json.dumps(c.to_json(), indent=1) + "\n")
+
+    def _memory_cgroup_values(self) -> dict[str, Any]:
+        """Slurm constrains each job's memory where the host allows (localcgroup.py); the
+        decision is kept for `_up` (how slurmd starts) and `cluster status` (one line)."""
+        self.memory_cgroup = localcgroup.detect()
+        (self.config.state_dir / localcgroup.DECISION_FILE).write_text(self.memory_cgroup.status_line() + "\n")
+        return {"task_plugin": "task/cgroup" if self.memory_cgroup.usable else "task/none",
+                "constrain_swap": "yes" if self.memory_cgroup.swap else "no"}
+
+    def _slurmd_argv(self, name: str) -> list[str]:
+        argv = ["slurmd", "-f", str(self.config.slurm_conf), "-N", name]
+        mc = self.memory_cgroup
+        if mc is None or not mc.usable or mc.mount is None:
+            return argv
+        cgroup = localcgroup.cluster_cgroup(mc.mount, self.config.state_dir)
+        cgroup.mkdir(exist_ok=True)
+        return localcgroup.wrap_argv(argv, cgroup, mc.mount)
 
     def _render_admin(self) -> dict[str, str]:
         """`slurm-dlrm admin render` for this cluster: write its site file, render, install
@@ -714,8 +738,7 @@ class LocalCluster:
                             daemonizes=True)
             for name in c.node_names:
                 if not by_name[f"slurmd-{name}"].running:
-                    self._spawn(f"slurmd-{name}", ["slurmd", "-f", str(c.slurm_conf), "-N", name],
-                                daemonizes=True)
+                    self._spawn(f"slurmd-{name}", self._slurmd_argv(name), daemonizes=True)
             self.wait_idle(wait_s)
         except BaseException:
             # Nothing half-up: stop what this call started (newest first), keep what ran before.
@@ -793,6 +816,9 @@ class LocalCluster:
             _terminate(pid, c.state_dir, 5.0)
         if strays:
             stopped.append(f"{len(strays)} stray process(es)")
+        mc = localcgroup.detect()
+        if mc.usable and mc.mount is not None:  # Slurm's slurm_<node> folders below ours
+            localcgroup.remove_tree(localcgroup.cluster_cgroup(mc.mount, c.state_dir))
         return stopped
 
     def _stop_fake_mps_daemons(self) -> list[str]:
