@@ -24,20 +24,30 @@ import contextlib
 import hashlib
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from slurm_dlrm.errors import BadInput
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# "off": keep task/none even where the host allows task/cgroup (a host where Slurm's
+# cgroup plugin misbehaves); "auto" or unset: detect.
+ENV_SWITCH = "SLURM_DLRM_CLUSTER_CGROUP"
 # What `up` decided, one line, for `cluster status` (the state folder's, not the host's now).
 DECISION_FILE = "memory-cgroup.txt"
 # Run by sh: join the cluster's memory cgroup, then in a new cgroup + mount namespace mount
 # the memory hierarchy again over its mount point (its root is now that cgroup) and exec
-# the daemon. umount first: the same hierarchy cannot be mounted twice on one mount point.
-# The source name is ours: util-linux's mount refuses a second "cgroup" source as mounted.
+# the daemon. Mounts are made private first, so nothing reaches the host's namespace: "/"
+# (unshare's own --propagation private fails in a chroot, where "/" is no mount point:
+# EINVAL), else the hierarchy's parent (/sys/fs/cgroup). umount first: the same hierarchy
+# cannot be mounted twice on one mount point. The source name is ours: util-linux's
+# mount refuses a second "cgroup" source as already mounted.
 ENTER_SCRIPT = (
     'cg=$1 mnt=$2; shift 2; echo $$ > "$cg/cgroup.procs" && '
-    "exec unshare --cgroup --mount --propagation private -- "
-    "sh -c 'umount \"$0\" && mount -t cgroup -o memory slurm-dlrm-memory \"$0\" && exec \"$@\"' \"$mnt\" \"$@\""
+    "exec unshare --cgroup --mount --propagation unchanged -- "
+    "sh -c '{ mount --make-rprivate / 2>/dev/null || mount --make-rprivate \"${0%/*}\"; } && "
+    "umount \"$0\" && mount -t cgroup -o memory slurm-dlrm-memory \"$0\" && exec \"$@\"' \"$mnt\" \"$@\""
 )
 
 
@@ -68,10 +78,17 @@ def _mounts(proc_mounts: Path) -> list[tuple[str, str, str]]:
 
 
 def detect(root: Path = CGROUP_ROOT, proc_mounts: Path = Path("/proc/self/mounts"),
-           tools: tuple[str, ...] = ("unshare", "mount", "umount")) -> MemoryCgroup:
+           tools: tuple[str, ...] = ("unshare", "mount", "umount"),
+           env: Mapping[str, str] | None = None) -> MemoryCgroup:
     """Whether this host lets the local cluster constrain memory: a cgroup v1 memory
     hierarchy mounted at <root>/memory that we may write (root, not a read-only mount),
-    and the util-linux tools that start slurmd in its own cgroup namespace."""
+    and the util-linux tools that start slurmd in its own cgroup namespace; not if
+    $SLURM_DLRM_CLUSTER_CGROUP is "off"."""
+    switch = (os.environ if env is None else env).get(ENV_SWITCH, "").strip().lower()
+    if switch == "off":
+        return MemoryCgroup(False, f"turned off (${ENV_SWITCH}=off)")
+    if switch not in ("", "auto"):
+        raise BadInput(f"${ENV_SWITCH}: must be auto or off, got {switch!r}")
     mounts = _mounts(proc_mounts)
     v1 = root / "memory"
     for point, fstype, opts in mounts:

@@ -567,6 +567,7 @@ class LocalCluster:
     def render(self) -> None:
         """Write slurm.conf, gres.conf (and slurmdbd.conf) and the fake GPU devices."""
         c = self.config
+        self.memory_cgroup = localcgroup.detect()  # first: a bad $SLURM_DLRM_CLUSTER_CGROUP writes nothing
         # slurmd's spool folder (SlurmdSpoolDir=<state>/spool/slurmd-%n) holds its domain
         # sockets; 24.11+ log an error at start when it does not exist yet.
         for d in (c.etc_dir, c.run_dir, c.log_dir, c.state_dir / "ctld", c.state_dir / "spool",
@@ -644,10 +645,10 @@ class LocalCluster:
     def _memory_cgroup_values(self) -> dict[str, Any]:
         """Slurm constrains each job's memory where the host allows (localcgroup.py); the
         decision is kept for `_up` (how slurmd starts) and `cluster status` (one line)."""
-        self.memory_cgroup = localcgroup.detect()
-        (self.config.state_dir / localcgroup.DECISION_FILE).write_text(self.memory_cgroup.status_line() + "\n")
-        return {"task_plugin": "task/cgroup" if self.memory_cgroup.usable else "task/none",
-                "constrain_swap": "yes" if self.memory_cgroup.swap else "no"}
+        mc = self.memory_cgroup or localcgroup.detect()
+        (self.config.state_dir / localcgroup.DECISION_FILE).write_text(mc.status_line() + "\n")
+        return {"task_plugin": "task/cgroup" if mc.usable else "task/none",
+                "constrain_swap": "yes" if mc.swap else "no"}
 
     def _slurmd_argv(self, name: str) -> list[str]:
         argv = ["slurmd", "-f", str(self.config.slurm_conf), "-N", name]

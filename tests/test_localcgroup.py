@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from slurm_dlrm import localcgroup
+from slurm_dlrm.errors import BadInput
 from slurm_dlrm.localcgroup import MemoryCgroup
 
 
@@ -29,12 +30,12 @@ V1 = "cgroup ROOT/memory cgroup rw,nosuid,relatime,memory 0 0\n"
 
 def test_a_writable_v1_memory_controller_is_used(tmp_path):
     root, table = _host(tmp_path, "tmpfs ROOT tmpfs rw 0 0\n" + V1)
-    mc = localcgroup.detect(root, table, tools=("sh",))
+    mc = localcgroup.detect(root, table, tools=("sh",), env={})
     assert mc == MemoryCgroup(True, f"cgroup v1 memory controller at {root / 'memory'}", mount=root / "memory",
                               swap=True)
     assert mc.status_line().startswith("constrained per job by Slurm (task/cgroup")
     root, table = _host(tmp_path / "noswap", V1, memsw=False)
-    assert localcgroup.detect(root, table, tools=("sh",)).swap is False  # ConstrainSwapSpace=no
+    assert localcgroup.detect(root, table, tools=("sh",), env={}).swap is False  # ConstrainSwapSpace=no
 
 
 @pytest.mark.parametrize(("mounts", "why"), [
@@ -45,14 +46,23 @@ def test_a_writable_v1_memory_controller_is_used(tmp_path):
 ])
 def test_without_a_usable_v1_memory_controller_the_cluster_keeps_task_none(tmp_path, mounts, why):
     root, table = _host(tmp_path, mounts)
-    mc = localcgroup.detect(root, table, tools=("sh",))
+    mc = localcgroup.detect(root, table, tools=("sh",), env={})
     assert not mc.usable and why in mc.why, mc
     assert mc.status_line().startswith("not constrained (TaskPlugin=task/none): ")
 
 
+def test_the_switch_turns_it_off_and_refuses_other_words(tmp_path):
+    root, table = _host(tmp_path, V1)
+    off = localcgroup.detect(root, table, tools=("sh",), env={"SLURM_DLRM_CLUSTER_CGROUP": "off"})
+    assert not off.usable and "SLURM_DLRM_CLUSTER_CGROUP=off" in off.why
+    assert localcgroup.detect(root, table, tools=("sh",), env={"SLURM_DLRM_CLUSTER_CGROUP": "auto"}).usable
+    with pytest.raises(BadInput, match="must be auto or off"):
+        localcgroup.detect(root, table, tools=("sh",), env={"SLURM_DLRM_CLUSTER_CGROUP": "yes"})
+
+
 def test_missing_tools_are_named(tmp_path):
     root, table = _host(tmp_path, V1)
-    mc = localcgroup.detect(root, table, tools=("sh", "no-such-tool-here"))
+    mc = localcgroup.detect(root, table, tools=("sh", "no-such-tool-here"), env={})
     assert not mc.usable and "no-such-tool-here" in mc.why
 
 
