@@ -20,7 +20,8 @@ from click.testing import CliRunner
 from slurm_dlrm import localcluster as lc
 from slurm_dlrm.cli import cli
 from slurm_dlrm.errors import BadInput
-from slurm_dlrm.localcluster import config, ports, processes, rendering
+from slurm_dlrm.localcluster import config, memory_cgroup, ports, processes, rendering
+from slurm_dlrm.localcluster.memory_cgroup import MemoryCgroup
 from slurm_dlrm.slurm import JobState
 from slurm_dlrm.slurm.base import AccountingDisabled, SlurmError
 from slurm_dlrm.slurm.wait import wait_for_jobs
@@ -417,6 +418,11 @@ def test_rendered_files_match_golden(accounting, monkeypatch):
     if os.geteuid() != 0:
         pytest.skip("mknod needs root")
     monkeypatch.setattr(rendering.socket, "gethostname", lambda: "host.example.org")
+    # Not this host's cgroups: the plain cluster as on a cgroup v1 host (task/cgroup and
+    # cgroup.conf), the one with accounting as where memory cannot be constrained.
+    mc = (MemoryCgroup(False, "no cgroup v1 memory controller") if accounting else
+          MemoryCgroup(True, "v1", mount=Path("/sys/fs/cgroup/memory"), swap=True))
+    monkeypatch.setattr(memory_cgroup, "detect", lambda: mc)
     state_dir = Path("/tmp") / f"sdlrm-golden-{os.getpid()}"
     try:
         # Explicit values (the dataclass defaults), so edits of site.toml do not move the goldens.
@@ -424,7 +430,8 @@ def test_rendered_files_match_golden(accounting, monkeypatch):
                                accounting=accounting, admin=False)  # the admin files: tests/golden/admin
         lc.LocalCluster(cfg).render()
         suffix = "acct" if accounting else "plain"
-        for name in ("slurm.conf", "gres.conf") + (("slurmdbd.conf",) if accounting else ()):
+        assert (cfg.etc_dir / "cgroup.conf").exists() is not accounting
+        for name in ("slurm.conf", "gres.conf") + (("slurmdbd.conf",) if accounting else ("cgroup.conf",)):
             text = (cfg.etc_dir / name).read_text().replace(str(state_dir), "STATE")
             if name == "slurmdbd.conf":
                 text = re.sub(r"(?m)^StoragePass=.*$", "StoragePass=SECRET", text)

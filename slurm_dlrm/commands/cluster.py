@@ -11,6 +11,7 @@ import click
 
 from slurm_dlrm import localcluster as lc
 from slurm_dlrm.errors import BadInput
+from slurm_dlrm.localcluster import memory_cgroup
 
 _STATE_DIR_HELP = (f"State folder (config, logs, spool, pid files). Default: ${lc.ENV_DIR}, "
                    "else /tmp/slurm-dlrm-<hash of this checkout>.")
@@ -157,6 +158,7 @@ def _print_status(st: lc.ClusterStatus, as_json: bool, took_s: float | None = No
     data = st.to_json()
     if took_s is not None:
         data["took_s"] = round(took_s, 1)
+    data["memory"] = memory_cgroup.recorded(st.config.state_dir)  # whether Slurm constrains jobs' memory
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
@@ -170,6 +172,8 @@ def _print_status(st: lc.ClusterStatus, as_json: bool, took_s: float | None = No
              f"  accounting  {'on (sacct works)' if c.accounting else 'off'}",
              "  admin files " + (f"installed (site file {c.site_file}; slurm-dlrm admin check --site {c.site_file})"
                                  if c.admin_files else "not installed")]
+    if data["memory"]:
+        lines.append(f"  memory      {data['memory']}")
     for d in st.daemons:
         lines.append(f"  {d.name:<14} {'running' if d.running else 'stopped':<8} pid {d.pid or '-'}")
     for n in st.nodes:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.localcluster import rendering
+from slurm_dlrm.localcluster import memory_cgroup, rendering
 from slurm_dlrm.localcluster.accounting import start_mariadb, start_slurmdbd
 from slurm_dlrm.localcluster.config import (
     PORT_MYSQL,
@@ -116,6 +116,7 @@ def instance_lock(state_dir: Path) -> Iterator[None]:
 
 class LocalCluster:
     def __init__(self, config: ClusterConfig) -> None:
+        self.memory_cgroup: memory_cgroup.MemoryCgroup | None = None  # set by render()
         self.config = config
 
     @classmethod
@@ -157,8 +158,10 @@ class LocalCluster:
     # ------------------------------------------------------------ files
 
     def render(self) -> None:
-        """Write slurm.conf, gres.conf (and slurmdbd.conf) and the fake GPU devices."""
-        rendering.render(self.config)
+        """Write slurm.conf, gres.conf, cgroup.conf (and slurmdbd.conf) and the fake GPU devices."""
+        # first: a bad $SLURM_DLRM_CLUSTER_CGROUP writes nothing
+        self.memory_cgroup = memory_cgroup.detect()
+        rendering.render(self.config, self.memory_cgroup)
 
     # ------------------------------------------------------------ up / down
 
@@ -200,8 +203,7 @@ class LocalCluster:
                       daemonizes=True)
             for name in c.node_names:
                 if not by_name[f"slurmd-{name}"].running:
-                    spawn(c, f"slurmd-{name}", ["slurmd", "-f", str(c.slurm_conf), "-N", name],
-                          daemonizes=True)
+                    spawn(c, f"slurmd-{name}", self._slurmd_argv(name), daemonizes=True)
             self.wait_idle(wait_s)
         except BaseException:
             # Nothing half-up: stop what this call started (newest first), keep what ran before.
@@ -279,7 +281,21 @@ class LocalCluster:
             terminate(pid, c.state_dir, 5.0)
         if strays:
             stopped.append(f"{len(strays)} stray process(es)")
+        mc = memory_cgroup.detect()
+        if mc.usable and mc.mount is not None:  # Slurm's slurm_<node> folders below ours
+            memory_cgroup.remove_tree(memory_cgroup.cluster_cgroup(mc.mount, c.state_dir))
         return stopped
+
+    def _slurmd_argv(self, name: str) -> list[str]:
+        """slurmd, inside this cluster's own memory cgroup where Slurm constrains memory
+        (memory_cgroup.py: every local cluster on a host has a node1 and a job 1)."""
+        argv = ["slurmd", "-f", str(self.config.slurm_conf), "-N", name]
+        mc = self.memory_cgroup
+        if mc is None or not mc.usable or mc.mount is None:
+            return argv
+        cgroup = memory_cgroup.cluster_cgroup(mc.mount, self.config.state_dir)
+        cgroup.mkdir(exist_ok=True)
+        return memory_cgroup.wrap_argv(argv, cgroup, mc.mount)
 
     def _cancel_all_jobs(self) -> None:
         cl = self.client(timeout_s=10)

@@ -16,6 +16,7 @@ import secrets
 import socket
 import stat
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -30,13 +31,15 @@ from slurm_dlrm.localcluster.config import (
     ClusterError,
     saved_config_path,
 )
+from slurm_dlrm.localcluster.memory_cgroup import DECISION_FILE, MemoryCgroup
 from slurm_dlrm.package_data import data_dir
 
 TEMPLATE_DIR = data_dir("templates") / "localcluster"
 
 
-def render(c: ClusterConfig) -> None:
-    """Write slurm.conf, gres.conf (and slurmdbd.conf) and the fake GPU devices."""
+def render(c: ClusterConfig, memory: MemoryCgroup) -> None:
+    """Write slurm.conf, gres.conf, cgroup.conf where Slurm constrains memory (`memory`,
+    memory_cgroup.detect), slurmdbd.conf and the fake GPU devices."""
     # slurmd's spool folder (SlurmdSpoolDir=<state>/spool/slurmd-%n) holds its domain
     # sockets; 24.11+ log an error at start when it does not exist yet.
     for d in (c.etc_dir, c.run_dir, c.log_dir, c.state_dir / "ctld", c.state_dir / "spool",
@@ -81,7 +84,7 @@ def render(c: ClusterConfig) -> None:
         def_mem_per_cpu_mib=c.def_mem_per_cpu_mib, gpu_type=c.gpu_type,
         mps_per_gpu=c.mps_per_gpu, shards_per_gpu=c.shards_per_gpu, extra=extra,
         extra_source=extra_source, mysql_user=MYSQL_USER, mysql_db=MYSQL_DB,
-        mysql_password="")
+        mysql_password="", **memory_cgroup_values(c, memory))
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR), undefined=jinja2.StrictUndefined,
                              trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     _write(c.slurm_conf, one_source_per_key(env.get_template("slurm.conf.j2").render(values), extra))
@@ -90,6 +93,11 @@ def render(c: ClusterConfig) -> None:
         _write(gres_path, gres_text)
     else:
         _write(gres_path, env.get_template("gres.conf.j2").render(values))
+    cgroup_conf = c.etc_dir / "cgroup.conf"
+    if values["task_plugin"] == "task/cgroup":
+        _write(cgroup_conf, env.get_template("cgroup.conf.j2").render(values))
+    else:
+        cgroup_conf.unlink(missing_ok=True)
     lua = c.etc_dir / "job_submit.lua"
     if lua_text is not None:
         _write(lua, lua_text)
@@ -198,3 +206,11 @@ def _mknod_null(path: Path) -> None:
         raise ClusterError(f"cannot create device file {path}: `cluster up` must run as root "
                            "(mknod)") from None
 
+
+
+def memory_cgroup_values(c: ClusterConfig, memory: MemoryCgroup) -> dict[str, Any]:
+    """Slurm constrains each job's memory where the host allows (memory_cgroup.py); the
+    decision is kept in the state folder for `cluster status` (one line)."""
+    (c.state_dir / DECISION_FILE).write_text(memory.status_line() + "\n")
+    return {"task_plugin": "task/cgroup" if memory.usable else "task/none",
+            "constrain_swap": "yes" if memory.swap else "no"}
