@@ -61,6 +61,24 @@ def test_own_daemon_start_commands_quit(fake_bin, tmp_path):
     assert not d.root_dir.exists()  # pipe and log folders removed
 
 
+def test_a_server_ends_with_its_daemon_killed_outright(fake_bin, tmp_path):
+    import signal
+    import time
+
+    setup = open_mps(True, ["0"], tmp_path / "tmp", "job9", env=_env(fake_bin))
+    assert setup.daemon is not None
+    d = setup.daemon
+    d.command(f"start_server -uid {os.getuid()}")
+    (server,) = d.server_list()
+    daemon_pid = d.pid()
+    assert daemon_pid and _alive(server)
+    os.kill(daemon_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(server), "the fake MPS server outlived its control daemon"
+
+
 def test_a_second_daemon_on_the_same_pipe_is_refused(fake_bin, tmp_path):
     env = _env(fake_bin, CUDA_MPS_PIPE_DIRECTORY=str(tmp_path / "p"), CUDA_MPS_LOG_DIRECTORY=str(tmp_path / "l"))
     exe = str(fake_bin / "nvidia-cuda-mps-control")

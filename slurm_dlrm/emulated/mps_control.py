@@ -404,7 +404,10 @@ class _Daemon:
             if s["uid"] == int(uid):
                 return "", False
         # A server runs as its user (what `stat /proc/<pid>` shows); only root can do that here.
-        proc = subprocess.Popen(["sleep", "infinity"], stdin=subprocess.DEVNULL,  # noqa: S603
+        # Like the real one it ends with its control daemon, also one killed outright (a
+        # `sleep infinity` outlived a SIGKILLed daemon: a stray in every CI run).
+        watch = 'while [ -e "/proc/$0" ]; do sleep 0.5; done'
+        proc = subprocess.Popen(["sh", "-c", watch, str(os.getpid())], stdin=subprocess.DEVNULL,  # noqa: S603
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 user=int(uid) if os.getuid() == 0 else None)
         self.servers[proc.pid] = proc
