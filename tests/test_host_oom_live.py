@@ -113,7 +113,9 @@ def test_a_member_over_its_packs_mem_is_oom_killed_by_slurms_cgroup_retried_and_
         events = " | ".join(e["reason"] for e in d["events"])
         assert "the kernel OOM killer" in events and "out of host memory" in events, events
         # The first pack's own end is Slurm's FAILED: srun marks the agent's step OUT_OF_MEMORY
-        # (an OOM kill in its cgroup) and exits 1, though the agent handled it (not judged here).
+        # (an OOM kill in its cgroup) and exits 1, though the agent handled it; the pack did
+        # its work, so it is recorded COMPLETED with Slurm's word in its reason.
+        assert first["pack_state"] == "COMPLETED", first
         assert second["pack_state"] == "COMPLETED", second
         # Slurm's own view: the retry's pack asked for more, and the first pack's job cgroup
         # counted the kill (slurmstepd logs it when the step ends).

@@ -122,6 +122,43 @@ def test_member_without_an_end_report_fails_with_the_pack_reason(world):
     assert store.get_pack(pack.id).state == PackState.FAILED
 
 
+def test_a_pack_whose_agent_handled_a_host_oom_is_not_a_failed_allocation(world):
+    """Under task/cgroup srun fails the agent's step (batch exit 1) for an OOM kill in the
+    job cgroup the agent handled: the member is OOM_HOST and retried, its neighbour completed,
+    the agent exited in order, so the pack completed (Slurm's word kept in its reason).
+    Without the agent's exit report the same ending is a failed pack."""
+    svc, store, slurm, clock, cluster = world
+    a, b = add_job(store, "a"), add_job(store, "b")
+    svc.run_round()
+    (pack,) = store.packs()
+    sid = int(pack.slurm_job_id)
+    slurm.start(sid)
+    p = cluster.placement_of(sid)
+    cluster.member(p, a, "RUNNING")
+    cluster.member(p, b, "RUNNING")
+    cluster.member(p, a, "OOM_HOST", 137, "killed by the kernel's OOM killer in the job's memory cgroup")
+    cluster.member(p, b, "COMPLETED", 0)
+    cluster.report(p, [{"type": "agent", "event": "exit", "detail": "members: done"}])
+    slurm.finish(sid, exit_code=1)
+    svc.run_round()
+    done = store.get_pack(pack.id)
+    assert done.state == PackState.COMPLETED and "Slurm: FAILED" in (done.reason or "")
+    assert store.get_job(b).state == JobState.COMPLETED
+    assert store.get_job(a).attempt == 1  # retried with more host memory
+
+    c = add_job(store, "c")
+    svc.run_round()
+    (other,) = [q for q in store.packs() if store.get_job(c).pack_id == q.id]
+    sid = int(other.slurm_job_id)
+    slurm.start(sid)
+    q = cluster.placement_of(sid)
+    cluster.member(q, c, "RUNNING")
+    cluster.member(q, c, "COMPLETED", 0)
+    slurm.finish(sid, exit_code=1)  # no agent exit: the agent died after its member ended
+    svc.run_round()
+    assert store.get_pack(other.id).state == PackState.FAILED
+
+
 def test_node_fail_requeues_members_and_they_run_again(world):
     svc, store, slurm, clock, cluster = world
     a = add_job(store, "a")

@@ -541,15 +541,22 @@ class PackingService:
         from slurm_dlrm.store.states import JobState, PackState
 
         self.ingest(pack)  # the agents' last words first
+        live = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED", "RUNNING"))]
         to = {"COMPLETED": PackState.COMPLETED, "CANCELLED": PackState.CANCELLED,
               "LOST": PackState.LOST}.get(slurm_state, PackState.FAILED)
         why = f"Slurm: {slurm_state}" + (f" ({reason})" if reason else "")
+        if to == PackState.FAILED and slurm_state in ("FAILED", "OUT_OF_MEMORY") and not live \
+                and self._every_agent_exited(pack):
+            # Under task/cgroup srun fails the agent's step for an OOM kill in the job's
+            # cgroup, one the agent handled (the member is OOM_HOST, retried): the pack
+            # itself did its work, so it is not a failed allocation (Slurm's word stays).
+            to = PackState.COMPLETED
+            why += "; every agent exited after its members had ended"
         now = self.clock()
         ended = None if end_time is None else max(min(end_time, now), pack.start_time or 0.0)
         self.store.transition_pack(pack.id, to, why, nodes=nodes, t=ended)
         stats.transitions += 1
         self.heartbeats.pop(pack.id, None)
-        live = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED", "RUNNING"))]
         recoverable = slurm_state in RECOVERABLE_PACK_ENDINGS
         tail = self._output_tail(pack) if to == PackState.FAILED and not recoverable else ""
         if recoverable:
@@ -569,6 +576,12 @@ class PackingService:
                                           exit_code=exit_code)
             stats.transitions += 1
         self.refill.forget(pack.id)
+
+    def _every_agent_exited(self, pack: Any) -> bool:
+        """Whether the agent of each of the pack's nodes reported its own orderly exit."""
+        nodes = {(e.get("data") or {}).get("node") for e in self.store.events(pack_id=pack.id, kind="agent")
+                 if e.get("reason") == "exit"}
+        return len(nodes) >= max(1, pack.n_nodes or 1)
 
     def _output_tail(self, pack: Any) -> str:
         """The last line of the pack's batch output: usually why an agent could not start."""
