@@ -77,6 +77,15 @@ def test_oom_raise_follows_observed_error_not_doubling():
     assert "host" in far_off.reason
 
 
+def test_a_retry_after_a_limit_below_the_estimate_asks_at_least_the_estimate():
+    """The site calibration may lower a first run's host limit under its estimate; an OOM
+    there retries with at least the estimate, and the reason says the figure it asks."""
+    d = decide_after_oom("host", GIB, 3 * GIB, limit_bytes=2 * GIB, measured_peak_bytes=2 * GIB,
+                         attempt=1, max_attempts=3, capacity_bytes=256 * GIB)
+    assert d.action == "requeue" and d.host_mem_bytes == 3 * GIB
+    assert d.reason.endswith(f"with {3 * GIB // MIB} MiB")
+
+
 def test_oom_gives_up_at_retry_limit_or_capacity():
     d = decide_after_oom("gpu", GIB, GIB, GIB, GIB, attempt=3, max_attempts=3, capacity_bytes=80 * GIB)
     assert d.action == "fail" and "3 times" in d.reason

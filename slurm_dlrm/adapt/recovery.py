@@ -57,6 +57,9 @@ def decide_after_oom(
     hit = max(limit_bytes, measured_peak_bytes or 0)
     observed_error = hit / est - 1.0 if est > 0 else 1.0
     new = _round_up(hit * (1.0 + max(observed_error, min_raise_frac)))
+    # A limit below the estimate (the site's host calibration lowered it) proved too low:
+    # the retry asks at least the estimate, and says so (the demand never went below it).
+    new = max(new, _round_up(est))
     what = "GPU" if kind == "gpu" else "host"
     if attempt >= max_attempts:
         return OomDecision(
