@@ -128,7 +128,7 @@ def _history(site: Any, fingerprint: str) -> tuple[list[Any], list[Any]]:
     runs of any spec (`SiteRun`s, both device kinds), from the user's store (if any)."""
     from slurm_dlrm.estimate import HistoryRecord
     from slurm_dlrm.estimate.calibrate import SITE_MAX_RUNS
-    from slurm_dlrm.service.recovery import site_runs
+    from slurm_dlrm.service.warm_start import site_runs
 
     try:
         from slurm_dlrm.service.remote import lease_elsewhere, open_snapshot

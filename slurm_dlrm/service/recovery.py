@@ -42,17 +42,19 @@ the interference model's relative speed now over its relative speed then (member
 that ended since make it faster). The analytic solo samples/s of the estimate is not
 used: it describes the GPU the spec was estimated for, not the node it runs on.
 
-Over 600 lines: one class, `Recovery`, the live path of every decision listed above;
-they share its per-service memory (notes made once, the re-pack budget, the refitted
-model, pending demands) and each is one short section; the decisions themselves are
-`slurm_dlrm.adapt`'s.
+`Recovery` is one class, the live path of every decision listed above; they share its
+per-service memory (`service/recovery_state.py`: notes made once, the re-pack budget,
+the refitted model, pending demands). Two parts a newcomer looks for on their own sit
+in their own modules, as bases of `Recovery`: the warm start (`service/warm_start.py`)
+and the interference model's refit (`service/interference_refit.py`). The decisions
+themselves are `slurm_dlrm.adapt`'s.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -66,78 +68,27 @@ from slurm_dlrm.adapt import (
     find_stragglers,
     fit_perf_model,
     update_after_warmup,
-    warm_start,
 )
 from slurm_dlrm.adapt.stragglers import choose_moves
-from slurm_dlrm.packing.interference import (
-    DEFAULT_PARAMS,
-    InterferenceParams,
-    predict_speeds_from_fractions,
-    prediction_error,
-    refit_interference,
-)
+from slurm_dlrm.packing.interference import predict_speeds_from_fractions
+from slurm_dlrm.service.interference_refit import InterferenceRefit
+from slurm_dlrm.service.recovery_state import ADAPT, LEARNED, MOVE, RecoveryConfig
+from slurm_dlrm.service.warm_start import WarmStart
 from slurm_dlrm.site import MIB
-from slurm_dlrm.store.colocations import (
-    PackColocations,
-    colocation_samples,
-    pack_colocations,
-    usable_colocations,
-)
+from slurm_dlrm.store.colocations import PackColocations
 
 log = logging.getLogger(__name__)
 
-LEARNED = "learned"  # event kind: a correction learned for a spec fingerprint
-MOVE = "move"  # event kind: a member was asked to checkpoint so it can be moved
-ADAPT = "adapt"  # event kind: warm start, warm-up update, share tuning
-MAX_FACTOR = 3.0  # as the estimator's calibration: refuse absurd corrections
-HISTORY = 10  # the most recent runs of a fingerprint; older ones may predate a code change
 FRESH_PLAN_PENDING = 32  # pending jobs a re-pack's fresh plan considers (keeps the round cheap)
 REPACK_JUDGEMENTS_PER_ROUND = 64  # members judged for a re-pack per round; the rest wait a round
-LEARNED_MODEL_FILE = "interference_model.json"  # in the store folder, mode 0600
-REFIT_PACKS = 200  # the most recent ended packs whose co-locations feed the interference refit
 UNKNOWN_REMAINING_S = 1e9  # a job without a step count: only the threshold decides
-
-
-def site_runs(rows: list[Any], device_kind: str, ran_on_cache: dict[int, str | None] | None = None) -> list[Any]:
-    """The site-wide host calibration's runs (`SiteRun`) from `Store.site_host_runs` rows
-    of `device_kind`. A run whose runner recorded another device (a GPU-run estimate of a
-    member that trained on the CPU, as on fake GPUs: its tables were in host memory) is
-    left out: its RSS says nothing about that estimate's runtime term. Unknown (no
-    metrics): kept. `ran_on_cache`: job id -> device, kept across calls (a finished run's
-    metrics do not change); trimmed to `rows`."""
-    from slurm_dlrm.estimate.calibrate import site_run
-    from slurm_dlrm.store.report import ran_on
-
-    cache = {} if ran_on_cache is None else ran_on_cache
-    out = []
-    for row in rows:
-        if row.job_id not in cache:
-            cache[row.job_id] = ran_on(row.pack_dir, row.job_id)
-        if cache[row.job_id] not in (None, device_kind):
-            continue
-        r = site_run(row.estimate, row.meas_host_peak_bytes, row.end_time or 0.0)
-        if r is not None:
-            out.append(r)
-    if ran_on_cache is not None and len(cache) > 4 * len(rows) + 64:
-        for job_id in set(cache) - {row.job_id for row in rows}:
-            del cache[job_id]
-    return out
-
-
-@dataclass(frozen=True)
-class RecoveryConfig:
-    straggler_ratio: float = 0.7
-    straggler_sustained_s: float = 120.0
-    warmup_s: float = 60.0  # measured window that replaces the predicted profile
-    profile_change_pct: float = 25.0
-    min_perf_points: int = 3  # distinct (share, cpus) settings before a perf model is trusted
 
 
 def _fraction(pct: float | None) -> float:
     return min(1.0, max(0.0, (pct or 0.0) / 100.0))
 
 
-class Recovery:
+class Recovery(WarmStart, InterferenceRefit):
     """State that only saves work (which events were written); a restart loses nothing."""
 
     def __init__(self, svc: Any, config: RecoveryConfig | None = None) -> None:
@@ -163,27 +114,6 @@ class Recovery:
         self._learned_at = 0  # co-located GPUs the last learned fit saw
         self.interference_source = "analytic defaults"
         self.interference_params = self._initial_params()
-
-    def _fresh(self) -> None:
-        if self._cache_round != self.svc.rounds:
-            self._cache_round = self.svc.rounds
-            self._history.clear()
-            self._site_runs.clear()
-            self._learned_events = None
-            self._pending = None
-            self._perf.clear()
-            self._busy.clear()
-
-    @property
-    def store(self) -> Any:
-        return self.svc.store
-
-    def _once(self, what: str, job: Any) -> bool:
-        key = (what, int(job.id), int(job.attempt))
-        if key in self.announced:
-            return False
-        self.announced.add(key)
-        return True
 
     # ------------------------------------------------------------ OOM
 
@@ -225,128 +155,6 @@ class Recovery:
         # The checkpoint dir is per job (service.write_pack_dir), so the next pack resumes from it.
         s.transition_job(job_id, JobState.PENDING, f"{decision.reason}; resumes from its checkpoint", t=t,
                          gpu_mem_request_bytes=decision.gpu_mem_bytes, host_mem_request_bytes=decision.host_mem_bytes)
-
-    def learned_factors(self, fingerprint: str) -> tuple[float, float, int]:
-        """(GPU factor, host factor, runs) learned for a fingerprint: the largest
-        needed/estimated ratio over its recent OOM raises and finished runs; >= 1
-        (a smaller figure is not trusted: under a fence an under-estimate kills)."""
-        gpu, host = [], []
-        for r in self.store.calibration(fingerprint, limit=HISTORY):
-            if r.est_gpu_peak_bytes and r.meas_gpu_peak_bytes:
-                gpu.append(r.meas_gpu_peak_bytes / r.est_gpu_peak_bytes)
-            if r.est_host_peak_bytes and r.meas_host_peak_bytes:
-                host.append(r.meas_host_peak_bytes / r.est_host_peak_bytes)
-        self._fresh()
-        if self._learned_events is None:
-            self._learned_events = self.store.events(kind=LEARNED)[-10 * HISTORY:]
-        for ev in self._learned_events:
-            d = ev.get("data") or {}
-            if d.get("fingerprint") == fingerprint:
-                if d.get("gpu_factor"):
-                    gpu.append(float(d["gpu_factor"]))
-                if d.get("host_factor"):
-                    host.append(float(d["host_factor"]))
-        runs = max(len(gpu), len(host))
-        return (min(MAX_FACTOR, max([1.0, *gpu])), min(MAX_FACTOR, max([1.0, *host])), runs)
-
-    # ------------------------------------------------------------ warm start
-
-    def adapt_demand(self, job: Any, demand: Any) -> Any:
-        """The demand the policy sees for `job`, adapted from measurements."""
-        if job.attempt == 0:
-            return self._warm_start(job, demand)
-        usage = self.store.usage(job.id)
-        if usage is None or not usage.sm_util_mean:
-            return demand
-        # A requeued job is planned with what it was measured to use.
-        return replace(demand, sm_util_pct=float(usage.sm_util_mean),
-                       host_cpu_cores=max(demand.host_cpu_cores, (usage.host_cpu_mean or 0.0) / 100.0))
-
-    def _warm_start(self, job: Any, demand: Any) -> Any:
-        self._fresh()
-        fp = job.spec_fingerprint
-        if fp not in self._history:
-            self._history[fp] = (self.learned_factors(fp), self._similar_profiles(job))
-        (gpu_f, host_f, runs), similar = self._history[fp]
-        notes = []
-        if gpu_f > 1.0 and job.est_gpu_peak_bytes:
-            extra = int(job.est_gpu_peak_bytes * (gpu_f - 1.0))
-            need = (job.gpu_mem_request_bytes or 0) - job.est_gpu_peak_bytes
-            if extra > need:
-                demand = replace(demand, gpu_mem_bytes=demand.gpu_mem_bytes + extra - max(0, need))
-                notes.append(f"GPU x{gpu_f:.2f}")
-        if host_f > 1.0 and job.est_host_peak_bytes:
-            want = int(job.est_host_peak_bytes * host_f)
-            if want > demand.host_mem_bytes:
-                demand = replace(demand, host_mem_bytes=want)
-                notes.append(f"host x{host_f:.2f}")
-        if runs == 0:
-            demand = self._site_host(job, demand)
-        if similar:
-            analytic = Profile(demand.sm_util_pct, demand.membw_util_pct, demand.host_cpu_cores,
-                               demand.solo_samples_per_s)
-            ws = warm_start(analytic, similar)
-            demand = replace(demand, sm_util_pct=ws.profile.sm_util_pct, host_cpu_cores=ws.profile.host_cpu_cores)
-            notes.append(ws.reason)
-        if notes and self._once("warm", job):
-            self.store.add_event(ADAPT, f"warm start from {max(runs, len(similar))} run(s) of spec "
-                                 f"{job.spec_fingerprint[:12]}: {'; '.join(notes)}", job_id=job.id,
-                                 data={"gpu_factor": gpu_f, "host_factor": host_f, "similar": len(similar)})
-        return demand
-
-    def _site_host(self, job: Any, demand: Any) -> Any:
-        """A job whose fingerprint has no history: its host demand corrected by the site's
-        finished runs of any spec with the same device kind (issue 43 item 13: the runtime
-        term's resident pages depend on the site's page cache). Not where the store holds a
-        request other than the estimate (an OOM raise): that one is a measurement."""
-        from slurm_dlrm.estimate.calibrate import (
-            SITE_MAX_RUNS,
-            estimate_device_kind,
-            site_host_correction,
-        )
-
-        est = job.estimate or {}
-        bd = est.get("host_breakdown") or {}
-        kind = estimate_device_kind(bd)
-        if kind is None or not job.est_host_peak_bytes or "calibration" in bd or "site_calibration" in bd:
-            return demand
-        if job.host_mem_request_bytes not in (None, job.est_host_peak_bytes):
-            return demand
-        if kind not in self._site_runs:
-            self._site_runs[kind] = site_runs(self.store.site_host_runs(kind, limit=SITE_MAX_RUNS), kind,
-                                              self._ran_on)
-        corr = site_host_correction(self._site_runs[kind], kind, int(bd["runtime"]))
-        if corr is None or corr.correction_bytes == 0:
-            return demand
-        delta = corr.correction_bytes
-        before = demand.host_mem_bytes
-        demand = replace(demand, host_mem_bytes=max(1, before + delta),
-                         ranks=tuple(replace(r, host_mem_bytes=max(1, r.host_mem_bytes + delta))
-                                     for r in demand.ranks))
-        if self._once("site-host", job):
-            self.store.add_event(
-                ADAPT, f"warm start from the site's host calibration: spec {job.spec_fingerprint[:12]} has no "
-                f"finished run; host peak {before / MIB:.0f} -> {demand.host_mem_bytes / MIB:.0f} MiB "
-                f"({delta / MIB:+.0f} MiB, the largest measured - estimated of the {corr.runs} most recent "
-                f"finished {kind} run(s) of any spec" + (", clamped to half the runtime term)" if corr.clamped else ")"),
-                job_id=job.id, data={"site_host_correction_bytes": delta, "runs": corr.runs, "device_kind": kind,
-                                     "clamped": corr.clamped})
-        return demand
-
-    def _similar_profiles(self, job: Any) -> list[Profile]:
-        from slurm_dlrm.store.states import JobState
-
-        out = []
-        for r in self.store.calibration(job.spec_fingerprint, limit=HISTORY):
-            if r.job_id == job.id or r.state != JobState.COMPLETED:
-                continue
-            u = self.store.usage(r.job_id)
-            if u is None or not u.sm_util_mean:
-                continue
-            out.append(Profile(sm_util_pct=float(u.sm_util_mean), membw_util_pct=0.0,
-                               host_cpu_cores=max(0.1, (u.host_cpu_mean or 100.0) / 100.0),
-                               samples_per_s=float(u.samples_per_s_mean or 0.0)))
-        return out  # bandwidth is not measured per member: only SM and host figures are taken
 
     # ------------------------------------------------------------ heartbeats
 
@@ -659,225 +467,6 @@ class Recovery:
                              "with job(s) " + ", ".join(str(o) for o in others)) + " in a fresh plan"
                     return m, where
         return None, "no place in a fresh plan"
-
-    # ------------------------------------------------------------ interference refit
-
-    def learned_model_path(self) -> Path:
-        """Where the service keeps the model it learnt (its own store folder)."""
-        return Path(self.store.path).parent / LEARNED_MODEL_FILE
-
-    def _initial_params(self) -> InterferenceParams:
-        """The service's own learned model if it adopted one, else the site's
-        `adapt.interference_model`, else the last analytic refit (else the defaults). A
-        file that cannot be used is logged (and an event says why); planning goes on
-        with the next in that order."""
-        from slurm_dlrm.errors import BadInput
-        from slurm_dlrm.store.model_file import load_model
-
-        analytic = self._last_refit_params()
-        candidates = [(self.learned_model_path(), "learned by this service")]
-        site_file = self.svc.site.adapt.interference_model
-        if site_file:
-            candidates.append((Path(site_file).expanduser(), "site adapt.interference_model"))
-        for path, what in candidates:
-            if not path.exists():
-                if what.startswith("site"):
-                    log.warning("interference model %s (%s) does not exist; planning with the analytic model", path, what)
-                continue
-            try:
-                model = load_model(path)
-            except BadInput as exc:
-                log.warning("interference model not used: %s; planning with the analytic model", exc)
-                self.store.add_event(ADAPT, f"interference model not used: {exc}", data={"model_file": str(path)})
-                continue
-            self.interference_source = f"learned, {path} ({what})"
-            return InterferenceParams(analytic.sm_contention, analytic.membw_contention, analytic.per_client_overhead,
-                                      speed_model=model)
-        chosen = self._last_planner_choice(analytic)
-        if chosen is not None:
-            self.interference_source = f"{chosen.model_name}, chosen on this site's co-locations (issue 37)"
-            return chosen
-        if analytic != DEFAULT_PARAMS:
-            self.interference_source = "analytic, refitted"
-        return analytic
-
-    def _last_refit_params(self) -> InterferenceParams:
-        """The parameters of the last refit (events survive a restart), else the defaults."""
-        import json
-
-        row = self.store.conn.execute(
-            "SELECT data_json FROM events WHERE kind = ? AND data_json LIKE '%\"interference\"%' "
-            "ORDER BY id DESC LIMIT 1", (ADAPT,)).fetchone()
-        try:
-            p = json.loads(row[0])["interference"] if row else None
-            return InterferenceParams(float(p["sm_contention"]), float(p["membw_contention"]),
-                                      float(p["per_client_overhead"])) if p else DEFAULT_PARAMS
-        except (ValueError, KeyError, TypeError):
-            return DEFAULT_PARAMS
-
-    def maybe_refit(self) -> bool:
-        """Every `adapt.refit_every_rounds` rounds: refit the interference model from the
-        measured co-locations of the newest ended packs (each member's mean samples/s while
-        all of its GPU's members were reporting, over the median solo rate of its spec
-        from packs where it ran alone on a GPU without an MPS cap). Adopted when it lowers
-        the mean error on those samples; an event records the parameters and both errors.
-        True if refitted."""
-        from slurm_dlrm.store.states import PACK_TERMINAL
-
-        cfg = self.svc.site.adapt
-        if self.svc.rounds % cfg.refit_every_rounds:
-            return False
-        # The newest ended packs by id: their samples are complete, so what each holds is
-        # read once and kept (a scan of samples, the store's largest table, every time would not be cheap).
-        marks = ",".join("?" * len(PACK_TERMINAL))
-        packs = [int(r[0]) for r in self.store.conn.execute(
-            f"SELECT id FROM packs WHERE state IN ({marks}) ORDER BY id DESC LIMIT ?",
-            (*sorted(str(x) for x in PACK_TERMINAL), REFIT_PACKS))]
-        for pid in packs:
-            if pid not in self._colocations:
-                self._colocations[pid] = pack_colocations(self.store.conn, pid)
-        for pid in set(self._colocations) - set(packs):
-            del self._colocations[pid]
-        solo, usable = usable_colocations(self._colocations)
-        used = tuple(gpu_key for gpu_key, _ in usable)
-        if len(usable) < cfg.refit_min_samples or used == self._refit_key:
-            return False
-        self._refit_key = used
-        samples = [s for _, _, s in colocation_samples(self.store, solo, usable)]
-        refitted = self._refit_analytic(samples)
-        learned = self.maybe_refit_learned(samples)
-        chosen = self._choose_planner_model(samples)
-        return refitted or learned or chosen
-
-    def _choose_planner_model(self, samples: list[Any]) -> bool:
-        """Issue 37: a model plans only if it beats the naive rule clearly on this site's own
-        co-locations, held out (`packing.pairwise.choose_planner_model`: the analytic
-        constants, the neighbour model, the naive rule); where none does, the naive rule
-        plans and an event says so. A learned model in use keeps its own check
-        (`maybe_refit_learned`). True if the model that plans changed."""
-        from slurm_dlrm.packing.pairwise import NeighbourModel, choose_planner_model
-
-        current = self.interference_params
-        if current.model_name == "learned":
-            return False
-        try:
-            choice = choose_planner_model(samples, current.analytic())
-        except (ValueError, FloatingPointError) as exc:
-            log.warning("choosing the interference model on %d co-located GPU(s) failed: %s; model kept",
-                        len(samples), exc)
-            return False
-        model = choice.params.speed_model
-        if choice.name == "analytic":
-            if current.speed_model is None:
-                return False
-            self.interference_params = current.analytic()
-        elif model == current.speed_model:
-            return False
-        else:
-            a = current.analytic()
-            self.interference_params = replace(a, speed_model=model)
-        self.interference_source = f"{choice.name}, chosen on {len(samples)} co-located GPU(s) ({choice.how})"
-        data: dict[str, Any] = {"planner_model": choice.name, "held_out_mae": choice.held_out_mae, "how": choice.how}
-        if isinstance(model, NeighbourModel):
-            data["neighbour"] = {"scale": model.scale, "power": model.power}
-        self.store.add_event(ADAPT, f"interference: {choice.reason}", data=data)
-        log.info("interference: %s", choice.reason)
-        return True
-
-    def _last_planner_choice(self, analytic: InterferenceParams) -> InterferenceParams | None:
-        """The naive rule or the neighbour model if the last choice made one plan (events
-        survive a restart)."""
-        import json
-
-        from slurm_dlrm.packing.pairwise import NaiveModel, NeighbourModel
-
-        row = self.store.conn.execute(
-            "SELECT data_json FROM events WHERE kind = ? AND data_json LIKE '%\"planner_model\"%' "
-            "ORDER BY id DESC LIMIT 1", (ADAPT,)).fetchone()
-        try:
-            d = json.loads(row[0]) if row else None
-            if d is None or d["planner_model"] == "analytic":
-                return None
-            if d["planner_model"] == "naive":
-                return replace(analytic, speed_model=NaiveModel())
-            n = d["neighbour"]
-            return replace(analytic, speed_model=NeighbourModel(float(n["scale"]), float(n["power"])))
-        except (ValueError, KeyError, TypeError):
-            return None
-
-    def _refit_analytic(self, samples: list[Any]) -> bool:
-        """Refit the constants (the formula's, or the learned model's prior) on `samples`;
-        adopted when they lower the mean error there. An event either way."""
-        current = self.interference_params
-        analytic = current.analytic()
-        before = prediction_error(samples, analytic)
-        try:
-            fitted = refit_interference(samples, start=analytic)
-        except (ValueError, FloatingPointError) as exc:  # e.g. a non-finite rate in the samples
-            log.warning("interference refit on %d co-located GPU(s) failed: %s; model kept", len(samples), exc)
-            return False
-        after = prediction_error(samples, fitted)
-        names = ("alpha", "beta", "gamma")
-        change = ", ".join(f"{n} {a:.3f} -> {b:.3f}" for n, a, b in zip(names, analytic.as_tuple(), fitted.as_tuple(),
-                                                                       strict=True))
-        data: dict[str, Any] = {"samples": len(samples), "error_before": before, "error_after": after}
-        if after < before:
-            # A learned model keeps planning; the refitted constants become its prior's.
-            self.interference_params = replace(fitted, speed_model=current.speed_model)
-            data["interference"] = {"sm_contention": fitted.sm_contention, "membw_contention": fitted.membw_contention,
-                                    "per_client_overhead": fitted.per_client_overhead}
-            self.store.add_event(ADAPT, f"interference model refit from {len(samples)} co-located GPU(s): {change}; "
-                                 f"mean error of the relative speed {before:.3f} -> {after:.3f}", data=data)
-            log.info("interference model refit: %s", change)
-            return True
-        self.store.add_event(ADAPT, f"interference model kept: a refit on {len(samples)} co-located GPU(s) "
-                             f"does not lower its mean error ({before:.3f} -> {after:.3f})", data=data)
-        return False
-
-    def maybe_refit_learned(self, samples: list[Any]) -> bool:
-        """Every `adapt.learned_refit_every_groups` new co-located GPUs: fit the learned
-        model on the same samples and plan with it only if its cross-validated error
-        (leave-jobs-out when there are enough jobs) is below the analytic model's on
-        them. An event records both figures either way. True if it switched."""
-        import time
-
-        from slurm_dlrm.packing.interference_eval import learned_cross_validation
-        from slurm_dlrm.packing.learned import fit_learned
-        from slurm_dlrm.store.model_file import save_model
-
-        cfg = self.svc.site.adapt
-        n = len(samples)
-        if not cfg.learned_refit_every_groups or n < cfg.learned_min_groups:
-            return False
-        if self._learned_at and n - self._learned_at < cfg.learned_refit_every_groups:
-            return False
-        self._learned_at = n
-        prior = self.interference_params.analytic()
-        t0 = time.perf_counter()
-        try:
-            cv = learned_cross_validation(samples, prior, folds=min(5, n))
-            model = fit_learned(samples, prior, info={"cv": cv, "fitted_from": f"store {self.store.path}"})
-        except (ValueError, FloatingPointError, RuntimeError) as exc:
-            log.warning("learned interference fit on %d co-located GPU(s) failed: %s; model kept", n, exc)
-            return False
-        learned, analytic = cv["learned_jobs_out_mae"], cv["analytic_mae"]
-        how = "leave-jobs-out" if cv["jobs_out"] else "leave-groups-out"
-        data = {"samples": n, "learned_cv_mae": learned, "analytic_mae": analytic, "cv": how,
-                "fit_s": round(time.perf_counter() - t0, 2)}
-        if learned < analytic:
-            try:
-                save_model(model, self.learned_model_path())
-            except OSError as exc:
-                log.warning("learned interference model not saved (%s); it plans until the service restarts", exc)
-            self.interference_params = InterferenceParams(prior.sm_contention, prior.membw_contention,
-                                                          prior.per_client_overhead, speed_model=model)
-            self.interference_source = f"learned, {self.learned_model_path()} (learned by this service)"
-            self.store.add_event(ADAPT, f"interference: the learned model plans: on {n} co-located GPU(s) its "
-                                 f"{how} error {learned:.3f} beats the analytic model's {analytic:.3f}", data=data)
-            return True
-        self.store.add_event(ADAPT, f"interference: the learned model does not plan: on {n} co-located GPU(s) its "
-                             f"{how} error {learned:.3f} does not beat the analytic model's {analytic:.3f}", data=data)
-        return False
 
     def on_member_cancelled(self, job: Any, t: float) -> bool:
         """The agent stopped a member: if the service had asked it to move, requeue it

@@ -67,7 +67,7 @@ def running_packs(store: Any, site: Any, user: str, live: dict[int, Any], now_s:
     start-up left and measured peaks. The allocation counts the members' CPUs and memory
     (the refill headroom it may hold beyond them is not in the store)."""
     from slurm_dlrm.service.measured import member_peaks
-    from slurm_dlrm.service.recovery import RecoveryConfig
+    from slurm_dlrm.service.recovery_state import RecoveryConfig
     from slurm_dlrm.sim.snapshot import RunningMember, RunningPack
     from slurm_dlrm.site import expand_hostlist
     from slurm_dlrm.store.states import PackState
