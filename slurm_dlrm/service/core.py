@@ -30,10 +30,8 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,32 +45,12 @@ from slurm_dlrm.service.common import (
 )
 from slurm_dlrm.service.pack_folder import PackFolder
 from slurm_dlrm.service.sbatch_options import SbatchOptions
+from slurm_dlrm.service.settings import RoundStats, ServiceSettings
 from slurm_dlrm.site import MIB, SiteConfig
 
 log = logging.getLogger(__name__)
 
 STARTING_ROUND_S = 2.0  # rounds this often while packs start (next_delay_s)
-
-MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
-
-
-@dataclass(frozen=True)
-class ServiceSettings:
-    user: str
-    python: str = sys.executable
-    sbatch_timeout_s: float = 30.0  # the Slurm client's command timeout
-    backoff_min_s: float = 2.0
-    backoff_max_s: float = 60.0
-    max_attempts: int = MAX_ATTEMPTS
-    policy: str | None = None  # None: the site's packing.policy
-    # Batched dispatch (RMixer): plan when this long passed since the last plan, or when
-    # packing.round_batch_size jobs arrived since. None: the site's packing.round_seconds.
-    dispatch_window_s: float | None = None
-    # A pack pinned to its planned node (--nodelist) that Slurm holds back for want of
-    # resources there this long after sbatch is withdrawn and its members planned again
-    # on a fresh view of the nodes; None: max(PIN_WAIT_MIN_S, PIN_WAIT_ROUNDS windows).
-    pin_wait_s: float | None = None
-
 
 # A pinned pack waits "Resources" on its node at most this long (or this many dispatch
 # windows): the plan saw the node free, so a longer wait means someone else took it.
@@ -82,18 +60,6 @@ PIN_WAIT_ROUNDS = 6
 # reserved, gone from the partition): a pinned pack with one is withdrawn at once.
 NODE_UNAVAILABLE_REASONS = ("ReqNodeNotAvail", "NodeDown", "Nodes required for job are DOWN",
                             "PartitionNodeLimit", "PartitionConfig")
-
-
-@dataclass
-class RoundStats:
-    ingested_lines: int = 0
-    transitions: int = 0
-    packs_submitted: int = 0
-    jobs_planned: int = 0
-    slurm_ok: bool = True
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
 
 # How often the service prunes old samples (site.sample_retention_days): a prune scans
 # by time index and deletes in short transactions, so hourly is cheap and keeps the

@@ -28,6 +28,7 @@ from slurm_dlrm.service.sbatch_options import (
     render_pack_script,
     stop_lead_s,
 )
+from slurm_dlrm.service.settings import ServiceSettings
 from slurm_dlrm.service.spool import SPEC_FILE, write_job_spec, write_private
 from slurm_dlrm.site import MIB, SiteConfig
 
@@ -37,7 +38,7 @@ class PackFolder:
 
     store: Any
     site: SiteConfig
-    settings: Any  # core.ServiceSettings (core imports this module)
+    settings: ServiceSettings
     spool_dir: Path
     _spool_ready: bool
 
