@@ -23,7 +23,8 @@ Over 600 lines: one class, the round, whose observe and act halves share the ser
 state (store, Slurm client, back-off, heartbeats) in nearly every method; recovery,
 refill, cancel and the helpers they share already live apart (recovery.py, refill.py,
 cancel.py, common.py), as do the parts `PackingService` inherits: settling ended packs
-(pack_end.py) and writing the pack folder (pack_folder.py); its settings and a round's
+(pack_end.py), writing the pack folder (pack_folder.py) and the nodes a round plans on
+(plan_view.py); its settings and a round's
 figures are in settings.py.
 """
 
@@ -46,6 +47,7 @@ from slurm_dlrm.service.common import (
 )
 from slurm_dlrm.service.pack_end import PackEnding
 from slurm_dlrm.service.pack_folder import PackFolder
+from slurm_dlrm.service.plan_view import PlanView
 from slurm_dlrm.service.sbatch_options import SbatchOptions
 from slurm_dlrm.service.settings import RoundStats, ServiceSettings
 from slurm_dlrm.site import MIB, SiteConfig
@@ -74,7 +76,7 @@ def new_pack_name() -> str:
     return f"dlrm-{secrets.token_hex(6)}"
 
 
-class PackingService(PackEnding, PackFolder):
+class PackingService(PackEnding, PackFolder, PlanView):
     """One user's service. Not thread-safe; one instance per process."""
 
     def __init__(self, store: Any, slurm: Any, site: SiteConfig, settings: ServiceSettings, *,
@@ -576,100 +578,6 @@ class PackingService(PackEnding, PackFolder):
                 self.waited_rounds.pop(m.job_id, None)
             node = pack.node_name if pack.node_count == 1 and pack.node_name in pin_to else None
             self._create_and_submit(pack, members, options, partition, stats, node=node)
-
-    def pinnable_nodes(self, free: Any, partition: Any, options: SbatchOptions) -> frozenset[str]:
-        """Nodes a pack planned this round is pinned to (`--nodelist`, issue 43 item 2):
-        those of the free view Slurm gave, one host each. None when the round planned on
-        whole nodes (no host chosen), when the partition is not the site's (its nodes are
-        unknown) or when the user asked for node features (`-C`: the view does not know
-        them; Slurm picks among the nodes that have them)."""
-        from slurm_dlrm.service.capacity import pinnable
-
-        if free is None or partition is None or options.constraint:
-            return frozenset()
-        return frozenset(n.name for n in free.nodes if n.count == 1 and pinnable(n.name))
-
-    def partition_for(self, options: SbatchOptions) -> Any:
-        if options.partition:
-            for p in self.site.partitions:
-                if p.name == options.partition.split(",")[0]:
-                    return p
-            return None  # unknown to the site: Slurm will judge (and refuse) it
-        return self.site.default_partition
-
-    def node_shapes(self, partition: Any) -> tuple[Any, ...]:
-        from slurm_dlrm.packing.model import NodeShape
-        from slurm_dlrm.site import expand_hostlist
-
-        allowed = set(expand_hostlist(partition.nodes)) if partition is not None else None
-        shapes = []
-        for g in self.site.nodes:
-            hosts = [h for h in g.hostnames if allowed is None or h in allowed]
-            if g.gpus > 0 and hosts:
-                shapes.append(NodeShape(gpu_model=g.gpu_model, gpus=g.gpus, cpus=g.cpus,
-                                        memory_bytes=g.memory_mib * MIB, count=len(hosts), name=g.names))
-        return tuple(shapes)
-
-    def free_capacity(self, partition: Any) -> Any:
-        """Each usable node's free GPUs, CPUs and memory as Slurm reports them, less this
-        user's packs Slurm has not started; None when Slurm cannot say (the round then
-        plans on whole nodes and the store's count of busy GPUs, as before)."""
-        from slurm_dlrm.service.capacity import free_capacity
-        from slurm_dlrm.slurm import SlurmError
-        from slurm_dlrm.slurm.parse import ParseError
-
-        if self._round_nodes is None:
-            try:
-                self._round_nodes = list(self.slurm.show_nodes())
-            except (SlurmError, ParseError) as exc:
-                self._round_nodes = str(exc) or type(exc).__name__
-        if isinstance(self._round_nodes, str):
-            log.warning("scontrol show nodes failed; planning on whole nodes: %s", self._round_nodes)
-            return None
-        infos = self._round_nodes
-        name = partition.name if partition is not None else None
-        waiting, held = self.waiting_packs(name)
-        free = free_capacity(self.site, infos, partition, waiting, held)
-        if not free.nodes:  # Slurm names none of the site's GPU nodes: the site file is off
-            log.warning("scontrol show nodes lists none of the site's GPU nodes; planning on whole nodes")
-            return None
-        return free
-
-    def waiting_packs(self, partition_name: str | None) -> tuple[int, dict[str, Any]]:
-        """This user's packs Slurm has not started (SUBMITTING, QUEUED), in the
-        partition: (GPUs of the unpinned ones, what the pinned ones take per node). Read
-        from the store each time, so a pack the round's first group submitted counts for
-        the next group's plan although the nodes were read once."""
-        from slurm_dlrm.service.capacity import Held
-        from slurm_dlrm.store.states import PackState
-
-        unpinned = 0
-        held: dict[str, Any] = {}
-        for p in self.store.packs([PackState.SUBMITTING, PackState.QUEUED], user=self.settings.user):
-            if partition_name is not None and p.partition not in (None, partition_name):
-                continue
-            node = self.pinned_node(p)
-            if node is None:
-                unpinned += p.n_gpus
-                continue
-            shape = self.refill.shape(p) if p.pack_dir else None  # the placement file: its CPUs and memory
-            h = held.get(node, Held(0))
-            held[node] = Held(h.gpus + p.n_gpus, h.cpus + (shape.cpus_per_node if shape else 0),
-                              h.mem_bytes + (shape.mem_per_node_bytes if shape else 0))
-        return unpinned, held
-
-    def pinned_node(self, pack: Any) -> str | None:
-        """The node a pack's batch script names (`--nodelist`), None if it names none."""
-        node = self.store.pack_plan_data(pack.id).get("node")
-        return node if isinstance(node, str) and node else None
-
-    def busy_gpus(self, partition: Any) -> int:
-        """GPUs the user's packs already hold or wait for: the policy plans only the rest."""
-        from slurm_dlrm.store.states import PACK_ACTIVE
-
-        name = partition.name if partition is not None else None
-        return sum(p.n_gpus for p in self.store.packs(PACK_ACTIVE, user=self.settings.user)
-                   if name is None or p.partition in (None, name))
 
     def demand_of(self, job: Any) -> Any:
         from dataclasses import replace
