@@ -75,7 +75,8 @@ def test_the_array_throttle_holds_tasks_over_it(tmp_path):
 def test_output_patterns_name_the_members_own_log(tmp_path):
     from service_harness import FakeClock, FakeCluster, add_job, make_site, start_pack
 
-    from slurm_dlrm.service.core import PackingService, ServiceSettings, expand_output_pattern
+    from slurm_dlrm.service.core import PackingService, ServiceSettings
+    from slurm_dlrm.service.pack_folder import expand_output_pattern
     from slurm_dlrm.slurm.fake import FakeSlurm
     from slurm_dlrm.store import Store
 

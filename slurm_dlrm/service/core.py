@@ -22,72 +22,39 @@ Crash safety (the service may be killed at any instant and restarted):
 Over 600 lines: one class, the round, whose observe and act halves share the service's
 state (store, Slurm client, back-off, heartbeats) in nearly every method; recovery,
 refill, cancel and the helpers they share already live apart (recovery.py, refill.py,
-cancel.py, common.py).
+cancel.py, common.py), as do the parts `PackingService` inherits: settling ended packs
+(pack_end.py), writing the pack folder (pack_folder.py) and the nodes a round plans on
+(plan_view.py); its settings and a round's
+figures are in settings.py.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
-import re
 import secrets
-import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.admin.marker import MODE_PACK, format_marker
 from slurm_dlrm.service.common import (
-    AGENT_MEM_MIB,
-    PLACEMENT_FILE,
     SBATCH_MARKER,
-    SCRIPT_FILE,
     is_unreachable,
     job_options,
     pack_member_ids,
-    sacct_time,
     slurm_message,
 )
-from slurm_dlrm.service.daemon import ensure_private_dir
-from slurm_dlrm.service.sbatch_options import (
-    TIME_UNLIMITED,
-    PackScript,
-    SbatchOptions,
-    pack_time_minutes,
-    render_pack_script,
-    stop_lead_s,
-)
-from slurm_dlrm.service.spool import SPEC_FILE, write_job_spec, write_private
+from slurm_dlrm.service.pack_end import PackEnding
+from slurm_dlrm.service.pack_folder import PackFolder
+from slurm_dlrm.service.plan_view import PlanView
+from slurm_dlrm.service.sbatch_options import SbatchOptions
+from slurm_dlrm.service.settings import RoundStats, ServiceSettings
 from slurm_dlrm.site import MIB, SiteConfig
 
 log = logging.getLogger(__name__)
 
 STARTING_ROUND_S = 2.0  # rounds this often while packs start (next_delay_s)
-
-MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
-
-
-@dataclass(frozen=True)
-class ServiceSettings:
-    user: str
-    python: str = sys.executable
-    sbatch_timeout_s: float = 30.0  # the Slurm client's command timeout
-    backoff_min_s: float = 2.0
-    backoff_max_s: float = 60.0
-    max_attempts: int = MAX_ATTEMPTS
-    policy: str | None = None  # None: the site's packing.policy
-    # Batched dispatch (RMixer): plan when this long passed since the last plan, or when
-    # packing.round_batch_size jobs arrived since. None: the site's packing.round_seconds.
-    dispatch_window_s: float | None = None
-    # A pack pinned to its planned node (--nodelist) that Slurm holds back for want of
-    # resources there this long after sbatch is withdrawn and its members planned again
-    # on a fresh view of the nodes; None: max(PIN_WAIT_MIN_S, PIN_WAIT_ROUNDS windows).
-    pin_wait_s: float | None = None
-
 
 # A pinned pack waits "Resources" on its node at most this long (or this many dispatch
 # windows): the plan saw the node free, so a longer wait means someone else took it.
@@ -97,18 +64,6 @@ PIN_WAIT_ROUNDS = 6
 # reserved, gone from the partition): a pinned pack with one is withdrawn at once.
 NODE_UNAVAILABLE_REASONS = ("ReqNodeNotAvail", "NodeDown", "Nodes required for job are DOWN",
                             "PartitionNodeLimit", "PartitionConfig")
-
-
-@dataclass
-class RoundStats:
-    ingested_lines: int = 0
-    transitions: int = 0
-    packs_submitted: int = 0
-    jobs_planned: int = 0
-    slurm_ok: bool = True
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
 
 # How often the service prunes old samples (site.sample_retention_days): a prune scans
 # by time index and deletes in short transactions, so hourly is cheap and keeps the
@@ -121,7 +76,7 @@ def new_pack_name() -> str:
     return f"dlrm-{secrets.token_hex(6)}"
 
 
-class PackingService:
+class PackingService(PackEnding, PackFolder, PlanView):
     """One user's service. Not thread-safe; one instance per process."""
 
     def __init__(self, store: Any, slurm: Any, site: SiteConfig, settings: ServiceSettings, *,
@@ -491,111 +446,6 @@ class PackingService:
             return True
         return self.clock() - started > self.settings.sbatch_timeout_s + 5.0
 
-    def _pack_vanished(self, pack: Any, stats: RoundStats) -> None:
-        """Gone from squeue (purged after MinJobAge): ask sacct, else judge by the reports."""
-        from slurm_dlrm.slurm import AccountingDisabled, SlurmError
-
-        ending: str | None = None
-        end_time: float | None = None
-        if pack.slurm_job_id:
-            try:
-                rows = self.slurm.sacct([int(pack.slurm_job_id)], ["JobID", "State", "ExitCode", "NodeList", "End"])
-                line = next((r for r in rows if r.step is None), None)
-                if line is not None and line.state.is_terminal:
-                    ending = line.get("State").split(" ", 1)[0]
-                    end_time = sacct_time(line.get("End"))
-            except AccountingDisabled:
-                pass
-            except SlurmError as exc:
-                if is_unreachable(exc):
-                    self._slurm_failed(exc)
-                    return
-                log.warning("sacct for pack %s failed: %s", pack.name, exc)
-        if ending is None:
-            ending = "COMPLETED" if self._all_members_done(pack.id) else "LOST"
-        if end_time is None:
-            # Slurm forgot it (no accounting): it ended after the agents' last words and
-            # before now; charging up to the last one is closer than up to now (issue 17)
-            end_time = self.last_sign_of_life(pack)
-        self.pack_ended(pack, ending, "no longer in squeue", stats, end_time=end_time)
-
-    def last_sign_of_life(self, pack: Any) -> float | None:
-        """When the pack's agents were last heard of: heartbeats, samples, member ends."""
-        row = self.store.conn.execute(
-            "SELECT max(t) FROM (SELECT max(t) AS t FROM samples WHERE pack_id = ? "
-            "UNION ALL SELECT max(end_time) FROM placements WHERE pack_id = ?)", (pack.id, pack.id)).fetchone()
-        times = [t for t in (self.heartbeats.get(pack.id), row[0] if row else None) if t]
-        return float(max(times)) if times else None
-
-    def _all_members_done(self, pack_id: int) -> bool:
-        return not pack_member_ids(self.store, pack_id, ("PLANNED", "RUNNING"))
-
-    def pack_ended(self, pack: Any, slurm_state: str, reason: str, stats: RoundStats, *,
-                   exit_code: int | None = None, nodes: str | None = None, end_time: float | None = None) -> None:
-        """The allocation is over: record it, then settle members that did not report an end.
-
-        `end_time`: when Slurm says it ended. The pack's end (what `acct` charges up to) is
-        that, not when this round noticed, which may be long after (a stopped service)."""
-        from slurm_dlrm.adapt.recovery import RECOVERABLE_PACK_ENDINGS
-        from slurm_dlrm.service.refill import JOINER_NOT_STARTED
-        from slurm_dlrm.store.states import JobState, PackState
-
-        self.ingest(pack)  # the agents' last words first
-        live = [self.store.get_job(i) for i in pack_member_ids(self.store, pack.id, ("PLANNED", "RUNNING"))]
-        to = {"COMPLETED": PackState.COMPLETED, "CANCELLED": PackState.CANCELLED,
-              "LOST": PackState.LOST}.get(slurm_state, PackState.FAILED)
-        why = f"Slurm: {slurm_state}" + (f" ({reason})" if reason else "")
-        if to == PackState.FAILED and slurm_state in ("FAILED", "OUT_OF_MEMORY") and not live \
-                and self._every_agent_exited(pack):
-            # Under task/cgroup srun fails the agent's step for an OOM kill in the job's
-            # cgroup, one the agent handled (the member is OOM_HOST, retried): the pack
-            # itself did its work, so it is not a failed allocation (Slurm's word stays).
-            to = PackState.COMPLETED
-            why += "; every agent exited after its members had ended"
-        now = self.clock()
-        ended = None if end_time is None else max(min(end_time, now), pack.start_time or 0.0)
-        self.store.transition_pack(pack.id, to, why, nodes=nodes, t=ended)
-        stats.transitions += 1
-        self.heartbeats.pop(pack.id, None)
-        recoverable = slurm_state in RECOVERABLE_PACK_ENDINGS
-        tail = self._output_tail(pack) if to == PackState.FAILED and not recoverable else ""
-        if recoverable:
-            self.recovery.fence_old_run(pack, live)  # an agent cut off from Slurm stops its members
-        for job in live:
-            if job.state == JobState.PLANNED and self.refill.is_joiner(pack, job.id):
-                # it joined a running pack that ended first: it never ran, no attempt is counted
-                self.store.transition_job(job.id, JobState.PENDING, f"{JOINER_NOT_STARTED} "
-                                          f"({pack.name} ended {slurm_state})")
-            elif to == PackState.CANCELLED:
-                self.store.transition_job(job.id, JobState.CANCELLED, f"pack {pack.name} cancelled in Slurm")
-            elif recoverable or job.state == JobState.PLANNED and to == PackState.COMPLETED:
-                self._requeue(job, f"pack {pack.name} ended {slurm_state} before the member finished")
-            else:
-                msg = f"pack {pack.name} ended {slurm_state} before the member reported an end"
-                self.store.transition_job(job.id, JobState.FAILED, msg + (f": {tail}" if tail else ""),
-                                          exit_code=exit_code)
-            stats.transitions += 1
-        self.refill.forget(pack.id)
-
-    def _every_agent_exited(self, pack: Any) -> bool:
-        """Whether the agent of each of the pack's nodes reported its own orderly exit."""
-        nodes = {(e.get("data") or {}).get("node") for e in self.store.events(pack_id=pack.id, kind="agent")
-                 if e.get("reason") == "exit"}
-        return len(nodes) >= max(1, pack.n_nodes or 1)
-
-    def _output_tail(self, pack: Any) -> str:
-        """The last line of the pack's batch output: usually why an agent could not start."""
-        if not pack.pack_dir or not pack.slurm_job_id:
-            return ""
-        path = Path(pack.pack_dir) / f"slurm-{pack.slurm_job_id}.out"
-        try:
-            with open(path, "rb") as f:
-                f.seek(max(0, os.path.getsize(path) - 4096))
-                lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            return ""
-        return lines[-1][:300] if lines else ""
-
     # ------------------------------------------------------------ act
 
     def act(self, stats: RoundStats) -> None:
@@ -729,100 +579,6 @@ class PackingService:
             node = pack.node_name if pack.node_count == 1 and pack.node_name in pin_to else None
             self._create_and_submit(pack, members, options, partition, stats, node=node)
 
-    def pinnable_nodes(self, free: Any, partition: Any, options: SbatchOptions) -> frozenset[str]:
-        """Nodes a pack planned this round is pinned to (`--nodelist`, issue 43 item 2):
-        those of the free view Slurm gave, one host each. None when the round planned on
-        whole nodes (no host chosen), when the partition is not the site's (its nodes are
-        unknown) or when the user asked for node features (`-C`: the view does not know
-        them; Slurm picks among the nodes that have them)."""
-        from slurm_dlrm.service.capacity import pinnable
-
-        if free is None or partition is None or options.constraint:
-            return frozenset()
-        return frozenset(n.name for n in free.nodes if n.count == 1 and pinnable(n.name))
-
-    def partition_for(self, options: SbatchOptions) -> Any:
-        if options.partition:
-            for p in self.site.partitions:
-                if p.name == options.partition.split(",")[0]:
-                    return p
-            return None  # unknown to the site: Slurm will judge (and refuse) it
-        return self.site.default_partition
-
-    def node_shapes(self, partition: Any) -> tuple[Any, ...]:
-        from slurm_dlrm.packing.model import NodeShape
-        from slurm_dlrm.site import expand_hostlist
-
-        allowed = set(expand_hostlist(partition.nodes)) if partition is not None else None
-        shapes = []
-        for g in self.site.nodes:
-            hosts = [h for h in g.hostnames if allowed is None or h in allowed]
-            if g.gpus > 0 and hosts:
-                shapes.append(NodeShape(gpu_model=g.gpu_model, gpus=g.gpus, cpus=g.cpus,
-                                        memory_bytes=g.memory_mib * MIB, count=len(hosts), name=g.names))
-        return tuple(shapes)
-
-    def free_capacity(self, partition: Any) -> Any:
-        """Each usable node's free GPUs, CPUs and memory as Slurm reports them, less this
-        user's packs Slurm has not started; None when Slurm cannot say (the round then
-        plans on whole nodes and the store's count of busy GPUs, as before)."""
-        from slurm_dlrm.service.capacity import free_capacity
-        from slurm_dlrm.slurm import SlurmError
-        from slurm_dlrm.slurm.parse import ParseError
-
-        if self._round_nodes is None:
-            try:
-                self._round_nodes = list(self.slurm.show_nodes())
-            except (SlurmError, ParseError) as exc:
-                self._round_nodes = str(exc) or type(exc).__name__
-        if isinstance(self._round_nodes, str):
-            log.warning("scontrol show nodes failed; planning on whole nodes: %s", self._round_nodes)
-            return None
-        infos = self._round_nodes
-        name = partition.name if partition is not None else None
-        waiting, held = self.waiting_packs(name)
-        free = free_capacity(self.site, infos, partition, waiting, held)
-        if not free.nodes:  # Slurm names none of the site's GPU nodes: the site file is off
-            log.warning("scontrol show nodes lists none of the site's GPU nodes; planning on whole nodes")
-            return None
-        return free
-
-    def waiting_packs(self, partition_name: str | None) -> tuple[int, dict[str, Any]]:
-        """This user's packs Slurm has not started (SUBMITTING, QUEUED), in the
-        partition: (GPUs of the unpinned ones, what the pinned ones take per node). Read
-        from the store each time, so a pack the round's first group submitted counts for
-        the next group's plan although the nodes were read once."""
-        from slurm_dlrm.service.capacity import Held
-        from slurm_dlrm.store.states import PackState
-
-        unpinned = 0
-        held: dict[str, Any] = {}
-        for p in self.store.packs([PackState.SUBMITTING, PackState.QUEUED], user=self.settings.user):
-            if partition_name is not None and p.partition not in (None, partition_name):
-                continue
-            node = self.pinned_node(p)
-            if node is None:
-                unpinned += p.n_gpus
-                continue
-            shape = self.refill.shape(p) if p.pack_dir else None  # the placement file: its CPUs and memory
-            h = held.get(node, Held(0))
-            held[node] = Held(h.gpus + p.n_gpus, h.cpus + (shape.cpus_per_node if shape else 0),
-                              h.mem_bytes + (shape.mem_per_node_bytes if shape else 0))
-        return unpinned, held
-
-    def pinned_node(self, pack: Any) -> str | None:
-        """The node a pack's batch script names (`--nodelist`), None if it names none."""
-        node = self.store.pack_plan_data(pack.id).get("node")
-        return node if isinstance(node, str) and node else None
-
-    def busy_gpus(self, partition: Any) -> int:
-        """GPUs the user's packs already hold or wait for: the policy plans only the rest."""
-        from slurm_dlrm.store.states import PACK_ACTIVE
-
-        name = partition.name if partition is not None else None
-        return sum(p.n_gpus for p in self.store.packs(PACK_ACTIVE, user=self.settings.user)
-                   if name is None or p.partition in (None, name))
-
     def demand_of(self, job: Any) -> Any:
         from dataclasses import replace
 
@@ -903,147 +659,8 @@ class PackingService:
         stats.packs_submitted += 1
         log.info("pack %s (%d members) submitted as Slurm job %s", pack.name, len(members), slurm_id)
 
-    # ------------------------------------------------------------ the pack folder
-
-    def write_pack_dir(self, pack: Any, members: Sequence[Any]) -> str:
-        """placement.json, the members' specs and the batch script; returns the script text.
-
-        Rewritten in full before every sbatch attempt, each file replaced atomically
-        (`write_private`: temporary file, fsync, rename), so an agent that reads the
-        placement while a resubmission rewrites it, or after a crash or power loss,
-        finds the whole old file or the whole new one, never a torn one.
-        """
-        pack_dir = Path(pack.pack_dir)
-        if not self._spool_ready:
-            ensure_private_dir(self.spool_dir)
-            self._spool_ready = True
-        # reports/ and cancel/ are made by whoever writes there first (agent, `cancel`).
-        pack_dir.mkdir(mode=0o700, exist_ok=True)
-        placements = self.store.placements(pack_id=pack.id)
-        by_job = {j.id: j for j in members}
-        out_members = []
-        for p in sorted(placements, key=lambda p: (p.node_index, p.gpu_index, p.job_id, p.rank or 0)):
-            job = by_job.get(p.job_id)
-            if job is None:
-                continue  # cancelled before submission
-            out_members.append(self.member_entry(job, p, pack.gpu_model))
-        agent = self.site.agent
-        # the plan's refill headroom (Pack.reserve_*), kept with the pack's first event
-        plan_data = self.store.pack_plan_data(pack.id)
-        reserve = {k: int(plan_data.get(k) or 0) for k in ("reserve_cpus", "reserve_host_mem_bytes")}
-        placement = {
-            "pack_id": pack.id, "user": self.settings.user, "mps": bool(self.site.mps.enabled),
-            "sample_interval_s": agent.sample_interval_s, "host_mem_tolerance_pct": agent.host_mem_tolerance_pct,
-            "term_grace_s": agent.term_grace_s, "join_grace_s": self.join_grace_s, "pack_dir": str(pack_dir),
-            "members": out_members, **{k: v for k, v in reserve.items() if v},
-        }
-        write_private(pack_dir / PLACEMENT_FILE, json.dumps(placement, indent=1, sort_keys=True) + "\n")
-        node = plan_data.get("node")
-        script = render_pack_script(self.pack_script(pack, out_members, [job_options(j) for j in members], reserve,
-                                                     node=node if isinstance(node, str) and node else None))
-        write_private(pack_dir / SCRIPT_FILE, script)
-        return script
-
-    def member_entry(self, job: Any, p: Any, gpu_model: str | None) -> dict[str, Any]:
-        """One placement-file member (docs/interfaces.md 3), also a join file's content (3b);
-        `gpu_model`: the pack's (its context is in the fence)."""
-        from slurm_dlrm.packing.model import dmem_soft_limit_bytes, own_gpu_bytes
-
-        job_dir = self.spool_dir / "jobs" / str(job.id)
-        spec_path = job_dir / SPEC_FILE
-        spec = job.spec
-        if not spec_path.exists():  # `submit` wrote it, unless it died right after recording
-            write_job_spec(self.spool_dir, job.id, spec)
-        command = list(spec.get("command") or
-                       [self.settings.python, "-m", "slurm_dlrm", "train", str(spec_path)])
-        fence_mib = max(1, (p.gpu_mem_limit_bytes or 0) // MIB)
-        # The dmem soft limit (docs/agent.md "Fences"): the estimate (a raised request after
-        # an OOM) plus the CUDA context the fence holds; no margin, so a larger (learned)
-        # margin never loosens it.
-        est = max(job.gpu_mem_request_bytes or 0, job.est_gpu_peak_bytes or 0)
-        own = own_gpu_bytes(job.estimate or {}) + max(0, est - (job.est_gpu_peak_bytes or 0))
-        soft_mib = math.ceil(dmem_soft_limit_bytes(own, self.site.gpu_models.get(gpu_model or ""),
-                                                   fence_mib * MIB) / MIB)
-        return {
-            "job_id": job.id, "name": job.name, "node_index": p.node_index, "gpu_index": p.gpu_index,
-            "mps_thread_pct": p.mps_thread_pct or 100,
-            "gpu_mem_limit_mib": fence_mib,
-            **({"gpu_mem_estimate_mib": max(1, soft_mib)} if est > 0 else {}),
-            "host_mem_limit_bytes": max(1, p.host_mem_limit_bytes or 0), "cpus": p.cpus or 1,
-            "command": command,
-            # per job, not per pack: a requeued job resumes from it in its next pack; a
-            # multi-GPU job's ranks share them (its rank 0 writes)
-            "checkpoint_dir": str(job_dir / "ckpt"), "metrics_path": str(job_dir / "metrics.jsonl"),
-            **({"rank": p.rank or 0, "world_size": p.world_size} if (p.world_size or 1) > 1 else {}),
-            **self.time_limit_entry(job),
-            **self.output_links_entry(job, p),
-        }
-
-    def output_links_entry(self, job: Any, p: Any) -> dict[str, Any]:
-        """`-o`/`-e` of a packed job (#SBATCH --output in its spec, or the command line):
-        the agent links those paths to the member's own log (issue 43 item 8), with
-        sbatch's %j as our job id, %x its name, %u the user, %A/%a its array and task."""
-        opts = job_options(job)
-        links = [expand_output_pattern(pat, job, self.settings.user, p.node) for pat in (opts.output, opts.error) if pat]
-        return {"output_links": sorted(set(links))} if links else {}
-
-    def time_limit_entry(self, job: Any) -> dict[str, Any]:
-        """The job's own time limit for its agent to keep (issue 42), and the lead before
-        it at which the member is told to checkpoint and stop."""
-        minutes = job_options(job).time_minutes
-        if minutes is None or minutes == TIME_UNLIMITED:
-            return {}
-        limit_s = 60.0 * minutes
-        return {"time_limit_s": limit_s, "stop_lead_s": stop_lead_s(limit_s, self.site.agent.term_grace_s + 60.0)}
-
-    def node_limits(self) -> tuple[int | None, int | None]:
-        """(CPUs, MiB) of the smallest GPU node: a pack never asks for more per node."""
-        gpu_nodes = [g for g in self.site.nodes if g.gpus > 0]
-        return (min((g.cpus for g in gpu_nodes), default=None), min((g.memory_mib for g in gpu_nodes), default=None))
-
-    def pack_script(self, pack: Any, members: list[dict[str, Any]], options: list[SbatchOptions],
-                    reserve: dict[str, int] | None = None, node: str | None = None) -> PackScript:
-        reserve = reserve or {}
-        from slurm_dlrm.service.refill import pack_allocation
-
-        nodes = max(1, pack.n_nodes)
-        gpus_per_node = max(1, -(-pack.n_gpus // nodes))
-        node_cpus, node_mem_mib = self.node_limits()
-        cpus_per_node, mem_mib = pack_allocation(members, nodes, node_cpus, node_mem_mib, AGENT_MEM_MIB,
-                                                 reserve.get("reserve_cpus", 0),
-                                                 reserve.get("reserve_host_mem_bytes", 0))
-        base = options[0]
-        merged = SbatchOptions(
-            partition=base.partition, account=base.account, qos=base.qos, constraint=base.constraint,
-            mail_type=base.mail_type, mail_user=base.mail_user,
-            # -o/-e are each member's own (member_entry's output_links), not the pack's: the
-            # pack's batch output holds only its agents' lines, and %j there was the pack's id
-            time_minutes=pack_time_minutes(o.time_minutes for o in options))
-        return PackScript(
-            pack_name=pack.name, comment=format_marker(MODE_PACK, pack_id=pack.id, extra={"pack": pack.name}),
-            nodes=nodes, gpus_per_node=gpus_per_node, cpus_per_node=cpus_per_node,
-            mem_per_node_mib=mem_mib, python=self.settings.python,
-            placement_path=str(Path(pack.pack_dir) / PLACEMENT_FILE), pack_dir=pack.pack_dir,
-            signal_before_end_s=int(self.site.agent.term_grace_s) + 60, options=merged, nodelist=node)
-
 
 def _never_fits(reason: str) -> bool:
     # The policy's "too big" reasons: the job exceeds what any node offers even when
     # empty. Room or GPUs lacking *this round* is not final.
     return "largest free GPU" in reason
-
-
-def expand_output_pattern(pattern: str, job: Any, user: str, node: str | None) -> str:
-    """sbatch's filename pattern for one member: %j/%J our job id, %x its name, %u the
-    user, %A the array's id (else the job id), %a its task (else 0), %N its node,
-    %% a percent sign; a number between % and the letter pads with zeros (%4j)."""
-    def one(m: Any) -> str:
-        width, letter = m.group(1), m.group(2)
-        values = {"j": job.id, "J": job.id, "x": job.name, "u": user, "N": node or "node",
-                  "A": job.array_job_id if job.array_job_id is not None else job.id,
-                  "a": job.array_task_id if job.array_task_id is not None else 0, "%": "%"}
-        value = str(values.get(letter, m.group(0)))
-        return value.zfill(int(width)) if width and value.isdigit() else value
-    if "\\" in pattern:  # sbatch: a backslash anywhere turns the patterns off
-        return pattern.replace("\\", "")
-    return re.sub(r"%(\d*)([jJxuNAa%])", one, pattern)
