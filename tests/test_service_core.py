@@ -103,7 +103,8 @@ def test_reports_drive_members_to_completion_exactly_once(world):
     assert {p.state for p in store.packs()} == {PackState.COMPLETED}
 
 
-def test_member_without_an_end_report_fails_with_the_pack_reason(world):
+def _two_members_running(world):
+    """Jobs a and b planned into one pack that Slurm started; both report RUNNING."""
     svc, store, slurm, clock, cluster = world
     a, b = add_job(store, "a"), add_job(store, "b")
     svc.run_round()
@@ -113,6 +114,12 @@ def test_member_without_an_end_report_fails_with_the_pack_reason(world):
     p = cluster.placement_of(sid)
     cluster.member(p, a, "RUNNING")
     cluster.member(p, b, "RUNNING")
+    return a, b, pack, sid, p
+
+
+def test_member_without_an_end_report_fails_with_the_pack_reason(world):
+    svc, store, slurm, clock, cluster = world
+    a, b, pack, sid, p = _two_members_running(world)
     cluster.member(p, a, "COMPLETED", 0)
     slurm.finish(sid, exit_code=1)
     svc.run_round()
@@ -128,14 +135,7 @@ def test_a_pack_whose_agent_handled_a_host_oom_is_not_a_failed_allocation(world)
     the agent exited in order, so the pack completed (Slurm's word kept in its reason).
     Without the agent's exit report the same ending is a failed pack."""
     svc, store, slurm, clock, cluster = world
-    a, b = add_job(store, "a"), add_job(store, "b")
-    svc.run_round()
-    (pack,) = store.packs()
-    sid = int(pack.slurm_job_id)
-    slurm.start(sid)
-    p = cluster.placement_of(sid)
-    cluster.member(p, a, "RUNNING")
-    cluster.member(p, b, "RUNNING")
+    a, b, pack, sid, p = _two_members_running(world)
     cluster.member(p, a, "OOM_HOST", 137, "killed by the kernel's OOM killer in the job's memory cgroup")
     cluster.member(p, b, "COMPLETED", 0)
     cluster.report(p, [{"type": "agent", "event": "exit", "detail": "members: done"}])
