@@ -79,6 +79,8 @@ class TreeSampler:
             except psutil.Error:
                 self._procs.pop(pid, None)
                 continue
+            if mem.rss == 0:
+                continue  # exited between the status and the memory read: a live process has pages
             cpu = t.user + t.system
             prev = self._cpu_s.get(pid)
             if prev is not None:
