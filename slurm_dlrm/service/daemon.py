@@ -34,6 +34,7 @@ from typing import Any
 from slurm_dlrm.errors import DlrmError
 from slurm_dlrm.osutil import pid_alive, write_atomic
 from slurm_dlrm.store.db import open_own_file, refuse_foreign
+from slurm_dlrm.store.service_status import MAX_STATUS_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -257,10 +258,6 @@ def stop(paths: ServicePaths, timeout_s: float = 30.0) -> int | None:
 def write_status(paths: ServicePaths, status: dict[str, Any]) -> None:
     """What `queue` and `serve status` show about the service (atomic replace)."""
     write_atomic(paths.status, json.dumps(status, sort_keys=True) + "\n")
-
-
-# The service writes a few hundred bytes; anything much larger is not its file.
-MAX_STATUS_BYTES = 64 * 1024
 
 
 def read_status(paths: ServicePaths) -> dict[str, Any]:
