@@ -93,3 +93,13 @@ def test_the_wrapped_daemon_sees_its_clusters_cgroup_as_the_root(tmp_path):
     finally:
         assert localcgroup.remove_tree(cg) == []
     assert not cg.exists()
+
+
+def test_down_stops_whatever_the_switch_says_now(tmp_path, monkeypatch):
+    """A bad $SLURM_DLRM_CLUSTER_CGROUP set after `up` must not keep `down` from stopping
+    the cluster (down read the switch again and raised)."""
+    from slurm_dlrm import localcluster as lc
+
+    monkeypatch.setenv("SLURM_DLRM_CLUSTER_CGROUP", "bogus")
+    cluster = lc.LocalCluster(lc.ClusterConfig(state_dir=tmp_path / "state", base_port=23100))
+    assert cluster.down(timeout_s=1.0) == []

@@ -281,9 +281,10 @@ class LocalCluster:
             terminate(pid, c.state_dir, 5.0)
         if strays:
             stopped.append(f"{len(strays)} stray process(es)")
-        mc = memory_cgroup.detect()
-        if mc.usable and mc.mount is not None:  # Slurm's slurm_<node> folders below ours
-            memory_cgroup.remove_tree(memory_cgroup.cluster_cgroup(mc.mount, c.state_dir))
+        # Slurm's slurm_<node> folders below ours, whatever $SLURM_DLRM_CLUSTER_CGROUP says
+        # now (a bad value must not keep `down` from stopping the cluster; one changed to
+        # "off" since `up` must not leave its folders behind)
+        memory_cgroup.remove_tree(memory_cgroup.cluster_cgroup(memory_cgroup.CGROUP_ROOT / "memory", c.state_dir))
         return stopped
 
     def _slurmd_argv(self, name: str) -> list[str]:
