@@ -151,6 +151,22 @@ class EvalSpec:
     stop_when: StopWhen | None = None
 
 
+# A sweep's stopping rule (issue 47, docs/sweeps.md): successive halving at rungs
+# min_steps * reduction**k. `id` names the sweep the variant belongs to (submit writes
+# it: the variants of one submit); min_steps 0 in a spec file: submit's default.
+SWEEP_STOPS = ("asha",)
+SWEEP_METRICS = ("auc", "ne", "loss")  # adapt/asha.py's METRICS (tests/test_asha.py checks they agree)
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    stop: str = "asha"
+    metric: str = "auc"  # one of adapt.asha.METRICS
+    min_steps: int = 0  # the first rung's step; 0: chosen at submit
+    reduction: int = 3
+    id: str | None = None  # the sweep's id (submit writes it), shared by its variants
+
+
 @dataclass(frozen=True)
 class Scale:
     max_rows_per_table: int | None = None
@@ -185,6 +201,7 @@ class JobSpec:
     # such a spec is estimated by tracing (slurm_dlrm.estimate.traced).
     custom_module: str | None = None
     backend: str = "auto"  # one of BACKENDS
+    sweep: SweepSpec | None = None  # a sweep's stopping rule (issue 47)
     source: str | None = field(default=None, compare=False)  # the file it came from, for messages
 
     @property
@@ -237,6 +254,8 @@ class JobSpec:
             out["custom_module"] = self.custom_module
         if self.backend != "auto":  # left out by default: older specs keep their fingerprint
             out["backend"] = self.backend
+        if self.sweep is not None:
+            out["sweep"] = {k: v for k, v in vars(self.sweep).items() if v is not None}
         return out
 
 
@@ -255,7 +274,7 @@ def _table_dict(t: TableSpec) -> dict[str, Any]:
 
 # Fields that do not change the job's structure (memory or speed): ignored.
 _FINGERPRINT_IGNORES = ("name", "seed", "steps", "epochs", "checkpoint_every_steps", "metrics_every_steps",
-                        "command", "preset", "scale", "eval")
+                        "command", "preset", "scale", "eval", "sweep")
 
 
 def spec_fingerprint(spec: JobSpec) -> str:
@@ -487,6 +506,7 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
         raise view.error("custom_module", f"must look like 'package.module:factory', got {short_repr(custom_module)}")
 
     backend = view.str_("backend", "auto", choices=BACKENDS)
+    sweep = _parse_sweep(view.raw("sweep", None), source, steps)
 
     view.done()
     return JobSpec(
@@ -495,7 +515,7 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
         loader_workers=loader_workers, prefetch_batches=prefetch_batches, steps=steps, epochs=epochs,
         data=data_spec, seed=seed, world_size=world_size, checkpoint_every_steps=checkpoint_every_steps,
         metrics_every_steps=metrics_every_steps, command=command, eval=eval_spec, preset=preset_name, scale=scale,
-        custom_module=custom_module, backend=backend, source=source,
+        custom_module=custom_module, backend=backend, sweep=sweep, source=source,
     )
 
 
@@ -607,6 +627,25 @@ def _parse_stop_when(raw: Any, source: str | None) -> StopWhen | None:
         raise o.error("target", "give a target, a patience (evaluations without improvement), or both")
     o.done()
     return StopWhen(metric=metric, target=target, patience=patience)
+
+
+def _parse_sweep(raw: Any, source: str | None, steps: int | None) -> SweepSpec | None:
+    if raw is None:
+        return None
+    o = _Obj(raw, "sweep", source)
+    stop = o.str_("stop", "asha", choices=SWEEP_STOPS)
+    metric = o.str_("metric", "auc", choices=SWEEP_METRICS)
+    reduction = o.int_("reduction", 3, min_value=2, max_value=100)
+    min_steps = o.int_("min_steps", 0, min_value=0)
+    sweep_id = o.str_("id", None)
+    if sweep_id is not None and not _NAME_RE.fullmatch(sweep_id):
+        raise o.error("id", "1-64 of letters, digits, '.', '_' and '-'")
+    if steps is None:
+        raise o.error("stop", "needs steps: an epochs spec's length is known only once its data is read")
+    if min_steps >= steps:
+        raise o.error("min_steps", f"must be below the spec's steps ({steps}), got {min_steps}")
+    o.done()
+    return SweepSpec(stop=stop, metric=metric, min_steps=min_steps, reduction=reduction, id=sweep_id)
 
 
 def _file_kind(mode: int) -> str:

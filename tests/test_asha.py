@@ -54,7 +54,10 @@ def test_keep_is_a_third_of_those_that_reached_and_the_cut_follows_it():
 
 
 def test_lower_is_better_for_loss_and_ne():
+    from slurm_dlrm.spec import SWEEP_METRICS
+
     assert not METRICS["loss"] and not METRICS["ne"] and METRICS["auc"]
+    assert sorted(SWEEP_METRICS) == sorted(METRICS)
     rule = StopRule(metric="ne", min_steps=40, reduction=2, max_steps=1000)
     results = [RungResult("a", 0, 40, 0.9), RungResult("b", 0, 40, 0.8)]
     assert judge(rule, results, "b", 0).go_on

@@ -66,10 +66,20 @@ def parse_queue_filters(jobs: str | None, states: str | None, names: str | None,
             "names": {n.strip() for n in names.split(",") if n.strip()} if names else None}
 
 
+def _sweep_name(job: Any) -> str | None:
+    """The name of the sweep with a stopping rule a job is a variant of (`cancel -n NAME` stops them all)."""
+    sw = (job.spec or {}).get("sweep")
+    if not isinstance(sw, dict) or not sw.get("id"):
+        return None
+    from slurm_dlrm.service.sweep_stop import sweep_name
+
+    return sweep_name(str(sw["id"]))
+
+
 def name_matches(row: dict[str, Any], names: set[str]) -> bool:
     """-n NAME: the job's name, or for a task of an array submitted with -J NAME (named
     NAME-<task>) that NAME, as Slurm names every task of an array alike (issue 42)."""
-    if row["name"] in names:
+    if row["name"] in names or (row.get("sweep") and row["sweep"] in names):  # a sweep's name: its variants
         return True
     sid = str(row.get("slurm_id") or "")
     return "_" in sid and any(row["name"] == f"{n}-{sid.split('_', 1)[1]}" for n in names)
@@ -520,7 +530,8 @@ def cancel(job_refs: tuple[str, ...], names: str | None, states: str | None, pac
                         if (not job_ids or j.id in job_ids)
                         and (wanted["names"] is None or name_matches(
                             {"name": j.name, "slurm_id": f"{j.array_job_id}_{j.array_task_id}"
-                             if j.array_job_id is not None else str(j.id)}, wanted["names"]))
+                             if j.array_job_id is not None else str(j.id), "sweep": _sweep_name(j)},
+                            wanted["names"]))
                         and (wanted["states"] is None or str(j.state) in wanted["states"])
                         and (pack_id is None or (j.pack_id == pack_id and str(j.state) != "PENDING"))]
             if not selected:
@@ -652,7 +663,8 @@ def requeue(job_refs: tuple[str, ...], no_service: bool, site_path: str | None) 
     """Run cancelled, failed or timed-out jobs again, from their last checkpoint (like scontrol requeue).
 
     A cancelled member stops with a checkpoint (runner exit 5); requeued, it goes back
-    to PENDING and its next run, in whatever pack, resumes at that step. A failed job
+    to PENDING and its next run, in whatever pack, resumes at that step. A sweep
+    variant paused at a rung (queue: SweepPaused) is promoted by hand the same way. A failed job
     (say, a missing data file, now fixed) or one that reached its time limit (TIMEOUT)
     runs again the same way. A job whose cancel is still on its way is waited for.
 
@@ -662,6 +674,7 @@ def requeue(job_refs: tuple[str, ...], no_service: bool, site_path: str | None) 
     """
     from slurm_dlrm.service.cancel import not_requeuable, requeue_job
     from slurm_dlrm.service.submit import ensure_service
+    from slurm_dlrm.service.sweep_stop import is_paused
     from slurm_dlrm.store.jobids import parse_job_refs
     from slurm_dlrm.store.states import JOB_REQUEUABLE
 
@@ -678,7 +691,7 @@ def requeue(job_refs: tuple[str, ...], no_service: bool, site_path: str | None) 
             _wait_for_cancels(store, site, user, job_ids)
         for jid in job_ids:  # check all first: nothing half-done on a bad id
             job = own_job(store, jid, user)
-            if job.state not in JOB_REQUEUABLE:
+            if job.state not in JOB_REQUEUABLE and not is_paused(store, job):  # a paused sweep variant: promoted
                 raise BadInput(not_requeuable(jid, str(job.state)))
         if store.readonly:  # another host's service writes the store: it requeues them
             _request_elsewhere(site, user, "requeue", list(job_ids))

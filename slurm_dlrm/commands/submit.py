@@ -62,6 +62,10 @@ def site_option(fn: Any) -> Any:
 @click.option("--set", "sets", metavar="KEY=V1[,V2...]", multiple=True,
               help="A sweep: one job per value of a dotted spec field (e.g. optimizer.lr=0.01,0.1); "
                    "several --set give their product.")
+@click.option("--stop", "stop", metavar="asha[:METRIC]",
+              help="Stop a sweep's losers (docs/sweeps.md): at rungs min_steps x 3^k a variant goes on only "
+                   "if its held-out METRIC (auc, ne or loss; default auc) is among the best third so far; "
+                   "the others pause at a checkpoint and resume if later variants lower the cut.")
 @click.option("-a", "--array", metavar="INDEXES", help="Copies of each spec like sbatch --array (0-3, 1,3,5, "
               "0-15:4, 0-7%2: at most 2 at once): job <name>-<i> with seed + i; task i of array N is N_i "
               "to cancel, show, queue -j, acct -j.")
@@ -77,7 +81,7 @@ def site_option(fn: Any) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print the recorded jobs and their estimates as JSON.")
 @site_option
 def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, sets: tuple[str, ...],
-           array: str | None, dependency: str | None, chdir: str | None, export: str | None, test_only: bool, no_service: bool, as_json: bool, site_path: str | None,
+           stop: str | None, array: str | None, dependency: str | None, chdir: str | None, export: str | None, test_only: bool, no_service: bool, as_json: bool, site_path: str | None,
            **sbatch: str | None) -> None:
     """Submit DLRM job specs to the packing service, like sbatch.
 
@@ -95,6 +99,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
                                                  # Submitted job 12 (Slurm 4; ...)
       slurm-dlrm submit tiny.yaml --set optimizer.lr=0.01,0.1 --set batch_size=128,256   # 4 jobs
       slurm-dlrm submit tiny.yaml --array 0-3 --test-only
+      slurm-dlrm submit tiny.yaml --set optimizer.lr=0.001,0.003,0.01,0.03,0.1 --stop asha
 
     Exit codes: 0 recorded (with --wait: all jobs completed), 1 a job failed or
     Slurm refused (on a login node whose service runs on another host: or that service
@@ -131,7 +136,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
     cwd = os.path.abspath(chdir) if chdir else os.getcwd()
     specs = tuple(os.path.abspath(p) for p in specs) if chdir else specs  # read from here, as sbatch reads its script
     if test_only:
-        subs = svc.prepare(specs, cli_options, site, cwd, sets, array)
+        subs = svc.prepare(specs, cli_options, site, cwd, sets, array, stop)
         test_only_checks(site, user, subs, dependency)
         lines = svc.test_only_lines(subs, site, no_pack=no_pack)
         if as_json:
@@ -143,6 +148,8 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
             if no_pack and any("--gres=mps:" in line for line in lines):
                 click.echo(f"slurm-dlrm: note: {site.mps.cross_user_note()}", err=True)
         return
+    if no_pack and stop:
+        raise BadInput("--stop: a stopping rule pauses members of packs at their rungs; not with --no-pack")
     if no_pack and dependency:
         raise BadInput("--dependency: with --no-pack, use sbatch's own -d with Slurm job ids")
     from slurm_dlrm.service.remote import lease_elsewhere
@@ -156,7 +163,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
             raise DlrmError(f"submit {'--no-pack' if no_pack else '--wait'}: your packing service runs on host "
                             f"{lease.host}, which alone writes your store; run this there")
         name, subs = svc.submit_elsewhere(specs, cli_options, site=site, user=user, cwd=cwd, sets=sets,
-                                          array=array, dependency=dependency)
+                                          array=array, dependency=dependency, stop=stop)
         ids = ids_from_elsewhere(site, user, lease.host, name, len(subs))
         print_submitted(ids, subs, parsable=parsable, as_json=as_json)
         return
@@ -211,7 +218,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         # (svc.check_slurm_reachable).
         slurm = SlurmClient(timeout_s=10.0)
     ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service,
-                           slurm=slurm, sets=sets, array=array, dependency=dependency)
+                           slurm=slurm, sets=sets, array=array, dependency=dependency, stop=stop)
     print_submitted(ids, subs, parsable=parsable, as_json=as_json)
     if wait_:
         sys.exit(wait_with_progress(site, user, ids))

@@ -82,7 +82,8 @@ def cancel_in_flight(store: Any, job: Any) -> bool:
 
 
 def requeue_job(store: Any, spool_dir: Path, job_id: int, *, user: str) -> str:
-    """Put an ended job (CANCELLED, FAILED or TIMEOUT) back in the queue, like `scontrol requeue`.
+    """Put an ended job (CANCELLED, FAILED or TIMEOUT) back in the queue, like `scontrol requeue`;
+    a sweep variant paused at a rung is promoted by hand (it resumes from its checkpoint).
 
     Its next run resumes from the checkpoint its last run left in `<spool>/jobs/<id>/ckpt`
     (per job, not per pack). Returns what was done."""
@@ -93,6 +94,12 @@ def requeue_job(store: Any, spool_dir: Path, job_id: int, *, user: str) -> str:
     from slurm_dlrm.store.states import JOB_REQUEUABLE, JobState
 
     job = own_job(store, job_id, user)
+    if job.state == JobState.PENDING and not job.no_pack:
+        from slurm_dlrm.service.sweep_stop import promote_by_hand
+
+        promoted = promote_by_hand(store, job)  # a sweep variant paused at a rung (issue 47)
+        if promoted is not None:
+            return promoted
     if job.state not in JOB_REQUEUABLE:
         raise BadInput(not_requeuable(job_id, str(job.state)))
     if job.no_pack:

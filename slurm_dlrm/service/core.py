@@ -108,6 +108,10 @@ class PackingService(PackEnding, PackFolder, PlanView):
         from slurm_dlrm.service.refill import Refill
 
         self.refill = Refill(self)  # pending jobs join running packs (docs/interfaces.md 3b)
+        from slurm_dlrm.service.sweep_stop import SweepStop
+
+        # a sweep's stopping rule: pauses and promotes variants at their rungs (issue 47)
+        self.sweep_stop = SweepStop(store, settings.user, clock)
 
     # ------------------------------------------------------------ the round
 
@@ -195,6 +199,8 @@ class PackingService(PackEnding, PackFolder, PlanView):
             stats.ingested_lines += self.ingest(pack)
         native = active_native_jobs(self.store, self.settings.user)  # submit --no-pack jobs
         self.ingest_evals()
+        for note in self.sweep_stop.run():  # after the evals it judges, before dispatch refills the shares
+            stats.notes.append(note)
         if not (active or native) or not self._slurm_available():
             return
         from slurm_dlrm.slurm import SlurmError
@@ -288,7 +294,8 @@ class PackingService(PackEnding, PackFolder, PlanView):
         if state == "COMPLETED":
             s.transition_job(job_id, JobState.COMPLETED, why, exit_code=code, t=t)
         elif state == "CANCELLED":
-            if not self.recovery.on_member_cancelled(job, t):  # a straggler asked to move is requeued
+            # a straggler asked to move is requeued; a sweep variant paused at a rung is held
+            if not (self.recovery.on_member_cancelled(job, t) or self.sweep_stop.on_member_cancelled(job, t)):
                 s.transition_job(job_id, JobState.CANCELLED, why, exit_code=code, t=t)
         elif state in ("OOM_GPU", "OOM_HOST"):
             s.transition_job(job_id, JobState.OOM, why, exit_code=code, t=t,
@@ -455,7 +462,8 @@ class PackingService(PackEnding, PackFolder, PlanView):
         if not self._slurm_available():
             return
         # a no-pack job is PENDING only until its own sbatch answers: never planned
-        pending = [j for j in self.store.jobs([JobState.PENDING], user=self.settings.user) if not j.no_pack]
+        pending = [j for j in self.store.jobs([JobState.PENDING], user=self.settings.user)
+                   if not j.no_pack and j.id not in self.sweep_stop.held]  # a paused sweep variant waits
         pending, never = ready_jobs(self.store, pending)  # submit --dependency
         now = self.clock()
         pending = [j for j in pending if j.begin_time is None or j.begin_time <= now]  # submit --begin

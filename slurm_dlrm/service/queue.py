@@ -20,10 +20,10 @@ QUEUE_COLUMNS = ("job_id", "name", "state", "pack", "slurm_job_id", "node", "gpu
 HEADERS = {"job_id": "JOBID", "name": "NAME", "state": "STATE", "pack": "PACK", "slurm_job_id": "SLURMID",
            "node": "NODE", "gpu": "GPU", "mps_pct": "MPS%", "gpu_mem_mib": "GPU_MiB", "attempt": "TRY",
            "auc": "AUC", "reason": "REASON", "start_time": "START_TIME", "partition": "PARTITION", "time": "TIME",
-           "time_limit": "TIME_LIMIT", "user": "USER"}
+           "time_limit": "TIME_LIMIT", "user": "USER", "rung": "RUNG"}
 # `queue -l`, as squeue -l adds PARTITION, TIME and TIME_LIMIT
 LONG_COLUMNS = ("job_id", "partition", "name", "state", "time", "time_limit", "pack", "slurm_job_id", "node",
-                "gpu", "mps_pct", "gpu_mem_mib", "attempt", "auc", "reason")
+                "gpu", "mps_pct", "gpu_mem_mib", "attempt", "auc", "rung", "reason")
 # `queue --start`, as squeue --start: waiting jobs and when each is expected to start
 START_COLUMNS = ("job_id", "name", "state", "start_time", "reason")
 
@@ -90,6 +90,10 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
                 if (pl.world_size or 1) > 1:
                     rank_rows.setdefault((pl.pack_id, pl.job_id), []).append(pl)
         evals = _last_aucs(store, [j.id for j in jobs])
+        from slurm_dlrm.service.sweep_stop import PAUSED_REASON, sweep_marks
+
+        # a sweep variant's rung and, paused, why (issue 47)
+        rungs = sweep_marks(store, [j.id for j in jobs if isinstance((j.spec or {}).get("sweep"), dict)])
     rows = []
     node_gpus: dict[tuple[str, int], list[str] | None] = {}
     for j in jobs:
@@ -100,6 +104,8 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
             continue
         if j.state == JobState.PENDING and PENDING_TRACE in (j.estimate or {}):
             reason = ESTIMATING_REASON + f": the service traces {j.spec.get('custom_module')}"
+        elif j.state == JobState.PENDING and rungs.get(j.id, ("",))[0].endswith("paused"):
+            reason = f"{PAUSED_REASON}: {rungs[j.id][1].removeprefix('paused: ')}"
         elif j.state == JobState.PENDING:
             reason = waiting_reason(j, service, now_s)
             if getattr(j, "sbatch_json", None) and '"dependency"' in j.sbatch_json:
@@ -128,7 +134,7 @@ def queue_rows(store: Any, *, user: str, service: dict[str, Any], include_ended:
             "gpu": node_gpu(pack.pack_dir, pl.node_index, pl.gpu_index, node_gpus) if pl and pack else None,
             "mps_pct": pl.mps_thread_pct if pl else None,
             "gpu_mem_mib": (pl.gpu_mem_limit_bytes // MIB) if pl and pl.gpu_mem_limit_bytes else None,
-            "attempt": j.attempt, "auc": evals.get(j.id), "reason": reason,
+            "attempt": j.attempt, "auc": evals.get(j.id), "rung": rungs.get(j.id, (None,))[0], "reason": reason,
             # a multi-GPU job: every rank's GPU and fence (rank 0's in the columns above)
             **({"ranks": [{"rank": r.rank or 0, "node": r.node or f"#{r.node_index}",
                            "gpu": node_gpu(pack.pack_dir, r.node_index, r.gpu_index, node_gpus),

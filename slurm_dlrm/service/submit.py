@@ -85,18 +85,29 @@ def gpu_for(site: SiteConfig, options: SbatchOptions) -> GpuModel:
 
 
 def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, cwd: str,
-            sets: Sequence[str] = (), array: str | None = None) -> list[Submission]:
-    """Validate and estimate every spec (each variant of a `--set`/`--array` sweep);
-    raise BadInput naming the first bad one."""
+            sets: Sequence[str] = (), array: str | None = None, stop: str | None = None) -> list[Submission]:
+    """Validate and estimate every spec (each variant of a `--set`/`--array` sweep, with
+    its stopping rule: `--stop`, or the spec's `sweep:`); raise BadInput naming the first bad one."""
     from slurm_dlrm.estimate import estimate
-    from slurm_dlrm.service.sweep import array_throttle, expand_tasks, parse_array, parse_sets
+    from slurm_dlrm.service.sweep import (
+        apply_stop_rule,
+        array_throttle,
+        expand_tasks,
+        new_sweep_id,
+        parse_array,
+        parse_sets,
+        parse_stop,
+    )
     from slurm_dlrm.spec import load_spec, read_spec_text, spec_fingerprint
 
     sweep_sets = parse_sets(sets)
+    if stop is not None:
+        parse_stop(stop)  # the option's form first
 
     if not paths:
         raise BadInput("SPEC: give at least one spec file")
     out: list[Submission] = []
+    sweep_names: list[str] = []  # -J, else each file's spec name: the first names a sweep
     for raw in paths:
         path = os.path.abspath(os.path.join(cwd, raw))
         # read once, bounded, a regular file only (a FIFO would block open() for ever)
@@ -108,8 +119,9 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
         gpu = gpu_for(site, options)
         swept = bool(sweep_sets or sweep_array)
         group_base = 1 + max((sb.array_group or 0 for sb in out), default=0)
-        for spec, task, group in expand_tasks(load_spec(path, text), sweep_sets, sweep_array,
-                                              options.job_name if swept else None):
+        loaded = load_spec(path, text)
+        sweep_names.append(options.job_name or loaded.name)
+        for spec, task, group in expand_tasks(loaded, sweep_sets, sweep_array, options.job_name if swept else None):
             est = estimate(spec, gpu)
             if spec.custom_module:
                 # traced by the service (torch), after the checks that need no import (custom_trace.py)
@@ -131,7 +143,20 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
                                   gpu=gpu, estimate=est, source=raw, array_task_id=task,
                                   array_group=None if task is None else group_base + group,
                                   array_throttle=None if task is None else throttle))
-    return out
+    return _with_stop_rule(out, stop, new_sweep_id(sweep_names[0]), apply_stop_rule)
+
+
+def _with_stop_rule(subs: list[Submission], stop: str | None, sweep_id: str, apply: Any) -> list[Submission]:
+    """The jobs of one submit are one sweep: its stopping rule (`--stop`, else the first
+    spec's `sweep:`) resolved into every variant's spec (service/sweep.py apply_stop_rule)."""
+    import dataclasses
+
+    if not subs or (stop is None and all(s.spec.sweep is None for s in subs)):
+        return subs
+    first = subs[0]
+    ruled = apply([s.spec for s in subs], stop, sweep_id, first.source)
+    return [dataclasses.replace(s, spec=spec, spec_data={**s.spec_data, "sweep": spec.to_dict()["sweep"]})
+            for s, spec in zip(subs, ruled, strict=True)]
 
 
 def check_data_path(raw: str, data_path: str) -> None:
@@ -347,7 +372,7 @@ def short_error(text: str, limit: int = 160) -> str:
 def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
            start_service: bool = True, slurm: Any = None, sets: Sequence[str] = (),
            array: str | None = None, dependency: str | None = None,
-           check_slurm: Callable[[], Any] | None = None) -> tuple[list[int], list[Submission]]:
+           check_slurm: Callable[[], Any] | None = None, stop: str | None = None) -> tuple[list[int], list[Submission]]:
     """Validate and estimate every spec, then ask Slurm (`slurm`: reachable and a
     supported release, svc.check_slurm_reachable; `check_slurm()`: the release check
     alone) so bad input is named first, then record them all."""
@@ -357,7 +382,7 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
         from slurm_dlrm.service.depend import parse_dependency
 
         parse_dependency(dependency)  # the form first: a usage error before anything else
-    subs = prepare(paths, cli_options, site, cwd, sets, array)
+    subs = prepare(paths, cli_options, site, cwd, sets, array, stop)
     for sub in subs:
         if sub.spec.world_size > 1:
             check_ranks_fit(sub, site, os.path.relpath(sub.path, cwd))
@@ -377,7 +402,7 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
 
 def submit_elsewhere(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
                      sets: Sequence[str] = (), array: str | None = None,
-                     dependency: str | None = None) -> tuple[str, list[Submission]]:
+                     dependency: str | None = None, stop: str | None = None) -> tuple[str, list[Submission]]:
     """`submit` on a login node whose service does not hold the store: validate and
     estimate as on its host, then drop one request with every job (service/remote.py).
     Returns the request file's name. Slurm is not asked here: the service that records
@@ -389,7 +414,7 @@ def submit_elsewhere(paths: Sequence[str], cli_options: SbatchOptions, *, site: 
         from slurm_dlrm.service.depend import parse_dependency
 
         parse_dependency(dependency)
-    subs = prepare(paths, cli_options, site, cwd, sets, array)
+    subs = prepare(paths, cli_options, site, cwd, sets, array, stop)
     for sub in subs:
         if sub.spec.world_size > 1:
             check_ranks_fit(sub, site, os.path.relpath(sub.path, cwd))
@@ -529,6 +554,9 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
 
     subs = [_traced(sub, python) if sub.spec.custom_module else sub
             for sub in prepare(paths, cli_options, site, cwd, sets, array)]
+    if any(sub.spec.sweep is not None for sub in subs):
+        raise BadInput(f"{subs[0].source}: sweep: a stopping rule pauses members of packs at their rungs; "
+                       "not with --no-pack")
     reqs = [native_request(sub, site) for sub in subs]  # all sized before any is recorded
     if check_slurm is not None:
         check_slurm()

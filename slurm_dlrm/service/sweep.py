@@ -189,3 +189,76 @@ def expand_tasks(spec: Any, sets: Sequence[tuple[str, list[Any]]], array: Sequen
         src = f"{spec.source} [{', '.join(f'{k}={_cut(str(v))}' if k != '__array__' else f'array={v}' for k, v in combo)}]"
         out.append((parse_spec(data, src), task, group))
     return out
+
+
+# ---------------------------------------------------------------- a stopping rule (issue 47)
+
+# Rungs by default: min_steps = steps // reduction**DEFAULT_RUNGS (three rungs below the end).
+DEFAULT_RUNGS = 3
+
+
+def parse_stop(text: str) -> tuple[str, str | None]:
+    """`--stop asha[:METRIC]` -> ("asha", METRIC or None)."""
+    from slurm_dlrm.adapt.asha import METRICS
+    from slurm_dlrm.spec import SWEEP_STOPS
+
+    rule, _, metric = text.strip().partition(":")
+    if rule not in SWEEP_STOPS:
+        raise BadInput(f"--stop {_cut(text)}: unknown stopping rule (one of {', '.join(SWEEP_STOPS)}, "
+                       "e.g. asha or asha:ne)")
+    if metric and metric not in METRICS:
+        raise BadInput(f"--stop {_cut(text)}: unknown metric {_cut(metric)!r} (one of {', '.join(sorted(METRICS))})")
+    return rule, metric or None
+
+
+def default_min_steps(steps: int, reduction: int, eval_every_steps: int) -> int:
+    """The first rung: a 1/reduction**3 of the steps, on the eval schedule where it is that long."""
+    raw = max(1, steps // reduction ** DEFAULT_RUNGS)
+    if eval_every_steps and raw >= eval_every_steps:
+        raw -= raw % eval_every_steps
+    return raw
+
+
+def apply_stop_rule(variants: Sequence[Any], stop: str | None, sweep_id: str, where: str) -> list[Any]:
+    """The variants (JobSpecs) with their sweep's stopping rule resolved: `--stop` over
+    the spec's `sweep:` (its min_steps and reduction kept), defaults filled in, checked
+    (BadInput naming what is wrong), and the sweep's id written into each."""
+    import dataclasses
+
+    from slurm_dlrm.adapt.asha import StopRule, rule_problem
+    from slurm_dlrm.spec import SweepSpec
+
+    given = [v.sweep for v in variants if v.sweep is not None]
+    if not variants or (stop is None and not given):
+        return list(variants)
+    base = given[0] if given else SweepSpec()
+    if stop is not None:
+        rule_name, metric = parse_stop(stop)
+        base = dataclasses.replace(base, stop=rule_name, metric=metric or base.metric)
+    what = f"--stop {_cut(stop)}" if stop is not None else f"{where}: sweep"
+    if len(variants) < 2:
+        raise BadInput(f"{what}: a stopping rule needs a sweep of at least 2 variants (--set KEY=V1,V2 or --array); "
+                       "this is one job")
+    out = []
+    for v in variants:
+        if v.steps is None:
+            raise BadInput(f"{what}: {v.name}: needs steps (an epochs spec's length is known only once its data "
+                           "is read)")
+        if not v.eval.enabled:
+            raise BadInput(f"{what}: {v.name}: the rule judges held-out evaluations; this spec has eval: false")
+        own = v.sweep or base
+        min_steps = own.min_steps or default_min_steps(int(v.steps), own.reduction, int(v.eval.every_steps))
+        rule = StopRule(base.metric, min_steps, own.reduction, int(v.steps))
+        problem = rule_problem(rule)
+        if problem is not None:
+            raise BadInput(f"{what}: {v.name}: {problem}")
+        out.append(dataclasses.replace(v, sweep=SweepSpec(base.stop, base.metric, min_steps, own.reduction,
+                                                          id=sweep_id)))
+    return out
+
+
+def new_sweep_id(name: str) -> str:
+    """A sweep's id: its name and a random tag (two submits of one name are two sweeps)."""
+    import secrets
+
+    return f"{_SAFE.sub('_', name)[:48]}.{secrets.token_hex(4)}"

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -203,9 +203,11 @@ class Evaluator:
     never changes the training run."""
 
     def __init__(self, batches: list[Any], every_steps: int, total_steps: int, *, world_size: int = 1,
-                 planted: torch.Tensor | None = None, backend: str = "torchrec") -> None:
+                 planted: torch.Tensor | None = None, backend: str = "torchrec",
+                 extra_steps: Iterable[int] = ()) -> None:
         self.batches = batches
         self.every_steps = every_steps
+        self.extra_steps = frozenset(extra_steps)  # a sweep's rung steps (issue 47): evaluated as well
         self.total_steps = total_steps
         self.world_size = world_size
         self.planted = planted  # the planted model's P(click) of each eval sample (synthetic data)
@@ -235,7 +237,8 @@ class Evaluator:
         self.history = [seen[k] for k in sorted(seen)]
 
     def due(self, done: int) -> bool:
-        return done == self.total_steps or (self.every_steps > 0 and done % self.every_steps == 0)
+        return done == self.total_steps or (self.every_steps > 0 and done % self.every_steps == 0) \
+            or done in self.extra_steps
 
     def run(self, predict: Predict, step: int, t: float) -> dict[str, object] | None:
         """Evaluate; the metrics-file record on rank 0, None on the other ranks."""

@@ -252,6 +252,10 @@ class Trainer:
     _peak_tensor_bytes: int = 0
 
     @property
+    def rung_steps(self) -> frozenset[int]:
+        return self.evaluator.extra_steps if self.evaluator is not None else frozenset()
+
+    @property
     def is_main(self) -> bool:
         return self.dist_info.rank == 0
 
@@ -536,8 +540,8 @@ class Trainer:
                     if stop_why:
                         self._stop_early(done, stop_why, metrics, progress)
                         break
-                if every_ckpt and done % every_ckpt == 0 and done != self.total_steps:
-                    self.save_checkpoint(done)
+                if (every_ckpt and done % every_ckpt == 0 or done in self.rung_steps) and done != self.total_steps:
+                    self.save_checkpoint(done)  # a sweep's rung too: where a pause may stop it
                 if done == self.total_steps:
                     if every_ckpt and opts.final_checkpoint and done != self.last_saved_step:
                         self.save_checkpoint(done)
@@ -566,6 +570,17 @@ class Trainer:
 
 
 STOPPED_MARKER = "stopped-early.json"
+
+
+def sweep_rung_steps(spec: Any, total_steps: int) -> frozenset[int]:
+    """The steps where a sweep's stopping rule judges this variant (issue 47): evaluated
+    there, and checkpointed there, whatever the spec's own schedules say."""
+    if spec.sweep is None or not spec.sweep.min_steps:
+        return frozenset()
+    from slurm_dlrm.adapt.asha import StopRule, rung_steps
+
+    return frozenset(rung_steps(StopRule(spec.sweep.metric, spec.sweep.min_steps, spec.sweep.reduction,
+                                         total_steps)))
 
 
 def write_stopped_marker(checkpoint_dir: Path, step: int, reason: str) -> None:
@@ -652,7 +667,7 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     if spec.eval.enabled:
         batches, planted = eval_batches(spec, info.rank, info.world_size)
         evaluator = Evaluator(batches, int(spec.eval.every_steps), total, world_size=info.world_size,
-                              planted=planted, backend=metrics_backend)
+                              planted=planted, backend=metrics_backend, extra_steps=sweep_rung_steps(spec, total))
     trainer = Trainer(spec=spec, opts=opts, dist_info=info, device=device, built=built, source=source,
                       total_steps=total, stop=stop, expect=expect, evaluator=evaluator)
     trainer.resume()
