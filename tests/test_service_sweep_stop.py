@@ -172,3 +172,32 @@ def test_a_sweep_without_a_rule_is_left_alone(world):
     write_eval(svc, clock, plain[1], 10, 0.5)
     svc.run_round()
     assert all(kinds(store, j) == [] for j in plain)
+
+
+def test_acct_sweep_shows_each_variants_rung_its_metric_there_and_the_saving(world):
+    from slurm_dlrm.store.sweep_report import render_sweep, sweep_rows, sweep_saving
+
+    svc, store, slurm, clock, cluster = world
+    a, b = add_variant(store, "lr-a"), add_variant(store, "lr-b")
+    start_all(svc, slurm, cluster)
+    write_eval(svc, clock, a, 10, 0.70)
+    write_eval(svc, clock, b, 10, 0.60)
+    svc.run_round()
+    stop_reported(svc, store, cluster, b)
+    clock.advance(60.0)
+    write_eval(svc, clock, a, 30, 0.75)
+    write_eval(svc, clock, a, 100, 0.80)
+    svc.run_round()
+    rows, _fields = sweep_rows(store, "lr", now=clock())
+    by_id = {r["job_id"]: r for r in rows}
+    assert by_id[a]["rung"] == "1 on" and by_id[a]["at_rungs"] == [0.70, 0.75, None]  # rungs 10, 30, 90
+    assert by_id[b]["rung"] == "0 paused" and by_id[b]["at_rungs"] == [0.60, None, None]
+    # b stopped at step 10 of 100: trained to its end it would have used 10x its GPU-hours
+    assert by_id[b]["gpu_hours"] > 0
+    assert by_id[b]["gpu_hours_full"] == pytest.approx(10 * by_id[b]["gpu_hours"])
+    saving = sweep_saving(rows)
+    assert saving is not None and saving["gpu_hours_saved"] == pytest.approx(9 * by_id[b]["gpu_hours"])
+    text = render_sweep(rows, _fields)
+    assert text.splitlines()[0].split()[:5] == ["JobID", "Name", "State", "Rung", "AtRungs"]
+    assert "0.6000/-/-" in text and text.splitlines()[-1].startswith("sweep: 2 variants used ")
+    assert json.loads(render_sweep(rows, _fields, "json"))[0]["AtRungs"] is not None

@@ -92,7 +92,66 @@ def sweep_rows(store: Store, name: str, sort: str = "auc", now: float | None = N
         return (0, -x if higher else x, int(r["job_id"]))
 
     rows.sort(key=order)
+    add_rungs(store, rows, specs)
     return rows, fields
+
+
+def add_rungs(store: Store, rows: list[dict[str, Any]], specs: dict[int, dict[str, Any]]) -> None:
+    """Variants of a sweep with a stopping rule (issue 47): each row's last rung decision
+    (`rung`: "1 on", "0 paused", ...), its metric at each rung (`at_rungs`), and the
+    GPU-hours it would have used trained to its end (`gpu_hours_full`: its GPU-hours
+    times steps / steps done, steps done being the last step it evaluated)."""
+    from slurm_dlrm.adapt.asha import StopRule, rung_steps
+
+    ruled = {j: s["sweep"] for j, s in specs.items() if isinstance(s.get("sweep"), dict)}
+    if not ruled:
+        return
+    ids = sorted(ruled)
+    marks = ",".join("?" * len(ids))
+    words = {"sweep_go_on": "on", "sweep_pause": "paused", "sweep_promote": "promoted"}
+    last: dict[int, str] = {}
+    with store.read():
+        for job_id, kind, data_json in store.conn.execute(
+                f"SELECT job_id, kind, data_json FROM events WHERE job_id IN ({marks}) AND kind IN "
+                "('sweep_go_on', 'sweep_pause', 'sweep_promote') ORDER BY id", ids):
+            last[int(job_id)] = f"{(json.loads(data_json) if data_json else {}).get('rung', 0)} {words[kind]}"
+        evals: dict[int, dict[int, dict[str, Any]]] = {}
+        for job_id, step, auc, ne, log_loss in store.conn.execute(
+                f"SELECT job_id, step, auc, ne, log_loss FROM evals WHERE job_id IN ({marks})", ids):
+            evals.setdefault(int(job_id), {})[int(step)] = {"auc": auc, "ne": ne, "loss": log_loss}
+    for r in rows:
+        job_id = int(r["job_id"])
+        sw = ruled.get(job_id)
+        if sw is None:
+            continue
+        steps = int(specs[job_id].get("steps") or 0)
+        rule = StopRule(str(sw.get("metric") or "auc"), int(sw.get("min_steps") or 0),
+                        int(sw.get("reduction") or 3), steps)
+        mine = evals.get(job_id, {})
+        r["rung"] = last.get(job_id)
+        r["at_rungs"] = [mine.get(step, {}).get(rule.metric) for step in rung_steps(rule)]
+        done = max(mine, default=0)
+        used = r.get("gpu_hours")
+        r["gpu_hours_full"] = (None if used is None or not done or not steps else
+                               float(used) * steps / min(done, steps))
+
+
+def sweep_saving(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The sweep's GPU-hours against training every variant to its end (None: no rule)."""
+    ruled = [r for r in rows if "gpu_hours_full" in r]
+    if not ruled:
+        return None
+    used = sum(float(r.get("gpu_hours") or 0.0) for r in ruled)
+    full = sum(float(r.get("gpu_hours_full") or r.get("gpu_hours") or 0.0) for r in ruled)
+    return {"variants": len(ruled), "gpu_hours": used, "gpu_hours_full": full, "gpu_hours_saved": full - used,
+            "saved_x": full / used if used > 0 else None}
+
+
+def saving_line(saving: dict[str, Any]) -> str:
+    x = saving["saved_x"]
+    return (f"sweep: {saving['variants']} variants used {saving['gpu_hours']:.3f} GPU-hours; every variant to "
+            f"its end: ~{saving['gpu_hours_full']:.3f}; saved ~{saving['gpu_hours_saved']:.3f}"
+            + (f" ({x:.1f}x)" if x is not None else ""))
 
 
 def _cell(fmt: str, v: Any) -> str:
@@ -103,14 +162,24 @@ def _cell(fmt: str, v: Any) -> str:
 
 def render_sweep(rows: Sequence[dict[str, Any]], fields: Sequence[str], fmt: str = "table",
                  header: bool = True) -> str:
-    """The sweep table: JobID, Name, State, the varied fields, the metrics, GPU-hours."""
-    heads = ["JobID", "Name", "State", *fields, *(h for h, _, _ in METRIC_COLUMNS)]
+    """The sweep table: JobID, Name, State, the varied fields, the metrics, GPU-hours; with a
+    stopping rule, each variant's last rung and its metric at every rung, and (table) a
+    last line with the GPU-hours saved against training every variant to its end."""
+    ruled = any("gpu_hours_full" in r for r in rows)
+    rung_heads = ["Rung", "AtRungs"] if ruled else []
+    heads = ["JobID", "Name", "State", *rung_heads, *fields, *(h for h, _, _ in METRIC_COLUMNS)]
     if fmt == "json":
         return json.dumps([{"JobID": r["job_id"], "Name": r["name"], "State": r["state"],
                             "varied": r["varied"],
+                            **({"Rung": r.get("rung"), "AtRungs": r.get("at_rungs"),
+                                "GPUHoursFull": r.get("gpu_hours_full")} if ruled else {}),
                             **{h: r.get(k) for h, k, _ in METRIC_COLUMNS}} for r in rows], indent=1)
-    raw = [[r["job_id"], r["name"], r["state"], *(r["varied"].get(f) for f in fields),
-            *(r.get(k) for _, k, _ in METRIC_COLUMNS)] for r in rows]
+
+    def at_rungs(r: dict[str, Any]) -> str:
+        return "/".join("-" if v is None else f"{v:.4f}" for v in r.get("at_rungs") or []) or "-"
+
+    raw = [[r["job_id"], r["name"], r["state"], *([r.get("rung"), at_rungs(r)] if ruled else []),
+            *(r["varied"].get(f) for f in fields), *(r.get(k) for _, k, _ in METRIC_COLUMNS)] for r in rows]
     if fmt == "csv":
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
@@ -120,10 +189,14 @@ def render_sweep(rows: Sequence[dict[str, Any]], fields: Sequence[str], fmt: str
         return buf.getvalue()
     if fmt != "table":
         raise ValueError(f"unknown format {fmt!r}")
-    fmts = ["{}", "{}", "{}", *("{}" for _ in fields), *(f for _, _, f in METRIC_COLUMNS)]
+    fmts = ["{}", "{}", "{}", *("{}" for _ in rung_heads), *("{}" for _ in fields),
+            *(f for _, _, f in METRIC_COLUMNS)]
     cells = [[_cell(f, v) for f, v in zip(fmts, row, strict=True)] for row in raw]
     table = ([heads] if header else []) + cells
     widths = [max(len(r[i]) for r in table) for i in range(len(heads))]
-    return "".join("  ".join(c.rjust(w) if i not in (1, 2) else c.ljust(w)
-                             for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip() + "\n"
-                   for r in table)
+    left = (1, 2, 3) if ruled else (1, 2)
+    out = "".join("  ".join(c.rjust(w) if i not in left else c.ljust(w)
+                            for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip() + "\n"
+                  for r in table)
+    saving = sweep_saving(rows)
+    return out + (saving_line(saving) + "\n" if saving is not None and header else "")
