@@ -41,6 +41,8 @@ eval: {every_steps: 200, batches: 8}   # held-out AUC, NE, log-loss, calibration
                               # also takes holdout: auto | last-file | 0.05 (a fraction of the samples)
 # command: [python, train.py] # optional argv replacing `slurm-dlrm train SPEC`
 # custom_module: pkg.mod:factory   # optional: factory(spec) -> nn.Module replaces DLRM
+# sweep: {stop: asha, metric: auc, min_steps: 40, reduction: 3}   # with --set: stop a sweep's losers
+                              # at rungs min_steps x reduction^k (docs/sweeps.md; or submit --stop asha)
 """
 
 @click.command("spec", context_settings={"help_option_names": ["-h", "--help"]})
