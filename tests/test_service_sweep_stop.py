@@ -57,11 +57,11 @@ def kinds(store, job_id):
     return [e["kind"] for e in store.events(job_id=job_id) if e["kind"].startswith("sweep_")]
 
 
-def stop_reported(svc, store, cluster, job_id):
+def stop_reported(svc, store, cluster, job_id, by="sweep-pause"):
     """The agent saw the cancel file: the member checkpointed and stopped."""
     job = store.get_job(job_id)
     pack = store.get_pack(job.pack_id)
-    assert (Path(pack.pack_dir) / "cancel" / str(job_id)).read_text().split()[1] == "sweep-pause"
+    assert (Path(pack.pack_dir) / "cancel" / str(job_id)).read_text().split()[1:2] == ([by] if by else [])
     p = cluster.placement_of(int(pack.slurm_job_id))
     cluster.member(p, job_id, "CANCELLED", reason="cancelled by the service")
     svc.run_round()
@@ -201,3 +201,31 @@ def test_acct_sweep_shows_each_variants_rung_its_metric_there_and_the_saving(wor
     assert text.splitlines()[0].split()[:5] == ["JobID", "Name", "State", "Rung", "AtRungs"]
     assert "0.6000/-/-" in text and text.splitlines()[-1].startswith("sweep: 2 variants used ")
     assert json.loads(render_sweep(rows, _fields, "json"))[0]["AtRungs"] is not None
+
+
+def test_a_restarted_service_still_holds_a_pause_that_lands_in_its_first_round(world):
+    from slurm_dlrm.service.core import PackingService
+
+    svc, store, slurm, clock, cluster = world
+    a, b = add_variant(store, "lr-a"), add_variant(store, "lr-b")
+    start_all(svc, slurm, cluster)
+    write_eval(svc, clock, a, 10, 0.70)
+    write_eval(svc, clock, b, 10, 0.60)
+    svc.run_round()
+    fresh = PackingService(store, slurm, svc.site, svc.settings, clock=clock)  # knows no sweep yet
+    stop_reported(fresh, store, cluster, b)
+    assert store.get_job(b).state == JobState.PENDING and is_paused(store, store.get_job(b))
+    fresh.run_round()
+    assert store.get_job(b).state == JobState.PENDING  # held
+
+
+def test_the_users_cancel_while_a_pause_is_on_its_way_cancels(world):
+    svc, store, slurm, clock, cluster = world
+    a, b = add_variant(store, "lr-a"), add_variant(store, "lr-b")
+    start_all(svc, slurm, cluster)
+    write_eval(svc, clock, a, 10, 0.70)
+    write_eval(svc, clock, b, 10, 0.60)
+    svc.run_round()
+    cancel_job(store, slurm, b, user=USER)
+    stop_reported(svc, store, cluster, b, by=None)  # the user's cancel wrote the file last
+    assert store.get_job(b).state == JobState.CANCELLED

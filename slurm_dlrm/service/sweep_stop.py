@@ -264,14 +264,19 @@ class SweepStop:
         (RUNNING -> PENDING, resumes from its checkpoint once promoted); True then."""
         from slurm_dlrm.store.states import JobState
 
-        if job.state != JobState.RUNNING or job.id not in self.members:
+        if job.state != JobState.RUNNING:
             return False
+        # from the events alone: after a restart this report may come before the first run()
         rows = self.store.conn.execute(
-            "SELECT kind, reason, pack_id FROM events WHERE job_id = ? AND kind IN (?, ?, ?) ORDER BY id DESC LIMIT 1",
-            (job.id, *KINDS)).fetchall()
-        if not rows or rows[0][0] != PAUSE or rows[0][2] != job.pack_id:
+            "SELECT id, kind, reason, pack_id FROM events WHERE job_id = ? AND kind IN (?, ?, ?) "
+            "ORDER BY id DESC LIMIT 1", (job.id, *KINDS)).fetchall()
+        if not rows or rows[0][1] != PAUSE or rows[0][3] != job.pack_id:
             return False
-        self.store.transition_job(job.id, JobState.PENDING, f"{PAUSED_REASON}: {rows[0][1]}; resumes from its "
+        if self.store.conn.execute(  # the user's own cancel after the pause wins: CANCELLED
+                "SELECT 1 FROM events WHERE job_id = ? AND id > ? AND kind = 'note' AND reason LIKE 'cancel requested%'",
+                (job.id, rows[0][0])).fetchone():
+            return False
+        self.store.transition_job(job.id, JobState.PENDING, f"{PAUSED_REASON}: {rows[0][2]}; resumes from its "
                                   "checkpoint if promoted (requeue promotes it by hand)", t=t)
         self.held.add(job.id)
         return True
