@@ -56,12 +56,13 @@ def drop(site: SiteConfig, user: str, kind: str, payload: dict[str, Any]) -> str
 def check_ids(store: Any, job_ids: Sequence[int], user: str, *, requeue: bool = False) -> None:
     """All ids first, as the commands do on the service's host: nothing half-done."""
     from slurm_dlrm.service.cancel import not_requeuable
+    from slurm_dlrm.service.sweep_stop import is_paused
     from slurm_dlrm.store.jobids import own_job
     from slurm_dlrm.store.states import JOB_REQUEUABLE
 
     for jid in job_ids:
         job = own_job(store, int(jid), user)
-        if requeue and job.state not in JOB_REQUEUABLE:
+        if requeue and job.state not in JOB_REQUEUABLE and not is_paused(store, job):  # a paused sweep variant
             raise BadInput(not_requeuable(int(jid), str(job.state)))
 
 
