@@ -555,6 +555,29 @@ def _rank_report(cluster, p, job, state, exit_code, requeue):
     cluster.report(p, [{**rec, "requeue": True} if requeue else rec])
 
 
+def test_a_member_killed_from_outside_resumes_from_its_checkpoint(world):
+    """Issue 49 (chaos_live): a one-rank member SIGKILLed by no one the agent knows of (its
+    report says `requeue`) goes back to the queue and resumes, as a killed rank's job does;
+    before, it ended FAILED. Killed by a user's scancel of the pack, it is CANCELLED."""
+    svc, store, slurm, clock, cluster = world
+    a, b, pack, sid, p = _two_members_running(world)
+    svc.run_round()
+    why = "killed by SIGKILL from outside the agent, not the OOM killer (Slurm, scancel, a user)"
+    cluster.report(p, [{"type": "member", "job_id": a, "state": "FAILED", "exit_code": 137, "reason": why,
+                        "requeue": True}])
+    svc.run_round()
+    job = store.get_job(a)
+    assert job.attempt == 1 and job.state in (JobState.PENDING, JobState.PLANNED), job
+    reasons = [str(e.get("reason")) for e in store.events(job_id=a)]
+    assert any(r.startswith("killed from outside (killed by SIGKILL") and "resumes from its checkpoint" in r
+               for r in reasons), reasons
+    slurm.set_state(sid, "CANCELLED")  # the user's scancel: its SIGKILL after KillWait
+    cluster.report(p, [{"type": "member", "job_id": b, "state": "FAILED", "exit_code": 137, "reason": why,
+                        "requeue": True}])
+    svc.run_round()
+    assert store.get_job(b).state == JobState.CANCELLED and "scancel" in store.get_job(b).exit_reason
+
+
 def test_a_failed_rank_requeues_its_job_as_a_whole(world):
     svc, store, slurm, clock, cluster = world
     a, b = add_job(store, "a"), add_job(store, "b")
