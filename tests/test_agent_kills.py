@@ -103,5 +103,8 @@ def test_an_outside_sigkill_is_reported_by_its_sender(agent_world, monkeypatch, 
     assert len(end) == 1
     if oom_killed:
         assert "the kernel OOM killer (cgroup oom_kill +1" in end[0]["reason"]
+        assert "requeue" not in end[0]  # the OOM recovery raises its request instead
     else:
         assert "not the OOM killer" in end[0]["reason"]
+        # it did not fail on its own: the service requeues it from its checkpoint (issue 49)
+        assert end[0]["requeue"] is True

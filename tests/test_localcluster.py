@@ -476,15 +476,22 @@ def test_up_after_a_slurmctld_killed_before_its_first_save(slurm_cluster):
     """A slurmctld killed before it first saved its state leaves `clustername` without
     `assoc_usage`; with accounting, Slurm 26.05 then refuses to start ("fatal: No Assoc
     usage file ... to recover", issue 28: the demo after the suite, a second matrix leg).
-    `up` starts it anyway (-i) and the cluster runs jobs."""
+    `up` starts it anyway (-i) and the cluster runs jobs. Who started the cluster stays its
+    owner across such a restart (the suite's fixture marker: issue 49, the suite left its
+    cluster running after a test brought a killed slurmd back with `up`); an `up` from
+    nothing drops a stale marker."""
     # A new folder each run: in a leg's fresh pid namespace the pid repeats, and a run killed
     # midway leaves a half-made MariaDB datadir that mariadb-install-db refuses.
     state_dir = Path(tempfile.mkdtemp(prefix="sdlrm-k-", dir="/tmp"))
     cfg = lc.config_from_site(state_dir=state_dir, nodes=1, gpus_per_node=1, accounting=True,
                               base_port=ports.pick_base_port(state_dir, nodes=1))
     cluster = lc.LocalCluster(cfg)
+    marker = state_dir / "fixture-started"
     try:
+        marker.touch()  # stale: left by a fixture whose cluster is gone
         cluster.up(wait_s=90)
+        assert not marker.exists()
+        marker.touch()  # now a fixture's: it started this cluster
         ctld = next(d for d in cluster.daemons() if d.name == "slurmctld")
         assert ctld.pid is not None
         os.kill(ctld.pid, signal.SIGKILL)
@@ -496,6 +503,7 @@ def test_up_after_a_slurmctld_killed_before_its_first_save(slurm_cluster):
         # makes the state the same as a kill before it).
         (state_dir / "ctld" / "assoc_usage").unlink(missing_ok=True)
         cluster.up(wait_s=90)
+        assert marker.exists(), "a restart of one daemon took the cluster from its owner"
         client = cluster.client()
         job_id = client.sbatch(_script("true"), ["--output=/dev/null"])
         wait_for_jobs(client, [job_id], timeout_s=60, poll_s=0.2, max_poll_s=1.0)

@@ -118,15 +118,67 @@ def _two_members_running(world):
 
 
 def test_member_without_an_end_report_fails_with_the_pack_reason(world):
+    """The pack's agent reported its orderly exit, yet a member reported no end: the pack
+    failed for a reason of its own, and the member fails with it."""
     svc, store, slurm, clock, cluster = world
     a, b, pack, sid, p = _two_members_running(world)
     cluster.member(p, a, "COMPLETED", 0)
+    cluster.report(p, [{"type": "agent", "event": "exit", "detail": "members: done"}])
     slurm.finish(sid, exit_code=1)
     svc.run_round()
     assert store.get_job(a).state == JobState.COMPLETED
     jb = store.get_job(b)
     assert jb.state == JobState.FAILED and "before the member reported an end" in jb.exit_reason
     assert store.get_pack(pack.id).state == PackState.FAILED
+
+
+def test_a_killed_agent_s_members_resume_from_checkpoints_within_max_attempts(world):
+    """Issue 49 (chaos_live): an agent SIGKILLed ends its pack FAILED (srun's step dies)
+    with no exit report; its unfinished member did not fail on its own, so it reruns from
+    its checkpoint (fenced first), and fails only once max_attempts runs are spent. Before,
+    it ended FAILED at the first killed agent."""
+    svc, store, slurm, clock, cluster = world
+    a, b, pack, sid, p = _two_members_running(world)
+    cluster.member(p, a, "COMPLETED", 0)
+    slurm.finish(sid, exit_code=9)
+    svc.run_round()
+    assert store.get_pack(pack.id).state == PackState.FAILED
+    assert store.get_job(a).state == JobState.COMPLETED and store.get_job(a).attempt == 0
+    jb = store.get_job(b)
+    assert jb.attempt == 1 and jb.state in (JobState.PENDING, JobState.PLANNED), jb
+    assert (Path(pack.pack_dir) / "cancel" / str(b)).exists()  # the old run is fenced
+    for _ in range(svc.settings.max_attempts - 1):  # each later run's agent killed too
+        svc.run_round()
+        (q,) = [x for x in store.packs() if x.id == store.get_job(b).pack_id]
+        slurm.start(int(q.slurm_job_id))
+        cluster.member(cluster.placement_of(int(q.slurm_job_id)), b, "RUNNING")
+        svc.run_round()
+        slurm.finish(int(q.slurm_job_id), exit_code=9)
+        svc.run_round()
+    jb = store.get_job(b)
+    assert jb.state == JobState.FAILED and "gave up after 3 runs" in jb.exit_reason, jb.exit_reason
+
+
+def test_members_of_a_pack_that_failed_before_they_started_go_back_to_the_queue(world):
+    """A pack whose agent step srun could not create (Slurm 22.05 after a slurmctld restart:
+    "Invalid generic resource (gres) specification"): its members never ran, so they are
+    planned again without an attempt counted; a pack that keeps failing so fails them
+    after max_attempts such packs (no endless resubmission)."""
+    svc, store, slurm, clock, cluster = world
+    a = add_job(store, "a")
+    for n in range(svc.settings.max_attempts):
+        svc.run_round()
+        (pack,) = [x for x in store.packs() if x.id == store.get_job(a).pack_id]
+        assert store.get_job(a).state == JobState.PLANNED
+        slurm.start(int(pack.slurm_job_id))
+        slurm.finish(int(pack.slurm_job_id), exit_code=1)
+        svc.run_round()
+        job = store.get_job(a)
+        if n < svc.settings.max_attempts - 1:
+            assert job.state in (JobState.PENDING, JobState.PLANNED) and job.attempt == 0, job
+    job = store.get_job(a)
+    assert job.state == JobState.FAILED and "before the member reported an end" in job.exit_reason
+    assert len(store.packs()) == svc.settings.max_attempts
 
 
 def test_a_pack_whose_agent_handled_a_host_oom_is_not_a_failed_allocation(world):
@@ -501,6 +553,29 @@ def _rank_report(cluster, p, job, state, exit_code, requeue):
            "reason": "rank 1: killed by SIGKILL; its 1 other rank stopped",
            "ranks": [{"rank": 0, "state": "CANCELLED"}, {"rank": 1, "state": state}]}
     cluster.report(p, [{**rec, "requeue": True} if requeue else rec])
+
+
+def test_a_member_killed_from_outside_resumes_from_its_checkpoint(world):
+    """Issue 49 (chaos_live): a one-rank member SIGKILLed by no one the agent knows of (its
+    report says `requeue`) goes back to the queue and resumes, as a killed rank's job does;
+    before, it ended FAILED. Killed by a user's scancel of the pack, it is CANCELLED."""
+    svc, store, slurm, clock, cluster = world
+    a, b, pack, sid, p = _two_members_running(world)
+    svc.run_round()
+    why = "killed by SIGKILL from outside the agent, not the OOM killer (Slurm, scancel, a user)"
+    cluster.report(p, [{"type": "member", "job_id": a, "state": "FAILED", "exit_code": 137, "reason": why,
+                        "requeue": True}])
+    svc.run_round()
+    job = store.get_job(a)
+    assert job.attempt == 1 and job.state in (JobState.PENDING, JobState.PLANNED), job
+    reasons = [str(e.get("reason")) for e in store.events(job_id=a)]
+    assert any(r.startswith("killed from outside (killed by SIGKILL") and "resumes from its checkpoint" in r
+               for r in reasons), reasons
+    slurm.set_state(sid, "CANCELLED")  # the user's scancel: its SIGKILL after KillWait
+    cluster.report(p, [{"type": "member", "job_id": b, "state": "FAILED", "exit_code": 137, "reason": why,
+                        "requeue": True}])
+    svc.run_round()
+    assert store.get_job(b).state == JobState.CANCELLED and "scancel" in store.get_job(b).exit_reason
 
 
 def test_a_failed_rank_requeues_its_job_as_a_whole(world):

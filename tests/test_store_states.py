@@ -241,3 +241,24 @@ def test_docs_list_exactly_the_edges_of_the_code():
 
     assert edges("Jobs") == {(a.value, b.value) for a, b in JOB_TRANSITIONS}
     assert edges("Packs") == {(a.value, b.value) for a, b in PACK_TRANSITIONS}
+
+
+def test_a_transition_dated_by_slurm_is_not_before_the_one_before_it(store):
+    """Slurm's times are whole seconds, cut down: a --no-pack job PLANNED at x.46 that
+    Slurm says started at x.0 had its RUNNING event dated before its PLANNED one (issue 49,
+    chaos_live: events out of order). Each is dated at least at the one before it; a
+    later Slurm time is kept as it is."""
+    j = store.add_job(user="alice", name="np", spec={"name": "np"}, spec_fingerprint="fp", mode="no-pack")
+    planned = store.transition_job(j, J.PLANNED, "submitted to Slurm as job 16", slurm_job_id="16")
+    running = store.transition_job(j, J.RUNNING, "Slurm job 16 started", t=planned.updated_time - 0.46)
+    assert running.start_time == running.updated_time == planned.updated_time
+    done = store.transition_job(j, J.COMPLETED, "exited 0", t=planned.updated_time + 7.0)
+    assert done.end_time == planned.updated_time + 7.0
+    times = [e["t"] for e in store.events(job_id=j, kind="job_state")]
+    assert times == sorted(times)
+    p = new_pack(store, new_job(store))
+    queued = store.transition_pack(p, P.QUEUED, "sbatch", slurm_job_id="17")
+    ended = store.transition_pack(p, P.FAILED, "Slurm: FAILED", t=queued.updated_time - 0.9)
+    assert ended.end_time == queued.updated_time
+    times = [e["t"] for e in store.events(pack_id=p, kind="pack_state")]
+    assert times == sorted(times)

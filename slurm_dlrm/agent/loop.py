@@ -41,7 +41,7 @@ from slurm_dlrm.agent.node_gpus import gpu_facts, nvml_indices, nvml_position, w
 from slurm_dlrm.agent.nvml import Nvml
 from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR, MemberPlacement, Placement
 from slurm_dlrm.agent.procstat import MetricsTail
-from slurm_dlrm.agent.reaping import job_outcome, reap_ended, signal_name
+from slurm_dlrm.agent.reaping import job_outcome, killed_from_outside, reap_ended, signal_name
 from slurm_dlrm.agent.reports import ReportWriter
 from slurm_dlrm.agent.sampling import budget_breach, sample_gpus, sample_member
 from slurm_dlrm.agent.stopping import (
@@ -476,7 +476,8 @@ class Agent:
         p = m.placement
         if p.world_size == 1:
             self.job_states[p.job_id] = m.state
-            self.reports.member(p.job_id, m.state, m.exit_code, m.reason)
+            self.reports.member(p.job_id, m.state, m.exit_code, m.reason,
+                                **({"requeue": True} if killed_from_outside(m) else {}))
             return
         self.reports.rank(p.job_id, p.rank, p.world_size, m.state, m.exit_code, m.reason, gpu_index=p.gpu_index)
         ranks = self._ranks(p.job_id)

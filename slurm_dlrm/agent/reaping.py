@@ -151,6 +151,14 @@ def reap_ended(members: list[Member], launch: str, oom_cgroup: Path | None) -> l
     return ended
 
 
+def killed_from_outside(m: Member) -> bool:
+    """A one-rank member SIGKILLed by no one the agent knows of (not its own stop; not the
+    OOM killer as far as the job cgroup tells, which OOM_HOST covers): it did not fail on
+    its own, so its job goes back to the queue and resumes from its checkpoint, as a
+    multi-rank job's killed rank does (issue 49: chaos_live's killed member ended FAILED)."""
+    return m.state == "FAILED" and m.stop_reason is None and m.exit_code == 128 + signal.SIGKILL
+
+
 def job_outcome(ranks: list[Member], cause: Member | None) -> tuple[Member, str, bool]:
     """The one end of a multi-rank job (docs/agent.md "Multi-rank jobs"): the rank whose
     record it is, the reason, and whether the job goes back to the queue as a whole.

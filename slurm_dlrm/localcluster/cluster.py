@@ -174,7 +174,8 @@ class LocalCluster:
         c = self.config
         c.validate()
         running = LocalCluster.at(c.state_dir)
-        if running is not None and any(d.running for d in running.daemons()):
+        partly_up = running is not None and any(d.running for d in running.daemons())
+        if running is not None and partly_up:
             if running.config != c:
                 raise ClusterError(
                     f"a cluster with other settings runs in {c.state_dir} (base port "
@@ -185,8 +186,11 @@ class LocalCluster:
                 self.wait_idle(wait_s)
                 return self.status()
         c.state_dir.mkdir(parents=True, exist_ok=True)
-        # Started anew: whoever starts it owns it (tests/conftest.py's marker is stale).
-        (c.state_dir / "fixture-started").unlink(missing_ok=True)
+        if not partly_up:
+            # Started from nothing: whoever starts it owns it (tests/conftest.py's marker is
+            # stale). A restart of some daemons (a test's killed slurmd brought back) keeps
+            # the owner: dropping the marker then left the suite's cluster running after it.
+            (c.state_dir / "fixture-started").unlink(missing_ok=True)
         t0 = time.monotonic()
         self.render()
         by_name = {d.name: d for d in self.daemons()}

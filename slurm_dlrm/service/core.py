@@ -310,8 +310,14 @@ class PackingService(PackEnding, PackFolder, PlanView):
                              f"`slurm-dlrm requeue {job_id}` resumes it", exit_code=code, t=t)
         elif state == "PREEMPTED":
             self._requeue(job, f"preempted ({why}); resumes from its checkpoint", t)
+        elif state == "FAILED" and requeue and self._cancelled_in_slurm(pack_id):
+            # killed by a user's scancel of the pack (its SIGKILL after KillWait): theirs to requeue
+            s.transition_job(job_id, JobState.CANCELLED, f"its pack's Slurm job was cancelled (scancel); {why}; "
+                             f"`slurm-dlrm requeue {job_id}` resumes it", exit_code=code, t=t)
         elif state == "FAILED" and requeue:
-            self._requeue(job, f"a rank failed ({why}); all ranks resume from its checkpoint", t)
+            what = "a rank failed" if why.startswith("rank ") else "killed from outside"
+            self._requeue(job, f"{what} ({why}); {'all ranks resume' if what == 'a rank failed' else 'resumes'} "
+                               "from its checkpoint", t)
         elif state == "FAILED":
             s.transition_job(job_id, JobState.FAILED, why, exit_code=code, t=t)
         else:
@@ -320,7 +326,8 @@ class PackingService(PackEnding, PackFolder, PlanView):
     def _cancelled_in_slurm(self, pack_id: Any) -> bool:
         """The pack's Slurm job was cancelled, not preempted nor signalled ahead of its time
         limit (those find it RUNNING): sacct says CANCELLED, or, without accounting, Slurm
-        shows it COMPLETING while its members stop. One question per pack."""
+        shows it COMPLETING while its members stop. Asked again until it says cancelled
+        (then final): a member killed earlier in the pack's life must not fix the answer."""
         from slurm_dlrm.slurm import AccountingDisabled, SlurmError
         from slurm_dlrm.slurm import JobState as SJ
 
@@ -345,7 +352,8 @@ class PackingService(PackEnding, PackFolder, PlanView):
                 verdict = info is not None and info.state in (SJ.COMPLETING, SJ.CANCELLED)
             except SlurmError as exc:
                 log.warning("pack %s: could not ask Slurm how it ended (%s); its members are requeued", pack.name, exc)
-        self._slurm_cancelled[pack_id] = verdict
+        if verdict:
+            self._slurm_cancelled[pack_id] = verdict
         return verdict
 
     def _after_oom(self, job_id: int, kind: str, t: float) -> None:

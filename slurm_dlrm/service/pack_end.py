@@ -20,6 +20,8 @@ from slurm_dlrm.service.settings import RoundStats
 
 log = logging.getLogger(__name__)
 
+PACK_NOT_STARTED = "its pack failed before the member started; back to the queue"
+
 
 class PackEnding:
     """Ended packs, a part of `PackingService` (which sets these attributes)."""
@@ -30,6 +32,7 @@ class PackEnding:
     heartbeats: dict[int, float]
     recovery: Any
     refill: Any
+    settings: Any
 
     if TYPE_CHECKING:
         def _slurm_failed(self, exc: BaseException) -> None: ...
@@ -106,7 +109,13 @@ class PackEnding:
         self.heartbeats.pop(pack.id, None)
         recoverable = slurm_state in RECOVERABLE_PACK_ENDINGS
         tail = self._output_tail(pack) if to == PackState.FAILED and not recoverable else ""
-        if recoverable:
+        # A failed allocation whose agents did not all report their orderly exit: an agent
+        # was killed, or srun could not start its step (seen right after a slurmctld
+        # restart: "Invalid generic resource (gres) specification"). Its members did not
+        # fail on their own: they rerun from their checkpoints like a lost pack's, within
+        # max_attempts (issue 49: they ended FAILED, work lost to one killed agent).
+        agent_died = to == PackState.FAILED and not recoverable and not self._every_agent_exited(pack)
+        if recoverable or agent_died:
             self.recovery.fence_old_run(pack, live)  # an agent cut off from Slurm stops its members
         for job in live:
             if job.state == JobState.PLANNED and self.refill.is_joiner(pack, job.id):
@@ -117,12 +126,27 @@ class PackEnding:
                 self.store.transition_job(job.id, JobState.CANCELLED, f"pack {pack.name} cancelled in Slurm")
             elif recoverable or job.state == JobState.PLANNED and to == PackState.COMPLETED:
                 self._requeue(job, f"pack {pack.name} ended {slurm_state} before the member finished")
+            elif agent_died and job.state == JobState.RUNNING:
+                self._requeue(job, f"pack {pack.name} ended {slurm_state} without its agent's exit, before the "
+                                   f"member finished; resume from checkpoint" + (f": {tail}" if tail else ""))
+            elif agent_died and self._starts_missed(job.id) + 1 < self.max_attempts():
+                # never started: no attempt is counted, so the packs that failed to start it are
+                self.store.transition_job(job.id, JobState.PENDING, f"{PACK_NOT_STARTED} ({pack.name} ended "
+                                          f"{slurm_state}" + (f": {tail}" if tail else "") + ")")
             else:
                 msg = f"pack {pack.name} ended {slurm_state} before the member reported an end"
                 self.store.transition_job(job.id, JobState.FAILED, msg + (f": {tail}" if tail else ""),
                                           exit_code=exit_code)
             stats.transitions += 1
         self.refill.forget(pack.id)
+
+    def max_attempts(self) -> int:
+        return int(self.settings.max_attempts)
+
+    def _starts_missed(self, job_id: int) -> int:
+        """How many failed packs this job went back to the queue from without starting."""
+        return sum(1 for e in self.store.events(job_id=job_id, kind="job_state")
+                   if str(e.get("reason") or "").startswith(PACK_NOT_STARTED))
 
     def _every_agent_exited(self, pack: Any) -> bool:
         """Whether the agent of each of the pack's nodes reported its own orderly exit."""

@@ -469,7 +469,7 @@ class Store:
         with self.write():
             row, src, dst = self._checked_move("job", "job_by_id", job_id, JobState, job_transition_allowed,
                                                to, expect)
-            now = self.clock() if t is None else t
+            now = self.clock() if t is None else self._not_before_last("job_id", job_id, t)
             sets: dict[str, Any] = {"state": dst.value, "updated_time": now}
             cur_pack = row["pack_id"]
             if dst == JobState.PLANNED:
@@ -514,6 +514,16 @@ class Store:
             self.event_in_tx("job_state", reason, job_id=job_id, pack_id=cur_pack, src=src.value,
                         dst=dst.value, data=ev or None, t=now)
             return Job.from_row({**row, **sets})
+
+    def _not_before_last(self, column: str, ident: int, t: float) -> float:
+        """A transition dated by Slurm is not dated before the one before it: Slurm's times
+        are whole seconds, cut down, so a --no-pack job's start read from Slurm came out
+        before its PLANNED event of the same second, and the events ran backwards (issue
+        49). The state's own event kind only; `column` is job_id or pack_id."""
+        kind = "job_state" if column == "job_id" else "pack_state"
+        row = self.conn.execute(f"SELECT max(t) FROM events WHERE {column} = ? AND kind = ?",  # noqa: S608
+                                (ident, kind)).fetchone()
+        return t if row is None or row[0] is None else max(t, float(row[0]))
 
     def set_job_allocation(self, job_id: int, *, nodes: str | None = None, gpu_idx: str | None = None) -> None:
         """Where a no-pack job runs, as Slurm says: its hostlist and the node's GPU indexes."""
@@ -664,7 +674,7 @@ class Store:
         with self.write():
             row, src, dst = self._checked_move("pack", "pack_by_id", pack_id, PackState, pack_transition_allowed,
                                                to, expect)
-            now = self.clock() if t is None else t
+            now = self.clock() if t is None else self._not_before_last("pack_id", pack_id, t)
             sets: dict[str, Any] = {"state": dst.value, "reason": reason, "updated_time": now}
             if dst in (PackState.QUEUED, PackState.RUNNING) and row["submit_time"] is None:
                 sets["submit_time"] = now

@@ -215,7 +215,8 @@ def _run(args: Any, step: int, hog: list[bytearray], out: Any, writes_ckpt: Path
         if out is not None:
             out.write(json.dumps({"t": time.time(), "step": step, "samples_per_s": args.samples_per_step * chunk / dt,
                                   "step_time_s": dt / chunk, "loss": 1.0 / step,
-                                  "job_id": os.environ.get(ENV_JOB_ID)}) + "\n")
+                                  "job_id": os.environ.get(ENV_JOB_ID),
+                                  "pid": os.getpid()}) + "\n")  # one run's lines (chaos_live: overlaps)
         # The step's metrics line first, then its checkpoint, as the runner writes them: a
         # member SIGKILLed between the two (the agent's OOM stop) must not leave a
         # checkpoint ahead of its metrics, or its next run resumes past a step nobody saw
