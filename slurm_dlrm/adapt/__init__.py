@@ -5,6 +5,7 @@
 - `recovery`: what to do when a member runs out of memory or its pack is lost.
 - `stragglers`: members whose measured speed stays well below their prediction.
 - `stages`: warm start from similar jobs, warm-up update, run-time re-pack decision.
+- `asha`: a sweep's stopping rule (asynchronous successive halving): who goes on at a rung.
 
 No I/O here: callers pass in what the store measured and act on what comes back.
 """
