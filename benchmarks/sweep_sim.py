@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cluster", default=str(ROOT / "benchmarks" / "sim" / "cluster_1gpu.yaml"))
     ap.add_argument("--curves", default=str(CURVES))
     ap.add_argument("--seed", type=int, default=47)
+    ap.add_argument("--also", action="append", default=[str(ROOT / "benchmarks" / "sim" / "cluster_4gpu.yaml")],
+                    help="also play the same seeds on this cluster (printed before the last line)")
     args = ap.parse_args(argv)
     data = json.loads(Path(args.curves).read_text())
     variants = recorded_variants(data)
@@ -138,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
               f"same_best {'yes' if o.same_best else 'NO '}  best auc {o.best_value_full:.4f} | "
               f"{o.best_value_stop:.4f}  to the end {o.variants} | {o.completed_stop}  promotions {o.promotions}")
     s = summarize(outcomes)
+    for other in args.also:  # the same seeds where more of the sweep runs at once
+        oc = parse_cluster(yaml.safe_load(Path(other).read_text()))
+        so = summarize([play_drawn(family, rule, oc, args.variants, args.seed * 1000 + k, SOLO_S)
+                        for k in range(args.sweeps)])
+        print(f"same seeds on {oc.name} ({oc.gpu_count} GPUs): {so.line()}")
     full_h = statistics.median(o.gpu_hours_full for o in outcomes)
     stop_h = statistics.median(o.gpu_hours_stop for o in outcomes)
     print(f"median gpu_hours: every variant to the end {full_h:.2f}, with the rule {stop_h:.2f}")

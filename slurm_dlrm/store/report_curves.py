@@ -205,8 +205,6 @@ def sweep_figure(plt: Any, store: Store, rows: list[dict[str, Any]],
     ys = list(range(len(variants)))[::-1]
     colours = ["#ef6c00" if int(v["job_id"]) in paused else "#1565c0" for v in variants]
     ax_auc.barh(ys, [v["final_auc"] for v in variants], color=colours, label="final AUC")
-    if paused:
-        ax_auc.barh([], [], color="#ef6c00", label="paused by the rule (AUC at its pause)")
     ax_auc.scatter([v["best_auc"] for v in variants], ys, color="black", marker="|", s=120, label="best AUC")
     planted = next((v["planted_auc"] for v in variants if v["planted_auc"] is not None), None)
     if planted is not None:
@@ -216,7 +214,13 @@ def sweep_figure(plt: Any, store: Store, rows: list[dict[str, Any]],
     ax_auc.set_yticks(ys, labels, fontsize=8)
     ax_auc.set_xlabel("held-out AUC")
     ax_auc.set_title(f"sweep {sweep}: best first", fontsize=10)
-    ax_auc.legend(fontsize=7, loc="lower right")
+    handles, names = ax_auc.get_legend_handles_labels()
+    if paused:  # an empty barh has no colour of its own: a patch says which bars paused
+        from matplotlib.patches import Patch
+
+        handles.append(Patch(color="#ef6c00"))
+        names.append("paused by the rule (AUC at its pause)")
+    ax_auc.legend(handles, names, fontsize=7, loc="lower right")
     ax_auc.grid(alpha=0.3, axis="x")
     ax_gpu.barh(ys, [v["gpu_hours"] or 0.0 for v in variants], color="#9e9e9e")
     ax_gpu.set_yticks(ys, [str(v["job_id"]) for v in variants], fontsize=8)
