@@ -35,7 +35,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from slurm_dlrm.adapt.asha import StopRule  # noqa: E402
+from slurm_dlrm.adapt.asha import StopRule, rung_steps  # noqa: E402
 from slurm_dlrm.sim.files import parse_cluster  # noqa: E402
 from slurm_dlrm.sim.sweep_curves import (  # noqa: E402
     RecordedVariant,
@@ -86,13 +86,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     data = json.loads(Path(args.curves).read_text())
     variants = recorded_variants(data)
-    steps = int(data["sweeps"][0]["steps"])
+    steps = max(v.steps for v in variants)  # the drawn sweeps run the longest recorded
     rule = rule_for(steps)
     cluster = parse_cluster(yaml.safe_load(Path(args.cluster).read_text()))
-    sweeps = sorted({v.sweep for v in variants})
-    print(f"recorded: {len(variants)} variants in {len(sweeps)} sweeps ({', '.join(sweeps)}), {steps} steps, "
-          f"eval every {data['eval']['every_steps']} steps; rule: reduction {rule.reduction}, rungs at "
-          f"{', '.join(str(rule.min_steps * rule.reduction ** k) for k in range(RUNGS))}; cluster {cluster.name}")
+    sweeps = [str(sw["name"]) for sw in data["sweeps"]]  # recorded order
+    print(f"recorded: {len(variants)} variants in {len(sweeps)} sweeps: " + ", ".join(
+        f"{sw['name']} ({len(sw['variants'])} variants, {sw['steps']} steps, eval every "
+        f"{sw.get('eval_every_steps', 20)})" for sw in data["sweeps"]))
+    print(f"rule: reduction {rule.reduction}, min_steps = steps // {rule.reduction ** RUNGS}: rungs at "
+          f"{', '.join(str(r) for r in rung_steps(rule))} of {steps} for the drawn sweeps; cluster {cluster.name}")
 
     # 1. the family and its held-out error
     family = fit_family(variants)
@@ -103,18 +105,20 @@ def main(argv: list[str] | None = None) -> int:
           f"rmse {err.extrap_rmse:.4f}, max |err| {err.extrap_max_abs:.4f} (final AUCs span {spread:.4f})")
 
     # 2. the generator against sweeps it did not see
-    rung0 = rule.min_steps
-    print(f"leave one sweep out: Spearman(AUC at step {rung0}, final AUC), recorded vs drawn (median of 50):")
+    print("leave one sweep out: Spearman(AUC at the sweep's first rung, its final AUC), recorded vs drawn from "
+          "the other sweeps' family (median of 50 draws):")
     for name in sweeps:
         own = [v for v in variants if v.sweep == name]
+        own_steps = own[0].steps
+        rung0 = rule_for(own_steps).min_steps
         rest = fit_family([v for v in variants if v.sweep != name])
         rec = spearman([value_at(v, rung0) for v in own], [v.curve[-1][1] for v in own])
         drawn = []
         for k in range(50):
             ds = rest.draw(len(own), seed=1000 + k)
             ms = [observed_metric(d, rest.noise_sd, 1000 + k, i) for i, d in enumerate(ds)]
-            drawn.append(spearman([m(rung0) for m in ms], [m(steps) for m in ms]))
-        print(f"  {name:<20} recorded {rec:+.2f}  drawn {statistics.median(drawn):+.2f} "
+            drawn.append(spearman([m(rung0) for m in ms], [m(own_steps) for m in ms]))
+        print(f"  {name:<20} (step {rung0} of {own_steps}) recorded {rec:+.2f}  drawn {statistics.median(drawn):+.2f} "
               f"(10-90%: {sorted(drawn)[5]:+.2f}..{sorted(drawn)[44]:+.2f})")
 
     # 3. the recorded sweeps replayed (measured curves; small sweeps: keep = reached // 3)
@@ -123,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         own = [v for v in variants if v.sweep == name]
         med = statistics.median(v.batch_size for v in own)
         o = play_sweep({i: recorded_metric(v) for i, v in enumerate(own)}, [SOLO_S * v.batch_size / med for v in own],
-                       rule, cluster)
+                       rule_for(own[0].steps), cluster)
         print(f"  {name:<20} variants {o.variants:>2}  gpu_hours full {o.gpu_hours_full:6.2f} stop "
               f"{o.gpu_hours_stop:6.2f}  saved_x {o.saved_x:4.2f}  same_best {o.same_best}  "
               f"best auc {o.best_value_full:.4f} vs {o.best_value_stop:.4f}  reached the end {o.completed_stop}")

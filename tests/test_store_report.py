@@ -292,7 +292,7 @@ def test_report_with_db_draws_the_demos_loss_curves_and_labels_variants_briefly(
 
 
 def test_sweep_labels_name_the_fields_that_differ_most():
-    from slurm_dlrm.store.sweep_report import LABEL_CHARS, digest_table, label_fields, spec_digest
+    from slurm_dlrm.store.sweep_labels import LABEL_CHARS, digest_table, label_fields, spec_digest
 
     lr_sweep = [(i, f"my-dlrm-{i}", {"name": f"my-dlrm-{i}", "optimizer": {"type": "sgd", "lr": lr}, "steps": 100})
                 for i, lr in enumerate((0.001, 0.01, 0.1))]

@@ -12,7 +12,7 @@ other samples). slurm_dlrm/sim/sweep_curves.py fits a parametric family to these
 sweeps differ in optimizer, learning rates, batch sizes, embedding dims and planted model
 (seed) so that the fit is not one sweep's.
 
-Minutes on a laptop core (about 12 s a variant); nothing here is read by a test run, the
+Minutes on an idle laptop core (about 15 s a 540-step variant; 15-20 min on the shared machine); nothing here is read by a test run, the
 file it writes is.
 """
 
@@ -47,20 +47,23 @@ BASE: dict[str, Any] = {
     "eval": {"every_steps": EVAL_EVERY, "batches": EVAL_BATCHES},
 }
 
-# name -> (changes to BASE, the grid: field -> values)
-SWEEPS: dict[str, tuple[dict[str, Any], dict[str, list[Any]]]] = {
-    "adagrad-lr-batch": ({}, {"optimizer.lr": [0.001, 0.003, 0.01, 0.03, 0.1, 0.3], "batch_size": [128, 512]}),
-    "sgd-lr-dim": ({"optimizer": {"type": "sgd", "lr": 0.1}, "seed": 1},
-                   {"optimizer.lr": [0.01, 0.1, 1.0], "dim": [8, 32]}),
-    "rowwise-lr-dim": ({"optimizer": {"type": "rowwise_adagrad", "lr": 0.01}, "seed": 2},
-                       {"optimizer.lr": [0.003, 0.03, 0.1], "dim": [8, 32]}),
+# name -> (changes to BASE, the grid: field -> values, steps, eval every). The second and
+# third sweeps are shorter: on the shared 2-core machine (load 17) a 540-step run took
+# 15-20 minutes, so they ran half the steps with evals twice as often.
+SWEEPS: dict[str, tuple[dict[str, Any], dict[str, list[Any]], int, int]] = {
+    "adagrad-lr-batch": ({}, {"optimizer.lr": [0.001, 0.003, 0.01, 0.03], "batch_size": [128, 512]}, 540, 20),
+    "sgd-lr": ({"optimizer": {"type": "sgd", "lr": 0.1}, "seed": 1}, {"optimizer.lr": [0.01, 0.1, 0.3, 1.0]}, 270, 10),
+    "rowwise-lr-dim8": ({"optimizer": {"type": "rowwise_adagrad", "lr": 0.01}, "seed": 2},
+                        {"optimizer.lr": [0.003, 0.01, 0.03, 0.1], "dim": [8]}, 270, 10),
 }
 
 
-def variant_spec(name: str, changes: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+def variant_spec(name: str, changes: dict[str, Any], values: dict[str, Any], every: int = EVAL_EVERY) -> dict[str, Any]:
     spec = copy.deepcopy(BASE)
     spec.update(copy.deepcopy(changes))
     spec["name"] = name
+    spec["metrics_every_steps"] = every
+    spec["eval"] = {**spec["eval"], "every_steps": every}
     for key, value in values.items():
         if key == "dim":  # every table's dim and the bottom MLP's last layer (the dot needs them equal)
             for t in spec["tables"]:
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "tests" / "data" / "sweep_curves.json"))
     ap.add_argument("--only", action="append", default=None, help="record only this sweep (repeat)")
-    ap.add_argument("--steps", type=int, default=540)
+    ap.add_argument("--steps", type=int, default=None, help="train this many steps (default: the sweep's)")
     ap.add_argument("--reuse", action="append", default=[],
                     help="a folder of an interrupted recording: its finished runs are read (repeat)")
     ap.add_argument("--part", default="0/1", help="K/N: record only variants i with i %% N == K (merge the parts' "
@@ -137,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     part, parts = (int(x) for x in args.part.split("/"))
     data: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"sweeps": []}
-    data["eval"] = {"every_steps": EVAL_EVERY, "batches": EVAL_BATCHES, "metric_note": "held-out eval, CPU"}
+    data["eval"] = {"batches": EVAL_BATCHES, "note": "held-out eval (auc, ne) on the CPU; every_steps per sweep"}
     done = {s["name"] for s in data["sweeps"]}
     with tempfile.TemporaryDirectory(prefix="sweep-curves-") as tmp:
-        for sweep, (changes, grid) in SWEEPS.items():
+        for sweep, (changes, grid, sweep_steps, every) in SWEEPS.items():
+            steps = args.steps or sweep_steps
             if (args.only and sweep not in args.only) or sweep in done:
                 continue
             variants = []
@@ -149,14 +153,14 @@ def main(argv: list[str] | None = None) -> int:
                 if i % parts != part:
                     continue
                 values = dict(zip(keys, combo, strict=True))
-                rec = train_curve(variant_spec(f"{sweep}-{i}", changes, values), args.steps, Path(tmp),
+                rec = train_curve(variant_spec(f"{sweep}-{i}", changes, values, every), steps, Path(tmp),
                                   [Path(r) for r in args.reuse])
                 variants.append({"index": i, "set": values, **rec})
                 last = rec["curve"][-1]
                 print(f"{sweep} {values}: auc {last[1]:.4f} at step {last[0]} ({rec['step_s'] * 1000:.1f} ms/step)",
                       flush=True)
-            data["sweeps"].append({"name": sweep, "steps": args.steps, "base": {**BASE, **changes},
-                                   "grid": grid, "variants": variants})
+            data["sweeps"].append({"name": sweep, "steps": steps, "eval_every_steps": every,
+                                   "base": {**BASE, **changes}, "grid": grid, "variants": variants})
             out.write_text(json.dumps(data, separators=(",", ":")) + "\n")  # after each sweep: resumable
     return 0
 

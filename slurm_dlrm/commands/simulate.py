@@ -197,7 +197,7 @@ def _simulate_sweeps(curves_path: str, cluster_path: str, policies: tuple[str, .
     data = read_data_file(curves_path, "--sweep")
     try:
         variants = recorded_variants(data)
-        steps = int(data["sweeps"][0]["steps"])
+        steps = max(int(sw["steps"]) for sw in data["sweeps"])  # the drawn sweeps run the longest recorded
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise BadInput(f"--sweep: {curves_path} is not a file of recorded curves (sweeps[].variants[].curve): "
                        f"{exc!r}") from None

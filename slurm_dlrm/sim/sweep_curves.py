@@ -94,6 +94,7 @@ class RecordedVariant:
     curve: tuple[tuple[int, float], ...]  # (step, held-out AUC)
     step_s: float  # its median step time on the recording machine (a shared one: noisy, not used)
     batch_size: int  # samples per step: its run time relative to its sweep's (same steps, same model)
+    steps: int  # its sweep's last step
 
 
 def recorded_variants(data: Mapping[str, Any]) -> list[RecordedVariant]:
@@ -103,7 +104,8 @@ def recorded_variants(data: Mapping[str, Any]) -> list[RecordedVariant]:
         for v in sw["variants"]:
             batch = int(v["set"].get("batch_size", sw["base"].get("batch_size", 1)))
             out.append(RecordedVariant(str(sw["name"]), dict(v["set"]),
-                                       tuple((int(p[0]), float(p[1])) for p in v["curve"]), float(v["step_s"]), batch))
+                                       tuple((int(p[0]), float(p[1])) for p in v["curve"]), float(v["step_s"]), batch,
+                                       int(sw["steps"])))
     return out
 
 

@@ -21,6 +21,8 @@ from slurm_dlrm.sim.sweep import SweepRuntime
 from slurm_dlrm.sim.sweep_curves import CurveFamily, observed_metric
 
 GIB = 1 << 30
+# issue 47's live target: the stopped sweep's best AUC within 0.002 of the full sweep's
+NEAR_BEST = 0.002
 
 
 @dataclass(frozen=True)
@@ -113,12 +115,13 @@ class SweepSummary:
     regret_median: float  # best metric of the full sweep minus the rule's (0 when the same)
     regret_max: float
     completed_median: float
+    near_best_pct: float  # sweeps whose best with the rule is within NEAR_BEST of the full sweep's (the live target's)
 
     def line(self) -> str:
         return (f"sweeps={self.sweeps} variants={self.variants} saved_x_median={self.saved_x_median:.2f} "
                 f"same_best_pct={self.same_best_pct:.1f} saved_x_min={self.saved_x_min:.2f} "
                 f"regret_median={self.regret_median:.4f} regret_max={self.regret_max:.4f} "
-                f"completed_median={self.completed_median:.1f}")
+                f"near_best_pct={self.near_best_pct:.1f} completed_median={self.completed_median:.1f}")
 
 
 def summarize(outcomes: Sequence[SweepOutcome], higher_is_better: bool = True) -> SweepSummary:
@@ -127,7 +130,8 @@ def summarize(outcomes: Sequence[SweepOutcome], higher_is_better: bool = True) -
     return SweepSummary(len(outcomes), outcomes[0].variants if outcomes else 0,
                         statistics.median(o.saved_x for o in outcomes), min(o.saved_x for o in outcomes),
                         100.0 * sum(o.same_best for o in outcomes) / len(outcomes), statistics.median(regrets),
-                        max(regrets), statistics.median(o.completed_stop for o in outcomes))
+                        max(regrets), statistics.median(o.completed_stop for o in outcomes),
+                        100.0 * sum(r <= NEAR_BEST for r in regrets) / len(outcomes))
 
 
 __all__ = ["SweepOutcome", "SweepSummary", "VariantShape", "play_drawn", "play_sweep", "summarize", "sweep_workload"]

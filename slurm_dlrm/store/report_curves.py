@@ -4,7 +4,7 @@ per job, and a sweep's variants compared, with the stopping rule's pauses and pr
 
 Apart from report.py because these read what the runner wrote (its metrics files, found
 through the pack folder the store records, so `report --db` draws them too) and what
-the sweep's rule decided, and label variants for people (store/sweep_report.py
+the sweep's rule decided, and label variants for people (store/sweep_labels.py
 `label_fields`: the few fields that tell the variants apart, the rest in a table).
 """
 
@@ -178,7 +178,8 @@ def sweep_figure(plt: Any, store: Store, rows: list[dict[str, Any]],
     """The sweep's bars (final AUC, GPU-hours), each variant labelled by the few fields
     that tell them apart; the table of every field that differs comes back beside it."""
     from slurm_dlrm.errors import BadInput
-    from slurm_dlrm.store.sweep_report import digest_table, sweep_rows
+    from slurm_dlrm.store.sweep_labels import digest_table
+    from slurm_dlrm.store.sweep_report import sweep_rows
 
     if sweep is None:
         groups = {k: v for k, v in sweep_groups(rows).items() if any(r["final_auc"] is not None for r in v)}
