@@ -84,8 +84,8 @@ def write_plots(results: list[Any], out_dir: Path) -> list[Path]:
 
 
 @click.command("simulate", context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--workload", "-w", "workload_path", required=True, metavar="FILE",
-              help="Workload file (YAML/JSON; format in docs/simulate.md).")
+@click.option("--workload", "-w", "workload_path", default=None, metavar="FILE",
+              help="Workload file (YAML/JSON; format in docs/simulate.md). Required unless --sweep.")
 @click.option("--cluster", "-c", "cluster_path", required=True, metavar="FILE",
               help="Cluster file (YAML/JSON): nodes, packing limits, Slurm timings.")
 @click.option("--policy", "-p", "policies", multiple=True, type=click.Choice(POLICIES), metavar="POLICY",
@@ -100,9 +100,19 @@ def write_plots(results: list[Any], out_dir: Path) -> list[Path]:
 @click.option("--plan-model", "plan_text", default="analytic", show_default=True, metavar="MODEL",
               help="The model the policies plan with: analytic[:A,B,G] or learned:FILE.")
 @click.option("--json", "as_json", is_flag=True, help="Print the per-policy figures as JSON.")
-def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...], seed: int | None,
+@click.option("--sweep", "sweep_path", default=None, metavar="CURVES",
+              help="Play seeded sweeps instead of a workload (issue 47): CURVES is a file of recorded learning "
+                   "curves (tests/data/sweep_curves.json's format); each sweep runs every variant to the end, "
+                   "then with the ASHA stopping rule.")
+@click.option("--sweeps", "n_sweeps", type=click.IntRange(1, 10_000), default=20, show_default=True,
+              help="With --sweep: how many seeded sweeps.")
+@click.option("--variants", "n_variants", type=click.IntRange(2, 10_000), default=27, show_default=True,
+              help="With --sweep: variants per sweep.")
+@click.option("--reduction", type=click.IntRange(2, 100), default=3, show_default=True,
+              help="With --sweep: the rule's reduction factor (rungs at steps // reduction**3 x reduction**k).")
+def simulate_cmd(workload_path: str | None, cluster_path: str, policies: tuple[str, ...], seed: int | None,
                  site_path: str | None, plot_dir: str | None, truth_text: str, plan_text: str,
-                 as_json: bool) -> None:
+                 as_json: bool, sweep_path: str | None, n_sweeps: int, n_variants: int, reduction: int) -> None:
     """Replay a workload on a simulated cluster through packing policies and compare
     throughput (solo-equivalent jobs/h), average and p95 job completion time, makespan,
     GPU-hours, mean GPU utilisation, OOMs and completion rate, beside the ideal bound.
@@ -113,7 +123,16 @@ def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...
       slurm-dlrm simulate -w W.yaml -c C.yaml -p first-fit -p complementary --json
       slurm-dlrm simulate -w W.yaml -c C.yaml --plots out/
       slurm-dlrm simulate -w W.yaml -c C.yaml --truth synthetic --plan-model learned:model.json
+      slurm-dlrm simulate --sweep tests/data/sweep_curves.json -c benchmarks/sim/cluster_1gpu.yaml
     """
+    if sweep_path is not None:
+        if workload_path is not None:
+            raise BadInput("--sweep: plays sweeps drawn from recorded curves; do not combine it with -w/--workload")
+        _simulate_sweeps(sweep_path, cluster_path, policies, seed, site_path, as_json, n_sweeps, n_variants,
+                         reduction)
+        return
+    if workload_path is None:
+        raise BadInput("-w/--workload: give a workload file (or --sweep CURVES)")
     from slurm_dlrm.interference_io import parse_truth
     from slurm_dlrm.sim import (
         comparison_table,
@@ -161,3 +180,47 @@ def simulate_cmd(workload_path: str, cluster_path: str, policies: tuple[str, ...
     for p in paths:
         click.echo(f"plot: {p}", err=True)
     sys.stdout.flush()
+
+
+def _simulate_sweeps(curves_path: str, cluster_path: str, policies: tuple[str, ...], seed: int | None,
+                     site_path: str | None, as_json: bool, n_sweeps: int, n_variants: int, reduction: int) -> None:
+    """`simulate --sweep CURVES`: seeded sweeps drawn from recorded curves, each played to
+    the end and with the stopping rule (slurm_dlrm/sim/sweep_play.py)."""
+    from slurm_dlrm.adapt.asha import StopRule
+    from slurm_dlrm.sim import parse_cluster
+    from slurm_dlrm.sim.sweep_curves import fit_family, recorded_variants
+    from slurm_dlrm.sim.sweep_play import play_drawn, summarize
+
+    if len(policies) > 1:
+        raise BadInput("--sweep: one policy at a time (-p POLICY)")
+    policy = policies[0] if policies else "complementary"
+    data = read_data_file(curves_path, "--sweep")
+    try:
+        variants = recorded_variants(data)
+        steps = max(int(sw["steps"]) for sw in data["sweeps"])  # the drawn sweeps run the longest recorded
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise BadInput(f"--sweep: {curves_path} is not a file of recorded curves (sweeps[].variants[].curve): "
+                       f"{exc!r}") from None
+    if len(variants) < 2 or any(len(v.curve) < 3 for v in variants):
+        raise BadInput(f"--sweep: {curves_path}: needs 2 or more variants of 3 or more evaluations each")
+    rule = StopRule("auc", max(1, steps // reduction ** 3), reduction, steps)
+    if rule.min_steps >= steps:
+        raise BadInput(f"--reduction {reduction}: no rung below the curves' {steps} steps")
+    cluster = parse_cluster(read_data_file(cluster_path, "cluster"), _site_gpu_models(site_path))
+    family = fit_family(variants)
+    first = 47_000 if seed is None else seed
+    outcomes = [play_drawn(family, rule, cluster, n_variants, first + k, policy=policy) for k in range(n_sweeps)]
+    s = summarize(outcomes)
+    if as_json:
+        click.echo(json.dumps({"summary": vars(s), "rule": vars(rule), "policy": policy, "cluster": cluster.name,
+                               "sweeps": [{**vars(o), "seed": first + k, "saved_x": round(o.saved_x, 4),
+                                           "same_best": o.same_best} for k, o in enumerate(outcomes)]}, indent=2))
+        return
+    click.echo(f"{n_sweeps} sweeps of {n_variants} variants drawn from {len(variants)} recorded curves, "
+               f"{policy} on {cluster.name}; rule: reduction {reduction}, first rung at step {rule.min_steps} "
+               f"of {steps}")
+    click.echo(f"{'seed':>7} {'gpu_h_full':>10} {'gpu_h_stop':>10} {'saved_x':>7} {'same_best':>9} {'to_end':>6}")
+    for k, o in enumerate(outcomes):
+        click.echo(f"{first + k:>7} {o.gpu_hours_full:>10.2f} {o.gpu_hours_stop:>10.2f} {o.saved_x:>7.2f} "
+                   f"{'yes' if o.same_best else 'NO':>9} {o.completed_stop:>6}")
+    click.echo(f"sweep_sim: {s.line()}")

@@ -37,6 +37,7 @@ fresh or from a `Snapshot`, and what it records):
 - sim/planner_view.py: what the planner is told (estimates, fences, the learned margin);
 - sim/dispatch_round.py: when a round runs, what it offers `packing.plan`, its plan applied;
 - sim/lifecycle.py: members at their peak or end, OOM retries, faults, packs released;
+- sim/sweep.py: a sweep's variants judged at the stopping rule's rungs, paused, promoted;
 - sim/snapshot.py: the service's view of a moment (`take_snapshot`, `resume_state` here);
 - sim/results.py: `JobOutcome` and `SimResult` with their metrics.
 """
@@ -78,6 +79,7 @@ from slurm_dlrm.sim.progress import advance, next_change_s, set_speeds, sync_gan
 from slurm_dlrm.sim.results import JobOutcome, SimResult
 from slurm_dlrm.sim.snapshot import RunningMember, RunningPack, Snapshot
 from slurm_dlrm.sim.state import GpuState, MemberState, NodeState, PackState, SimState
+from slurm_dlrm.sim.sweep import SweepRuntime
 from slurm_dlrm.site import MIB
 
 
@@ -86,7 +88,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
              max_sim_s: float = 365 * 86400.0, faults: FaultRuntime | None = None, dmem: bool = False,
              margin_from_errors: bool = True, fairness: str | None = None,
              fair_config: FairConfig | None = None, snapshot_at_s: tuple[float, ...] = (),
-             resume: Snapshot | None = None) -> SimResult:
+             resume: Snapshot | None = None, sweep: SweepRuntime | None = None) -> SimResult:
     """Replay `workload` on `cluster` through `policy`; see the module docstring.
 
     With `faults`, node failures and straggler checks are injected and OOMs, node
@@ -98,7 +100,9 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     `resume` (issue 31, `queue --start`): start from that snapshot's state instead of an
     empty cluster: its packs on their nodes (each member's job in `workload` carries its
     time left as its run), its waiting jobs pending, the dispatcher's counters; the
-    workload's other jobs arrive as usual."""
+    workload's other jobs arrive as usual.
+    `sweep` (issue 47): the jobs it names are a sweep's variants, judged at its rule's
+    rungs and paused or promoted (sim/sweep.py); a variant paused at the end is STOPPED."""
     truth = true_params or DEFAULT_PARAMS
     limits, dispatch = cluster.limits, cluster.dispatch
     if fairness is not None:
@@ -121,7 +125,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
                   plan_limits=replace(limits, memory_margin_pct=0.0) if dmem else limits,
                   learn_margin=fenced and margin_from_errors and not dmem,
                   agent_cpus=0 if shard_mode else AGENT_CPUS, agent_mem=0 if shard_mode else AGENT_MEM_MIB * MIB,
-                  now=now, first_arrival=now, est_mem={j.job_id: j.gpu_mem_bytes for j in workload.jobs})
+                  now=now, first_arrival=now, est_mem={j.job_id: j.gpu_mem_bytes for j in workload.jobs},
+                  sweep=sweep)
 
     resumed = ({m.job_id for pk in resume.packs for m in pk.members}
                | {jid for jid, _, _ in resume.pending if jobs[jid].arrival_s <= resume.now_s}) if resume else set()

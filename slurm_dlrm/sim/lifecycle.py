@@ -180,6 +180,9 @@ def reach_milestones(st: SimState) -> None:
                         else:
                             st.outcome_state[jid] = "FAILED"
                         continue
+                if st.sweep is not None and m.job.world_size <= 1 and st.sweep.due(m.job, m.progress):
+                    if at_rung(st, pack, gpu, m):
+                        continue  # paused at its checkpoint
                 if m.peaked and m.progress >= m.job.solo_duration_s - 1e-6:
                     st.outcome_end[m.job.job_id] = now
                     st.outcome_state[m.job.job_id] = "COMPLETED"
@@ -187,3 +190,21 @@ def reach_milestones(st: SimState) -> None:
                         faults.on_complete(m.job, now)
                     end_member(st, pack, gpu, m)
                     end_gang(st, m)
+
+
+def at_rung(st: SimState, pack: PackState, gpu: GpuState, m: MemberState) -> bool:
+    """A sweep's variant is at its next rung (sim/sweep.py): the rule judges it. Paused,
+    it ends at its checkpoint there (its share frees now) and stays STOPPED unless a
+    later decision promotes it; each promoted variant is requeued from its checkpoint.
+    True when `m` paused."""
+    assert st.sweep is not None
+    jid = m.job.job_id
+    verdict, promoted = st.sweep.decide(m.job, st.now)
+    if not verdict.go_on:
+        st.progress_saved[jid] = m.progress
+        end_member(st, pack, gpu, m)
+        st.outcome_state[jid] = "STOPPED"
+    for p in promoted:
+        st.outcome_state.pop(p, None)
+        requeue(st, p)
+    return not verdict.go_on

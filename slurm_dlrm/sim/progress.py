@@ -50,6 +50,9 @@ def next_change_s(st: SimState) -> float:
             for m in gpu.members:
                 if m.ready and not m.ended and m.speed > 0:
                     goal = m.peak_progress if not m.peaked else m.job.solo_duration_s
+                    rung = st.sweep.next_goal_s(m.job) if st.sweep is not None else None
+                    if rung is not None:
+                        goal = min(goal, rung)
                     t_next = min(t_next, st.now + max(0.0, goal - m.progress) / m.speed)
     return t_next
 

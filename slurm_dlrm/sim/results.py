@@ -20,7 +20,7 @@ class JobOutcome:
     arrival_s: float
     solo_duration_s: float
     end_s: float | None  # None: never completed
-    state: str  # COMPLETED | FAILED | UNPLACEABLE | PENDING
+    state: str  # COMPLETED | FAILED | UNPLACEABLE | PENDING | STOPPED (a sweep's paused variant)
     ooms: int
     start_s: float | None = None  # when a plan first placed it (it left the queue)
 

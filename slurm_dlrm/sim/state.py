@@ -19,6 +19,7 @@ from slurm_dlrm.packing.model import JobDemand, PackingLimits
 from slurm_dlrm.sim.events import EventQueue
 from slurm_dlrm.sim.faults import FaultRuntime
 from slurm_dlrm.sim.files import RetryPolicy, SimCluster, SimJob, SlurmTiming
+from slurm_dlrm.sim.sweep import SweepRuntime
 
 
 @dataclass
@@ -164,6 +165,8 @@ class SimState:
     held_mem_byte_s: float = 0.0
     backlog_s: float = 0.0  # time with jobs waiting, and solo work done then
     backlog_work_s: float = 0.0
+    # A sweep with a stopping rule (issue 47, sim/sweep.py): its variants pause at rungs.
+    sweep: SweepRuntime | None = None
 
     def gpu_bytes(self, node: NodeState) -> int:
         return self.cluster.gpu_model(node.gpu_model).memory_bytes

@@ -20,15 +20,19 @@ from typing import Any
 import jinja2
 
 from slurm_dlrm.store.acct import (
-    DEFAULT_FORMAT,
     AcctFilter,
     acct_rows,
     acct_table_cells,
     parse_format,
 )
+from slurm_dlrm.store.report_curves import curves_figure, sweep_figure
 from slurm_dlrm.store.store import Store
 
 GIB = float(1 << 30)
+# The jobs table's columns: acct's default less the ones a page can spare (MaxSM,
+# SamplesPerSec), so that it fits a laptop's window; `slurm-dlrm acct` has them all.
+REPORT_FORMAT = ("JobID,Name,State,Pack,GPUs,Wait,Elapsed,EstGPUMem,MaxGPUMem,EstHostMem,MaxRSS,"
+                 "MeanSM,GPUHours,GPUHoursSaved,AUC")
 STATE_COLOURS = {
     "COMPLETED": "#2e7d32", "RUNNING": "#1565c0", "FAILED": "#c62828", "OOM": "#ef6c00",
     "CANCELLED": "#757575", "PENDING": "#9e9e9e", "PLANNED": "#6a1b9a", "TIMEOUT": "#f9a825",
@@ -48,6 +52,9 @@ _TEMPLATE = """<!DOCTYPE html>
  body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
  table { border-collapse: collapse; font-size: 0.85em; }
  th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
+ .wide { max-width: 100%; overflow-x: auto; }
+ .wide table { font-size: 0.78em; }
+ .wide th, .wide td { padding: 2px 4px; overflow-wrap: anywhere; }
  th { background: #eee; } td.l, th.l { text-align: left; }
  img { max-width: 100%; border: 1px solid #ddd; margin: 0.5em 0; }
  .note { color: #666; font-size: 0.85em; }
@@ -65,12 +72,16 @@ their run time on it; "exclusive" is what the same work would take at one job pe
 <h2>{{ p.title }}</h2>
 {% if p.b64 %}<img alt="{{ p.title }}" src="data:image/png;base64,{{ p.b64 }}">
 <p class="note">{{ p.note }} (also <a href="{{ p.file }}">{{ p.file }}</a>)</p>
+{% if p.table_head %}<div class="wide"><table><tr>{% for h in p.table_head %}<th>{{ h }}</th>{% endfor %}</tr>
+{% for row in p.table_rows %}<tr>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>{% endfor %}
+</table></div>{% endif %}
 {% else %}<p class="empty">Nothing to plot: {{ p.note }}</p>
 {% endif %}{% endfor %}
 <h2>Jobs{% if jobs_truncated %} (latest {{ job_rows|length }} of {{ n_jobs }}){% endif %}</h2>
-<table><tr>{% for h in job_header %}<th>{{ h }}</th>{% endfor %}</tr>
+<div class="wide"><table id="jobs"><tr>{% for h in job_header %}<th>{{ h }}</th>{% endfor %}</tr>
 {% for row in job_rows %}<tr>{% for c in row %}<td>{{ c }}</td>{% endfor %}</tr>{% endfor %}
-</table>
+</table></div>
+<p class="note">Every column of a job: <code>slurm-dlrm acct -j ID --format ...</code> (docs/store.md).</p>
 </body></html>
 """
 
@@ -94,11 +105,11 @@ def write_report(store: Store, html_path: Path, *, since: float, until: float, m
     rows = acct_rows(store, AcctFilter(since=since, until=until), now)
     host_for_run(store, rows)
     written = Written(html_path)
-    plots: list[dict[str, str]] = []
+    plots: list[dict[str, Any]] = []
 
     def save(fig: Any, suffix: str, title: str, note: str) -> None:
         if fig is None:  # nothing to draw: say why instead of an empty plot (issue 17)
-            plots.append({"title": title, "note": note, "file": "", "b64": ""})
+            plots.append({"title": title, "note": note, "file": "", "b64": "", "table_head": [], "table_rows": []})
             return
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
@@ -107,7 +118,7 @@ def write_report(store: Store, html_path: Path, *, since: float, until: float, m
         png.write_bytes(buf.getvalue())
         written.pngs.append(png)
         plots.append({"title": title, "note": note, "file": png.name,
-                      "b64": base64.b64encode(buf.getvalue()).decode("ascii")})
+                      "b64": base64.b64encode(buf.getvalue()).decode("ascii"), "table_head": [], "table_rows": []})
 
     fig, note = _gpu_timelines(plt, store, since, until, max_gpus)
     save(fig, "gpu-util", "SM utilisation per GPU", note)
@@ -115,12 +126,14 @@ def write_report(store: Store, html_path: Path, *, since: float, until: float, m
     save(fig, "gantt", "Packs and their members", note)
     fig, note = _memory(plt, rows)
     save(fig, "memory", "Estimated vs measured peak memory", note)
-    fig, note = _curves(plt, store, rows, spool_dir)
+    fig, note = curves_figure(plt, store, rows, spool_dir, sweep)
     save(fig, "curves", "Training loss and held-out AUC per job", note)
-    fig, note = _sweep_chart(plt, store, rows, sweep)
+    fig, note, head, table = sweep_figure(plt, store, rows, sweep)
     save(fig, "sweep", "Sweep: the variants compared", note)
+    if head:
+        plots[-1]["table_head"], plots[-1]["table_rows"] = head, table
 
-    cols = parse_format(DEFAULT_FORMAT)
+    cols = parse_format(REPORT_FORMAT)
     cells = acct_table_cells(store, AcctFilter(since=since, until=until), cols, now)
     shown = [list(r[3:]) for r in cells[-max_job_rows:]]
     env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
@@ -348,119 +361,6 @@ def _memory(plt: Any, rows: list[dict[str, Any]]) -> tuple[Any, str]:
                  + (f" Host memory of the {on_cpu} job(s) that trained on the CPU (no CUDA, e.g. fake GPUs) "
                     "against the estimate for a CPU run; the others against the estimate for their GPU node."
                     if on_cpu else ""))
-
-
-MAX_CURVE_JOBS = 12
-
-
-def _loss_curve(spool_dir: Path, job_id: int) -> list[tuple[int, float]]:
-    """(step, loss_avg) of a job's training lines, from its metrics file in the spool."""
-    import json
-
-    path = spool_dir / "jobs" / str(job_id) / "metrics.jsonl"
-    out: dict[int, float] = {}
-    try:
-        with path.open("rb") as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(r, dict) and r.get("type") is None and isinstance(r.get("step"), int):
-                    loss = r.get("loss_avg", r.get("loss"))
-                    if isinstance(loss, int | float):
-                        out[r["step"]] = float(loss)  # a resumed run's repeat of a step: the same figure
-    except OSError:
-        return []
-    return sorted(out.items())
-
-
-def _curves(plt: Any, store: Store, rows: list[dict[str, Any]], spool_dir: Path | None) -> tuple[Any, str]:
-    from slurm_dlrm.store.evals import eval_curve
-
-    with store.read():
-        evals = {int(r["job_id"]): eval_curve(store, int(r["job_id"])) for r in rows}
-    losses = {j: _loss_curve(spool_dir, j) for j in evals} if spool_dir is not None else {}
-    jobs = [j for j in sorted(evals) if evals[j] or losses.get(j)][-MAX_CURVE_JOBS:]
-    if not jobs:
-        return None, "no job in this window has held-out evaluations or training metrics."
-    names = {int(r["job_id"]): str(r["name"]) for r in rows}
-    fig, (ax_loss, ax_auc) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for j in jobs:
-        label = f"{j} {names.get(j, '')}"[:40]
-        if losses.get(j):
-            ax_loss.plot([s for s, _ in losses[j]], [v for _, v in losses[j]], linewidth=1, label=label)
-        pts = [(e["step"], e["auc"]) for e in evals[j] if e["auc"] is not None]
-        if pts:
-            line = ax_auc.plot([s for s, _ in pts], [v for _, v in pts], marker="o", markersize=3, linewidth=1,
-                               label=label)
-            planted = next((e["planted_auc"] for e in evals[j] if e["planted_auc"] is not None), None)
-            if planted is not None:
-                ax_auc.axhline(planted, color=line[0].get_color(), linewidth=0.7, linestyle=":")
-    for ax, title, ylabel in ((ax_loss, "training loss (window mean)", "BCE loss"),
-                              (ax_auc, "held-out AUC (dotted: planted model, the best reachable)", "AUC")):
-        ax.set_title(title, fontsize=10)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.grid(alpha=0.3)
-        if ax.has_data():
-            ax.legend(fontsize=7)
-        else:
-            ax.text(0.5, 0.5, "no data" + (" (loss curves read the spool: not with --db)" if ax is ax_loss
-                                            and spool_dir is None else ""),
-                    ha="center", va="center", transform=ax.transAxes, fontsize=9)
-    return fig, f"{len(jobs)} jobs (the latest {MAX_CURVE_JOBS} at most)."
-
-
-def _sweep_groups(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Jobs named BASE-<label> (a --set/--array sweep, service/sweep.py) grouped by BASE."""
-    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in rows:
-        name = str(r["name"])
-        if "-" in name:
-            groups[name.rsplit("-", 1)[0]].append(r)
-    return {k: v for k, v in groups.items() if len(v) >= 2}
-
-
-def _sweep_chart(plt: Any, store: Store, rows: list[dict[str, Any]], sweep: str | None) -> tuple[Any, str]:
-    from slurm_dlrm.store.sweep_report import sweep_rows
-
-    if sweep is None:
-        groups = {k: v for k, v in _sweep_groups(rows).items() if any(r["final_auc"] is not None for r in v)}
-        if not groups:
-            return None, "no sweep (2 or more jobs named NAME-<variant>) with held-out evaluations in this window."
-        sweep = max(groups, key=lambda k: max(float(r["submit_time"]) for r in groups[k]))  # the latest
-    from slurm_dlrm.errors import BadInput
-
-    try:
-        variants, fields = sweep_rows(store, sweep, "auc")
-    except BadInput as exc:
-        return None, str(exc)
-    variants = [v for v in variants if v["final_auc"] is not None][:30]
-    if not variants:
-        return None, f"sweep {sweep}: no variant has a held-out evaluation yet."
-    labels = [", ".join(f"{k.split('.')[-1]}={v['varied'][k]}" for k in fields) or str(v["name"])
-              for v in variants]
-    fig, (ax_auc, ax_gpu) = plt.subplots(1, 2, figsize=(12, 0.45 * len(variants) + 2.2))
-    ys = list(range(len(variants)))[::-1]
-    ax_auc.barh(ys, [v["final_auc"] for v in variants], color="#1565c0", label="final AUC")
-    ax_auc.scatter([v["best_auc"] for v in variants], ys, color="black", marker="|", s=120, label="best AUC")
-    planted = next((v["planted_auc"] for v in variants if v["planted_auc"] is not None), None)
-    if planted is not None:
-        ax_auc.axvline(planted, color="#2e7d32", linestyle="--", linewidth=1, label="planted model")
-    lo = min(min(v["final_auc"] for v in variants), planted or 1.0)
-    ax_auc.set_xlim(max(0.0, lo - 0.05), 1.0 if planted is None else min(1.0, planted + 0.02))
-    ax_auc.set_yticks(ys, labels, fontsize=8)
-    ax_auc.set_xlabel("held-out AUC")
-    ax_auc.set_title(f"sweep {sweep}: best first", fontsize=10)
-    ax_auc.legend(fontsize=7)
-    ax_auc.grid(alpha=0.3, axis="x")
-    ax_gpu.barh(ys, [v["gpu_hours"] or 0.0 for v in variants], color="#9e9e9e")
-    ax_gpu.set_yticks(ys, [str(v["job_id"]) for v in variants], fontsize=8)
-    ax_gpu.set_xlabel("GPU-hours charged")
-    ax_gpu.grid(alpha=0.3, axis="x")
-    varied = ", ".join(fields) or "nothing but the name"
-    return fig, f"{len(variants)} variants of {sweep}; varied: {varied} (slurm-dlrm acct --sweep {sweep})."
 
 
 __all__ = ["Written", "write_report"]

@@ -1,0 +1,160 @@
+"""Sweeps with a stopping rule in the simulator (issue 47 target: over >= 20 seeded
+sweeps, saved_x median >= 3 and the full sweep's best variant reaching the end in >= 90%).
+
+    .venv/bin/python benchmarks/sweep_sim.py [--sweeps 30] [--variants 27] [--cluster FILE]
+
+What it does, in one run, no training (a few seconds):
+1. fits the power-law family (slurm_dlrm/sim/sweep_curves.py) to the learning curves real
+   runs of `slurm-dlrm train` recorded (tests/data/sweep_curves.json), and prints the fit's
+   error on points held out of it: every other eval (interpolation), and the last third of
+   each curve from a fit on its first third (extrapolation);
+2. checks the generator on recorded sweeps it did not see (leave one sweep out): how well
+   a variant's AUC at the first rung ranks its final AUC (Spearman), recorded vs drawn;
+3. replays the recorded sweeps themselves (their measured curves, no fit) through the
+   rule in the simulator's packing model;
+4. plays `--sweeps` seeded sweeps of `--variants` variants drawn from the family, each
+   twice on the same cluster: every variant to the end (the baseline) and with the rule
+   (adapt/asha.py: reduction 3, min_steps = steps // 27, the service's defaults).
+
+saved_x = GPU-hours of every variant to the end / GPU-hours with the rule (allocations,
+as Slurm charges them); same_best = the full sweep's best variant (final AUC) reached the
+end with the rule. The last line is the issue's:
+`sweep_sim: sweeps= variants= saved_x_median= same_best_pct= ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from slurm_dlrm.adapt.asha import StopRule, rung_steps  # noqa: E402
+from slurm_dlrm.sim.files import parse_cluster  # noqa: E402
+from slurm_dlrm.sim.sweep_curves import (  # noqa: E402
+    RecordedVariant,
+    fit_family,
+    held_out_error,
+    observed_metric,
+    recorded_variants,
+    spearman,
+)
+from slurm_dlrm.sim.sweep_play import SweepOutcome, play_drawn, play_sweep, summarize  # noqa: E402
+
+CURVES = ROOT / "tests" / "data" / "sweep_curves.json"
+SOLO_S = 3600.0  # a variant's run alone on a GPU at its sweep's median batch size (x its batch's ratio)
+REDUCTION = 3
+RUNGS = 3  # min_steps = steps // reduction**3, the service's default (service/sweep.py)
+
+
+def rule_for(steps: int) -> StopRule:
+    return StopRule("auc", max(1, steps // REDUCTION ** RUNGS), REDUCTION, steps)
+
+
+def recorded_metric(v: RecordedVariant):  # type: ignore[no-untyped-def]
+    """The measured curve at a step: the eval there, else linear between the nearest two."""
+    pts = list(v.curve)
+
+    def at(step: int) -> float:
+        for (s0, y0), (s1, y1) in zip(pts, pts[1:], strict=False):
+            if s0 <= step <= s1:
+                return y0 + (y1 - y0) * (step - s0) / (s1 - s0) if s1 > s0 else y0
+        return pts[0][1] if step < pts[0][0] else pts[-1][1]
+
+    return at
+
+
+def value_at(v: RecordedVariant, step: int) -> float:
+    return float(recorded_metric(v)(step))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sweeps", type=int, default=30)
+    ap.add_argument("--variants", type=int, default=27)
+    ap.add_argument("--cluster", default=str(ROOT / "benchmarks" / "sim" / "cluster_1gpu.yaml"))
+    ap.add_argument("--curves", default=str(CURVES))
+    ap.add_argument("--seed", type=int, default=47)
+    ap.add_argument("--also", action="append", default=[str(ROOT / "benchmarks" / "sim" / "cluster_4gpu.yaml")],
+                    help="also play the same seeds on this cluster (printed before the last line)")
+    args = ap.parse_args(argv)
+    data = json.loads(Path(args.curves).read_text())
+    variants = recorded_variants(data)
+    steps = max(v.steps for v in variants)  # the drawn sweeps run the longest recorded
+    rule = rule_for(steps)
+    cluster = parse_cluster(yaml.safe_load(Path(args.cluster).read_text()))
+    sweeps = [str(sw["name"]) for sw in data["sweeps"]]  # recorded order
+    print(f"recorded: {len(variants)} variants in {len(sweeps)} sweeps: " + ", ".join(
+        f"{sw['name']} ({len(sw['variants'])} variants, {sw['steps']} steps, eval every "
+        f"{sw.get('eval_every_steps', 20)})" for sw in data["sweeps"]))
+    print(f"rule: reduction {rule.reduction}, min_steps = steps // {rule.reduction ** RUNGS}: rungs at "
+          f"{', '.join(str(r) for r in rung_steps(rule))} of {steps} for the drawn sweeps; cluster {cluster.name}")
+
+    # 1. the family and its held-out error
+    family = fit_family(variants)
+    err = held_out_error(variants)
+    spread = max(v.curve[-1][1] for v in variants) - min(v.curve[-1][1] for v in variants)
+    print(f"fit: auc(s) = a - b*s^-c per curve; rmse on the fitted points {family.noise_sd:.4f} AUC")
+    print(f"held out: every other eval rmse {err.interp_rmse:.4f}; last third from a fit on the first third "
+          f"rmse {err.extrap_rmse:.4f}, max |err| {err.extrap_max_abs:.4f} (final AUCs span {spread:.4f})")
+
+    # 2. the generator against sweeps it did not see
+    print("leave one sweep out: Spearman(AUC at the sweep's first rung, its final AUC), recorded vs drawn from "
+          "the other sweeps' family (median of 50 draws):")
+    for name in sweeps:
+        own = [v for v in variants if v.sweep == name]
+        own_steps = own[0].steps
+        rung0 = rule_for(own_steps).min_steps
+        rest = fit_family([v for v in variants if v.sweep != name])
+        rec = spearman([value_at(v, rung0) for v in own], [v.curve[-1][1] for v in own])
+        drawn = []
+        for k in range(50):
+            ds = rest.draw(len(own), seed=1000 + k)
+            ms = [observed_metric(d, rest.noise_sd, 1000 + k, i) for i, d in enumerate(ds)]
+            drawn.append(spearman([m(rung0) for m in ms], [m(own_steps) for m in ms]))
+        print(f"  {name:<20} (step {rung0} of {own_steps}) recorded {rec:+.2f}  drawn {statistics.median(drawn):+.2f} "
+              f"(10-90%: {sorted(drawn)[5]:+.2f}..{sorted(drawn)[44]:+.2f})")
+
+    # 3. the recorded sweeps replayed (measured curves; small sweeps: keep = reached // 3)
+    print("replay of the recorded sweeps (measured curves, no fit):")
+    for name in sweeps:
+        own = [v for v in variants if v.sweep == name]
+        med = statistics.median(v.batch_size for v in own)
+        o = play_sweep({i: recorded_metric(v) for i, v in enumerate(own)}, [SOLO_S * v.batch_size / med for v in own],
+                       rule_for(own[0].steps), cluster)
+        print(f"  {name:<20} variants {o.variants:>2}  gpu_hours full {o.gpu_hours_full:6.2f} stop "
+              f"{o.gpu_hours_stop:6.2f}  saved_x {o.saved_x:4.2f}  same_best {o.same_best}  "
+              f"best auc {o.best_value_full:.4f} vs {o.best_value_stop:.4f}  reached the end {o.completed_stop}")
+
+    # 4. seeded sweeps drawn from the family
+    outcomes: list[SweepOutcome] = []
+    print(f"{args.sweeps} seeded sweeps of {args.variants} variants (every variant to the end | with the rule):")
+    for k in range(args.sweeps):
+        seed = args.seed * 1000 + k
+        o = play_drawn(family, rule, cluster, args.variants, seed, SOLO_S)
+        outcomes.append(o)
+        print(f"  seed {seed}: gpu_hours {o.gpu_hours_full:6.2f} | {o.gpu_hours_stop:6.2f}  saved_x {o.saved_x:4.2f}  "
+              f"makespan_h {o.makespan_full_s / 3600:5.2f} | {o.makespan_stop_s / 3600:5.2f}  "
+              f"same_best {'yes' if o.same_best else 'NO '}  best auc {o.best_value_full:.4f} | "
+              f"{o.best_value_stop:.4f}  to the end {o.variants} | {o.completed_stop}  promotions {o.promotions}")
+    s = summarize(outcomes)
+    for other in args.also:  # the same seeds where more of the sweep runs at once
+        oc = parse_cluster(yaml.safe_load(Path(other).read_text()))
+        so = summarize([play_drawn(family, rule, oc, args.variants, args.seed * 1000 + k, SOLO_S)
+                        for k in range(args.sweeps)])
+        print(f"same seeds on {oc.name} ({oc.gpu_count} GPUs): {so.line()}")
+    full_h = statistics.median(o.gpu_hours_full for o in outcomes)
+    stop_h = statistics.median(o.gpu_hours_stop for o in outcomes)
+    print(f"median gpu_hours: every variant to the end {full_h:.2f}, with the rule {stop_h:.2f}")
+    print(f"sweep_sim: {s.line()} gpu_hours_full_median={full_h:.2f} gpu_hours_stop_median={stop_h:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
