@@ -1,6 +1,6 @@
 """A sweep that stops its losers against the same sweep trained to the end (issue 47).
 
-    .venv/bin/python benchmarks/sweep_stop.py [--variants 27] [--steps 1080] [--min-steps 40]
+    .venv/bin/python benchmarks/sweep_stop.py [--variants 27] [--steps 10800] [--min-steps 400]
         [--round-seconds 1] [--timeout-s 5400]
 
 Live, on this checkout's local Slurm cluster (started if not running, left running),
@@ -204,8 +204,8 @@ def overhead(full: list[dict[str, Any]], stopped: list[dict[str, Any]]) -> tuple
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--variants", type=int, default=27)
-    ap.add_argument("--steps", type=int, default=1080)
-    ap.add_argument("--min-steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=10800)  # ~23 min here; 1080 and 40: ~6 min
+    ap.add_argument("--min-steps", type=int, default=400)
     ap.add_argument("--round-seconds", type=float, default=1.0)
     ap.add_argument("--timeout-s", type=float, default=5400.0)
     args = ap.parse_args()

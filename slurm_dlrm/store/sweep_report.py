@@ -99,8 +99,8 @@ def sweep_rows(store: Store, name: str, sort: str = "auc", now: float | None = N
 def add_rungs(store: Store, rows: list[dict[str, Any]], specs: dict[int, dict[str, Any]]) -> None:
     """Variants of a sweep with a stopping rule (issue 47): each row's last rung decision
     (`rung`: "1 on", "0 paused", ...), its metric at each rung (`at_rungs`), and the
-    GPU-hours it would have used trained to its end (`gpu_hours_full`: its GPU-hours
-    times steps / steps done, steps done being the last step it evaluated)."""
+    GPU-hours it would have used trained to its end (`gpu_hours_full`: its own if it got
+    there, else the mean of those that did, else its GPU-hours x steps / steps evaluated)."""
     from slurm_dlrm.adapt.asha import StopRule, rung_steps
 
     ruled = {j: s["sweep"] for j, s in specs.items() if isinstance(s.get("sweep"), dict)}
@@ -130,10 +130,26 @@ def add_rungs(store: Store, rows: list[dict[str, Any]], specs: dict[int, dict[st
         mine = evals.get(job_id, {})
         r["rung"] = last.get(job_id)
         r["at_rungs"] = [mine.get(step, {}).get(rule.metric) for step in rung_steps(rule)]
-        done = max(mine, default=0)
-        used = r.get("gpu_hours")
-        r["gpu_hours_full"] = (None if used is None or not done or not steps else
-                               float(used) * steps / min(done, steps))
+        r["steps_evaluated"] = max(mine, default=0)
+        r["steps"] = steps
+    # A variant's start-up and its stop cost the same whether it trains 40 steps or 4,000,
+    # so a stopped one trained to its end would cost what the sweep's finished ones cost
+    # (their mean); with none finished, its GPU-hours scaled by steps (an overstatement).
+    finished = [float(r["gpu_hours"]) for r in rows if "steps" in r and r.get("gpu_hours") is not None
+                and r["steps"] and r["steps_evaluated"] >= r["steps"]]
+    mean = sum(finished) / len(finished) if finished else None
+    for r in rows:
+        if "steps" not in r:
+            continue
+        used, done, steps = r.get("gpu_hours"), r.pop("steps_evaluated"), r.pop("steps")
+        if used is None or not steps:
+            r["gpu_hours_full"] = None
+        elif done >= steps:
+            r["gpu_hours_full"] = float(used)
+        elif mean is not None:
+            r["gpu_hours_full"] = max(float(used), mean)
+        else:
+            r["gpu_hours_full"] = float(used) * steps / max(1, done)
 
 
 def sweep_saving(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
