@@ -402,6 +402,32 @@ def test_sigterm_is_forwarded_and_members_checkpoint(agent_world):
     assert [r["event"] for r in recs if r["type"] == "agent"][-2] == "mps_stopped"
 
 
+def test_a_killed_agent_s_members_stop_with_a_checkpoint(agent_world):
+    """Issue 49 (chaos_live): an agent SIGKILLed left its members running as orphans
+    (Slurm's proctrack/linuxproc no longer tracks them), while the service reran them
+    elsewhere from their checkpoint: two runs of one job at once. They get SIGTERM when
+    the agent dies (PR_SET_PDEATHSIG), checkpoint and stop."""
+    import psutil
+
+    pack = agent_world / "pack"
+    members = [member_entry(pack, i, i % 2, args=["--steps", "10000", "--step-s", "0.05",
+                                                  "--env-out", str(agent_world / f"env-{i}")]) for i in (1, 2)]
+    proc = _agent_cli(agent_world, placement_dict(pack, members, sample_interval_s=0.2, term_grace_s=10), "--mps", "off")
+    outs = [agent_world / f"env-{i}" for i in (1, 2)]
+    deadline = time.monotonic() + 20
+    while not all(p.exists() for p in outs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = [json.loads(p.read_text())["pid"] for p in outs]
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "members outlived their agent"
+        time.sleep(0.1)
+    for m in members:
+        assert json.loads((Path(m["checkpoint_dir"]) / "checkpoint.json").read_text())["step"] > 0
+
+
 def test_a_member_ignoring_sigterm_is_killed_after_the_grace(agent_world):
     pack = agent_world / "pack"
     members = [member_entry(pack, 1, 0, args=["--steps", "10000", "--step-s", "0.05", "--ignore-term"]),

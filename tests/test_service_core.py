@@ -578,6 +578,32 @@ def test_a_member_killed_from_outside_resumes_from_its_checkpoint(world):
     assert store.get_job(b).state == JobState.CANCELLED and "scancel" in store.get_job(b).exit_reason
 
 
+def test_a_pack_slurm_forgot_while_its_agent_runs_ends_when_the_agent_falls_silent(world):
+    """Issue 49 (chaos_live): slurmctld SIGKILLed before it saved a job forgets it (gone
+    from squeue, no end in sacct) while its steps still run on the node. The pack is not
+    declared LOST while its agent still samples (it was, and charged only up to then,
+    less than its members ran); once the agent is silent, it is LOST, charged up to the
+    agent's last sample, and its members resume."""
+    svc, store, slurm, clock, cluster = world
+    a, b, pack, sid, p = _two_members_running(world)
+    sample = {"type": "sample", "job_id": a, "gpu_index": 0, "sm_util_pct": 20.0, "gpu_mem_bytes": 1 << 30,
+              "rss_bytes": 1 << 30, "samples_per_s": 1000.0}
+    cluster.report(p, [sample])
+    svc.run_round()
+    slurm.purge(sid)  # squeue no longer lists it; sacct still says RUNNING
+    for _ in range(3):
+        clock.advance(4.0)
+        cluster.report(p, [sample])
+        last = clock.now
+        svc.run_round()
+        assert store.get_pack(pack.id).state == PackState.RUNNING
+    clock.advance(30.0)
+    svc.run_round()
+    lost = store.get_pack(pack.id)
+    assert lost.state == PackState.LOST and lost.end_time == pytest.approx(last)
+    assert store.get_job(a).attempt == 1 and store.get_job(b).attempt == 1
+
+
 def test_a_failed_rank_requeues_its_job_as_a_whole(world):
     svc, store, slurm, clock, cluster = world
     a, b = add_job(store, "a"), add_job(store, "b")

@@ -157,6 +157,22 @@ def test_bad_lines_unknown_ids_and_replaced_files(setup):
     assert any("replaced" in e["reason"] for e in store.events(kind="ingest"))
 
 
+def test_a_record_after_a_torn_line_is_not_lost(setup):
+    """Issue 49 (chaos_live): a partial line left in a report file (a writer that died
+    mid-line) and then the agent's next batch: the first record of that batch shares the
+    torn line. It is read (a member's end in it was lost before); the torn part counts
+    as one bad line's worth, not two."""
+    store, p, j, f = setup
+    end = {"type": "member", "t": 1e9 + 5, "pack_id": p, "job_id": j, "node": "node1", "state": "COMPLETED",
+           "exit_code": 0, "reason": ""}
+    append(f, lines(p, j, 1)[0] + b'{"type":"sample","pack_id":1,"job_id":')
+    append(f, json.dumps(end, separators=(",", ":")).encode() + b"\n" + lines(p, j, 1, t0=2e9)[0])
+    seen: list[dict] = []
+    r = ingest_spool_file(store, f, lambda st, rec: seen.append(rec))
+    assert (r.samples, r.records, r.bad_lines) == (2, 1, 0)
+    assert seen == [end]
+
+
 def test_job_usage_matches_the_samples(setup):
     store, p, j, f = setup
     rows = list(sample_line_dicts(p, j, 2345, 1e9, seed=3))

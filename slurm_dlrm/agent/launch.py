@@ -11,7 +11,10 @@ member environment" and "Launch").
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -137,13 +140,37 @@ def start_process(m: Member, *, base_env: dict[str, str], gpus: list[str], mps: 
     else:
         argv = list(p.command)
     cgroup = m.cgroup
-    # dmem: the member joins its cgroup before exec, so its first allocation is charged there.
-    preexec = (lambda: fences.join_cgroup(cgroup)) if cgroup is not None else None
+    agent_pid = os.getpid()
+
+    def preexec() -> None:
+        # dmem: the member joins its cgroup before exec, so its first allocation is charged there.
+        if cgroup is not None:
+            fences.join_cgroup(cgroup)
+        die_with_parent(agent_pid)
+
     with out:
         m.popen = subprocess.Popen(  # noqa: S603 - argv list from the placement, no shell
             argv, env=m.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True, preexec_fn=preexec)  # noqa: PLW1509 - the agent has no threads
     return argv
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a member before exec: SIGTERM when the agent dies, so it checkpoints and stops.
+    Killed agents left their members running as orphans that Slurm's proctrack/linuxproc
+    (and pgid) no longer tracks, until they finished; the service had meanwhile rerun them
+    from their checkpoint elsewhere: two runs of one job at once (issue 49, chaos_live).
+    Linux only; elsewhere nothing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the agent died before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def link_output(m: Member) -> None:

@@ -33,6 +33,7 @@ class PackEnding:
     recovery: Any
     refill: Any
     settings: Any
+    site: Any
 
     if TYPE_CHECKING:
         def _slurm_failed(self, exc: BaseException) -> None: ...
@@ -61,6 +62,8 @@ class PackEnding:
                     self._slurm_failed(exc)
                     return
                 log.warning("sacct for pack %s failed: %s", pack.name, exc)
+        if ending is None and not self._all_members_done(pack.id) and self._agents_still_report(pack):
+            return  # ended in no record, yet its agents run: judged once they fall silent
         if ending is None:
             ending = "COMPLETED" if self._all_members_done(pack.id) else "LOST"
         if end_time is None:
@@ -68,6 +71,17 @@ class PackEnding:
             # before now; charging up to the last one is closer than up to now (issue 17)
             end_time = self.last_sign_of_life(pack)
         self.pack_ended(pack, ending, "no longer in squeue", stats, end_time=end_time)
+
+    def _agents_still_report(self, pack: Any) -> bool:
+        """Gone from squeue with no end in sacct, yet its agents sampled within the last
+        few sample intervals: slurmctld lost the job (SIGKILLed before it saved it; issue
+        49) while its steps still run on the node, until slurmd kills them as orphans or
+        they finish. Declared LOST at once, the pack was charged up to then while its
+        members ran on for ~10 s (charged < their measured run time)."""
+        self.ingest(pack)
+        last = self.last_sign_of_life(pack)
+        quiet_s = max(10.0, 3 * float(self.site.agent.sample_interval_s))
+        return last is not None and self.clock() - last < quiet_s
 
     def last_sign_of_life(self, pack: Any) -> float | None:
         """When the pack's agents were last heard of: heartbeats, samples, member ends."""

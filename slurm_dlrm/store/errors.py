@@ -74,3 +74,8 @@ class StoreWalOnNetwork(StoreError):
 class LeaseLost(StoreError):
     """This service's lease on the store was taken by another host's: nothing more may be
     written or sent to Slurm (store/lease.py, `check_held`)."""
+
+
+class StoreFull(StoreError):
+    """The store's file system is full (SQLite's SQLITE_FULL): the write was rolled back,
+    nothing of it is kept; a later write succeeds once there is room (issue 49)."""

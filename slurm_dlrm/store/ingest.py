@@ -162,8 +162,24 @@ def _parse(lines: list[bytes]) -> list[Any]:
         try:
             out.append(json.loads(line))
         except ValueError:
-            out.append(_BAD)
+            out.append(_after_torn_prefix(line))
     return out
+
+
+def _after_torn_prefix(line: bytes) -> Any:
+    """The record at the end of a line that starts with a torn one (a writer that died
+    mid-line, then the agent's next batch appended after it: issue 49, chaos_live), or
+    `_BAD`. Every record the agent writes starts with its "type" key (agent/reports.py)."""
+    for marker in (b'{"type":', b'{"type": '):
+        at = line.rfind(marker)
+        if at > 0:
+            try:
+                rec = json.loads(line[at:])
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                return rec
+    return _BAD
 
 
 _BAD = object()

@@ -33,6 +33,7 @@ from slurm_dlrm.store.errors import (
     StaleState,
     StoreBusy,
     StoreError,
+    StoreFull,
     StoreTimeout,
     UnknownEntity,
 )
@@ -259,22 +260,35 @@ class Store:
             if fenced and self.write_fence is not None:
                 self.write_fence(self)
             yield self
-        except BaseException:
+        except BaseException as exc:
             self._depth = 0
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
             # Ids learnt inside the rolled-back transaction may not exist any more.
             self._known_jobs.clear()
             self._known_packs.clear()
+            self._raise_if_full(exc)
             raise
         try:
             retry_busy(lambda: self.conn.execute("COMMIT"), self.retry_s)
-        except BaseException:
+        except BaseException as exc:
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
+            self._known_jobs.clear()
+            self._known_packs.clear()
+            self._raise_if_full(exc)
             raise
         finally:
             self._depth = 0
+
+    def _raise_if_full(self, exc: BaseException) -> None:
+        """A full file system is one line for the user, not sqlite3's traceback (issue 49:
+        `submit` while the store's disk was full printed one; the service logs it and
+        retries at its next round)."""
+        if isinstance(exc, sqlite3.OperationalError) and (
+                getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "disk is full" in str(exc)):
+            raise StoreFull(f"store {self.path}: its file system is full; nothing was written "
+                            f"(free space there and run the command again)") from exc
 
     @contextmanager
     def savepoint(self, name: str = "sp") -> Iterator[None]:
