@@ -104,21 +104,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held out: every other eval rmse {err.interp_rmse:.4f}; last third from a fit on the first third "
           f"rmse {err.extrap_rmse:.4f}, max |err| {err.extrap_max_abs:.4f} (final AUCs span {spread:.4f})")
 
-    # 2. the generator against sweeps it did not see
-    print("leave one sweep out: Spearman(AUC at the sweep's first rung, its final AUC), recorded vs drawn from "
-          "the other sweeps' family (median of 50 draws):")
-    for name in sweeps:
-        own = [v for v in variants if v.sweep == name]
+    # 2. the generator against recorded variants it did not see: one group left out at a
+    # time, a group being a recorded sweep's variants of one batch size (their eval set is
+    # their own: `batches` x their batch size samples)
+    groups = sorted({(v.sweep, v.batch_size) for v in variants})
+    print("leave one group (sweep, batch size) out: Spearman(AUC at the first rung, final AUC) of its variants, "
+          "recorded vs drawn from the others' family (median of 50 draws):")
+    for name, batch in groups if len(groups) > 1 else []:
+        own = [v for v in variants if (v.sweep, v.batch_size) == (name, batch)]
         own_steps = own[0].steps
         rung0 = rule_for(own_steps).min_steps
-        rest = fit_family([v for v in variants if v.sweep != name])
+        rest = fit_family([v for v in variants if (v.sweep, v.batch_size) != (name, batch)])
         rec = spearman([value_at(v, rung0) for v in own], [v.curve[-1][1] for v in own])
         drawn = []
         for k in range(50):
             ds = rest.draw(len(own), seed=1000 + k)
             ms = [observed_metric(d, rest.noise_sd, 1000 + k, i) for i, d in enumerate(ds)]
             drawn.append(spearman([m(rung0) for m in ms], [m(own_steps) for m in ms]))
-        print(f"  {name:<20} (step {rung0} of {own_steps}) recorded {rec:+.2f}  drawn {statistics.median(drawn):+.2f} "
+        print(f"  {name} batch {batch:<5} ({len(own)} variants, step {rung0} of {own_steps}) recorded {rec:+.2f}  "
+              f"drawn {statistics.median(drawn):+.2f} "
               f"(10-90%: {sorted(drawn)[5]:+.2f}..{sorted(drawn)[44]:+.2f})")
 
     # 3. the recorded sweeps replayed (measured curves; small sweeps: keep = reached // 3)

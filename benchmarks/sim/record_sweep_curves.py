@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="train this many steps (default: the sweep's)")
     ap.add_argument("--reuse", action="append", default=[],
                     help="a folder of an interrupted recording: its finished runs are read (repeat)")
+    ap.add_argument("--reuse-only", action="store_true",
+                    help="train nothing: keep the variants whose runs in --reuse folders finished")
     ap.add_argument("--part", default="0/1", help="K/N: record only variants i with i %% N == K (merge the parts' "
                                                   "files with --merge)")
     ap.add_argument("--merge", nargs="*", default=None, help="merge these parts' files into --out and stop")
@@ -153,12 +155,16 @@ def main(argv: list[str] | None = None) -> int:
                 if i % parts != part:
                     continue
                 values = dict(zip(keys, combo, strict=True))
+                if args.reuse_only and not any(_finished(Path(r) / f"{sweep}-{i}.jsonl", steps) for r in args.reuse):
+                    continue
                 rec = train_curve(variant_spec(f"{sweep}-{i}", changes, values, every), steps, Path(tmp),
                                   [Path(r) for r in args.reuse])
                 variants.append({"index": i, "set": values, **rec})
                 last = rec["curve"][-1]
                 print(f"{sweep} {values}: auc {last[1]:.4f} at step {last[0]} ({rec['step_s'] * 1000:.1f} ms/step)",
                       flush=True)
+            if not variants:
+                continue
             data["sweeps"].append({"name": sweep, "steps": steps, "eval_every_steps": every,
                                    "base": {**BASE, **changes}, "grid": grid, "variants": variants})
             out.write_text(json.dumps(data, separators=(",", ":")) + "\n")  # after each sweep: resumable

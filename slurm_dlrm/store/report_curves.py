@@ -97,6 +97,8 @@ def curves_figure(plt: Any, store: Store, rows: list[dict[str, Any]], spool_dir:
 
     if sweep is not None and sweep_jobs(rows, sweep):
         rows = sweep_jobs(rows, sweep)
+    elif sweep is not None:  # none of its jobs in the window: the window's latest, as without --sweep
+        sweep = None
     with store.read():
         evals = {int(r["job_id"]): eval_curve(store, int(r["job_id"])) for r in rows}
         pack_dirs = _pack_dirs(store, rows)
