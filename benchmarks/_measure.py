@@ -74,7 +74,7 @@ class LiveTensorBytes(TorchDispatchMode):
         if self.live > self.peak:
             self.peak = self.live
             self.peak_phase = self.phase
-            if self.debug and self.phase == "step":
+            if self.debug and self.phase in ("step", "eval"):
                 self.at_peak = [f"{self._sizes[k]} {self._what.get(k, '?')}" for k in self._sizes]
         if self.debug:
             print(f"ALLOC {n} {self._op} {tuple(t.shape)} {t.dtype} live={self.live}", file=sys.stderr)
@@ -189,8 +189,10 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
     """Train like `slurm-dlrm train` does (slurm_dlrm/train/runner.py: Trainer.run):
     the runner's model build, data source and prefetcher, and its step loop."""
     from slurm_dlrm.train.backends import TORCH, build, resolve
-    from slurm_dlrm.train.data import Prefetcher, make_source
+    from slurm_dlrm.train.data import HeldOut, Prefetcher, make_source
+    from slurm_dlrm.train.evaluation import Evaluator
     from slurm_dlrm.train.hostmem import fix_malloc_mmap_threshold
+    from slurm_dlrm.train.runner import predict_clicks
 
     t0 = time.time()
     fix_malloc_mmap_threshold()  # as the runner's run() does
@@ -201,6 +203,11 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     backend, _why = resolve(spec.backend)
     planner_bytes = planner_bytes_for(spec, world) if rank == 0 and backend != TORCH else 0
+    if spec.eval.enabled and backend != TORCH:  # the runner imports torchrec.metrics at start
+        import torchrec.metrics.accuracy
+        import torchrec.metrics.auc
+        import torchrec.metrics.calibration
+        import torchrec.metrics.ne  # noqa: F401
     rss_baseline = current_rss_bytes()
     tracker = LiveTensorBytes()
     tracker.debug = tracker.debug and rank == 0
@@ -218,30 +225,56 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
         tracker.phase = "step"
         if tracker.debug:
             print(f"STATIC {static_bytes}", file=sys.stderr)
-        prefetch = Prefetcher(source, 0, steps, spec.loader_workers, spec.prefetch_batches, cpu)
-        loss_sum = torch.zeros(())
         # the runner's Trainer._autocast: forward under autocast when mixed precision is on
         amp = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.mixed_precision)
-        for _step, host_batch in prefetch:
+
+        def autocast() -> Any:
+            return torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext()
+
+        evaluator = None
+        if spec.eval.enabled:  # as the runner's setup: the held-out set after the model
+            held = HeldOut(spec, rank, world)
+            for kept in held.kept or []:  # Criteo TSV: parsed once and kept, host memory from here on
+                for t in (kept.dense_features, kept.labels, kept.sparse_features.values(),
+                          kept.sparse_features.lengths()):
+                    tracker._track(t)
+            evaluator = Evaluator(held, int(spec.eval.every_steps), steps, world_size=world,
+                                  backend="reference" if backend == TORCH else "torchrec")
+        prefetch = Prefetcher(source, 0, steps, spec.loader_workers, spec.prefetch_batches, cpu)
+        loss_sum = torch.zeros(())
+        eval_peak = 0
+        for step, host_batch in prefetch:
             batch = device_copy(host_batch, tracker, backend)
             del host_batch
             optimizer.zero_grad()
-            with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
+            with autocast():
                 loss, _ = model(batch)
             loss.backward()
             optimizer.step()
             loss_sum += loss.detach()
+            done = step + 1
+            if evaluator is not None and evaluator.due(done):  # the runner's loop (Trainer.run)
+                del batch, loss, _
+                optimizer.zero_grad()
+                tracker.phase, before = "eval", tracker.peak
+                tracker.peak = tracker.live  # the evaluation's own peak, then the run's again
+                evaluator.run(lambda b: predict_clicks(built, cpu, autocast, b), done, 0.0)
+                eval_peak = max(eval_peak, tracker.peak)
+                if tracker.peak < before:
+                    tracker.peak, tracker.peak_phase = before, "step"
+                tracker.phase = "step"
+                batch = loss = _ = None
             if tracker.debug:
                 print(f"STEP END live={tracker.live} peak={tracker.peak}", file=sys.stderr)
         prefetch.close()
-        del batch, loss, _
+        del batch, loss, _, evaluator
     del source
     dist.destroy_process_group()
     if tracker.debug:
         for line in tracker.at_peak:
             print("ATPEAK", line, file=sys.stderr)
     return {"peak_tensor_bytes": tracker.peak, "planner_bytes": planner_bytes, "static_tensor_bytes": static_bytes,
-            "peak_phase": tracker.peak_phase, "peak_rss_bytes": rss_bytes(), "rss_baseline_bytes": rss_baseline,
+            "peak_phase": tracker.peak_phase, "eval_peak_tensor_bytes": eval_peak, "peak_rss_bytes": rss_bytes(), "rss_baseline_bytes": rss_baseline,
             "rss_file_bytes": rss_file_bytes(),
             "seconds": round(time.time() - t0, 2)}
 

@@ -23,6 +23,15 @@ Last line:  estimator: configs=N median_err_pct=X p95_err_pct=X max_under_pct=X
             rss_median_err_pct=X rss_max_under_pct=X planner_median_err_pct=X
             rss_anon_median_err_pct=X rss_anon_max_under_pct=X rss_file_median_mib=X
             rss_site_median_err_pct=X rss_site_max_under_pct=X
+            eval_median_err_pct=X eval_max_under_pct=X
+Every config runs twice (issue 51): with `eval: false` (the training step alone: the keys
+before eval_*) and as users run it, with the default evaluation on (every 200 steps and
+at the last step, so once here, at --steps): eval_* compare the peak of live tensor
+bytes of that run, evaluation included, with the estimate (which takes the larger of the
+training step and the evaluation). EVAL_EXTRA adds configs that are not among the 38
+(a held-out check) and the parts no other config runs (an evaluation every few steps,
+eval.stop_when, a Criteo folder's `holdout: last-file`, several ranks); printed apart,
+not in the last line (`--no-eval-extra` leaves them out).
 (rss_site_*: the host peak with the site-wide calibration from measured runs
 (`slurm_dlrm.estimate.calibrate.site_calibrate`), held out: each config's correction is
 learned from the OTHER configs' measurements only, so it is judged on a run it never saw.
@@ -147,6 +156,30 @@ CONFIGS: list[dict[str, Any]] = [
 ]
 
 
+# Configs none of the 38 above is, run with evaluation on only: a held-out check of the
+# evaluation's estimate (written after the estimate; nothing was fitted to them), and
+# the parts no other config runs (issue 51): an evaluation every few steps, eval.stop_when,
+# a Criteo folder's `holdout: last-file`, several ranks, a large held-out set.
+EVAL_EXTRA: list[dict[str, Any]] = [
+    cfg("x-eval-every-2", eval={"every_steps": 2, "batches": 8}, batch_size=2048),
+    cfg("x-stop-when", eval={"every_steps": 2, "batches": 4, "stop_when": {"metric": "auc", "patience": 1}}),
+    cfg("x-npy-last-file", tables=_t([3000 + 500 * i for i in range(26)], 16), batch_size=512,
+        data={"type": "criteo-npy", "path": "@NPY_DIR@"}, eval={"every_steps": 3, "batches": 8, "holdout": "last-file"}),
+    cfg("x-ws2-eval-every-2", tables=_t([40000, 20000, 15000, 5000], 16), bottom_mlp=[64, 16], top_mlp=[32, 1],
+        world_size=2, eval={"every_steps": 2, "batches": 16}),
+    cfg("x-many-eval-batches", tables=_t([3000, 500, 700], 8), bottom_mlp=[32, 8], top_mlp=[16, 1], batch_size=1024,
+        eval={"batches": 96}, optimizer={"type": "rowwise_adagrad"}),
+    cfg("x-multihot-dcn-adam", tables=[{"rows": 30000, "dim": 32, "multi_hot": 5}, {"rows": 900, "dim": 32},
+                                       {"rows": 12000, "dim": 32, "pooling_factor": 6.0}],
+        bottom_mlp=[256, 32], top_mlp=[256, 64, 1], interaction={"type": "dcn", "layers": 3, "low_rank": 48},
+        batch_size=3072, optimizer={"type": "adam"}),
+    cfg("x-bf16-onehot-b8k", tables=_t([700, 1100, 90, 5000, 250], 16), bottom_mlp=[128, 16], top_mlp=[64, 1],
+        batch_size=8192, mixed_precision="bf16", optimizer={"type": "adagrad"}, eval={"batches": 24}),
+    cfg("x-ws2-big-eval", tables=_t([6000, 800, 2500], 16), bottom_mlp=[64, 16], top_mlp=[32, 1], batch_size=2048,
+        world_size=2, eval={"batches": 40}, interaction={"type": "dcn", "layers": 1, "low_rank": 16}),
+]
+
+
 def write_criteo_npy(prefix: str, rows: int) -> str:
     """A small day of torchrec's preprocessed Criteo layout (13 dense, 26 sparse)."""
     import numpy as np
@@ -191,21 +224,39 @@ def main() -> None:
     ap.add_argument("--specs-only", action="store_true", help="run only the --spec files")
     ap.add_argument("--backend", choices=("torchrec", "torch"), default="torchrec",
                     help="the runner's model backend every config trains on")
+    ap.add_argument("--no-eval-extra", action="store_true",
+                    help="leave out the extra evaluation configs (EVAL_EXTRA)")
     ap.add_argument("--jobs", type=int, default=2,
                     help="children measured at once (memory is per process, so this does not change figures)")
     args = ap.parse_args()
     configs = [] if args.specs_only else [c for c in CONFIGS if not args.only or c["name"] in args.only]
+    extra = [] if args.specs_only or args.no_eval_extra else \
+        [c for c in EVAL_EXTRA if not args.only or c["name"] in args.only]
     tmp = tempfile.TemporaryDirectory(prefix="estimator-accuracy-")
     npy = write_criteo_npy(os.path.join(tmp.name, "day_0"), rows=1024 * 8)
-    for c in configs:
+    days = os.path.join(tmp.name, "days")
+    os.mkdir(days)
+    for day in range(2):
+        write_criteo_npy(os.path.join(days, f"day_{day}"), rows=512 * 12)
+    for c in configs + extra:
         if c.get("data", {}).get("path") == "@NPY@":
             c["data"] = {"type": "criteo-npy", "path": npy}
+        elif c.get("data", {}).get("path") == "@NPY_DIR@":
+            c["data"] = dict(c["data"], path=days)
     for path in args.spec:
         configs.append(load_spec(path).to_dict())
     if args.backend != "torchrec":
         configs = [dict(c, backend=args.backend) for c in configs]
+        extra = [dict(c, backend=args.backend) for c in extra]
+    # What users run (evaluation on, the default) and the training step alone (eval: false),
+    # every config both ways; the columns before "| eval on" are the eval: false run's.
+    eval_on = [c for c in configs if parse_spec(c).eval.enabled]
+    on_by_name = {c["name"]: c for c in eval_on}
+    off = [dict(c, eval=False) for c in configs]
+    print("eval: false (the training step alone) | eval on (the spec's default: every 200 steps and at the end)")
     print(f"{'config':<24} {'measured':>9} {'estimate':>9} {'err%':>6} | {'planner':>9} {'err%':>7} | "
-          f"{'RSS':>8} {'est RSS':>8} {'err%':>6} {'files':>6} {'anon%':>6} | {'ms':>5} phase")
+          f"{'RSS':>8} {'est RSS':>8} {'err%':>6} {'files':>6} {'anon%':>6} | {'ms':>5} phase"
+          f" | {'eval on':>9} {'estimate':>9} {'err%':>6} {'RSS':>7} {'est':>7} {'err%':>6} phase")
     errs: list[float] = []
     rss_errs: list[float] = []
     anon_errs: list[float] = []  # without the mapped libraries' resident pages (page cache)
@@ -213,9 +264,13 @@ def main() -> None:
     planner_errs: list[float] = []
     measured: list[tuple[str, Any, int]] = []  # (name, estimate, peak RSS) for the held-out site calibration
     t0 = time.time()
+    eval_errs: list[float] = []
+    eval_rss_errs: list[float] = []
+    eval_peak_errs: list[float] = []  # configs whose estimate names the evaluation as the peak
     pool = ThreadPoolExecutor(max(1, args.jobs))
-    futures = [pool.submit(measure, d, args.steps) for d in configs]
-    for d, fut in zip(configs, futures, strict=True):
+    futures = [pool.submit(measure, d, args.steps) for d in off]
+    on_futures = {d["name"]: pool.submit(measure, d, args.steps) for d in eval_on + extra}
+    for d, fut in zip(off, futures, strict=True):
         m = fut.result()  # in config order, as each is done
         spec = parse_spec(d)
         t = time.perf_counter()
@@ -233,10 +288,27 @@ def main() -> None:
         anon_errs.append(ae)
         file_mibs.append(files / MIB)
         measured.append((d["name"], est, int(m["peak_rss_bytes"])))
-        print(f"{d['name']:<24} {meas / MIB:>8.2f}M {est.tensor_peak_bytes / MIB:>8.2f}M {e:>+6.2f} | "
-              f"{m['planner_bytes'] / MIB:>8.2f}M {pe:>+7.1f} | {m['peak_rss_bytes'] / MIB:>7.0f}M "
-              f"{est.host_peak_bytes / MIB:>7.0f}M {re:>+6.1f} {files / MIB:>5.0f}M {ae:>+6.1f} | "
-              f"{est_ms:>5.1f} {est.peak_phase}", flush=True)
+        line = (f"{d['name']:<24} {meas / MIB:>8.2f}M {est.tensor_peak_bytes / MIB:>8.2f}M {e:>+6.2f} | "
+                f"{m['planner_bytes'] / MIB:>8.2f}M {pe:>+7.1f} | {m['peak_rss_bytes'] / MIB:>7.0f}M "
+                f"{est.host_peak_bytes / MIB:>7.0f}M {re:>+6.1f} {files / MIB:>5.0f}M {ae:>+6.1f} | "
+                f"{est_ms:>5.1f} {est.peak_phase}")
+        if d["name"] in on_futures:
+            err, rss_err, phase, text = eval_row(on_by_name[d["name"]], on_futures[d["name"]].result())
+            eval_errs.append(err)
+            eval_rss_errs.append(rss_err)
+            if phase.startswith("evaluation"):
+                eval_peak_errs.append(err)
+            line += " | " + text
+        print(line, flush=True)
+    extra_errs = []
+    if extra:
+        print()
+        print("evaluation on, configs not among the above (written after the estimate, a held-out check) and the "
+              "parts no other config runs: eval every few steps, eval.stop_when, holdout last-file, several ranks")
+        for d in extra:
+            err, _rss_err, phase, text = eval_row(d, on_futures[d["name"]].result())
+            extra_errs.append(err)
+            print(f"{d['name']:<24} {text}", flush=True)
     pool.shutdown()
     tmp.cleanup()
     site_errs = site_held_out(measured)
@@ -257,6 +329,17 @@ def main() -> None:
           f"{min(file_mibs):.0f}-{max(file_mibs):.0f} MiB here, {HOST_RUNTIME_CPU_MAPPED_FILES_BYTES / MIB:.0f} MiB "
           f"in the estimate): median |err| {statistics.median(abs(x) for x in anon_errs):.1f}%  "
           f"worst under-estimate {max((-x for x in anon_errs), default=0):.1f}%")
+    eval_abs = [abs(x) for x in eval_errs] or [0.0]
+    print(f"estimator with evaluation on (what users run): configs {len(eval_errs)}  median |err| "
+          f"{statistics.median(eval_abs):.2f}%  max {max(eval_abs):.2f}%  worst under-estimate "
+          f"{max((-x for x in eval_errs), default=0.0):.2f}%  evaluation the estimated peak: {len(eval_peak_errs)} "
+          f"(worst under {max((-x for x in eval_peak_errs), default=0.0):.2f}%)  host peak RSS: median |err| "
+          f"{statistics.median(abs(x) for x in eval_rss_errs or [0.0]):.1f}%  worst under "
+          f"{max((-x for x in eval_rss_errs), default=0.0):.1f}%")
+    if extra_errs:
+        print(f"evaluation on, the {len(extra_errs)} extra configs: median |err| "
+              f"{statistics.median(abs(x) for x in extra_errs):.2f}%  worst under-estimate "
+              f"{max((-x for x in extra_errs), default=0.0):.2f}%")
     print(f"estimator: configs={len(errs)} median_err_pct={statistics.median(abs_errs):.2f} "
           f"p95_err_pct={p95(abs_errs):.2f} max_under_pct={max(unders, default=0.0):.2f} "
           f"rss_median_err_pct={statistics.median(abs(x) for x in rss_errs):.2f} "
@@ -266,8 +349,24 @@ def main() -> None:
           f"rss_anon_max_under_pct={max(max((-x for x in anon_errs), default=0.0), 0.0):.2f} "
           f"rss_file_median_mib={statistics.median(file_mibs):.0f} "
           f"rss_site_median_err_pct={statistics.median(abs(x) for x in site_errs):.2f} "
-          f"rss_site_max_under_pct={max(max((-x for x in site_errs), default=0.0), 0.0):.2f}"
+          f"rss_site_max_under_pct={max(max((-x for x in site_errs), default=0.0), 0.0):.2f} "
+          f"eval_median_err_pct={statistics.median(eval_abs):.2f} "
+          f"eval_max_under_pct={max(max((-x for x in eval_errs), default=0.0), 0.0):.2f}"
           + ("" if args.backend == "torchrec" else f" backend={args.backend}"))
+
+
+def eval_row(d: dict[str, Any], m: dict[str, Any]) -> tuple[float, float, str, str]:
+    """A config run with evaluation on: (tensor peak error %, host peak RSS error %, the
+    estimate's peak phase, the printed columns)."""
+    est = estimate(parse_spec(d), None)
+    meas = m["peak_tensor_bytes"]
+    err = pct(est.tensor_peak_bytes, meas)
+    rss_err = pct(est.host_peak_bytes, m["peak_rss_bytes"])
+    measured_at = "eval" if m.get("peak_phase") == "eval" else "step"
+    text = (f"{meas / MIB:>8.2f}M {est.tensor_peak_bytes / MIB:>8.2f}M {err:>+6.2f} "
+            f"{m['peak_rss_bytes'] / MIB:>6.0f}M {est.host_peak_bytes / MIB:>6.0f}M {rss_err:>+6.1f} "
+            f"{est.peak_phase} (measured at: {measured_at})")
+    return err, rss_err, est.peak_phase, text
 
 
 def site_held_out(measured: list[tuple[str, Any, int]]) -> list[float]:

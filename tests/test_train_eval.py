@@ -109,3 +109,39 @@ def test_bad_stop_when_names_the_field(stop_when, field):
     with pytest.raises(SpecError) as err:
         spec_mod.parse_spec({**BASE, "eval": {"stop_when": stop_when}})
     assert err.value.field == field
+
+
+def test_evaluator_makes_held_out_batches_one_at_a_time_with_the_same_metrics():
+    """Issue 51: the Evaluator makes each held-out batch when it needs it and keeps only
+    a 3 x samples buffer; the batches and the metrics are those of the set made up front."""
+    from slurm_dlrm.spec import parse_spec
+    from slurm_dlrm.train.data import HeldOut, eval_batches
+    from slurm_dlrm.train.evaluation import Evaluator
+
+    spec = parse_spec({"name": "e", "tables": [{"rows": 500, "dim": 8, "pooling_factor": 2.0},
+                                                {"rows": 90, "dim": 8, "multi_hot": 3}],
+                       "dense_features": 4, "bottom_mlp": [8], "top_mlp": [4, 1], "batch_size": 64,
+                       "eval": {"batches": 5}})
+    upfront, planted = eval_batches(spec)
+    held = HeldOut(spec)
+    made = []
+
+    def predict(batch):
+        made.append(batch)
+        w = torch.arange(1, 5, dtype=torch.float32)
+        return torch.sigmoid(batch.dense_features @ w), batch.labels
+
+    for k in range(held.count):  # the same batch k, made again
+        b, p = held.batch(k)
+        assert torch.equal(b.dense_features, upfront[k].dense_features)
+        assert torch.equal(b.sparse_features.values(), upfront[k].sparse_features.values())
+        assert torch.equal(b.labels, upfront[k].labels)
+        assert p is not None
+    ev = Evaluator(held, 0, 10)
+    rec = ev.run(predict, 10, 0.0)
+    assert rec is not None and len(made) == 5
+    preds = torch.cat([predict(b)[0] for b in upfront])
+    labels = torch.cat([b.labels for b in upfront])
+    want = compute(preds, labels)
+    assert rec["eval_auc"] == want.auc and rec["eval_ne"] == want.ne and rec["eval_samples"] == 5 * 64
+    assert planted is not None and rec["planted_auc"] == compute(planted, labels).auc

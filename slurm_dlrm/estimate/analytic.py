@@ -33,6 +33,7 @@ from slurm_dlrm.estimate.timeline import (
     simulate_step,
     static_parts,
 )
+from slurm_dlrm.estimate.timeline_eval import eval_host_parts, simulate_eval
 from slurm_dlrm.site import GpuModel
 from slurm_dlrm.spec import MAX_WORLD_SIZE, JobSpec
 
@@ -229,10 +230,16 @@ def is_torch_backend(spec: JobSpec) -> bool:
 
 
 def _replay_peak_tape(spec: JobSpec, device: str, tables: list[int]) -> Tape:
+    """The tape with the highest peak: the steady step, the first step, and (evaluation
+    on) the held-out evaluation (`timeline_eval`: the device's share on a GPU)."""
     replay = timeline_torch.simulate_step if is_torch_backend(spec) else simulate_step
     steady = replay(spec, device, tables)
     first = replay(spec, device, tables, first_step=True)
-    return first if first.peak > steady.peak else steady
+    peak = first if first.peak > steady.peak else steady
+    if spec.eval.enabled:
+        evaluation = simulate_eval(spec, device, tables)
+        peak = evaluation if evaluation.peak > peak.peak else peak
+    return peak
 
 
 # The tape depends on the device kind, not on the GPU model: `estimate` for each model
@@ -285,7 +292,7 @@ def _memory(spec: JobSpec, gpu: GpuModel | None, tables: list[int],
     one_batch = batch_bytes(spec)
     pools = synthetic_pool_bytes(spec)
     ring = synthetic_ring_bytes(spec, gpu is not None)
-    held_out = eval_host_bytes(spec)
+    held_out = eval_host_bytes(spec, gpu is not None)
     snapshot = checkpoint_snapshot_bytes(spec, tables, device)
     static = timeline_torch.static_bytes(spec, tables, device) if is_torch_backend(spec) else \
         static_bytes(spec, tables, device)
@@ -400,17 +407,18 @@ def synthetic_ring_bytes(spec: JobSpec, pinned: bool) -> int:
 
 
 @_per_spec
-def eval_host_bytes(spec: JobSpec) -> int:
-    """What evaluating adds to host memory: the held-out batches the runner keeps
-    (slurm_dlrm/train/data.py `eval_batches`: `eval.batches` batches and, for synthetic
-    data, their planted click probabilities and the eval stream's dense pool, 8 batches
-    of rows, they are views of) and the metrics library (EVAL_LIBRARY_BYTES)."""
+def eval_host_bytes(spec: JobSpec, on_gpu: bool) -> int:
+    """What evaluating adds to host memory besides the tensors of `timeline_eval`'s
+    replay: the metrics library (EVAL_LIBRARY_BYTES), the eval stream's own pools
+    (synthetic data: as the training stream's, `synthetic_pool_bytes`), a Criteo TSV's
+    held-out batches (parsed once and kept, slurm_dlrm/train/data.py `HeldOut`) and, on
+    a GPU run, the evaluation's host side (the held-out batch made on the host, the
+    predictions buffer and the metrics' temporaries: `timeline_eval.eval_host_parts`)."""
     if not spec.eval.enabled:
         return 0
-    B = spec.batch_size
-    own = spec.eval.batches * (batch_bytes(spec) + (B * 4 if spec.data.type == "synthetic" else 0))
-    pool = 8 * B * spec.dense_features * 4 if spec.data.type == "synthetic" else 0
-    return own + pool + EVAL_LIBRARY_BYTES
+    kept = spec.eval.batches * batch_bytes(spec) if spec.data.type == "criteo-tsv" else 0
+    host = sum(eval_host_parts(spec).values()) if on_gpu else 0
+    return EVAL_LIBRARY_BYTES + synthetic_pool_bytes(spec) + kept + host
 
 
 def checkpoint_snapshot_bytes(spec: JobSpec, tables: list[int], device: str) -> int:

@@ -91,8 +91,8 @@ class Tape:
     def at_peak(self) -> dict[str, int]:
         """Live bytes at the peak, by part (every part of PARTS, zeros included)."""
         out = dict.fromkeys(PARTS, 0)
-        for a in self._live_at_peak():
-            out[a.part] += a.nbytes
+        for a in self._live_at_peak():  # a part outside PARTS (an evaluation's) only when live
+            out[a.part] = out.get(a.part, 0) + a.nbytes
         return out
 
     @property

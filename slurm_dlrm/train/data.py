@@ -194,7 +194,10 @@ class SyntheticBatches:
         self._label_u = np.random.default_rng([self.seed, rank, self._label_tag]).random(pool_rows, dtype=np.float32)
         self._alpha = alpha
         self._rows = [int(t.rows) for t in spec.tables]
-        self._fixed_lengths = {
+        # The training stream keeps one lengths tensor per fixed count; the eval stream,
+        # made only while it evaluates, keeps none (made per batch, freed with it), so
+        # nothing of it stays allocated between evaluations (estimate/timeline_eval.py).
+        self._fixed_lengths = {} if stream == "eval" else {
             k: torch.full((b,), k, dtype=torch.int32) for k in {f for f, _, _ in self._tables if f is not None}
         }
         ids_per_batch = sum(b * t.ids_per_sample for t in spec.tables)
@@ -247,7 +250,9 @@ class SyntheticBatches:
         per_table: list[tuple[np.ndarray, np.ndarray]] = []
         for i, (fixed, lengths_pool, ids) in enumerate(self._tables):
             if fixed is not None:
-                lengths.append(self._fixed_lengths[fixed])
+                fixed_lengths = self._fixed_lengths.get(fixed)
+                lengths.append(fixed_lengths if fixed_lengths is not None else
+                               torch.full((b,), fixed, dtype=torch.int32))
                 window = np.full(b, fixed, dtype=np.int64)
                 need = b * fixed
             else:
@@ -516,33 +521,59 @@ def make_source(spec: Any, rank: int = 0, world_size: int = 1, pin_memory: bool 
     raise SpecError("data.type", f"unknown data type {kind!r}")
 
 
+class HeldOut:
+    """This rank's held-out set (`eval.batches` batches, fewer when the held-out data is
+    smaller), made batch by batch when an evaluation asks for it (`batch(k)`), so an
+    evaluation holds one held-out batch at a time, not all of them for the whole run.
+    Batch k is a function of (seed, rank, k) (synthetic) or a slice of the memory-mapped
+    files (criteo-npy): made again, it is the same batch. Criteo TSV is parsed once at
+    start and kept (parsing is ~10^5 lines/s, too slow to repeat at every evaluation)."""
+
+    def __init__(self, spec: Any, rank: int = 0, world_size: int = 1) -> None:
+        n = int(spec.eval.batches)
+        self.synthetic: SyntheticBatches | None = None
+        self.npy: CriteoNpyBatches | None = None
+        self.kept: list[Batch] | None = None
+        if spec.data.type == "synthetic":
+            self.synthetic = SyntheticBatches(spec, rank, ring_batches=0, stream="eval")
+            self.count = n
+        elif spec.data.type == "criteo-npy":
+            self.npy = CriteoNpyBatches(spec, rank, world_size, part="eval")
+            assert self.npy.steps_per_epoch is not None
+            self.count = min(n, self.npy.steps_per_epoch)
+        elif spec.data.type == "criteo-tsv":
+            held = CriteoTsvBatches(spec, rank, world_size, part="eval")
+            assert held.steps_per_epoch is not None
+            try:
+                self.kept = [held.batch(k) for k in range(min(n, held.steps_per_epoch))]
+            finally:
+                held.close()
+            self.count = len(self.kept)
+        else:
+            raise SpecError("data.type", f"unknown data type {spec.data.type!r}")
+
+    def batch(self, k: int) -> tuple[Batch, torch.Tensor | None]:
+        """Held-out batch `k` and, for synthetic data, the planted model's P(click) of its
+        samples (None for real data)."""
+        if self.synthetic is not None:
+            features, probs = self.synthetic.features(k)
+            return Batch(dense_features=features.dense_features, sparse_features=features.sparse_features,
+                         labels=self.synthetic.labels(k, probs)), probs
+        if self.npy is not None:
+            return self.npy.batch(k), None
+        assert self.kept is not None
+        return self.kept[k], None
+
+
 def eval_batches(spec: Any, rank: int = 0, world_size: int = 1) -> tuple[list[Batch], torch.Tensor | None]:
-    """This rank's held-out batches (`eval.batches` of them, fewer when the held-out
-    data is smaller) and, for synthetic data, the planted model's P(click) of each of
-    their samples (None for real data)."""
-    n = int(spec.eval.batches)
-    if spec.data.type == "synthetic":
-        src = SyntheticBatches(spec, rank, ring_batches=0, stream="eval")
-        batches, planted = [], []
-        for k in range(n):
-            features, probs = src.features(k)
-            batches.append(Batch(dense_features=features.dense_features, sparse_features=features.sparse_features,
-                                 labels=src.labels(k, probs)))
-            planted.append(probs)
-        return batches, torch.cat(planted)
-    held: CriteoNpyBatches | CriteoTsvBatches
-    if spec.data.type == "criteo-npy":
-        held = CriteoNpyBatches(spec, rank, world_size, part="eval")
-    elif spec.data.type == "criteo-tsv":
-        held = CriteoTsvBatches(spec, rank, world_size, part="eval")
-    else:
-        raise SpecError("data.type", f"unknown data type {spec.data.type!r}")
-    assert held.steps_per_epoch is not None
-    try:
-        return [held.batch(k) for k in range(min(n, held.steps_per_epoch))], None
-    finally:
-        if isinstance(held, CriteoTsvBatches):
-            held.close()
+    """All of this rank's held-out batches at once (`HeldOut`, made up front) and, for
+    synthetic data, the planted model's P(click) of each of their samples (None for
+    real data)."""
+    held = HeldOut(spec, rank, world_size)
+    made = [held.batch(k) for k in range(held.count)]
+    batches = [b for b, _ in made]
+    planted = [p for _, p in made if p is not None]
+    return batches, (torch.cat(planted) if planted else None)
 
 
 class Prefetcher:
@@ -578,9 +609,14 @@ class Prefetcher:
                 got, fut = pending.popleft()
                 assert got == step
                 batch = fut.result()
+                del fut
             if self.device is not None:
                 batch = batch.to(self.device, non_blocking=True)
-            yield step, batch
+            # hand the batch over without keeping a reference in this frame: the runner
+            # lets a step's batch go before it evaluates (issue 51)
+            handed = [batch]
+            del batch
+            yield step, handed.pop()
 
     def close(self) -> None:
         if self._pool is not None:

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -192,29 +192,44 @@ def eval_record(step: int, result: EvalResult, *, t: float, eval_s: float, batch
 Predict = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
 
 
+class HeldOutSet(Protocol):
+    """What the Evaluator reads (slurm_dlrm/train/data.py `HeldOut`): how many held-out
+    batches this rank has, and batch k with the planted model's P(click) of its samples
+    (None for real data)."""
+
+    count: int
+
+    def batch(self, k: int) -> tuple[Any, torch.Tensor | None]: ...
+
+
 class Evaluator:
-    """The runner's held-out evaluation: the same `batches` (this rank's share of the
-    held-out set, made once) every `every_steps` steps and at the last step.
+    """The runner's held-out evaluation: the same `held.count` batches (this rank's share
+    of the held-out set) every `every_steps` steps and at the last step.
 
     Backend-agnostic: `run(predict, step)` only needs `predict(batch) -> (probabilities,
     labels)`. Every rank evaluates its batches (a sharded model's forward is
     collective); rank 0 gathers all predictions and computes the metrics on the whole
     set. Nothing here touches the torch RNG or the training batches, so evaluating
-    never changes the training run."""
+    never changes the training run.
 
-    def __init__(self, batches: list[Any], every_steps: int, total_steps: int, *, world_size: int = 1,
-                 planted: torch.Tensor | None = None, backend: str = "torchrec",
-                 extra_steps: Iterable[int] = ()) -> None:
-        self.batches = batches
+    Memory (issue 51): one held-out batch at a time is made, predicted and dropped; the
+    predictions, labels and planted P(click) go straight into one preallocated
+    3 x samples float32 buffer (no per-batch list, no concatenation, no stack), and
+    rank 0 alone receives the other ranks' buffers (`gather`, not `all_gather`).
+    slurm_dlrm/estimate/timeline_eval.py replays exactly this."""
+
+    def __init__(self, held: HeldOutSet, every_steps: int, total_steps: int, *, world_size: int = 1,
+                 backend: str = "torchrec", extra_steps: Iterable[int] = ()) -> None:
+        self.held = held
         self.every_steps = every_steps
         self.extra_steps = frozenset(extra_steps)  # a sweep's rung steps (issue 47): evaluated as well
         self.total_steps = total_steps
         self.world_size = world_size
-        self.planted = planted  # the planted model's P(click) of each eval sample (synthetic data)
         self.backend = backend
         self.planted_auc: float | None = None
         self.total_s = 0.0  # wall time spent evaluating, for the overhead figure
         self.history: list[dict[str, Any]] = []  # this job's evaluation records (rank 0)
+        self._planted_given = False
 
     def load_history(self, metrics_file: Any, upto_step: int) -> None:
         """A resumed run's earlier evaluations (steps <= `upto_step`) from its metrics file,
@@ -240,33 +255,57 @@ class Evaluator:
         return done == self.total_steps or (self.every_steps > 0 and done % self.every_steps == 0) \
             or done in self.extra_steps
 
+    def _predict_one(self, predict: Predict, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Batch k made, predicted, and let go when this returns (only its outputs stay)."""
+        batch, planted = self.held.batch(k)
+        probs, labels = predict(batch)
+        return probs, labels, planted
+
+    def predictions(self, predict: Predict) -> torch.Tensor:
+        """3 x samples float32 on the host: this rank's predictions, labels and planted
+        P(click) (NaN for real data), batch after batch."""
+        rows: torch.Tensor | None = None
+        filled = 0
+        self._planted_given = False
+        with torch.no_grad():
+            for k in range(self.held.count):
+                probs, labels, planted = self._predict_one(predict, k)
+                n = probs.numel()
+                if rows is None:  # every held-out batch has the first one's size
+                    rows = torch.empty(3, n * self.held.count)
+                    if planted is None:
+                        rows[2].fill_(float("nan"))
+                rows[0, filled : filled + n].copy_(probs.reshape(-1))
+                rows[1, filled : filled + n].copy_(labels.reshape(-1))
+                if planted is not None:
+                    rows[2, filled : filled + n].copy_(planted.reshape(-1))
+                    self._planted_given = True
+                filled += n
+                del probs, labels, planted
+        return rows if rows is not None else torch.zeros(3, 0)
+
     def run(self, predict: Predict, step: int, t: float) -> dict[str, object] | None:
         """Evaluate; the metrics-file record on rank 0, None on the other ranks."""
         t0 = time.perf_counter()
-        acc = EvalAccumulator()
-        with torch.no_grad():
-            for batch in self.batches:
-                probs, labels = predict(batch)
-                acc.update(probs, labels)
-        preds, labels = acc.tensors()
-        planted = self.planted if self.planted is not None else torch.full_like(preds, float("nan"))
-        local = torch.stack([preds, labels, planted.float().reshape(-1)])
+        local = self.predictions(predict)
         if self.world_size > 1:
             import torch.distributed as dist
 
-            parts = [torch.empty_like(local) for _ in range(self.world_size)]
-            dist.all_gather(parts, local)
-            local = torch.cat(parts, dim=1)
-            if dist.get_rank() != 0:
+            # rank 0 alone receives, into one ranks x 3 x samples buffer (rank-major, as a
+            # concatenation would order them)
+            gathered = torch.empty(self.world_size, *local.shape) if dist.get_rank() == 0 else None
+            dist.gather(local, gather_list=list(gathered.unbind(0)) if gathered is not None else None, dst=0)
+            del local
+            if gathered is None:
                 self.total_s += time.perf_counter() - t0
                 return None
+            local = gathered.transpose(0, 1)  # 3 x ranks x samples, a view
         result = compute(local[0], local[1], self.backend)
-        if self.planted is not None and self.planted_auc is None:
+        if self.planted_auc is None and self._planted_given:
             self.planted_auc = compute(local[2], local[1], self.backend).auc
         eval_s = time.perf_counter() - t0
         self.total_s += eval_s
-        record = eval_record(step, result, t=t, eval_s=eval_s, batches=len(self.batches) * self.world_size,
+        record = eval_record(step, result, t=t, eval_s=eval_s, batches=self.held.count * self.world_size,
                              planted_auc=self.planted_auc)
         self.history = [r for r in self.history if r["step"] != step] + [record]
         return record
-

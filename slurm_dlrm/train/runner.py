@@ -42,7 +42,7 @@ from slurm_dlrm.errors import (
 from slurm_dlrm.train import checkpoint as ckpt
 from slurm_dlrm.train.backends import TORCH, build, plan_text, resolve
 from slurm_dlrm.train.built import Built
-from slurm_dlrm.train.data import BatchSource, Prefetcher, eval_batches, make_source
+from slurm_dlrm.train.data import BatchSource, HeldOut, Prefetcher, make_source
 from slurm_dlrm.train.evaluation import Evaluator, import_metrics_in_background, stop_reason
 from slurm_dlrm.train.hostmem import fix_malloc_mmap_threshold
 from slurm_dlrm.train.launch import ENV_RDZV_FILE
@@ -214,6 +214,22 @@ def _count_saved_tensors(counter: list[int]) -> Iterator[None]:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
+
+
+def predict_clicks(built: Built, device: torch.device, autocast: Callable[[], Any],
+                   batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Click probabilities and labels of one held-out batch (no gradient, no update;
+    call under torch.no_grad). The model's outputs (loss, logits) are let go on return."""
+    if built.backend == TORCH:
+        batch.sparse_features.length_per_key()  # read on the host, as HostLengths does for training
+    batch = batch.to(device)
+    with autocast():
+        out = built.model(batch)
+    if built.backend == TORCH:  # (loss, logits); torchrec's DLRMTrain: (loss, (loss, logits, labels))
+        logits, labels = out[1], batch.labels
+    else:
+        _, (_, logits, labels) = out
+    return torch.sigmoid(logits.float()), labels
 
 
 def _grad_bytes(g: torch.Tensor) -> int:
@@ -415,17 +431,7 @@ class Trainer:
         return self._static_tensor_bytes + self._activation_bytes
 
     def _predict(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Click probabilities and labels of one held-out batch (no gradient, no update)."""
-        if self.built.backend == TORCH:
-            batch.sparse_features.length_per_key()  # read on the host, as HostLengths does for training
-        batch = batch.to(self.device)
-        with self._autocast():
-            out = self.built.model(batch)
-        if self.built.backend == TORCH:  # (loss, logits); torchrec's DLRMTrain: (loss, (loss, logits, labels))
-            logits, labels = out[1], batch.labels
-        else:
-            _, (_, logits, labels) = out
-        return torch.sigmoid(logits.float()), labels
+        return predict_clicks(self.built, self.device, self._autocast, batch)
 
     def _evaluate(self, done: int, metrics: MetricsWriter | None, progress: Progress | None) -> tuple[float, str]:
         """Run the held-out evaluation after `done` steps: its wall seconds, and why
@@ -535,6 +541,11 @@ class Trainer:
                     window_steps = 0
                     window_t0 = time.perf_counter()
                 if self.evaluator is not None and self.evaluator.due(done):
+                    # Nothing of the step is needed any more: its batch, outputs and (backend
+                    # torch, one process) gradients are let go before evaluating, not held
+                    # beside it (the next step's zero_grad would drop the gradients anyway).
+                    del batch, loss, _
+                    optimizer.zero_grad()
                     eval_s, stop_why = self._evaluate(done, metrics, progress)
                     window_t0 += eval_s  # not training time
                     if stop_why:
@@ -665,9 +676,9 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
                  "at every step, so a repeat cannot be memorised", repeat)
     evaluator = None
     if spec.eval.enabled:
-        batches, planted = eval_batches(spec, info.rank, info.world_size)
-        evaluator = Evaluator(batches, int(spec.eval.every_steps), total, world_size=info.world_size,
-                              planted=planted, backend=metrics_backend, extra_steps=sweep_rung_steps(spec, total))
+        evaluator = Evaluator(HeldOut(spec, info.rank, info.world_size), int(spec.eval.every_steps), total,
+                              world_size=info.world_size, backend=metrics_backend,
+                              extra_steps=sweep_rung_steps(spec, total))
     trainer = Trainer(spec=spec, opts=opts, dist_info=info, device=device, built=built, source=source,
                       total_steps=total, stop=stop, expect=expect, evaluator=evaluator)
     trainer.resume()
