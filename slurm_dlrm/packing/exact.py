@@ -65,10 +65,12 @@ from slurm_dlrm.packing.model import (
     PackingPlan,
     PackingRequest,
     host_limit_bytes,
+    live_gpu_bytes,
     member_fence_bytes,
     usable_gpu_bytes,
 )
 from slurm_dlrm.packing.pack_gpus import pack_gpus
+from slurm_dlrm.packing.refill import allocation_bound
 from slurm_dlrm.site import MIB, GpuModel
 
 DEFAULT_BUDGET_S = 0.2  # CP-SAT deterministic time per round (about seconds)
@@ -125,12 +127,10 @@ def _speed(job: JobDemand, d: float) -> float:
 
 
 def _targets(request: PackingRequest) -> list[_Target]:
-    from slurm_dlrm.packing.refill import _allocation_bound
-
     limits = request.limits
     out: list[_Target] = []
     pgs = pack_gpus(request)
-    bound = set() if limits.refill_headroom_pct is None else _allocation_bound(pgs, list(request.jobs), limits)
+    bound = set() if limits.refill_headroom_pct is None else allocation_bound(pgs, list(request.jobs), limits)
     groups: dict[int, int] = {}
     cpus: dict[int, int] = {}
     for pg in pgs:
@@ -168,8 +168,6 @@ def _prices(pool: Sequence[JobDemand], targets: list[_Target], request: PackingR
 
 
 def _weight(job: JobDemand, t: _Target, price: list[float], request: PackingRequest, live: bool) -> float:
-    from slurm_dlrm.packing.model import live_gpu_bytes
-
     mem = (live_gpu_bytes(job, t.gpu, request.limits) if live else member_fence_bytes(job, t.gpu, request.limits))
     return (price[0] * mem / usable_gpu_bytes(t.gpu) + price[1] * job.cpus / t.cpu_cap
             + price[2] * util_fraction(job.sm_util_pct) + price[3] * util_fraction(job.membw_util_pct))

@@ -111,7 +111,7 @@ def _join_fits(pg: PackGpu, job: JobDemand, limits: PackingLimits) -> bool:
             and host_fits(pg.node, job, limits))
 
 
-def _allocation_bound(pgs: list[PackGpu], queue: list[JobDemand], limits: PackingLimits) -> set[str]:
+def allocation_bound(pgs: list[PackGpu], queue: list[JobDemand], limits: PackingLimits) -> set[str]:
     """Keys of the pack GPUs that a waiting single-GPU job would fit (GPU memory) but
     their allocation never would: it has too few CPUs or too little host memory even
     with every live member ended. Slurm cannot grow a running job and the headroom is
@@ -180,7 +180,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
         return [], queue
     # Whole-share packs (`refill_headroom_pct` None) never drain: a new pack on the GPU
     # would be no bigger.
-    bound = set() if limits.refill_headroom_pct is None else _allocation_bound(pgs, queue, limits)
+    bound = set() if limits.refill_headroom_pct is None else allocation_bound(pgs, queue, limits)
     pgs = [pg for pg in pgs if pg.key not in bound]
     if not pgs:
         return [], queue
