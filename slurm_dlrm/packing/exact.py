@@ -370,9 +370,6 @@ def _solve(request: PackingRequest, targets: list[_Target], pool: list[JobDemand
         grid = _levels(_stretch_cap(t, [pool[i] for i in idx], limits))
         z = [m.new_bool_var(f"z{k}_{lv}") for lv in range(len(grid))]
         m.add_exactly_one(z)
-        m.add_hint(z[0], 1)
-        for lv in range(1, len(grid)):
-            m.add_hint(z[lv], 0)
         y = ([[x[(i, k)]] for i in idx] if len(grid) == 1
              else [[m.new_bool_var(f"y{i}_{k}_{lv}") for lv in range(len(grid))] for i in idx])
         if len(grid) > 1:
@@ -380,7 +377,10 @@ def _solve(request: PackingRequest, targets: list[_Target], pool: list[JobDemand
                 m.add(sum(y[a]) == x[(i, k)])
                 for lv in range(len(grid)):
                     m.add_implication(y[a][lv], z[lv])
-                    m.add_hint(y[a][lv], 1 if lv == 0 and hint.get(pool[i].job_id) == k else 0)
+        # The heuristic's members here, and the levels they satisfy (the hint's level:
+        # the first; a complete hint gives the search a solution at once).
+        mine = [a for a, i in enumerate(idx) if hint.get(pool[i].job_id) == k]
+        hint_ok = [True] * len(grid)
         live_w = [_weight(j, t, price, request, True) for j in t.live]
         joiner_w = [_weight(pool[i], t, price, request, False) for i in idx]
         live_now = gpu_value(t, [], price, request, params) if t.live else 0.0  # before the round
@@ -394,21 +394,32 @@ def _solve(request: PackingRequest, targets: list[_Target], pool: list[JobDemand
                 coefs = [math.ceil(_C * use(pool[i]) * _speed(pool[i], d) - _EPS) for i in idx]
                 if live_use > _C:
                     m.add(z[lv] == 0)
+                    hint_ok[lv] = False
                 else:
                     m.add(ws(ylv, coefs) <= (_C - live_use) * z[lv])
+                    hint_ok[lv] = hint_ok[lv] and live_use + sum(coefs[a] for a in mine) <= _C
             # Time left: the live members' rest and the joiners' runs at this level's speeds.
             if t.remaining_s is not None:
                 if any((_need_s(j, _speed(j, d), False) or 0.0) > t.remaining_s + _EPS for j in t.live):
                     m.add(z[lv] == 0)
+                    hint_ok[lv] = False
                 for a, i in enumerate(idx):
                     need = _need_s(pool[i], _speed(pool[i], d), True)
                     if need is None or need > t.remaining_s + _EPS:
                         m.add(y[a][lv] == 0)
+                        hint_ok[lv] = hint_ok[lv] and a not in mine
             obj_vars.append(z[lv])
             obj_coefs.append(rnd(_W * (sum(w * _speed(j, d_obj) for w, j in zip(live_w, t.live, strict=True))
                                        - live_now)))
             obj_vars.extend(ylv)
             obj_coefs.extend(rnd(_W * w * _speed(pool[i], d_obj)) for w, i in zip(joiner_w, idx, strict=True))
+        level = next((lv for lv, ok in enumerate(hint_ok) if ok), None)
+        if level is not None:
+            for lv in range(len(grid)):
+                m.add_hint(z[lv], lv == level)
+                if len(grid) > 1:
+                    for a in range(len(idx)):
+                        m.add_hint(y[a][lv], lv == level and a in mine)
     m.maximize(ws(obj_vars, obj_coefs))
     for (i, k), b in x.items():
         m.add_hint(b, 1 if hint.get(pool[i].job_id) == k else 0)
