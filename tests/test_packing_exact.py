@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -265,7 +266,7 @@ def test_exact_beats_the_greedy_refill_on_a_knapsack_round() -> None:
     assert sol.status == "optimal" and sol.bound >= sol.value - 1e-9
 
 
-def test_exact_is_a_policy_of_the_site_and_the_simulator(tmp_path: object) -> None:
+def test_exact_is_a_policy_of_the_simulator() -> None:
     from slurm_dlrm.sim import parse_cluster, parse_workload, simulate
 
     with pytest.raises(BadInput, match="unknown policy 'exactly'"):
@@ -285,3 +286,17 @@ def test_exact_is_a_policy_of_the_site_and_the_simulator(tmp_path: object) -> No
                         {g.name: g for g in cluster.gpu_models})
     res = simulate(wl, cluster, "exact")
     assert res.completion_rate == 1.0 and res.ooms == 0
+
+
+def test_site_takes_the_exact_policy_and_its_keys(tmp_path: Path) -> None:
+    from service_harness import make_site
+
+    from slurm_dlrm.errors import ConfigError
+    from slurm_dlrm.packing.model import limits_from_site
+
+    site = make_site(tmp_path, policy="exact", exact_budget_s=0.05, exact_max_pairs=300)
+    assert site.packing.policy == "exact"
+    limits = limits_from_site(site)
+    assert (limits.exact_budget_s, limits.exact_max_pairs) == (0.05, 300)
+    with pytest.raises(ConfigError, match="exact_budget_s"):
+        make_site(tmp_path, exact_budget_s=0)
