@@ -227,6 +227,7 @@ class PackingConfig:
     # job-GPU pairs past which a round keeps complementary's plan.
     exact_budget_s: float = 0.2
     exact_max_pairs: int = 4000
+    exact_window: int = 8  # pending jobs beyond the heuristic's picks it may choose from
     overdue_min_wait_s: float = 600.0
 
 
@@ -631,6 +632,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         overdue_min_wait_s=k.get("overdue_min_wait_s", float, 600.0, min_value=0.0),
         exact_budget_s=k.get("exact_budget_s", float, 0.2, min_value=0.001, max_value=60.0),
         exact_max_pairs=k.get("exact_max_pairs", int, 4000, min_value=1),
+        exact_window=k.get("exact_window", int, 8, min_value=0),
     )
     k.done()
     if packing.max_members_per_gpu > mps.client_limit:

@@ -46,10 +46,15 @@ from slurm_dlrm.packing.common import (
     REFILL_POLICIES,
     Gpu,
     Node,
+    drain_tail,
     expand_nodes,
     finish_plan,
     gpu_budget,
+    tail_first,
     thread_pcts,
+)
+from slurm_dlrm.packing.fairness import (
+    TAIL_FACTOR as REFILL_TAIL_FACTOR,  # refill's and complementary's
 )
 from slurm_dlrm.packing.interference import (
     InterferenceParams,
@@ -70,7 +75,7 @@ from slurm_dlrm.packing.model import (
     usable_gpu_bytes,
 )
 from slurm_dlrm.packing.pack_gpus import pack_gpus
-from slurm_dlrm.packing.refill import allocation_bound
+from slurm_dlrm.packing.refill import allocation_bound, join_key
 from slurm_dlrm.site import MIB, GpuModel
 
 DEFAULT_BUDGET_S = 0.2  # CP-SAT deterministic time per round (about seconds)
@@ -238,9 +243,12 @@ def _heuristic_assignment(h: PackingPlan, targets: list[_Target], jobs: dict[int
 
 def solve_round(request: PackingRequest, heuristic: PackingPlan, params: InterferenceParams,
                 budget_s: float = DEFAULT_BUDGET_S, max_pairs: int = DEFAULT_MAX_PAIRS,
-                prove: bool = False) -> RoundSolution:
+                prove: bool = False, window: int | None = None) -> RoundSolution:
     """The round's exact plan next to the heuristic's (see the module docstring).
-    `prove`: also solve the upper model for a proven bound (the benchmark's ceiling)."""
+    `prove`: also solve the upper model for a proven bound (the benchmark's ceiling).
+    `window`: besides the jobs the heuristic placed, only the first `window` of the
+    others in its refill order (priority band, drain tail, shortest first) are
+    candidates (None: every pending job; the round's true optimum)."""
     t0 = time.perf_counter()
     limits = request.limits
 
@@ -257,6 +265,11 @@ def solve_round(request: PackingRequest, heuristic: PackingPlan, params: Interfe
     pool = [j for j in request.jobs if j.job_id in placed_ids
             or (j.job_id in deferred and not deferred[j.job_id].permanent
                 and deferred[j.job_id].reason.startswith(("no room", "no free GPU")))]
+    if window is not None:
+        tail = drain_tail(request, REFILL_TAIL_FACTOR)
+        rest = sorted((j for j in pool if j.job_id not in placed_ids), key=lambda j: tail_first(j, tail, join_key(j)))
+        keep = placed_ids | {j.job_id for j in rest[:window]}
+        pool = [j for j in pool if j.job_id in keep]
     pool.sort(key=lambda j: j.job_id)
     targets = _targets(request)
     if not pool or not targets:

@@ -102,7 +102,8 @@ def _plan(request: PackingRequest, fn: Callable[[PackingRequest, InterferencePar
 
         heuristic = _plan(request, plan_complementary, "complementary", params)
         limits = request.limits
-        return solve_round(request, heuristic, params, limits.exact_budget_s, limits.exact_max_pairs).plan
+        return solve_round(request, heuristic, params, limits.exact_budget_s, limits.exact_max_pairs,
+                           window=limits.exact_window).plan
     if policy not in REFILL_POLICIES or not any(o.pack for o in request.open_gpus):
         return fn(request, params)
     # Refill first (docs/packing.md "Refilling running packs"); the rest of the queue goes

@@ -79,7 +79,7 @@ _GANG_HOLDS = False
 _GANG_ROOM = True
 
 
-def _join_key(job: JobDemand) -> tuple[float, bool, float, float, int]:
+def join_key(job: JobDemand) -> tuple[float, bool, float, float, int]:
     # As complementary's seed order (priority, then expected duration), but a job of
     # unknown length goes after the known ones of its band: a time-limited pack refuses
     # such a joiner (`_times_fit`), and a front of them would use up every pack GPU's scan.
@@ -173,7 +173,7 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
     tail: frozenset[int] = frozenset()
     if policy == "complementary":
         tail = drain_tail(request, _TAIL_FACTOR)
-        queue = sorted(request.jobs, key=lambda j: _tail_first(j, tail, _join_key(j)))
+        queue = sorted(request.jobs, key=lambda j: _tail_first(j, tail, join_key(j)))
     else:
         queue = sorted(request.jobs, key=order_key)
     if not pgs or not queue:
