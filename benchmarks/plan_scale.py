@@ -13,6 +13,9 @@ A third figure plans the same 10,000 jobs with a learned interference model (fit
 3,000 groups of the synthetic generator, slurm_dlrm/truth.py) instead of the
 analytic one: the policies call it in their inner loops (compiled trees, memoised).
 
+A last table times the `exact` policy (issue 50) at 16, 64 and 256 pending jobs, idle
+and busy, and at 10,000 (where it falls back to complementary's plan).
+
 Run:  /work/main/.venv/bin/python benchmarks/plan_scale.py
 Last line:  plan: jobs=10000 gpus=1000 seconds=X   (target < 1 s; idle GPUs)
 """
@@ -103,7 +106,28 @@ def main() -> None:
     for n, live in ((1000, 4), (10000, 1), (10000, 2), (10000, 4), (10000, 6)):
         secs, joined = best_of(busy_request(n, live, models), "complementary", 3)
         print(f"{n:>8} {n // 10:>6} {live:>8} {joined:>7} {secs:>8.3f}")
+    exact_scale(models)
     print(f"plan: jobs=10000 gpus=1000 seconds={t10k:.3f}")
+
+
+def exact_scale(models: tuple) -> None:  # type: ignore[type-arg]
+    """Issue 50: `exact`'s plan time per round (complementary's plan, then CP-SAT with the
+    default budget, `PackingLimits.exact_budget_s`), idle and busy, and at 10,000 jobs
+    (where it must fall back: the heuristic's plan, past `exact_max_pairs`)."""
+    from slurm_dlrm.packing.exact import solve_round
+    from slurm_dlrm.packing.interference import DEFAULT_PARAMS
+
+    print("\nexact (issue 50): plan time per round (complementary + CP-SAT, budget 0.2 s deterministic)")
+    print(f"{'jobs':>8} {'gpus':>6} {'cluster':>8} {'pairs':>6} {'status':<44} {'exact ms':>8} {'heur ms':>8}")
+    cases = [(n, "idle", request(n, models)) for n in (16, 64, 256)]
+    cases += [(n, "busy", busy_request(n, 2, models)) for n in (16, 64, 256)]
+    cases.append((10000, "idle", request(10000, models)))
+    for n, kind, req in cases:
+        secs, _ = best_of(req, "exact", 1)
+        heur, _ = best_of(req, "complementary", 1)
+        sol = solve_round(req, plan(req, "complementary"), DEFAULT_PARAMS)
+        gpus = sum(s.gpus * s.count for s in req.nodes) + len(req.open_gpus)
+        print(f"{n:>8} {gpus:>6} {kind:>8} {sol.pairs:>6} {sol.status[:44]:<44} {1000 * secs:>8.1f} {1000 * heur:>8.1f}")
 
 
 if __name__ == "__main__":

@@ -49,7 +49,14 @@ from the table's groups (`packing.pairwise.choose_planner_model`); line
 `policy[truth=SPEC]: ...` (the planner's pick) beside the usual `policy:` line (today's
 truth, the analytic defaults). `--truth-only` runs just those and today's two runs.
 
-Run:  /work/main/.venv/bin/python benchmarks/policy_compare.py [--dmem] [--fair-only [--seed N]] [--truth SPEC [--truth-only]]
+Exact (issue 50, benchmarks/exact_ceiling.py): every round of complementary's 1- and
+4-GPU runs (a stride of them) solved by CP-SAT on the heuristic's own objective, with its
+proven bound, and the `exact` policy over whole runs beside complementary; line
+`exact: share_of_bound_1gpu=X share_of_bound_4gpu=X heuristic_share_of_round_optimum=X
+plan_p95_ms=X` above the last line. `--exact-only` runs just that; `--no-exact` skips it
+(it is the slowest part: a solver per round).
+
+Run:  /work/main/.venv/bin/python benchmarks/policy_compare.py [--dmem] [--fair-only [--seed N]] [--truth SPEC [--truth-only]] [--exact-only | --no-exact]
 Last line:  policy: tput_vs_exclusive_1gpu=X tput_vs_exclusive_4gpu=X share_of_bound_1gpu=X
             share_of_bound_4gpu=X tput_vs_firstfit=X jct_cut_vs_firstfit_pct=X ooms=N
 (share_of_bound: complementary's throughput over the ideal bound, the lowest of the
@@ -107,6 +114,9 @@ from slurm_dlrm.sim import (  # noqa: E402
 )
 from slurm_dlrm.sim.start_estimate import expected_starts, within_share  # noqa: E402
 from slurm_dlrm.truth import SyntheticColocation  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from exact_ceiling import exact_line  # noqa: E402 - benchmarks/ is on sys.path
 
 SIM = ROOT / "benchmarks" / "sim"
 
@@ -359,7 +369,12 @@ def main() -> None:
                     help="also the 1- and 4-GPU runs under this truth (e.g. table:FILE), issue 37")
     ap.add_argument("--truth-only", action="store_true",
                     help="with --truth: only today's two runs and the runs under --truth")
+    ap.add_argument("--exact-only", action="store_true", help="only the exact: line (issue 50)")
+    ap.add_argument("--no-exact", action="store_true", help="skip the exact: line (issue 50; the slowest part)")
     args = ap.parse_args()
+    if args.exact_only:
+        print(exact_line())
+        return
     if args.seed is not None and not args.fair_only:
         ap.error("--seed goes with --fair-only")
     if args.truth_only and not args.truth:
@@ -455,6 +470,8 @@ def main() -> None:
           f"completion {100 * nz.completion_rate:.1f}% (targets: share >= 0.70, OOMs <= 1% of jobs, all recovered)")
     for line in measured_truth(args.truth) if args.truth else []:
         print(line)
+    if not args.no_exact:
+        print(exact_line())
     print(f"policy: tput_vs_exclusive_1gpu={vs_excl_1:.2f} tput_vs_exclusive_4gpu={vs_excl_4:.2f} "
           f"share_of_bound_1gpu={share_1:.3f} share_of_bound_4gpu={share_4:.3f} "
           f"tput_vs_firstfit={vs_ff:.2f} jct_cut_vs_firstfit_pct={cut:.1f} ooms={ooms}")

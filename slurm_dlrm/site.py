@@ -28,7 +28,7 @@ GIB = 1 << 30
 # The example site file shipped with the package (the repository's site-config/site.toml;
 # a wheel's copy inside the package, slurm_dlrm/package_data.py).
 REPO_SITE_FILE = data_dir("site-config") / "site.toml"
-POLICIES = ("exclusive", "first-fit", "mem-best-fit", "complementary")
+POLICIES = ("exclusive", "first-fit", "mem-best-fit", "complementary", "exact")
 # NVIDIA MPS fails to start when CUDA_MPS_PIPE_DIRECTORY/LOG_DIRECTORY is longer than
 # 87 characters (seen with driver 535, CUDA 12.2).
 MPS_DIR_MAX_CHARS = 87
@@ -223,6 +223,11 @@ class PackingConfig:
     # (wait + run) / run and this wait; a waiting gang reserves room past its own point.
     overdue_slowdown: float = 100.0
     gang_reserve_slowdown: float = 2.0
+    # `policy = "exact"` (issue 50): CP-SAT's deterministic time per round and the
+    # job-GPU pairs past which a round keeps complementary's plan.
+    exact_budget_s: float = 0.2
+    exact_max_pairs: int = 4000
+    exact_window: int = 8  # pending jobs beyond the heuristic's picks it may choose from
     overdue_min_wait_s: float = 600.0
 
 
@@ -625,6 +630,9 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         overdue_slowdown=k.get("overdue_slowdown", float, 100.0, min_value=1.0),  # FairConfig's
         gang_reserve_slowdown=k.get("gang_reserve_slowdown", float, 2.0, min_value=1.0),
         overdue_min_wait_s=k.get("overdue_min_wait_s", float, 600.0, min_value=0.0),
+        exact_budget_s=k.get("exact_budget_s", float, 0.2, min_value=0.001, max_value=60.0),
+        exact_max_pairs=k.get("exact_max_pairs", int, 4000, min_value=1),
+        exact_window=k.get("exact_window", int, 8, min_value=0),
     )
     k.done()
     if packing.max_members_per_gpu > mps.client_limit:

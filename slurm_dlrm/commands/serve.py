@@ -18,7 +18,7 @@ from slurm_dlrm.errors import DlrmError
               help="Dispatch round period (default: the site's packing.round_seconds).")
 @click.option("--idle-exit", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Exit after this many seconds with no pending or running job (0: never).")
-@click.option("--policy", type=click.Choice(["exclusive", "first-fit", "mem-best-fit", "complementary"]),
+@click.option("--policy", type=click.Choice(["exclusive", "first-fit", "mem-best-fit", "complementary", "exact"]),
               default=None, help="Packing policy (default: the site's packing.policy).")
 @click.option("--log-file", type=click.Path(dir_okay=False), default=None,
               help="Log to FILE (with times), rotated at 10 MiB, 3 old files kept; stdout and stderr go there too. "

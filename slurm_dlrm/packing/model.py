@@ -127,6 +127,14 @@ class PackingLimits:
     # of small members does not hold the node's share it will never use (issue 24).
     # None: the whole share, for nodes nothing but packs use (`refill_headroom = "share"`).
     refill_headroom_pct: float | None = 100.0
+    # `exact` (issue 50): the CP-SAT solver's deterministic time per round (about
+    # seconds) and the job-GPU pairs past which the round stays the heuristic's.
+    exact_budget_s: float = 0.2
+    exact_max_pairs: int = 4000
+    # ... and the pending jobs it may choose from beyond the heuristic's own picks: the
+    # first `exact_window` of the rest in refill's order (issue 50: the whole queue
+    # took the round's optimum but lost over whole runs).
+    exact_window: int = 8
 
     @property
     def members_per_gpu(self) -> int:
@@ -379,7 +387,8 @@ def limits_from_site(site: SiteConfig) -> PackingLimits:
     return PackingLimits(max_members_per_gpu=p.max_members_per_gpu, mps_client_limit=site.mps.client_limit,
                          memory_margin_pct=p.memory_margin_pct, max_gpus_per_pack=p.max_gpus_per_pack,
                          shards_per_gpu=site.mps.shards_per_gpu or p.max_members_per_gpu,
-                         refill_headroom_pct=p.refill_headroom_pct)
+                         refill_headroom_pct=p.refill_headroom_pct, exact_budget_s=p.exact_budget_s,
+                         exact_max_pairs=p.exact_max_pairs, exact_window=p.exact_window)
 
 
 def nodes_from_site(site: SiteConfig) -> tuple[NodeShape, ...]:

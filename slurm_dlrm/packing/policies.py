@@ -10,6 +10,9 @@ baselines are measured by the same code as ours:
 - `complementary` (ours): memory-safe fences, members chosen so that their bottlenecks
   differ (SM with bandwidth, GPU with host CPU), members balanced over the GPUs of a
   multi-GPU pack, packs sized from the queue and grouped by expected duration.
+- `exact` (issue 50): complementary's round (refill and new packs), then the round's
+  placement solved by CP-SAT on the same objective and constraints (`exact`); the
+  heuristic's plan where the solver does not beat it in its time budget.
 
 Each policy lives in its own module (`exclusive`, `first_fit`, `mem_best_fit`,
 `complementary`), refill (joins onto running packs) in `refill`, and what they share
@@ -25,6 +28,7 @@ from dataclasses import replace
 
 from slurm_dlrm.errors import BadInput
 from slurm_dlrm.packing.common import (
+    EXACT_POLICY,
     POLICY_NAMES,
     REFILL_POLICIES,
 )
@@ -54,9 +58,9 @@ _POLICIES: dict[str, Callable[[PackingRequest, InterferenceParams], PackingPlan]
 
 def plan(request: PackingRequest, policy: str = "complementary", params: InterferenceParams | None = None) -> PackingPlan:
     """Decide which pending jobs share which GPUs this round (pure, deterministic)."""
-    fn = _POLICIES.get(policy)
+    fn = _POLICIES.get(policy) if policy != EXACT_POLICY else plan_complementary
     if fn is None:
-        raise BadInput(f"policy: unknown policy {policy!r} (one of {', '.join(POLICY_NAMES)})")
+        raise BadInput(f"policy: unknown policy {policy!r} (one of {', '.join(POLICY_NAMES + (EXACT_POLICY,))})")
     ids = [j.job_id for j in request.jobs]
     if len(set(ids)) != len(ids):
         raise BadInput("jobs: job ids must be unique")
@@ -93,6 +97,13 @@ def _plan_fair(request: PackingRequest, fn: Callable[[PackingRequest, Interferen
 
 def _plan(request: PackingRequest, fn: Callable[[PackingRequest, InterferenceParams], PackingPlan],
           policy: str, params: InterferenceParams) -> PackingPlan:
+    if policy == EXACT_POLICY:
+        from slurm_dlrm.packing.exact import solve_round  # lazy: ortools loads in ~0.7 s
+
+        heuristic = _plan(request, plan_complementary, "complementary", params)
+        limits = request.limits
+        return solve_round(request, heuristic, params, limits.exact_budget_s, limits.exact_max_pairs,
+                           window=limits.exact_window).plan
     if policy not in REFILL_POLICIES or not any(o.pack for o in request.open_gpus):
         return fn(request, params)
     # Refill first (docs/packing.md "Refilling running packs"); the rest of the queue goes

@@ -79,7 +79,7 @@ _GANG_HOLDS = False
 _GANG_ROOM = True
 
 
-def _join_key(job: JobDemand) -> tuple[float, bool, float, float, int]:
+def join_key(job: JobDemand) -> tuple[float, bool, float, float, int]:
     # As complementary's seed order (priority, then expected duration), but a job of
     # unknown length goes after the known ones of its band: a time-limited pack refuses
     # such a joiner (`_times_fit`), and a front of them would use up every pack GPU's scan.
@@ -111,7 +111,7 @@ def _join_fits(pg: PackGpu, job: JobDemand, limits: PackingLimits) -> bool:
             and host_fits(pg.node, job, limits))
 
 
-def _allocation_bound(pgs: list[PackGpu], queue: list[JobDemand], limits: PackingLimits) -> set[str]:
+def allocation_bound(pgs: list[PackGpu], queue: list[JobDemand], limits: PackingLimits) -> set[str]:
     """Keys of the pack GPUs that a waiting single-GPU job would fit (GPU memory) but
     their allocation never would: it has too few CPUs or too little host memory even
     with every live member ended. Slurm cannot grow a running job and the headroom is
@@ -173,14 +173,14 @@ def refill_joins(request: PackingRequest, policy: str, params: InterferenceParam
     tail: frozenset[int] = frozenset()
     if policy == "complementary":
         tail = drain_tail(request, _TAIL_FACTOR)
-        queue = sorted(request.jobs, key=lambda j: _tail_first(j, tail, _join_key(j)))
+        queue = sorted(request.jobs, key=lambda j: _tail_first(j, tail, join_key(j)))
     else:
         queue = sorted(request.jobs, key=order_key)
     if not pgs or not queue:
         return [], queue
     # Whole-share packs (`refill_headroom_pct` None) never drain: a new pack on the GPU
     # would be no bigger.
-    bound = set() if limits.refill_headroom_pct is None else _allocation_bound(pgs, queue, limits)
+    bound = set() if limits.refill_headroom_pct is None else allocation_bound(pgs, queue, limits)
     pgs = [pg for pg in pgs if pg.key not in bound]
     if not pgs:
         return [], queue

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 JOINER_NOT_STARTED = "pack closed before the joiner started"
 # Policies that place jobs on pack GPUs (docs/interfaces.md 3b); the others get none.
-JOINING_POLICIES = ("complementary", "mem-best-fit")
+JOINING_POLICIES = ("complementary", "mem-best-fit", "exact")
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,7 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
     now = workload.jobs[0].arrival_s if workload.jobs else 0.0
     if resume is not None:
         now = resume.now_s
-    fenced = policy in ("mem-best-fit", "complementary")
+    fenced = policy in ("mem-best-fit", "complementary", "exact")
     shard_mode = policy == "first-fit"
     dmem = dmem and fenced
     st = SimState(cluster=cluster, policy=policy, truth=truth, plan_params=plan_params, faults=faults, limits=limits,

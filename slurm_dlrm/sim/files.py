@@ -253,7 +253,10 @@ def parse_cluster(data: Any, default_gpu_models: Mapping[str, GpuModel] | None =
         shards_per_gpu=p.int_("shards_per_gpu", 8, lo=1, hi=48),
         target_load=p.num("target_load", 1.0, lo=0.1, hi=4.0),
         min_gain=p.num("min_gain", 0.05, lo=0.0, hi=1.0),
-        refill_headroom_pct=p.headroom("refill_headroom_pct"))
+        refill_headroom_pct=p.headroom("refill_headroom_pct"),
+        exact_budget_s=p.num("exact_budget_s", 0.2, lo=0.001, hi=60.0),
+        exact_max_pairs=p.int_("exact_max_pairs", 4000, lo=1),
+        exact_window=p.int_("exact_window", 8, lo=0))
     dispatch = DispatchConfig(
         round_seconds=p.num("round_seconds", 10.0, lo=0.1), round_batch_size=p.int_("round_batch_size", 16, lo=1),
         max_wait_rounds=p.int_("max_wait_rounds", 30, lo=1),
