@@ -79,9 +79,13 @@ def sweep_rows(store: Store, name: str, sort: str = "auc", now: float | None = N
     specs = {j.id: dict(j.spec or {}) for j in jobs}
     fields = varied_fields(list(specs.values()))
     rows = acct_rows(store, AcctFilter(job_ids=tuple(specs)), now)
+    with store.read():  # a `--trials` variant's draw (service/trials.py): which trial it is
+        trials = {int(e["job_id"]): (e["data"] or {}).get("trial") for e in store.events(kind="sweep_draw")
+                  if e["job_id"] in specs}
     for r in rows:
         flat = flatten(specs[int(r["job_id"])])
         r["varied"] = {k: flat.get(k) for k in fields}
+        r["trial"] = trials.get(int(r["job_id"]))
     key, higher = SORT_KEYS[sort]
 
     def order(r: dict[str, Any]) -> tuple[int, float, int]:
@@ -103,14 +107,17 @@ def _cell(fmt: str, v: Any) -> str:
 
 def render_sweep(rows: Sequence[dict[str, Any]], fields: Sequence[str], fmt: str = "table",
                  header: bool = True) -> str:
-    """The sweep table: JobID, Name, State, the varied fields, the metrics, GPU-hours."""
-    heads = ["JobID", "Name", "State", *fields, *(h for h, _, _ in METRIC_COLUMNS)]
+    """The sweep table: JobID, Name, State, the varied fields, the metrics, GPU-hours
+    (and Trial, the draw's number, after State when `--trials` drew the variants)."""
+    drawn = any(r.get("trial") is not None for r in rows)
+    trial_head = ["Trial"] if drawn else []
+    heads = ["JobID", "Name", "State", *trial_head, *fields, *(h for h, _, _ in METRIC_COLUMNS)]
     if fmt == "json":
         return json.dumps([{"JobID": r["job_id"], "Name": r["name"], "State": r["state"],
-                            "varied": r["varied"],
+                            **({"Trial": r.get("trial")} if drawn else {}), "varied": r["varied"],
                             **{h: r.get(k) for h, k, _ in METRIC_COLUMNS}} for r in rows], indent=1)
-    raw = [[r["job_id"], r["name"], r["state"], *(r["varied"].get(f) for f in fields),
-            *(r.get(k) for _, k, _ in METRIC_COLUMNS)] for r in rows]
+    raw = [[r["job_id"], r["name"], r["state"], *([r.get("trial")] if drawn else []),
+            *(r["varied"].get(f) for f in fields), *(r.get(k) for _, k, _ in METRIC_COLUMNS)] for r in rows]
     if fmt == "csv":
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
@@ -120,7 +127,7 @@ def render_sweep(rows: Sequence[dict[str, Any]], fields: Sequence[str], fmt: str
         return buf.getvalue()
     if fmt != "table":
         raise ValueError(f"unknown format {fmt!r}")
-    fmts = ["{}", "{}", "{}", *("{}" for _ in fields), *(f for _, _, f in METRIC_COLUMNS)]
+    fmts = ["{}", "{}", "{}", *("{}" for _ in trial_head), *("{}" for _ in fields), *(f for _, _, f in METRIC_COLUMNS)]
     cells = [[_cell(f, v) for f, v in zip(fmts, row, strict=True)] for row in raw]
     table = ([heads] if header else []) + cells
     widths = [max(len(r[i]) for r in table) for i in range(len(heads))]
