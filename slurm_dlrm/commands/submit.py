@@ -66,6 +66,14 @@ def site_option(fn: Any) -> Any:
               help="Stop a sweep's losers (docs/sweeps.md): at rungs min_steps x 3^k a variant goes on only "
                    "if its held-out METRIC (auc, ne or loss; default auc) is among the best third so far; "
                    "the others pause at a checkpoint and resume if later variants lower the cut.")
+@click.option("--trials", "trials", metavar="N", type=int, default=None,
+              help="Draw N variants instead of a grid: each --set is then a range to sample, "
+                   "log:LO..HI (log-uniform), uniform:LO..HI or int:LO..HI (both ends included), "
+                   "or a value list to pick from (e.g. --trials 8 --set optimizer.lr=log:1e-4..1e-1 "
+                   "--set batch_size=256,512,1024). Seeded random search; show and acct --sweep say "
+                   "which trial and values each variant got.")
+@click.option("--trial-seed", "trial_seed", metavar="SEED", type=int, default=None,
+              help="Seed of --trials' draws (default: the spec's seed): the same seed draws the same variants.")
 @click.option("-a", "--array", metavar="INDEXES", help="Copies of each spec like sbatch --array (0-3, 1,3,5, "
               "0-15:4, 0-7%2: at most 2 at once): job <name>-<i> with seed + i; task i of array N is N_i "
               "to cancel, show, queue -j, acct -j.")
@@ -81,7 +89,7 @@ def site_option(fn: Any) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print the recorded jobs and their estimates as JSON.")
 @site_option
 def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, sets: tuple[str, ...],
-           stop: str | None, array: str | None, dependency: str | None, chdir: str | None, export: str | None, test_only: bool, no_service: bool, as_json: bool, site_path: str | None,
+           stop: str | None, trials: int | None, trial_seed: int | None, array: str | None, dependency: str | None, chdir: str | None, export: str | None, test_only: bool, no_service: bool, as_json: bool, site_path: str | None,
            **sbatch: str | None) -> None:
     """Submit DLRM job specs to the packing service, like sbatch.
 
@@ -100,6 +108,8 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
       slurm-dlrm submit tiny.yaml --set optimizer.lr=0.01,0.1 --set batch_size=128,256   # 4 jobs
       slurm-dlrm submit tiny.yaml --array 0-3 --test-only
       slurm-dlrm submit tiny.yaml --set optimizer.lr=0.001,0.003,0.01,0.03,0.1 --stop asha
+      slurm-dlrm submit tiny.yaml --trials 8 --set optimizer.lr=log:1e-4..1e-1 --set batch_size=256,512,1024
+                                                 # 8 jobs drawn at random (seeded) from the ranges
 
     Exit codes: 0 recorded (with --wait: all jobs completed), 1 a job failed or
     Slurm refused (on a login node whose service runs on another host: or that service
@@ -136,7 +146,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
     cwd = os.path.abspath(chdir) if chdir else os.getcwd()
     specs = tuple(os.path.abspath(p) for p in specs) if chdir else specs  # read from here, as sbatch reads its script
     if test_only:
-        subs = svc.prepare(specs, cli_options, site, cwd, sets, array, stop)
+        subs = svc.prepare(specs, cli_options, site, cwd, sets, array, stop, trials, trial_seed)
         test_only_checks(site, user, subs, dependency)
         lines = svc.test_only_lines(subs, site, no_pack=no_pack)
         if as_json:
@@ -163,7 +173,8 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
             raise DlrmError(f"submit {'--no-pack' if no_pack else '--wait'}: your packing service runs on host "
                             f"{lease.host}, which alone writes your store; run this there")
         name, subs = svc.submit_elsewhere(specs, cli_options, site=site, user=user, cwd=cwd, sets=sets,
-                                          array=array, dependency=dependency, stop=stop)
+                                          array=array, dependency=dependency, stop=stop, trials=trials,
+                                          trial_seed=trial_seed)
         ids = ids_from_elsewhere(site, user, lease.host, name, len(subs))
         print_submitted(ids, subs, parsable=parsable, as_json=as_json)
         return
@@ -174,6 +185,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         # as sbatch: no Slurm (or an unsupported release), one line and no row recorded
         results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=client,
                                      sets=sets, array=array, start_service=not no_service,
+                                     trials=trials, trial_seed=trial_seed,
                                      check_slurm=lambda: svc.check_slurm_reachable(client, site, user))
         # MPS runs one user's jobs on a GPU at a time: say what that means on this site.
         note = site.mps.cross_user_note()
@@ -218,7 +230,8 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         # (svc.check_slurm_reachable).
         slurm = SlurmClient(timeout_s=10.0)
     ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service,
-                           slurm=slurm, sets=sets, array=array, dependency=dependency, stop=stop)
+                           slurm=slurm, sets=sets, array=array, dependency=dependency, stop=stop, trials=trials,
+                           trial_seed=trial_seed)
     print_submitted(ids, subs, parsable=parsable, as_json=as_json)
     if wait_:
         sys.exit(wait_with_progress(site, user, ids))

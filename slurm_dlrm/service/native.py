@@ -155,6 +155,10 @@ def record_and_submit(store: Any, slurm: Any, items: Sequence[tuple[Any, Any]], 
                 estimate=sub.estimate.to_dict(), gpu_model=sub.gpu.name, sbatch=sbatch, mode=MODE_NO_PACK,
                 gpu_share=gpu_share(req.gres, site.mps.mps_per_gpu),
                 reason=f"submitted from {sub.path} (--no-pack: a Slurm job of its own)")))
+            if sub.draw is not None:  # a --trials variant: where it came from
+                from slurm_dlrm.service.sweep import record_draw
+
+                record_draw(store, ids[-1], sub.draw)
     ensure_private_dir(spool_dir)
     out = []
     for job_id, (sub, req) in zip(ids, items, strict=True):

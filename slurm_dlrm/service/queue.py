@@ -285,8 +285,11 @@ def job_details(store: Any, job_id: int, *, user: str, service: dict[str, Any]) 
                         "host_mem_limit_mib": (pl.host_mem_limit_bytes or 0) // MIB, "cpus": pl.cpus,
                         "start_time": pl.start_time, "end_time": pl.end_time,
                         **({"rank": pl.rank or 0, "world_size": pl.world_size} if (pl.world_size or 1) > 1 else {})})
+    raw_events = store.events(job_id=job_id)
     events = [{"t": e["t"], "kind": e["kind"], "from": e.get("from_state"), "to": e.get("to_state"),
-               "reason": e["reason"]} for e in store.events(job_id=job_id)]
+               "reason": e["reason"]} for e in raw_events]
+    # a `--trials` variant: which trial, which values, the sampler and its seed
+    draw = next((e["data"] for e in raw_events if e["kind"] == "sweep_draw"), None)
     return {
         **row, "user": job.user, "submit_time": job.submit_time, "start_time": job.start_time,
         "end_time": job.end_time, "exit_code": job.exit_code, "gpu_model": job.gpu_model,
@@ -294,6 +297,7 @@ def job_details(store: Any, job_id: int, *, user: str, service: dict[str, Any]) 
         "host_mem_request_mib": (job.host_mem_request_bytes or 0) // MIB,
         "options": _options(job), "spec": job.spec, "placements": history, "events": events,
         "mode": job.mode, **({"no_pack": (job.sbatch or {}).get("no_pack") or {}} if job.no_pack else {}),
+        **({"draw": draw} if draw is not None else {}),
     }
 
 

@@ -58,6 +58,9 @@ class Submission:
     array_task_id: int | None = None
     array_group: int | None = None
     array_throttle: int | None = None  # --array's %N: at most N of its tasks at once
+    # a variant drawn by `--trials` (service/trials.py draw_record): recorded as a
+    # `sweep_draw` event, so show and acct --sweep say where it came from
+    draw: dict[str, Any] | None = None
 
 
 def partition_for(site: SiteConfig, options: SbatchOptions) -> Any:
@@ -85,22 +88,25 @@ def gpu_for(site: SiteConfig, options: SbatchOptions) -> GpuModel:
 
 
 def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, cwd: str,
-            sets: Sequence[str] = (), array: str | None = None, stop: str | None = None) -> list[Submission]:
-    """Validate and estimate every spec (each variant of a `--set`/`--array` sweep, with
-    its stopping rule: `--stop`, or the spec's `sweep:`); raise BadInput naming the first bad one."""
+            sets: Sequence[str] = (), array: str | None = None, stop: str | None = None,
+            trials: int | None = None, trial_seed: int | None = None) -> list[Submission]:
+    """Validate and estimate every spec (each variant of a `--set`/`--array` sweep, or
+    `trials` variants drawn from its ranges, seeded by `trial_seed` or the spec's seed;
+    with its stopping rule: `--stop`, or the spec's `sweep:`); raise BadInput naming the
+    first bad one."""
     from slurm_dlrm.estimate import estimate
     from slurm_dlrm.service.sweep import (
         apply_stop_rule,
         array_throttle,
-        expand_tasks,
         new_sweep_id,
         parse_array,
         parse_sets,
         parse_stop,
+        variants_with_draws,
     )
     from slurm_dlrm.spec import load_spec, read_spec_text, spec_fingerprint
 
-    sweep_sets = parse_sets(sets)
+    sweep_sets = parse_sets(sets, trials)
     if stop is not None:
         parse_stop(stop)  # the option's form first
 
@@ -121,7 +127,8 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
         group_base = 1 + max((sb.array_group or 0 for sb in out), default=0)
         loaded = load_spec(path, text)
         sweep_names.append(options.job_name or loaded.name)
-        for spec, task, group in expand_tasks(loaded, sweep_sets, sweep_array, options.job_name if swept else None):
+        for spec, task, group, draw in variants_with_draws(loaded, sweep_sets, sweep_array,
+                                                           options.job_name if swept else None, trials, trial_seed):
             est = estimate(spec, gpu)
             if spec.custom_module:
                 # traced by the service (torch), after the checks that need no import (custom_trace.py)
@@ -142,7 +149,7 @@ def prepare(paths: Sequence[str], cli_options: SbatchOptions, site: SiteConfig, 
                                   spec=spec, spec_data=data, fingerprint=spec_fingerprint(spec), options=options,
                                   gpu=gpu, estimate=est, source=raw, array_task_id=task,
                                   array_group=None if task is None else group_base + group,
-                                  array_throttle=None if task is None else throttle))
+                                  array_throttle=None if task is None else throttle, draw=draw))
     return _with_stop_rule(out, stop, new_sweep_id(sweep_names[0]), apply_stop_rule)
 
 
@@ -199,7 +206,8 @@ def job_row(s: Submission, dependency: str | None = None) -> dict[str, Any]:
     return {"name": s.name, "spec": s.spec_data, "spec_fingerprint": s.fingerprint, "estimate": est,
             "gpu_model": s.gpu.name, "sbatch": sbatch, "nice": s.options.nice or 0, "begin_time": s.options.begin_time,
             "reason": f"submitted from {s.path}" + (f"; --dependency={dependency}" if dependency else ""),
-            **({"array_task_id": s.array_task_id, "array_group": s.array_group} if s.array_task_id is not None else {})}
+            **({"array_task_id": s.array_task_id, "array_group": s.array_group} if s.array_task_id is not None else {}),
+            **({"draw": s.draw} if s.draw is not None else {})}
 
 
 def _row_number(row: Mapping[str, Any], key: str, default: float | None, kinds: type | tuple[type, ...]) -> Any:
@@ -230,6 +238,9 @@ def record_rows(store: Any, rows: Sequence[Mapping[str, Any]], user: str, spool_
                 array_task_id=task, array_job_id=arrays.get(group) if task is not None else None))
             if task is not None:
                 arrays.setdefault(group, job_id)
+            from slurm_dlrm.service.sweep import record_draw
+
+            record_draw(store, job_id, r.get("draw"))
             ids.append(job_id)
     if spool_dir is not None:
         from slurm_dlrm.service.spool import write_job_spec
@@ -372,7 +383,8 @@ def short_error(text: str, limit: int = 160) -> str:
 def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
            start_service: bool = True, slurm: Any = None, sets: Sequence[str] = (),
            array: str | None = None, dependency: str | None = None,
-           check_slurm: Callable[[], Any] | None = None, stop: str | None = None) -> tuple[list[int], list[Submission]]:
+           check_slurm: Callable[[], Any] | None = None, stop: str | None = None, trials: int | None = None,
+           trial_seed: int | None = None) -> tuple[list[int], list[Submission]]:
     """Validate and estimate every spec, then ask Slurm (`slurm`: reachable and a
     supported release, svc.check_slurm_reachable; `check_slurm()`: the release check
     alone) so bad input is named first, then record them all."""
@@ -382,7 +394,7 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
         from slurm_dlrm.service.depend import parse_dependency
 
         parse_dependency(dependency)  # the form first: a usage error before anything else
-    subs = prepare(paths, cli_options, site, cwd, sets, array, stop)
+    subs = prepare(paths, cli_options, site, cwd, sets, array, stop, trials, trial_seed)
     for sub in subs:
         if sub.spec.world_size > 1:
             check_ranks_fit(sub, site, os.path.relpath(sub.path, cwd))
@@ -402,7 +414,8 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
 
 def submit_elsewhere(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
                      sets: Sequence[str] = (), array: str | None = None,
-                     dependency: str | None = None, stop: str | None = None) -> tuple[str, list[Submission]]:
+                     dependency: str | None = None, stop: str | None = None, trials: int | None = None,
+                     trial_seed: int | None = None) -> tuple[str, list[Submission]]:
     """`submit` on a login node whose service does not hold the store: validate and
     estimate as on its host, then drop one request with every job (service/remote.py).
     Returns the request file's name. Slurm is not asked here: the service that records
@@ -414,7 +427,7 @@ def submit_elsewhere(paths: Sequence[str], cli_options: SbatchOptions, *, site: 
         from slurm_dlrm.service.depend import parse_dependency
 
         parse_dependency(dependency)
-    subs = prepare(paths, cli_options, site, cwd, sets, array, stop)
+    subs = prepare(paths, cli_options, site, cwd, sets, array, stop, trials, trial_seed)
     for sub in subs:
         if sub.spec.world_size > 1:
             check_ranks_fit(sub, site, os.path.relpath(sub.path, cwd))
@@ -542,7 +555,8 @@ def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
 def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
                    slurm: Any, python: str = sys.executable, sets: Sequence[str] = (),
                    array: str | None = None, start_service: bool = True,
-                   check_slurm: Callable[[], Any] | None = None) -> list[Any]:
+                   check_slurm: Callable[[], Any] | None = None, trials: int | None = None,
+                   trial_seed: int | None = None) -> list[Any]:
     """Each spec as its own Slurm job, each a row in the store first (service/native.py).
 
     Returns `NativeSubmitted` per spec: our id, the Slurm id (None if sbatch refused it:
@@ -553,7 +567,7 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
     from slurm_dlrm.store.store import Store
 
     subs = [_traced(sub, python) if sub.spec.custom_module else sub
-            for sub in prepare(paths, cli_options, site, cwd, sets, array)]
+            for sub in prepare(paths, cli_options, site, cwd, sets, array, None, trials, trial_seed)]
     if any(sub.spec.sweep is not None for sub in subs):
         raise BadInput(f"{subs[0].source}: sweep: a stopping rule pauses members of packs at their rungs; "
                        "not with --no-pack")

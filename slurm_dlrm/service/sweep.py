@@ -1,6 +1,9 @@
 """A sweep over one spec at submit: `--set KEY=V1,V2` (the product over every --set) and
 `--array 0-3` (copies with seeds), as one sbatch array or a submitit sweep would give.
 
+`--trials N` with ranges (`--set optimizer.lr=log:1e-4..1e-1`) draws N variants instead
+of a grid (service/trials.py holds the grammar and the sampler).
+
 Every count is checked before anything is built (issue 32: `--array 0-3000000000`
 and six `--set` lists of 60 values were built in full, to a MemoryError): an array's
 size from its ranges' bounds, a sweep's from the product of its list sizes.
@@ -46,24 +49,41 @@ def split_values(text: str) -> list[str]:
     return [v.strip() for v in out]
 
 
-def parse_sets(sets: Sequence[str]) -> list[tuple[str, list[Any]]]:
+def parse_sets(sets: Sequence[str], trials: int | None = None) -> list[tuple[str, Any]]:
     """`optimizer.lr=0.01,0.1` -> ("optimizer.lr", [0.01, 0.1]); values read as YAML
     (with the spec's duplicate-key and size checks). The sweep's size (the product of
-    the lists) is checked before any value is read."""
+    the lists) is checked before any value is read. With `trials` (--trials N), a range
+    (`log:1e-4..1e-1`, service/trials.py) comes back as a trials.Range in place of the
+    list; a range without --trials, or --trials without a range, is BadInput."""
     import yaml
 
+    from slurm_dlrm.service.trials import Range, parse_range
     from slurm_dlrm.strict_load import DuplicateKeyError, InputLimitError, load_yaml
 
-    split = []
+    split: list[tuple[str, str, list[str] | Range]] = []
     for item in sets:
         key, eq, values = item.partition("=")
         if not eq or not key.strip() or not values.strip():
             raise BadInput(f"--set {_cut(item)}: expected KEY=VALUE[,VALUE...] (a dotted spec field, e.g. "
                            "optimizer.lr=0.01,0.1)")
-        split.append((item, key.strip(), split_values(values)))
-    check_variant_count([len(v) for _, _, v in split], 1)
-    out = []
+        found = parse_range(item, values)
+        split.append((item, key.strip(), found if found is not None else split_values(values)))
+    ranged = [item for item, _, v in split if isinstance(v, Range)]
+    if trials is None:
+        if ranged:
+            raise BadInput(f"--set {_cut(ranged[0])}: a range is sampled: add --trials N (how many variants to "
+                           "draw); without it --set takes a list of values (KEY=V1,V2)")
+        check_variant_count([len(v) for _, _, v in split if not isinstance(v, Range)], 1)
+    else:
+        check_trials(trials, bool(ranged))
+        for item, _, v in split:  # a categorical list is read whole: bounded as a grid's are
+            if not isinstance(v, Range) and len(v) > MAX_VARIANTS:
+                raise BadInput(f"--set {_cut(item)}: {len(v):,} values; at most {MAX_VARIANTS}")
+    out: list[tuple[str, Any]] = []
     for item, key, texts in split:
+        if isinstance(texts, Range):
+            out.append((key, texts))
+            continue
         try:
             parsed = [load_yaml(v, max_nodes=MAX_SET_VALUE_NODES) for v in texts]
         except (DuplicateKeyError, InputLimitError) as exc:
@@ -73,6 +93,15 @@ def parse_sets(sets: Sequence[str]) -> list[tuple[str, list[Any]]]:
             raise BadInput(f"--set {_cut(item)}: a value is not valid YAML ({_cut(why, 120)})") from None
         out.append((key, parsed))
     return out
+
+
+def check_trials(trials: int, has_range: bool) -> None:
+    """--trials N: 1..MAX_VARIANTS, and something to sample."""
+    if not 1 <= trials <= MAX_VARIANTS:
+        raise BadInput(f"--trials {trials}: how many variants to draw, 1 to {MAX_VARIANTS}")
+    if not has_range:
+        raise BadInput(f"--trials {trials}: no range to sample: give one --set KEY=log:LO..HI, uniform:LO..HI or "
+                       "int:LO..HI (value lists alone are a grid: drop --trials)")
 
 
 def check_variant_count(list_sizes: Sequence[int], array_size: int) -> None:
@@ -145,34 +174,59 @@ def _label(key: str, value: Any) -> str:
     return _SAFE.sub("_", f"{key.split('.')[-1]}{value}")
 
 
-def expand(spec: Any, sets: Sequence[tuple[str, list[Any]]], array: Sequence[int] | None,
+def expand(spec: Any, sets: Sequence[tuple[str, Any]], array: Sequence[int] | None,
            name: str | None = None) -> list[Any]:
     """The spec's variants, validated (each a JobSpec named `<name>-<label>`), or [spec]."""
     return [v for v, _task, _group in expand_tasks(spec, sets, array, name)]
 
 
-def expand_tasks(spec: Any, sets: Sequence[tuple[str, list[Any]]], array: Sequence[int] | None,
-                 name: str | None = None) -> list[tuple[Any, int | None, int]]:
+def expand_tasks(spec: Any, sets: Sequence[tuple[str, Any]], array: Sequence[int] | None,
+                 name: str | None = None, trials: int | None = None,
+                 trial_seed: int | None = None) -> list[tuple[Any, int | None, int]]:
     """(variant, array task id or None, which array it belongs to) for each variant: with
     `--set` and `--array`, each combination of the set values is one array of tasks, as
     one sbatch --array per combination would give. `name` (-J) replaces the spec's name
-    in the variants' names, which keep their label (issue 42: all were named alike)."""
+    in the variants' names, which keep their label (issue 42: all were named alike).
+    With `trials`, `sets` (parse_sets(..., trials)) is sampled instead (variants_with_draws)."""
+    return [(v, task, group) for v, task, group, _draw in
+            variants_with_draws(spec, sets, array, name, trials, trial_seed)]
+
+
+def variants_with_draws(spec: Any, sets: Sequence[tuple[str, Any]], array: Sequence[int] | None,
+                        name: str | None = None, trials: int | None = None, trial_seed: int | None = None,
+                        ) -> list[tuple[Any, int | None, int, dict[str, Any] | None]]:
+    """expand_tasks' tuples plus each variant's draw (service/trials.py draw_record; None
+    in a grid): with `trials`, N draws from `sets` seeded by `trial_seed` (default: the
+    spec's seed), each drawn variant named `<name>-t<trial>-<values>`."""
     import copy
 
+    from slurm_dlrm.service.trials import Range, draw_record, sample
     from slurm_dlrm.spec import parse_spec
 
     if not sets and not array:
-        return [(spec, None, 0)]
-    check_variant_count([len(values) for _, values in sets], len(array or ()))
-    axes: list[list[tuple[str, Any]]] = [[(k, v) for v in values] for k, values in sets]
+        return [(spec, None, 0, None)]
+    draws: dict[int, dict[str, Any]] = {}
+    axes: list[list[tuple[str, Any]]]
+    if trials is not None:
+        check_trials(trials, any(isinstance(d, Range) for _, d in sets))
+        check_variant_count([trials], len(array or ()))
+        seed = int(trial_seed if trial_seed is not None else spec.seed or 0)
+        drawn = sample(sets, trials, seed)
+        draws = {i: draw_record(i, trials, values, sets, seed) for i, values in enumerate(drawn)}
+        axes = [[("__trial__", i) for i in range(trials)]]
+    else:
+        check_variant_count([len(values) for _, values in sets], len(array or ()))
+        axes = [[(k, v) for v in values] for k, values in sets]
     if array:
         axes.append([("__array__", i) for i in array])
-    combos = list(itertools.product(*axes))
+    combos = [tuple(c for pair in combo for c in (_trial_pairs(pair, draws) if pair[0] == "__trial__" else [pair]))
+              for combo in itertools.product(*axes)]
     base = spec.to_dict()
     out = []
     groups: dict[tuple[Any, ...], int] = {}
     for combo in combos:
         task = next((int(v) for k, v in combo if k == "__array__"), None)
+        trial = next((int(v) for k, v in combo if k == "__trial__"), None)
         group = groups.setdefault(tuple(repr(v) for k, v in combo if k != "__array__"), len(groups))
         data = copy.deepcopy(base)
         labels = []
@@ -181,13 +235,15 @@ def expand_tasks(spec: Any, sets: Sequence[tuple[str, list[Any]]], array: Sequen
                 # like SLURM_ARRAY_TASK_ID: the task index, and a seed of its own
                 data["seed"] = int(base.get("seed") or 0) + int(value)
                 labels.append(f"{value}")
+            elif key == "__trial__":
+                labels.append(f"t{value}")  # first: the name stays unique when cut to 64
             else:
                 _assign(data, key, value, key)
                 labels.append(_label(key, value))
         data["name"] = f"{name or spec.name}-{'-'.join(labels)}"[:64]
         # names the variant in its errors: each value cut short, as every error does
-        src = f"{spec.source} [{', '.join(f'{k}={_cut(str(v))}' if k != '__array__' else f'array={v}' for k, v in combo)}]"
-        out.append((parse_spec(data, src), task, group))
+        src = f"{spec.source} [{', '.join(_where(k, v) for k, v in combo)}]"
+        out.append((parse_spec(data, src), task, group, None if trial is None else draws[trial]))
     return out
 
 
@@ -262,3 +318,27 @@ def new_sweep_id(name: str) -> str:
     import secrets
 
     return f"{_SAFE.sub('_', name)[:48]}.{secrets.token_hex(4)}"
+def _trial_pairs(pair: tuple[str, Any], draws: dict[int, dict[str, Any]]) -> list[tuple[str, Any]]:
+    """A trial's axis entry as the (key, value) pairs it sets, behind its own marker."""
+    trial = int(pair[1])
+    return [pair, *draws[trial]["values"].items()]
+
+
+def _where(key: str, value: Any) -> str:
+    if key == "__array__":
+        return f"array={value}"
+    if key == "__trial__":
+        return f"trial={value}"
+    return f"{key}={_cut(str(value))}"
+
+
+def record_draw(store: Any, job_id: int, draw: Any) -> None:
+    """A `--trials` variant's draw as its `sweep_draw` event, in the caller's transaction
+    (submit's record_rows, --no-pack's record_and_submit)."""
+    if draw is None:
+        return
+    if not isinstance(draw, dict):
+        raise BadInput(f"job row: draw must be a mapping, not {type(draw).__name__}")
+    from slurm_dlrm.service.trials import draw_reason
+
+    store.event_in_tx("sweep_draw", draw_reason(draw), job_id=job_id, data=draw)

@@ -79,9 +79,13 @@ def sweep_rows(store: Store, name: str, sort: str = "auc", now: float | None = N
     specs = {j.id: dict(j.spec or {}) for j in jobs}
     fields = varied_fields(list(specs.values()))
     rows = acct_rows(store, AcctFilter(job_ids=tuple(specs)), now)
+    with store.read():  # a `--trials` variant's draw (service/trials.py): which trial it is
+        trials = {int(e["job_id"]): (e["data"] or {}).get("trial") for e in store.events(kind="sweep_draw")
+                  if e["job_id"] in specs}
     for r in rows:
         flat = flatten(specs[int(r["job_id"])])
         r["varied"] = {k: flat.get(k) for k in fields}
+        r["trial"] = trials.get(int(r["job_id"]))
     key, higher = SORT_KEYS[sort]
 
     def order(r: dict[str, Any]) -> tuple[int, float, int]:
@@ -178,15 +182,18 @@ def _cell(fmt: str, v: Any) -> str:
 
 def render_sweep(rows: Sequence[dict[str, Any]], fields: Sequence[str], fmt: str = "table",
                  header: bool = True) -> str:
-    """The sweep table: JobID, Name, State, the varied fields, the metrics, GPU-hours; with a
+    """The sweep table: JobID, Name, State, the varied fields, the metrics, GPU-hours
+    (and Trial, the draw's number, after State when `--trials` drew the variants); with a
     stopping rule, each variant's last rung and its metric at every rung, and (table) a
     last line with the GPU-hours saved against training every variant to its end."""
+    drawn = any(r.get("trial") is not None for r in rows)
+    trial_head = ["Trial"] if drawn else []
     ruled = any("gpu_hours_full" in r for r in rows)
     rung_heads = ["Rung", "AtRungs"] if ruled else []
-    heads = ["JobID", "Name", "State", *rung_heads, *fields, *(h for h, _, _ in METRIC_COLUMNS)]
+    heads = ["JobID", "Name", "State", *trial_head, *rung_heads, *fields, *(h for h, _, _ in METRIC_COLUMNS)]
     if fmt == "json":
         return json.dumps([{"JobID": r["job_id"], "Name": r["name"], "State": r["state"],
-                            "varied": r["varied"],
+                            **({"Trial": r.get("trial")} if drawn else {}), "varied": r["varied"],
                             **({"Rung": r.get("rung"), "AtRungs": r.get("at_rungs"),
                                 "GPUHoursFull": r.get("gpu_hours_full")} if ruled else {}),
                             **{h: r.get(k) for h, k, _ in METRIC_COLUMNS}} for r in rows], indent=1)
@@ -194,7 +201,8 @@ def render_sweep(rows: Sequence[dict[str, Any]], fields: Sequence[str], fmt: str
     def at_rungs(r: dict[str, Any]) -> str:
         return "/".join("-" if v is None else f"{v:.4f}" for v in r.get("at_rungs") or []) or "-"
 
-    raw = [[r["job_id"], r["name"], r["state"], *([r.get("rung"), at_rungs(r)] if ruled else []),
+    raw = [[r["job_id"], r["name"], r["state"], *([r.get("trial")] if drawn else []),
+            *([r.get("rung"), at_rungs(r)] if ruled else []),
             *(r["varied"].get(f) for f in fields), *(r.get(k) for _, k, _ in METRIC_COLUMNS)] for r in rows]
     if fmt == "csv":
         buf = io.StringIO()
@@ -205,12 +213,13 @@ def render_sweep(rows: Sequence[dict[str, Any]], fields: Sequence[str], fmt: str
         return buf.getvalue()
     if fmt != "table":
         raise ValueError(f"unknown format {fmt!r}")
-    fmts = ["{}", "{}", "{}", *("{}" for _ in rung_heads), *("{}" for _ in fields),
+    fmts = ["{}", "{}", "{}", *("{}" for _ in trial_head), *("{}" for _ in rung_heads), *("{}" for _ in fields),
             *(f for _, _, f in METRIC_COLUMNS)]
     cells = [[_cell(f, v) for f, v in zip(fmts, row, strict=True)] for row in raw]
     table = ([heads] if header else []) + cells
     widths = [max(len(r[i]) for r in table) for i in range(len(heads))]
-    left = (1, 2, 3) if ruled else (1, 2)
+    # Name, State and Rung read left to right
+    left = (1, 2, 3 + len(trial_head)) if ruled else (1, 2)
     out = "".join("  ".join(c.rjust(w) if i not in left else c.ljust(w)
                             for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip() + "\n"
                   for r in table)

@@ -51,8 +51,7 @@ from slurm_dlrm.train.metrics import (
     Progress,
     human_eval_line,
     now,
-    peak_rss_bytes,
-    rss_bytes,
+    rss_and_peak_bytes,
 )
 
 log = logging.getLogger(__name__)
@@ -515,6 +514,7 @@ class Trainer:
                     if cuda:
                         torch.cuda.synchronize(self.device)
                     elapsed = time.perf_counter() - window_t0
+                    rss, peak_rss = rss_and_peak_bytes()
                     record = {
                         "t": now(),
                         "step": done,
@@ -524,8 +524,8 @@ class Trainer:
                         "loss_avg": float(loss_sum.item()) / window_steps,
                         "peak_gpu_bytes": int(torch.cuda.max_memory_allocated(self.device)) if cuda else None,
                         "peak_tensor_bytes": None,
-                        "rss_bytes": rss_bytes(),
-                        "peak_rss_bytes": peak_rss_bytes(),
+                        "rss_bytes": rss,
+                        "peak_rss_bytes": peak_rss,
                         "steps_total": self.total_steps,
                         "world_size": self.dist_info.world_size,
                         "device": self.device.type,
