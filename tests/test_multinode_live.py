@@ -128,7 +128,7 @@ def _ckpt_digest(ckpt: Path) -> dict[str, str]:
 def test_four_ranks_over_two_nodes_train_and_resume_exactly_after_cancel(live_service, tmp_path):
     pytest.importorskip("torch")
     site, user = live_service
-    steps, every = 60, 10
+    steps, every = 20, 5
     plain = cli("submit", str(_spec(tmp_path, "mn-straight", steps, every)))
     assert plain.exit_code == 0, plain.output
     straight = int(re.match(r"Submitted job (\d+)", plain.output).group(1))
@@ -138,11 +138,11 @@ def test_four_ranks_over_two_nodes_train_and_resume_exactly_after_cancel(live_se
     r = cli("submit", str(_spec(tmp_path, "mn-stopped", steps, every)))
     assert r.exit_code == 0, r.output
     stopped = int(re.match(r"Submitted job (\d+)", r.output).group(1))
-    wait_until(lambda: any(st >= 15 for st in _steps(site, user, stopped)), 300)
+    wait_until(lambda: any(st >= 10 for st in _steps(site, user, stopped)), 300)
     r = cli("cancel", str(stopped))
     assert r.exit_code == 0, r.output
     c = wait_until(lambda: (j := show_job(stopped))["state"] in ENDED and j, 120)
-    assert c["state"] == "CANCELLED" and "stopped at a checkpoint" in c["exit_reason"], c
+    assert c["state"] == "CANCELLED" and 10 <= c["checkpoint_step"] < steps, c  # every rank stopped at one
     r = cli("requeue", str(stopped))
     assert r.exit_code == 0 and "resumes from its checkpoint" in r.output, r.output
     d = wait_until(lambda: (j := show_job(stopped))["state"] in ENDED and j, 300)

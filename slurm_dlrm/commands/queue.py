@@ -700,7 +700,7 @@ def requeue(job_refs: tuple[str, ...], no_service: bool, site_path: str | None) 
                 step = last_checkpoint_step(site.spool_dir_for(user), jid)
                 how = f"resumes from its checkpoint at step {step}" if step is not None else "starts from step 0"
                 click.echo(resubmit_native(store, SlurmClient(), job, spool_dir=site.spool_dir_for(user),
-                                           python=sys.executable, reason=f"requeued by the user; it {how}"))
+                                           python=sys.executable, reason=f"requeued by the user; it {how}", how=how))
                 continue
             click.echo(requeue_job(store, site.spool_dir_for(user), jid, user=user))
     if not no_service:

@@ -465,7 +465,8 @@ class _Resubmission:
     options: Any
 
 
-def resubmit_native(store: Any, slurm: Any, job: Any, *, spool_dir: Path, python: str, reason: str) -> str:
+def resubmit_native(store: Any, slurm: Any, job: Any, *, spool_dir: Path, python: str, reason: str,
+                    how: str = "") -> str:
     """Run a multi-node job's Slurm job again (the same script from its row, a new Slurm
     id): PENDING (a new attempt), sbatch, PLANNED. Its ranks resume from the last
     complete checkpoint in its spool folder. Returns what was done."""
@@ -483,7 +484,7 @@ def resubmit_native(store: Any, slurm: Any, job: Any, *, spool_dir: Path, python
     done = _sbatch_one(store, slurm, job.id, sub, req, script, native_args(sub, spec_path.parent))
     if done.slurm_job_id is None:
         return f"job {job.id}: sbatch refused: {done.error}"
-    return f"job {job.id} requeued as Slurm job {done.slurm_job_id}"
+    return f"job {job.id} requeued as Slurm job {done.slurm_job_id}" + (f"; it {how}" if how else "")
 
 
 def _requeue_node_fail(svc: Any, job: Any, start: float | None, stats: Any) -> None:
