@@ -260,6 +260,19 @@ class AdaptConfig:
 
 
 @dataclass(frozen=True)
+class MultinodeConfig:
+    """[multinode]: jobs over several whole nodes (issue 48, service/multinode.py)."""
+
+    exclusive: bool = True  # --exclusive: no other job on the job's nodes
+    whole_nodes: bool = True  # world_size must be a multiple of the GPUs per node
+    # Folders every node sees though statfs calls them local ({user} and ~ expanded)
+    shared_paths: tuple[str, ...] = ()
+
+    def shared_paths_for(self, user: str) -> list[str]:
+        return [os.path.expanduser(p.replace("{user}", user)) for p in self.shared_paths]
+
+
+@dataclass(frozen=True)
 class SiteConfig:
     name: str
     store_dir: str
@@ -288,6 +301,7 @@ class SiteConfig:
     service_run_as: str = "login"
     service_partition: str = ""
     service_job_minutes: int = 60
+    multinode: MultinodeConfig = field(default_factory=MultinodeConfig)
 
     def store_dir_for(self, user: str) -> Path:
         return Path(os.path.expanduser(self.store_dir.replace("{user}", user)))
@@ -675,10 +689,17 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         raise ConfigError("service.partition", 'run_as = "slurm-job" needs the CPU partition the service runs in',
                           path)
     sv.done()
+    mn = top.table("multinode")
+    shared = mn.get("shared_paths", list, [])
+    if not all(isinstance(p, str) and (p.startswith("/") or p.startswith("~")) for p in shared):
+        raise ConfigError("multinode.shared_paths", "must be a list of absolute paths (or ~...)", path)
+    multinode = MultinodeConfig(exclusive=mn.get("exclusive", bool, True), whole_nodes=mn.get("whole_nodes", bool, True),
+                                shared_paths=tuple(shared))
+    mn.done()
     top.done()
     return SiteConfig(name, store_dir, spool_dir, gpu_models, tuple(nodes), tuple(partitions), mps, packing, agent,
                       path, slurm, sample_retention_days, adapt, exporter_address, store_filesystem,
-                      service_lease_s, service_run_as, service_partition, service_job_minutes)
+                      service_lease_s, service_run_as, service_partition, service_job_minutes, multinode)
 
 
 def _abs_path(section: _Section, key: str, default: str) -> str:

@@ -202,6 +202,11 @@ class JobSpec:
     custom_module: str | None = None
     backend: str = "auto"  # one of BACKENDS
     sweep: SweepSpec | None = None  # a sweep's stopping rule (issue 47)
+    # A multi-node job (issue 48): `nodes` whole nodes with `gpus_per_node` ranks each
+    # (world_size = nodes x gpus_per_node). None: the service picks the nodes from the
+    # partition's GPUs per node where world_size passes one node's.
+    nodes: int | None = None
+    gpus_per_node: int | None = None
     source: str | None = field(default=None, compare=False)  # the file it came from, for messages
 
     @property
@@ -256,6 +261,9 @@ class JobSpec:
             out["backend"] = self.backend
         if self.sweep is not None:
             out["sweep"] = {k: v for k, v in vars(self.sweep).items() if v is not None}
+        if self.nodes is not None:  # left out unless set, as backend
+            out["nodes"] = self.nodes
+            out["gpus_per_node"] = self.gpus_per_node
         return out
 
 
@@ -479,6 +487,16 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
         epochs = None
     seed = view.int_("seed", 0, min_value=0)
     world_size = view.int_("world_size", 1, max_value=MAX_WORLD_SIZE)
+    nodes = view.int_("nodes", None, max_value=MAX_WORLD_SIZE)
+    gpus_per_node = view.int_("gpus_per_node", None, max_value=MAX_WORLD_SIZE)
+    if (nodes is None) != (gpus_per_node is None):
+        raise view.error("nodes" if nodes is None else "gpus_per_node", "give nodes and gpus_per_node together")
+    if nodes is not None:
+        if nodes * gpus_per_node > MAX_WORLD_SIZE:
+            raise view.error("nodes", f"nodes x gpus_per_node is at most {MAX_WORLD_SIZE}, got {nodes * gpus_per_node}")
+        if view.has("world_size") and world_size != nodes * gpus_per_node:
+            raise view.error("world_size", f"is {world_size}, but nodes x gpus_per_node is {nodes * gpus_per_node}")
+        world_size = nodes * gpus_per_node
     checkpoint_every_steps = view.int_("checkpoint_every_steps", 500, min_value=0)
     metrics_every_steps = view.int_("metrics_every_steps", 10)
     eval_spec = _parse_eval(view.raw("eval", None), source)
@@ -515,7 +533,8 @@ def parse_spec(data: Any, source: str | None = None) -> JobSpec:
         loader_workers=loader_workers, prefetch_batches=prefetch_batches, steps=steps, epochs=epochs,
         data=data_spec, seed=seed, world_size=world_size, checkpoint_every_steps=checkpoint_every_steps,
         metrics_every_steps=metrics_every_steps, command=command, eval=eval_spec, preset=preset_name, scale=scale,
-        custom_module=custom_module, backend=backend, sweep=sweep, source=source,
+        custom_module=custom_module, backend=backend, sweep=sweep, nodes=nodes, gpus_per_node=gpus_per_node,
+        source=source,
     )
 
 

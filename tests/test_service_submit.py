@@ -230,7 +230,7 @@ def test_a_multi_gpu_job_is_packed_or_runs_on_whole_gpus_with_no_pack(env):
     # More ranks than a node has GPUs: one line naming the limit, nothing recorded.
     r = CliRunner().invoke(cli, ["submit", "--no-service", str(EXAMPLES / "tiny-a.yaml"), str(bad)])
     assert r.exit_code == 2 and r.output.count("\n") == 1
-    assert "world_size 64" in r.output and "GPUs" in r.output and "one node" in r.output
+    assert "world_size 64" in r.output and "needs 16 nodes with 4 h100 GPUs" in r.output
     assert json.loads(run("queue", "--json", "--no-slurm", "--all").output)["jobs"] == []
     r = CliRunner().invoke(cli, ["submit", "--no-service", str(two)])
     assert r.exit_code == 0, r.output

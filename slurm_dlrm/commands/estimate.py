@@ -30,6 +30,11 @@ calibrated from them and says so; where it holds none, the host peak is calibrat
 the site's finished runs of any spec (at least 3, same device kind: the host runtime
 term depends on the machine) and says so on its own line (--no-history to skip both).
 
+With world_size > 1 (or nodes: and gpus_per_node:) it prints every rank's own peak under
+the sharding plan the runner will use (torchrec's table-wise greedy placement): the
+largest rank decides the request. `--planner` adds torchrec's own planner estimate per
+rank beside it, for the same topology (imports torch and torchrec).
+
 Exit codes: 0 ok, 2 bad spec or site config (one line naming the field).
 """
 
@@ -42,8 +47,9 @@ Exit codes: 0 ok, 2 bad spec or site config (one line naming the field).
               help="Site config (default: $SLURM_DLRM_SITE, /etc/slurm-dlrm/site.toml, the repository's).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (a list, one object per spec).")
 @click.option("--no-history", is_flag=True, help="Do not calibrate from measured peaks in the store.")
+@click.option("--planner", is_flag=True, help="Also ask torchrec's planner for each rank's bytes (needs torchrec).")
 def estimate_cmd(spec_paths: tuple[str, ...], gpu_name: str | None, site_path: str | None, as_json: bool,
-                 no_history: bool) -> None:
+                 no_history: bool, planner: bool) -> None:
     from slurm_dlrm.estimate import check_tables_fit
     from slurm_dlrm.site import load_site
     from slurm_dlrm.spec import load_spec
@@ -57,6 +63,10 @@ def estimate_cmd(spec_paths: tuple[str, ...], gpu_name: str | None, site_path: s
         check_tables_fit(spec, site)
         specs.append(spec)
     results = [_estimate_one(spec, models, site, use_history=not no_history) for spec in specs]
+    if planner:
+        for r, spec in zip(results, specs, strict=True):
+            if spec.world_size > 1:
+                r["planner_rank_bytes"] = {g.name: _planner(spec, g, site) for g in models}
     misfits = _advise(results, specs, models, site)
     if site.mps.enabled:
         # What `submit --no-pack` on an MPS share means here when other users share the GPU.
@@ -92,6 +102,29 @@ def _advise(results: list[dict[str, Any]], specs: list[Any], models: list[Any], 
     return lines
 
 
+def ranks_per_node(spec: Any, site: Any, gpu: Any) -> int:
+    """The ranks a node holds: the spec's gpus_per_node, else the largest node's GPUs."""
+    if spec.gpus_per_node is not None:
+        return int(spec.gpus_per_node)
+    node_gpus = max((g.gpus for g in site.nodes if g.gpu_model == gpu.name), default=spec.world_size)
+    return max(1, min(spec.world_size, node_gpus))
+
+
+def _planner(spec: Any, gpu: Any, site: Any) -> list[int]:
+    """torchrec's planner estimate per rank on `gpu` (train/planner_estimate.py)."""
+    try:
+        from slurm_dlrm.train.planner_estimate import planner_rank_bytes
+    except ImportError as exc:
+        raise DlrmError(f"--planner needs torch and torchrec ({exc})") from None
+    import warnings
+
+    for name in ("torchrec", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.ERROR)  # its enumerator warns per table
+    warnings.filterwarnings("ignore", category=FutureWarning)  # HeuristicalStorageReservation's own
+    return planner_rank_bytes(spec, spec.world_size, ranks_per_node(spec, site, gpu), device="cuda",
+                              hbm_cap_bytes=gpu.memory_bytes)
+
+
 def _estimate_one(spec: Any, models: list[Any], site: Any, use_history: bool) -> dict[str, Any]:
     from slurm_dlrm.estimate import calibrate, copies_per_gpu, estimate
     from slurm_dlrm.estimate.calibrate import site_calibrate
@@ -100,6 +133,8 @@ def _estimate_one(spec: Any, models: list[Any], site: Any, use_history: bool) ->
     fp = spec_fingerprint(spec)
     history, site_runs = _history(site, fp) if use_history else ([], [])
     out: dict[str, Any] = {"spec": spec.source, "name": spec.name, "fingerprint": fp, "estimates": {}, "fits": {}}
+    if spec.world_size > 1:
+        out["ranks_per_node"] = ranks_per_node(spec, site, models[0])
     for gpu in models:
         if spec.custom_module:
             from slurm_dlrm.service.custom_trace import check_custom_module
@@ -188,6 +223,7 @@ def _print_human(results: list[dict[str, Any]]) -> None:
         gpu.add_row("as the MPS memory limit counts it (the fence)",
                     *(human_bytes(r["estimates"][m].get("gpu_fence_bytes", 0)) for m in models))
         console.print(gpu)
+        _print_ranks(console, r)
         host = Table(title="host peak memory", title_justify="left")
         host.add_column("part")
         host.add_column("bytes", justify="right")
@@ -229,6 +265,40 @@ def _print_human(results: list[dict[str, Any]]) -> None:
         for note in first["notes"]:
             console.print(f"note: {note}")
         console.print()
+
+
+def _print_ranks(console: Any, r: dict[str, Any]) -> None:
+    """Every rank's peak under the runner's sharding plan (world_size > 1), beside
+    torchrec's planner estimate where --planner asked for it."""
+    from rich.table import Table
+
+    models = list(r["estimates"])
+    ranks = {m: r["estimates"][m].get("ranks") or [] for m in models}
+    if not ranks[models[0]]:
+        return
+    planner = r.get("planner_rank_bytes") or {}
+    per_node = r.get("ranks_per_node") or 0
+    t = Table(title="per rank (the runner's sharding plan; the largest rank decides the request)",
+              title_justify="left")
+    for col in ("rank", *(["node"] if per_node else []), "tables"):
+        t.add_column(col, justify="right")
+    for m in models:
+        t.add_column(f"{m} GPU peak", justify="right")
+        if m in planner:
+            t.add_column(f"{m} torchrec planner", justify="right")
+    t.add_column("host peak", justify="right")
+    largest = {m: max(x["gpu_peak_bytes"] for x in ranks[m]) for m in models}
+    for i, first in enumerate(ranks[models[0]]):
+        cells = [str(first["rank"]), *([str(first["rank"] // per_node)] if per_node else []),
+                 ",".join(str(x) for x in first["tables"]) or "-"]
+        for m in models:
+            b = ranks[m][i]["gpu_peak_bytes"]
+            cells.append(f"[bold]{human_bytes(b)}[/bold]" if b == largest[m] else human_bytes(b))
+            if m in planner:
+                cells.append(human_bytes(planner[m][i]))
+        cells.append(human_bytes(first["host_peak_bytes"]))
+        t.add_row(*cells)
+    console.print(t)
 
 
 estimate = estimate_cmd

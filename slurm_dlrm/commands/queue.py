@@ -7,6 +7,7 @@ belong next to each other; the formats are in slurm_dlrm.service.squeue_format."
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any
 
@@ -405,7 +406,13 @@ def show(job_ref: str, tail: int, as_json: bool, site_path: str | None) -> None:
         f"host {d['host_mem_request_mib']} MiB",
         f"  options: {' '.join(f'{k}={v}' for k, v in sorted(d['options'].items())) or '(none)'}",
     ]
-    if d.get("no_pack"):
+    if d.get("no_pack") and int(d["no_pack"].get("nodes") or 1) > 1:
+        req = d["no_pack"]
+        lines.append(f"  not packed: {req['nodes']} nodes x {req.get('ranks_per_node')} ranks (one Slurm job, srun "
+                     f"starts a runner per rank), --gres={req.get('gres')} per node --mem={req.get('mem_mib')}M per "
+                     f"node --cpus-per-task={req.get('cpus')}{' --exclusive' if req.get('exclusive') else ''}, GPU "
+                     f"memory fence {req.get('gpu_mem_mib')} MiB per rank")
+    elif d.get("no_pack"):
         req = d["no_pack"]
         lines.append(f"  --no-pack: its own Slurm job, --gres={req.get('gres')} --mem={req.get('mem_mib')}M "
                      f"--cpus-per-task={req.get('cpus')}, GPU memory fence {req.get('gpu_mem_mib')} MiB")
@@ -673,6 +680,7 @@ def requeue(job_refs: tuple[str, ...], no_service: bool, site_path: str | None) 
       slurm-dlrm cancel 12 && slurm-dlrm requeue 12
     """
     from slurm_dlrm.service.cancel import not_requeuable, requeue_job
+    from slurm_dlrm.service.native import is_multinode_job, resubmit_native
     from slurm_dlrm.service.submit import ensure_service
     from slurm_dlrm.service.sweep_stop import is_paused
     from slurm_dlrm.store.jobids import parse_job_refs
@@ -697,6 +705,16 @@ def requeue(job_refs: tuple[str, ...], no_service: bool, site_path: str | None) 
             _request_elsewhere(site, user, "requeue", list(job_ids))
             return
         for jid in job_ids:
+            job = own_job(store, jid, user)
+            if is_multinode_job(job):  # its own Slurm job: sbatch it again (service/native.py)
+                from slurm_dlrm.service.joblog import last_checkpoint_step
+                from slurm_dlrm.slurm import SlurmClient
+
+                step = last_checkpoint_step(site.spool_dir_for(user), jid)
+                how = f"resumes from its checkpoint at step {step}" if step is not None else "starts from step 0"
+                click.echo(resubmit_native(store, SlurmClient(), job, spool_dir=site.spool_dir_for(user),
+                                           python=sys.executable, reason=f"requeued by the user; it {how}", how=how))
+                continue
             click.echo(requeue_job(store, site.spool_dir_for(user), jid, user=user))
     if not no_service:
         ensure_service(site, user)

@@ -160,8 +160,17 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         return
     if no_pack and stop:
         raise BadInput("--stop: a stopping rule pauses members of packs at their rungs; not with --no-pack")
+    if not no_pack:
+        # A job over several nodes is never packed: it goes as a Slurm job of its own
+        # (service/multinode.py); mixed with packed jobs in one command, say so first.
+        multi = multinode_names(svc, specs, cli_options, site, cwd, sets, array, trials, trial_seed)
+        if multi is not None and stop:
+            raise BadInput(f"--stop: {multi[0]} runs over several nodes, not packed; a stopping rule pauses "
+                           "members of packs at their rungs")
+        if multi is not None:
+            no_pack = True
     if no_pack and dependency:
-        raise BadInput("--dependency: with --no-pack, use sbatch's own -d with Slurm job ids")
+        raise BadInput("--dependency: with --no-pack (or a multi-node job), use sbatch's own -d with Slurm job ids")
     from slurm_dlrm.service.remote import lease_elsewhere
 
     lease = lease_elsewhere(site, user)
@@ -201,6 +210,11 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
                 # sbatch --parsable prints `jobid` (`;cluster` only on a multi-cluster site): the id
                 # every slurm-dlrm command and -d afterok take; `show ID` has the Slurm id (issue 42)
                 click.echo(str(r.job_id))
+            elif r.req.multinode:
+                click.echo(f"Submitted job {r.job_id} (Slurm {r.slurm_job_id}; {r.sub.name}: not packed, "
+                           f"{r.req.nodes} nodes x {r.req.ranks_per_node} ranks: --nodes={r.req.nodes} "
+                           f"--ntasks-per-node={r.req.ranks_per_node} --gres={r.req.gres} --mem={r.req.mem_mib}M "
+                           f"--cpus-per-task={r.req.cpus}{' --exclusive' if r.req.exclusive else ''})")
             else:
                 click.echo(f"Submitted job {r.job_id} (Slurm {r.slurm_job_id}; {r.sub.name}: --mem={r.req.mem_mib}M "
                            f"--cpus-per-task={r.req.cpus} --gres={r.req.gres}"
@@ -235,6 +249,20 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
     print_submitted(ids, subs, parsable=parsable, as_json=as_json)
     if wait_:
         sys.exit(wait_with_progress(site, user, ids))
+
+
+def multinode_names(svc: Any, specs: tuple[str, ...], cli_options: Any, site: Any, cwd: str,
+                    sets: tuple[str, ...], array: str | None, trials: int | None = None,
+                    trial_seed: int | None = None) -> list[str] | None:
+    """The names of the multi-node jobs when every job is one (they go unpacked); None
+    when none is. Some but not all: BadInput (one command, one way of running)."""
+    subs = svc.prepare(specs, cli_options, site, cwd, sets, array, None, trials, trial_seed)
+    multi = [s.name for s in subs if svc.is_multinode(s, site, os.path.relpath(s.path, cwd))]
+    if not multi:
+        return None
+    if len(multi) != len(subs):
+        raise BadInput(f"{multi[0]}: a multi-node job is not packed; submit it apart from the packed jobs")
+    return multi
 
 
 def print_submitted(ids: list[int], subs: list[Any], *, parsable: bool, as_json: bool) -> None:

@@ -60,6 +60,13 @@ def train(spec_path: str, metrics_file: str | None, checkpoint_dir: str | None, 
     from slurm_dlrm.train.runner import default_paths
 
     metrics_path, ckpt_dir = default_paths(spec.name, metrics_file, checkpoint_dir)
+    from slurm_dlrm.train.slurm_ranks import dist_env_from_slurm
+
+    try:
+        os.environ.update(dist_env_from_slurm(os.environ))  # one rank per srun task (multi-node job)
+    except BadInput as exc:
+        click.echo(f"slurm-dlrm: error: {exc}", err=True)
+        sys.exit(TRAIN_EXIT_BAD_SPEC)
     if spec.world_size > 1 and "RANK" not in os.environ:
         from slurm_dlrm.train.launch import launch_local
 

@@ -178,19 +178,24 @@ def rank_tables(spec: JobSpec) -> list[list[int]]:
     largest first and puts each on the rank with the least lookup cost so far (ties:
     the lowest rank); a fused lookup's cost is mostly its pooled output, plus a share
     per id, and does not grow with rows. The same greedy here. One rank: all tables.
+    Across nodes (a spec with `gpus_per_node`: the topology's local world size) its
+    ties go to the lowest local rank first, then the lowest rank (OrderedDeviceHardware's
+    order: so the nodes fill evenly), as here.
     """
     if spec.world_size <= 1 or is_torch_backend(spec):  # backend torch: DDP replicates every table
         return [list(range(len(spec.tables)))] * max(1, spec.world_size)
-    # (cost so far, rank): the heap's least is the least cost, ties the lowest rank, as
-    # a scan of every rank per table would find (64 ranks x 10,000 tables, issue 32)
-    heap = [(0.0, r) for r in range(spec.world_size)]
+    local = max(1, spec.gpus_per_node or spec.world_size)
+    # (cost so far, local rank, rank): the heap's least is the least cost, ties as
+    # torchrec breaks them, as a scan of every rank per table would find (64 ranks x
+    # 10,000 tables, issue 32)
+    heap = sorted((0.0, r % local, r) for r in range(spec.world_size))
     owned: list[list[int]] = [[] for _ in range(spec.world_size)]
     for i in sorted(range(len(spec.tables)), key=lambda i: -_table_total_bytes(spec, i)):  # stable
         t = spec.tables[i]
-        cost, r = heap[0]
+        cost, lr, r = heap[0]
         # pooled output per table dominates, each id adds about half of it (fitted to
         # the placements torchrec 1.8 chose on the benchmark's multi-rank configs)
-        heapq.heapreplace(heap, (cost + t.dim * 4 * (1 + 0.5 * t.ids_per_sample), r))
+        heapq.heapreplace(heap, (cost + t.dim * 4 * (1 + 0.5 * t.ids_per_sample), lr, r))
         owned[r].append(i)
     return [sorted(o) for o in owned]
 
@@ -271,12 +276,15 @@ class RankEstimate:
     host_peak_bytes: int
     gpu_breakdown: dict[str, int]
     profile: ComputeProfile
+    # the peak of its live tensor bytes (device-independent, as Estimate.tensor_peak_bytes):
+    # what a CPU run of the rank measures (benchmarks/multinode.py)
+    tensor_peak_bytes: int = 0
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RankEstimate:
         return cls(rank=int(d["rank"]), tables=tuple(d.get("tables") or ()), gpu_peak_bytes=int(d["gpu_peak_bytes"]),
                    host_peak_bytes=int(d["host_peak_bytes"]), gpu_breakdown=dict(d.get("gpu_breakdown") or {}),
-                   profile=ComputeProfile(**d["profile"]))
+                   profile=ComputeProfile(**d["profile"]), tensor_peak_bytes=int(d.get("tensor_peak_bytes") or 0))
 
 
 def _memory(spec: JobSpec, gpu: GpuModel | None, tables: list[int],
@@ -339,10 +347,10 @@ def rank_estimates(spec: JobSpec, gpu: GpuModel | None) -> tuple[RankEstimate, .
     for r, owned in enumerate(rank_tables(spec)):
         dev = [i for i in owned if gpu is None or spec.tables[i].placement == "hbm"]
         host = [i for i in owned if gpu is not None and spec.tables[i].placement != "hbm"]
-        _tape, gpu_bd, host_bd = _memory(spec, gpu, dev, host)
+        tape, gpu_bd, host_bd = _memory(spec, gpu, dev, host)
         out.append(RankEstimate(rank=r, tables=tuple(owned), gpu_peak_bytes=sum(gpu_bd.values()),
                                 host_peak_bytes=sum(host_bd.values()), gpu_breakdown=gpu_bd,
-                                profile=compute_profile(spec, gpu, owned)))
+                                profile=compute_profile(spec, gpu, owned), tensor_peak_bytes=tape.peak))
     return tuple(out)
 
 

@@ -94,8 +94,59 @@ def gpu_share(gres: str, mps_per_gpu: int) -> float:
 
 # ---------------------------------------------------------------- submit side
 
+@dataclass(frozen=True)
+class NativeRequest:
+    """One ordinary Slurm job sized from the estimate (the Slurm-native path)."""
+
+    mem_mib: int
+    cpus: int
+    gres: str  # "gpu:1" or "mps:N"
+    gpu_mem_mib: int  # per GPU: the fence the marker carries
+    mps_pct: int | None = None  # the MPS share's thread percentage (None: whole GPUs)
+    # [mps] cross_user = "one-user": an MPS share asks for --exclusive=user itself (job_submit.lua
+    # sets it anyway), so `--test-only` and the script show what Slurm will do.
+    exclusive_user: bool = False
+    # a multi-node job (service/multinode.py): `nodes` nodes, `ranks_per_node` tasks each;
+    # `gres` and `mem_mib` are per node, `cpus` per rank
+    nodes: int = 1
+    ranks_per_node: int = 1
+    exclusive: bool = False
+
+    @property
+    def multinode(self) -> bool:
+        return self.nodes > 1
+
+    def comment(self, job_id: int | None = None) -> str:
+        """The --comment marker job_submit.lua reads (docs/interfaces.md section 6)."""
+        from slurm_dlrm.admin.marker import MODE_NO_PACK, format_marker
+
+        return format_marker(MODE_NO_PACK, gpu_mem_mib=self.gpu_mem_mib, job_id=job_id)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mem_mib": self.mem_mib, "cpus": self.cpus, "gres": self.gres, "gpu_mem_mib": self.gpu_mem_mib,
+                "mps_pct": self.mps_pct, "exclusive_user": self.exclusive_user,
+                **({"nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "exclusive": self.exclusive}
+                   if self.multinode else {})}
+
+    @property
+    def gpus(self) -> float:
+        """Whole GPUs the request holds over all its nodes (an MPS share: 0)."""
+        kind, _, n = self.gres.partition(":")
+        return float(int(n) * self.nodes) if kind == "gpu" and n.isdigit() else 0.0
+
+    @property
+    def on_mps(self) -> bool:
+        return self.gres.startswith("mps:")
+
+
+
 def native_flags(sub: Any, req: Any, job_id: int | None = None) -> list[str]:
     """The --no-pack job's sbatch flags (unquoted), sorted; the marker names our job id."""
+    if getattr(req, "multinode", False):
+        from slurm_dlrm.service.multinode import multinode_flags
+
+        return sorted([f"--comment={req.comment(job_id)}", f"--job-name={sub.name}", *multinode_flags(req),
+                       *sub.options.sbatch_flags(include_job_name=False)])
     return sorted([f"--comment={req.comment(job_id)}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
                    f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
                    *(["--nodes=1"] if sub.spec.world_size > 1 else []),
@@ -116,8 +167,13 @@ def native_script(sub: Any, req: Any, spec_path: str, python: str,
              + (f" (slurm-dlrm job {job_id})" if job_id is not None else "") + ": one job, sized from its estimate."]
     lines += [f"#SBATCH {sbatch_line(f)}" for f in flags]
     lines += ["", f"export {ENV_METRICS_FILE}={shlex.quote(os.path.join(job_dir, 'metrics.jsonl'))}",
-              f"export {ENV_CHECKPOINT_DIR}={shlex.quote(os.path.join(job_dir, 'ckpt'))}",
-              "exec " + " ".join(shlex.quote(a) for a in command), ""]
+              f"export {ENV_CHECKPOINT_DIR}={shlex.quote(os.path.join(job_dir, 'ckpt'))}"]
+    if getattr(req, "multinode", False):
+        from slurm_dlrm.service.multinode import launch_lines
+
+        lines += [*launch_lines(command), ""]
+    else:
+        lines += ["exec " + " ".join(shlex.quote(a) for a in command), ""]
     return "\n".join(lines)
 
 
@@ -153,8 +209,10 @@ def record_and_submit(store: Any, slurm: Any, items: Sequence[tuple[Any, Any]], 
             ids.append(int(store.add_job(
                 user=user, name=sub.name, spec=sub.spec_data, spec_fingerprint=sub.fingerprint,
                 estimate=sub.estimate.to_dict(), gpu_model=sub.gpu.name, sbatch=sbatch, mode=MODE_NO_PACK,
-                gpu_share=gpu_share(req.gres, site.mps.mps_per_gpu),
-                reason=f"submitted from {sub.path} (--no-pack: a Slurm job of its own)")))
+                gpu_share=req.gpus if getattr(req, "multinode", False) else gpu_share(req.gres, site.mps.mps_per_gpu),
+                reason=f"submitted from {sub.path} (" + (
+                    f"not packed: {req.nodes} nodes x {req.ranks_per_node} GPUs, a Slurm job of its own)"
+                    if getattr(req, "multinode", False) else "--no-pack: a Slurm job of its own)"))))
             if sub.draw is not None:  # a --trials variant: where it came from
                 from slurm_dlrm.service.sweep import record_draw
 
@@ -320,6 +378,10 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
         n = line.get("NodeList")
         nodes = n if n and n != "None assigned" else None
     ending = native_ending(str(state), code, sig, reason)
+    if str(state).split(" ", 1)[0].upper() == NODE_FAIL_STATE and is_multinode_job(job) \
+            and job.attempt + 1 < svc.settings.max_attempts:
+        _requeue_node_fail(svc, job, start, stats)
+        return
     tail = _output_error(svc, job) if ending.state == "FAILED" else ""
     now = svc.clock()
     if nodes and nodes != job.nodes:
@@ -384,3 +446,65 @@ def cancel_native(store: Any, slurm: Any, job: Any) -> str:
         except StaleState:
             pass
     return f"job {job.id} cancel sent to Slurm job {job.slurm_job_id}; it checkpoints and stops"
+
+
+# ---------------------------------------------------------------- requeue (multi-node jobs)
+
+# NODE_FAIL runs of one multi-node job the service requeues before it gives up (a pack's
+# members are bounded the same way: ServiceSettings.max_attempts)
+NODE_FAIL_STATE = "NODE_FAIL"
+
+
+def is_multinode_job(job: Any) -> bool:
+    req = (job.sbatch or {}).get("no_pack") or {}
+    return bool(job.no_pack and int(req.get("nodes") or 1) > 1)
+
+
+@dataclass(frozen=True)
+class _Resubmission:
+    """What native_script needs, rebuilt from the job's row."""
+
+    name: str
+    spec: Any
+    options: Any
+
+
+def resubmit_native(store: Any, slurm: Any, job: Any, *, spool_dir: Path, python: str, reason: str,
+                    how: str = "") -> str:
+    """Run a multi-node job's Slurm job again (the same script from its row, a new Slurm
+    id): PENDING (a new attempt), sbatch, PLANNED. Its ranks resume from the last
+    complete checkpoint in its spool folder. Returns what was done."""
+    from slurm_dlrm.service.sbatch_options import SbatchOptions
+    from slurm_dlrm.service.spool import write_job_spec
+    from slurm_dlrm.spec import parse_spec
+    from slurm_dlrm.store.states import JobState
+
+    sbatch = dict(job.sbatch or {})
+    req = NativeRequest(**sbatch.pop("no_pack"))
+    sub = _Resubmission(name=job.name, spec=parse_spec(job.spec), options=SbatchOptions.from_dict(sbatch))
+    spec_path = write_job_spec(spool_dir, job.id, job.spec)
+    script = native_script(sub, req, str(spec_path), python, job_id=job.id)
+    store.transition_job(job.id, JobState.PENDING, reason, expect=job.state)
+    done = _sbatch_one(store, slurm, job.id, sub, req, script, native_args(sub, spec_path.parent))
+    if done.slurm_job_id is None:
+        return f"job {job.id}: sbatch refused: {done.error}"
+    return f"job {job.id} requeued as Slurm job {done.slurm_job_id}" + (f"; it {how}" if how else "")
+
+
+def _requeue_node_fail(svc: Any, job: Any, start: float | None, stats: Any) -> None:
+    """A multi-node job's node was lost (Slurm: NODE_FAIL): run it again, bounded by
+    the service's max_attempts as a pack's members are."""
+    from slurm_dlrm.service.joblog import last_checkpoint_step
+    from slurm_dlrm.store.states import JobState
+
+    if job.state == JobState.PLANNED:  # it ran between two polls
+        svc.store.transition_job(job.id, JobState.RUNNING, f"Slurm job {job.slurm_job_id} started",
+                                 expect=JobState.PLANNED, t=min(start or svc.clock(), svc.clock()))
+        job = svc.store.get_job(job.id)
+    step = last_checkpoint_step(svc.spool_dir, job.id)
+    how = f"resumes from its checkpoint at step {step}" if step is not None else "starts from step 0 (no checkpoint)"
+    what = resubmit_native(svc.store, svc.slurm, job, spool_dir=svc.spool_dir, python=svc.settings.python,
+                           reason=f"Slurm job {job.slurm_job_id} ended NODE_FAIL (a node was lost); requeued "
+                                  f"(attempt {job.attempt + 2} of {svc.settings.max_attempts}); it {how}")
+    log.warning("%s", what)
+    stats.transitions += 1

@@ -191,7 +191,9 @@ def native_row(j: Any, slurm_reasons: dict[str, str] | None) -> dict[str, Any]:
         reason = ""
     gpu = j.gpu_idx
     return {
-        "job_id": j.id, "name": j.name, "state": str(j.state), "pack": NO_PACK_LABEL,
+        "job_id": j.id, "name": j.name, "state": str(j.state),
+        # a multi-node job is never packed either: say over how many nodes it runs
+        "pack": f"{req['nodes']}-nodes" if int(req.get("nodes") or 1) > 1 else NO_PACK_LABEL,
         "slurm_job_id": j.slurm_job_id, "node": j.nodes,
         "gpu": int(gpu) if gpu and gpu.isdigit() else gpu, "mps_pct": req.get("mps_pct"),
         "gpu_mem_mib": req.get("gpu_mem_mib"), "attempt": j.attempt, "reason": reason,

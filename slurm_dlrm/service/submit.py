@@ -30,6 +30,7 @@ from slurm_dlrm.service.daemon import (
     spawn_service,
     wake,
 )
+from slurm_dlrm.service.native import NativeRequest
 from slurm_dlrm.service.sbatch_options import (
     SbatchOptions,
     format_time_minutes,
@@ -451,7 +452,11 @@ def check_ranks_fit(sub: Submission, site: SiteConfig, where: str) -> None:
         rank_members,
         usable_gpu_bytes,
     )
+    from slurm_dlrm.service.multinode import node_layout
 
+    if node_layout(sub, site, where, partition_for(site, sub.options), partition_groups(site, sub.options)):
+        raise BadInput(f"{where}: world_size {sub.spec.world_size} spans several nodes: such a job is not packed "
+                       f"(slurm-dlrm submit sends it as a Slurm job of its own)")
     ranks = sub.spec.world_size
     part = partition_for(site, sub.options)
     groups = [g for g in partition_groups(site, sub.options) if g.gpu_model == sub.gpu.name]
@@ -481,37 +486,20 @@ def check_ranks_fit(sub: Submission, site: SiteConfig, where: str) -> None:
 
 # ---------------------------------------------------------------- --no-pack
 
-@dataclass(frozen=True)
-class NativeRequest:
-    """One ordinary Slurm job sized from the estimate (the Slurm-native path)."""
-
-    mem_mib: int
-    cpus: int
-    gres: str  # "gpu:1" or "mps:N"
-    gpu_mem_mib: int  # per GPU: the fence the marker carries
-    mps_pct: int | None = None  # the MPS share's thread percentage (None: whole GPUs)
-    # [mps] cross_user = "one-user": an MPS share asks for --exclusive=user itself (job_submit.lua
-    # sets it anyway), so `--test-only` and the script show what Slurm will do.
-    exclusive_user: bool = False
-
-    def comment(self, job_id: int | None = None) -> str:
-        """The --comment marker job_submit.lua reads (docs/interfaces.md section 6)."""
-        from slurm_dlrm.admin.marker import MODE_NO_PACK, format_marker
-
-        return format_marker(MODE_NO_PACK, gpu_mem_mib=self.gpu_mem_mib, job_id=job_id)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"mem_mib": self.mem_mib, "cpus": self.cpus, "gres": self.gres, "gpu_mem_mib": self.gpu_mem_mib,
-                "mps_pct": self.mps_pct, "exclusive_user": self.exclusive_user}
-
-    @property
-    def on_mps(self) -> bool:
-        return self.gres.startswith("mps:")
-
-
-def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
+def native_request(sub: Submission, site: SiteConfig, where: str | None = None) -> NativeRequest:
     est = sub.estimate
     margin = 1.0 + site.packing.memory_margin_pct / 100.0
+    if sub.spec.world_size > 1:
+        from slurm_dlrm.service.multinode import check_rank_fences, node_layout
+
+        groups = partition_groups(site, sub.options)
+        layout = node_layout(sub, site, where or sub.path, partition_for(site, sub.options), groups)
+        if layout is not None:
+            # one rank per GPU on each of `nodes` nodes; the fullest rank decides the request
+            fence_mib, host_mib, cpus = check_rank_fences(sub, site, layout, where or sub.path, groups)
+            return NativeRequest(mem_mib=host_mib * layout.ranks_per_node, cpus=cpus,
+                                 gres=f"gpu:{layout.ranks_per_node}", gpu_mem_mib=fence_mib, nodes=layout.nodes,
+                                 ranks_per_node=layout.ranks_per_node, exclusive=site.multinode.exclusive)
     mem_mib = max(256, math.ceil(est.host_peak_bytes * margin / MIB) + 256)
     cpus = max(1, math.ceil(float(est.profile.host_cpu_cores) - 1e-9))
     gpu_fence_mib = math.ceil(est.gpu_peak_bytes * margin / MIB)
@@ -547,6 +535,24 @@ def native_request(sub: Submission, site: SiteConfig) -> NativeRequest:
                          exclusive_user=gres.startswith("mps:") and site.mps.cross_user == "one-user")
 
 
+def check_multinode_paths(subs: Sequence[Submission], reqs: Sequence[NativeRequest], site: SiteConfig, user: str,
+                          cwd: str) -> None:
+    """A multi-node job's checkpoints (in its spool folder) must be seen by every node."""
+    from slurm_dlrm.service.multinode import check_shared_path
+
+    for sub, req in zip(subs, reqs, strict=True):
+        if req.multinode:
+            check_shared_path(site, user, str(site.spool_dir_for(user) / "jobs"), os.path.relpath(sub.path, cwd))
+
+
+def is_multinode(sub: Submission, site: SiteConfig, where: str) -> bool:
+    """Whether the job spans several nodes (then it is never packed)."""
+    from slurm_dlrm.service.multinode import node_layout
+
+    return sub.spec.world_size > 1 and node_layout(sub, site, where, partition_for(site, sub.options),
+                                                   partition_groups(site, sub.options)) is not None
+
+
 def min_mps_share(site: SiteConfig, options: SbatchOptions) -> int:
     """The partition's smallest accepted --gres=mps:N (job_submit.lua refuses less)."""
     return max(1, partition_for(site, options).min_mps_share)
@@ -571,7 +577,8 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
     if any(sub.spec.sweep is not None for sub in subs):
         raise BadInput(f"{subs[0].source}: sweep: a stopping rule pauses members of packs at their rungs; "
                        "not with --no-pack")
-    reqs = [native_request(sub, site) for sub in subs]  # all sized before any is recorded
+    reqs = [native_request(sub, site, os.path.relpath(sub.path, cwd)) for sub in subs]  # all sized first
+    check_multinode_paths(subs, reqs, site, user, cwd)
     if check_slurm is not None:
         check_slurm()
     ensure_private_dir(site.store_dir_for(user))
@@ -591,11 +598,14 @@ def test_only_lines(subs: Sequence[Submission], site: SiteConfig, *, no_pack: bo
     (at least the job's own share, shown)."""
     out = []
     for sub in subs:
-        if no_pack:
+        if no_pack or is_multinode(sub, site, sub.source or sub.path):
             from slurm_dlrm.service.native import native_flags
 
-            flags = native_flags(sub, native_request(sub, site))
-            out.append("sbatch --parsable " + " ".join(shlex.quote(f) for f in flags) + " job.sbatch")
+            req = native_request(sub, site, sub.source or sub.path)
+            flags = native_flags(sub, req)
+            note = (f"   # not packed: {req.nodes} nodes x {req.ranks_per_node} ranks, srun starts one runner per "
+                    f"rank" if req.multinode else "")
+            out.append("sbatch --parsable " + " ".join(shlex.quote(f) for f in flags) + " job.sbatch" + note)
             continue
         margin = 1.0 + site.packing.memory_margin_pct / 100.0
         flags = ["--parsable", "--job-name=PACK", "--no-requeue", "--ntasks-per-node=1",

@@ -659,6 +659,14 @@ def setup(spec: Any, opts: RunOptions, stop: StopFlag) -> Trainer:
     built = build(backend, spec, device, info.world_size, sharding_local_size(device, info.local_world_size))
     for note in built.notes:
         log.warning("%s", note)
+    if info.world_size > 1 and info.rank == 0:
+        # the plan torchrec's planner chose for this topology, in the job's log and beside
+        # its metrics (issue 48: across nodes it decides what goes over the network)
+        text = plan_text(built)
+        log.info("sharding plan (world size %d, %d ranks per node):\n%s", info.world_size, info.local_world_size, text)
+        with contextlib.suppress(OSError):
+            opts.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+            (opts.metrics_file.parent / "sharding-plan.txt").write_text(text + "\n")
     source: BatchSource = make_source(spec, info.rank, info.world_size, pin_memory=device.type == "cuda")
     if backend == TORCH:
         from slurm_dlrm.train.backend_torch import HostLengths
