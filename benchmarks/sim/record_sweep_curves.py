@@ -51,7 +51,7 @@ BASE: dict[str, Any] = {
 # third sweeps are shorter: on the shared 2-core machine (load 17) a 540-step run took
 # 15-20 minutes, so they ran half the steps with evals twice as often.
 SWEEPS: dict[str, tuple[dict[str, Any], dict[str, list[Any]], int, int]] = {
-    "adagrad-lr-batch": ({}, {"optimizer.lr": [0.001, 0.003, 0.01, 0.03], "batch_size": [128, 512]}, 540, 20),
+    "adagrad-lr-batch": ({}, {"optimizer.lr": [0.001, 0.003, 0.01, 0.03, 0.1, 0.3], "batch_size": [128, 512]}, 540, 20),
     "sgd-lr": ({"optimizer": {"type": "sgd", "lr": 0.1}, "seed": 1}, {"optimizer.lr": [0.01, 0.1, 0.3, 1.0]}, 270, 10),
     "rowwise-lr-dim8": ({"optimizer": {"type": "rowwise_adagrad", "lr": 0.01}, "seed": 2},
                         {"optimizer.lr": [0.003, 0.01, 0.03, 0.1], "dim": [8]}, 270, 10),
