@@ -189,8 +189,9 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
     """Train like `slurm-dlrm train` does (slurm_dlrm/train/runner.py: Trainer.run):
     the runner's model build, data source and prefetcher, and its step loop."""
     from slurm_dlrm.train.backends import TORCH, build, resolve
-    from slurm_dlrm.train.data import HeldOut, Prefetcher, make_source
+    from slurm_dlrm.train.data import Prefetcher, make_source
     from slurm_dlrm.train.evaluation import Evaluator
+    from slurm_dlrm.train.heldout import HeldOut
     from slurm_dlrm.train.hostmem import fix_malloc_mmap_threshold
     from slurm_dlrm.train.runner import predict_clicks
 

@@ -177,8 +177,9 @@ def test_prefetcher_yields_every_step_in_order_with_threads(tmp_path: Path):
 
 
 def test_planted_labels_depend_on_dense_and_table_ids_and_are_redrawn_every_step():
-    from slurm_dlrm.train.data import PlantedModel, eval_batches
+    from slurm_dlrm.train.data import PlantedModel
     from slurm_dlrm.train.evaluation import compute
+    from slurm_dlrm.train.heldout import eval_batches
 
     spec = make_spec(eval={"batches": 8})
     src = SyntheticBatches(spec)
@@ -217,7 +218,7 @@ def test_criteo_holdout_last_file_or_fraction(tmp_path: Path):
     train = CriteoNpyBatches(auto)
     assert train.n_samples == 40 and train.steps_per_epoch == 10  # days 0 and 1
     assert {float(train.batch(s).dense_features[0, 0]) for s in range(10)} == {0.0, 1.0}
-    from slurm_dlrm.train.data import eval_batches
+    from slurm_dlrm.train.heldout import eval_batches
 
     held, planted = eval_batches(auto)
     assert planted is None and len(held) == 5  # all of day 2, no more

@@ -115,8 +115,8 @@ def test_evaluator_makes_held_out_batches_one_at_a_time_with_the_same_metrics():
     """Issue 51: the Evaluator makes each held-out batch when it needs it and keeps only
     a 3 x samples buffer; the batches and the metrics are those of the set made up front."""
     from slurm_dlrm.spec import parse_spec
-    from slurm_dlrm.train.data import HeldOut, eval_batches
     from slurm_dlrm.train.evaluation import Evaluator
+    from slurm_dlrm.train.heldout import HeldOut, eval_batches
 
     spec = parse_spec({"name": "e", "tables": [{"rows": 500, "dim": 8, "pooling_factor": 2.0},
                                                 {"rows": 90, "dim": 8, "multi_hot": 3}],

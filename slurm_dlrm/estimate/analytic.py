@@ -419,7 +419,7 @@ def eval_host_bytes(spec: JobSpec, on_gpu: bool) -> int:
     """What evaluating adds to host memory besides the tensors of `timeline_eval`'s
     replay: the metrics library (EVAL_LIBRARY_BYTES), the eval stream's own pools
     (synthetic data: as the training stream's, `synthetic_pool_bytes`), a Criteo TSV's
-    held-out batches (parsed once and kept, slurm_dlrm/train/data.py `HeldOut`) and, on
+    held-out batches (parsed once and kept, slurm_dlrm/train/heldout.py `HeldOut`) and, on
     a GPU run, the evaluation's host side (the held-out batch made on the host, the
     predictions buffer and the metrics' temporaries: `timeline_eval.eval_host_parts`)."""
     if not spec.eval.enabled:

@@ -66,6 +66,9 @@ class _T:
         return self.died is None
 
 
+Alloc = _T  # one allocation on a Tape, by its public name (timeline_eval.py replays with it)
+
+
 @dataclass
 class Tape:
     """Live bytes over time; the peak, and what was live at it (by part, by tensor).

@@ -5,7 +5,7 @@ What slurm_dlrm/train/runner.py and evaluation.py do when an evaluation is due, 
 - the step's batch, outputs and (backend torch, one process) gradients are let go and
   `zero_grad` runs: what stays is the model's state (weights, optimizer state, DDP's
   buckets), as at the start of a step, with lazily made optimizer state made;
-- held-out batch k is made (`data.HeldOut`: the synthetic eval stream's per-table lengths,
+- held-out batch k is made (`heldout.HeldOut`: the synthetic eval stream's per-table lengths,
   concatenated; ids, dense rows, labels; or a slice of the npy files), copied to the
   device, and the model's forward runs under `torch.no_grad` (train mode: torchrec's
   DLRMTrain also computes the loss); sigmoid of the logits;
@@ -30,7 +30,6 @@ from math import comb
 
 from slurm_dlrm.estimate import timeline_torch
 from slurm_dlrm.estimate.timeline import (
-    _T,
     ACT_BOTTOM,
     ACT_INTER,
     ACT_TOP,
@@ -47,6 +46,7 @@ from slurm_dlrm.estimate.timeline import (
     INDEX_OFFSETS,
     INPUTS,
     OTHER,
+    Alloc,
     Shapes,
     StaticParts,
     Tape,
@@ -90,10 +90,10 @@ def simulate_eval(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     on_host = device == "cpu"
     n_samples = eval_samples(spec)
     B = spec.batch_size
-    buffer: _T | None = None
+    buffer: Alloc | None = None
     # torchrec: fbgemm's lookup keeps the int64 ids and offsets of its last call until its
     # next call (the training step's last lookup's are live as the evaluation starts)
-    cache: list[_T] = [] if torch_backend else _lookup_inputs(tape, spec, tables)
+    cache: list[Alloc] = [] if torch_backend else _lookup_inputs(tape, spec, tables)
     for k in range(2):  # the first batch, then one with the buffer beside it (all others alike)
         if k == 1 and on_host:
             buffer = tape.alloc(3 * n_samples * F32, EVAL_OUTPUTS)
@@ -169,7 +169,7 @@ def _lengths_pieces_bytes(spec: JobSpec) -> int:
     return len(spec.tables) * spec.batch_size * I32
 
 
-def _make_batch(tape: Tape, spec: JobSpec, on_host: bool) -> tuple[_T, _T]:
+def _make_batch(tape: Tape, spec: JobSpec, on_host: bool) -> tuple[Alloc, Alloc]:
     """Held-out batch k as the forward sees it: (its int64 ids, the rest: dense f32,
     lengths i32, labels f32)."""
     ids_bytes = Shapes.of(spec).ids * I64
@@ -182,7 +182,7 @@ def _make_batch(tape: Tape, spec: JobSpec, on_host: bool) -> tuple[_T, _T]:
     return tape.alloc(ids_bytes, INPUTS), tape.alloc(batch_bytes(spec) - ids_bytes, INPUTS)
 
 
-def _lookup_inputs(tape: Tape, spec: JobSpec, tables: list[int]) -> list[_T]:
+def _lookup_inputs(tape: Tape, spec: JobSpec, tables: list[int]) -> list[Alloc]:
     """The int64 ids and offsets fbgemm's lookup of the last training step keeps."""
     s = Shapes.of(spec)
     ws = max(1, spec.world_size)
@@ -193,12 +193,12 @@ def _lookup_inputs(tape: Tape, spec: JobSpec, tables: list[int]) -> list[_T]:
             tape.alloc((len(tables) * ws * s.B + 1) * I64, INDEX_OFFSETS)]
 
 
-def _mlp(tape: Tape, B: int, widths_in: int, widths: tuple[int, ...], h: int, part: str, x: _T | None,
-         last_relu: bool, hold_input_to_end: bool) -> tuple[_T, list[_T]]:
+def _mlp(tape: Tape, B: int, widths_in: int, widths: tuple[int, ...], h: int, part: str, x: Alloc | None,
+         last_relu: bool, hold_input_to_end: bool) -> tuple[Alloc, list[Alloc]]:
     """An MLP without autograd: per layer the linear's output, the ReLU's (a new tensor),
     the linear's output freed; the layer's input freed once the next output exists.
     Returns (the output, what the caller's variables still hold)."""
-    held: list[_T] = []
+    held: list[Alloc] = []
     prev = widths_in
     cur = x
     for i, w in enumerate(widths):
@@ -217,8 +217,8 @@ def _mlp(tape: Tape, B: int, widths_in: int, widths: tuple[int, ...], h: int, pa
     return cur, held
 
 
-def _forward_torchrec(tape: Tape, spec: JobSpec, tables: list[int], ids: _T,
-                      cache: list[_T]) -> tuple[_T, list[_T], list[_T]]:
+def _forward_torchrec(tape: Tape, spec: JobSpec, tables: list[int], ids: Alloc,
+                      cache: list[Alloc]) -> tuple[Alloc, list[Alloc], list[Alloc]]:
     """DMP(DLRMTrain(DLRM or DLRM_DCN)) forward without autograd (torchrec 1.8 log):
     the bottom MLP's output and the pooled embeddings are held by DLRM.forward until it
     returns, the top MLP's input too; the KJT's offsets are cached with the batch."""
@@ -284,14 +284,14 @@ def _forward_torchrec(tape: Tape, spec: JobSpec, tables: list[int], ids: _T,
     return logits, [loss, off32], cache
 
 
-def _dcn(tape: Tape, s: Shapes, B: int, n_comb: int, h: int, x0: _T, *, loop_vars: bool) -> _T:
+def _dcn(tape: Tape, s: Shapes, B: int, n_comb: int, h: int, x0: Alloc, *, loop_vars: bool) -> Alloc:
     """The low-rank cross net without autograd: per layer v = V x_l (B x r), w = W v
     (B x n), w + b, x0 times it, plus x_l. `loop_vars` (torchrec's LowRankCrossNet): v
     and w are loop variables, held until the next layer rebinds them; else (the torch
     backend's, one expression) each temporary dies once consumed."""
     x = x0
-    v_prev: _T | None = None
-    w_prev: _T | None = None
+    v_prev: Alloc | None = None
+    w_prev: Alloc | None = None
     for _ in range(s.dcn_layers):
         xc = tape.alloc(B * n_comb * h, ACT_INTER) if h != F32 else None  # autocast's cast of x_l
         v = tape.alloc(B * s.dcn_rank * h, ACT_INTER)
@@ -317,7 +317,7 @@ def _dcn(tape: Tape, s: Shapes, B: int, n_comb: int, h: int, x0: _T, *, loop_var
     return x
 
 
-def _forward_torch(tape: Tape, spec: JobSpec, tables: list[int]) -> tuple[_T, list[_T]]:
+def _forward_torch(tape: Tape, spec: JobSpec, tables: list[int]) -> tuple[Alloc, list[Alloc]]:
     """PlainDLRMTrain forward without autograd (slurm_dlrm/train/backend_torch.py,
     plain_dlrm.py): the offsets (F x B int64) held by the wrapper until the loss; in
     PlainDLRM.forward the bottom output, the pooled list, the stack, the dots and the
@@ -337,7 +337,7 @@ def _forward_torch(tape: Tape, spec: JobSpec, tables: list[int]) -> tuple[_T, li
     x, _ = _mlp(tape, B, s.dense_in, s.bottom, h, ACT_BOTTOM, first_in, last_relu=True, hold_input_to_end=False)
     tape.free(first_in)
     dense_dtype = spec.mixed_precision if amp else "fp32"
-    pooled: list[_T] = []
+    pooled: list[Alloc] = []
     for i in range(F):
         t = spec.tables[i]
         out = tape.alloc(B * D * t.dtype_bytes, EMB_OUT)
@@ -350,7 +350,7 @@ def _forward_torch(tape: Tape, spec: JobSpec, tables: list[int]) -> tuple[_T, li
         pooled.append(out)
     n_comb = (F + 1) * D
     vectors = tape.alloc(B * n_comb * h, ACT_INTER)
-    held: list[_T] = [vectors]
+    held: list[Alloc] = [vectors]
     if s.dcn_layers:
         z = _dcn(tape, s, B, n_comb, h, vectors, loop_vars=False)
         if amp:

@@ -193,7 +193,7 @@ Predict = Callable[[Any], tuple[torch.Tensor, torch.Tensor]]
 
 
 class HeldOutSet(Protocol):
-    """What the Evaluator reads (slurm_dlrm/train/data.py `HeldOut`): how many held-out
+    """What the Evaluator reads (slurm_dlrm/train/heldout.py `HeldOut`): how many held-out
     batches this rank has, and batch k with the planted model's P(click) of its samples
     (None for real data)."""
 

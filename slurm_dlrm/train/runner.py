@@ -42,8 +42,9 @@ from slurm_dlrm.errors import (
 from slurm_dlrm.train import checkpoint as ckpt
 from slurm_dlrm.train.backends import TORCH, build, plan_text, resolve
 from slurm_dlrm.train.built import Built
-from slurm_dlrm.train.data import BatchSource, HeldOut, Prefetcher, make_source
+from slurm_dlrm.train.data import BatchSource, Prefetcher, make_source
 from slurm_dlrm.train.evaluation import Evaluator, import_metrics_in_background, stop_reason
+from slurm_dlrm.train.heldout import HeldOut
 from slurm_dlrm.train.hostmem import fix_malloc_mmap_threshold
 from slurm_dlrm.train.launch import ENV_RDZV_FILE
 from slurm_dlrm.train.metrics import (
