@@ -12,7 +12,9 @@ the interference model's prediction for the GPU's members and w_i what member i 
 of GPU memory, CPUs, SMs and bandwidth, each priced by how much of it the pending work
 still needs (`refill._fill_by_gain`). Jobs the heuristic left for a reason other than
 room (too big, held for an urgent job) stay where it left them; overdue and urgent jobs
-it placed must be placed.
+it placed must be placed. The policy offers the solver the heuristic's picks and the
+next `exact_window` jobs of refill's order (the whole queue took each round's optimum
+but lost over whole runs: docs/packing.md); `window=None` is the round's true optimum.
 
 Linearisation (exact up to a grid): with the analytic model and no contention terms
 (the defaults) a GPU's speeds depend on its members only through one stretch D >= 1,
