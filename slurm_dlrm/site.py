@@ -226,7 +226,7 @@ class PackingConfig:
     # `policy = "exact"` (issue 50): CP-SAT's deterministic time per round and the
     # job-GPU pairs past which a round keeps complementary's plan.
     exact_budget_s: float = 0.2
-    exact_max_pairs: int = 4000
+    exact_max_pairs: int = 600
     exact_window: int = 8  # pending jobs beyond the heuristic's picks it may choose from
     overdue_min_wait_s: float = 600.0
 
@@ -645,7 +645,7 @@ def parse_site(data: dict[str, Any], path: str | None = None) -> SiteConfig:
         gang_reserve_slowdown=k.get("gang_reserve_slowdown", float, 2.0, min_value=1.0),
         overdue_min_wait_s=k.get("overdue_min_wait_s", float, 600.0, min_value=0.0),
         exact_budget_s=k.get("exact_budget_s", float, 0.2, min_value=0.001, max_value=60.0),
-        exact_max_pairs=k.get("exact_max_pairs", int, 4000, min_value=1),
+        exact_max_pairs=k.get("exact_max_pairs", int, 600, min_value=1),
         exact_window=k.get("exact_window", int, 8, min_value=0),
     )
     k.done()

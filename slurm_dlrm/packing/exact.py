@@ -12,7 +12,9 @@ the interference model's prediction for the GPU's members and w_i what member i 
 of GPU memory, CPUs, SMs and bandwidth, each priced by how much of it the pending work
 still needs (`refill._fill_by_gain`). Jobs the heuristic left for a reason other than
 room (too big, held for an urgent job) stay where it left them; overdue and urgent jobs
-it placed must be placed.
+it placed must be placed. The policy offers the solver the heuristic's picks and the
+next `exact_window` jobs of refill's order (the whole queue took each round's optimum
+but lost over whole runs: docs/packing.md); `window=None` is the round's true optimum.
 
 Linearisation (exact up to a grid): with the analytic model and no contention terms
 (the defaults) a GPU's speeds depend on its members only through one stretch D >= 1,
@@ -79,7 +81,7 @@ from slurm_dlrm.packing.refill import allocation_bound, join_key
 from slurm_dlrm.site import MIB, GpuModel
 
 DEFAULT_BUDGET_S = 0.2  # CP-SAT deterministic time per round (about seconds)
-DEFAULT_MAX_PAIRS = 4000  # job-GPU pairs past which the round stays the heuristic's
+DEFAULT_MAX_PAIRS = 600  # job-GPU pairs past which the round stays the heuristic's
 _GRID = (1.0, 1.05, 1.1, 1.2, 1.35, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0)  # stretch levels up to the GPU's cap
 _LAMBDAS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)  # multipliers of the upper model's capacity cuts
 _W = 10_000  # objective scale (priced work units)
@@ -370,7 +372,11 @@ def _solve(request: PackingRequest, targets: list[_Target], pool: list[JobDemand
         for k in fresh:
             for i in by_target[k]:
                 m.add_implication(x[(i, k)], used[k])
+            m.add_hint(used[k], any(hint.get(pool[i].job_id) == k for i in by_target[k]))
         m.add(sum(used.values()) <= budget)
+    # Per job: (SM, bandwidth, g = the larger) fractions, computed once (the hot loop).
+    prof = [(util_fraction(j.sm_util_pct), util_fraction(j.membw_util_pct),
+             max(util_fraction(j.sm_util_pct), util_fraction(j.membw_util_pct))) for j in pool]
     obj_vars: list[cp_model.IntVar] = []
     obj_coefs: list[int] = []
     rnd = math.ceil if upper else math.floor
@@ -400,11 +406,11 @@ def _solve(request: PackingRequest, targets: list[_Target], pool: list[JobDemand
         for lv, d in enumerate(grid):
             d_obj = grid[lv - 1] if upper and lv > 0 else d
             ylv = [y[a][lv] for a in range(len(idx))]
+            sp = [1.0 / (1.0 - prof[i][2] + prof[i][2] * d) for i in idx]
             for r in (0, 1):
-                def use(j: JobDemand, r: int = r) -> float:
-                    return util_fraction(j.sm_util_pct if r == 0 else j.membw_util_pct)
-                live_use = sum(math.ceil(_C * use(j) * _speed(j, d) - _EPS) for j in t.live)
-                coefs = [math.ceil(_C * use(pool[i]) * _speed(pool[i], d) - _EPS) for i in idx]
+                live_use = sum(math.ceil(_C * (util_fraction(j.sm_util_pct if r == 0 else j.membw_util_pct))
+                                         * _speed(j, d) - _EPS) for j in t.live)
+                coefs = [math.ceil(_C * prof[i][r] * v - _EPS) for i, v in zip(idx, sp, strict=True)]
                 if live_use > _C:
                     m.add(z[lv] == 0)
                     hint_ok[lv] = False
@@ -417,7 +423,7 @@ def _solve(request: PackingRequest, targets: list[_Target], pool: list[JobDemand
                     m.add(z[lv] == 0)
                     hint_ok[lv] = False
                 for a, i in enumerate(idx):
-                    need = _need_s(pool[i], _speed(pool[i], d), True)
+                    need = _need_s(pool[i], sp[a], True)
                     if need is None or need > t.remaining_s + _EPS:
                         m.add(y[a][lv] == 0)
                         hint_ok[lv] = hint_ok[lv] and a not in mine
@@ -425,7 +431,7 @@ def _solve(request: PackingRequest, targets: list[_Target], pool: list[JobDemand
             obj_coefs.append(rnd(_W * (sum(w * _speed(j, d_obj) for w, j in zip(live_w, t.live, strict=True))
                                        - live_now)))
             obj_vars.extend(ylv)
-            obj_coefs.extend(rnd(_W * w * _speed(pool[i], d_obj)) for w, i in zip(joiner_w, idx, strict=True))
+            obj_coefs.extend(rnd(_W * w / (1.0 - prof[i][2] + prof[i][2] * d_obj)) for w, i in zip(joiner_w, idx, strict=True))
         level = next((lv for lv, ok in enumerate(hint_ok) if ok), None)
         if level is not None:
             for lv in range(len(grid)):

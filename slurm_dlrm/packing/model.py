@@ -130,7 +130,7 @@ class PackingLimits:
     # `exact` (issue 50): the CP-SAT solver's deterministic time per round (about
     # seconds) and the job-GPU pairs past which the round stays the heuristic's.
     exact_budget_s: float = 0.2
-    exact_max_pairs: int = 4000
+    exact_max_pairs: int = 600
     # ... and the pending jobs it may choose from beyond the heuristic's own picks: the
     # first `exact_window` of the rest in refill's order (issue 50: the whole queue
     # took the round's optimum but lost over whole runs).

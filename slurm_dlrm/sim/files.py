@@ -255,7 +255,7 @@ def parse_cluster(data: Any, default_gpu_models: Mapping[str, GpuModel] | None =
         min_gain=p.num("min_gain", 0.05, lo=0.0, hi=1.0),
         refill_headroom_pct=p.headroom("refill_headroom_pct"),
         exact_budget_s=p.num("exact_budget_s", 0.2, lo=0.001, hi=60.0),
-        exact_max_pairs=p.int_("exact_max_pairs", 4000, lo=1),
+        exact_max_pairs=p.int_("exact_max_pairs", 600, lo=1),
         exact_window=p.int_("exact_window", 8, lo=0))
     dispatch = DispatchConfig(
         round_seconds=p.num("round_seconds", 10.0, lo=0.1), round_batch_size=p.int_("round_batch_size", 16, lo=1),
