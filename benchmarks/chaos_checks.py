@@ -144,7 +144,9 @@ def chain_violations(events: list[dict[str, Any]], current: dict[int, str], key:
 def sacct_gpu_hours(slurm_ids: list[str]) -> tuple[float, list[str]]:
     if not slurm_ids:
         return 0.0, []
-    r = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(slurm_ids), "-o", "JobID,ElapsedRaw,AllocTRES"],  # noqa: S603, S607
+    # -D: every run of a job Slurm requeued (a --no-pack job after NODE_FAIL) is an allocation
+    r = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", ",".join(slurm_ids), "-o",  # noqa: S603, S607
+                        "JobID,ElapsedRaw,AllocTRES"],
                        capture_output=True, text=True, timeout=60, check=False)
     total, seen = 0.0, []
     for line in r.stdout.splitlines():
@@ -153,7 +155,8 @@ def sacct_gpu_hours(slurm_ids: list[str]) -> tuple[float, list[str]]:
             continue
         m = re.search(r"gres/gpu=(\d+)", parts[2])
         total += int(parts[1] or 0) * (int(m.group(1)) if m else 0) / 3600
-        seen.append(parts[0])
+        if parts[0] not in seen:
+            seen.append(parts[0])
     return total, seen
 
 
