@@ -141,10 +141,12 @@ def chain_violations(events: list[dict[str, Any]], current: dict[int, str], key:
     return out
 
 
-def sacct_gpu_hours(slurm_ids: list[str]) -> tuple[float, list[str]]:
+def sacct_gpu_hours(slurm_ids: list[str], mps_per_gpu: int) -> tuple[float, list[str]]:
     if not slurm_ids:
         return 0.0, []
-    r = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(slurm_ids), "-o", "JobID,ElapsedRaw,AllocTRES"],  # noqa: S603, S607
+    # -D: every run of a job Slurm requeued (a --no-pack job after NODE_FAIL) is an allocation
+    r = subprocess.run(["sacct", "-X", "-D", "-n", "-P", "-j", ",".join(slurm_ids), "-o",  # noqa: S603, S607
+                        "JobID,ElapsedRaw,AllocTRES"],
                        capture_output=True, text=True, timeout=60, check=False)
     total, seen = 0.0, []
     for line in r.stdout.splitlines():
@@ -152,8 +154,11 @@ def sacct_gpu_hours(slurm_ids: list[str]) -> tuple[float, list[str]]:
         if len(parts) < 3:
             continue
         m = re.search(r"gres/gpu=(\d+)", parts[2])
-        total += int(parts[1] or 0) * (int(m.group(1)) if m else 0) / 3600
-        seen.append(parts[0])
+        mps = re.search(r"gres/mps=(\d+)", parts[2])  # a --no-pack job's MPS share of a GPU
+        gpus = int(m.group(1)) if m else (int(mps.group(1)) / mps_per_gpu if mps and mps_per_gpu else 0)
+        total += int(parts[1] or 0) * gpus / 3600
+        if parts[0] not in seen:
+            seen.append(parts[0])
     return total, seen
 
 
@@ -237,7 +242,7 @@ def check_history(site: Any, user: str, cluster: Any, subs: list[Any], cancelled
     alloc_h, sacct_seen = 0.0, []
     deadline = time.monotonic() + 60  # slurmctld sends records to slurmdbd asynchronously
     while time.monotonic() < deadline:
-        alloc_h, sacct_seen = sacct_gpu_hours(slurm_ids)
+        alloc_h, sacct_seen = sacct_gpu_hours(slurm_ids, int(cluster.config.mps_per_gpu or 0))
         if len(sacct_seen) >= len(slurm_ids):
             break
         time.sleep(3)

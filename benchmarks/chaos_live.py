@@ -25,6 +25,9 @@ all; --short: submissions over 2.5 min, faults (each kind once) over 3.3 min, ab
 local cluster). Last line:
 `chaos: seed= faults= kinds= jobs= completed_pct= lost= duplicated= overlapping_attempts=
 bad_resumes= integrity=`
+
+Over 600 lines: the nine faults, the two login nodes' commands and the run's set-up and
+clean-up read together; the invariants are apart, in chaos_checks.py.
 """
 
 from __future__ import annotations

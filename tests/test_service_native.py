@@ -181,6 +181,37 @@ def test_an_end_squeue_forgot_comes_from_sacct(world):
             if e["kind"] == "job_state"] == ["PENDING", "PLANNED", "RUNNING", "OOM"]
 
 
+def test_a_node_failure_is_not_the_end_slurm_reruns_it(world):
+    """Issue 49 (chaos_live, a node lost): squeue's NODE_FAIL was recorded as the job's end
+    (FAILED) while Slurm requeued it and ran it again unseen. A no-pack job carries
+    --requeue; while squeue still has it, NODE_FAIL is not its end: the rerun's is.
+    Gone from squeue with NODE_FAIL in sacct (not requeued), it is FAILED as before."""
+    svc, store, slurm, clock, site, tmp = world
+    (res,) = submit(svc, site, tmp)
+    assert "#SBATCH --requeue" in slurm.job(res.slurm_job_id).script
+    slurm.start(res.slurm_job_id)
+    svc.run_round()
+    clock.advance(30)
+    slurm.set_state(res.slurm_job_id, "NODE_FAIL")
+    svc.run_round()
+    assert store.get_job(res.job_id).state == JobState.RUNNING
+    fake = slurm.job(res.slurm_job_id)  # Slurm's requeue: pending, then running again
+    fake.slurm_state, fake.end_time = "PENDING", None
+    svc.run_round()
+    slurm.start(res.slurm_job_id)
+    clock.advance(30)
+    slurm.finish(res.slurm_job_id, 0)
+    svc.run_round()
+    assert store.get_job(res.job_id).state == JobState.COMPLETED
+    (other,) = submit(svc, site, tmp)
+    slurm.start(other.slurm_job_id)
+    svc.run_round()
+    slurm.set_state(other.slurm_job_id, "NODE_FAIL")
+    slurm.purge(other.slurm_job_id)
+    svc.run_round()
+    assert store.get_job(other.job_id).state == JobState.FAILED
+
+
 def test_an_unreachable_slurm_leaves_no_pack_jobs_as_they_are(world):
     svc, store, slurm, clock, site, tmp = world
     (res,) = submit(svc, site, tmp)

@@ -37,6 +37,9 @@ from slurm_dlrm.service.sbatch_options import sbatch_line
 
 log = logging.getLogger(__name__)
 
+# Endings after which Slurm requeues a batch job that allows it (ours: --requeue).
+SLURM_REQUEUES = frozenset({"NODE_FAIL", "BOOT_FAIL", "PREEMPTED"})
+
 # What queue/show print for a no-pack job in the PACK column (it has none).
 NO_PACK_LABEL = "no-pack"
 SUBMITTING_REASON = "submitting to Slurm"
@@ -149,6 +152,9 @@ def native_flags(sub: Any, req: Any, job_id: int | None = None) -> list[str]:
                        *sub.options.sbatch_flags(include_job_name=False)])
     return sorted([f"--comment={req.comment(job_id)}", f"--cpus-per-task={req.cpus}", f"--gres={req.gres}",
                    f"--job-name={sub.name}", f"--mem={req.mem_mib}M", "--ntasks=1",
+                   # Slurm reruns it after a node failure (whatever the site's JobRequeue);
+                   # the runner resumes from its checkpoint in the job's spool folder
+                   "--requeue",
                    *(["--nodes=1"] if sub.spec.world_size > 1 else []),
                    *(["--exclusive=user"] if req.exclusive_user else []),
                    *sub.options.sbatch_flags(include_job_name=False)])
@@ -377,6 +383,11 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
         start, end = sacct_time(line.get("Start")), sacct_time(line.get("End"))
         n = line.get("NodeList")
         nodes = n if n and n != "None assigned" else None
+    if info is not None and str(state).split(" ", 1)[0].upper() in SLURM_REQUEUES:
+        # Still in squeue: Slurm requeues it (--requeue) and runs it again, resumed from its
+        # checkpoint; its end is the rerun's (issue 49: recorded FAILED at NODE_FAIL, the
+        # job then ran again unseen)
+        return
     ending = native_ending(str(state), code, sig, reason)
     if str(state).split(" ", 1)[0].upper() == NODE_FAIL_STATE and is_multinode_job(job) \
             and job.attempt + 1 < svc.settings.max_attempts:
