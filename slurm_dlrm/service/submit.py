@@ -459,9 +459,13 @@ def native_request(sub: Submission, site: SiteConfig, where: str | None = None) 
         if layout is not None:
             # one rank per GPU on each of `nodes` nodes; the fullest rank decides the request
             fence_mib, host_mib, cpus = check_rank_fences(sub, site, layout, where or sub.path, groups)
+            exclusive = site.multinode.exclusive
+            node_gpus = min((g.gpus for g in groups if g.gpu_model == sub.gpu.name
+                             and g.gpus >= layout.ranks_per_node), default=layout.ranks_per_node)
             return NativeRequest(mem_mib=host_mib * layout.ranks_per_node, cpus=cpus,
                                  gres=f"gpu:{layout.ranks_per_node}", gpu_mem_mib=fence_mib, nodes=layout.nodes,
-                                 ranks_per_node=layout.ranks_per_node, exclusive=site.multinode.exclusive)
+                                 ranks_per_node=layout.ranks_per_node, exclusive=exclusive,
+                                 node_gpus=node_gpus if exclusive else layout.ranks_per_node)
     mem_mib = max(256, math.ceil(est.host_peak_bytes * margin / MIB) + 256)
     cpus = max(1, math.ceil(float(est.profile.host_cpu_cores) - 1e-9))
     gpu_fence_mib = math.ceil(est.gpu_peak_bytes * margin / MIB)
