@@ -128,6 +128,9 @@ def test_a_node_local_checkpoint_folder_is_refused_unless_the_site_lists_it(env)
         svc.submit_no_pack([str(spec)], SbatchOptions(), site=local, user="root", cwd=str(tmp), slurm=slurm,
                            python="/py", start_service=False)
     assert slurm.squeue() == [] and _queue() == []
+    (sub,) = svc.prepare([str(spec)], SbatchOptions(), local, str(tmp))
+    with pytest.raises(BadInput, match="node-local file system"):  # --test-only says it too
+        svc.test_only_lines([sub], local, no_pack=False, user="root")
     # listed as shared (the local cluster's site file lists /tmp): accepted
     shared = dataclasses.replace(site, multinode=dataclasses.replace(site.multinode, shared_paths=(str(tmp),)))
     (res,) = svc.submit_no_pack([str(spec)], SbatchOptions(), site=shared, user="root", cwd=str(tmp), slurm=slurm,

@@ -552,7 +552,8 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
     return out
 
 
-def test_only_lines(subs: Sequence[Submission], site: SiteConfig, *, no_pack: bool) -> list[str]:
+def test_only_lines(subs: Sequence[Submission], site: SiteConfig, *, no_pack: bool,
+                    user: str | None = None) -> list[str]:
     """`submit --test-only`: the sbatch command each job would use, quoted for a shell.
 
     --no-pack: the job's own sbatch, exactly. Packed: the options its pack carries; the
@@ -564,6 +565,10 @@ def test_only_lines(subs: Sequence[Submission], site: SiteConfig, *, no_pack: bo
             from slurm_dlrm.service.native import native_flags
 
             req = native_request(sub, site, sub.source or sub.path)
+            if req.multinode and user is not None:  # as submit would: checkpoints every node sees
+                from slurm_dlrm.service.multinode import check_shared_path
+
+                check_shared_path(site, user, str(site.spool_dir_for(user) / "jobs"), sub.source or sub.path)
             flags = native_flags(sub, req)
             note = (f"   # not packed: {req.nodes} nodes x {req.ranks_per_node} ranks, srun starts one runner per "
                     f"rank" if req.multinode else "")
