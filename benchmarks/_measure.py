@@ -198,6 +198,7 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
     t0 = time.time()
     fix_malloc_mmap_threshold()  # as the runner's run() does
     cpu = torch.device("cpu")
+    os.environ["LOCAL_WORLD_SIZE"] = str(int(spec.gpus_per_node or world))  # as srun's ranks get it
     if world == 1:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     else:
@@ -209,6 +210,11 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
         import torchrec.metrics.auc
         import torchrec.metrics.calibration
         import torchrec.metrics.ne  # noqa: F401
+    planner_ranks: list[int] = []
+    if rank == 0 and backend != TORCH and world > 1:
+        from slurm_dlrm.train.planner_estimate import planner_rank_bytes
+
+        planner_ranks = planner_rank_bytes(spec, world, int(spec.gpus_per_node or world))
     rss_baseline = current_rss_bytes()
     tracker = LiveTensorBytes()
     tracker.debug = tracker.debug and rank == 0
@@ -219,7 +225,8 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
     source = make_source(spec, rank, world)
     with tracker:
         torch.manual_seed(spec.seed * 1000)
-        built = build(backend, spec, cpu, world, world)
+        # the topology's ranks per node: the spec's gpus_per_node (a multi-node job), else one node
+        built = build(backend, spec, cpu, world, int(spec.gpus_per_node or world))
         static_bytes = tracker.live
         model, optimizer = built.model, built.optimizer
         model.train()
@@ -274,8 +281,10 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
     if tracker.debug:
         for line in tracker.at_peak:
             print("ATPEAK", line, file=sys.stderr)
-    return {"peak_tensor_bytes": tracker.peak, "planner_bytes": planner_bytes, "static_tensor_bytes": static_bytes,
-            "peak_phase": tracker.peak_phase, "eval_peak_tensor_bytes": eval_peak, "peak_rss_bytes": rss_bytes(), "rss_baseline_bytes": rss_baseline,
+    return {"peak_tensor_bytes": tracker.peak, "planner_bytes": planner_bytes, "planner_rank_bytes": planner_ranks,
+            "static_tensor_bytes": static_bytes,
+            "peak_phase": tracker.peak_phase, "eval_peak_tensor_bytes": eval_peak, "peak_rss_bytes": rss_bytes(),
+            "rss_baseline_bytes": rss_baseline,
             "rss_file_bytes": rss_file_bytes(),
             "seconds": round(time.time() - t0, 2)}
 
@@ -308,6 +317,7 @@ def main() -> None:
     out["peak_rss_bytes"] = fullest_rss["peak_rss_bytes"]
     out["rss_file_bytes"] = fullest_rss.get("rss_file_bytes", 0)
     out["per_rank_peak_tensor_bytes"] = [r["peak_tensor_bytes"] for r in ranks]
+    out["planner_rank_bytes"] = ranks[0]["planner_rank_bytes"]
     print(json.dumps(out))
 
 

@@ -128,6 +128,9 @@ def test_a_node_local_checkpoint_folder_is_refused_unless_the_site_lists_it(env)
         svc.submit_no_pack([str(spec)], SbatchOptions(), site=local, user="root", cwd=str(tmp), slurm=slurm,
                            python="/py", start_service=False)
     assert slurm.squeue() == [] and _queue() == []
+    (sub,) = svc.prepare([str(spec)], SbatchOptions(), local, str(tmp))
+    with pytest.raises(BadInput, match="node-local file system"):  # --test-only says it too
+        svc.test_only_lines([sub], local, no_pack=False, user="root")
     # listed as shared (the local cluster's site file lists /tmp): accepted
     shared = dataclasses.replace(site, multinode=dataclasses.replace(site.multinode, shared_paths=(str(tmp),)))
     (res,) = svc.submit_no_pack([str(spec)], SbatchOptions(), site=shared, user="root", cwd=str(tmp), slurm=slurm,
@@ -154,3 +157,61 @@ def test_rank_variables_come_from_srun_tasks():
     assert dist_env_from_slurm({k: v for k, v in env.items() if k != "SLURM_DLRM_RANKS_FROM_SLURM"}) == {}
     with pytest.raises(BadInput, match="MASTER_ADDR"):
         dist_env_from_slurm({k: v for k, v in env.items() if k != "MASTER_ADDR"})
+
+
+def _recorded_multinode(svc, tmp: Path, user: str = "root"):
+    """A 2-node job recorded and sbatch'ed into the service's own store and fake Slurm."""
+    from slurm_dlrm.service import submit as svc_submit
+    from slurm_dlrm.service.native import record_and_submit
+
+    (sub,) = svc_submit.prepare([str(_spec(tmp, "mn-svc", "world_size: 8\n"))], SbatchOptions(), svc.site, str(tmp))
+    req = svc_submit.native_request(sub, svc.site)
+    (res,) = record_and_submit(svc.store, svc.slurm, [(sub, req)], user=user, site=svc.site,
+                               spool_dir=svc.spool_dir, python="/py")
+    return res
+
+
+def test_the_plan_view_counts_the_whole_nodes_a_multi_node_job_holds(tmp_path):
+    from service_harness import fake_service
+
+    svc, store, slurm, _clock = fake_service(tmp_path)
+    try:
+        part = svc.site.default_partition
+        assert svc.busy_gpus(part) == 0 and svc.waiting_packs(part.name)[0] == 0
+        res = _recorded_multinode(svc, tmp_path)
+        # --exclusive on 4-GPU nodes: both nodes' 8 GPUs, queued then running
+        assert res.req.gpus == 8.0 and store.get_job(res.job_id).gpu_share == 8.0
+        assert svc.busy_gpus(part) == 8 and svc.waiting_packs(part.name)[0] == 8
+        slurm.start(res.slurm_job_id, nodes="node[1-2]")
+        svc.run_round()
+        assert store.get_job(res.job_id).state == "RUNNING"
+        assert svc.busy_gpus(part) == 8 and svc.waiting_packs(part.name)[0] == 0
+    finally:
+        store.close()
+
+
+def test_node_fail_is_requeued_by_the_service_and_bounded(tmp_path):
+    from service_harness import fake_service
+
+    svc, store, slurm, _clock = fake_service(tmp_path, max_attempts=2)
+    try:
+        res = _recorded_multinode(svc, tmp_path)
+        first = res.slurm_job_id
+        slurm.start(first, nodes="node[1-2]")
+        svc.run_round()
+        slurm.set_state(first, "NODE_FAIL", reason="NodeDown")
+        svc.run_round()
+        job = store.get_job(res.job_id)
+        assert job.state == "PLANNED" and job.attempt == 1 and job.slurm_job_id != str(first), job
+        again = slurm.job(int(job.slurm_job_id))
+        assert "#SBATCH --nodes=2" in again.script and "srun" in again.script
+        assert any("ended NODE_FAIL (a node was lost); requeued" in e["reason"] for e in store.events(job_id=job.id))
+        # the second loss passes max_attempts: FAILED with Slurm's word, not requeued again
+        slurm.start(int(job.slurm_job_id), nodes="node[1-2]")
+        svc.run_round()
+        slurm.set_state(int(job.slurm_job_id), "NODE_FAIL", reason="NodeDown")
+        svc.run_round()
+        job = store.get_job(res.job_id)
+        assert job.state == "FAILED" and "NODE_FAIL" in (job.exit_reason or ""), job
+    finally:
+        store.close()

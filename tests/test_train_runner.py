@@ -358,3 +358,16 @@ def test_torch_backend_trains_where_torchrec_does_not_import(tmp_path: Path):
     assert done.returncode == TRAIN_EXIT_OK, done.stderr[-3000:]
     assert done.stderr.count("backend torch (auto: fbgemm-gpu does not import") == 1
     assert [r["step"] for r in lines(tmp_path / "m.jsonl")] == [3, 6]
+
+
+def test_a_checkpoint_of_another_world_size_is_one_clear_line_not_a_silent_restart(tmp_path: Path, caplog):
+    """Issue 48: checkpoints are not resharded; a run on another world size says so and
+    exits 2 instead of starting over at step 0 (which would drop the training done)."""
+    assert _run(tmp_path, tiny(steps=5, checkpoint_every_steps=5)) == TRAIN_EXIT_OK
+    (newest,) = [p for _, p in ckpt.list_steps(tmp_path / "ckpt")][:1]
+    manifest = json.loads((newest / "manifest.json").read_text())
+    (newest / "manifest.json").write_text(json.dumps(dict(manifest, world_size=4)))  # as 4 ranks wrote it
+    with caplog.at_level(logging.ERROR, logger="slurm_dlrm.train"):
+        assert _run(tmp_path, tiny(steps=10, checkpoint_every_steps=5)) == TRAIN_EXIT_BAD_SPEC
+    assert "checkpoint at step 5" in caplog.text and "world_size is 4, this run has 1" in caplog.text
+    assert _run(tmp_path, tiny(steps=10, checkpoint_every_steps=5), resume=False) == TRAIN_EXIT_OK

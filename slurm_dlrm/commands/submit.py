@@ -148,7 +148,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
     if test_only:
         subs = svc.prepare(specs, cli_options, site, cwd, sets, array, stop, trials, trial_seed)
         test_only_checks(site, user, subs, dependency)
-        lines = svc.test_only_lines(subs, site, no_pack=no_pack)
+        lines = svc.test_only_lines(subs, site, no_pack=no_pack, user=user)
         if as_json:
             click.echo(json.dumps([{"name": s.name, "sbatch": line} for s, line in zip(subs, lines, strict=True)],
                                   indent=1))

@@ -114,6 +114,9 @@ class NativeRequest:
     nodes: int = 1
     ranks_per_node: int = 1
     exclusive: bool = False
+    # the GPUs it holds on each node: ranks_per_node, or every GPU of the node with
+    # --exclusive (Slurm 22.05 allocates them all: sacct's AllocTRES gres/gpu)
+    node_gpus: int = 0
 
     @property
     def multinode(self) -> bool:
@@ -128,14 +131,17 @@ class NativeRequest:
     def to_dict(self) -> dict[str, Any]:
         return {"mem_mib": self.mem_mib, "cpus": self.cpus, "gres": self.gres, "gpu_mem_mib": self.gpu_mem_mib,
                 "mps_pct": self.mps_pct, "exclusive_user": self.exclusive_user,
-                **({"nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "exclusive": self.exclusive}
-                   if self.multinode else {})}
+                **({"nodes": self.nodes, "ranks_per_node": self.ranks_per_node, "exclusive": self.exclusive,
+                    "node_gpus": self.node_gpus} if self.multinode else {})}
 
     @property
     def gpus(self) -> float:
-        """Whole GPUs the request holds over all its nodes (an MPS share: 0)."""
+        """Whole GPUs the job holds over all its nodes (an MPS share: 0): what accounting
+        charges it for its time."""
         kind, _, n = self.gres.partition(":")
-        return float(int(n) * self.nodes) if kind == "gpu" and n.isdigit() else 0.0
+        if kind != "gpu" or not n.isdigit():
+            return 0.0
+        return float(max(int(n), self.node_gpus) * self.nodes)
 
     @property
     def on_mps(self) -> bool:
@@ -469,6 +475,14 @@ NODE_FAIL_STATE = "NODE_FAIL"
 def is_multinode_job(job: Any) -> bool:
     req = (job.sbatch or {}).get("no_pack") or {}
     return bool(job.no_pack and int(req.get("nodes") or 1) > 1)
+
+
+def multinode_gpus_held(job: Any) -> int:
+    """The GPUs a multi-node job holds (0 for any other job): the plan view counts them."""
+    if not is_multinode_job(job):
+        return 0
+    req = job.sbatch["no_pack"]
+    return int(req["nodes"]) * max(int(req.get("ranks_per_node") or 1), int(req.get("node_gpus") or 0))
 
 
 @dataclass(frozen=True)

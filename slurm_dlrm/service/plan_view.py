@@ -96,7 +96,7 @@ class PlanView:
         from the store each time, so a pack the round's first group submitted counts for
         the next group's plan although the nodes were read once."""
         from slurm_dlrm.service.capacity import Held
-        from slurm_dlrm.store.states import PackState
+        from slurm_dlrm.store.states import JobState, PackState
 
         unpinned = 0
         held: dict[str, Any] = {}
@@ -111,7 +111,20 @@ class PlanView:
             h = held.get(node, Held(0))
             held[node] = Held(h.gpus + p.n_gpus, h.cpus + (shape.cpus_per_node if shape else 0),
                               h.mem_bytes + (shape.mem_per_node_bytes if shape else 0))
+        # this user's multi-node jobs queued in Slurm: their whole nodes will be taken
+        unpinned += sum(self._multinode_gpus([JobState.PLANNED], partition_name))
         return unpinned, held
+
+    def _multinode_gpus(self, states: list[Any], partition_name: str | None) -> list[int]:
+        """The GPUs each of this user's multi-node jobs in `states` holds (issue 48)."""
+        from slurm_dlrm.service.native import multinode_gpus_held
+
+        out = []
+        for j in self.store.jobs(states, user=self.settings.user):
+            part = (j.sbatch or {}).get("partition")
+            if j.no_pack and (partition_name is None or part in (None, partition_name)):
+                out.append(multinode_gpus_held(j))
+        return out
 
     def pinned_node(self, pack: Any) -> str | None:
         """The node a pack's batch script names (`--nodelist`), None if it names none."""
@@ -120,8 +133,10 @@ class PlanView:
 
     def busy_gpus(self, partition: Any) -> int:
         """GPUs the user's packs already hold or wait for: the policy plans only the rest."""
-        from slurm_dlrm.store.states import PACK_ACTIVE
+        from slurm_dlrm.store.states import PACK_ACTIVE, JobState
 
         name = partition.name if partition is not None else None
-        return sum(p.n_gpus for p in self.store.packs(PACK_ACTIVE, user=self.settings.user)
-                   if name is None or p.partition in (None, name))
+        packs = sum(p.n_gpus for p in self.store.packs(PACK_ACTIVE, user=self.settings.user)
+                    if name is None or p.partition in (None, name))
+        # and the whole nodes of its multi-node jobs, queued or running (issue 48)
+        return packs + sum(self._multinode_gpus([JobState.PLANNED, JobState.RUNNING], name))

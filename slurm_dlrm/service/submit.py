@@ -497,9 +497,13 @@ def native_request(sub: Submission, site: SiteConfig, where: str | None = None) 
         if layout is not None:
             # one rank per GPU on each of `nodes` nodes; the fullest rank decides the request
             fence_mib, host_mib, cpus = check_rank_fences(sub, site, layout, where or sub.path, groups)
+            exclusive = site.multinode.exclusive
+            node_gpus = min((g.gpus for g in groups if g.gpu_model == sub.gpu.name
+                             and g.gpus >= layout.ranks_per_node), default=layout.ranks_per_node)
             return NativeRequest(mem_mib=host_mib * layout.ranks_per_node, cpus=cpus,
                                  gres=f"gpu:{layout.ranks_per_node}", gpu_mem_mib=fence_mib, nodes=layout.nodes,
-                                 ranks_per_node=layout.ranks_per_node, exclusive=site.multinode.exclusive)
+                                 ranks_per_node=layout.ranks_per_node, exclusive=exclusive,
+                                 node_gpus=node_gpus if exclusive else layout.ranks_per_node)
     mem_mib = max(256, math.ceil(est.host_peak_bytes * margin / MIB) + 256)
     cpus = max(1, math.ceil(float(est.profile.host_cpu_cores) - 1e-9))
     gpu_fence_mib = math.ceil(est.gpu_peak_bytes * margin / MIB)
@@ -590,7 +594,8 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
     return out
 
 
-def test_only_lines(subs: Sequence[Submission], site: SiteConfig, *, no_pack: bool) -> list[str]:
+def test_only_lines(subs: Sequence[Submission], site: SiteConfig, *, no_pack: bool,
+                    user: str | None = None) -> list[str]:
     """`submit --test-only`: the sbatch command each job would use, quoted for a shell.
 
     --no-pack: the job's own sbatch, exactly. Packed: the options its pack carries; the
@@ -602,6 +607,10 @@ def test_only_lines(subs: Sequence[Submission], site: SiteConfig, *, no_pack: bo
             from slurm_dlrm.service.native import native_flags
 
             req = native_request(sub, site, sub.source or sub.path)
+            if req.multinode and user is not None:  # as submit would: checkpoints every node sees
+                from slurm_dlrm.service.multinode import check_shared_path
+
+                check_shared_path(site, user, str(site.spool_dir_for(user) / "jobs"), sub.source or sub.path)
             flags = native_flags(sub, req)
             note = (f"   # not packed: {req.nodes} nodes x {req.ranks_per_node} ranks, srun starts one runner per "
                     f"rank" if req.multinode else "")

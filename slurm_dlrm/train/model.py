@@ -21,6 +21,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.models.dlrm import DLRM, DLRM_DCN, DLRMTrain
 from torchrec.optim import RowWiseAdagrad
@@ -137,7 +138,16 @@ def build(spec: Any, device: torch.device, world_size: int, local_world_size: in
     sharders: list[Any] = [EmbeddingBagCollectionSharder()]
     planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     plan = planner.collective_plan(train_model, sharders, dist.GroupMember.WORLD)
-    model = DistributedModelParallel(module=train_model, device=device, plan=plan, sharders=sharders)
+    # DDP rebuilds its gradient buckets in the order the first step's gradients arrive;
+    # a run resumed from a checkpoint would then sum the dense gradients over the ranks
+    # in other groupings for one step than the uninterrupted run (gloo's ring sums each
+    # position of a bucket starting at another rank): last-bit differences that grow.
+    # Buckets kept as built (no rebuild without static_graph and with
+    # find_unused_parameters, torch 2.13's Reducer::should_rebuild_buckets) make a
+    # resume bit-exact across ranks (issue 48); the cost is one graph walk per step.
+    wrapper = DefaultDataParallelWrapper(static_graph=False, find_unused_parameters=True)
+    model = DistributedModelParallel(module=train_model, device=device, plan=plan, sharders=sharders,
+                                     data_parallel_wrapper=wrapper)
 
     lr = float(opt.lr)
     lazy: list[KeyedOptimizer] = []

@@ -21,7 +21,11 @@ def planner_rank_bytes(spec: Any, world_size: int, local_world_size: int, *, dev
     import torch
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.planner import (
+        EmbeddingShardingPlanner,
+        ParameterConstraints,
+        Topology,
+    )
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     from slurm_dlrm.train import model as runner_model

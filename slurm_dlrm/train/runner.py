@@ -358,6 +358,7 @@ class Trainer:
             dist.barrier()
         if not self.opts.resume:
             return
+        other_world: tuple[int, str] | None = None  # a checkpoint of another world size
         for _step, path in ckpt.list_steps(d):
             # Every rank verifies and checks its part first; only a checkpoint that all
             # ranks can load is copied into the live state (never half of one).
@@ -370,6 +371,8 @@ class Trainer:
             except ckpt.CheckpointError as exc:
                 ok = 0
                 log.warning("checkpoint %s skipped: %s", path, exc)
+                if str(exc).startswith("world_size is") and other_world is None:
+                    other_world = (found_step(path), str(exc))
             else:
                 ok = 1
             if self.dist_info.world_size > 1:
@@ -384,6 +387,10 @@ class Trainer:
                 self.last_saved_step = found.step
                 log.info("resumed from %s (step %d)", path, found.step)
                 return
+        if other_world is not None:
+            # not resharded (issue 48): one clear line rather than silently starting over
+            raise BadInput(f"the checkpoint at step {other_world[0]} in {d} was written by another world size "
+                           f"({other_world[1]}); run it on that many ranks, or --no-resume to start over")
         log.info("no checkpoint to resume from in %s; starting at step 0", d)
 
     def _load_targets(self, saved: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -593,6 +600,11 @@ def sweep_rung_steps(spec: Any, total_steps: int) -> frozenset[int]:
 
     return frozenset(rung_steps(StopRule(spec.sweep.metric, spec.sweep.min_steps, spec.sweep.reduction,
                                          total_steps)))
+
+
+def found_step(path: Path) -> int:
+    """The step a checkpoint folder's name says (step-000000500 -> 500)."""
+    return int(path.name[len(ckpt.PREFIX):])
 
 
 def write_stopped_marker(checkpoint_dir: Path, step: int, reason: str) -> None:
