@@ -1,7 +1,7 @@
 """A sweep that stops its losers against the same sweep trained to the end (issue 47).
 
     .venv/bin/python benchmarks/sweep_stop.py [--variants 27] [--steps 10800] [--min-steps 400]
-        [--round-seconds 1] [--timeout-s 5400]
+        [--eval-batches 64] [--round-seconds 1] [--timeout-s 5400]
 
 Live, on this checkout's local Slurm cluster (started if not running, left running),
 the members training on the CPU: one sweep of `--variants` variants of a planted-data
@@ -46,11 +46,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def spec_text(steps: int) -> str:
+def spec_text(steps: int, eval_batches: int) -> str:
     spec = yaml.safe_load((REPO / "examples" / "sweep" / "tiny-a.yaml").read_text())
     spec.update(name="sw", steps=steps, batch_size=128, optimizer={"type": "adagrad", "lr": 0.01},
                 checkpoint_every_steps=steps, metrics_every_steps=20,
-                eval={"every_steps": steps, "batches": 8})  # the spec's own schedule: the end only
+                eval={"every_steps": steps, "batches": eval_batches})  # the spec's own schedule: the end only
     return yaml.safe_dump(spec)
 
 
@@ -80,14 +80,15 @@ class Run:
         if wait_until_running(self.paths, timeout_s=60) is None:
             raise RuntimeError(f"the packing service did not start; see {self.paths.log}")
 
-    def sweep(self, steps: int, lrs: list[float], stop: str | None, min_steps: int, timeout_s: float) -> dict:
+    def sweep(self, steps: int, lrs: list[float], stop: str | None, min_steps: int, timeout_s: float,
+              eval_batches: int) -> dict:
         from slurm_dlrm.service.sbatch_options import SbatchOptions
         from slurm_dlrm.service.submit import submit
         from slurm_dlrm.service.sweep_stop import held_job_ids
         from slurm_dlrm.store.acct import AcctFilter, acct_rows
         from slurm_dlrm.store.store import Store
 
-        text = spec_text(steps)
+        text = spec_text(steps, eval_batches)
         if stop:
             text += f"sweep: {{stop: asha, min_steps: {min_steps}, reduction: 3}}\n"
         path = self.workdir / "sw.yaml"
@@ -206,6 +207,7 @@ def main() -> int:
     ap.add_argument("--variants", type=int, default=27)
     ap.add_argument("--steps", type=int, default=10800)  # ~23 min here; 1080 and 40: ~6 min
     ap.add_argument("--min-steps", type=int, default=400)
+    ap.add_argument("--eval-batches", type=int, default=64)  # x 128 samples: the held-out set of every eval
     ap.add_argument("--round-seconds", type=float, default=1.0)
     ap.add_argument("--timeout-s", type=float, default=5400.0)
     args = ap.parse_args()
@@ -224,7 +226,7 @@ def main() -> int:
         try:
             print(f"sweep_stop: {label}: {args.variants} variants x {args.steps} steps ({run.workdir})",
                   file=sys.stderr)
-            results[label] = run.sweep(args.steps, lrs, stop, args.min_steps, args.timeout_s)
+            results[label] = run.sweep(args.steps, lrs, stop, args.min_steps, args.timeout_s, args.eval_batches)
         finally:
             run.cleanup()
     full, stopped = results["full"]["variants"], results["stop"]["variants"]
