@@ -87,6 +87,13 @@ def simulate_eval(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     tape.where = f"{WHERE}: model state"
     st = timeline_torch.static_parts(spec, tables, device) if torch_backend else static_parts(spec, tables, device)
     _alloc_static(tape, st)
+    if torch_backend and spec.world_size > 1 and timeline_torch.sparse_tables(spec, device):
+        # DDP's reducer keeps the last step's (all-reduced) sparse table gradients past
+        # zero_grad: counted as the step counts them, every id unique (an upper bound)
+        for i in tables:
+            t = spec.tables[i]
+            n = ids_per_batch(spec.batch_size, t)
+            tape.alloc(n * I64 + n * t.dim * t.dtype_bytes, EMB_GRAD)
     on_host = device == "cpu"
     n_samples = eval_samples(spec)
     B = spec.batch_size
