@@ -53,8 +53,10 @@ def live() -> dict[str, int]:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",  # noqa: S603
                                "--basetemp", str(Path(tmp) / "t"), str(REPO / "tests" / "test_multinode_live.py")],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
-        tail = proc.stdout.strip().splitlines()[-1:] or ["(no output)"]
-        print(f"live tests: {tail[0]}")
+        out = proc.stdout.strip().splitlines()
+        for line in [ln for ln in out if ln.startswith(("E ", "FAILED"))][:12]:  # why, when one fails
+            print(f"  {line[:300]}")
+        print(f"live tests: {(out or ['(no output)'])[-1]}")
         got = json.loads(results.read_text()) if results.exists() else {}
     return {k: int(bool(got.get(k))) for k in ("trained", "exact_resume", "node_loss_resumed")}
 
