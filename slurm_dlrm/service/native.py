@@ -389,10 +389,10 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
         start, end = sacct_time(line.get("Start")), sacct_time(line.get("End"))
         n = line.get("NodeList")
         nodes = n if n and n != "None assigned" else None
-    if info is not None and str(state).split(" ", 1)[0].upper() in SLURM_REQUEUES:
+    if info is not None and str(state).split(" ", 1)[0].upper() in SLURM_REQUEUES and not is_multinode_job(job):
         # Still in squeue: Slurm requeues it (--requeue) and runs it again, resumed from its
         # checkpoint; its end is the rerun's (issue 49: recorded FAILED at NODE_FAIL, the
-        # job then ran again unseen)
+        # job then ran again unseen). A multi-node job is --no-requeue: the service reruns it.
         return
     ending = native_ending(str(state), code, sig, reason)
     if str(state).split(" ", 1)[0].upper() == NODE_FAIL_STATE and is_multinode_job(job) \
