@@ -250,6 +250,21 @@ def test_sigterm_mid_run_checkpoints_exits_5_and_restart_resumes(tmp_path: Path,
     assert lines(tmp_path / "m.jsonl")[-1]["step"] == stopped_at + 2
 
 
+def test_one_rank_skips_ddps_unused_parameter_walk(tmp_path: Path):
+    # issue 47: find_unused_parameters walks the autograd graph every step (3-6 % of a
+    # small model's step, benchmarks/runner_overhead.py); it keeps several ranks' bucket
+    # order for a bit-exact resume (issue 48), which one rank has no use for.
+    from slurm_dlrm.train.runner import StopFlag, setup, teardown
+
+    opts = RunOptions(metrics_file=tmp_path / "m.jsonl", checkpoint_dir=tmp_path / "ckpt", resume=False, tty=False)
+    trainer = setup(spec_mod.parse_spec(tiny()), opts, StopFlag())
+    try:
+        ddp = [m for m in trainer.built.model.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
+        assert ddp and not any(m.find_unused_parameters for m in ddp)
+    finally:
+        teardown(trainer)
+
+
 def test_world_size_2_launches_two_ranks_and_checkpoints_both(tmp_path: Path):
     spec_path = tmp_path / "s.yaml"
     spec_path.write_text(yaml.safe_dump(tiny(world_size=2, steps=6, checkpoint_every_steps=3, metrics_every_steps=3)))

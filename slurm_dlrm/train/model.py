@@ -145,7 +145,9 @@ def build(spec: Any, device: torch.device, world_size: int, local_world_size: in
     # Buckets kept as built (no rebuild without static_graph and with
     # find_unused_parameters, torch 2.13's Reducer::should_rebuild_buckets) make a
     # resume bit-exact across ranks (issue 48); the cost is one graph walk per step.
-    wrapper = DefaultDataParallelWrapper(static_graph=False, find_unused_parameters=True)
+    # One rank sums nothing across ranks, so the bucket order cannot change a bit there:
+    # it skips the walk (issue 47: 3-6 % of a small CPU model's step, runner_overhead.py).
+    wrapper = DefaultDataParallelWrapper(static_graph=False, find_unused_parameters=world_size > 1)
     model = DistributedModelParallel(module=train_model, device=device, plan=plan, sharders=sharders,
                                      data_parallel_wrapper=wrapper)
 
