@@ -39,9 +39,9 @@ from slurm_dlrm.adapt.asha import StopRule, rung_steps  # noqa: E402
 from slurm_dlrm.sim.files import parse_cluster  # noqa: E402
 from slurm_dlrm.sim.sweep_curves import (  # noqa: E402
     RecordedVariant,
+    family_metric,
     fit_family,
     held_out_error,
-    observed_metric,
     recorded_variants,
     spearman,
 )
@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", type=int, default=27)
     ap.add_argument("--cluster", default=str(ROOT / "benchmarks" / "sim" / "cluster_1gpu.yaml"))
     ap.add_argument("--curves", default=str(CURVES))
-    ap.add_argument("--seed", type=int, default=47)
+    ap.add_argument("--seed", type=int, default=47, help="the development seeds' base (looked at, printed one by one)")
+    ap.add_argument("--held-out-seed", type=int, default=2611,
+                    help="the held-out seeds' base: never looked at to choose anything; the last line is theirs")
+    ap.add_argument("--held-out-sweeps", type=int, default=100)
     ap.add_argument("--also", action="append", default=[str(ROOT / "benchmarks" / "sim" / "cluster_4gpu.yaml")],
                     help="also play the same seeds on this cluster (printed before the last line)")
     args = ap.parse_args(argv)
@@ -100,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     family = fit_family(variants)
     err = held_out_error(variants)
     spread = max(v.curve[-1][1] for v in variants) - min(v.curve[-1][1] for v in variants)
-    print(f"fit: auc(s) = a - b*s^-c per curve; rmse on the fitted points {family.noise_sd:.4f} AUC")
+    print(f"fit: auc(s) = a - b*s^-c per curve; rmse on the fitted points {family.noise_sd:.4f} AUC, of it "
+          f"the eval's own noise {family.white_sd:.4f} (from successive differences) and a slow wander "
+          f"{family.wander_sd:.4f} (AR(1), per-step correlation {family.wander_phi:.3f})")
     print(f"held out: every other eval rmse {err.interp_rmse:.4f}; last third from a fit on the first third "
           f"rmse {err.extrap_rmse:.4f}, max |err| {err.extrap_max_abs:.4f} (final AUCs span {spread:.4f})")
 
@@ -119,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         drawn = []
         for k in range(50):
             ds = rest.draw(len(own), seed=1000 + k)
-            ms = [observed_metric(d, rest.noise_sd, 1000 + k, i) for i, d in enumerate(ds)]
+            ms = [family_metric(rest, d, 1000 + k, i) for i, d in enumerate(ds)]
             drawn.append(spearman([m(rung0) for m in ms], [m(own_steps) for m in ms]))
         print(f"  {name} batch {batch:<5} ({len(own)} variants, step {rung0} of {own_steps}) recorded {rec:+.2f}  "
               f"drawn {statistics.median(drawn):+.2f} "
@@ -136,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{o.gpu_hours_stop:6.2f}  saved_x {o.saved_x:4.2f}  same_best {o.same_best}  "
               f"best auc {o.best_value_full:.4f} vs {o.best_value_stop:.4f}  reached the end {o.completed_stop}")
 
-    # 4. seeded sweeps drawn from the family
+    # 4. seeded sweeps drawn from the family: the development seeds (the ones looked at
+    # while the mechanisms were built), one line each
     outcomes: list[SweepOutcome] = []
-    print(f"{args.sweeps} seeded sweeps of {args.variants} variants (every variant to the end | with the rule):")
+    print(f"{args.sweeps} development seeds, sweeps of {args.variants} variants (every variant to the end | "
+          f"with the rule):")
     for k in range(args.sweeps):
         seed = args.seed * 1000 + k
         o = play_drawn(family, rule, cluster, args.variants, seed, SOLO_S)
@@ -147,16 +154,31 @@ def main(argv: list[str] | None = None) -> int:
               f"makespan_h {o.makespan_full_s / 3600:5.2f} | {o.makespan_stop_s / 3600:5.2f}  "
               f"same_best {'yes' if o.same_best else 'NO '}  best auc {o.best_value_full:.4f} | "
               f"{o.best_value_stop:.4f}  to the end {o.variants} | {o.completed_stop}  promotions {o.promotions}")
-    s = summarize(outcomes)
+    print(f"development seeds on {cluster.name}: {summarize(outcomes).line()}")
     for other in args.also:  # the same seeds where more of the sweep runs at once
         oc = parse_cluster(yaml.safe_load(Path(other).read_text()))
         so = summarize([play_drawn(family, rule, oc, args.variants, args.seed * 1000 + k, SOLO_S)
                         for k in range(args.sweeps)])
-        print(f"same seeds on {oc.name} ({oc.gpu_count} GPUs): {so.line()}")
-    full_h = statistics.median(o.gpu_hours_full for o in outcomes)
-    stop_h = statistics.median(o.gpu_hours_stop for o in outcomes)
-    print(f"median gpu_hours: every variant to the end {full_h:.2f}, with the rule {stop_h:.2f}")
-    print(f"sweep_sim: {s.line()} gpu_hours_full_median={full_h:.2f} gpu_hours_stop_median={stop_h:.2f}")
+        print(f"development seeds on {oc.name} ({oc.gpu_count} GPUs): {so.line()}")
+
+    # 5. the held-out seeds: the figures of the last line
+    print(f"{args.held_out_sweeps} held-out seeds (base {args.held_out_seed}, never looked at to choose anything); "
+          f"saved_x against every variant to the end as the service packs such a sweep without the rule; "
+          f"saved_x_same_packing against it packed one GPU to a pack as with the rule:")
+    held = [play_drawn(family, rule, cluster, args.variants, args.held_out_seed * 1000 + k, SOLO_S)
+            for k in range(args.held_out_sweeps)]
+    for other in args.also:
+        oc = parse_cluster(yaml.safe_load(Path(other).read_text()))
+        so = summarize([play_drawn(family, rule, oc, args.variants, args.held_out_seed * 1000 + k, SOLO_S)
+                        for k in range(args.held_out_sweeps)])
+        print(f"held-out seeds on {oc.name} ({oc.gpu_count} GPUs): {so.line()}")
+    s = summarize(held)
+    full_h = statistics.median(o.gpu_hours_full for o in held)
+    stop_h = statistics.median(o.gpu_hours_stop for o in held)
+    print(f"held-out seeds on {cluster.name}: median gpu_hours every variant to the end {full_h:.2f}, "
+          f"with the rule {stop_h:.2f}")
+    print(f"sweep_sim: {s.line()} gpu_hours_full_median={full_h:.2f} gpu_hours_stop_median={stop_h:.2f} "
+          f"cluster={cluster.name} seeds=held-out")
     return 0
 
 

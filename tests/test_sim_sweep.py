@@ -120,3 +120,44 @@ def test_simulate_sweep_cli(tmp_path):
         res = CliRunner().invoke(cli, ["simulate", "-c", str(ROOT / "benchmarks/sim/cluster_1gpu.yaml"), *args])
         assert res.exit_code == 2 and res.output.startswith(f"slurm-dlrm: error: {what}"), res.output
         assert res.output.count("\n") == 1
+
+
+def test_a_sweep_with_the_rule_is_packed_one_gpu_to_a_pack():
+    # A Slurm allocation never shrinks: in a 4-GPU pack the last survivors would hold all
+    # four GPUs. Variants that may pause (JobDemand.may_pause) get one GPU per pack.
+    c = parse_cluster(yaml.safe_load((ROOT / "benchmarks/sim/cluster_4gpu.yaml").read_text()))
+    plain = simulate(sweep_workload([3600.0] * 12, VariantShape()), c, "complementary")
+    pausable = simulate(sweep_workload([3600.0] * 12, VariantShape(), may_pause=True), c, "complementary")
+    assert plain.packs == 1 and pausable.packs >= 4
+    assert all(j.state == "COMPLETED" for j in pausable.jobs)
+
+
+def test_the_residual_splits_into_eval_noise_and_a_slow_wander():
+    import random
+
+    from slurm_dlrm.sim.sweep_curves import RecordedVariant, observed_metric, residual_parts
+
+    rng = random.Random(1)
+    steps = range(20, 541, 20)
+
+    def recorded(wander: float) -> list[RecordedVariant]:
+        out = []
+        for k in range(6):
+            curve = tuple((s, power_law(s, 0.75 + 0.005 * k, 0.4, 0.6) + wander * math.sin(s / 90.0 + k)
+                           + rng.gauss(0.0, 0.002)) for s in steps)
+            out.append(RecordedVariant("x", {}, curve, 0.01, 256, 540))
+        return out
+
+    white = recorded(0.0)
+    w, wander, _ = residual_parts(white, [fit_curve(v.curve) for v in white])
+    assert 0.0013 < w < 0.0027 and wander < w  # the eval noise it was given, little else
+    slow = recorded(0.006)
+    w2, wander2, phi2 = residual_parts(slow, [fit_curve(v.curve) for v in slow])
+    assert w2 < 0.003 and wander2 > w2 and wander2 > 2 * wander and phi2 > 0.9  # the slow part is not noise
+    # a slow starter's curve below the first recorded eval stays at the untrained model's AUC
+    from slurm_dlrm.sim.sweep_curves import VariantDraw
+
+    m = observed_metric(VariantDraw(0.78, 20.0, 0.5, 1.0), 0.0, 1, 0)
+    assert power_law(20, 0.78, 20.0, 0.5) < 0 and m(20) == 0.5
+    noisy = observed_metric(VariantDraw(0.78, 0.4, 0.5, 1.0), 0.002, 1, 0, 0.004, 0.96)
+    assert noisy(100) == noisy(100) and noisy(100) != noisy(120)  # pure in (seed, variant, step)

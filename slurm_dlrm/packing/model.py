@@ -55,6 +55,11 @@ class JobDemand:
     # When it could first start: its --begin time if later than its submission, else
     # None (= submit_time_s). Its wait, and so its slowdown, counts from here (`fairness`).
     eligible_s: float | None = None
+    # A variant of a sweep with a stopping rule (issue 47): it may be paused at a rung
+    # and leave its GPU. The policy packs it one GPU to a pack: a Slurm allocation never
+    # shrinks, so a multi-GPU pack of such variants would hold every GPU until its last
+    # survivor ends (docs/packing.md "Sweeps that stop their losers").
+    may_pause: bool = False
 
     @property
     def cpus(self) -> int:

@@ -599,6 +599,7 @@ class PackingService(PackEnding, PackFolder, PlanView):
         from dataclasses import replace
 
         from slurm_dlrm.packing.model import demand_from_estimate
+        from slurm_dlrm.service.sweep_stop import member_of
 
         spec = job.spec
         steps = spec.get("steps") or 0
@@ -609,6 +610,8 @@ class PackingService(PackEnding, PackFolder, PlanView):
                                  priority=-float(job.nice or 0), name=job.name, samples_to_train=samples)
         if job.begin_time is not None:
             d = replace(d, eligible_s=job.begin_time)
+        if member_of(job.id, spec) is not None:  # a sweep's variant the stopping rule may pause
+            d = replace(d, may_pause=True)
         minutes = job_options(job).time_minutes
         if minutes is not None and minutes > 0:  # a joiner's own time limit must fit its pack's time left
             d = replace(d, time_limit_s=minutes * 60.0)

@@ -197,7 +197,7 @@ class FaultRuntime:
                          gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=host, sm_util_pct=s,
                          membw_util_pct=b, host_cpu_cores=job.host_cpu_cores,
                          label=job.label if sm is None and bw is None else label_of(s, b, job.host_cpu_cores),
-                         est_duration_s=est_left, name=job.name)
+                         est_duration_s=est_left, name=job.name, may_pause=job.may_pause)
 
     # ------------------------------------------------------------ hooks the engine calls
 

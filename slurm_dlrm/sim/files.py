@@ -51,6 +51,8 @@ class SimJob:
     # When its wait began, if before `arrival_s` (None: its arrival): a job carried into a
     # forward run from a snapshot (sim/start_estimate.py) keeps its wait so far.
     submitted_s: float | None = None
+    # A variant of a sweep with a stopping rule (JobDemand.may_pause; sim/sweep.py).
+    may_pause: bool = False
     # What it really peaks at in host memory (None: its estimate, `host_mem_bytes`); past
     # its share of the pack's --mem the agent stops it (or the kernel kills it): OOM_HOST.
     true_host_mem_bytes: int | None = None

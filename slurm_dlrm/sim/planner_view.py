@@ -37,7 +37,8 @@ def job_demand(job: SimJob, gpu_mem_bytes: int, est_remaining_s: float | None) -
     return JobDemand(job_id=job.job_id, user=job.user, submit_time_s=submitted, priority=job.priority,
                      gpu_mem_bytes=gpu_mem_bytes, host_mem_bytes=job.host_mem_bytes, sm_util_pct=job.sm_util_pct,
                      membw_util_pct=job.membw_util_pct, host_cpu_cores=job.host_cpu_cores, label=job.label,
-                     est_duration_s=est_remaining_s, name=job.name, world_size=job.world_size, ranks=ranks)
+                     est_duration_s=est_remaining_s, name=job.name, world_size=job.world_size, ranks=ranks,
+                     may_pause=job.may_pause)
 
 
 def est_left_s(m: MemberState) -> float:

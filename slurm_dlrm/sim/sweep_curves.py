@@ -21,7 +21,9 @@ recorded step times are not used: the recording machine is shared, its step time
 swing with its load (4x between two runs of one spec). The observed metric at a step is
 the drawn curve plus Gaussian noise of the fits' residual, a pure function of
 (seed, variant, step): both plays of one sweep (every variant to the end, and with the
-rule) see the same numbers.
+rule) see the same numbers. The residual is split (`residual_parts`): most of it is a
+curve's own slow wander around the power law (it correlates between neighbouring
+evals), drawn as an AR(1) path per variant, and the rest the eval's independent noise.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ from typing import Any
 _A_BOUNDS = (0.5, 1.0)
 _B_BOUNDS = (1e-6, 50.0)
 _C_BOUNDS = (0.02, 3.0)
+# A model's AUC before it has learnt anything: a drawn curve taken below the first
+# recorded eval (a slow starter's a - b*s^-c at step 20) reached 0.07, which no model
+# scores (reversed predictions would score 0.93); the curve is held at this floor there.
+AUC_FLOOR = 0.5
 
 
 @dataclass(frozen=True)
@@ -124,8 +130,13 @@ class CurveFamily:
     # per recorded variant: (a - its sweep's best a, ln b, ln c, ln of its batch size / its sweep's median)
     kernel: tuple[tuple[float, float, float, float], ...]
     bandwidth: tuple[float, float, float, float]
-    noise_sd: float  # the fits' residual: the held-out set's noise around a curve
+    noise_sd: float  # the fits' residual (rmse over every recorded point)
     fits: tuple[CurveFit, ...]
+    # The residual split (`residual_parts`): independent noise at each eval, and a slow
+    # wander around the power law, AR(1) with this marginal sd and per-step correlation.
+    white_sd: float = 0.0
+    wander_sd: float = 0.0
+    wander_phi: float = 0.0
 
     def draw(self, n: int, seed: int, top_auc: float = 0.78) -> list[VariantDraw]:
         """`n` variants of one seeded sweep, the kernel's a shifted so that 0 is `top_auc`."""
@@ -159,18 +170,67 @@ def fit_family(variants: Sequence[RecordedVariant]) -> CurveFamily:
     factor = (4.0 / (6.0 * n)) ** (1.0 / 8.0) if n > 1 else 1.0
     bw = tuple(statistics.pstdev([k[i] for k in kernel]) * factor if n > 1 else 0.0 for i in range(4))
     residual = math.sqrt(sum(f.rmse ** 2 * f.points for f in fits) / max(1, sum(f.points for f in fits)))
-    return CurveFamily(tuple(kernel), (bw[0], bw[1], bw[2], bw[3]), residual, tuple(fits))
+    white, wander, phi = residual_parts(variants, fits)
+    return CurveFamily(tuple(kernel), (bw[0], bw[1], bw[2], bw[3]), residual, tuple(fits), white, wander, phi)
 
 
-def observed_metric(draw: VariantDraw, noise_sd: float, seed: int, variant: int) -> Callable[[int], float]:
-    """The variant's held-out AUC at a step as the rule sees it: its curve plus noise that
-    depends on (seed, variant, step) alone."""
+def residual_parts(variants: Sequence[RecordedVariant], fits: Sequence[CurveFit]) -> tuple[float, float, float]:
+    """(white sd, wander sd, wander's per-step correlation) of the recorded curves'
+    residuals around their fits. The residuals are not independent noise: next to each
+    other they correlate (lag-1 +0.45..+0.89 on the curves that miss the power law most,
+    the sgd ones), i.e. most of them is a curve's own slow departure from the power law,
+    which shows at a rung and at the end alike, and only the rest is the eval's noise.
+    The white part is half the variance of the differences of successive residuals (a
+    slow part nearly cancels in them); the wander is the rest of the variance, its
+    per-step correlation the median over the curves of (lag-1 correlation) ** (1 / the
+    eval interval)."""
+    diffs: list[float] = []
+    resid: list[float] = []
+    phis: list[float] = []
+    for v, f in zip(variants, fits, strict=True):
+        pts = list(v.curve)
+        r = [y - f(s) for s, y in pts]
+        resid += r
+        diffs += [b - a for a, b in zip(r, r[1:], strict=False)]
+        if len(r) >= 3 and statistics.pstdev(r) > 0:
+            lag = statistics.correlation(r[:-1], r[1:])
+            gap = statistics.median(b[0] - a[0] for a, b in zip(pts, pts[1:], strict=False))
+            phis.append(max(0.0, lag) ** (1.0 / max(1.0, gap)))
+    if not diffs:
+        return 0.0, 0.0, 0.0
+    white_var = statistics.fmean(d * d for d in diffs) / 2.0
+    total_var = statistics.fmean(x * x for x in resid)
+    return math.sqrt(white_var), math.sqrt(max(0.0, total_var - white_var)), statistics.median(phis) if phis else 0.0
+
+
+def observed_metric(draw: VariantDraw, noise_sd: float, seed: int, variant: int, wander_sd: float = 0.0,
+                    wander_phi: float = 0.0) -> Callable[[int], float]:
+    """The variant's held-out AUC at a step as the rule sees it: its curve, plus a slow
+    wander around it (AR(1) over the steps, `wander_sd` marginal, `wander_phi` per step),
+    plus the eval's own noise (`noise_sd`), a pure function of (seed, variant, step)."""
+    path = [0.0]  # the wander at step k (drawn on first use, from (seed, variant) alone)
+    if wander_sd > 0:
+        walk = random.Random(f"{seed}:{variant}:wander")
+        path[0] = walk.gauss(0.0, wander_sd)
+        step_sd = wander_sd * math.sqrt(max(0.0, 1.0 - wander_phi ** 2))
+
+    def wander(step: int) -> float:
+        if wander_sd <= 0:
+            return 0.0
+        while len(path) <= step:
+            path.append(wander_phi * path[-1] + walk.gauss(0.0, step_sd))
+        return path[step]
 
     def at(step: int) -> float:
         rng = random.Random(f"{seed}:{variant}:{step}")
-        return power_law(step, draw.a, draw.b, draw.c) + rng.gauss(0.0, noise_sd)
+        return max(AUC_FLOOR, power_law(step, draw.a, draw.b, draw.c)) + wander(step) + rng.gauss(0.0, noise_sd)
 
     return at
+
+
+def family_metric(family: CurveFamily, draw: VariantDraw, seed: int, variant: int) -> Callable[[int], float]:
+    """`observed_metric` with the family's residual parts."""
+    return observed_metric(draw, family.white_sd, seed, variant, family.wander_sd, family.wander_phi)
 
 
 @dataclass(frozen=True)
@@ -222,4 +282,5 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
 
 
 __all__ = ["CurveFamily", "CurveFit", "HeldOutError", "RecordedVariant", "VariantDraw", "fit_curve",
-           "fit_family", "held_out_error", "observed_metric", "power_law", "recorded_variants", "spearman"]
+           "family_metric", "fit_family", "held_out_error", "observed_metric", "power_law", "recorded_variants",
+           "residual_parts", "spearman"]
