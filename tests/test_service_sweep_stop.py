@@ -57,6 +57,15 @@ def kinds(store, job_id):
     return [e["kind"] for e in store.events(job_id=job_id) if e["kind"].startswith("sweep_")]
 
 
+def test_a_variant_the_rule_may_pause_asks_for_a_pack_of_its_own_gpu(world):
+    # docs/packing.md "Sweeps that stop their losers": the policy packs it one GPU wide
+    svc, store, *_ = world
+    a = add_variant(store, "lr-a")
+    plain = int(store.add_job(user=USER, name="plain", spec=spec_dict("plain", steps=100), spec_fingerprint="fp",
+                              estimate=estimate_dict(), gpu_model="h100"))
+    assert svc.demand_of(store.get_job(a)).may_pause and not svc.demand_of(store.get_job(plain)).may_pause
+
+
 def stop_reported(svc, store, cluster, job_id, by="sweep-pause"):
     """The agent saw the cancel file: the member checkpointed and stopped."""
     job = store.get_job(job_id)
