@@ -14,7 +14,7 @@ What it does, in one run, no training (a few seconds):
    rule in the simulator's packing model;
 4. plays `--sweeps` seeded sweeps of `--variants` variants drawn from the family, each
    twice on the same cluster: every variant to the end (the baseline) and with the rule
-   (adapt/asha.py: reduction 3, min_steps = steps // 27, the service's defaults).
+   (adapt/asha.py: reduction 3, min_steps = steps // 18, the service's defaults).
 
 saved_x = GPU-hours of every variant to the end / GPU-hours with the rule (allocations,
 as Slurm charges them); same_best = the full sweep's best variant (final AUC) reached the
@@ -35,7 +35,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from slurm_dlrm.adapt.asha import StopRule, rung_steps  # noqa: E402
+from slurm_dlrm.adapt.asha import StopRule, default_first_rung, rung_steps  # noqa: E402
 from slurm_dlrm.sim.files import parse_cluster  # noqa: E402
 from slurm_dlrm.sim.sweep_curves import (  # noqa: E402
     RecordedVariant,
@@ -50,11 +50,11 @@ from slurm_dlrm.sim.sweep_play import SweepOutcome, play_drawn, play_sweep, summ
 CURVES = ROOT / "tests" / "data" / "sweep_curves.json"
 SOLO_S = 3600.0  # a variant's run alone on a GPU at its sweep's median batch size (x its batch's ratio)
 REDUCTION = 3
-RUNGS = 3  # min_steps = steps // reduction**3, the service's default (service/sweep.py)
 
 
 def rule_for(steps: int) -> StopRule:
-    return StopRule("auc", max(1, steps // REDUCTION ** RUNGS), REDUCTION, steps)
+    """The service's default rule (adapt/asha.py default_first_rung: three rungs, the last at half the steps)."""
+    return StopRule("auc", default_first_rung(steps, REDUCTION), REDUCTION, steps)
 
 
 def recorded_metric(v: RecordedVariant):  # type: ignore[no-untyped-def]
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"recorded: {len(variants)} variants in {len(sweeps)} sweeps: " + ", ".join(
         f"{sw['name']} ({len(sw['variants'])} variants, {sw['steps']} steps, eval every "
         f"{sw.get('eval_every_steps', 20)})" for sw in data["sweeps"]))
-    print(f"rule: reduction {rule.reduction}, min_steps = steps // {rule.reduction ** RUNGS}: rungs at "
+    print(f"rule: reduction {rule.reduction}, min_steps = steps // {2 * rule.reduction ** 2}: rungs at "
           f"{', '.join(str(r) for r in rung_steps(rule))} of {steps} for the drawn sweeps; cluster {cluster.name}")
 
     # 1. the family and its held-out error

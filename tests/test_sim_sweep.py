@@ -111,7 +111,7 @@ def test_simulate_sweep_cli(tmp_path):
                                    "--variants", "9", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
-    assert out["summary"]["sweeps"] == 2 and len(out["sweeps"]) == 2 and out["rule"]["min_steps"] == 20
+    assert out["summary"]["sweeps"] == 2 and len(out["sweeps"]) == 2 and out["rule"]["min_steps"] == 30  # 540 // 18
     bad = tmp_path / "bad.json"
     bad.write_text('{"sweeps": [{"name": "x"}]}')
     for args, what in ((["--sweep", str(bad)], "--sweep"),

@@ -54,8 +54,14 @@ def test_stop_option_resolves_the_rule_into_every_variant(env):
     specs = specs_of(r)
     rules = [s["sweep"] for s in specs]
     assert len({r["id"] for r in rules}) == 1 and rules[0]["id"].startswith("sw.")  # one sweep
-    # 600 // 27 = 22, on the eval schedule (every 20): 20; rungs 20, 60, 180
+    # 600 // 18 = 33, on the eval schedule (every 20): 20; rungs 20, 60, 180
     assert rules[0] == {"stop": "asha", "metric": "ne", "min_steps": 20, "reduction": 3, "id": rules[0]["id"]}
+    # the last of three rungs at half the steps (adapt/asha.py: curves cross late)
+    from slurm_dlrm.adapt.asha import StopRule, rung_steps
+    from slurm_dlrm.service.sweep import default_min_steps
+
+    assert default_min_steps(5400, 3, 10) == 300 and rung_steps(StopRule("auc", 300, 3, 5400)) == (300, 900, 2700)
+    assert default_min_steps(800, 2, 0) == 100  # reduction 2: 800 // 8, as before
 
 
 def test_the_spec_sweep_section_is_the_rule_and_the_option_overrides_its_metric(env):

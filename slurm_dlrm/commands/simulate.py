@@ -109,7 +109,7 @@ def write_plots(results: list[Any], out_dir: Path) -> list[Path]:
 @click.option("--variants", "n_variants", type=click.IntRange(2, 10_000), default=27, show_default=True,
               help="With --sweep: variants per sweep.")
 @click.option("--reduction", type=click.IntRange(2, 100), default=3, show_default=True,
-              help="With --sweep: the rule's reduction factor (rungs at steps // reduction**3 x reduction**k).")
+              help="With --sweep: the rule's reduction factor (rungs at steps // (2 x reduction**2) x reduction**k).")
 def simulate_cmd(workload_path: str | None, cluster_path: str, policies: tuple[str, ...], seed: int | None,
                  site_path: str | None, plot_dir: str | None, truth_text: str, plan_text: str,
                  as_json: bool, sweep_path: str | None, n_sweeps: int, n_variants: int, reduction: int) -> None:
@@ -186,7 +186,7 @@ def _simulate_sweeps(curves_path: str, cluster_path: str, policies: tuple[str, .
                      site_path: str | None, as_json: bool, n_sweeps: int, n_variants: int, reduction: int) -> None:
     """`simulate --sweep CURVES`: seeded sweeps drawn from recorded curves, each played to
     the end and with the stopping rule (slurm_dlrm/sim/sweep_play.py)."""
-    from slurm_dlrm.adapt.asha import StopRule
+    from slurm_dlrm.adapt.asha import StopRule, default_first_rung
     from slurm_dlrm.sim import parse_cluster
     from slurm_dlrm.sim.sweep_curves import fit_family, recorded_variants
     from slurm_dlrm.sim.sweep_play import play_drawn, summarize
@@ -203,7 +203,7 @@ def _simulate_sweeps(curves_path: str, cluster_path: str, policies: tuple[str, .
                        f"{exc!r}") from None
     if len(variants) < 2 or any(len(v.curve) < 3 for v in variants):
         raise BadInput(f"--sweep: {curves_path}: needs 2 or more variants of 3 or more evaluations each")
-    rule = StopRule("auc", max(1, steps // reduction ** 3), reduction, steps)
+    rule = StopRule("auc", default_first_rung(steps, reduction), reduction, steps)
     if rule.min_steps >= steps:
         raise BadInput(f"--reduction {reduction}: no rung below the curves' {steps} steps")
     cluster = parse_cluster(read_data_file(cluster_path, "cluster"), _site_gpu_models(site_path))

@@ -249,8 +249,6 @@ def variants_with_draws(spec: Any, sets: Sequence[tuple[str, Any]], array: Seque
 
 # ---------------------------------------------------------------- a stopping rule (issue 47)
 
-# Rungs by default: min_steps = steps // reduction**DEFAULT_RUNGS (three rungs below the end).
-DEFAULT_RUNGS = 3
 
 
 def parse_stop(text: str) -> tuple[str, str | None]:
@@ -268,8 +266,11 @@ def parse_stop(text: str) -> tuple[str, str | None]:
 
 
 def default_min_steps(steps: int, reduction: int, eval_every_steps: int) -> int:
-    """The first rung: a 1/reduction**3 of the steps, on the eval schedule where it is that long."""
-    raw = max(1, steps // reduction ** DEFAULT_RUNGS)
+    """The first rung (adapt/asha.py's default_first_rung: three rungs, the last at half the
+    steps), on the eval schedule where it is that long."""
+    from slurm_dlrm.adapt.asha import default_first_rung
+
+    raw = default_first_rung(steps, reduction)
     if eval_every_steps and raw >= eval_every_steps:
         raw -= raw % eval_every_steps
     return raw
