@@ -36,8 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from slurm_dlrm.adapt.asha import StopRule, default_first_rung, rung_steps  # noqa: E402
-from slurm_dlrm.sim.files import parse_cluster  # noqa: E402
+from slurm_dlrm.sim.files import SimCluster, parse_cluster  # noqa: E402
 from slurm_dlrm.sim.sweep_curves import (  # noqa: E402
+    CurveFamily,
     RecordedVariant,
     family_metric,
     fit_family,
@@ -48,6 +49,7 @@ from slurm_dlrm.sim.sweep_curves import (  # noqa: E402
 from slurm_dlrm.sim.sweep_play import SweepOutcome, play_drawn, play_sweep, summarize  # noqa: E402
 
 CURVES = ROOT / "tests" / "data" / "sweep_curves.json"
+HELD_OUT_CURVES = ROOT / "tests" / "data" / "sweep_curves_held_out.json"
 SOLO_S = 3600.0  # a variant's run alone on a GPU at its sweep's median batch size (x its batch's ratio)
 REDUCTION = 3
 
@@ -74,12 +76,39 @@ def value_at(v: RecordedVariant, step: int) -> float:
     return float(recorded_metric(v)(step))
 
 
+def rank_check(own: list[RecordedVariant], family: CurveFamily) -> str:
+    """Spearman(AUC at the first rung, final AUC) of `own` (one sweep's variants of one
+    batch size) recorded, against the same drawn from `family` (median of 50 draws)."""
+    name, batch, own_steps = own[0].sweep, own[0].batch_size, own[0].steps
+    rung0 = rule_for(own_steps).min_steps
+    rec = spearman([value_at(v, rung0) for v in own], [v.curve[-1][1] for v in own])
+    drawn = []
+    for k in range(50):
+        ds = family.draw(len(own), seed=1000 + k)
+        ms = [family_metric(family, d, 1000 + k, i) for i, d in enumerate(ds)]
+        drawn.append(spearman([m(rung0) for m in ms], [m(own_steps) for m in ms]))
+    return (f"  {name} batch {batch:<5} ({len(own)} variants, step {rung0} of {own_steps}) recorded {rec:+.2f}  "
+            f"drawn {statistics.median(drawn):+.2f} (10-90%: {sorted(drawn)[5]:+.2f}..{sorted(drawn)[44]:+.2f})")
+
+
+def replay_line(name: str, own: list[RecordedVariant], cluster: SimCluster) -> str:
+    """One recorded sweep replayed with its measured curves (no fit) through the rule."""
+    med = statistics.median(v.batch_size for v in own)
+    o = play_sweep({i: recorded_metric(v) for i, v in enumerate(own)}, [SOLO_S * v.batch_size / med for v in own],
+                   rule_for(own[0].steps), cluster)
+    return (f"  {name:<20} variants {o.variants:>2}  gpu_hours full {o.gpu_hours_full:6.2f} stop "
+            f"{o.gpu_hours_stop:6.2f}  saved_x {o.saved_x:4.2f}  same_best {o.same_best}  "
+            f"best auc {o.best_value_full:.4f} vs {o.best_value_stop:.4f}  reached the end {o.completed_stop}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sweeps", type=int, default=30)
     ap.add_argument("--variants", type=int, default=27)
     ap.add_argument("--cluster", default=str(ROOT / "benchmarks" / "sim" / "cluster_1gpu.yaml"))
     ap.add_argument("--curves", default=str(CURVES))
+    ap.add_argument("--held-out-curves", default=str(HELD_OUT_CURVES),
+                    help="recorded curves the family is not fitted to, only judged on (skipped if absent)")
     ap.add_argument("--seed", type=int, default=47, help="the development seeds' base (looked at, printed one by one)")
     ap.add_argument("--held-out-seed", type=int, default=2611,
                     help="the held-out seeds' base: never looked at to choose anything; the last line is theirs")
@@ -117,29 +146,25 @@ def main(argv: list[str] | None = None) -> int:
           "recorded vs drawn from the others' family (median of 50 draws):")
     for name, batch in groups if len(groups) > 1 else []:
         own = [v for v in variants if (v.sweep, v.batch_size) == (name, batch)]
-        own_steps = own[0].steps
-        rung0 = rule_for(own_steps).min_steps
-        rest = fit_family([v for v in variants if (v.sweep, v.batch_size) != (name, batch)])
-        rec = spearman([value_at(v, rung0) for v in own], [v.curve[-1][1] for v in own])
-        drawn = []
-        for k in range(50):
-            ds = rest.draw(len(own), seed=1000 + k)
-            ms = [family_metric(rest, d, 1000 + k, i) for i, d in enumerate(ds)]
-            drawn.append(spearman([m(rung0) for m in ms], [m(own_steps) for m in ms]))
-        print(f"  {name} batch {batch:<5} ({len(own)} variants, step {rung0} of {own_steps}) recorded {rec:+.2f}  "
-              f"drawn {statistics.median(drawn):+.2f} "
-              f"(10-90%: {sorted(drawn)[5]:+.2f}..{sorted(drawn)[44]:+.2f})")
+        print(rank_check(own, fit_family([v for v in variants if (v.sweep, v.batch_size) != (name, batch)])))
+
+    # 2b. curves recorded after the family was built and never fitted (--held-out-curves)
+    held_path = Path(args.held_out_curves)
+    if held_path.exists():
+        held_vs = recorded_variants(json.loads(held_path.read_text()))
+        herr = held_out_error(held_vs)
+        print(f"held-out curves ({held_path.name}: {len(held_vs)} variants, not in the family): the family's "
+              f"power law on them, last third from the first third rmse {herr.extrap_rmse:.4f} (max |err| "
+              f"{herr.extrap_max_abs:.4f}); Spearman recorded vs drawn from the family of the fitted curves:")
+        for name, batch in sorted({(v.sweep, v.batch_size) for v in held_vs}):
+            print(rank_check([v for v in held_vs if (v.sweep, v.batch_size) == (name, batch)], family))
+        for name in dict.fromkeys(v.sweep for v in held_vs):
+            print(replay_line(name, [v for v in held_vs if v.sweep == name], cluster))
 
     # 3. the recorded sweeps replayed (measured curves; small sweeps: keep = reached // 3)
     print("replay of the recorded sweeps (measured curves, no fit):")
     for name in sweeps:
-        own = [v for v in variants if v.sweep == name]
-        med = statistics.median(v.batch_size for v in own)
-        o = play_sweep({i: recorded_metric(v) for i, v in enumerate(own)}, [SOLO_S * v.batch_size / med for v in own],
-                       rule_for(own[0].steps), cluster)
-        print(f"  {name:<20} variants {o.variants:>2}  gpu_hours full {o.gpu_hours_full:6.2f} stop "
-              f"{o.gpu_hours_stop:6.2f}  saved_x {o.saved_x:4.2f}  same_best {o.same_best}  "
-              f"best auc {o.best_value_full:.4f} vs {o.best_value_stop:.4f}  reached the end {o.completed_stop}")
+        print(replay_line(name, [v for v in variants if v.sweep == name], cluster))
 
     # 4. seeded sweeps drawn from the family: the development seeds (the ones looked at
     # while the mechanisms were built), one line each
