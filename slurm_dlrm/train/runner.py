@@ -437,6 +437,19 @@ class Trainer:
             self._static_tensor_bytes = total + grads
         return self._static_tensor_bytes + self._activation_bytes
 
+    def _rank_peaks(self, record: dict[str, Any]) -> dict[str, list[int | None]]:
+        """Every rank's peaks so far (GPU, host RSS, live tensors), gathered at a metrics
+        window (every rank reaches it at the same step) for rank 0's line: the ranks of a
+        multi-node job differ (issue 48: the largest one decides the request), and `acct`
+        shows each one's measured peak. -1 stands for "not measured" (no GPU)."""
+        keys = ("peak_gpu_bytes", "peak_rss_bytes", "peak_tensor_bytes")
+        mine = torch.tensor([-1 if record[k] is None else int(record[k]) for k in keys], dtype=torch.int64,
+                            device=self.device)  # gloo: the CPU; NCCL: the rank's GPU
+        every = [torch.empty_like(mine) for _ in range(self.dist_info.world_size)]
+        dist.all_gather(every, mine)
+        rows = [t.tolist() for t in every]
+        return {f"rank_{k}": [None if row[i] < 0 else int(row[i]) for row in rows] for i, k in enumerate(keys)}
+
     def _predict(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return predict_clicks(self.built, self.device, self._autocast, batch)
 
@@ -523,7 +536,7 @@ class Trainer:
                         torch.cuda.synchronize(self.device)
                     elapsed = time.perf_counter() - window_t0
                     rss, peak_rss = rss_and_peak_bytes()
-                    record = {
+                    record: dict[str, Any] = {
                         "t": now(),
                         "step": done,
                         "samples_per_s": window_steps * samples_per_step / elapsed if elapsed > 0 else None,
@@ -540,6 +553,8 @@ class Trainer:
                     }
                     self._peak_tensor_bytes = max(self._peak_tensor_bytes, self._tensor_bytes())
                     record["peak_tensor_bytes"] = self._peak_tensor_bytes
+                    if self.dist_info.world_size > 1:
+                        record.update(self._rank_peaks(record))
                     if metrics is not None and progress is not None:
                         metrics.write(record)
                         progress.report(record)
