@@ -1,6 +1,6 @@
 """What whole-node multi-node jobs cost the packs, in the simulator (issue 48 item 8).
 
-The policies' mix (benchmarks/sim/dlrm_mix.yaml, 8x its jobs and arrival rate) on four
+The policies' mix (benchmarks/sim/dlrm_mix.yaml, 4x its jobs and arrival rate) on four
 4-GPU nodes (cluster_4gpu.yaml's node, four times), run twice per policy on the same
 packed jobs: alone, and with a few 2-node x 4-GPU jobs (sim/multinode.py: not packed,
 first come first served; each reserves the nodes that drain first, which then take no
@@ -32,7 +32,7 @@ from slurm_dlrm.sim.multinode import with_whole_node_jobs  # noqa: E402
 
 SIM = Path(__file__).resolve().parent / "sim"
 POLICIES = ("exclusive", "mem-best-fit", "complementary")
-SCALE = 8  # the mix's jobs and arrival rate, x
+SCALE = 4  # the mix's jobs and arrival rate, x
 MULTINODE_JOBS = 3
 MULTINODE_NODES, GPUS_PER_NODE = 2, 4
 MULTINODE_HOURS = 2.0
