@@ -780,7 +780,12 @@ def run(spec: Any, opts: RunOptions) -> int:
         code = trainer.run()
         if code == TRAIN_EXIT_OK and trainer.dist_info.world_size > 1:
             # every rank past its last collective before any tears the group down: a rank
-            # whose peer had already exited could hang in gloo at exit (backend torch, DDP)
+            # whose peer had already exited could hang in gloo at exit (backend torch, DDP;
+            # seen 2 of 4 tries in wave 4, not reproduced since in ~30 runs without it).
+            # Measured (torch 2.13): once DDP has wrapped a module, destroy_process_group
+            # leaves gloo's threads (gloo_tcp_loop, 2 pt_gloo_runloop) running, even with
+            # the DDP module deleted first, so the group is torn down at interpreter exit,
+            # when the peer may be gone; without DDP they stop at destroy_process_group.
             dist.barrier()
         return code
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
