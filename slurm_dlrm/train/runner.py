@@ -781,7 +781,8 @@ def run(spec: Any, opts: RunOptions) -> int:
         if code == TRAIN_EXIT_OK and trainer.dist_info.world_size > 1:
             # every rank past its last collective before any tears the group down: a rank
             # whose peer had already exited could hang in gloo at exit (backend torch, DDP;
-            # seen 2 of 4 tries in wave 4, not reproduced since in ~30 runs without it).
+            # seen 2 of 4 tries in wave 4; in ~40 runs without it since, once probably: a
+            # rank still alive 30 s after the last checkpoint, gone before a stack was taken).
             # Measured (torch 2.13): once DDP has wrapped a module, destroy_process_group
             # leaves gloo's threads (gloo_tcp_loop, 2 pt_gloo_runloop) running, even with
             # the DDP module deleted first, so the group is torn down at interpreter exit,
