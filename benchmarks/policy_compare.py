@@ -56,7 +56,11 @@ proven bound, and the `exact` policy over whole runs beside complementary; line
 plan_p95_ms=X` above the last line. `--exact-only` runs just that; `--no-exact` skips it
 (it is the slowest part: a solver per round).
 
-Run:  /work/main/.venv/bin/python benchmarks/policy_compare.py [--dmem] [--fair-only [--seed N]] [--truth SPEC [--truth-only]] [--exact-only | --no-exact]
+Multi-node (issue 48, benchmarks/multinode_sim.py): the mix on four 4-GPU nodes alone
+and with a few whole-node 2-node jobs, side by side per policy (what they cost the
+packs); line `multinode_sim: ...` above the last line; `--no-multinode` skips it.
+
+Run:  /work/main/.venv/bin/python benchmarks/policy_compare.py [--dmem] [--fair-only [--seed N]] [--truth SPEC [--truth-only]] [--exact-only | --no-exact] [--no-multinode]
 Last line:  policy: tput_vs_exclusive_1gpu=X tput_vs_exclusive_4gpu=X share_of_bound_1gpu=X
             share_of_bound_4gpu=X tput_vs_firstfit=X jct_cut_vs_firstfit_pct=X ooms=N
 (share_of_bound: complementary's throughput over the ideal bound, the lowest of the
@@ -117,6 +121,7 @@ from slurm_dlrm.truth import SyntheticColocation  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from exact_ceiling import exact_line  # noqa: E402 - benchmarks/ is on sys.path
+from multinode_sim import compare as multinode_compare  # noqa: E402 - issue 48: what multi-node jobs cost the packs
 
 SIM = ROOT / "benchmarks" / "sim"
 
@@ -371,6 +376,8 @@ def main() -> None:
                     help="with --truth: only today's two runs and the runs under --truth")
     ap.add_argument("--exact-only", action="store_true", help="only the exact: line (issue 50)")
     ap.add_argument("--no-exact", action="store_true", help="skip the exact: line (issue 50; the slowest part)")
+    ap.add_argument("--no-multinode", action="store_true",
+                    help="skip the multinode_sim: table and line (issue 48, benchmarks/multinode_sim.py)")
     args = ap.parse_args()
     if args.exact_only:
         print(exact_line())
@@ -472,6 +479,10 @@ def main() -> None:
         print(line)
     if not args.no_exact:
         print(exact_line())
+    if not args.no_multinode:
+        mn_lines, mn_last = multinode_compare()
+        print("\n".join(mn_lines))
+        print(mn_last)
     print(f"policy: tput_vs_exclusive_1gpu={vs_excl_1:.2f} tput_vs_exclusive_4gpu={vs_excl_4:.2f} "
           f"share_of_bound_1gpu={share_1:.3f} share_of_bound_4gpu={share_4:.3f} "
           f"tput_vs_firstfit={vs_ff:.2f} jct_cut_vs_firstfit_pct={cut:.1f} ooms={ooms}")

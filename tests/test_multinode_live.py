@@ -150,11 +150,15 @@ def test_four_ranks_over_two_nodes_train_and_resume_exactly_after_cancel(live_se
     wait_until(lambda: show_job(straight)["state"] in ENDED, 300)
     s = show_job(straight)
     assert s["state"] == "COMPLETED", s
-    # accounting charges the GPUs it held for its time: --exclusive on the local cluster's
-    # 4-GPU nodes holds both nodes whole (Slurm's AllocTRES gres/gpu=8)
-    r = cli("acct", "-j", str(straight), "-o", "JobID,State,Elapsed,GPUHours", "--json")
+    # accounting charges both whole nodes' GPUs for its time (--exclusive, 4-GPU nodes: 8);
+    # scontrol's TRES for the job says gres/gpu=4 on the local cluster (docs/multinode.md)
+    r = cli("acct", "-j", str(straight), "-o", "JobID,State,Elapsed,GPUHours,MaxRSS,RankMaxRSS,RankMaxTensor",
+            "--json")
     (a,) = json.loads(r.output)
     assert a["Elapsed"] > 0 and a["GPUHours"] == pytest.approx(8 * a["Elapsed"] / 3600.0, rel=0.02), a
+    # every rank's measured peak (issue 48 item 3), the largest as the job's MaxRSS
+    assert len(a["RankMaxRSS"]) == 4 and min(a["RankMaxRSS"]) > 0 and a["MaxRSS"] == max(a["RankMaxRSS"]), a
+    assert len(a["RankMaxTensor"]) == 4 and min(a["RankMaxTensor"]) > 0, a
     _record(trained=1)
     r = cli("submit", str(_spec(tmp_path, "mn-stopped", steps, every)))
     assert r.exit_code == 0, r.output

@@ -145,3 +145,43 @@ def test_queue_shows_the_last_auc_and_show_reads_the_last_eval_and_stop_lines(tm
     assert last_metrics(spool, ids[1], "eval")["eval_auc"] == 0.78
     assert last_metrics(spool, ids[1], "stop")["reason"] == "auc reached the target"
     assert last_metrics(spool, ids[0], "stop") is None
+
+
+def _peaks_line(step: int, rss: list[int], tensor: list[int]) -> str:
+    """Rank 0's metrics line of a multi-rank run (train/runner.py `_rank_peaks`): on the CPU
+    no rank measures GPU memory."""
+    return json.dumps({"t": 100.0 + step, "step": step, "loss": 0.6, "world_size": len(rss),
+                       "peak_rss_bytes": rss[0], "rank_peak_gpu_bytes": [None] * len(rss),
+                       "rank_peak_rss_bytes": rss, "rank_peak_tensor_bytes": tensor}) + "\n"
+
+
+def test_acct_shows_every_rank_s_measured_peak_of_a_multi_rank_job(tmp_path: Path):
+    """Issue 48 item 3: a multi-node job's ranks each have their peak in acct (measured by
+    the runner, gathered into rank 0's metrics lines); MaxRSS is the largest rank's, as
+    sacct's MaxRSS is its largest task's; a requeued attempt that peaks lower keeps the
+    first attempt's peak."""
+    mib = 1 << 20
+    with Store(tmp_path / "s.db") as store:
+        job = store.add_job(user="u", name="mn", spec={}, spec_fingerprint="f")
+        single = store.add_job(user="u", name="one", spec={}, spec_fingerprint="g")
+        d = tmp_path / "spool" / "jobs"
+        (d / str(job)).mkdir(parents=True)
+        (d / str(single)).mkdir(parents=True)
+        metrics = d / str(job) / "metrics.jsonl"
+        metrics.write_text(_peaks_line(5, [300 * mib, 310 * mib, 290 * mib, 305 * mib], [10, 40, 20, 30]) +
+                           _peaks_line(10, [320 * mib, 330 * mib, 300 * mib, 340 * mib], [11, 41, 21, 31]))
+        (d / str(single) / "metrics.jsonl").write_text(json.dumps({"t": 1.0, "step": 5, "peak_rss_bytes": 9}) + "\n")
+        for j in (job, single):
+            ingest_eval_file(store, j, d / str(j) / "metrics.jsonl")
+        with metrics.open("a") as f:  # the requeued attempt starts afresh and peaks lower
+            f.write(_peaks_line(5, [200 * mib, 200 * mib, 200 * mib, 200 * mib], [1, 1, 1, 1]))
+        ingest_eval_file(store, job, metrics)
+    cols = "JobID,MaxRSS,RankMaxRSS,RankMaxTensor,RankMaxGPUMem"
+    res = CliRunner().invoke(cli, ["acct", "--db", str(tmp_path / "s.db"), "--json", "-o", cols])
+    assert res.exit_code == 0, res.output
+    got = {r["JobID"]: r for r in json.loads(res.output)}
+    assert got[job] == {"JobID": job, "MaxRSS": 340 * mib, "RankMaxRSS": [320 * mib, 330 * mib, 300 * mib, 340 * mib],
+                        "RankMaxTensor": [11, 41, 21, 31], "RankMaxGPUMem": [None] * 4}
+    assert got[single]["RankMaxRSS"] is None and got[single]["MaxRSS"] is None  # no rank lists: no rows
+    table = CliRunner().invoke(cli, ["acct", "--db", str(tmp_path / "s.db"), "-o", cols]).output
+    assert "320.0M,330.0M,300.0M,340.0M" in table and "-,-,-,-" in table, table

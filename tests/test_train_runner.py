@@ -277,6 +277,10 @@ def test_world_size_2_launches_two_ranks_and_checkpoints_both(tmp_path: Path):
     assert done.returncode == TRAIN_EXIT_OK, done.stderr[-3000:]
     recs = lines(tmp_path / "m.jsonl")  # rank 0 reports for the job
     assert [r["step"] for r in recs] == [3, 6] and recs[0]["world_size"] == 2
+    # every rank's peaks, gathered into rank 0's lines (acct's RankMaxRSS..., issue 48)
+    assert all(len(r["rank_peak_rss_bytes"]) == 2 and min(r["rank_peak_rss_bytes"]) > 0 for r in recs), recs
+    assert recs[-1]["rank_peak_rss_bytes"][0] == recs[-1]["peak_rss_bytes"] and min(recs[-1]["rank_peak_tensor_bytes"]) > 0
+    assert recs[-1]["rank_peak_gpu_bytes"] == [None, None]  # the CPU
     found = ckpt.newest_valid(tmp_path / "ckpt", {"world_size": 2})
     assert found is not None and found.step == 6
     assert {"rank0.bin", "rank1.bin", "rank0.json", "rank1.json"} <= set(found.manifest["files"])

@@ -41,7 +41,7 @@ def placed(st: SimState, jid: int) -> None:
 def joinable(st: SimState, pk: PackState) -> bool:
     # An idle pack takes joiners for the agent's join grace (two rounds, as the
     # service's default agent.join_grace_s), not for the rest of its release.
-    if pk.node.down:
+    if pk.node.down or pk.node.name in st.policy_nodes_closed():
         return False
     return pk.live > 0 or (pk.idle_since_s is not None and st.now - pk.idle_since_s < 2.0 * st.dispatch.round_seconds)
 
@@ -50,8 +50,10 @@ def capacity_free(st: SimState) -> bool:
     """Whether a round could place anything: a free GPU, a free shard (first-fit) or a
     running pack to refill."""
     slots = max(1, min(st.limits.shards_per_gpu, st.limits.members_per_gpu))
-    return (any(n.free_gpus > 0 and not n.down for n in st.nodes)
-            or any(sum(1 for m in pk.gpus[gi].members if not m.ended) < slots for pk, gi in st.shard_gpus.values())
+    closed = st.policy_nodes_closed()
+    return (any(n.free_gpus > 0 and not n.down and n.name not in closed for n in st.nodes)
+            or any(sum(1 for m in pk.gpus[gi].members if not m.ended) < slots
+                   for pk, gi in st.shard_gpus.values() if pk.node.name not in closed)
             or (st.refill and any(joinable(st, pk) for pk in st.running_packs)))
 
 
@@ -101,6 +103,8 @@ def run_round(st: SimState) -> None:
     st.arrived_since = 0
     open_gpus = tuple(OpenGpu(key, pk.node.name, sum(1 for m in pk.gpus[gi].members if not m.ended))
                       for key, (pk, gi) in sorted(st.shard_gpus.items(), key=lambda kv: (kv[1][0].pack_id, kv[1][1])))
+    closed = st.policy_nodes_closed()  # a multi-node job's nodes (sim/multinode.py)
+    open_gpus = tuple(o for o in open_gpus if o.node_name not in closed)
     with_open = {o.node_name for o in open_gpus}
     if st.refill:
         open_gpus += pack_gpus(st)
@@ -108,7 +112,7 @@ def run_round(st: SimState) -> None:
     free = tuple(NodeShape(gpu_model=n.gpu_model, gpus=n.free_gpus, cpus=max(0, n.free_cpus - st.agent_cpus),
                            memory_bytes=max(0, n.free_mem - st.agent_mem),
                            count=1, name=n.name) for n in st.nodes
-                 if (n.free_gpus > 0 or n.name in with_open) and not n.down)
+                 if (n.free_gpus > 0 or n.name in with_open) and not n.down and n.name not in closed)
     request = PackingRequest(jobs=aged(sorted(st.pending.values(), key=lambda d: d.job_id), st.waited, st.dispatch),
                              gpu_models=st.cluster.gpu_models, nodes=free, limits=round_limits(st), open_gpus=open_gpus,
                              fair=st.dispatch.fair, now_s=st.now)

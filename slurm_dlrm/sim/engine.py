@@ -38,6 +38,7 @@ fresh or from a `Snapshot`, and what it records):
 - sim/dispatch_round.py: when a round runs, what it offers `packing.plan`, its plan applied;
 - sim/lifecycle.py: members at their peak or end, OOM retries, faults, packs released;
 - sim/sweep.py: a sweep's variants judged at the stopping rule's rungs, paused, promoted;
+- sim/multinode.py: whole-node multi-node jobs, not packed: their queue, the nodes they hold;
 - sim/snapshot.py: the service's view of a moment (`take_snapshot`, `resume_state` here);
 - sim/results.py: `JobOutcome` and `SimResult` with their metrics.
 """
@@ -56,6 +57,7 @@ from slurm_dlrm.sim.events import (
     ARRIVAL,
     EPS,
     MEMBER_READY,
+    MULTINODE_END,
     NODE_BACK,
     NODE_FAIL,
     OBSERVE,
@@ -74,6 +76,10 @@ from slurm_dlrm.sim.lifecycle import (
     release_pack,
     requeue,
 )
+from slurm_dlrm.sim.multinode import WholeNodeJobs, is_whole_node
+from slurm_dlrm.sim.multinode import arrive as whole_node_arrive
+from slurm_dlrm.sim.multinode import end as whole_node_end
+from slurm_dlrm.sim.multinode import start_ready as start_whole_node_jobs
 from slurm_dlrm.sim.planner_view import est_left_s, job_demand, measured_left_s, round_limits
 from slurm_dlrm.sim.progress import advance, next_change_s, set_speeds, sync_gangs
 from slurm_dlrm.sim.results import JobOutcome, SimResult
@@ -145,6 +151,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         for at_s, name in faults.faults.node_failures_at:
             st.events.push(at_s, NODE_FAIL, (name, False))
 
+    if any(is_whole_node(j) for j in workload.jobs):
+        st.whole_node = WholeNodeJobs()
     if resume is not None:
         resume_state(st, resume, resumed)
     gangs = any(j.world_size > 1 for j in workload.jobs)
@@ -159,6 +167,8 @@ def simulate(workload: Workload, cluster: SimCluster, policy: str,
         # Heap events at this instant.
         while (due := st.events.pop_due(st.now)) is not None:
             _handle_event(st, *due)
+        if st.whole_node is not None:
+            start_whole_node_jobs(st)  # a pack released their last nodes
         while snap_times and st.now - st.first_arrival >= snap_times[0] - EPS:
             snap_times.pop(0)
             snapshots.append(take_snapshot(st))
@@ -198,6 +208,9 @@ def _handle_event(st: SimState, kind: int, payload: object) -> None:
     if kind == ARRIVAL:
         assert isinstance(payload, int)
         job = st.jobs[payload]
+        if is_whole_node(job):
+            whole_node_arrive(st, job)  # not packed: its own queue (sim/multinode.py)
+            return
         st.pending[payload] = job_demand(job, job.gpu_mem_bytes, job.est_duration_s)
         if faults is not None:
             st.pending[payload] = faults.arrival_demand(job, now)
@@ -207,6 +220,9 @@ def _handle_event(st: SimState, kind: int, payload: object) -> None:
     elif kind == RESUBMIT:
         assert isinstance(payload, int)
         requeue(st, payload)
+    elif kind == MULTINODE_END:
+        assert isinstance(payload, int)
+        whole_node_end(st, payload)
     elif kind == SNAPSHOT:
         pass  # recorded by the loop, once this instant's events are handled
     elif kind == PACK_RELEASE:

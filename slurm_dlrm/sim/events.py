@@ -17,6 +17,7 @@ NODE_FAIL, NODE_BACK, OBSERVE = 4, 5, 6  # only with `faults` (sim/faults.py)
 RESUBMIT = 7  # a user resubmits a failed job (retry.user_resubmits)
 SNAPSHOT = 8  # snapshot_at_s: the loop stops there to record one
 PACK_RELEASE = 9  # slurm.pack_release_s after a pack's last member ended: its GPUs are free
+MULTINODE_END = 10  # a whole-node multi-node job ends (sim/multinode.py)
 EPS = 1e-9
 
 

@@ -56,6 +56,9 @@ class SimJob:
     # What it really peaks at in host memory (None: its estimate, `host_mem_bytes`); past
     # its share of the pack's --mem the agent stops it (or the kernel kills it): OOM_HOST.
     true_host_mem_bytes: int | None = None
+    # A whole-node multi-node job (issue 48, sim/multinode.py): `world_size` ranks over
+    # `nodes` whole nodes, not packed; 1: an ordinary job.
+    nodes: int = 1
 
     @property
     def scales(self) -> tuple[float, ...]:
@@ -346,9 +349,12 @@ def _explicit_job(i: int, raw: Any, gpu_models: Mapping[str, GpuModel]) -> SimJo
     prio = t.num("priority", 0.0)
     world = t.int_("world_size", 1, lo=1, hi=64)
     scales = _rank_scales(t, world)
+    nodes = t.int_("nodes", 1, lo=1, hi=64)  # > 1: whole nodes, not packed (issue 48)
+    if world % nodes:
+        raise BadInput(f"workload.jobs[{i}].nodes: {nodes} does not divide world_size {world}")
     t.done()
     return SimJob(i, name, arrival, solo, mem, host, sm, bw, cpus, label, true_mem, true_sm, true_bw, est_dur, peak, prio,
-                  world_size=world, rank_scales=scales)
+                  world_size=world, rank_scales=scales, nodes=nodes)
 
 
 def _rank_scales(t: _Table, world: int) -> tuple[float, ...]:

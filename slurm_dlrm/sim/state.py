@@ -11,6 +11,7 @@ only drives it.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 
 from slurm_dlrm.packing.dispatch import DispatchConfig
@@ -94,6 +95,21 @@ class PackState:
 
 
 @dataclass
+class WholeNodeJobs:
+    """The whole-node multi-node jobs of one run (issue 48, sim/multinode.py): waiting
+    (in arrival order), the nodes each waits for, running (nodes, start)."""
+
+    waiting: deque[int] = field(default_factory=deque)
+    reserved: dict[int, list[str]] = field(default_factory=dict)
+    running: dict[int, tuple[list[str], float]] = field(default_factory=dict)
+
+    def held_nodes(self) -> set[str]:
+        """Nodes the policy may not use now: reserved for a waiting job or held by a running one."""
+        return {n for names in self.reserved.values() for n in names} | {
+            n for names, _ in self.running.values() for n in names}
+
+
+@dataclass
 class SimState:
     """One run's shared state (sim/engine.py `simulate` makes it from its arguments)."""
 
@@ -167,6 +183,12 @@ class SimState:
     backlog_work_s: float = 0.0
     # A sweep with a stopping rule (issue 47, sim/sweep.py): its variants pause at rungs.
     sweep: SweepRuntime | None = None
+    # Whole-node multi-node jobs (issue 48, sim/multinode.py); None: the workload has none.
+    whole_node: WholeNodeJobs | None = None
+
+    def policy_nodes_closed(self) -> set[str]:
+        """Nodes no new pack or joiner may use: a multi-node job holds or waits for them."""
+        return self.whole_node.held_nodes() if self.whole_node is not None else set()
 
     def gpu_bytes(self, node: NodeState) -> int:
         return self.cluster.gpu_model(node.gpu_model).memory_bytes

@@ -52,7 +52,7 @@ class AcctFilter:
 class Column:
     name: str
     key: str
-    kind: str  # str | int | bytes | pct | dur | time | hours | rate | metric
+    kind: str  # str | int | bytes | bytes_list | pct | dur | time | hours | rate | metric
     help: str
 
 
@@ -84,6 +84,11 @@ COLUMNS: tuple[Column, ...] = (
     Column("MaxGPUMem", "gpu_mem_peak_bytes", "bytes", "measured peak GPU memory"),
     Column("EstHostMem", "est_host_peak_bytes", "bytes", "estimated peak host memory"),
     Column("MaxRSS", "rss_peak_bytes", "bytes", "measured peak host RSS"),
+    # a multi-rank run's ranks (issue 48): the runner gathers them at every metrics line
+    Column("RankMaxGPUMem", "rank_gpu_mem_peaks", "bytes_list", "measured peak GPU memory of every rank, in rank order"),
+    Column("RankMaxRSS", "rank_rss_peaks", "bytes_list", "measured peak host RSS of every rank, in rank order"),
+    Column("RankMaxTensor", "rank_tensor_peaks", "bytes_list",
+           "measured peak of live tensor bytes of every rank (what `estimate` predicts per rank)"),
     Column("MeanSM", "sm_util_mean", "pct", "mean SM utilisation, %"),
     Column("MaxSM", "sm_util_max", "pct", "max SM utilisation, %"),
     Column("MeanCPU", "host_cpu_mean", "pct", "mean host CPU, % of one core"),
@@ -283,6 +288,9 @@ _SQL_HUMAN: dict[str, Callable[[str], str]] = {
         f"WHEN abs({x}) >= 1048576 THEN printf('%.1fM', {x} / 1048576.0) "
         f"WHEN abs({x}) >= 1024 THEN printf('%.1fK', {x} / 1024.0) ELSE CAST(CAST({x} AS INTEGER) AS TEXT) END"
     ),
+    # a JSON array of byte counts (one per rank): each as "bytes", '-' where not measured
+    "bytes_list": lambda x: (f"(SELECT group_concat(CASE WHEN value IS NULL THEN '-' ELSE "
+                             f"{_SQL_HUMAN['bytes']('value')} END, ',') FROM json_each({x}))"),
     "pct": lambda x: f"printf('%.1f', {x})",
     "rate": lambda x: f"printf('%.0f', {x})",
     "hours": lambda x: f"printf('%.3f', {x})",
@@ -496,6 +504,8 @@ def raw_value(col: Column, v: Any) -> Any:
         return datetime.fromtimestamp(v).astimezone().isoformat(timespec="seconds")
     if col.kind == "bytes":
         return int(v)
+    if col.kind == "bytes_list":
+        return json.loads(v)
     if col.kind in ("dur", "pct", "rate"):
         return round(float(v), 1)
     if col.kind == "hours":

@@ -1,6 +1,7 @@
 """Held-out evaluations (issue 39): the `"type": "eval"` lines a job's runner appends to
 its metrics file (`<spool>/jobs/<id>/metrics.jsonl`, docs/runner.md "Evaluation"),
 read into the store's `evals` table, and what acct, queue and the exporter read back.
+The same pass reads a multi-rank run's per-rank peaks (issue 48) into `rank_peaks`.
 
 Reading is incremental and exactly once, like agent reports (store/ingest.py): the byte
 offset of each metrics file is kept in `ingest_offsets`, only complete lines are read,
@@ -50,6 +51,38 @@ def _row(job_id: int, rec: dict[str, Any]) -> tuple[Any, ...] | None:
             num("planted_auc"))
 
 
+# a rank's peaks only grow within a run; over attempts (a requeue starts afresh) the
+# highest is kept, as job_usage keeps its peaks
+UPSERT_RANK_PEAKS = """
+INSERT INTO rank_peaks (job_id, rank, gpu_mem_peak_bytes, rss_peak_bytes, tensor_peak_bytes, t)
+VALUES (?, ?, ?, ?, ?, ?)
+ON CONFLICT(job_id, rank) DO UPDATE SET
+    gpu_mem_peak_bytes = max(coalesce(gpu_mem_peak_bytes, excluded.gpu_mem_peak_bytes),
+                             coalesce(excluded.gpu_mem_peak_bytes, gpu_mem_peak_bytes)),
+    rss_peak_bytes = max(coalesce(rss_peak_bytes, excluded.rss_peak_bytes),
+                         coalesce(excluded.rss_peak_bytes, rss_peak_bytes)),
+    tensor_peak_bytes = max(coalesce(tensor_peak_bytes, excluded.tensor_peak_bytes),
+                            coalesce(excluded.tensor_peak_bytes, tensor_peak_bytes)),
+    t = max(t, excluded.t)
+"""
+_RANK_PEAK_KEYS = ("rank_peak_gpu_bytes", "rank_peak_rss_bytes", "rank_peak_tensor_bytes")
+
+
+def rank_peak_rows(job_id: int, rec: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """The `rank_peaks` rows of one metrics line of a multi-rank run (rank 0 writes every
+    rank's peaks so far: train/runner.py `_rank_peaks`); none for any other line."""
+    lists: list[list[Any]] = [v for k in _RANK_PEAK_KEYS if isinstance(v := rec.get(k), list)]
+    if len(lists) != len(_RANK_PEAK_KEYS) or len({len(v) for v in lists}) != 1:
+        return []
+
+    def size(v: Any) -> int | None:
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+    t = rec.get("t")
+    at = float(t) if isinstance(t, int | float) and not isinstance(t, bool) else 0.0
+    return [(job_id, rank, *(size(v[rank]) for v in lists), at) for rank in range(len(lists[0]))]
+
+
 def ingest_eval_file(store: Store, job_id: int, path: str | os.PathLike[str], max_chunks: int = 16) -> int:
     """Read the eval lines new in `path` (a job's metrics file) into `evals`; their count."""
     key = os.path.realpath(path)
@@ -66,16 +99,21 @@ def ingest_eval_file(store: Store, job_id: int, path: str | os.PathLike[str], ma
         if end == 0:
             return added
         rows = []
+        peaks: list[tuple[Any, ...]] = []
         for line in data[:end].split(b"\n"):
-            if b'"eval"' not in line:  # most lines are training progress: skip unparsed
+            # most lines are training progress: skip unparsed
+            if b'"eval"' not in line and b'"rank_peak_' not in line:
                 continue
             try:
                 rec = json.loads(line)
             except ValueError:
                 continue
-            row = _row(job_id, rec) if isinstance(rec, dict) else None
+            if not isinstance(rec, dict):
+                continue
+            row = _row(job_id, rec)
             if row is not None:
                 rows.append(row)
+            peaks += rank_peak_rows(job_id, rec)
         with store.write():
             offset, _ = stored_offset(store, key, st)
             if offset != planned:
@@ -83,6 +121,7 @@ def ingest_eval_file(store: Store, job_id: int, path: str | os.PathLike[str], ma
             store.conn.executemany(
                 "INSERT OR REPLACE INTO evals (job_id, step, t, auc, ne, log_loss, calibration, accuracy, samples, "
                 "planted_auc) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", rows)
+            store.conn.executemany(UPSERT_RANK_PEAKS, peaks)
             store.conn.execute(
                 "INSERT INTO ingest_offsets (path, inode, offset_bytes, lines, bad_lines, updated_time) "
                 "VALUES (?, ?, ?, ?, 0, ?) ON CONFLICT(path) DO UPDATE SET inode = excluded.inode, "

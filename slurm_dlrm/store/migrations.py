@@ -297,6 +297,23 @@ _V9 = (
 )
 
 
+_V10 = (
+    # issue 48: every rank's measured peaks (the `rank_peak_*` lists of rank 0's metrics
+    # lines in a multi-rank run), the highest seen per job and rank over all attempts
+    """
+    CREATE TABLE rank_peaks (
+        job_id INTEGER NOT NULL REFERENCES jobs(id),
+        rank INTEGER NOT NULL,
+        gpu_mem_peak_bytes INTEGER,         -- torch.cuda.max_memory_allocated (NULL on the CPU)
+        rss_peak_bytes INTEGER,             -- the rank's host RSS high-water mark (VmHWM)
+        tensor_peak_bytes INTEGER,          -- live tensor bytes of the training state + activations
+        t REAL NOT NULL,                    -- the metrics line it last came from
+        PRIMARY KEY (job_id, rank)
+    )
+    """,
+)
+
+
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(
         1,
@@ -317,6 +334,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     Migration(8, "jobs.state may be TIMEOUT; jobs.array_job_id, array_task_id (arrays as Slurm numbers them)",
               _V8, _v8_widen_job_states),
     Migration(9, "evals (held-out evaluation per job and step)", tuple(s.strip() for s in _V9)),
+    Migration(10, "rank_peaks (every rank's measured peaks, multi-rank jobs)", tuple(s.strip() for s in _V10)),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -91,6 +91,13 @@ ev_final AS (
 ev_auc AS (SELECT job_id, max(auc) AS best_auc, step AS best_auc_step FROM evals WHERE auc IS NOT NULL GROUP BY job_id),
 ev_ne AS (SELECT job_id, min(ne) AS best_ne, step AS best_ne_step FROM evals WHERE ne IS NOT NULL GROUP BY job_id),
 ev_planted AS (SELECT job_id, max(planted_auc) AS planted_auc FROM evals GROUP BY job_id),
+-- a multi-rank run's measured peaks per rank (issue 48), as JSON arrays in rank order
+rp AS (
+    SELECT job_id, json_group_array(gpu_mem_peak_bytes) AS rank_gpu_mem_peaks,
+           json_group_array(rss_peak_bytes) AS rank_rss_peaks, json_group_array(tensor_peak_bytes) AS rank_tensor_peaks,
+           max(gpu_mem_peak_bytes) AS rank_gpu_mem_max, max(rss_peak_bytes) AS rank_rss_max
+    FROM (SELECT * FROM rank_peaks ORDER BY job_id, rank) GROUP BY job_id
+),
 solo AS (
     SELECT j.spec_fingerprint, k.gpu_model, sum(u.sps_sum) / sum(u.sps_n) AS solo_sps
     FROM jobs j JOIN charge c ON c.job_id = j.id JOIN job_usage u ON u.job_id = j.id
@@ -133,7 +140,10 @@ SELECT j.id AS job_id, j.user, j.name, j.state, j.attempt, j.spec_fingerprint, j
        CASE WHEN j.mode = 'no-pack' THEN CAST(max(1.0, coalesce(j.gpu_share, 1.0)) AS INTEGER)
             ELSE coalesce(last.n_gpus, 0) END AS n_gpus,
        CASE WHEN j.mode = 'no-pack' THEN j.nodes ELSE k.nodes END AS nodes,
-       coalesce(u.n_samples, 0) AS n_samples, u.gpu_mem_peak_bytes, u.rss_peak_bytes,
+       -- sampled by a pack's agent; else (a job of its own Slurm job) the runner's ranks' highest
+       coalesce(u.n_samples, 0) AS n_samples, coalesce(u.gpu_mem_peak_bytes, rp.rank_gpu_mem_max) AS gpu_mem_peak_bytes,
+       coalesce(u.rss_peak_bytes, rp.rank_rss_max) AS rss_peak_bytes,
+       rp.rank_gpu_mem_peaks, rp.rank_rss_peaks, rp.rank_tensor_peaks,
        CASE WHEN u.sm_util_n > 0 THEN u.sm_util_sum / u.sm_util_n END AS sm_util_mean,
        u.sm_util_max,
        CASE WHEN u.host_cpu_n > 0 THEN u.host_cpu_sum / u.host_cpu_n END AS host_cpu_mean,
@@ -162,6 +172,7 @@ LEFT JOIN ev_final evf ON evf.job_id = j.id
 LEFT JOIN ev_auc eva ON eva.job_id = j.id
 LEFT JOIN ev_ne evn ON evn.job_id = j.id
 LEFT JOIN ev_planted evp ON evp.job_id = j.id
+LEFT JOIN rp ON rp.job_id = j.id
 WHERE (:job_ids IS NULL OR j.id IN (SELECT value FROM json_each(:job_ids)))
   AND (:states IS NULL OR j.state IN (SELECT value FROM json_each(:states)))
   AND (:users IS NULL OR j.user IN (SELECT value FROM json_each(:users)))

@@ -437,6 +437,19 @@ class Trainer:
             self._static_tensor_bytes = total + grads
         return self._static_tensor_bytes + self._activation_bytes
 
+    def _rank_peaks(self, record: dict[str, Any]) -> dict[str, list[int | None]]:
+        """Every rank's peaks so far (GPU, host RSS, live tensors), gathered at a metrics
+        window (every rank reaches it at the same step) for rank 0's line: the ranks of a
+        multi-node job differ (issue 48: the largest one decides the request), and `acct`
+        shows each one's measured peak. -1 stands for "not measured" (no GPU)."""
+        keys = ("peak_gpu_bytes", "peak_rss_bytes", "peak_tensor_bytes")
+        mine = torch.tensor([-1 if record[k] is None else int(record[k]) for k in keys], dtype=torch.int64,
+                            device=self.device)  # gloo: the CPU; NCCL: the rank's GPU
+        every = [torch.empty_like(mine) for _ in range(self.dist_info.world_size)]
+        dist.all_gather(every, mine)
+        rows = [t.tolist() for t in every]
+        return {f"rank_{k}": [None if row[i] < 0 else int(row[i]) for row in rows] for i, k in enumerate(keys)}
+
     def _predict(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return predict_clicks(self.built, self.device, self._autocast, batch)
 
@@ -523,7 +536,7 @@ class Trainer:
                         torch.cuda.synchronize(self.device)
                     elapsed = time.perf_counter() - window_t0
                     rss, peak_rss = rss_and_peak_bytes()
-                    record = {
+                    record: dict[str, Any] = {
                         "t": now(),
                         "step": done,
                         "samples_per_s": window_steps * samples_per_step / elapsed if elapsed > 0 else None,
@@ -540,6 +553,8 @@ class Trainer:
                     }
                     self._peak_tensor_bytes = max(self._peak_tensor_bytes, self._tensor_bytes())
                     record["peak_tensor_bytes"] = self._peak_tensor_bytes
+                    if self.dist_info.world_size > 1:
+                        record.update(self._rank_peaks(record))
                     if metrics is not None and progress is not None:
                         metrics.write(record)
                         progress.report(record)
@@ -765,7 +780,13 @@ def run(spec: Any, opts: RunOptions) -> int:
         code = trainer.run()
         if code == TRAIN_EXIT_OK and trainer.dist_info.world_size > 1:
             # every rank past its last collective before any tears the group down: a rank
-            # whose peer had already exited could hang in gloo at exit (backend torch, DDP)
+            # whose peer had already exited could hang in gloo at exit (backend torch, DDP;
+            # seen 2 of 4 tries in wave 4; in ~40 runs without it since, once probably: a
+            # rank still alive 30 s after the last checkpoint, gone before a stack was taken).
+            # Measured (torch 2.13): once DDP has wrapped a module, destroy_process_group
+            # leaves gloo's threads (gloo_tcp_loop, 2 pt_gloo_runloop) running, even with
+            # the DDP module deleted first, so the group is torn down at interpreter exit,
+            # when the peer may be gone; without DDP they stop at destroy_process_group.
             dist.barrier()
         return code
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
