@@ -11,7 +11,8 @@ would); SIGKILL of an agent; SIGKILL of a member; slurmctld SIGKILLed and starte
 a node lost and back (its slurmd and its jobs' processes SIGKILLed, the slurmd started
 again); the store's file system (a tmpfs of its own, 64 MiB) full for 30 s; a torn line
 (a partial JSON line) appended to a running pack's report file; a user `cancel` then
-`requeue` of a running member while others wait (its slot is refilled meanwhile).
+`requeue` of a running member of a pack in the middle of a refill (a joiner planned into
+the pack, not started yet).
 The same seed gives the same fault schedule and workload.
 
 The invariants are checked over the whole history (benchmarks/chaos_checks.py): the
@@ -349,21 +350,53 @@ def fault_torn_report(env: Env) -> str | None:
     return f"torn line appended to {path.parent.parent.name}/reports/{path.name}"
 
 
+def refills_in_flight(env: Env) -> list[tuple[int, list[int], int]]:
+    """Each RUNNING pack being refilled: one of its members ended and a joiner is PLANNED
+    into it (the service wrote its join file; its agent has not started it yet). As
+    (pack id, its running members' ids, jobs pending)."""
+    from slurm_dlrm.store.store import Store
+
+    with Store.for_user(env.site, env.user, readonly=True) as store:
+        jobs = store.jobs(user=env.user)
+        running_packs = sorted(p.id for p in store.packs(user=env.user) if str(p.state) == "RUNNING")
+        pending = sum(1 for j in jobs if str(j.state) == "PENDING")
+        out = []
+        for pack_id in running_packs:
+            members = [j for j in jobs if j.pack_id == pack_id and j.mode == "pack"]
+            live = sorted(j.id for j in members if str(j.state) == "RUNNING")
+            if live and any(str(j.state) == "PLANNED" for j in members) \
+                    and any(pl.end_time is not None for pl in store.placements(pack_id=pack_id)):
+                out.append((pack_id, live, pending))
+    return out
+
+
 def fault_cancel_requeue(env: Env) -> str | None:
-    jobs, _ = read_store(env)
-    pending = [j for j in jobs if str(j.state) == "PENDING"]
-    running = [j for j in jobs if str(j.state) == "RUNNING" and j.mode == "pack"]
-    if not running or not pending:
+    """The user cancels a running member of a pack in the middle of a refill (a joiner
+    planned into a slot that freed, not started yet), then requeues it: the pack loses a
+    second member while its first refill is in flight. Waits for such a moment."""
+    deadline = time.monotonic() + 240
+    found: list[tuple[int, list[int], int]] = []
+    while not env.stop.is_set() and time.monotonic() < deadline:
+        try:
+            found = refills_in_flight(env)
+        except Exception:  # noqa: BLE001 - the store being written, or full
+            found = []
+        if found:
+            break
+        time.sleep(0.3)
+    if not found:
         return None
-    job = env.rng.choice(running)
-    env_cancelled.add(job.id)
-    c = user_command([PY, "-m", "slurm_dlrm", "cancel", str(job.id)], 120)
+    pack_id, live, pending = env.rng.choice(found)
+    job_id = env.rng.choice(live)
+    env_cancelled.add(job_id)
+    c = user_command([PY, "-m", "slurm_dlrm", "cancel", str(job_id)], 120)
     time.sleep(env.rng.uniform(0, 3))
-    r = user_command([PY, "-m", "slurm_dlrm", "requeue", str(job.id)], 300)
+    r = user_command([PY, "-m", "slurm_dlrm", "requeue", str(job_id)], 300)
     if r.returncode == 0:
-        env_requeued.add(job.id)
-    return (f"job {job.id} cancelled (exit {c.returncode}) and requeued (exit {r.returncode}"
-            f"{': ' + r.stderr.strip()[-200:] if r.returncode else ''}) with {len(pending)} pending")
+        env_requeued.add(job_id)
+    return (f"job {job_id} of pack {pack_id} (a joiner planned into it) cancelled (exit {c.returncode}) and "
+            f"requeued (exit {r.returncode}{': ' + r.stderr.strip()[-200:] if r.returncode else ''}) with "
+            f"{pending} pending")
 
 
 env_cancelled: set[int] = set()  # jobs the user cancelled
@@ -374,10 +407,13 @@ FAULTS = {"kill_service": fault_kill_service, "takeover": fault_takeover, "kill_
           "store_full": fault_store_full, "torn_report": fault_torn_report, "cancel_requeue": fault_cancel_requeue}
 
 
-def fault_schedule(rng: random.Random, window_s: float, rounds: int) -> list[tuple[float, str]]:
-    """Each kind `rounds` times at uniform random times in [0.05, 1] x window_s."""
+def fault_schedule(rng: random.Random, window_s: float, rounds: int, submit_window_s: float) -> list[tuple[float, str]]:
+    """Each kind `rounds` times at uniform random times in [0.05, 1] x window_s; a
+    cancel+requeue scaled into the submissions' window (refills happen while jobs still
+    arrive; seed 3 drew one after the queue had emptied). The same draws either way."""
     sched = [(rng.uniform(0.05 * window_s, window_s), kind) for kind in FAULT_KINDS for _ in range(rounds)]
-    return sorted(sched)
+    scale = 0.9 * submit_window_s / window_s
+    return sorted((t * scale if kind == "cancel_requeue" else t, kind) for t, kind in sched)
 
 
 def nemesis(env: Env, schedule: list[tuple[float, str]], t0: float, done: list[dict[str, Any]]) -> None:
@@ -485,7 +521,7 @@ def main() -> int:
         if wait_until_running(paths, timeout_s=60) is None:
             raise RuntimeError(f"the packing service did not start; see {paths.log}")
         subs = make_workload(rng, workdir / "specs", submit_window_s, args.short)
-        schedule = fault_schedule(rng, fault_window_s, rounds)
+        schedule = fault_schedule(rng, fault_window_s, rounds, submit_window_s)
         log(f"seed {args.seed}: {sum(s.expect_jobs for s in subs)} jobs in {len(subs)} submissions over "
             f"{submit_window_s:.0f} s; {len(schedule)} faults over {fault_window_s:.0f} s: "
             + ", ".join(f"{k}@{t:.0f}" for t, k in schedule))

@@ -60,6 +60,21 @@ def test_a_run_folder_someone_else_made_first_is_refused(agent_world):
     assert list(agent.run_dir.iterdir()) == []  # nothing written into it
 
 
+def test_agents_of_two_clusters_on_one_host_keep_their_run_folders_apart(agent_world):
+    """Issue 49 (chaos_live seed 2): two local clusters on one host number their Slurm jobs
+    alike; the agents of job 14, node 0, of both used <tmp>/slurm-dlrm-agent-14-0 and the
+    first to exit removed it under the other, whose gang then failed to launch (ENOENT on
+    its rendezvous folder). The cluster's name (SLURM_CLUSTER_NAME) keeps them apart."""
+    pack, pd = _pack(agent_world, ["--steps", "5", "--step-s", "0.01"])
+    mine = Agent(parse_placement(pd), agent_options(agent_world, slurm_job_id="14", cluster_name="site6820"))
+    other = Agent(parse_placement(pd), agent_options(agent_world, slurm_job_id="14", cluster_name="site6830"))
+    assert mine.run_dir != other.run_dir and "site6820" in mine.run_dir.name
+    mine.run_dir.mkdir(parents=True, mode=0o700)
+    (mine.run_dir / "rdzv-61-x").mkdir()  # a gang's rendezvous folder, in use
+    other.run()  # the other cluster's agent runs its pack and exits, removing its folder
+    assert not other.run_dir.exists() and (mine.run_dir / "rdzv-61-x").is_dir()
+
+
 RANK = textwrap.dedent("""
     import os, socket, sys, time
     import torch

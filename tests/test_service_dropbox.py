@@ -3,6 +3,7 @@ the service once, refused (and recorded) when truncated, foreign or replayed."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import sqlite3
@@ -315,3 +316,25 @@ def test_a_submit_from_another_host_keeps_nice_and_begin(dropbox_env):
     write_request(store_dir, "submit", {"rows": [dict(request_row("b"), nice="-5")]}, user=USER, host="login2")
     assert ingest_dropped(site, store_dir, store).applied == 0
     assert len(store.jobs()) == 1 and any("nice must be a number" in r for r in reasons(store))
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_a_full_file_system_is_one_line_and_hands_nothing_over(dropbox_env, monkeypatch, short):
+    """Issue 49 (chaos_live seed 2: the store's file system full while `submit` on a login
+    node without the service dropped its request): OSError's traceback. Now StoreFull (one
+    line, exit 1) and no file, partial or whole, left in the drop folder."""
+    from slurm_dlrm.store.errors import StoreFull
+
+    _, store_dir, _ = dropbox_env
+    real_write = os.write
+
+    def full(fd, data):
+        if short:  # a short write: the room ran out part way
+            return real_write(fd, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(StoreFull, match="its file system is full; nothing was handed over"):
+        write_request(store_dir, "submit", {"rows": [request_row("a")]}, user=USER, host="login2")
+    monkeypatch.undo()
+    assert list(requests_dir(store_dir).iterdir()) == []

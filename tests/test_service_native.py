@@ -212,6 +212,35 @@ def test_a_node_failure_is_not_the_end_slurm_reruns_it(world):
     assert store.get_job(other.job_id).state == JobState.FAILED
 
 
+@pytest.mark.parametrize("gone_from_squeue", [False, True])
+def test_a_job_slurm_requeued_is_charged_its_runs_not_the_wait_between(world, gone_from_squeue):
+    """Issue 49 (chaos_live): a --no-pack job Slurm requeued at NODE_FAIL was charged from
+    its first start to its last end, the wait between its runs included (~0.004 h a job
+    there). Its runs come from Slurm's accounting (sacct --duplicates: a row per run), also
+    once squeue forgot it, when the last row, not the first (the NODE_FAIL), is its end."""
+    svc, store, slurm, clock, site, tmp = world
+    (res,) = submit(svc, site, tmp)
+    slurm.start(res.slurm_job_id)
+    svc.run_round()
+    clock.advance(40)
+    slurm.requeue_by_slurm(res.slurm_job_id, "NODE_FAIL")  # ran 40 s, then its node was lost
+    svc.run_round()
+    clock.advance(300)  # pending 300 s: the node comes back
+    svc.run_round()
+    slurm.start(res.slurm_job_id)
+    svc.run_round()
+    clock.advance(25)
+    slurm.finish(res.slurm_job_id, 0)  # the second run: 25 s
+    if gone_from_squeue:  # the service was down until squeue forgot it (MinJobAge)
+        slurm.purge(res.slurm_job_id)
+    svc.run_round()
+    job = store.get_job(res.job_id)
+    assert (job.state, job.exit_code) == (JobState.COMPLETED, 0)
+    (a,) = acct_rows(store, AcctFilter())
+    assert a["run_s"] == pytest.approx(65.0)  # not 365
+    assert job.gpu_share is not None and a["gpu_hours"] == pytest.approx(65.0 * job.gpu_share / 3600)
+
+
 def test_an_unreachable_slurm_leaves_no_pack_jobs_as_they_are(world):
     svc, store, slurm, clock, site, tmp = world
     (res,) = submit(svc, site, tmp)

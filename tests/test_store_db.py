@@ -11,6 +11,7 @@ from service_harness import old_store
 
 from slurm_dlrm.site import REPO_SITE_FILE, load_site
 from slurm_dlrm.store import NewPlacement, SchemaTooNew, Store, StoreError, store_path_for
+from slurm_dlrm.store.errors import UnknownEntity
 from slurm_dlrm.store.migrations import LATEST_VERSION, MIGRATIONS
 from slurm_dlrm.store.states import JobState
 
@@ -284,3 +285,23 @@ def test_site_host_runs_are_completed_measured_runs_of_one_device_kind_newest_fi
         assert s.site_host_runs("cpu")[0].estimate == cpu
         assert [r.job_id for r in s.site_host_runs("cuda")] == [b]
         assert [r.job_id for r in s.site_host_runs("cpu", limit=1)] == [c]
+
+
+def test_a_store_of_version_9_is_migrated_to_keep_a_requeued_no_pack_jobs_runs(tmp_path):
+    # issue 49: jobs.slurm_run_s (a requeued --no-pack job's runs from sacct); old rows NULL
+    p = tmp_path / "s" / "store.sqlite"
+    conn = old_store(p, 9)
+    conn.execute("INSERT INTO jobs (user, name, state, spec_fingerprint, submit_time, updated_time) "
+                 "VALUES ('u', 'old', 'RUNNING', 'fp', 1.0, 1.0)")
+    conn.execute("INSERT INTO job_specs VALUES (1, '{}', NULL, NULL)")
+    conn.execute("PRAGMA user_version = 9")
+    conn.commit()
+    conn.close()
+    with Store(p) as s:
+        assert s.schema_version == LATEST_VERSION >= 11
+        assert s.conn.execute("SELECT slurm_run_s FROM jobs WHERE id = 1").fetchone()[0] is None
+        s.set_job_slurm_run_s(1, 65.0)
+        assert s.conn.execute("SELECT slurm_run_s FROM jobs WHERE id = 1").fetchone()[0] == 65.0
+        with pytest.raises(UnknownEntity):
+            s.set_job_slurm_run_s(99, 1.0)
+        assert s.check() == []

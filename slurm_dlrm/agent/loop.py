@@ -79,6 +79,7 @@ class AgentOptions:
     heartbeat_every_s: float = 30.0
     sample_interval_s: float | None = None  # overrides the placement's
     slurm_job_id: str | None = None
+    cluster_name: str | None = None  # SLURM_CLUSTER_NAME: Slurm job ids are one cluster's numbering
 
 
 class Agent:
@@ -92,7 +93,11 @@ class Agent:
         self.members = [Member(p) for p in placement.members_on(opts.node_index)]
         self.reports = ReportWriter(placement.pack_dir, opts.node_name, placement.pack_id)
         self.mps: MpsSetup = MpsSetup("off", None, "not started")
-        self.run_dir = Path(opts.tmp_root) / f"slurm-dlrm-agent-{opts.slurm_job_id or os.getpid()}-{opts.node_index}"
+        # Per cluster too: two clusters on one host (the local clusters of two checkouts) number
+        # their jobs alike, and an agent removes its folder when it exits (issue 49: an agent of
+        # job 14 removed the other cluster's job 14's folder, whose gang then failed to launch).
+        cluster = f"{opts.cluster_name}-" if opts.cluster_name else ""
+        self.run_dir = Path(opts.tmp_root) / f"slurm-dlrm-agent-{cluster}{opts.slurm_job_id or os.getpid()}-{opts.node_index}"
         self._run_dir_ours = False
         self._oom_cgroup = fences.oom_cgroup(fences.cgroup_root(), opts.slurm_job_id)
         self._t0 = time.monotonic()  # about when Slurm started the pack: time limits count from here

@@ -92,6 +92,7 @@ def agent(pack_file: str | None, pack_id: int | None, site_path: str | None, nod
         node_index=node_index, node_name=node, gpus=gpu_list, launch=launch, mps_mode=mps_mode,
         site_mps_enabled=site.mps.enabled, fence_mode=site.mps.mode, dmem_mode=site.mps.dmem, tmp_root=env.get("TMPDIR") or "/tmp", python=sys.executable,
         sample_interval_s=sample_interval, slurm_job_id=env.get("SLURM_JOB_ID"),
+        cluster_name=env.get("SLURM_CLUSTER_NAME"),
         heartbeat_every_s=max(10.0, min(30.0, site.agent.heartbeat_timeout_s / 4)),
     )
     try:

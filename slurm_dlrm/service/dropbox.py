@@ -24,6 +24,7 @@ moves to `requests/refused/` for the user to look at; nothing of it is applied.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -93,15 +94,25 @@ def write_request(store_dir: Path, kind: str, payload: Mapping[str, Any], *, use
     safe_host = "".join(c if c.isalnum() or c in "-_" else "_" for c in host)[:40]
     name = f"{time.time_ns():020d}-{kind}-{safe_host}-{os.getpid()}-{secrets.token_hex(4)}{SUFFIX}"
     tmp = folder / f".{name}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, raw)
-        os.fsync(fd)
-    except BaseException:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            if os.write(fd, raw) != len(raw):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
         os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        # issue 49 (chaos_live, the store's file system full): a traceback, now one line
+        from slurm_dlrm.store.errors import StoreFull
+
+        raise StoreFull(f"{kind} request: {folder}: its file system is full; nothing was handed over "
+                        "(try again once there is room)") from None
     os.rename(tmp, folder / name)
     _fsync_dir(folder)
     return name

@@ -360,6 +360,7 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
     start = end = None
     nodes = None
     reason = ""
+    rows: list[Any] = []
     if info is not None:
         state, code, sig, reason = info.slurm_state, info.exit_code, info.signal, info.reason or ""
         start = float(info.start_time) if info.start_time else None
@@ -376,7 +377,8 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
             else:
                 log.warning("sacct for job %d (Slurm %s) failed: %s", job.id, job.slurm_job_id, exc)
             return
-        line = next((r for r in rows if r.step is None), None)
+        # --duplicates: a job Slurm requeued has a row per run, oldest first; the last is this one's
+        line = next((r for r in reversed(rows) if r.step is None), None)
         if line is None or not line.state.is_terminal:
             if line is None and svc.clock() - job.updated_time > 600.0:
                 # no accounting and squeue forgot it (MinJobAge): the end is unknown
@@ -403,7 +405,12 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
     now = svc.clock()
     if nodes and nodes != job.nodes:
         svc.store.set_job_allocation(job.id, nodes=nodes)
+    run_s = None
+    if start is not None and end is not None and (info is None or info.restart_count > 0):
+        run_s = _slurm_run_s(svc, job, start, end, rows if info is None else None)
     with svc.store.write():
+        if run_s is not None:
+            svc.store.set_job_slurm_run_s(job.id, run_s)
         if job.state == JobState.PLANNED and (start is not None or ending.state in ("COMPLETED", "TIMEOUT")):
             # it ran between two polls
             svc.store.transition_job(job.id, JobState.RUNNING, f"Slurm job {job.slurm_job_id} started",
@@ -412,6 +419,30 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
                                  exit_code=ending.exit_code, t=None if end is None else max(min(end, now),
                                                                                            start or 0.0))
     stats.transitions += 1
+
+
+def _slurm_run_s(svc: Any, job: Any, last_start: float, end: float, rows: Any = None) -> float | None:
+    """Seconds a job Slurm requeued (--requeue: a node lost) ran: its earlier runs as sacct
+    --duplicates lists them plus the last (`last_start` to `end`), so acct does not charge
+    the waits between them (issue 49). None: it ran once, or no accounting to say."""
+    from slurm_dlrm.service.common import sacct_time
+    from slurm_dlrm.slurm import SlurmError
+
+    if rows is None:
+        try:
+            rows = svc.slurm.sacct([int(job.slurm_job_id)], ["JobID", "State", "Start", "End"])
+        except SlurmError as exc:  # AccountingDisabled too: charged start to end, as before
+            log.info("sacct for job %d (Slurm %s): %s; charged from its start to its end", job.id,
+                     job.slurm_job_id, exc)
+            return None
+    earlier = 0.0
+    runs = 0
+    for r in rows:
+        t0, t1 = sacct_time(r.get("Start") or ""), sacct_time(r.get("End") or "")
+        if r.step is None and t0 is not None and t1 is not None and t0 < last_start - 0.5:
+            earlier += max(0.0, min(t1, last_start) - t0)
+            runs += 1
+    return earlier + max(0.0, end - last_start) if runs else None
 
 
 def _output_error(svc: Any, job: Any) -> str:

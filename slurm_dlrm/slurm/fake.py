@@ -67,6 +67,9 @@ class FakeJob:
     purged: bool = False
     gpu_idx: str = ""  # while running: the node's GPUs it got (squeue's gres_detail IDX)
     nodelist: str = ""  # sbatch -w/--nodelist: Slurm starts it there or not at all
+    # runs before a requeue (start, end, state, nodes), oldest first: sacct --duplicates
+    # lists each as a row of its own before the current run's
+    earlier_runs: list[tuple[int | None, int | None, str, str]] = field(default_factory=list)
 
     @property
     def state(self) -> JobState:
@@ -187,6 +190,16 @@ class FakeSlurm:
         j = self.job(job_id)
         j.slurm_state, j.reason = slurm_state, reason
 
+    def requeue_by_slurm(self, job_id: int, slurm_state: str = "NODE_FAIL") -> None:
+        """Slurm's own requeue of a --requeue job (a node lost): the run ends in
+        `slurm_state` (kept for sacct), the job is PENDING again under the same id."""
+        j = self.job(job_id)
+        j.earlier_runs.append((j.start_time, self._now(), slurm_state, j.nodes))
+        j.slurm_state, j.reason, j.nodes = "PENDING", "BeginTime", ""
+        j.restart_count += 1
+        j.start_time = j.end_time = None
+        j.exit_code = j.signal = 0
+
     def add_step(self, job_id: int, name: str, state: str = "COMPLETED", exit_code: int = 0,
                  nodes: str | None = None) -> str:
         """A job step (an srun inside the job); returns its id like "1000.0"."""
@@ -274,6 +287,9 @@ class FakeSlurm:
             j = self.jobs.get(jid)
             if j is None:
                 continue
+            for start, end, state, nodes in j.earlier_runs:
+                rows.append(self._acct_row(str(j.job_id), j.name, state, 0, 0, replace(j, start_time=start,
+                                                                                   end_time=end), nodes, cols))
             rows.append(self._acct_row(str(j.job_id), j.name, j.slurm_state if j.slurm_state != "CANCELLED"
                                        else "CANCELLED by 0", j.exit_code, j.signal, j, j.nodes, cols))
             for s in j.steps:
@@ -317,6 +333,7 @@ class FakeSlurm:
         if j.state is JobState.PENDING:
             raise SlurmError(["scontrol", "requeue", str(job_id)], 1,
                              f"Job is pending execution for job {job_id}")
+        j.earlier_runs.append((j.start_time, self._now(), "REQUEUED", j.nodes))
         j.slurm_state, j.reason, j.nodes = "PENDING", "BeginTime", ""
         j.restart_count += 1
         j.start_time = j.end_time = None

@@ -296,6 +296,14 @@ _V9 = (
     """,
 )
 
+_V11 = (
+    # issue 49: a `--no-pack` job Slurm requeued (--requeue, a node lost) ran more than
+    # once under one Slurm id; its charge is the sum of its runs as sacct --duplicates
+    # gives them, not start-to-end, which counts the wait between them. NULL: one run
+    # (or no accounting to say): start to end.
+    "ALTER TABLE jobs ADD COLUMN slurm_run_s REAL",
+)
+
 
 _V10 = (
     # issue 48: every rank's measured peaks (the `rank_peak_*` lists of rank 0's metrics
@@ -335,6 +343,7 @@ MIGRATIONS: tuple[Migration, ...] = (
               _V8, _v8_widen_job_states),
     Migration(9, "evals (held-out evaluation per job and step)", tuple(s.strip() for s in _V9)),
     Migration(10, "rank_peaks (every rank's measured peaks, multi-rank jobs)", tuple(s.strip() for s in _V10)),
+    Migration(11, "jobs.slurm_run_s (a requeued --no-pack job's runs, summed from sacct)", _V11),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

@@ -164,8 +164,9 @@ LEFT JOIN charge c ON c.job_id = j.id
 LEFT JOIN jp last ON last.job_id = j.id AND last.pack_id = j.pack_id
 LEFT JOIN span sp ON sp.job_id = j.id
 -- a `submit --no-pack` job (issue 23): its own Slurm job, charged its GPUs (an MPS share
--- counts as its fraction) for the time it ran; alone, so its basis is 'solo'
-LEFT JOIN (SELECT id, max(0.0, coalesce(end_time, :now) - start_time) AS run_s FROM jobs
+-- counts as its fraction) for the time it ran; alone, so its basis is 'solo'. One that
+-- Slurm requeued: its runs as sacct gives them (slurm_run_s), not the wait between them
+LEFT JOIN (SELECT id, coalesce(slurm_run_s, max(0.0, coalesce(end_time, :now) - start_time)) AS run_s FROM jobs
            WHERE mode = 'no-pack' AND start_time IS NOT NULL) nat ON nat.id = j.id
 LEFT JOIN solo so ON so.spec_fingerprint = j.spec_fingerprint AND so.gpu_model IS k.gpu_model
 LEFT JOIN ev_final evf ON evf.job_id = j.id

@@ -551,6 +551,14 @@ class Store:
             if cur.rowcount != 1:
                 raise UnknownEntity("job", job_id)
 
+    def set_job_slurm_run_s(self, job_id: int, run_s: float) -> None:
+        """A no-pack job's seconds running in Slurm, summed over its runs (acct charges
+        this instead of start to end, which counts a requeued job's wait between runs)."""
+        with self.write():
+            cur = self.conn.execute("UPDATE jobs SET slurm_run_s = ? WHERE id = ?", (max(0.0, float(run_s)), job_id))
+            if cur.rowcount != 1:
+                raise UnknownEntity("job", job_id)
+
     # ------------------------------------------------------------ packs
 
     def add_pack(
