@@ -132,11 +132,12 @@ def test_member_without_an_end_report_fails_with_the_pack_reason(world):
     assert store.get_pack(pack.id).state == PackState.FAILED
 
 
-def test_a_killed_agent_s_members_resume_from_checkpoints_within_max_attempts(world):
+def test_a_killed_agent_s_members_resume_from_checkpoints_within_max_fault_runs(world):
     """Issue 49 (chaos_live): an agent SIGKILLed ends its pack FAILED (srun's step dies)
     with no exit report; its unfinished member did not fail on its own, so it reruns from
-    its checkpoint (fenced first), and fails only once max_attempts runs are spent. Before,
-    it ended FAILED at the first killed agent."""
+    its checkpoint (fenced first), and fails only once max_fault_runs runs ended so. Before,
+    it ended FAILED at the first killed agent; then after max_attempts (3) runs, which
+    failed a gang that three faults of a chaos run hit in turn (seed 2)."""
     svc, store, slurm, clock, cluster = world
     a, b, pack, sid, p = _two_members_running(world)
     cluster.member(p, a, "COMPLETED", 0)
@@ -147,7 +148,8 @@ def test_a_killed_agent_s_members_resume_from_checkpoints_within_max_attempts(wo
     jb = store.get_job(b)
     assert jb.attempt == 1 and jb.state in (JobState.PENDING, JobState.PLANNED), jb
     assert (Path(pack.pack_dir) / "cancel" / str(b)).exists()  # the old run is fenced
-    for _ in range(svc.settings.max_attempts - 1):  # each later run's agent killed too
+    assert svc.settings.max_fault_runs > svc.settings.max_attempts
+    for _ in range(svc.settings.max_fault_runs - 1):  # each later run's agent killed too
         svc.run_round()
         (q,) = [x for x in store.packs() if x.id == store.get_job(b).pack_id]
         slurm.start(int(q.slurm_job_id))
@@ -156,7 +158,8 @@ def test_a_killed_agent_s_members_resume_from_checkpoints_within_max_attempts(wo
         slurm.finish(int(q.slurm_job_id), exit_code=9)
         svc.run_round()
     jb = store.get_job(b)
-    assert jb.state == JobState.FAILED and "gave up after 3 runs" in jb.exit_reason, jb.exit_reason
+    assert jb.state == JobState.FAILED, jb
+    assert f"gave up after {svc.settings.max_fault_runs} runs ended by faults" in jb.exit_reason, jb.exit_reason
 
 
 def test_members_of_a_pack_that_failed_before_they_started_go_back_to_the_queue(world):
@@ -320,6 +323,34 @@ def test_oom_is_requeued_with_more_memory(world):
     job = store.get_job(a)
     assert job.attempt == 1 and job.gpu_mem_request_bytes > before
     assert job.state == JobState.PLANNED  # planned again in the same round, with the raise
+
+
+def test_runs_lost_to_faults_do_not_spend_the_oom_retries(world):
+    """Issue 49: the OOM retry bound (max_attempts) counts the runs the job's own memory
+    ended, not those a fault ended: after two killed agents, an OOM is still retried with
+    more memory (before, attempt 3 of 3 failed it)."""
+    svc, store, slurm, clock, cluster = world
+    a = add_job(store, "a", gpu_gib=4)
+    for _ in range(2):  # two runs, each ended by its agent's SIGKILL
+        svc.run_round()
+        (q,) = [x for x in store.packs() if x.id == store.get_job(a).pack_id]
+        slurm.start(int(q.slurm_job_id))
+        cluster.member(cluster.placement_of(int(q.slurm_job_id)), a, "RUNNING")
+        svc.run_round()
+        slurm.finish(int(q.slurm_job_id), exit_code=9)
+    svc.run_round()
+    (q,) = [x for x in store.packs() if x.id == store.get_job(a).pack_id]
+    sid = int(q.slurm_job_id)
+    slurm.start(sid)
+    p = cluster.placement_of(sid)
+    cluster.member(p, a, "RUNNING")
+    cluster.member(p, a, "OOM_GPU", 3, "CUDA out of memory")
+    slurm.finish(sid)
+    before = store.get_job(a).gpu_mem_request_bytes
+    svc.run_round()
+    job = store.get_job(a)
+    assert job.attempt == 3 and job.gpu_mem_request_bytes > before, job
+    assert job.state in (JobState.PENDING, JobState.PLANNED), job
 
 
 # ---------------------------------------------------------------- crash safety

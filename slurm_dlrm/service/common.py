@@ -80,3 +80,10 @@ def pack_member_ids(store: Any, pack_id: int, states: Sequence[str]) -> list[int
     rows = store.conn.execute(f"SELECT id FROM jobs WHERE pack_id = ? AND state IN ({marks}) ORDER BY id",
                               (pack_id, *states)).fetchall()
     return [int(r[0]) for r in rows]
+
+
+def fault_runs(store: Any, job_id: int) -> int:
+    """How many of the job's runs ended by a fault not its own (a lost node or pack, a
+    killed agent or member, preemption): its requeues marked `fault` (core._requeue).
+    They are bounded apart from the runs its own memory ended (settings.MAX_FAULT_RUNS)."""
+    return sum(1 for e in store.events(job_id=job_id, kind="job_state") if (e.get("data") or {}).get("fault"))

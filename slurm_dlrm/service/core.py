@@ -40,6 +40,7 @@ from typing import Any
 
 from slurm_dlrm.service.common import (
     SBATCH_MARKER,
+    fault_runs,
     is_unreachable,
     job_options,
     pack_member_ids,
@@ -365,13 +366,16 @@ class PackingService(PackEnding, PackFolder, PlanView):
         return None if value is None else int(value)
 
     def _requeue(self, job: Any, reason: str, t: float | None = None) -> None:
-        """Back to PENDING (resumes from its checkpoint), or FAILED past the attempt bound."""
+        """A run ended by a fault not the job's own: back to PENDING (resumes from its
+        checkpoint), or FAILED once max_fault_runs runs ended so (`fault_runs`)."""
         from slurm_dlrm.store.states import JobState
 
-        if job.state == JobState.RUNNING and job.attempt + 1 >= self.settings.max_attempts:
-            self.store.transition_job(job.id, JobState.FAILED, f"{reason}; gave up after {job.attempt + 1} runs", t=t)
+        faults = fault_runs(self.store, job.id) + 1
+        if job.state == JobState.RUNNING and faults >= self.settings.max_fault_runs:
+            self.store.transition_job(job.id, JobState.FAILED, f"{reason}; gave up after {faults} runs ended by "
+                                      f"faults", t=t, data={"fault": True})
             return
-        self.store.transition_job(job.id, JobState.PENDING, reason, t=t)
+        self.store.transition_job(job.id, JobState.PENDING, reason, t=t, data={"fault": True})
 
     def observe_pack(self, pack: Any, info: Any, stats: RoundStats) -> None:
         from slurm_dlrm.slurm import JobState as SJ

@@ -71,6 +71,7 @@ from slurm_dlrm.adapt import (
 )
 from slurm_dlrm.adapt.stragglers import choose_moves
 from slurm_dlrm.packing.interference import predict_speeds_from_fractions
+from slurm_dlrm.service.common import fault_runs
 from slurm_dlrm.service.interference_refit import InterferenceRefit
 from slurm_dlrm.service.recovery_state import ADAPT, LEARNED, MOVE, RecoveryConfig
 from slurm_dlrm.service.warm_start import WarmStart
@@ -138,7 +139,8 @@ class Recovery(WarmStart, InterferenceRefit):
         gpu_req = job.gpu_mem_request_bytes or job.est_gpu_peak_bytes or 0
         host_req = job.host_mem_request_bytes or job.est_host_peak_bytes or 0
         decision = decide_after_oom("gpu" if kind == "gpu" else "host", gpu_req, host_req, limit, peak,
-                                    attempt=job.attempt + 1, max_attempts=self.svc.settings.max_attempts,
+                                    attempt=job.attempt + 1 - fault_runs(s, job_id),
+                                    max_attempts=self.svc.settings.max_attempts,
                                     capacity_bytes=capacity)
         if decision.action == "fail":
             # OOM is terminal in the store's job lifecycle (a failure by memory): the job

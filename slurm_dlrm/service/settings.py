@@ -11,7 +11,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-MAX_ATTEMPTS = 3  # runs of one job (requeues after OOM or a lost pack) before it fails
+MAX_ATTEMPTS = 3  # runs of one job ended by its own memory (OOM retries) before it fails
+# Runs of one job ended by a fault not its own (a lost node or pack, a killed agent or
+# member, preemption) before it fails: the same default as Slurm's MaxBatchRequeue. Apart
+# from MAX_ATTEMPTS so that faults that come together (issue 49: a gang hit by a killed
+# member, a killed agent and a killed member in one run) do not fail a sound job, while a
+# job that brings its pack down every time still ends.
+MAX_FAULT_RUNS = 5
 
 
 @dataclass(frozen=True)
@@ -22,6 +28,7 @@ class ServiceSettings:
     backoff_min_s: float = 2.0
     backoff_max_s: float = 60.0
     max_attempts: int = MAX_ATTEMPTS
+    max_fault_runs: int = MAX_FAULT_RUNS
     policy: str | None = None  # None: the site's packing.policy
     # Batched dispatch (RMixer): plan when this long passed since the last plan, or when
     # packing.round_batch_size jobs arrived since. None: the site's packing.round_seconds.
