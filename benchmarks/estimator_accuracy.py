@@ -49,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -191,7 +192,30 @@ def write_criteo_npy(prefix: str, rows: int) -> str:
     return prefix
 
 
+_SAVED: dict[str, dict[str, Any]] = {}  # --load: measurements of an earlier run, by key
+_SAVE_TO: str | None = None  # --save: every measurement appended here (JSON lines)
+_SAVE_LOCK = threading.Lock()
+_TMP_DIR: list[str] = []  # this run's folder of npy files: named alike in every run's keys
+
+
+def _key(d: dict[str, Any], steps: int) -> str:
+    key = json.dumps({"spec": d, "steps": steps}, sort_keys=True, default=str)
+    return key.replace(_TMP_DIR[0], "@TMP@") if _TMP_DIR else key
+
+
 def measure(d: dict[str, Any], steps: int) -> dict[str, Any]:
+    """The child's measurement of spec `d` (or the one --load read for the same spec and steps)."""
+    key = _key(d, steps)
+    if key in _SAVED:
+        return _SAVED[key]
+    result = _measure_child(d, steps)
+    if _SAVE_TO is not None:
+        with _SAVE_LOCK, open(_SAVE_TO, "a") as f:
+            f.write(json.dumps({"key": key, "result": result}) + "\n")
+    return result
+
+
+def _measure_child(d: dict[str, Any], steps: int) -> dict[str, Any]:
     out = subprocess.run(  # noqa: S603 - fixed argv, our own child script
         [sys.executable, os.path.join(HERE, "_measure.py"), json.dumps(d), str(steps)],
         capture_output=True, text=True, timeout=900,
@@ -228,11 +252,23 @@ def main() -> None:
                     help="leave out the extra evaluation configs (EVAL_EXTRA)")
     ap.add_argument("--jobs", type=int, default=2,
                     help="children measured at once (memory is per process, so this does not change figures)")
+    ap.add_argument("--save", metavar="FILE", help="append every measurement to FILE (JSON lines)")
+    ap.add_argument("--load", metavar="FILE", action="append", default=[],
+                    help="take the measurements FILE holds (from --save) instead of measuring again: "
+                         "the estimate's side of a run without its hour of children; repeatable")
     args = ap.parse_args()
+    global _SAVE_TO
+    _SAVE_TO = args.save
+    for path in args.load:
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                _SAVED[row["key"]] = row["result"]
     configs = [] if args.specs_only else [c for c in CONFIGS if not args.only or c["name"] in args.only]
     extra = [] if args.specs_only or args.no_eval_extra else \
         [c for c in EVAL_EXTRA if not args.only or c["name"] in args.only]
     tmp = tempfile.TemporaryDirectory(prefix="estimator-accuracy-")
+    _TMP_DIR.append(tmp.name)
     npy = write_criteo_npy(os.path.join(tmp.name, "day_0"), rows=1024 * 8)
     days = os.path.join(tmp.name, "days")
     os.mkdir(days)
