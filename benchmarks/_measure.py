@@ -32,7 +32,7 @@ os.environ.setdefault("LOCAL_WORLD_SIZE", "1")  # torchrec asks for it
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -167,7 +167,6 @@ def planner_estimate_bytes(planner: Any) -> int:
 def device_copy(batch: Any, tracker: LiveTensorBytes, backend: str = "torchrec") -> Any:
     """What `batch.to(device)` gives the model on a GPU: its own copy of the batch
     (made untracked, then counted), while the source keeps its host batches."""
-    from torch.utils._python_dispatch import _disable_current_modes
     from torchrec import KeyedJaggedTensor
     from torchrec.datasets.utils import Batch
 
@@ -251,9 +250,22 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
         prefetch = Prefetcher(source, 0, steps, spec.loader_workers, spec.prefetch_batches, cpu)
         loss_sum = torch.zeros(())
         eval_peak = 0
-        for step, host_batch in prefetch:
+        batches = iter(prefetch)
+        while True:
+            # The source makes its host batches outside the tracker, as a loader thread
+            # would (dispatch modes are per thread): a synthetic source makes them inline,
+            # and its labels draw reads the ring's planted P(click) with `.numpy()`, a
+            # `detach` dispatched here, which made the tracker count that ring entry's
+            # storage (host memory, held for the whole run) from then on: steps x batch x
+            # 4 bytes that no device ever holds (issue 51: the whole residual where the
+            # evaluation is the peak).
+            with _disable_current_modes():
+                got = next(batches, None)
+            if got is None:
+                break
+            step, host_batch = got
             batch = device_copy(host_batch, tracker, backend)
-            del host_batch
+            del host_batch, got
             optimizer.zero_grad()
             with autocast():
                 loss, _ = model(batch)

@@ -23,7 +23,8 @@ Last line:  estimator: configs=N median_err_pct=X p95_err_pct=X max_under_pct=X
             rss_median_err_pct=X rss_max_under_pct=X planner_median_err_pct=X
             rss_anon_median_err_pct=X rss_anon_max_under_pct=X rss_file_median_mib=X
             rss_site_median_err_pct=X rss_site_max_under_pct=X
-            eval_median_err_pct=X eval_max_under_pct=X
+            eval_median_err_pct=X eval_max_under_pct=X eval_configs=N eval_peak_configs=N
+            eval_peak_max_under_pct=X
 Every config runs twice (issue 51): with `eval: false` (the training step alone: the keys
 before eval_*) and as users run it, with the default evaluation on (every 200 steps and
 at the last step, so once here, at --steps): eval_* compare the peak of live tensor
@@ -49,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -191,7 +193,34 @@ def write_criteo_npy(prefix: str, rows: int) -> str:
     return prefix
 
 
-def measure(d: dict[str, Any], steps: int) -> dict[str, Any]:
+_SAVED: dict[str, dict[str, Any]] = {}  # --load: measurements of an earlier run, by key
+_SAVE_TO: str | None = None  # --save: every measurement appended here (JSON lines)
+_SAVE_LOCK = threading.Lock()
+_SAVED_ONLY: list[bool] = []  # --saved-only: a config --load has no measurement of is left out
+_TMP_DIR: list[str] = []  # this run's folder of npy files: named alike in every run's keys
+
+
+def _key(d: dict[str, Any], steps: int) -> str:
+    key = json.dumps({"spec": d, "steps": steps}, sort_keys=True, default=str)
+    return key.replace(_TMP_DIR[0], "@TMP@") if _TMP_DIR else key
+
+
+def measure(d: dict[str, Any], steps: int) -> dict[str, Any] | None:
+    """The child's measurement of spec `d` (or the one --load read for the same spec and
+    steps; None with --saved-only when it has none)."""
+    key = _key(d, steps)
+    if key in _SAVED:
+        return _SAVED[key]
+    if _SAVED_ONLY:
+        return None
+    result = _measure_child(d, steps)
+    if _SAVE_TO is not None:
+        with _SAVE_LOCK, open(_SAVE_TO, "a") as f:
+            f.write(json.dumps({"key": key, "result": result}) + "\n")
+    return result
+
+
+def _measure_child(d: dict[str, Any], steps: int) -> dict[str, Any]:
     out = subprocess.run(  # noqa: S603 - fixed argv, our own child script
         [sys.executable, os.path.join(HERE, "_measure.py"), json.dumps(d), str(steps)],
         capture_output=True, text=True, timeout=900,
@@ -228,11 +257,27 @@ def main() -> None:
                     help="leave out the extra evaluation configs (EVAL_EXTRA)")
     ap.add_argument("--jobs", type=int, default=2,
                     help="children measured at once (memory is per process, so this does not change figures)")
+    ap.add_argument("--save", metavar="FILE", help="append every measurement to FILE (JSON lines)")
+    ap.add_argument("--load", metavar="FILE", action="append", default=[],
+                    help="take the measurements FILE holds (from --save) instead of measuring again: "
+                         "the estimate's side of a run without its hour of children; repeatable")
+    ap.add_argument("--saved-only", action="store_true",
+                    help="with --load: measure nothing, leave out what the files do not hold (a run in parts)")
     args = ap.parse_args()
+    global _SAVE_TO
+    _SAVE_TO = args.save
+    if args.saved_only:
+        _SAVED_ONLY.append(True)
+    for path in args.load:
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                _SAVED[row["key"]] = row["result"]
     configs = [] if args.specs_only else [c for c in CONFIGS if not args.only or c["name"] in args.only]
     extra = [] if args.specs_only or args.no_eval_extra else \
         [c for c in EVAL_EXTRA if not args.only or c["name"] in args.only]
     tmp = tempfile.TemporaryDirectory(prefix="estimator-accuracy-")
+    _TMP_DIR.append(tmp.name)
     npy = write_criteo_npy(os.path.join(tmp.name, "day_0"), rows=1024 * 8)
     days = os.path.join(tmp.name, "days")
     os.mkdir(days)
@@ -268,50 +313,61 @@ def main() -> None:
     eval_rss_errs: list[float] = []
     eval_peak_errs: list[float] = []  # configs whose estimate names the evaluation as the peak
     pool = ThreadPoolExecutor(max(1, args.jobs))
-    futures = [pool.submit(measure, d, args.steps) for d in off]
+    # with the evaluation on first: what users run (a run cut short has those)
     on_futures = {d["name"]: pool.submit(measure, d, args.steps) for d in eval_on + extra}
+    futures = [pool.submit(measure, d, args.steps) for d in off]
     for d, fut in zip(off, futures, strict=True):
         m = fut.result()  # in config order, as each is done
-        spec = parse_spec(d)
-        t = time.perf_counter()
-        est = estimate(spec, None)
-        est_ms = (time.perf_counter() - t) * 1000
-        meas = m["peak_tensor_bytes"]
-        e = pct(est.tensor_peak_bytes, meas)
-        pe = pct(m["planner_bytes"], meas) if m["planner_bytes"] else float("nan")
-        re = pct(est.host_peak_bytes, m["peak_rss_bytes"])
-        files = int(m.get("rss_file_bytes") or 0)
-        ae = pct(est.host_peak_bytes - HOST_RUNTIME_CPU_MAPPED_FILES_BYTES, m["peak_rss_bytes"] - files)
-        errs.append(e)
-        planner_errs.append(pe)
-        rss_errs.append(re)
-        anon_errs.append(ae)
-        file_mibs.append(files / MIB)
-        measured.append((d["name"], est, int(m["peak_rss_bytes"])))
-        line = (f"{d['name']:<24} {meas / MIB:>8.2f}M {est.tensor_peak_bytes / MIB:>8.2f}M {e:>+6.2f} | "
-                f"{m['planner_bytes'] / MIB:>8.2f}M {pe:>+7.1f} | {m['peak_rss_bytes'] / MIB:>7.0f}M "
-                f"{est.host_peak_bytes / MIB:>7.0f}M {re:>+6.1f} {files / MIB:>5.0f}M {ae:>+6.1f} | "
-                f"{est_ms:>5.1f} {est.peak_phase}")
-        if d["name"] in on_futures:
-            err, rss_err, phase, text = eval_row(on_by_name[d["name"]], on_futures[d["name"]].result())
+        if m is None:  # --saved-only and not measured: the evaluation's columns alone, if measured
+            line = f"{d['name']:<24} {'(eval: false not measured)':<97}"
+        else:
+            spec = parse_spec(d)
+            t = time.perf_counter()
+            est = estimate(spec, None)
+            est_ms = (time.perf_counter() - t) * 1000
+            meas = m["peak_tensor_bytes"]
+            e = pct(est.tensor_peak_bytes, meas)
+            pe = pct(m["planner_bytes"], meas) if m["planner_bytes"] else float("nan")
+            re = pct(est.host_peak_bytes, m["peak_rss_bytes"])
+            files = int(m.get("rss_file_bytes") or 0)
+            ae = pct(est.host_peak_bytes - HOST_RUNTIME_CPU_MAPPED_FILES_BYTES, m["peak_rss_bytes"] - files)
+            errs.append(e)
+            planner_errs.append(pe)
+            rss_errs.append(re)
+            anon_errs.append(ae)
+            file_mibs.append(files / MIB)
+            measured.append((d["name"], est, int(m["peak_rss_bytes"])))
+            line = (f"{d['name']:<24} {meas / MIB:>8.2f}M {est.tensor_peak_bytes / MIB:>8.2f}M {e:>+6.2f} | "
+                    f"{m['planner_bytes'] / MIB:>8.2f}M {pe:>+7.1f} | {m['peak_rss_bytes'] / MIB:>7.0f}M "
+                    f"{est.host_peak_bytes / MIB:>7.0f}M {re:>+6.1f} {files / MIB:>5.0f}M {ae:>+6.1f} | "
+                    f"{est_ms:>5.1f} {est.peak_phase}")
+        on = on_futures[d["name"]].result() if d["name"] in on_futures else None
+        if on is not None:
+            err, rss_err, phase, text = eval_row(on_by_name[d["name"]], on)
             eval_errs.append(err)
             eval_rss_errs.append(rss_err)
             if phase.startswith("evaluation"):
                 eval_peak_errs.append(err)
             line += " | " + text
-        print(line, flush=True)
+        if m is not None or on is not None:
+            print(line, flush=True)
     extra_errs = []
     if extra:
         print()
         print("evaluation on, configs not among the above (written after the estimate, a held-out check) and the "
               "parts no other config runs: eval every few steps, eval.stop_when, holdout last-file, several ranks")
         for d in extra:
-            err, _rss_err, phase, text = eval_row(d, on_futures[d["name"]].result())
+            got = on_futures[d["name"]].result()
+            if got is None:
+                continue
+            err, _rss_err, phase, text = eval_row(d, got)
             extra_errs.append(err)
             print(f"{d['name']:<24} {text}", flush=True)
     pool.shutdown()
     tmp.cleanup()
     site_errs = site_held_out(measured)
+    if not errs:  # --saved-only, no eval: false run among the files
+        errs, rss_errs, anon_errs, file_mibs, planner_errs = ([float("nan")] for _ in range(5))
     abs_errs = [abs(x) for x in errs]
     unders = [-x for x in errs if x < 0]
     print()
@@ -351,7 +407,9 @@ def main() -> None:
           f"rss_site_median_err_pct={statistics.median(abs(x) for x in site_errs):.2f} "
           f"rss_site_max_under_pct={max(max((-x for x in site_errs), default=0.0), 0.0):.2f} "
           f"eval_median_err_pct={statistics.median(eval_abs):.2f} "
-          f"eval_max_under_pct={max(max((-x for x in eval_errs), default=0.0), 0.0):.2f}"
+          f"eval_max_under_pct={max(max((-x for x in eval_errs), default=0.0), 0.0):.2f} "
+          f"eval_configs={len(eval_errs)} eval_peak_configs={len(eval_peak_errs)} "
+          f"eval_peak_max_under_pct={max(max((-x for x in eval_peak_errs), default=0.0), 0.0):.4f}"
           + ("" if args.backend == "torchrec" else f" backend={args.backend}"))
 
 

@@ -295,10 +295,72 @@ def static_parts(spec: JobSpec, device_tables: list[int], device: str = "cuda") 
     emb_opt = embedding_optimizer_state_bytes(spec, device_tables)
     grad_bucket = 0 if is_fused(spec, device) else emb_w
     dense = dense_param_bytes(spec)
+    return StaticParts(emb_w, emb_opt, grad_bucket, dense, dense, dense * dense_opt_state_multiplier(spec),
+                       small_buffer_bytes(spec, device_tables, device))
+
+
+def small_buffer_bytes(spec: JobSpec, device_tables: list[int], device: str = "cuda") -> int:
+    """The small tensors a rank keeps from its first step on: the dot interaction's
+    triu_indices buffer (2 x pairs int64) and the libraries' bookkeeping. With fused
+    kernels, counted item by item from what torchrec 1.8, fbgemm-gpu 1.8 and torch 2.13
+    allocate (their source lines below; each checked against a traced build): a few
+    hundred bytes to a few KiB, which decide whether an estimate is under where a
+    job's peak is an evaluation (everything else of it counted to the byte, issue 51).
+    The non-fused path (torchrec's dense kernel) keeps the allowance it had."""
     s = Shapes.of(spec)
-    # triu_indices buffer of the dot interaction (2 x P int64) and torchrec/DDP scalars.
-    small = (2 * comb(s.F + 1, 2) * I64 if spec.interaction.type == "dot" else 0) + 512 + 24 * s.F
-    return StaticParts(emb_w, emb_opt, grad_bucket, dense, dense, dense * dense_opt_state_multiplier(spec), small)
+    triu = 2 * comb(s.F + 1, 2) * I64 if spec.interaction.type == "dot" else 0
+    if not is_fused(spec, device):
+        return triu + 512 + 24 * s.F
+    kind = spec.optimizer.type
+    n_dense = len(dense_param_shapes(spec))
+    # fbgemm's SplitTableBatchedEmbeddingBagsCodegen, one per weight dtype of this rank's
+    # tables (torchrec groups tables by data type)
+    groups: dict[int, int] = {}
+    for i in device_tables:
+        w = table_weight_bytes(spec.tables[i], device) // max(1, spec.tables[i].rows * spec.tables[i].dim)
+        groups[w] = groups.get(w, 0) + 1
+    tbe = sum(tbe_bookkeeping_bytes(n, kind) for n in groups.values())
+    f_own = len(device_tables)
+    # torchrec's output dist (embeddingbag.py _create_output_dist: the features' order,
+    # permute_pooled_embedding_modules: 2 x (F+1) + 2 x F int64 offsets/permutes) and, at
+    # the first forward, the table-wise output dist's 2 int32 (dist_data.py)
+    out_dist = f_own * I64 + 2 * (f_own + 1) * I64 + 2 * f_own * I64 + 2 * I32
+    # DDP's Reducer: 2 int32 per dense parameter (distributed.py _ddp_init_helper)
+    ddp = 2 * n_dense * I32
+    # torch.optim.Adagrad makes each parameter's `step` (a float32 scalar) at __init__: the
+    # dense optimizer's, and apply_optimizer_in_backward's over every table's parameter
+    # (torch Adagrad, torchrec RowWiseAdagrad); SGD has none (fused Adam's torch.optim.Adam
+    # makes none until a step, which the fused tables never run)
+    steps = 0
+    if kind in ("adagrad", "rowwise_adagrad"):
+        steps = (n_dense + len(spec.tables)) * F32
+    elif kind == "adam":
+        steps = n_dense * F32  # torch.optim.Adam: from the first step on
+    mesh = I32  # init_device_mesh's arange
+    loss_sum = F32  # the runner's running loss, from the first step on
+    return triu + tbe + out_dist + ddp + steps + mesh + loss_sum
+
+
+def tbe_bookkeeping_bytes(n_tables: int, optimizer: str) -> int:
+    """The small buffers of one fbgemm TBE module over `n_tables` tables
+    (split_table_batched_embeddings_ops_training.py, fbgemm-gpu 1.8 `__init__`): per-table
+    offsets (D_offsets (T+1) int32, hash_size_cumsum (T+1) int64, rows_per_table and
+    feature_dims T int64 each, bounds_check_warning), an `apply_split` (T int64 offsets,
+    T int32 placements) for the weights and each optimizer state, five int64 scalars for
+    each state it does not use, the learning rate, max_counter, iter and iter_cpu, the UVM
+    cache statistics (int64, int32, int64), the cache state (5 int64 + 2 int64) and the
+    raw-embedding-streaming buffers (2 int32)."""
+    T = n_tables
+    states = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}.get(optimizer, 1)
+    unused = 4 - states  # of momentum1, momentum2, prev_iter, row_counter
+    if optimizer == "adam":
+        unused = 2  # prev_iter, row_counter
+    return ((T + 1) * I32 + (T + 1) * I64 + 2 * T * I64 + I64
+            + (1 + states) * T * (I64 + I32) + unused * 5 * I64
+            + F32 + F32 + 2 * I64
+            + 2 * I64 + I32
+            + 7 * I64
+            + 2 * I32)
 
 
 def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] | None = None, *,
