@@ -181,7 +181,7 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
             if probe >= len(eligible):
                 break
             seed = eligible[probe]
-            g_max = min(node.free_gpus, limits.max_gpus_per_pack, left_budget)
+            g_max = min(node.free_gpus, 1 if seed.one_gpu_pack else limits.max_gpus_per_pack, left_budget)
             candidates = neighbours(probe, g_max * limits.members_per_gpu * 3)
             chunk = _pick_chunk(candidates, vec, node, g_max, limits)
             gpus, rejected = _balance(chunk, vec, node, g_max, limits, min_gpus) if chunk else ([], chunk)

@@ -55,6 +55,11 @@ class JobDemand:
     # When it could first start: its --begin time if later than its submission, else
     # None (= submit_time_s). Its wait, and so its slowdown, counts from here (`fairness`).
     eligible_s: float | None = None
+    # A sweep variant under a stopping rule (issue 47): most of them pause after a few
+    # steps while one or two go on to the end, and a pack holds all its GPUs until its
+    # last member ends, so such a job seeds packs of one GPU: a GPU whose variants all
+    # paused is given back to Slurm at once instead of waiting idle for the survivor.
+    one_gpu_pack: bool = False
 
     @property
     def cpus(self) -> int:

@@ -609,6 +609,9 @@ class PackingService(PackEnding, PackFolder, PlanView):
                                  priority=-float(job.nice or 0), name=job.name, samples_to_train=samples)
         if job.begin_time is not None:
             d = replace(d, eligible_s=job.begin_time)
+        sweep = spec.get("sweep")
+        if isinstance(sweep, dict) and sweep.get("min_steps"):  # under a stopping rule: packs of one GPU
+            d = replace(d, one_gpu_pack=True)
         minutes = job_options(job).time_minutes
         if minutes is not None and minutes > 0:  # a joiner's own time limit must fit its pack's time left
             d = replace(d, time_limit_s=minutes * 60.0)
