@@ -33,7 +33,8 @@ def test_a_loser_pauses_at_its_rung_its_share_is_refilled_and_requeue_resumes_it
     site, user = live_service
     spool = site.spool_dir_for(user)
     base = yaml.safe_load((EXAMPLES / "tiny-a.yaml").read_text())
-    base.update(metrics_every_steps=10, checkpoint_every_steps=1000, eval={"every_steps": 20, "batches": 2},
+    # eval.samples given: the job submitted later without the rule is judged on the same set
+    base.update(metrics_every_steps=10, checkpoint_every_steps=1000, eval={"every_steps": 20, "samples": 256},
                 sweep={"min_steps": 20})
     # ASHA lets the first variant at a rung go on (no rivals yet), so the loser must reach
     # step 20 second: a race of two start-ups when both run at once (the loser won it on a
