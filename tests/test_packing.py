@@ -205,6 +205,10 @@ def test_sweep_variants_under_a_stopping_rule_get_packs_of_one_gpu():
     p = plan(request([replace(j, one_gpu_pack=True) for j in jobs], gpus=4, cpus=200))
     assert [pk.gpu_count for pk in p.packs] == [1, 1, 1, 1]
     assert sorted(m.job_id for pk in p.packs for m in pk.members) == list(range(27))
+    # each pack brings its own agent (1 CPU, 512 MiB): the node's offer left one out, so
+    # four packs on a node of 31 free CPUs take at most 31 - 3 for members and headroom
+    p = plan(request([replace(j, one_gpu_pack=True) for j in jobs], gpus=4, cpus=31))
+    assert sum(pk.alloc_cpus for pk in p.packs) + (len(p.packs) - 1) <= 31, [pk.alloc_cpus for pk in p.packs]
 
 
 def test_complementary_groups_by_expected_duration():
