@@ -50,7 +50,9 @@ def spec_text(steps: int, eval_batches: int) -> str:
     spec = yaml.safe_load((REPO / "examples" / "sweep" / "tiny-a.yaml").read_text())
     spec.update(name="sw", steps=steps, batch_size=128, optimizer={"type": "adagrad", "lr": 0.01},
                 checkpoint_every_steps=steps, metrics_every_steps=20,
-                eval={"every_steps": steps, "batches": eval_batches})  # the spec's own schedule: the end only
+                # the spec's own schedule: the end only; eval.samples, so that the sweep without
+                # the rule is judged on the held-out set the rule gives the other (one for all)
+                eval={"every_steps": steps, "samples": eval_batches * 128})
     return yaml.safe_dump(spec)
 
 

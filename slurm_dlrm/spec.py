@@ -122,6 +122,11 @@ class DataSpec:
 EVAL_DEFAULT_EVERY_STEPS = 200
 EVAL_DEFAULT_BATCHES = 8
 EVAL_MAX_BATCHES = 100_000
+EVAL_MAX_SAMPLES = 100_000_000
+# eval.samples on synthetic data: the held-out samples are made in chunks of this many,
+# chunk c a function of (seed, rank, c) whatever the training batch size, so variants of
+# a sweep with different batch sizes are judged on the same examples (train/heldout.py).
+EVAL_SAMPLE_CHUNK = 256
 EVAL_MAX_HOLDOUT_FRACTION = 0.5
 EVAL_METRICS = ("auc", "ne", "log_loss", "calibration", "accuracy")
 
@@ -145,6 +150,10 @@ class EvalSpec:
     enabled: bool = True
     every_steps: int = EVAL_DEFAULT_EVERY_STEPS  # 0: only at the end
     batches: int = EVAL_DEFAULT_BATCHES  # per rank, the same held-out batches each time
+    # Per rank: the held-out set as a number of samples, the same examples whatever the
+    # batch size (replaces `batches`; evaluated in batches of the training batch size,
+    # the last one shorter). A sweep with a stopping rule sets it for all its variants.
+    samples: int | None = None
     # Criteo data: "auto" (the last file when there are several, else the last 5% of
     # the samples), "last-file", or a fraction of the samples (the last ones).
     holdout: str | float = "auto"
@@ -251,6 +260,8 @@ class JobSpec:
             out["eval"] = (False if not self.eval.enabled else
                            {"every_steps": self.eval.every_steps, "batches": self.eval.batches,
                             "holdout": self.eval.holdout})
+            if self.eval.enabled and self.eval.samples is not None:  # left out when unset: old fingerprints
+                out["eval"]["samples"] = self.eval.samples
             sw = self.eval.stop_when
             if self.eval.enabled and sw is not None:
                 out["eval"]["stop_when"] = {k: v for k, v in vars(sw).items() if v is not None}
@@ -619,6 +630,7 @@ def _parse_eval(raw: Any, source: str | None) -> EvalSpec:
     o = _Obj(raw, "eval", source)
     every = o.int_("every_steps", EVAL_DEFAULT_EVERY_STEPS, min_value=0)
     batches = o.int_("batches", EVAL_DEFAULT_BATCHES, max_value=EVAL_MAX_BATCHES)
+    samples = o.int_("samples", None, max_value=EVAL_MAX_SAMPLES)
     holdout_raw = o.raw("holdout", "auto")
     holdout: str | float
     if isinstance(holdout_raw, str):
@@ -630,7 +642,8 @@ def _parse_eval(raw: Any, source: str | None) -> EvalSpec:
         holdout = o.float_("holdout", max_value=EVAL_MAX_HOLDOUT_FRACTION)
     stop = _parse_stop_when(o.raw("stop_when", None), source)
     o.done()
-    return EvalSpec(enabled=True, every_steps=every, batches=batches, holdout=holdout, stop_when=stop)
+    return EvalSpec(enabled=True, every_steps=every, batches=batches, samples=samples, holdout=holdout,
+                    stop_when=stop)
 
 
 def _parse_stop_when(raw: Any, source: str | None) -> StopWhen | None:

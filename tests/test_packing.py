@@ -195,6 +195,22 @@ def test_complementary_balances_load_over_the_gpus_of_a_pack():
     assert max(loads) - min(loads) < 40, loads
 
 
+def test_sweep_variants_under_a_stopping_rule_get_packs_of_one_gpu():
+    """Issue 47: most variants pause early and a pack holds all its GPUs until its last
+    member ends, so `may_pause` jobs seed one-GPU packs (the same jobs without it
+    share a 4-GPU pack); every job is still placed, several on each GPU."""
+    jobs = [job(i, sm=10, bw=10, mem_gib=1, cpus=1) for i in range(27)]
+    p = plan(request(jobs, gpus=4, cpus=200))
+    assert max(pk.gpu_count for pk in p.packs) == 4
+    p = plan(request([replace(j, may_pause=True) for j in jobs], gpus=4, cpus=200))
+    assert [pk.gpu_count for pk in p.packs] == [1, 1, 1, 1]
+    assert sorted(m.job_id for pk in p.packs for m in pk.members) == list(range(27))
+    # each pack brings its own agent (1 CPU, 512 MiB): the node's offer left one out, so
+    # four packs on a node of 31 free CPUs take at most 31 - 3 for members and headroom
+    p = plan(request([replace(j, may_pause=True) for j in jobs], gpus=4, cpus=31))
+    assert sum(pk.alloc_cpus for pk in p.packs) + (len(p.packs) - 1) <= 31, [pk.alloc_cpus for pk in p.packs]
+
+
 def test_complementary_groups_by_expected_duration():
     short = [job(i, sm=10, bw=10, dur=600) for i in range(5)]
     long = [job(10 + i, sm=10, bw=10, dur=36000) for i in range(5)]

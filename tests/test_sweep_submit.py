@@ -84,12 +84,31 @@ def test_the_spec_sweep_section_is_the_rule_and_the_option_overrides_its_metric(
     ("", ["--stop", "asha"], "--stop asha: a stopping rule needs a sweep of at least 2 variants"),
     ("sweep: {stop: asha}\n", [], "sweep: a stopping rule needs a sweep of at least 2 variants"),
     ("", ["--set", "seed=1,2", "--stop", "asha", "--no-pack"], "--stop: a stopping rule pauses members of packs"),
+    ("", ["--set", "eval.samples=1000,2000", "--stop", "asha"],
+     "--stop asha: eval.samples differs between variants (1000, 2000)"),
 ])
 def test_bad_rules_exit_2_in_one_line_and_record_nothing(env, extra, args, needle):
     r = CliRunner().invoke(cli, ["submit", "--no-service", str(spec_file(env, extra)), *args])
     assert r.exit_code == 2 and needle in r.output and r.output.count("\n") == 1, r.output
     assert r.output.startswith("slurm-dlrm: error: ")
     assert recorded() == []
+
+
+def test_the_variants_of_a_sweep_are_judged_on_one_held_out_set(env):
+    """Issue 47: `eval.batches` batches of each variant's own batch size were different
+    sets; the rule gives every variant one `eval.samples`: the spec's, else the largest
+    variant's batches x batch size. Without a rule nothing changes."""
+    r = CliRunner().invoke(cli, ["submit", "--no-service", "--parsable", str(spec_file(env)),
+                                 "--set", "batch_size=128,512", "--stop", "asha"])
+    assert r.exit_code == 0, r.output
+    assert [(s["batch_size"], s["eval"]["samples"], s["eval"]["batches"]) for s in specs_of(r)] == \
+        [(128, 512, 1), (512, 512, 1)]
+    r = CliRunner().invoke(cli, ["submit", "--no-service", "--parsable", str(spec_file(env)),
+                                 "--set", "batch_size=128,512", "--set", "eval.samples=1000", "--stop", "asha"])
+    assert [s["eval"]["samples"] for s in specs_of(r)] == [1000, 1000]
+    r = CliRunner().invoke(cli, ["submit", "--no-service", "--parsable", str(spec_file(env)),
+                                 "--set", "batch_size=128,512"])
+    assert ["samples" in s["eval"] for s in specs_of(r)] == [False, False]
 
 
 def test_eval_disabled_or_no_steps_refuses_the_rule(env):

@@ -145,3 +145,57 @@ def test_evaluator_makes_held_out_batches_one_at_a_time_with_the_same_metrics():
     want = compute(preds, labels)
     assert rec["eval_auc"] == want.auc and rec["eval_ne"] == want.ne and rec["eval_samples"] == 5 * 64
     assert planted is not None and rec["planted_auc"] == compute(planted, labels).auc
+
+
+def _samples_of(batches) -> tuple[list, list]:
+    """Every sample of `batches` as (dense row, label, ids of each key), and their planted P(click)."""
+    rows, planted = [], []
+    for b, p in batches:
+        kjt = b.sparse_features
+        keys, n = list(kjt.keys()), int(b.labels.shape[0])
+        lengths = kjt.lengths().view(len(keys), n).tolist()
+        values = kjt.values().tolist()
+        at, ids = 0, [[None] * n for _ in keys]
+        for k in range(len(keys)):
+            for i in range(n):
+                ids[k][i] = values[at : at + lengths[k][i]]
+                at += lengths[k][i]
+        assert at == len(values)
+        for i in range(n):
+            rows.append((b.dense_features[i].tolist(), float(b.labels[i]), [ids[k][i] for k in range(len(keys))]))
+        planted += p.tolist()
+    return rows, planted
+
+
+def test_eval_samples_are_the_same_examples_whatever_the_batch_size():
+    """Issue 47: a sweep's variants are judged on one held-out set. With `eval.samples`
+    the held-out samples do not depend on the batch size (made in fixed chunks); they are
+    evaluated in batches of the training batch size, the last one shorter. With
+    `eval.batches` each batch size had its own set."""
+    from slurm_dlrm.spec import parse_spec
+    from slurm_dlrm.train.evaluation import Evaluator
+    from slurm_dlrm.train.heldout import HeldOut
+
+    base = {"name": "e", "tables": [{"rows": 500, "dim": 8, "pooling_factor": 2.0},
+                                    {"rows": 90, "dim": 8, "multi_hot": 3}, {"rows": 40, "dim": 8}],
+            "dense_features": 4, "bottom_mlp": [8], "top_mlp": [4, 1]}
+    seen = {}
+    for b in (64, 300):
+        held = HeldOut(parse_spec({**base, "batch_size": b, "eval": {"samples": 1000}}))
+        assert held.count == math.ceil(1000 / b) and held.samples == 1000
+        made = [held.batch(k) for k in range(held.count)]
+        assert [int(x.labels.shape[0]) for x, _ in made] == [b] * (held.count - 1) + [1000 - b * (held.count - 1)]
+        seen[b] = _samples_of(made)
+
+        def predict(batch):
+            w = torch.arange(1, 5, dtype=torch.float32)
+            return torch.sigmoid(batch.dense_features @ w), batch.labels
+
+        rec = Evaluator(held, 0, 10).run(predict, 10, 0.0)
+        assert rec is not None and rec["eval_samples"] == 1000
+        seen[b] += (rec["planted_auc"], rec["eval_auc"])
+    assert seen[64][:3] == seen[300][:3]  # the same samples, labels and planted AUC
+    assert seen[64][3] == pytest.approx(seen[300][3], abs=1e-5)  # float32 matmuls of other shapes
+    old = {b: _samples_of([HeldOut(parse_spec({**base, "batch_size": b, "eval": {"batches": 2}})).batch(k)
+                           for k in range(2)])[0][:64] for b in (64, 300)}
+    assert old[64] != old[300]  # eval.batches: another set per batch size

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import wraps
 from typing import Any, TypeVar
 
@@ -35,7 +35,7 @@ from slurm_dlrm.estimate.timeline import (
 )
 from slurm_dlrm.estimate.timeline_eval import eval_host_parts, simulate_eval
 from slurm_dlrm.site import GpuModel
-from slurm_dlrm.spec import MAX_WORLD_SIZE, JobSpec
+from slurm_dlrm.spec import EVAL_SAMPLE_CHUNK, MAX_WORLD_SIZE, JobSpec
 
 MIB = 1 << 20
 GIB = 1 << 30
@@ -424,9 +424,12 @@ def eval_host_bytes(spec: JobSpec, on_gpu: bool) -> int:
     predictions buffer and the metrics' temporaries: `timeline_eval.eval_host_parts`)."""
     if not spec.eval.enabled:
         return 0
-    kept = spec.eval.batches * batch_bytes(spec) if spec.data.type == "criteo-tsv" else 0
+    batches = spec.eval.batches if spec.eval.samples is None else -(-int(spec.eval.samples) // spec.batch_size)
+    kept = batches * batch_bytes(spec) if spec.data.type == "criteo-tsv" else 0
     host = sum(eval_host_parts(spec).values()) if on_gpu else 0
-    return EVAL_LIBRARY_BYTES + synthetic_pool_bytes(spec) + kept + host
+    # with eval.samples the eval stream's pools are made at its fixed chunk size (train/heldout.py)
+    pools = synthetic_pool_bytes(spec if spec.eval.samples is None else replace(spec, batch_size=EVAL_SAMPLE_CHUNK))
+    return EVAL_LIBRARY_BYTES + pools + kept + host
 
 
 def checkpoint_snapshot_bytes(spec: JobSpec, tables: list[int], device: str) -> int:

@@ -70,8 +70,11 @@ WHERE = "evaluation"
 
 
 def eval_samples(spec: JobSpec) -> int:
-    """Samples one rank evaluates: `eval.batches` batches of the training batch size
-    (a criteo-npy/tsv held-out set can be smaller; counted at its largest)."""
+    """Samples one rank evaluates: `eval.samples`, else `eval.batches` batches of the
+    training batch size (a criteo-npy/tsv held-out set can be smaller; counted at its
+    largest)."""
+    if spec.eval.samples is not None:
+        return int(spec.eval.samples)
     return spec.eval.batches * spec.batch_size
 
 

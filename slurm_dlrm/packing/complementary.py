@@ -37,6 +37,8 @@ from slurm_dlrm.packing.interference import (
     util_fraction,
 )
 from slurm_dlrm.packing.model import (
+    AGENT_CPUS,
+    AGENT_MEM_MIB,
     Deferred,
     JobDemand,
     PackingLimits,
@@ -47,7 +49,7 @@ from slurm_dlrm.packing.model import (
     rank_members,
     usable_gpu_bytes,
 )
-from slurm_dlrm.site import GpuModel
+from slurm_dlrm.site import MIB, GpuModel
 
 _WINDOW = 8  # candidates looked at per pick, in duration order (keeps plan() O(n))
 _SKIP_LIMIT = 64  # candidates that did not fit before a pack is closed
@@ -172,6 +174,7 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
         vec = vecs[node.gpu.name]
         misses = 0
         probe = cursor
+        made_here = 0
         while node.free_gpus > 0 and left_budget > 0:
             while cursor < len(eligible) and removed[cursor]:
                 cursor += 1
@@ -182,8 +185,13 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
                 break
             seed = eligible[probe]
             g_max = min(node.free_gpus, 1 if seed.may_pause else limits.max_gpus_per_pack, left_budget)
+            # the free capacity left one agent's CPU and memory out per node; a second pack
+            # on the node this round brings its own agent (one-GPU packs: several per node)
+            agent_cpus, agent_mem = (AGENT_CPUS, AGENT_MEM_MIB * MIB) if made_here else (0, 0)
+            node.free_cpus -= agent_cpus
+            node.free_mem_bytes -= agent_mem
             candidates = neighbours(probe, g_max * limits.members_per_gpu * 3)
-            chunk = _pick_chunk(candidates, vec, node, g_max, limits)
+            chunk = _pick_chunk(candidates, vec, node, g_max, limits) if node.free_cpus > 0 else []
             gpus, rejected = _balance(chunk, vec, node, g_max, limits, min_gpus) if chunk else ([], chunk)
             if not gpus or seed in rejected:
                 # The seed does not fit what is left of this node: try a few later seeds
@@ -192,6 +200,8 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
                     for job in g.members:
                         node.free_cpus += vec[job.key][3]
                         node.free_mem_bytes += vec[job.key][4]
+                node.free_cpus += agent_cpus
+                node.free_mem_bytes += agent_mem
                 misses += 1
                 if misses >= 8:
                     break
@@ -203,6 +213,7 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
             node.free_gpus -= len(gpus)
             left_budget -= len(gpus)
             packs.append(gpus)
+            made_here += 1
     # An urgent job that found no room on any node: nothing else may join the packs
     # (top-up), so the room that frees up next goes to it.
     held = next((eligible[k] for k in range(len(eligible)) if not removed[k]

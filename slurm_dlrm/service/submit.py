@@ -161,10 +161,18 @@ def _with_stop_rule(subs: list[Submission], stop: str | None, sweep_id: str, app
 
     if not subs or (stop is None and all(s.spec.sweep is None for s in subs)):
         return subs
+    from slurm_dlrm.estimate import estimate
+
     first = subs[0]
     ruled = apply([s.spec for s in subs], stop, sweep_id, first.source)
-    return [dataclasses.replace(s, spec=spec, spec_data={**s.spec_data, "sweep": spec.to_dict()["sweep"]})
-            for s, spec in zip(subs, ruled, strict=True)]
+    out = []
+    for s, spec in zip(subs, ruled, strict=True):
+        data = spec.to_dict()
+        # the sweep's one held-out set (eval.samples) changes what an evaluation holds: estimated again
+        est = s.estimate if spec.eval == s.spec.eval else estimate(spec, s.gpu)
+        out.append(dataclasses.replace(s, spec=spec, estimate=est,
+                                       spec_data={**s.spec_data, "sweep": data["sweep"], "eval": data["eval"]}))
+    return out
 
 
 def check_data_path(raw: str, data_path: str) -> None:

@@ -205,7 +205,8 @@ class SweepStop:
 
     def _sweep(self, members: list[Member], states: dict[int, str]) -> list[str]:
         ids = [m.job_id for m in members]
-        rule = members[0].rule
+        rule = members[0].rule  # the sweep's metric and reduction; rung steps are each variant's own
+        own = {m.job_id: m.rule for m in members}  # (variants with other steps have other rungs)
         st = self._decisions(ids)
 
         def went_on(job: int, rung: int) -> bool:
@@ -213,8 +214,7 @@ class SweepStop:
 
         # a result counts once its variant went on past the rung before (steps run past a pause judge nothing)
         arrived = [(j, r, v, t) for j, r, v, t in self._results(members) if r == 0 or went_on(j, r - 1)]
-        results = [RungResult(str(j), r, rung_steps(rule)[r] if r < len(rung_steps(rule)) else 0, v)
-                   for j, r, v, _ in arrived]
+        results = [RungResult(str(j), r, rung_steps(own[j])[r], v) for j, r, v, _ in arrived]
         done: list[str] = []
         for job, rung, _value, _t in arrived:
             if (job, rung) in st.decided:
@@ -224,9 +224,9 @@ class SweepStop:
             st.last[job] = (st.decided[(job, rung)], rung)
             if v.go_on:
                 self.store.add_event(GO_ON, f"goes on at rung {rung}: {rule.metric} {v.value:.4f} ranks {v.rank} "
-                                     f"of {v.reached} ({v.keep} go on)", job_id=job, data=verdict_data(v, rule))
+                                     f"of {v.reached} ({v.keep} go on)", job_id=job, data=verdict_data(v, own[job]))
             else:
-                done.append(self._pause(job, v, rule, states.get(job, "")))
+                done.append(self._pause(job, v, own[job], states.get(job, "")))
         paused = {str(j): r for j, (kind, r) in st.last.items()
                   if kind == PAUSE and states.get(j) == "PENDING"}  # stopped, not cancelled
         for name in promotable(rule, results, paused):
@@ -234,7 +234,7 @@ class SweepStop:
             v = judge(rule, results, name, rung)
             self.store.add_event(PROMOTE, f"promoted at rung {rung}: later variants lowered the cut to "
                                  f"{v.cut if v.cut is not None else v.value:.4f} ({v.keep} of {v.reached} go on); "
-                                 "resumes from its checkpoint", job_id=job, data=verdict_data(v, rule))
+                                 "resumes from its checkpoint", job_id=job, data=verdict_data(v, own[job]))
             st.last[job] = (PROMOTE, rung)
             done.append(f"job {job}: promoted at rung {rung}")
         return done

@@ -198,6 +198,7 @@ class HeldOutSet(Protocol):
     (None for real data)."""
 
     count: int
+    samples: int | None  # eval.samples: the samples of all `count` batches (the last may be shorter)
 
     def batch(self, k: int) -> tuple[Any, torch.Tensor | None]: ...
 
@@ -271,8 +272,9 @@ class Evaluator:
             for k in range(self.held.count):
                 probs, labels, planted = self._predict_one(predict, k)
                 n = probs.numel()
-                if rows is None:  # every held-out batch has the first one's size
-                    rows = torch.empty(3, n * self.held.count)
+                if rows is None:  # every held-out batch has the first one's size (eval.samples: the last
+                    # may be shorter, and `samples` says how many in all)
+                    rows = torch.empty(3, getattr(self.held, "samples", None) or n * self.held.count)
                     if planted is None:
                         rows[2].fill_(float("nan"))
                 rows[0, filled : filled + n].copy_(probs.reshape(-1))
@@ -282,7 +284,7 @@ class Evaluator:
                     self._planted_given = True
                 filled += n
                 del probs, labels, planted
-        return rows if rows is not None else torch.zeros(3, 0)
+        return rows[:, :filled] if rows is not None else torch.zeros(3, 0)
 
     def run(self, predict: Predict, step: int, t: float) -> dict[str, object] | None:
         """Evaluate; the metrics-file record on rank 0, None on the other ranks."""
