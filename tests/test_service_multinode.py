@@ -146,6 +146,20 @@ def test_multi_node_and_packed_jobs_in_one_command_are_refused(env):
     assert _queue() == []
 
 
+def test_submit_validates_and_estimates_each_spec_once(env, monkeypatch):
+    # The multi-node check and the submit share one `prepare` (it ran twice: every variant
+    # of a sweep validated and estimated twice).
+    from slurm_dlrm.service import submit as svc
+
+    calls = []
+    real = svc.prepare
+    monkeypatch.setattr(svc, "prepare", lambda *a, **k: calls.append(a) or real(*a, **k))
+    r = CliRunner().invoke(cli, ["submit", "--no-service", "--set", "batch_size=64,128",
+                                 str(EXAMPLES / "tiny-a.yaml")])
+    assert r.exit_code == 0, r.output
+    assert len(calls) == 1 and len(_queue()) == 2
+
+
 def test_rank_variables_come_from_srun_tasks():
     from slurm_dlrm.train.slurm_ranks import dist_env_from_slurm, tasks_per_node
 

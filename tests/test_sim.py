@@ -242,3 +242,17 @@ def test_a_joiner_starts_join_start_s_after_the_round_that_planned_it():
     assert base.packs == held.packs == 1  # b joined a's pack
     b_base, b_held = (max(r.jobs, key=lambda o: o.job_id) for r in (base, held))
     assert b_held.end_s - b_base.end_s == pytest.approx(5)
+
+
+def test_a_pack_holds_host_memory_in_whole_mib_as_slurm_allocates_it():
+    # a's pack holds a's memory + as much again for a joiner (refill_headroom_pct 100),
+    # rounded up to whole MiB by Slurm (service/refill.pack_allocation asks it so). b asks
+    # 0.1 MiB more than that reserve, within the rounding: it joins live, so here too
+    # (counted in bytes, b waited for a's end and the simulator drifted from the live service).
+    a = _job("a", 0, 1000)
+    a["profile"]["host_mem_gib"] = 4 + 0.1 / 1024
+    b = _job("b", 50, 300)
+    b["profile"]["host_mem_gib"] = 4 + 0.2 / 1024
+    _, _, r = _run([a, b], "complementary")
+    assert r.packs == 1 and r.completion_rate == 1.0
+    assert max(r.jobs, key=lambda o: o.job_id).start_s == 50.0

@@ -115,10 +115,11 @@ def test_small_workload_live_and_simulated_under_three_minutes(bench, slurm_clus
     # 2026-11-27: -1.4 / 5.3 / -1.6; before the constants were fitted GPU-hours was -14).
     assert abs(float(m["tput_err_pct"])) <= 15, line
     assert abs(float(m["jct_err_pct"])) <= 22, line
-    # GPU-hours: 15, not 12, since wave 5's merge read -12.5 and -14.1 in the 24.11/26.05 legs
-    # (22.05 and a leg alone passed): a drift of live vs simulated GPU-hours to find, see that
-    # session's closing note; this bound keeps it from growing unseen.
-    assert abs(float(m["gpuh_err_pct"])) <= 15, line
+    # GPU-hours: wave 5 read -12.5 / -14.1 in the legs (bound 15 for a while): the service
+    # asked Slurm for a pack's host memory rounded DOWN to MiB, so a joiner the plan had
+    # reserved room for (job 2 here, a few KB under the reserve) did not fit live and the
+    # simulator joined it (now both round up: service/refill.pack_allocation, sim's packs).
+    assert abs(float(m["gpuh_err_pct"])) <= 12, line
 
 
 def _holding(root: str) -> list[int]:

@@ -160,10 +160,12 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         return
     if no_pack and stop:
         raise BadInput("--stop: a stopping rule pauses members of packs at their rungs; not with --no-pack")
+    prepared = None  # validated and estimated once, handed to the submit below
     if not no_pack:
         # A job over several nodes is never packed: it goes as a Slurm job of its own
         # (service/multinode.py); mixed with packed jobs in one command, say so first.
-        multi = multinode_names(svc, specs, cli_options, site, cwd, sets, array, trials, trial_seed)
+        prepared = svc.prepare(specs, cli_options, site, cwd, sets, array, stop, trials, trial_seed)
+        multi = multinode_names(svc, prepared, site, cwd)
         if multi is not None and stop:
             raise BadInput(f"--stop: {multi[0]} runs over several nodes, not packed; a stopping rule pauses "
                            "members of packs at their rungs")
@@ -183,7 +185,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
                             f"{lease.host}, which alone writes your store; run this there")
         name, subs = svc.submit_elsewhere(specs, cli_options, site=site, user=user, cwd=cwd, sets=sets,
                                           array=array, dependency=dependency, stop=stop, trials=trials,
-                                          trial_seed=trial_seed)
+                                          trial_seed=trial_seed, prepared=prepared)
         ids = ids_from_elsewhere(site, user, lease.host, name, len(subs))
         print_submitted(ids, subs, parsable=parsable, as_json=as_json)
         return
@@ -194,7 +196,7 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         # as sbatch: no Slurm (or an unsupported release), one line and no row recorded
         results = svc.submit_no_pack(specs, cli_options, site=site, user=user, cwd=cwd, slurm=client,
                                      sets=sets, array=array, start_service=not no_service,
-                                     trials=trials, trial_seed=trial_seed,
+                                     trials=trials, trial_seed=trial_seed, prepared=prepared,
                                      check_slurm=lambda: svc.check_slurm_reachable(client, site, user))
         # MPS runs one user's jobs on a GPU at a time: say what that means on this site.
         note = site.mps.cross_user_note()
@@ -245,18 +247,16 @@ def submit(specs: tuple[str, ...], parsable: bool, wait_: bool, no_pack: bool, s
         slurm = SlurmClient(timeout_s=10.0)
     ids, subs = svc.submit(specs, cli_options, site=site, user=user, cwd=cwd, start_service=not no_service,
                            slurm=slurm, sets=sets, array=array, dependency=dependency, stop=stop, trials=trials,
-                           trial_seed=trial_seed)
+                           trial_seed=trial_seed, prepared=prepared)
     print_submitted(ids, subs, parsable=parsable, as_json=as_json)
     if wait_:
         sys.exit(wait_with_progress(site, user, ids))
 
 
-def multinode_names(svc: Any, specs: tuple[str, ...], cli_options: Any, site: Any, cwd: str,
-                    sets: tuple[str, ...], array: str | None, trials: int | None = None,
-                    trial_seed: int | None = None) -> list[str] | None:
-    """The names of the multi-node jobs when every job is one (they go unpacked); None
-    when none is. Some but not all: BadInput (one command, one way of running)."""
-    subs = svc.prepare(specs, cli_options, site, cwd, sets, array, None, trials, trial_seed)
+def multinode_names(svc: Any, subs: list[Any], site: Any, cwd: str) -> list[str] | None:
+    """The names of the multi-node jobs among `subs` (prepared) when every job is one
+    (they go unpacked); None when none is. Some but not all: BadInput (one command, one
+    way of running)."""
     multi = [s.name for s in subs if svc.is_multinode(s, site, os.path.relpath(s.path, cwd))]
     if not multi:
         return None

@@ -236,6 +236,12 @@ def plan_complementary(request: PackingRequest, params: InterferenceParams) -> P
                 leftover = _exact_gpu(g, leftover, vec, limits, params, exact_budget)
         if len(gpus) > 1:
             _polish(gpus, vec, params, polish_budget)
+            if leftover and held is None:
+                # Polishing moves members between the GPUs, which can make room on one for
+                # a job left over: each GPU's exact step again (when CPUs bind, it trades
+                # a CPU-heavy member for that job, which the GPU's old members barred).
+                for g in gpus:
+                    leftover = _exact_gpu(g, leftover, vec, limits, params, exact_budget)
     for job in leftover:
         if held is not None and job is not held and job.priority < held.priority:
             deferred.append(Deferred(job.job_id, f"holding room for job {held.job_id}, which waited longest"))

@@ -41,6 +41,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from slurm_dlrm.packing.common import (
     NO_ROOM,
@@ -79,6 +80,9 @@ from slurm_dlrm.packing.model import (
 from slurm_dlrm.packing.pack_gpus import pack_gpus
 from slurm_dlrm.packing.refill import allocation_bound, join_key
 from slurm_dlrm.site import MIB, GpuModel
+
+if TYPE_CHECKING:
+    from ortools.sat.python import cp_model  # lazy at run time: ortools loads in ~0.7 s
 
 DEFAULT_BUDGET_S = 0.2  # CP-SAT deterministic time per round (about seconds)
 DEFAULT_MAX_PAIRS = 600  # job-GPU pairs past which the round stays the heuristic's
@@ -333,14 +337,13 @@ def solve_round(request: PackingRequest, heuristic: PackingPlan, params: Interfe
     return RoundSolution(status, value, h_value, max(bound, value), time.perf_counter() - t0, len(pairs), plan)
 
 
-def _solve(request: PackingRequest, targets: list[_Target], pool: list[JobDemand], pairs: list[tuple[int, int]],
-           price: list[float], hint: dict[int, int], budget_s: float, params: InterferenceParams,
-           upper: bool) -> tuple[dict[int, int], str, float] | None:
-    """CP-SAT on the grid model; (job id -> target, status, proven bound in priced work) or None.
-
-    Per GPU k one level z_k,l; y_i,k,l: job i on k at level l (sum over l is x_i,k, each
-    <= z_k,l), so the capacity sum_i c_i,l y_i,k,l <= (1 - live's) z_k,l and the value
-    are linear, and the LP relaxation stays tight (no big-M)."""
+def _assignment_model(request: PackingRequest, targets: list[_Target], pool: list[JobDemand],
+                      pairs: list[tuple[int, int]], hint: dict[int, int] | None,
+                      ) -> tuple[cp_model.CpModel, dict[tuple[int, int], cp_model.IntVar], dict[int, list[int]]]:
+    """What both models share: x_i,k (job i on target k) for `pairs`, each job at most
+    once, each node's CPUs and host memory, new GPUs within the budget; (model, x, target
+    -> its jobs). With the heuristic's `hint` (the grid model): its assignment hinted and
+    an overdue job it placed kept placed; without (the bound's relaxation) neither."""
     from ortools.sat.python import cp_model
 
     limits = request.limits
@@ -353,7 +356,7 @@ def _solve(request: PackingRequest, targets: list[_Target], pool: list[JobDemand
         by_job.setdefault(i, []).append((i, k))
         by_target.setdefault(k, []).append(i)
     for i, ps in by_job.items():
-        if pool[i].priority >= OVERDUE_PRIORITY / 2 and hint.get(pool[i].job_id) is not None:
+        if hint is not None and pool[i].priority >= OVERDUE_PRIORITY / 2 and hint.get(pool[i].job_id) is not None:
             m.add(sum(x[p] for p in ps) == 1)  # overdue/urgent and placed by the heuristic: stays placed
         else:
             m.add_at_most_one(x[p] for p in ps)
@@ -367,13 +370,29 @@ def _solve(request: PackingRequest, targets: list[_Target], pool: list[JobDemand
         m.add(ws(vs, [host_limit_bytes(pool[i], limits) for k in ks for i in by_target[k]]) <= node.free_mem_bytes)
     fresh = [k for k in by_target if targets[k].fresh]
     if fresh:
-        budget = gpu_budget(request, expand_nodes(request))
         used = {k: m.new_bool_var(f"open{k}") for k in fresh}
         for k in fresh:
             for i in by_target[k]:
                 m.add_implication(x[(i, k)], used[k])
-            m.add_hint(used[k], any(hint.get(pool[i].job_id) == k for i in by_target[k]))
-        m.add(sum(used.values()) <= budget)
+            if hint is not None:
+                m.add_hint(used[k], any(hint.get(pool[i].job_id) == k for i in by_target[k]))
+        m.add(sum(used.values()) <= gpu_budget(request, expand_nodes(request)))
+    return m, x, by_target
+
+
+def _solve(request: PackingRequest, targets: list[_Target], pool: list[JobDemand], pairs: list[tuple[int, int]],
+           price: list[float], hint: dict[int, int], budget_s: float, params: InterferenceParams,
+           upper: bool) -> tuple[dict[int, int], str, float] | None:
+    """CP-SAT on the grid model; (job id -> target, status, proven bound in priced work) or None.
+
+    Per GPU k one level z_k,l; y_i,k,l: job i on k at level l (sum over l is x_i,k, each
+    <= z_k,l), so the capacity sum_i c_i,l y_i,k,l <= (1 - live's) z_k,l and the value
+    are linear, and the LP relaxation stays tight (no big-M)."""
+    from ortools.sat.python import cp_model
+
+    limits = request.limits
+    m, x, by_target = _assignment_model(request, targets, pool, pairs, hint)
+    ws = cp_model.LinearExpr.weighted_sum
     # Per job: (SM, bandwidth, g = the larger) fractions, computed once (the hot loop).
     prof = [(util_fraction(j.sm_util_pct), util_fraction(j.membw_util_pct),
              max(util_fraction(j.sm_util_pct), util_fraction(j.membw_util_pct))) for j in pool]
@@ -471,31 +490,8 @@ def _solve_upper(request: PackingRequest, targets: list[_Target], pool: list[Job
     from ortools.sat.python import cp_model
 
     limits = request.limits
-    m = cp_model.CpModel()
+    m, x, by_target = _assignment_model(request, targets, pool, pairs, None)
     ws = cp_model.LinearExpr.weighted_sum
-    x = {p: m.new_bool_var(f"x{p[0]}_{p[1]}") for p in pairs}
-    by_job: dict[int, list[tuple[int, int]]] = {}
-    by_target: dict[int, list[int]] = {}
-    for i, k in pairs:
-        by_job.setdefault(i, []).append((i, k))
-        by_target.setdefault(k, []).append(i)
-    for ps in by_job.values():
-        m.add_at_most_one(x[p] for p in ps)
-    nodes: dict[int, list[int]] = {}
-    for k in by_target:
-        nodes.setdefault(id(targets[k].node), []).append(k)
-    for ks in nodes.values():
-        node = targets[ks[0]].node
-        vs = [x[(i, k)] for k in ks for i in by_target[k]]
-        m.add(ws(vs, [pool[i].cpus for k in ks for i in by_target[k]]) <= node.free_cpus)
-        m.add(ws(vs, [host_limit_bytes(pool[i], limits) for k in ks for i in by_target[k]]) <= node.free_mem_bytes)
-    fresh = [k for k in by_target if targets[k].fresh]
-    if fresh:
-        used = {k: m.new_bool_var(f"open{k}") for k in fresh}
-        for k in fresh:
-            for i in by_target[k]:
-                m.add_implication(x[(i, k)], used[k])
-        m.add(sum(used.values()) <= gpu_budget(request, expand_nodes(request)))
     total = []
     for k, idx in by_target.items():
         t = targets[k]

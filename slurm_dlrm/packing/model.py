@@ -20,6 +20,13 @@ from slurm_dlrm.site import MIB, GpuModel, SiteConfig
 AGENT_CPUS = 1
 AGENT_MEM_MIB = 512
 
+
+def whole_mib_bytes(n_bytes: int) -> int:
+    """`n_bytes` rounded up to whole MiB, Slurm's unit of --mem: what a pack planned to
+    hold `n_bytes` of host memory is allocated (the service asks it, the simulator holds it)."""
+    return -(-n_bytes // MIB) * MIB
+
+
 LABELS = ("compute-bound", "memory-bound", "host-bound")
 
 

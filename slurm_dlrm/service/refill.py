@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_dlrm.agent.placement import CLOSED_DIR, JOINS_DIR
+from slurm_dlrm.packing.model import whole_mib_bytes
 from slurm_dlrm.service.common import (
     AGENT_CPUS,
     AGENT_MEM_MIB,
@@ -71,7 +72,9 @@ def pack_allocation(members: list[dict[str, Any]], n_nodes: int, node_cpus: int 
     cpu_count = max(1, max(cpus)) + max(0, reserve_cpus) + AGENT_CPUS
     if node_cpus is not None:
         cpu_count = min(cpu_count, node_cpus)
-    mem_mib = (max(mem) + max(0, reserve_mem_bytes)) // MIB + agent_mem_mib
+    # Rounded up: rounded down, the allocation was up to a MiB short of the plan and the
+    # joiner the plan reserved room for did not fit (sim_vs_live's GPU-hours drift, wave 5).
+    mem_mib = whole_mib_bytes(max(mem) + max(0, reserve_mem_bytes)) // MIB + agent_mem_mib
     if node_mem_mib is not None:
         mem_mib = min(mem_mib, node_mem_mib)
     return max(1, cpu_count), max(1, mem_mib)

@@ -393,17 +393,20 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
            start_service: bool = True, slurm: Any = None, sets: Sequence[str] = (),
            array: str | None = None, dependency: str | None = None,
            check_slurm: Callable[[], Any] | None = None, stop: str | None = None, trials: int | None = None,
-           trial_seed: int | None = None) -> tuple[list[int], list[Submission]]:
-    """Validate and estimate every spec, then ask Slurm (`slurm`: reachable and a
-    supported release, svc.check_slurm_reachable; `check_slurm()`: the release check
-    alone) so bad input is named first, then record them all."""
+           trial_seed: int | None = None, prepared: list[Submission] | None = None,
+           ) -> tuple[list[int], list[Submission]]:
+    """Validate and estimate every spec (or take `prepared`, what `prepare` made of them
+    with the same arguments), then ask Slurm (`slurm`: reachable and a supported release,
+    svc.check_slurm_reachable; `check_slurm()`: the release check alone) so bad input is
+    named first, then record them all."""
     from slurm_dlrm.store.store import Store
 
     if dependency:
         from slurm_dlrm.service.depend import parse_dependency
 
         parse_dependency(dependency)  # the form first: a usage error before anything else
-    subs = prepare(paths, cli_options, site, cwd, sets, array, stop, trials, trial_seed)
+    subs = prepared if prepared is not None else prepare(paths, cli_options, site, cwd, sets, array, stop, trials,
+                                                         trial_seed)
     for sub in subs:
         if sub.spec.world_size > 1:
             check_ranks_fit(sub, site, os.path.relpath(sub.path, cwd))
@@ -424,7 +427,8 @@ def submit(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig
 def submit_elsewhere(paths: Sequence[str], cli_options: SbatchOptions, *, site: SiteConfig, user: str, cwd: str,
                      sets: Sequence[str] = (), array: str | None = None,
                      dependency: str | None = None, stop: str | None = None, trials: int | None = None,
-                     trial_seed: int | None = None) -> tuple[str, list[Submission]]:
+                     trial_seed: int | None = None, prepared: list[Submission] | None = None,
+                     ) -> tuple[str, list[Submission]]:
     """`submit` on a login node whose service does not hold the store: validate and
     estimate as on its host, then drop one request with every job (service/remote.py).
     Returns the request file's name. Slurm is not asked here: the service that records
@@ -436,7 +440,8 @@ def submit_elsewhere(paths: Sequence[str], cli_options: SbatchOptions, *, site: 
         from slurm_dlrm.service.depend import parse_dependency
 
         parse_dependency(dependency)
-    subs = prepare(paths, cli_options, site, cwd, sets, array, stop, trials, trial_seed)
+    subs = prepared if prepared is not None else prepare(paths, cli_options, site, cwd, sets, array, stop, trials,
+                                                         trial_seed)
     for sub in subs:
         if sub.spec.world_size > 1:
             check_ranks_fit(sub, site, os.path.relpath(sub.path, cwd))
@@ -574,7 +579,7 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
                    slurm: Any, python: str = sys.executable, sets: Sequence[str] = (),
                    array: str | None = None, start_service: bool = True,
                    check_slurm: Callable[[], Any] | None = None, trials: int | None = None,
-                   trial_seed: int | None = None) -> list[Any]:
+                   trial_seed: int | None = None, prepared: list[Submission] | None = None) -> list[Any]:
     """Each spec as its own Slurm job, each a row in the store first (service/native.py).
 
     Returns `NativeSubmitted` per spec: our id, the Slurm id (None if sbatch refused it:
@@ -584,8 +589,9 @@ def submit_no_pack(paths: Sequence[str], cli_options: SbatchOptions, *, site: Si
     from slurm_dlrm.service.native import record_and_submit
     from slurm_dlrm.store.store import Store
 
-    subs = [_traced(sub, python) if sub.spec.custom_module else sub
-            for sub in prepare(paths, cli_options, site, cwd, sets, array, None, trials, trial_seed)]
+    if prepared is None:
+        prepared = prepare(paths, cli_options, site, cwd, sets, array, None, trials, trial_seed)
+    subs = [_traced(sub, python) if sub.spec.custom_module else sub for sub in prepared]
     if any(sub.spec.sweep is not None for sub in subs):
         raise BadInput(f"{subs[0].source}: sweep: a stopping rule pauses members of packs at their rungs; "
                        "not with --no-pack")

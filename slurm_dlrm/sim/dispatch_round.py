@@ -13,7 +13,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from slurm_dlrm.packing.dispatch import after_round, aged
-from slurm_dlrm.packing.model import Join, NodeShape, OpenGpu, PackingRequest, rank_members
+from slurm_dlrm.packing.model import (
+    Join,
+    NodeShape,
+    OpenGpu,
+    PackingRequest,
+    rank_members,
+    whole_mib_bytes,
+)
 from slurm_dlrm.packing.policies import plan as make_plan
 from slurm_dlrm.sim.events import MEMBER_READY, PACK_START, TICK
 from slurm_dlrm.sim.files import SimCluster, SimJob
@@ -139,12 +146,15 @@ def run_round(st: SimState) -> None:
         node = st.by_name[pk.node_name]
         # The allocation takes the members' CPUs and memory plus the policy's refill
         # headroom (Pack.reserve_*), and keeps them until its last member ends.
+        # (host memory in whole MiB, as Slurm allocates what the service asks: a joiner a few
+        # KiB over the reserve fits the rounding, live and here)
+        mem = whole_mib_bytes(pk.alloc_host_mem_bytes)
         node.free_gpus -= pk.gpu_count
         node.free_cpus -= pk.alloc_cpus + st.agent_cpus
-        node.free_mem -= pk.alloc_host_mem_bytes + st.agent_mem
+        node.free_mem -= mem + st.agent_mem
         gpus = [GpuState() for _ in range(pk.gpu_count)]
-        pack = PackState(st.next_pack_id, node, pk.gpu_count, pk.alloc_cpus, pk.alloc_host_mem_bytes, pk.mps, gpus,
-                         asked_cpus=pk.alloc_cpus, asked_mem=pk.alloc_host_mem_bytes, agent_cpus=st.agent_cpus,
+        pack = PackState(st.next_pack_id, node, pk.gpu_count, pk.alloc_cpus, mem, pk.mps, gpus,
+                         asked_cpus=pk.alloc_cpus, asked_mem=mem, agent_cpus=st.agent_cpus,
                          agent_mem=st.agent_mem)
         st.next_pack_id += 1
         st.packs_made += 1
