@@ -307,11 +307,11 @@ def test_cancel_pending_and_last_member(world):
     assert store.get_pack(pack.id).state == PackState.CANCELLED
 
 
-def test_oom_is_requeued_with_more_memory(world):
+def _runs_out_of_gpu_memory(world, a):
+    """Plan job `a`, run it in its pack and end it OOM_GPU; returns its request before."""
     svc, store, slurm, clock, cluster = world
-    a = add_job(store, "a", gpu_gib=4)
     svc.run_round()
-    (pack,) = store.packs()
+    (pack,) = [x for x in store.packs() if x.id == store.get_job(a).pack_id]
     sid = int(pack.slurm_job_id)
     slurm.start(sid)
     p = cluster.placement_of(sid)
@@ -320,6 +320,13 @@ def test_oom_is_requeued_with_more_memory(world):
     slurm.finish(sid)
     before = store.get_job(a).gpu_mem_request_bytes
     svc.run_round()
+    return before
+
+
+def test_oom_is_requeued_with_more_memory(world):
+    svc, store, slurm, clock, cluster = world
+    a = add_job(store, "a", gpu_gib=4)
+    before = _runs_out_of_gpu_memory(world, a)
     job = store.get_job(a)
     assert job.attempt == 1 and job.gpu_mem_request_bytes > before
     assert job.state == JobState.PLANNED  # planned again in the same round, with the raise
@@ -338,16 +345,7 @@ def test_runs_lost_to_faults_do_not_spend_the_oom_retries(world):
         cluster.member(cluster.placement_of(int(q.slurm_job_id)), a, "RUNNING")
         svc.run_round()
         slurm.finish(int(q.slurm_job_id), exit_code=9)
-    svc.run_round()
-    (q,) = [x for x in store.packs() if x.id == store.get_job(a).pack_id]
-    sid = int(q.slurm_job_id)
-    slurm.start(sid)
-    p = cluster.placement_of(sid)
-    cluster.member(p, a, "RUNNING")
-    cluster.member(p, a, "OOM_GPU", 3, "CUDA out of memory")
-    slurm.finish(sid)
-    before = store.get_job(a).gpu_mem_request_bytes
-    svc.run_round()
+    before = _runs_out_of_gpu_memory(world, a)
     job = store.get_job(a)
     assert job.attempt == 3 and job.gpu_mem_request_bytes > before, job
     assert job.state in (JobState.PENDING, JobState.PLANNED), job
