@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from slurm_dlrm.errors import BadInput
 from slurm_dlrm.packing import JobDemand, NodeShape, PackingLimits, PackingRequest, plan
-from slurm_dlrm.packing.exact import _prices, _targets, gpu_value, solve_round
+from slurm_dlrm.packing.exact import _FINE_RATIO, _prices, _targets, gpu_value, solve_round
 from slurm_dlrm.packing.interference import DEFAULT_PARAMS, InterferenceParams
 from slurm_dlrm.packing.model import (
     OpenGpu,
@@ -187,8 +187,8 @@ def _brute_force(req: PackingRequest) -> float:
 @given(st.data())
 def test_exact_reaches_the_exhaustive_optimum_and_bounds_it(data: st.DataObject) -> None:
     """On rounds small enough to enumerate (<= 5 jobs, <= 2 GPUs, no time limits): the
-    solver's plan scores the optimum (within the stretch grid's 5% where a GPU saturates)
-    and its proven bound is not below it."""
+    solver's plan scores the optimum (within the fine stretch grid's bound where a GPU
+    saturates: `_check_exhaustive`) and its proven bound is not below it."""
     n = data.draw(st.integers(1, 5))
     jobs = tuple(data.draw(job_st(i)) for i in range(n))
     live = tuple(data.draw(job_st(100 + i)) for i in range(data.draw(st.integers(0, 2))))
@@ -198,11 +198,53 @@ def test_exact_reaches_the_exhaustive_optimum_and_bounds_it(data: st.DataObject)
     req = PackingRequest(jobs=jobs, gpu_models=(H100,), nodes=nodes,
                          limits=PackingLimits(max_members_per_gpu=data.draw(st.integers(1, 6)),
                                               refill_headroom_pct=None), open_gpus=open_gpus)
+    _check_exhaustive(req)
+
+
+def _check_exhaustive(req: PackingRequest) -> float:
+    """The grid's guarantee: each GPU's whole value (live members too) at the fine level
+    just above its stretch is within _FINE_RATIO of the true one, so the plan's gain is
+    at most (1 - 1/r) x (the optimum's gain + the live members' value) below the optimum
+    (without live members: within 5%; with them the gain can be small beside their value)."""
     opt = _brute_force(req)
     sol = solve_round(req, plan(req, "complementary"), DEFAULT_PARAMS, budget_s=2.0, prove=True)
+    targets = _targets(req)
+    price = _prices(sorted(req.jobs, key=lambda j: j.job_id), targets, req)
+    live_now = sum(gpu_value(t, [], price, req, DEFAULT_PARAMS) for t in targets)
     assert sol.value <= opt + 1e-6
-    assert sol.value >= 0.95 * opt - 1e-6
+    assert sol.value >= opt - (1 - 1 / _FINE_RATIO) * (opt + live_now) - 1e-6
+    if not live_now:
+        assert sol.value >= 0.95 * opt - 1e-6
     assert sol.bound >= opt - 1e-6
+    return sol.value / opt if opt > 0 else 1.0
+
+
+def test_exact_refines_the_grid_where_a_saturated_gpu_hides_the_optimum() -> None:
+    """A round Hypothesis found (pinned: CI derandomizes): one pack GPU with a live
+    member, four pending jobs. {2, 3} is the optimum (1.789 priced work); on the coarse
+    grid its stretch (about 1.55) is valued at 1.75 and {0, 3} (stretch under 1.5, 1.617)
+    looked better: the coarse solve chose 0.904 of the optimum. The fine pass takes {2, 3}."""
+    def job(i: int, mem: int, host: int, sm: float, bw: float, cores: float, dur: float | None) -> JobDemand:
+        return JobDemand(job_id=i, user="u", submit_time_s=float(i), priority=0.0, gpu_mem_bytes=mem,
+                         host_mem_bytes=host, sm_util_pct=sm, membw_util_pct=bw, host_cpu_cores=cores,
+                         est_duration_s=dur)
+
+    small = (15_464_280_177, 50_465_865_728, 22.05085066496764, 62.47793442874767, 3.657557879371158,
+             13366.827048507375)
+    jobs = (job(0, 57_369_631_948, 39_465_497_126, 2.00001, 13.086917444670322, 6.568968579307523, 2779.527104378551),
+            job(1, *small),
+            job(2, 61_093_706_780, 46_323_625_347, 66.66106647274034, 21.993177818576715, 6.528659827731918,
+                13366.827048507375),
+            job(3, *small))
+    live = (job(100, 536_870_912, 24_175_447_255, 40.48717198282564, 47.0, 2.00001, None),)
+    og = OpenGpu("0:0:0", "p0", 1, pack=True, gpu_model="h100", live=live, free_cpus=16,
+                 free_host_mem_bytes=100 * GIB)
+    req = PackingRequest(jobs=jobs, gpu_models=(H100,), nodes=(NodeShape("h100", 0, 16, 100 * GIB, name="n0"),),
+                         limits=PackingLimits(max_members_per_gpu=4, refill_headroom_pct=None), open_gpus=(og,))
+    assert _check_exhaustive(req) > 0.999
+    sol = solve_round(req, plan(req, "complementary"), DEFAULT_PARAMS, budget_s=2.0)
+    assert sorted(jn.member.job_id for jn in sol.plan.joins) in ([1, 2], [2, 3])
+    check_feasible(req, sol.plan)
 
 
 def _big_round(n: int, gpus: int) -> PackingRequest:
