@@ -325,8 +325,10 @@ def small_buffer_bytes(spec: JobSpec, device_tables: list[int], device: str = "c
     # permute_pooled_embedding_modules: 2 x (F+1) + 2 x F int64 offsets/permutes) and, at
     # the first forward, the table-wise output dist's 2 int32 (dist_data.py)
     out_dist = f_own * I64 + 2 * (f_own + 1) * I64 + 2 * f_own * I64 + 2 * I32
-    # DDP's Reducer: 2 int32 per dense parameter (distributed.py _ddp_init_helper)
-    ddp = 2 * n_dense * I32
+    # DDP's Reducer with find_unused_parameters: its local-used map and the device copy,
+    # an int32 per dense parameter each (distributed.py _ddp_init_helper); the runner
+    # asks for it only with several ranks (train/model.py), so one rank keeps none
+    ddp = 2 * n_dense * I32 if spec.world_size > 1 else 0
     # torch.optim.Adagrad makes each parameter's `step` (a float32 scalar) at __init__: the
     # dense optimizer's, and apply_optimizer_in_backward's over every table's parameter
     # (torch Adagrad, torchrec RowWiseAdagrad); SGD has none (fused Adam's torch.optim.Adam
