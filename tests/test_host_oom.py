@@ -122,8 +122,10 @@ def test_a_member_the_kernel_oom_kills_is_retried_with_more_memory_and_completes
         assert m
         return int(m.group(1))
 
-    # --mem of the first pack: the member's host share (estimate + 5% margin) + the agent's
-    mem1 = math.ceil(HOST_EST_GIB * (1 << 30) * (1 + site.packing.memory_margin_pct / 100)) // MIB + AGENT_MEM_MIB
+    # --mem of the first pack: the member's host share (estimate + 5% margin, in whole MiB
+    # rounded up as Slurm is asked for it) + the agent's
+    share = math.ceil(HOST_EST_GIB * (1 << 30) * (1 + site.packing.memory_margin_pct / 100))
+    mem1 = -(-share // MIB) + AGENT_MEM_MIB
     # The member's peak: about 80 MiB past that together with the agent (~60 MiB) and its
     # own interpreter (~20 MiB); the retry's raise is >= 10% of its 1.5 GiB share
     # (decide_after_oom, ~160 MiB), so it fits the second --mem.
