@@ -48,8 +48,8 @@ def _add(store, user: str, name: str, host_bytes: int, args: list[str]) -> int:
                              estimate=_estimate(host_bytes), gpu_model="h100"))
 
 
-def _share_mib(host_bytes: int, margin_pct: float) -> int:
-    return math.ceil(host_bytes * (1 + margin_pct / 100)) // MIB
+def _share_bytes(host_bytes: int, margin_pct: float) -> int:
+    return math.ceil(host_bytes * (1 + margin_pct / 100))
 
 
 def _min_memory_node_mib(slurm_job_id: str) -> int:
@@ -85,7 +85,9 @@ def test_a_member_over_its_packs_mem_is_oom_killed_by_slurms_cgroup_retried_and_
     svc = PackingService(store, slurm_cluster.client(), site,
                          ServiceSettings(user=user, python=sys.executable, dispatch_window_s=1.0))
     margin = site.packing.memory_margin_pct
-    mem1 = _share_mib(int(HOST_EST_GIB * GIB), margin) + _share_mib(CALM_EST_MIB * MIB, margin) + AGENT_MEM_MIB
+    # the members' shares in whole MiB rounded up (Slurm's unit, as the service asks it) + the agent's
+    mem1 = -(-(_share_bytes(int(HOST_EST_GIB * GIB), margin) + _share_bytes(CALM_EST_MIB * MIB, margin)) // MIB) \
+        + AGENT_MEM_MIB
     # Grows to the whole first --mem by step 6, on top of its interpreter: over the job's
     # limit with no help from its neighbour or the agent.
     hungry = _add(store, user, "hungry", int(HOST_EST_GIB * GIB),
