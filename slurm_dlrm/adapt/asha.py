@@ -13,8 +13,8 @@ One departure from the rule as published: a variant outside the top `keep` still
 on when its metric is within its own eval noise of the cut (`margin`: two standard
 deviations of the difference of two of its evals, the noise measured from its own
 successive evals up to the rung, `eval_noise_sd`). Curves that cross late and noisy
-evals cut the full sweep's best in 10 % of the simulator's development sweeps without
-it, 5 % with it (benchmarks/sweep_sim.py; docs/sweeps.md has the figures).
+evals cut the full sweep's best in 10 % of 300 of the simulator's development sweeps on
+one GPU without it, 6 % with it (benchmarks/sweep_sim.py; docs/sweeps.md has the figures).
 
 Pure: callers pass the rung results they hold (in arrival order) and act on the
 verdicts. Ties rank the earlier arrival first; a NaN metric ranks last.
