@@ -14,7 +14,8 @@ What it does, in one run, no training (a few seconds):
    rule in the simulator's packing model;
 4. plays `--sweeps` seeded sweeps of `--variants` variants drawn from the family, each
    twice on the same cluster: every variant to the end (the baseline) and with the rule
-   (adapt/asha.py: reduction 3, min_steps = steps // 18, the service's defaults).
+   (adapt/asha.py: reduction 3, min_steps = steps // 18, the service's defaults; a variant
+   within its own eval noise of a cut goes on, the noise from its evals every 20 steps).
 
 saved_x = GPU-hours of every variant to the end / GPU-hours with the rule (allocations,
 as Slurm charges them); same_best = the full sweep's best variant (final AUC) reached the
@@ -35,7 +36,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from slurm_dlrm.adapt.asha import StopRule, default_first_rung, rung_steps  # noqa: E402
+from slurm_dlrm.adapt.asha import MARGIN_SDS, StopRule, default_first_rung, rung_steps  # noqa: E402
 from slurm_dlrm.sim.files import SimCluster, parse_cluster  # noqa: E402
 from slurm_dlrm.sim.sweep_curves import (  # noqa: E402
     CurveFamily,
@@ -110,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--held-out-curves", default=str(HELD_OUT_CURVES),
                     help="recorded curves the family is not fitted to, only judged on (skipped if absent)")
     ap.add_argument("--seed", type=int, default=47, help="the development seeds' base (looked at, printed one by one)")
-    ap.add_argument("--held-out-seed", type=int, default=2611,
+    ap.add_argument("--held-out-seed", type=int, default=5000,
                     help="the held-out seeds' base: never looked at to choose anything; the last line is theirs")
+    ap.add_argument("--earlier-held-out-seed", type=int, default=2611,
+                    help="the held-out seeds of the rule before (base 2611, used once to measure it): printed too")
     ap.add_argument("--held-out-sweeps", type=int, default=100)
     ap.add_argument("--also", action="append", default=[str(ROOT / "benchmarks" / "sim" / "cluster_4gpu.yaml")],
                     help="also play the same seeds on this cluster (printed before the last line)")
@@ -126,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{sw['name']} ({len(sw['variants'])} variants, {sw['steps']} steps, eval every "
         f"{sw.get('eval_every_steps', 20)})" for sw in data["sweeps"]))
     print(f"rule: reduction {rule.reduction}, min_steps = steps // {2 * rule.reduction ** 2}: rungs at "
-          f"{', '.join(str(r) for r in rung_steps(rule))} of {steps} for the drawn sweeps; cluster {cluster.name}")
+          f"{', '.join(str(r) for r in rung_steps(rule))} of {steps} for the drawn sweeps, a variant within "
+          f"{MARGIN_SDS:g} x sqrt(2) x its own eval noise of a cut goes on; cluster {cluster.name}")
 
     # 1. the family and its held-out error
     family = fit_family(variants)
@@ -197,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         so = summarize([play_drawn(family, rule, oc, args.variants, args.held_out_seed * 1000 + k, SOLO_S)
                         for k in range(args.held_out_sweeps)])
         print(f"held-out seeds on {oc.name} ({oc.gpu_count} GPUs): {so.line()}")
+    if args.earlier_held_out_seed:  # the previous rule's held-out seeds, for comparison (0: skip)
+        for c in (cluster, *(parse_cluster(yaml.safe_load(Path(o).read_text())) for o in args.also)):
+            so = summarize([play_drawn(family, rule, c, args.variants, args.earlier_held_out_seed * 1000 + k, SOLO_S)
+                            for k in range(args.held_out_sweeps)])
+            print(f"earlier held-out seeds (base {args.earlier_held_out_seed}) on {c.name}: {so.line()}")
     s = summarize(held)
     full_h = statistics.median(o.gpu_hours_full for o in held)
     stop_h = statistics.median(o.gpu_hours_stop for o in held)

@@ -10,7 +10,9 @@ from slurm_dlrm.adapt.asha import (
     METRICS,
     RungResult,
     StopRule,
+    eval_noise_sd,
     judge,
+    noise_margin,
     promotable,
     rule_problem,
     rung_of_step,
@@ -51,6 +53,32 @@ def test_keep_is_a_third_of_those_that_reached_and_the_cut_follows_it():
     assert v.go_on and v.keep == 2 and v.reached == 6 and v.cut == 0.64
     v = judge(AUC, results, "3", 0)
     assert not v.go_on and v.rank == 3 and v.cut == 0.64
+
+
+def test_eval_noise_is_measured_from_a_variants_own_evals_with_the_trend_cancelled():
+    import random
+
+    assert eval_noise_sd([(20, 0.70), (40, 0.71)]) == 0.0  # too few to tell noise from trend
+    assert eval_noise_sd([(s, 0.5 + 0.0004 * s) for s in range(20, 400, 20)]) == pytest.approx(0.0, abs=1e-12)
+    rng = random.Random(7)
+    curve = [(s, 0.78 - 0.2 * s ** -0.5) for s in range(20, 4020, 20)] + [(30, 0.78 - 0.2 * 30 ** -0.5)]
+    noisy = [(s, y + rng.gauss(0.0, 0.003)) for s, y in curve]  # uneven spacing at 30: a rung off the schedule
+    assert eval_noise_sd(noisy) == pytest.approx(0.003, rel=0.15)
+    assert eval_noise_sd([*noisy, (40, float("nan"))]) == pytest.approx(eval_noise_sd(noisy), rel=0.05)
+    assert noise_margin(0.003) == pytest.approx(2 * math.sqrt(2) * 0.003) and noise_margin(0.0) == 0.0
+
+
+def test_a_variant_within_its_eval_noise_of_the_cut_goes_on_one_further_pauses():
+    first = RungResult("1", 0, 40, 0.70)
+    assert judge(AUC, [first, RungResult("2", 0, 40, 0.695, noise_sd=0.002)], "2", 0).go_on  # margin 0.0057
+    v = judge(AUC, [first, RungResult("2", 0, 40, 0.69, noise_sd=0.002)], "2", 0)
+    assert not v.go_on and v.margin == pytest.approx(noise_margin(0.002)) and v.cut == 0.70
+    assert not judge(AUC, [first, RungResult("2", 0, 40, 0.699)], "2", 0).go_on  # no noise measured: no margin
+    loss = StopRule(metric="loss", min_steps=40, reduction=3, max_steps=1000)
+    lo = [RungResult("1", 0, 40, 0.50), RungResult("2", 0, 40, 0.505, noise_sd=0.002)]
+    assert judge(loss, lo, "2", 0).go_on and not judge(loss, [lo[0], RungResult("2", 0, 40, 0.51, 0.002)], "2", 0).go_on
+    # a margin keeps a variant going; it does not promote a paused one (promotion is by rank)
+    assert promotable(AUC, [first, RungResult("2", 0, 40, 0.695, noise_sd=0.002)], {"2": 0}) == []
 
 
 def test_lower_is_better_for_loss_and_ne():

@@ -89,7 +89,7 @@ def test_a_loser_pauses_at_its_checkpoint_is_held_and_a_later_arrival_promotes_i
     (pause,) = store.events(job_id=b, kind=PAUSE)
     assert pause["reason"] == "paused: auc 0.6500 at step 10 is below rung 0's cut 0.7000 (1 of 2 go on)"
     assert pause["data"] == {"rung": 0, "step": 10, "metric": "auc", "value": 0.65, "cut": 0.70, "keep": 1,
-                             "reached": 2, "rank": 2}
+                             "reached": 2, "rank": 2, "margin": 0.0}  # b has one eval: no noise of its own measured
     svc.run_round()
     assert kinds(store, b) == [PAUSE]  # one event per decision, not one per round
 
@@ -117,6 +117,27 @@ def test_a_loser_pauses_at_its_checkpoint_is_held_and_a_later_arrival_promotes_i
     assert store.get_job(b).state in (JobState.PLANNED, JobState.RUNNING)  # dispatched again, resumes
     assert sweep_marks(store, [a, b]) == {a: ("0 on", store.events(job_id=a, kind=GO_ON)[0]["reason"]),
                                            b: ("0 promoted", store.events(job_id=b, kind=PROMOTE)[0]["reason"])}
+
+
+def test_a_variant_within_its_own_eval_noise_of_the_cut_goes_on(world):
+    # adapt/asha.py: outside the top, but less than 2 x sqrt(2) x its eval noise (measured
+    # from its own successive evals up to the rung) below the cut: it goes on
+    svc, store, slurm, clock, cluster = world
+    a, b, c = (add_variant(store, f"lr-{x}") for x in "abc")
+    start_all(svc, slurm, cluster)
+    for j, base in ((a, 0.70), (b, 0.69), (c, 0.69)):
+        for step in (2, 4, 6, 8, 10):
+            write_eval(svc, clock, j, step, base if step == 10 or j != b else base + (0.004 if step % 4 else -0.004))
+        if j == a:
+            svc.run_round()  # a first: it goes on alone
+    svc.run_round()
+    # b's evals wander 0.004 about a line: a margin of 0.0171, so 0.69 against the cut 0.70 goes on;
+    # c's evals lie on a line: no noise, no margin, paused
+    assert kinds(store, a) == [GO_ON] and kinds(store, b) == [GO_ON] and kinds(store, c) == [PAUSE]
+    (on,) = store.events(job_id=b, kind=GO_ON)
+    assert on["reason"].startswith("goes on at rung 0: auc 0.6900 ranks 2 of 3 (1 go on), within its eval noise "
+                                "0.0171 of the cut 0.7000")
+    assert on["data"]["margin"] == pytest.approx(0.0171, abs=1e-4) and store.events(job_id=c, kind=PAUSE)[0]["data"]["margin"] == 0.0
 
 
 def test_steps_run_past_a_pause_judge_nothing_until_it_is_promoted(world):

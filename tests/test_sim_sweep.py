@@ -105,8 +105,8 @@ def test_fit_recovers_a_known_power_law_and_the_recorded_curves_fit_on_held_out_
 
 def test_seeded_sweeps_from_the_recorded_curves_play_to_the_end():
     fam = fit_family(recorded_variants(json.loads(CURVES.read_text())))
-    o = play_drawn(fam, RULE, _cluster(), 12, seed=5)
-    assert o.variants == 12 and o.completed_stop >= 1 and o.gpu_hours_stop < o.gpu_hours_full
+    o = play_drawn(fam, RULE, _cluster(), 27, seed=5)  # the sweep size
+    assert o.variants == 27 and 1 <= o.completed_stop < 27 and o.gpu_hours_stop < o.gpu_hours_full
 
 
 def test_simulate_sweep_cli(tmp_path):

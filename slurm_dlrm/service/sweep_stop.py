@@ -33,7 +33,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurm_dlrm.adapt.asha import RungResult, StopRule, Verdict, judge, promotable, rung_steps
+from slurm_dlrm.adapt.asha import (
+    RungResult,
+    StopRule,
+    Verdict,
+    eval_noise_sd,
+    judge,
+    promotable,
+    rung_steps,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,13 +81,14 @@ def pause_reason(v: Verdict, rule: StopRule) -> str:
     step = rung_steps(rule)[v.rung]
     cut = f"{v.cut:.4f}" if v.cut is not None else "-"
     side = "below" if rule.metric == "auc" else "above"
-    return (f"{rule.metric} {v.value:.4f} at step {step} is {side} rung {v.rung}'s cut {cut} "
+    noise = f" by more than its eval noise {v.margin:.4f}" if v.margin > 0 else ""
+    return (f"{rule.metric} {v.value:.4f} at step {step} is {side} rung {v.rung}'s cut {cut}{noise} "
             f"({v.keep} of {v.reached} go on)")
 
 
 def verdict_data(v: Verdict, rule: StopRule) -> dict[str, Any]:
     return {"rung": v.rung, "step": rung_steps(rule)[v.rung], "metric": rule.metric, "value": v.value,
-            "cut": v.cut, "keep": v.keep, "reached": v.reached, "rank": v.rank}
+            "cut": v.cut, "keep": v.keep, "reached": v.reached, "rank": v.rank, "margin": v.margin}
 
 
 @dataclass
@@ -154,19 +163,26 @@ class SweepStop:
         return {int(i): str(s) for i, s in self.store.conn.execute(
             f"SELECT id, state FROM jobs WHERE id IN ({marks})", ids)}
 
-    def _results(self, members: list[Member]) -> list[tuple[int, int, float, float]]:
-        """(job, rung, value, t) of every eval at a rung step, in arrival order."""
+    def _results(self, members: list[Member]) -> list[tuple[int, int, float, float, float]]:
+        """(job, rung, value, t, noise_sd) of every eval at a rung step, in arrival order;
+        noise_sd is the variant's eval noise from its own evals up to that step (asha.eval_noise_sd)."""
         ids = [m.job_id for m in members]
         by_id = {m.job_id: m for m in members}
         marks = ",".join("?" * len(ids))
         column = COLUMN[members[0].rule.metric]
         out = []
+        seen: dict[int, list[tuple[int, float]]] = {}
         for job_id, step, t, value in self.store.conn.execute(
                 f"SELECT job_id, step, t, {column} FROM evals WHERE job_id IN ({marks}) ORDER BY t, job_id", ids):
-            steps = rung_steps(by_id[int(job_id)].rule)
-            if value is None or step not in steps:
+            if value is None:
                 continue
-            out.append((int(job_id), steps.index(step), float(value), float(t)))
+            own = seen.setdefault(int(job_id), [])
+            own.append((int(step), float(value)))
+            steps = rung_steps(by_id[int(job_id)].rule)
+            if step not in steps:
+                continue
+            noise = eval_noise_sd([e for e in own if e[0] <= step])
+            out.append((int(job_id), steps.index(step), float(value), float(t), noise))
         return out
 
     def _decisions(self, ids: list[int]) -> SweepState:
@@ -213,18 +229,21 @@ class SweepStop:
             return st.decided.get((job, rung)) == GO_ON or (job, rung) in st.promoted
 
         # a result counts once its variant went on past the rung before (steps run past a pause judge nothing)
-        arrived = [(j, r, v, t) for j, r, v, t in self._results(members) if r == 0 or went_on(j, r - 1)]
-        results = [RungResult(str(j), r, rung_steps(own[j])[r], v) for j, r, v, _ in arrived]
+        arrived = [x for x in self._results(members) if x[1] == 0 or went_on(x[0], x[1] - 1)]
+        results = [RungResult(str(j), r, rung_steps(own[j])[r], v, n) for j, r, v, _, n in arrived]
         done: list[str] = []
-        for job, rung, _value, _t in arrived:
+        for job, rung, _value, _t, _noise in arrived:
             if (job, rung) in st.decided:
                 continue
             v = judge(rule, results, str(job), rung)
             st.decided[(job, rung)] = GO_ON if v.go_on else PAUSE
             st.last[job] = (st.decided[(job, rung)], rung)
             if v.go_on:
+                near = (f", within its eval noise {v.margin:.4f} of the cut {v.cut:.4f}"
+                        if v.rank > v.keep and v.cut is not None else "")
                 self.store.add_event(GO_ON, f"goes on at rung {rung}: {rule.metric} {v.value:.4f} ranks {v.rank} "
-                                     f"of {v.reached} ({v.keep} go on)", job_id=job, data=verdict_data(v, own[job]))
+                                     f"of {v.reached} ({v.keep} go on){near}", job_id=job,
+                                     data=verdict_data(v, own[job]))
             else:
                 done.append(self._pause(job, v, own[job], states.get(job, "")))
         paused = {str(j): r for j, (kind, r) in st.last.items()

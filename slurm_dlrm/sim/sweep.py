@@ -18,7 +18,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from slurm_dlrm.adapt.asha import RungResult, StopRule, Verdict, judge, promotable, rung_steps
+from slurm_dlrm.adapt.asha import (
+    RungResult,
+    StopRule,
+    Verdict,
+    eval_noise_sd,
+    judge,
+    promotable,
+    rung_steps,
+)
 from slurm_dlrm.sim.files import SimJob
 
 # A member this close to its rung (solo seconds) is at it: the event loop's clock steps
@@ -41,6 +49,7 @@ class SweepRuntime:
 
     rule: StopRule
     metric_at: Mapping[int, Callable[[int], float]]  # job id -> its metric at a step (a pure function)
+    eval_every_steps: int = 20  # the runner's eval schedule besides the rungs (the recorded curves': 20)
     results: list[RungResult] = field(default_factory=list)
     paused: dict[str, int] = field(default_factory=dict)  # job id as text -> the rung it paused at
     next_rung: dict[int, int] = field(default_factory=dict)
@@ -71,7 +80,7 @@ class SweepRuntime:
         jid = job.job_id
         k = self.next_rung.get(jid, 0)
         step = self.rungs[k]
-        self.results.append(RungResult(str(jid), k, step, float(self.metric_at[jid](step))))
+        self.results.append(RungResult(str(jid), k, step, float(self.metric_at[jid](step)), self.noise_sd(jid, step)))
         verdict = judge(self.rule, self.results, str(jid), k)
         self.next_rung[jid] = k + 1  # judged here once: go on, or pause and (maybe) resume past it
         if not verdict.go_on:
@@ -81,6 +90,14 @@ class SweepRuntime:
             del self.paused[str(p)]
         self.decisions.append(SweepDecision(now_s, jid, verdict, tuple(promoted)))
         return verdict, promoted
+
+    def noise_sd(self, job_id: int, step: int) -> float:
+        """The variant's eval noise from its own evals up to `step` (the schedule's and the rungs'), as the service measures it."""
+        if self.eval_every_steps <= 0:
+            return 0.0
+        at = set(range(self.eval_every_steps, step + 1, self.eval_every_steps)) | {r for r in self.rungs if r <= step}
+        metric = self.metric_at[job_id]
+        return eval_noise_sd([(s, float(metric(s))) for s in sorted(at)])
 
     def last_rung(self, job_id: int) -> int:
         """The highest rung `job_id` reached (-1: none)."""
