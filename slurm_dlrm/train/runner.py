@@ -788,8 +788,9 @@ def run(spec: Any, opts: RunOptions) -> int:
             # peer may be gone. Every rank now ends in `slurm-dlrm train`'s exit_now
             # (os._exit after flushing): no interpreter teardown of a live group, 0.1-0.4 s
             # per rank instead of 1-15 s at load 7-14 (tests/test_train_teardown.py loops
-            # it). The hang was not reproduced with the old sys.exit put back: 0 in 48 runs,
-            # 20 of them without this barrier, so the barrier is kept as a cheap guard only.
+            # it). The hang was not reproduced with the old sys.exit put back (0 in 86 runs,
+            # 20 without this barrier; one run had rank 1 alive 240 s before its exit,
+            # cause unknown: docs/multinode.md), so the barrier stays as a cheap guard.
             dist.barrier()
         return code
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
