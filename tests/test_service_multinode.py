@@ -229,3 +229,54 @@ def test_node_fail_is_requeued_by_the_service_and_bounded(tmp_path):
         assert job.state == "FAILED" and "NODE_FAIL" in (job.exit_reason or ""), job
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("seen_running", [True, False], ids=["squeue", "sacct"])
+def test_acct_charges_the_gpus_slurm_allocated_a_multi_node_job(tmp_path, seen_running):
+    """2 nodes x 2 ranks with --exclusive on 4-GPU nodes: Slurm allocates it gres/gpu=4
+    (the local cluster's `scontrol show job` TRES; the fake prints its TRES the same way),
+    and acct charges those 4, not the nodes' 8; read from squeue while it runs, or from
+    sacct's AllocTRES when it ran between two polls and squeue forgot it."""
+    from service_harness import fake_service
+
+    from slurm_dlrm.slurm.parse import allocated_gpus
+    from slurm_dlrm.store.acct import AcctFilter, acct_rows
+
+    svc, store, slurm, clock = fake_service(tmp_path)
+    try:
+        from slurm_dlrm.service import submit as svc_submit
+        from slurm_dlrm.service.native import record_and_submit
+
+        spec = _spec(tmp_path, "mn-acct", "nodes: 2\ngpus_per_node: 2\n")
+        (sub,) = svc_submit.prepare([str(spec)], SbatchOptions(), svc.site, str(tmp_path))
+        req = svc_submit.native_request(sub, svc.site)
+        (res,) = record_and_submit(svc.store, svc.slurm, [(sub, req)], user="root", site=svc.site,
+                                   spool_dir=svc.spool_dir, python="/py")
+        assert (req.nodes, req.gres, req.exclusive) == (2, "gpu:2", True)
+        assert store.get_job(res.job_id).gpu_share == 8.0  # asked for: both whole nodes
+        slurm.start(res.slurm_job_id, nodes="node[1-2]")
+        assert allocated_gpus(slurm.job(res.slurm_job_id).info().tres) == 4
+        if seen_running:
+            svc.run_round()
+            assert store.get_job(res.job_id).gpu_share == 4.0
+        clock.advance(3600.0)
+        slurm.finish(res.slurm_job_id)
+        if not seen_running:
+            slurm.purge(res.slurm_job_id)
+            assert "gres/gpu=4" in slurm.sacct([res.slurm_job_id], ["JobID", "AllocTRES"])[0].get("AllocTRES")
+        svc.run_round()
+        job = store.get_job(res.job_id)
+        assert job.state == "COMPLETED" and job.gpu_share == 4.0, job
+        (row,) = acct_rows(store, AcctFilter(job_ids=(res.job_id,)))
+        assert row["charged_gpu_s"] == pytest.approx(4 * 3600.0, rel=0.01), row
+    finally:
+        store.close()
+
+
+def test_allocated_gpus_reads_slurms_tres_spellings():
+    from slurm_dlrm.slurm.parse import allocated_gpus
+
+    assert allocated_gpus("cpu=4,mem=8000M,node=2,billing=4,gres/gpu=4") == 4
+    assert allocated_gpus("cpu=2,node=2,gres/gpu=4,gres/gpu:h100=4") == 4
+    assert allocated_gpus("cpu=2,node=1,gres/gpu:a100=1,gres/gpu:h100=2") == 3
+    assert allocated_gpus("cpu=1,node=1,gres/mps=50") is None and allocated_gpus("") is None

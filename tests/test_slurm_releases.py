@@ -126,6 +126,10 @@ def test_scontrol_tres_per_node_either_spelling(rec):
     assert parse.tres_items(rec.scontrol_job("mps")[0]["TresPerNode"]) == {"gres/mps": "50"}
     assert parse.tres_items(rec.scontrol_job("multi")[0]["TresPerNode"]) == {"gres/gpu": "2"}
     assert parse.tres_items(rec.scontrol_job("shard")[0]["TresPerNode"]) == {"gres/shard": "2"}
+    # the GPUs acct charges a multi-node job: its TRES totals over its nodes (2 x gpu:2)
+    assert parse.allocated_gpus(rec.scontrol_job("multi")[1].tres) == 4
+    assert parse.allocated_gpus(rec.squeue()["gpu"].tres) == 1
+    assert parse.allocated_gpus(rec.scontrol_job("mps")[1].tres) is None
 
 
 def test_node_sharing_from_either_field(rec):

@@ -115,7 +115,8 @@ class NativeRequest:
     ranks_per_node: int = 1
     exclusive: bool = False
     # the GPUs it holds on each node: ranks_per_node, or every GPU of the node with
-    # --exclusive (Slurm 22.05 allocates them all: sacct's AllocTRES gres/gpu)
+    # --exclusive; the charge until Slurm says what it allocated (the local cluster gives
+    # a 2 x gpu:2 --exclusive job gres/gpu=4: _allocated_gpus then charges 4)
     node_gpus: int = 0
 
     @property
@@ -339,8 +340,9 @@ def _follow_live(svc: Any, job: Any, info: Any, stats: Any) -> None:
 
     if info.state not in (SJ.RUNNING, SJ.COMPLETING, SJ.SUSPENDED):
         return  # pending in Slurm: `queue` shows Slurm's reason
-    if (info.nodes and info.nodes != job.nodes) or (info.gpu_idx and info.gpu_idx != job.gpu_idx):
-        svc.store.set_job_allocation(job.id, nodes=info.nodes or None, gpu_idx=info.gpu_idx or None)
+    gpus = _allocated_gpus(job, info.tres)
+    if (info.nodes and info.nodes != job.nodes) or (info.gpu_idx and info.gpu_idx != job.gpu_idx) or gpus:
+        svc.store.set_job_allocation(job.id, nodes=info.nodes or None, gpu_idx=info.gpu_idx or None, gpu_share=gpus)
     if job.state == JobState.PLANNED:
         start = float(info.start_time) if info.start_time else None
         svc.store.transition_job(job.id, JobState.RUNNING, f"Slurm job {job.slurm_job_id} started"
@@ -361,14 +363,17 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
     nodes = None
     reason = ""
     rows: list[Any] = []
+    alloc_tres = ""  # it may have run between two polls: what Slurm allocated it
     if info is not None:
         state, code, sig, reason = info.slurm_state, info.exit_code, info.signal, info.reason or ""
         start = float(info.start_time) if info.start_time else None
+        alloc_tres = info.tres if start is not None else ""
         end = float(info.end_time) if info.end_time else None
         nodes = info.nodes or None
     else:
         try:
-            rows = svc.slurm.sacct([int(job.slurm_job_id)], ["JobID", "State", "ExitCode", "NodeList", "Start", "End"])
+            rows = svc.slurm.sacct([int(job.slurm_job_id)],
+                                   ["JobID", "State", "ExitCode", "NodeList", "Start", "End", "AllocTRES"])
         except AccountingDisabled:
             rows = []
         except SlurmError as exc:
@@ -391,6 +396,7 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
         start, end = sacct_time(line.get("Start")), sacct_time(line.get("End"))
         n = line.get("NodeList")
         nodes = n if n and n != "None assigned" else None
+        alloc_tres = line.get("AllocTRES")
     if info is not None and str(state).split(" ", 1)[0].upper() in SLURM_REQUEUES and not is_multinode_job(job):
         # Still in squeue: Slurm requeues it (--requeue) and runs it again, resumed from its
         # checkpoint; its end is the rerun's (issue 49: recorded FAILED at NODE_FAIL, the
@@ -403,8 +409,9 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
         return
     tail = _output_error(svc, job) if ending.state == "FAILED" else ""
     now = svc.clock()
-    if nodes and nodes != job.nodes:
-        svc.store.set_job_allocation(job.id, nodes=nodes)
+    gpus = _allocated_gpus(job, alloc_tres)
+    if (nodes and nodes != job.nodes) or gpus:
+        svc.store.set_job_allocation(job.id, nodes=nodes, gpu_share=gpus)
     run_s = None
     if start is not None and end is not None and (info is None or info.restart_count > 0):
         run_s = _slurm_run_s(svc, job, start, end, rows if info is None else None)
@@ -506,6 +513,18 @@ NODE_FAIL_STATE = "NODE_FAIL"
 def is_multinode_job(job: Any) -> bool:
     req = (job.sbatch or {}).get("no_pack") or {}
     return bool(job.no_pack and int(req.get("nodes") or 1) > 1)
+
+
+def _allocated_gpus(job: Any, tres: str | None) -> float | None:
+    """A multi-node job's GPUs as Slurm allocated them (its TRES), where they differ from
+    what is recorded: accounting charges what Slurm gave, not nodes x the node's GPUs
+    (--exclusive gives a 2 x gpu:2 job on 4-GPU nodes gres/gpu=4 on the local cluster)."""
+    from slurm_dlrm.slurm.parse import allocated_gpus
+
+    if not tres or not is_multinode_job(job):
+        return None
+    gpus = allocated_gpus(tres)
+    return float(gpus) if gpus and float(gpus) != job.gpu_share else None
 
 
 def multinode_gpus_held(job: Any) -> int:

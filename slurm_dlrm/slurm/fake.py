@@ -75,6 +75,19 @@ class FakeJob:
     def state(self) -> JobState:
         return to_job_state(self.slurm_state)
 
+    def alloc_tres(self) -> str:
+        """Its TRES as Slurm prints them (squeue tres_alloc_str, scontrol TRES, sacct
+        AllocTRES): totals over its nodes, `--gres` per node, untyped: "cpu=2,node=2,gres/gpu=4"
+        (tests/data/slurm/*: gpu:h100 nodes, all three releases). --exclusive adds no GPU:
+        the local cluster's Slurm gives a 2 nodes x gpu:2 --exclusive job on 4-GPU nodes
+        gres/gpu=4."""
+        tres = f"cpu={self.num_nodes},node={self.num_nodes}"
+        kind, _, rest = self.gres.partition(":")
+        count = rest.rpartition(":")[2]
+        if kind and count.isdigit():
+            tres += f",gres/{kind}={int(count) * max(1, self.num_nodes)}"
+        return tres
+
     def info(self) -> JobInfo:
         st = self.state
         return JobInfo(
@@ -82,7 +95,7 @@ class FakeJob:
             partition=self.partition, nodes=self.nodes, num_nodes=self.num_nodes,
             reason="" if self.reason == "None" else self.reason,
             exit_code=None if self.signal else self.exit_code, signal=self.signal or None,
-            tres=f"cpu={self.num_nodes},node={self.num_nodes}" + (f",gres/{self.gres}" if self.gres else ""),
+            tres=self.alloc_tres(),
             restart_count=self.restart_count, submit_time=self.submit_time, start_time=self.start_time,
             end_time=self.end_time if st.is_terminal else None, work_dir=self.work_dir, comment=self.comment,
             gres_detail=f"{self.gres}(IDX:{self.gpu_idx})" if self.gres and self.gpu_idx and st.is_active else "")
@@ -306,7 +319,7 @@ class FakeSlurm:
             "JobID": job_id, "JobName": name, "State": state, "ExitCode": f"{exit_code}:{sig}",
             "Start": ts(j.start_time), "End": ts(j.end_time) if to_job_state(state).is_terminal else "Unknown",
             "Elapsed": "00:00:00", "NodeList": nodes or "None assigned",
-            "AllocTRES": f"cpu={j.num_nodes},node={j.num_nodes}" + (f",gres/{j.gres}" if j.gres else ""),
+            "AllocTRES": j.alloc_tres(),
             "User": j.user, "Partition": j.partition, "Comment": j.comment,
         }
         return AcctRow(job_id=job_id, fields={c: values.get(c, "") for c in cols})

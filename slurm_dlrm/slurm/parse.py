@@ -241,7 +241,8 @@ def job_from_scontrol(rec: dict[str, str]) -> JobInfo:
         reason=_none_if(rec.get("Reason")),
         exit_code=int(exit_s) if exit_s.isdigit() and sig is None else None,
         signal=sig,
-        tres=_none_if(rec.get("TRES")),
+        # 22.05 prints TRES= (allocated once running); 24.11+ ReqTRES= and AllocTRES=
+        tres=_none_if(rec.get("AllocTRES")) or _none_if(rec.get("TRES")) or _none_if(rec.get("ReqTRES")),
         restart_count=int(rec.get("Restarts", "0") or 0),
         submit_time=_scontrol_time(rec.get("SubmitTime", "")),
         start_time=_scontrol_time(rec.get("StartTime", "")) if state is not state.PENDING else None,
@@ -388,6 +389,17 @@ def tres_items(value: str) -> dict[str, str]:
             key = "gres/" + key[len("gres:"):]
         out[key] = count
     return out
+
+
+def allocated_gpus(tres: str) -> int | None:
+    """Whole GPUs in a job's allocated TRES over all its nodes (squeue's tres_alloc_str,
+    `scontrol show job`'s TRES, sacct's AllocTRES: "cpu=4,mem=8G,node=2,billing=4,gres/gpu=4",
+    typed ones also as "gres/gpu:h100=4"); None when it names no GPU (an MPS share, none)."""
+    items = tres_items(tres)
+    if "gres/gpu" in items and items["gres/gpu"].isdigit():
+        return int(items["gres/gpu"])
+    typed = [int(v) for k, v in items.items() if k.startswith("gres/gpu:") and v.isdigit()]
+    return sum(typed) if typed else None
 
 
 # `sinfo --format`: partition (with * on the default), availability, long state,

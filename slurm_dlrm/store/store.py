@@ -539,10 +539,13 @@ class Store:
                                 (ident, kind)).fetchone()
         return t if row is None or row[0] is None else max(t, float(row[0]))
 
-    def set_job_allocation(self, job_id: int, *, nodes: str | None = None, gpu_idx: str | None = None) -> None:
-        """Where a no-pack job runs, as Slurm says: its hostlist and the node's GPU indexes."""
+    def set_job_allocation(self, job_id: int, *, nodes: str | None = None, gpu_idx: str | None = None,
+                           gpu_share: float | None = None) -> None:
+        """Where a no-pack job runs, as Slurm says: its hostlist, the node's GPU indexes and
+        (a multi-node job) the GPUs Slurm allocated it over all its nodes, which acct charges."""
         with self.write():
-            sets = {k: v for k, v in (("nodes", nodes), ("gpu_idx", gpu_idx)) if v is not None}
+            sets = {k: v for k, v in (("nodes", nodes), ("gpu_idx", gpu_idx), ("gpu_share", gpu_share))
+                    if v is not None}
             if not sets:
                 return
             assign = ", ".join(f"{k} = ?" for k in sets)

@@ -779,14 +779,18 @@ def run(spec: Any, opts: RunOptions) -> int:
             return TRAIN_EXIT_OK
         code = trainer.run()
         if code == TRAIN_EXIT_OK and trainer.dist_info.world_size > 1:
-            # every rank past its last collective before any tears the group down: a rank
-            # whose peer had already exited could hang in gloo at exit (backend torch, DDP;
-            # seen 2 of 4 tries in wave 4; in ~40 runs without it since, once probably: a
-            # rank still alive 30 s after the last checkpoint, gone before a stack was taken).
-            # Measured (torch 2.13): once DDP has wrapped a module, destroy_process_group
-            # leaves gloo's threads (gloo_tcp_loop, 2 pt_gloo_runloop) running, even with
-            # the DDP module deleted first, so the group is torn down at interpreter exit,
-            # when the peer may be gone; without DDP they stop at destroy_process_group.
+            # every rank past its last collective before any leaves: a rank's exit closes
+            # its gloo sockets, and a peer still reading its last collective would fail.
+            # Not what keeps the wave-4 exit hang away (rank 1 stuck at interpreter exit
+            # after rank 0 left; backend torch): once DDP wrapped a module,
+            # destroy_process_group leaves gloo's threads (gloo_tcp_loop, 2 pt_gloo_runloop)
+            # running (torch 2.13), so the group was torn down at interpreter exit, when the
+            # peer may be gone. Every rank now ends in `slurm-dlrm train`'s exit_now
+            # (os._exit after flushing): no interpreter teardown of a live group, 0.1-0.4 s
+            # per rank instead of 1-15 s at load 7-14 (tests/test_train_teardown.py loops
+            # it). The hang was not reproduced with the old sys.exit put back (0 in 86 runs,
+            # 20 without this barrier; one run had rank 1 alive 240 s before its exit,
+            # cause unknown: docs/multinode.md), so the barrier stays as a cheap guard.
             dist.barrier()
         return code
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
