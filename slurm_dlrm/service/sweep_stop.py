@@ -167,7 +167,7 @@ class SweepStop:
         """(job, rung, value, t, noise_sd) of every eval at a rung step, in arrival order;
         noise_sd is the variant's eval noise from its own evals up to that step (asha.eval_noise_sd)."""
         ids = [m.job_id for m in members]
-        by_id = {m.job_id: m for m in members}
+        rungs_of = {m.job_id: rung_steps(m.rule) for m in members}  # each variant's own rule
         marks = ",".join("?" * len(ids))
         column = COLUMN[members[0].rule.metric]
         out = []
@@ -178,7 +178,7 @@ class SweepStop:
                 continue
             own = seen.setdefault(int(job_id), [])
             own.append((int(step), float(value)))
-            steps = rung_steps(by_id[int(job_id)].rule)
+            steps = rungs_of[int(job_id)]
             if step not in steps:
                 continue
             noise = eval_noise_sd([e for e in own if e[0] <= step])
