@@ -20,6 +20,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.torch]
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "OOM", "TIMEOUT")
 
 
+LOSER_STEPS = 4000
+
+
 def _evals(spool: Path, job_id: int) -> dict[int, dict]:
     out = {}
     for line in (spool / "jobs" / str(job_id) / "metrics.jsonl").read_text().splitlines():
@@ -42,9 +45,10 @@ def test_a_loser_pauses_at_its_rung_its_share_is_refilled_and_requeue_resumes_it
     # named "pair") in the share the winner freed; a third variant, judged first at step
     # 50000 (never here), holds their pack open
     good = {**base, "name": "pair", "steps": 60, "optimizer": {"type": "adagrad", "lr": 0.05}}
-    # one rung (20) and 1000 steps: on a quiet host it reached its end within the round
-    # that judged it at 60 steps (no pause then: it had completed)
-    loser = {**base, "name": "pair", "steps": 1000, "optimizer": {"type": "sgd", "lr": 1e-6}}  # learns nothing
+    # one rung (20) and 4000 steps: on a quiet host it reached its end within the round
+    # that judged it at 60 steps, and once at 1000 (3.3 ms a step: done 1.4 s after its
+    # pause was decided, so it completed; nothing to save then)
+    loser = {**base, "name": "pair", "steps": LOSER_STEPS, "optimizer": {"type": "sgd", "lr": 1e-6}}  # learns nothing
     anchor = {**base, "name": "anchor", "steps": 100_000, "sweep": {"min_steps": 50_000}}
     (tmp_path / "good.yaml").write_text(yaml.safe_dump(good))
     (tmp_path / "loser.yaml").write_text("#SBATCH --dependency=singleton\n" + yaml.safe_dump(loser))
@@ -80,6 +84,6 @@ def test_a_loser_pauses_at_its_rung_its_share_is_refilled_and_requeue_resumes_it
     assert done["state"] == "COMPLETED", (done["state"], done["reason"])
     wait_until(lambda: show_job(ref)["state"] in TERMINAL, 120)
     got, straight = _evals(spool, lo), _evals(spool, ref)
-    assert sorted(got) == list(range(20, 1001, 20)) and got == straight  # paused + resumed = straight, bit for bit
+    assert sorted(got) == list(range(20, LOSER_STEPS + 1, 20)) and got == straight  # paused + resumed = straight, bit for bit
     assert cli("cancel", "-n", "pair").exit_code == 0  # the sweep's name: its variants (the anchor)
     wait_until(lambda: show_job(a)["state"] in TERMINAL, 60)
