@@ -301,6 +301,63 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
             "seconds": round(time.time() - t0, 2)}
 
 
+def run_custom(spec: JobSpec, steps: int) -> dict[str, Any]:
+    """A `custom_module` spec (the traced estimator's, slurm_dlrm/estimate/traced.py): its
+    factory's module trained `steps` steps on the CPU with the spec's torch optimizer,
+    then evaluated as the runner evaluates (its `Evaluator` over the spec's `HeldOut`
+    set, predictions from the forward's logits as torchrec's DLRMTrain returns them),
+    every storage followed from the module's build on. The runner does not train custom
+    modules (a job gives a `command`); this is the evaluation it would run."""
+    from slurm_dlrm.estimate.traced import load_factory, make_batch
+    from slurm_dlrm.train.evaluation import Evaluator
+    from slurm_dlrm.train.heldout import HeldOut
+
+    t0 = time.time()
+    optimizers = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad, "adam": torch.optim.Adam}
+    if spec.optimizer.type not in optimizers:
+        raise SystemExit(f"custom module: no torch optimizer for {spec.optimizer.type}")
+    factory = load_factory(spec)
+    tracker = LiveTensorBytes()
+    eval_peak = 0
+    with tracker:
+        torch.manual_seed(spec.seed * 1000)
+        model = factory(spec)
+        model.train()
+        for t in [*model.parameters(), *model.buffers()]:
+            tracker._track(t)
+        static_bytes = tracker.live
+        optimizer = optimizers[spec.optimizer.type](model.parameters(), lr=spec.optimizer.lr)
+        evaluator = Evaluator(HeldOut(spec), int(spec.eval.every_steps), steps, backend="reference") \
+            if spec.eval.enabled else None
+        tracker.phase = "step"
+
+        def predict(b: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            out = model(b)
+            return torch.sigmoid(out[1][1].float()), b.labels
+
+        for done in range(1, steps + 1):
+            with _disable_current_modes():  # made by the source, outside (as _measure's runs)
+                batch = make_batch(spec, "cpu")
+            batch = device_copy(batch, tracker)
+            optimizer.zero_grad()
+            loss = model(batch)[0]
+            loss.backward()
+            optimizer.step()
+            del loss, batch
+            if evaluator is not None and evaluator.due(done):
+                optimizer.zero_grad()
+                tracker.phase, before = "eval", tracker.peak
+                tracker.peak = tracker.live
+                evaluator.run(predict, done, 0.0)
+                eval_peak = max(eval_peak, tracker.peak)
+                if tracker.peak < before:
+                    tracker.peak, tracker.peak_phase = before, "step"
+                tracker.phase = "step"
+    return {"peak_tensor_bytes": tracker.peak, "planner_bytes": 0, "static_tensor_bytes": static_bytes,
+            "peak_phase": tracker.peak_phase, "eval_peak_tensor_bytes": eval_peak, "peak_rss_bytes": rss_bytes(),
+            "rss_file_bytes": rss_file_bytes(), "seconds": round(time.time() - t0, 2)}
+
+
 def _rank_main(rank: int, spec_json: str, steps: int, world: int, init_file: str, out_dir: str) -> None:
     result = run(parse_spec(json.loads(spec_json)), steps, rank, world, init_file)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -310,6 +367,9 @@ def _rank_main(rank: int, spec_json: str, steps: int, world: int, init_file: str
 def main() -> None:
     spec = parse_spec(json.loads(sys.argv[1]))
     steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    if spec.custom_module:
+        print(json.dumps(run_custom(spec, steps)))
+        return
     if spec.world_size == 1:
         print(json.dumps(run(spec, steps)))
         return

@@ -182,6 +182,57 @@ EVAL_EXTRA: list[dict[str, Any]] = [
 ]
 
 
+def drawn_configs(n: int, seed: int) -> list[dict[str, Any]]:
+    """`n` DLRM specs drawn at random (seed `seed`), written as a user writes one: only
+    the model, the batch and the optimizer; everything else (loader workers, prefetch,
+    checkpoints, evaluation every 200 steps and at the end) the spec's defaults. A hold-out
+    no one tuned the estimate on: a fresh seed draws configs no one has seen."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        dim = rng.choice([8, 16, 16, 32, 64, 128])
+        tables = []
+        for _ in range(rng.choice([1, 2, 3, 4, 6, 8, 13, 26])):
+            t: dict[str, Any] = {"rows": int(10 ** rng.uniform(2.5, 5.3)), "dim": dim}
+            kind = rng.random()
+            if kind < 0.25:
+                t["multi_hot"] = rng.randint(2, 24)
+            elif kind < 0.45:
+                t["pooling_factor"] = round(rng.uniform(1.5, 12.0), 1)
+            tables.append(t)
+        batch = rng.choice([256, 512, 1024, 2048, 4096, 8192, 16384])
+        bottom = sorted((rng.choice([32, 64, 128, 256, 512]) for _ in range(rng.randint(1, 3))), reverse=True)
+        top = sorted((rng.choice([16, 64, 128, 256, 512, 1024]) for _ in range(rng.randint(1, 3))), reverse=True)
+        d: dict[str, Any] = {
+            "name": f"drawn-{seed}-{i}", "tables": tables, "dense_features": rng.choice([13, 13, 8, 32]),
+            "bottom_mlp": [*bottom, dim], "top_mlp": [*top, 1], "batch_size": batch,
+            "optimizer": {"type": rng.choice(["sgd", "adagrad", "rowwise_adagrad"])},
+        }
+        if rng.random() < 0.4:
+            d["interaction"] = {"type": "dcn", "layers": rng.randint(1, 3), "low_rank": rng.choice([16, 32, 64, 128])}
+        out.append(d)
+    return out
+
+
+# The traced estimator (slurm_dlrm/estimate/traced.py, for `custom_module` specs: built and
+# traced on the meta device): each config above that a custom module can take (one rank,
+# synthetic data, a torch optimizer) as the example module (plain nn.EmbeddingBag tables,
+# concatenation), trained on the CPU with torch's optimizer and evaluated by the runner's
+# Evaluator (benchmarks/_measure.py `run_custom`), both with evaluation on and `eval: false`.
+EXAMPLE_MODULE = "slurm_dlrm.estimate.example_custom:build"
+
+
+def custom_configs(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for c in configs:
+        s = parse_spec(c)
+        if s.world_size == 1 and s.data.type == "synthetic" and s.optimizer.type in ("sgd", "adagrad", "adam"):
+            out.append(dict(c, custom_module=EXAMPLE_MODULE))
+    return out
+
+
 def write_criteo_npy(prefix: str, rows: int) -> str:
     """A small day of torchrec's preprocessed Criteo layout (13 dense, 26 sparse)."""
     import numpy as np
@@ -255,6 +306,12 @@ def main() -> None:
                     help="the runner's model backend every config trains on")
     ap.add_argument("--no-eval-extra", action="store_true",
                     help="leave out the extra evaluation configs (EVAL_EXTRA)")
+    ap.add_argument("--drawn", type=int, default=0, metavar="N",
+                    help="instead of the fixed configs: N specs drawn at random with the spec's defaults "
+                         "(a hold-out; see --draw-seed)")
+    ap.add_argument("--draw-seed", type=int, default=0, help="the seed of --drawn's draw (use a fresh one)")
+    ap.add_argument("--no-traced", action="store_true",
+                    help="leave out the traced estimator's configs (custom_module, traced on meta)")
     ap.add_argument("--jobs", type=int, default=2,
                     help="children measured at once (memory is per process, so this does not change figures)")
     ap.add_argument("--save", metavar="FILE", help="append every measurement to FILE (JSON lines)")
@@ -273,8 +330,9 @@ def main() -> None:
             for line in f:
                 row = json.loads(line)
                 _SAVED[row["key"]] = row["result"]
-    configs = [] if args.specs_only else [c for c in CONFIGS if not args.only or c["name"] in args.only]
-    extra = [] if args.specs_only or args.no_eval_extra else \
+    fixed = drawn_configs(args.drawn, args.draw_seed) if args.drawn else CONFIGS
+    configs = [] if args.specs_only else [c for c in fixed if not args.only or c["name"] in args.only]
+    extra = [] if args.specs_only or args.no_eval_extra or args.drawn else \
         [c for c in EVAL_EXTRA if not args.only or c["name"] in args.only]
     tmp = tempfile.TemporaryDirectory(prefix="estimator-accuracy-")
     _TMP_DIR.append(tmp.name)
@@ -312,6 +370,7 @@ def main() -> None:
     eval_errs: list[float] = []
     eval_rss_errs: list[float] = []
     eval_peak_errs: list[float] = []  # configs whose estimate names the evaluation as the peak
+    traced = [] if args.no_traced or args.backend != "torchrec" else custom_configs(configs)
     pool = ThreadPoolExecutor(max(1, args.jobs))
     # with the evaluation on first: what users run (a run cut short has those)
     on_futures = {d["name"]: pool.submit(measure, d, args.steps) for d in eval_on + extra}
@@ -363,6 +422,10 @@ def main() -> None:
             err, _rss_err, phase, text = eval_row(d, got)
             extra_errs.append(err)
             print(f"{d['name']:<24} {text}", flush=True)
+    # queued after the others: what users run first
+    traced_futures = [(d, pool.submit(measure, d, args.steps), pool.submit(measure, dict(d, eval=False), args.steps))
+                      for d in traced]
+    meta_errs, meta_peak_errs = traced_rows(traced_futures)
     pool.shutdown()
     tmp.cleanup()
     site_errs = site_held_out(measured)
@@ -410,7 +473,45 @@ def main() -> None:
           f"eval_max_under_pct={max(max((-x for x in eval_errs), default=0.0), 0.0):.2f} "
           f"eval_configs={len(eval_errs)} eval_peak_configs={len(eval_peak_errs)} "
           f"eval_peak_max_under_pct={max(max((-x for x in eval_peak_errs), default=0.0), 0.0):.4f}"
+          + (f" meta_configs={len(meta_errs)} meta_median_err_pct={statistics.median(abs(x) for x in meta_errs):.2f} "
+             f"meta_max_under_pct={max(max((-x for x in meta_errs), default=0.0), 0.0):.4f} "
+             f"meta_eval_peak_configs={len(meta_peak_errs)}" if meta_errs else "")
           + ("" if args.backend == "torchrec" else f" backend={args.backend}"))
+
+
+def traced_rows(futures: list[tuple[dict[str, Any], Any, Any]]) -> tuple[list[float], list[float]]:
+    """The traced estimator (on meta) against the custom module's CPU run, evaluation on
+    and off: every error (both runs), and those where the estimate names the evaluation."""
+    if not futures:
+        return [], []
+    from slurm_dlrm.estimate.traced import estimate_traced
+
+    print()
+    print("custom_module (the traced estimator: built and traced on meta) against the same module run on the CPU "
+          "with the runner's Evaluator: eval on | eval: false")
+    print(f"{'config':<24} {'eval on':>9} {'estimate':>9} {'err%':>7} phase                | "
+          f"{'eval off':>9} {'estimate':>9} {'err%':>7}")
+    errs, peak_errs = [], []
+    for d, on_fut, off_fut in futures:
+        row = f"{d['name']:<24}"
+        for i, (dd, fut) in enumerate(((d, on_fut), (dict(d, eval=False), off_fut))):
+            m = fut.result()
+            if m is None:
+                row += f" {'(not measured)':<50}"
+                continue
+            est = estimate_traced(parse_spec(dd), None)
+            err = pct(est.tensor_peak_bytes, m["peak_tensor_bytes"])
+            errs.append(err)
+            if est.peak_phase == "evaluation":
+                peak_errs.append(err)
+            row += (f" {m['peak_tensor_bytes'] / MIB:>8.2f}M {est.tensor_peak_bytes / MIB:>8.2f}M {err:>+7.3f}"
+                    + (f" {est.peak_phase:<20} |" if i == 0 else ""))
+        print(row, flush=True)
+    unders = [-x for x in errs if x < 0]
+    print(f"traced estimator (meta): {len(errs)} runs, median |err| {statistics.median(abs(x) for x in errs):.2f}%  "
+          f"worst under {max(unders, default=0.0):.4f}%  evaluation the estimated peak: {len(peak_errs)} "
+          f"(worst under {max((-x for x in peak_errs), default=0.0):.4f}%)")
+    return errs, peak_errs
 
 
 def eval_row(d: dict[str, Any], m: dict[str, Any]) -> tuple[float, float, str, str]:

@@ -3,7 +3,8 @@
 Use it as ``custom_module: "slurm_dlrm.estimate.example_custom:build"``. The traced
 estimator (slurm_dlrm.estimate.traced) builds it on `meta` and follows its storage; a
 custom module's `forward(batch)` takes a torchrec `Batch` and returns the loss (or a
-tuple starting with it). Imports torch.
+tuple starting with it: torchrec's DLRMTrain's `(loss, (loss, logits, labels))` gives the
+held-out evaluation its predictions). Imports torch.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class TinyDLRM(nn.Module):
         self.top = nn.Sequential(*layers)
         self.loss = nn.BCEWithLogitsLoss()
 
-    def forward(self, batch: Any) -> torch.Tensor:
+    def forward(self, batch: Any) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         kjt = batch.sparse_features
         values, lengths = kjt.values(), kjt.lengths()
         B = batch.dense_features.shape[0]
@@ -46,7 +47,10 @@ class TinyDLRM(nn.Module):
             pooled.append(emb(values[start:start + n], offsets.to(torch.int64)))
             start += n
         x = torch.cat([self.bottom(batch.dense_features), *pooled], dim=1)
-        return self.loss(self.top(x).squeeze(1), batch.labels)
+        logits = self.top(x).squeeze(1)
+        loss = self.loss(logits, batch.labels)
+        # torchrec's DLRMTrain's shape: the logits give the held-out evaluation its predictions
+        return loss, (loss.detach(), logits.detach(), batch.labels)
 
 
 def build(spec: Any) -> nn.Module:

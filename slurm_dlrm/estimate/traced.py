@@ -40,10 +40,12 @@ from slurm_dlrm.estimate.analytic import (
     Estimate,
     allocator_rounding_bytes,
     compute_profile,
+    eval_host_bytes,
     fence_bytes,
     synthetic_pool_bytes,
 )
-from slurm_dlrm.estimate.timeline import batch_bytes, ids_per_batch
+from slurm_dlrm.estimate.timeline import F32, batch_bytes, ids_per_batch
+from slurm_dlrm.estimate.timeline_eval import METRICS_F64_PER_SAMPLE, eval_samples
 from slurm_dlrm.site import GpuModel
 from slurm_dlrm.spec import JobSpec
 
@@ -143,10 +145,25 @@ class TraceResult:
     fwd_bwd_peak_bytes: int  # live bytes at the peak of forward + backward (all of the above included)
     opt_step_peak_bytes: int
     peak_sizes: list[int] = field(default_factory=list)
+    # the held-out evaluation (issue 51; 0 with `eval: false`): the peak of the no-grad
+    # forward over one held-out batch, model state included, and (`on_host`) with the
+    # evaluator's predictions buffer and the metrics' temporaries as the runner holds them
+    eval_peak_bytes: int = 0
+    eval_peak_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def train_peak_bytes(self) -> int:
+        return max(self.fwd_bwd_peak_bytes, self.opt_step_peak_bytes)
 
     @property
     def peak_bytes(self) -> int:
-        return max(self.fwd_bwd_peak_bytes, self.opt_step_peak_bytes)
+        return max(self.train_peak_bytes, self.eval_peak_bytes)
+
+    @property
+    def peak_phase(self) -> str:
+        if self.eval_peak_bytes > self.train_peak_bytes:
+            return "evaluation"
+        return "optimizer step" if self.opt_step_peak_bytes > self.fwd_bwd_peak_bytes else "forward/backward"
 
 
 def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -157,10 +174,60 @@ def _unique_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def _logits(out: Any) -> torch.Tensor | None:
+    """The logits in a forward's output, where the contract gives them: torchrec's
+    DLRMTrain returns (loss, (loss, logits, labels)); a module returning the loss alone
+    gives none (the evaluation then has no predictions to make)."""
+    if isinstance(out, tuple | list) and len(out) > 1:
+        rest = out[1]
+        if isinstance(rest, tuple | list) and len(rest) > 1 and isinstance(rest[1], torch.Tensor):
+            return rest[1]
+        if isinstance(rest, torch.Tensor):
+            return rest
+    return None
+
+
+def trace_eval(spec: JobSpec, model: torch.nn.Module, device: str, state_bytes: int, on_host: bool) -> tuple[int, list[int]]:
+    """The runner's held-out evaluation (slurm_dlrm/train/evaluation.py `Evaluator`) of
+    `model`, tracked: after `zero_grad` the model state alone (`state_bytes`: weights,
+    buffers, optimizer state); a held-out batch at the training batch size and the
+    forward under `torch.no_grad` (train mode, as the runner's), the click probabilities
+    of its logits. `on_host` (a CPU run): the evaluator's 3 x samples float32 buffer of
+    predictions, labels and planted P(click) sits beside every batch after the first,
+    and the metrics' float64 temporaries come after the last
+    (`timeline_eval.METRICS_F64_PER_SAMPLE`). Returns (peak bytes, live sizes at it)."""
+    tracker = StorageTracker()
+    tracker.live = state_bytes - _unique_bytes([*model.parameters(), *model.buffers()])
+    n_samples = eval_samples(spec)
+    buffer = 3 * n_samples * F32 if on_host else 0
+    with tracker, torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            tracker.register(t)
+        tracker.live += buffer  # the worst batch is any after the first, with the buffer beside it
+        tracker.peak = tracker.live
+        batch = make_batch(spec, device)
+        for t in [batch.dense_features, batch.labels, batch.sparse_features.values(),
+                  batch.sparse_features.lengths()]:
+            tracker.register(t)
+        # synthetic data: the held-out batch comes with the planted model's P(click)
+        planted = spec.batch_size * F32 if on_host and spec.data.type == "synthetic" else 0
+        tracker.live += planted
+        out = model(batch)
+        logits = _logits(out)
+        probs = torch.sigmoid(logits.float()) if logits is not None else None
+        del out, logits, probs, batch
+        tracker.live -= planted
+        peak, sizes = tracker.peak, list(tracker.peak_sizes)
+    if on_host:
+        peak = max(peak, state_bytes + buffer + METRICS_F64_PER_SAMPLE * 8 * n_samples + 64)
+    return peak, sizes
+
+
 def trace_step(spec: JobSpec, factory: Callable[[JobSpec], torch.nn.Module], device: str = "meta",
-               foreach: bool = False) -> TraceResult:
+               foreach: bool = False, on_host: bool = True) -> TraceResult:
     """One forward/backward of `factory(spec)` on `device`, tracked; the optimizer step
-    added from the parameters."""
+    added from the parameters; then (evaluation on) the held-out evaluation, its
+    buffers on the device's memory where `on_host` (a CPU run)."""
     with torch.device(device):
         model = factory(spec)
     model.train()
@@ -169,7 +236,8 @@ def trace_step(spec: JobSpec, factory: Callable[[JobSpec], torch.nn.Module], dev
     param_bytes = _unique_bytes(params)
     buffer_bytes = _unique_bytes(buffers)
     kind = spec.optimizer.type
-    opt_state = param_bytes * _STATE_MULTIPLIER[kind]
+    # torch's Adagrad and Adam also keep a float32 `step` scalar per parameter
+    opt_state = param_bytes * _STATE_MULTIPLIER[kind] + (4 * len(params) if _STATE_MULTIPLIER[kind] else 0)
     tracker = StorageTracker()
     tracker.live = opt_state  # the optimizer state exists from the second step on
     batch = make_batch(spec, device)
@@ -189,14 +257,18 @@ def trace_step(spec: JobSpec, factory: Callable[[JobSpec], torch.nn.Module], dev
     # the hand-over), all at once with CUDA's foreach kernels.
     per = _STEP_TEMPS_PER_PARAM[kind]
     sizes = [p.numel() * p.element_size() for p in params]
-    if foreach:
+    if foreach or not per:  # SGD (no momentum): an in-place add, no temporary at all
         temps = per * sum(sizes)
     else:
         temps = max((per * b + a for a, b in zip([0, *sizes], sizes, strict=False)), default=0)
     del grads
+    for p in params:  # zero_grad (set to None) before the evaluation, as the runner
+        p.grad = None
+    eval_peak, eval_sizes = trace_eval(spec, model, device, param_bytes + buffer_bytes + opt_state, on_host) \
+        if spec.eval.enabled else (0, [])
     return TraceResult(param_bytes=param_bytes, buffer_bytes=buffer_bytes, opt_state_bytes=opt_state,
                        batch_bytes=b_bytes, fwd_bwd_peak_bytes=tracker.peak, opt_step_peak_bytes=after_bwd + temps,
-                       peak_sizes=tracker.peak_sizes)
+                       peak_sizes=tracker.peak_sizes, eval_peak_bytes=eval_peak, eval_peak_sizes=eval_sizes)
 
 
 def estimate_traced(spec: JobSpec, gpu: GpuModel | None,
@@ -205,7 +277,7 @@ def estimate_traced(spec: JobSpec, gpu: GpuModel | None,
     if factory is None:
         factory = load_factory(spec)
     try:
-        r = trace_step(spec, factory, "meta", foreach=gpu is not None)
+        r = trace_step(spec, factory, "meta", foreach=gpu is not None, on_host=gpu is None)
     except Exception as exc:  # noqa: BLE001 - any error of the user's factory or forward
         # user code failing on meta tensors is bad input about this spec, not a crash of ours
         first = " ".join(str(exc).split())[:200]
@@ -221,13 +293,22 @@ def estimate_traced(spec: JobSpec, gpu: GpuModel | None,
     }
     notes = ["traced on meta tensors: one forward/backward; optimizer step from the parameters",
              "compute profile from the spec's DLRM shape (approximate for a custom module)"]
+    if r.peak_phase == "evaluation":  # the held-out batch and the no-grad forward, not a step's
+        parts["input_batches"] = 0
+        parts["activations_and_grads"] = 0
+        parts["evaluation"] = r.eval_peak_bytes - r.param_bytes - r.buffer_bytes - r.opt_state_bytes
+    if spec.eval.enabled:
+        notes.append("evaluation: the no-grad forward over one held-out batch traced as well"
+                     + ("" if r.peak_phase != "evaluation" else " (the peak)"))
+    # the metrics library, the eval stream's pools and, on a GPU, the evaluation's host side
     host = {"runtime": HOST_RUNTIME_CUDA_BYTES if gpu is not None else HOST_RUNTIME_CPU_BYTES,
-            "synthetic_data_pools": synthetic_pool_bytes(spec)}
+            "synthetic_data_pools": synthetic_pool_bytes(spec), "evaluation": eval_host_bytes(spec, gpu is not None)}
     if gpu is not None:
         gpu_breakdown = dict(parts)
         gpu_breakdown["cuda_context"] = gpu.context_bytes_nvml
         gpu_breakdown["cublas_workspace"] = gpu.cublas_workspace_bytes
-        gpu_breakdown["allocator_rounding"] = allocator_rounding_bytes(r.peak_sizes)
+        gpu_breakdown["allocator_rounding"] = allocator_rounding_bytes(
+            r.eval_peak_sizes if r.peak_phase == "evaluation" else r.peak_sizes)
         gpu_peak = sum(gpu_breakdown.values())
         host["pinned_staging"] = batch_bytes(spec)
     else:
@@ -236,7 +317,7 @@ def estimate_traced(spec: JobSpec, gpu: GpuModel | None,
     return Estimate(
         gpu_peak_bytes=gpu_peak, host_peak_bytes=sum(host.values()), gpu_breakdown=gpu_breakdown,
         host_breakdown=host, profile=compute_profile(spec, gpu), tensor_peak_bytes=r.peak_bytes,
-        peak_phase="optimizer step" if r.opt_step_peak_bytes > r.fwd_bwd_peak_bytes else "forward/backward",
+        peak_phase=r.peak_phase,
         gpu_model=gpu.name if gpu is not None else None, method="traced", notes=tuple(notes),
         gpu_fence_bytes=fence_bytes(gpu_peak, gpu),
     )

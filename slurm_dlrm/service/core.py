@@ -30,6 +30,7 @@ figures are in settings.py.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
@@ -508,7 +509,9 @@ class PackingService(PackEnding, PackFolder, PlanView):
             if not needs_trace(job):
                 ready.append(job)
                 continue
-            key = (job.spec_fingerprint, job.gpu_model, str(job.spec.get("custom_module")))
+            # the fingerprint leaves `eval` out (a resumed run may change it); the trace counts it
+            key = (job.spec_fingerprint, job.gpu_model, str(job.spec.get("custom_module")),
+                   json.dumps(job.spec.get("eval"), sort_keys=True, default=str))
             if key not in done:
                 done[key] = trace_job(job, self.site.gpu_model(str(job.gpu_model)), self.settings.python)
             est, error = done[key]
