@@ -365,6 +365,24 @@ def tbe_bookkeeping_bytes(n_tables: int, optimizer: str) -> int:
             + 2 * I32)
 
 
+# The loss, its detached copy and backward's gradient seed: three float32 scalars live
+# from the loss to the end of the step (allocation log: 12 bytes at every peak)
+LOSS_SCALARS_BYTES = 3 * F32
+
+
+def lookup_inputs(tape: Tape, spec: JobSpec, tables: list[int]) -> list[_T]:
+    """The int64 ids and offsets fbgemm's lookup keeps from its last call (torchrec 1.8
+    allocation log): one rank's batch ids and int64 offsets; with several ranks the ids
+    its tables received and their offsets."""
+    s = Shapes.of(spec)
+    ws = max(1, spec.world_size)
+    if ws == 1:
+        return [tape.alloc(s.ids * I64, INPUTS), tape.alloc((s.F * s.B + 1) * I64, INDEX_OFFSETS)]
+    ids_own = sum(ids_per_batch(s.B, spec.tables[i]) for i in tables)
+    return [tape.alloc(len(tables) * ws * s.B * I32 + ws * ids_own * I64, INDEX_OFFSETS),
+            tape.alloc((len(tables) * ws * s.B + 1) * I64, INDEX_OFFSETS)]
+
+
 def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] | None = None, *,
                   first_step: bool = False) -> Tape:
     """Replay one training step (after model set-up) and return the tape.
@@ -379,13 +397,18 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     s = Shapes.of(spec)
     B, act = s.B, s.act_bytes
     fused = is_fused(spec, device)
-    lazy_state_absent = full_grad_held = first_step
+    lazy_state_absent = first_step
+    # DDP's first iteration with find_unused_parameters (the runner's, several ranks only:
+    # train/model.py) keeps the gradients apart until the end of backward; one rank's DDP
+    # hands each to its bucket at once from the first step on (allocation log, torch 2.13)
+    grads_held = first_step and spec.world_size > 1
+    full_grad_held = first_step
     foreach_optimizer = device == "cuda"
     tape = Tape()
     held: list[_T] = []  # first step: weight gradients kept until the end of backward
 
     def release_wgrad(t: _T) -> None:
-        if first_step:
+        if grads_held:
             held.append(t)
         else:
             tape.free(t)
@@ -404,6 +427,10 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     tape.alloc(st.dense_grads, DENSE_GRADS)
     tape.alloc(dense_opt, DENSE_OPT)
     tape.alloc(st.small, OTHER)
+
+    # fbgemm's lookup keeps the int64 ids and offsets of its last call until its next call:
+    # the previous step's are live until this step's lookup has made its own
+    cache = [] if first_step else lookup_inputs(tape, spec, tables)
 
     # The batch in use. Batches the loader threads prepare ahead (`prefetch_depth`) stay
     # in host memory (pinned, on a GPU) until their step: see the host breakdown.
@@ -425,7 +452,8 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     ws = max(1, spec.world_size)
     recv: _T | None = None
     if ws == 1:
-        off64 = tape.alloc((s.F * B + 1) * I64, INDEX_OFFSETS)  # int64 copy TBE saves for backward
+        tape.alloc((s.F * B + 1) * I64, INDEX_OFFSETS)  # the int64 offsets TBE saves (kept to the next lookup)
+        tape.free(*cache)
         pooled_raw = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)
         pooled = tape.alloc(B * s.F * s.D * s.out_bytes, EMB_OUT)  # KeyedTensor's cat of the groups
         tape.free(pooled_raw)
@@ -439,7 +467,8 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
         perm = tape.alloc(s.F * B * I32 + local_ids * I64, INDEX_OFFSETS)  # permuted for sending
         recv = tape.alloc(f_own * ws * B * I32 + ws * ids_own * I64, INDEX_OFFSETS)  # received
         tape.free(perm)
-        off64 = tape.alloc((f_own * ws * B + 1) * I64, INDEX_OFFSETS)
+        tape.alloc((f_own * ws * B + 1) * I64, INDEX_OFFSETS)  # kept by the lookup until the next step
+        tape.free(*cache)
         out_raw = tape.alloc(ws * B * f_own * s.D * s.out_bytes, EMB_OUT)
         buf1 = tape.alloc(ws * B * f_own * s.D * s.out_bytes, EMB_OUT)
         buf2 = tape.alloc(ws * B * f_own * s.D * s.out_bytes, EMB_OUT)
@@ -502,6 +531,7 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
 
     # ---------------------------------------------------------------- backward
     tape.where = "backward: loss"
+    scalars = tape.alloc(LOSS_SCALARS_BYTES, OTHER)
     t1 = tape.alloc(B * F32, BWD)
     t2 = tape.alloc(B * F32, BWD)
     tape.free(t2, t1)
@@ -552,8 +582,8 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
         tape.free(g_emb)
         g_emb = g_recv
     full_grad: _T | None = None
+    # (the int64 offsets stay: the lookup's cache until the next step's lookup)
     if s.dcn_layers:
-        tape.free(off64)
         if amp:
             tape.free(g_comb)
         if not fused:
@@ -563,7 +593,7 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
         tape.free(g_comb)
         if not fused:
             full_grad = tape.alloc(st.emb_weights, EMB_GRAD)
-        tape.free(g_emb, off64)
+        tape.free(g_emb)
     if not full_grad_held:
         tape.free(full_grad)
 
@@ -574,7 +604,7 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     # ---------------------------------------------------------------- optimizer step
     tape.where = "optimizer step"
     _optimizer_temps(spec, tape, tables, foreach_optimizer, fused)
-    tape.free(batch, off32, logits)
+    tape.free(batch, off32, logits, scalars)
     return tape
 
 

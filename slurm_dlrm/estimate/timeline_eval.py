@@ -53,6 +53,7 @@ from slurm_dlrm.estimate.timeline import (
     batch_bytes,
     ids_per_batch,
     is_fixed_length,
+    lookup_inputs,
     static_parts,
 )
 from slurm_dlrm.spec import JobSpec
@@ -103,7 +104,7 @@ def simulate_eval(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     buffer: Alloc | None = None
     # torchrec: fbgemm's lookup keeps the int64 ids and offsets of its last call until its
     # next call (the training step's last lookup's are live as the evaluation starts)
-    cache: list[Alloc] = [] if torch_backend else _lookup_inputs(tape, spec, tables)
+    cache: list[Alloc] = [] if torch_backend else lookup_inputs(tape, spec, tables)
     for k in range(2):  # the first batch, then one with the buffer beside it (all others alike)
         if k == 1 and on_host:
             buffer = tape.alloc(3 * n_samples * F32, EVAL_OUTPUTS)
@@ -190,17 +191,6 @@ def _make_batch(tape: Tape, spec: JobSpec, on_host: bool) -> tuple[Alloc, Alloc]
         rest = tape.alloc(batch_bytes(spec) - len(spec.tables) * spec.batch_size * I32, INPUTS)
         tape.free(lengths, rest)
     return tape.alloc(ids_bytes, INPUTS), tape.alloc(batch_bytes(spec) - ids_bytes, INPUTS)
-
-
-def _lookup_inputs(tape: Tape, spec: JobSpec, tables: list[int]) -> list[Alloc]:
-    """The int64 ids and offsets fbgemm's lookup of the last training step keeps."""
-    s = Shapes.of(spec)
-    ws = max(1, spec.world_size)
-    if ws == 1:
-        return [tape.alloc(s.ids * I64, INPUTS), tape.alloc((s.F * s.B + 1) * I64, INDEX_OFFSETS)]
-    ids_own = sum(ids_per_batch(s.B, spec.tables[i]) for i in tables)
-    return [tape.alloc(len(tables) * ws * s.B * I32 + ws * ids_own * I64, INDEX_OFFSETS),
-            tape.alloc((len(tables) * ws * s.B + 1) * I64, INDEX_OFFSETS)]
 
 
 def _mlp(tape: Tape, B: int, widths_in: int, widths: tuple[int, ...], h: int, part: str, x: Alloc | None,

@@ -39,6 +39,7 @@ from slurm_dlrm.estimate.timeline import (
     I64,
     INDEX_OFFSETS,
     INPUTS,
+    LOSS_SCALARS_BYTES,
     OPT_TEMPS,
     OTHER,
     Shapes,
@@ -233,6 +234,7 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
 
     # ---------------------------------------------------------------- backward
     tape.where = "backward: loss"
+    scalars = tape.alloc(LOSS_SCALARS_BYTES, OTHER)
     t1 = tape.alloc(B * F32, BWD)
     t2 = tape.alloc(B * F32, BWD)
     tape.free(t2)
@@ -310,6 +312,7 @@ def simulate_step(spec: JobSpec, device: str = "cuda", device_tables: list[int] 
     tape.where = "optimizer step"
     _table_optimizer_temps(spec, tape, tables, ids_t, sparse, first_step)
     _dense_optimizer_temps(spec, tape, device == "cuda")
+    tape.free(scalars)
     tape.free(batch, logits)
     return tape
 
