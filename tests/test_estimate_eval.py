@@ -157,6 +157,10 @@ def test_on_a_gpu_the_buffers_and_metrics_are_host_memory():
     assert host["metrics"] == METRICS_F64_PER_SAMPLE * 8 * 512 * 256
     # a CPU run counts them in its tensors, not twice
     assert estimate(spec, None).host_breakdown["evaluation"] == EVAL_LIBRARY_BYTES + synthetic_pool_bytes(spec)
+    # backend torch evaluates with the plain-torch reference metrics: torchrec.metrics is
+    # never imported (estimator_accuracy --backend torch: eval on read +46 MiB RSS over)
+    plain = small(eval={"batches": 512}, backend="torch")
+    assert estimate(plain, None).host_breakdown["evaluation"] == synthetic_pool_bytes(plain)
 
 
 def test_several_ranks_rank0_receives_every_ranks_predictions():

@@ -417,7 +417,8 @@ def synthetic_ring_bytes(spec: JobSpec, pinned: bool) -> int:
 @_per_spec
 def eval_host_bytes(spec: JobSpec, on_gpu: bool) -> int:
     """What evaluating adds to host memory besides the tensors of `timeline_eval`'s
-    replay: the metrics library (EVAL_LIBRARY_BYTES), the eval stream's own pools
+    replay: the metrics library (EVAL_LIBRARY_BYTES; torchrec's backend only: the torch
+    backend's runner uses the plain-torch reference metrics), the eval stream's own pools
     (synthetic data: as the training stream's, `synthetic_pool_bytes`), a Criteo TSV's
     held-out batches (parsed once and kept, slurm_dlrm/train/heldout.py `HeldOut`) and, on
     a GPU run, the evaluation's host side (the held-out batch made on the host, the
@@ -429,7 +430,9 @@ def eval_host_bytes(spec: JobSpec, on_gpu: bool) -> int:
     host = sum(eval_host_parts(spec).values()) if on_gpu else 0
     # with eval.samples the eval stream's pools are made at its fixed chunk size (train/heldout.py)
     pools = synthetic_pool_bytes(spec if spec.eval.samples is None else replace(spec, batch_size=EVAL_SAMPLE_CHUNK))
-    return EVAL_LIBRARY_BYTES + pools + kept + host
+    # backend torch computes the metrics with the plain-torch reference: no torchrec.metrics
+    library = 0 if is_torch_backend(spec) else EVAL_LIBRARY_BYTES
+    return library + pools + kept + host
 
 
 def checkpoint_snapshot_bytes(spec: JobSpec, tables: list[int], device: str) -> int:
