@@ -362,6 +362,12 @@ def _rank_main(rank: int, spec_json: str, steps: int, world: int, init_file: str
     result = run(parse_spec(json.loads(spec_json)), steps, rank, world, init_file)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    # Out without the teardown, as the runner's ranks leave (train/cli exit_now): freeing
+    # DDP's Reducer here holds the GIL while ~ProcessGroupGloo joins its worker threads,
+    # and a worker destroying its last AsyncWork waits for the GIL (its ThreadLocalState
+    # holds a Python object: this tracker): a deadlock (pytorch/pytorch#56297; a 3-rank
+    # backend-torch child hung here 12 min, py-spy --native showed both stacks).
+    os._exit(0)
 
 
 def main() -> None:
