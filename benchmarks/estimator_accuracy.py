@@ -202,6 +202,9 @@ def drawn_configs(n: int, seed: int) -> list[dict[str, Any]]:
             elif kind < 0.45:
                 t["pooling_factor"] = round(rng.uniform(1.5, 12.0), 1)
             tables.append(t)
+        while sum(t["rows"] for t in tables) * dim * 4 > 256 * MIB:  # a CPU child measures it in minutes
+            for t in tables:
+                t["rows"] = max(100, t["rows"] // 2)
         batch = rng.choice([256, 512, 1024, 2048, 4096, 8192, 16384])
         bottom = sorted((rng.choice([32, 64, 128, 256, 512]) for _ in range(rng.randint(1, 3))), reverse=True)
         top = sorted((rng.choice([16, 64, 128, 256, 512, 1024]) for _ in range(rng.randint(1, 3))), reverse=True)
