@@ -82,9 +82,13 @@ def _slurm_out(tmp_path: Path) -> str:
 @pytest.mark.torch  # one member (tiny-a) is a real `slurm-dlrm train`
 def test_pack_of_four_on_two_gpus(slurm_cluster, tmp_path):
     pack_members = _members(tmp_path / "pack", tmp_path, steps=30, step_s=0.1, grow_job=3)
-    # Member 4 is the real runner: `slurm-dlrm train` on a tiny spec (CPU torch here).
+    # Member 4 is the real runner: `slurm-dlrm train` on a tiny spec (CPU torch here). It
+    # trains long enough (seconds) for the 0.5 s sampler to catch its throughput: since a
+    # finished runner leaves without the interpreter's teardown, 20 steps (~0.1 s) ended
+    # before any sample saw a fresh metrics line.
     pack_members[3].update(name="tiny-a", host_mem_limit_bytes=3 << 30, command=[
-        sys.executable, "-m", "slurm_dlrm", "train", str(ROOT / "examples" / "sweep" / "tiny-a.yaml"), "--steps", "20"])
+        sys.executable, "-m", "slurm_dlrm", "train", str(ROOT / "examples" / "sweep" / "tiny-a.yaml"),
+        "--steps", "1500"])
     pack, script = _pack(tmp_path, pack_members, ("--launch", "step"), sample_interval_s=0.5)
     client = slurm_cluster.client()
     job_id = client.sbatch(script)
