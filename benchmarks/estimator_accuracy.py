@@ -287,6 +287,11 @@ def _measure_child(d: dict[str, Any], steps: int) -> dict[str, Any]:
     return result
 
 
+def worst_under(errs: list[float]) -> float:
+    """The largest under-estimate in %, 0.0 where none is under (never -0.0)."""
+    return max([0.0, *(-x for x in errs)]) + 0.0
+
+
 def pct(est: float, meas: float) -> float:
     return 100.0 * (est - meas) / meas
 
@@ -373,7 +378,7 @@ def main() -> None:
     eval_errs: list[float] = []
     eval_rss_errs: list[float] = []
     eval_peak_errs: list[float] = []  # configs whose estimate names the evaluation as the peak
-    traced = [] if args.no_traced or args.backend != "torchrec" else custom_configs(configs)
+    traced = [] if args.no_traced or args.backend != "torchrec" else custom_configs(configs + extra)
     pool = ThreadPoolExecutor(max(1, args.jobs))
     # with the evaluation on first: what users run (a run cut short has those)
     on_futures = {d["name"]: pool.submit(measure, d, args.steps) for d in eval_on + extra}
@@ -465,19 +470,19 @@ def main() -> None:
     print(f"estimator: configs={len(errs)} median_err_pct={statistics.median(abs_errs):.2f} "
           f"p95_err_pct={p95(abs_errs):.2f} max_under_pct={max(unders, default=0.0):.2f} "
           f"rss_median_err_pct={statistics.median(abs(x) for x in rss_errs):.2f} "
-          f"rss_max_under_pct={max(max((-x for x in rss_errs), default=0.0), 0.0):.2f} "
+          f"rss_max_under_pct={worst_under(rss_errs):.2f} "
           f"planner_median_err_pct={statistics.median(abs(x) for x in planner_errs):.2f} "
           f"rss_anon_median_err_pct={statistics.median(abs(x) for x in anon_errs):.2f} "
-          f"rss_anon_max_under_pct={max(max((-x for x in anon_errs), default=0.0), 0.0):.2f} "
+          f"rss_anon_max_under_pct={worst_under(anon_errs):.2f} "
           f"rss_file_median_mib={statistics.median(file_mibs):.0f} "
           f"rss_site_median_err_pct={statistics.median(abs(x) for x in site_errs):.2f} "
-          f"rss_site_max_under_pct={max(max((-x for x in site_errs), default=0.0), 0.0):.2f} "
+          f"rss_site_max_under_pct={worst_under(site_errs):.2f} "
           f"eval_median_err_pct={statistics.median(eval_abs):.2f} "
-          f"eval_max_under_pct={max(max((-x for x in eval_errs), default=0.0), 0.0):.2f} "
+          f"eval_max_under_pct={worst_under(eval_errs):.2f} "
           f"eval_configs={len(eval_errs)} eval_peak_configs={len(eval_peak_errs)} "
-          f"eval_peak_max_under_pct={max(max((-x for x in eval_peak_errs), default=0.0), 0.0):.4f}"
+          f"eval_peak_max_under_pct={worst_under(eval_peak_errs):.4f}"
           + (f" meta_configs={len(meta_errs)} meta_median_err_pct={statistics.median(abs(x) for x in meta_errs):.2f} "
-             f"meta_max_under_pct={max(max((-x for x in meta_errs), default=0.0), 0.0):.4f} "
+             f"meta_max_under_pct={worst_under(meta_errs):.4f} "
              f"meta_eval_peak_configs={len(meta_peak_errs)}" if meta_errs else "")
           + ("" if args.backend == "torchrec" else f" backend={args.backend}"))
 
