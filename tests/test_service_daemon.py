@@ -94,3 +94,46 @@ def test_status_a_neighbour_placed_is_not_read(tmp_path):
     os.chown(paths.status, os.geteuid(), os.getegid())
     os.chmod(paths.status, 0o600)
     assert read_status(paths) == {}
+
+
+def test_start_on_a_full_file_system_is_one_line_and_leaves_no_lock(tmp_path, monkeypatch):
+    """Issue 49 noticed it: a service started while the store's file system is full died
+    with an OSError traceback writing its status/pid file. Now StoreFull (one line, the
+    CLI's exit code for it), the lock dropped, no pid file, no temporary file left."""
+    import errno
+
+    import pytest
+
+    from slurm_dlrm.osutil import write_atomic
+    from slurm_dlrm.service import daemon
+    from slurm_dlrm.store.errors import StoreFull
+
+    paths = ServicePaths(tmp_path / "store")
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(daemon, "write_atomic", full)
+    with pytest.raises(StoreFull, match="file system is full; the service did not start"):
+        ServiceLock.acquire(paths)
+    assert not paths.pid.exists()
+    assert not [p for p in paths.store_dir.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.setattr(daemon, "write_atomic", write_atomic)
+    lock = ServiceLock.acquire(paths, attempts=1)  # the lock was let go
+    assert lock is not None
+    lock.release()
+
+
+def test_other_write_errors_at_start_still_raise(tmp_path, monkeypatch):
+    import errno
+
+    import pytest
+
+    from slurm_dlrm.service import daemon
+
+    def denied(path, text):
+        raise OSError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(daemon, "write_atomic", denied)
+    with pytest.raises(PermissionError):
+        ServiceLock.acquire(ServicePaths(tmp_path / "store"))

@@ -115,9 +115,19 @@ class ServiceLock:
         # reader that sees the new pid must not take it for a pid of its own host. The
         # rest of the last status stays until the first round replaces it (the
         # exporter's last-round age; `queue`'s reconcile takes this lock too).
-        write_status(paths, {**read_status(paths), "pid": os.getpid(), "host": this_host(),
-                             "started_t": time.time()})
-        write_atomic(paths.pid, f"{os.getpid()}\n")
+        try:
+            write_status(paths, {**read_status(paths), "pid": os.getpid(), "host": this_host(),
+                                 "started_t": time.time()})
+            write_atomic(paths.pid, f"{os.getpid()}\n")
+        except OSError as exc:
+            os.close(fd)  # the lock goes with it: no service started
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            from slurm_dlrm.store.errors import StoreFull
+
+            # (issue 49 noticed: a traceback at start-up) one line, as a full store's write
+            raise StoreFull(f"packing service: {paths.store_dir}: its file system is full; the service did not "
+                            "start (start it again once there is room)") from None
         return cls(paths, fd)
 
     def release(self) -> None:
