@@ -232,6 +232,45 @@ def test_node_fail_is_requeued_by_the_service_and_bounded(tmp_path):
 
 
 @pytest.mark.parametrize("seen_running", [True, False], ids=["squeue", "sacct"])
+def test_a_rerun_after_a_lost_node_is_charged_its_runs_not_the_wait(tmp_path, seen_running):
+    """Issue 49's fix for --no-pack jobs, for the multi-node rerun path (noticed there, not
+    done): the job runs 1 h, loses a node, waits 2 h in the queue, runs 1 h again. acct
+    charges 2 h of its GPUs (4 x 7,200 GPU-s), not the 4 h from its first start (was
+    4 x 14,400). `seen_running` False: the rerun ran and ended between two polls."""
+    from service_harness import fake_service
+
+    from slurm_dlrm.store.acct import AcctFilter, acct_rows
+
+    svc, store, slurm, clock = fake_service(tmp_path, max_attempts=3)
+    try:
+        res = _recorded_multinode(svc, tmp_path)
+        slurm.start(res.slurm_job_id, nodes="node[1-2]")
+        svc.run_round()
+        clock.advance(3600.0)
+        slurm.set_state(res.slurm_job_id, "NODE_FAIL", reason="NodeDown")
+        svc.run_round()
+        job = store.get_job(res.job_id)
+        assert job.state == "PLANNED" and job.attempt == 1, job
+        clock.advance(7200.0)  # in the queue again
+        again = int(job.slurm_job_id)
+        slurm.start(again, nodes="node[1-2]")
+        if seen_running:
+            svc.run_round()
+        clock.advance(3600.0)
+        slurm.finish(again)
+        if not seen_running:
+            slurm.purge(again)
+        svc.run_round()
+        job = store.get_job(res.job_id)
+        assert job.state == "COMPLETED", job
+        (row,) = acct_rows(store, AcctFilter(job_ids=(res.job_id,)))
+        gpus = job.gpu_share
+        assert row["charged_gpu_s"] == pytest.approx(gpus * 7200.0, rel=0.01), (row["charged_gpu_s"], gpus)
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("seen_running", [True, False], ids=["squeue", "sacct"])
 def test_acct_charges_the_gpus_slurm_allocated_a_multi_node_job(tmp_path, seen_running):
     """2 nodes x 2 ranks with --exclusive on 4-GPU nodes: Slurm allocates it gres/gpu=4
     (the local cluster's `scontrol show job` TRES; the fake prints its TRES the same way),

@@ -35,6 +35,9 @@ from slurm_dlrm.errors import (
 )
 from slurm_dlrm.service.sbatch_options import sbatch_line
 
+# A multi-node job's run that ended with a lost node (the service runs it again): its seconds
+EARLIER_RUN_EVENT = "earlier_run"
+
 log = logging.getLogger(__name__)
 
 # Endings after which Slurm requeues a batch job that allows it (ours: --requeue).
@@ -405,7 +408,7 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
     ending = native_ending(str(state), code, sig, reason)
     if str(state).split(" ", 1)[0].upper() == NODE_FAIL_STATE and is_multinode_job(job) \
             and job.attempt + 1 < svc.settings.max_attempts:
-        _requeue_node_fail(svc, job, start, stats)
+        _requeue_node_fail(svc, job, start, end, stats)
         return
     tail = _output_error(svc, job) if ending.state == "FAILED" else ""
     now = svc.clock()
@@ -415,6 +418,13 @@ def _settle_ended(svc: Any, job: Any, info: Any, stats: Any) -> None:
     run_s = None
     if start is not None and end is not None and (info is None or info.restart_count > 0):
         run_s = _slurm_run_s(svc, job, start, end, rows if info is None else None)
+    if start is not None and end is not None and is_multinode_job(job):
+        # a multi-node job the service ran again after a lost node: each Slurm job's run,
+        # not the waits between them (its start stays its first run's)
+        earlier = sum(float((e.get("data") or {}).get("run_s") or 0.0)
+                      for e in svc.store.events(job_id=job.id, kind=EARLIER_RUN_EVENT))
+        if earlier > 0:
+            run_s = earlier + max(0.0, end - start)
     with svc.store.write():
         if run_s is not None:
             svc.store.set_job_slurm_run_s(job.id, run_s)
@@ -566,9 +576,10 @@ def resubmit_native(store: Any, slurm: Any, job: Any, *, spool_dir: Path, python
     return f"job {job.id} requeued as Slurm job {done.slurm_job_id}" + (f"; it {how}" if how else "")
 
 
-def _requeue_node_fail(svc: Any, job: Any, start: float | None, stats: Any) -> None:
+def _requeue_node_fail(svc: Any, job: Any, start: float | None, end: float | None, stats: Any) -> None:
     """A multi-node job's node was lost (Slurm: NODE_FAIL): run it again, bounded by
-    the service's max_attempts as a pack's members are."""
+    the service's max_attempts as a pack's members are. The lost run's seconds are kept
+    (an `earlier_run` event) for the job's charge at its end."""
     from slurm_dlrm.service.joblog import last_checkpoint_step
     from slurm_dlrm.store.states import JobState
 
@@ -576,6 +587,10 @@ def _requeue_node_fail(svc: Any, job: Any, start: float | None, stats: Any) -> N
         svc.store.transition_job(job.id, JobState.RUNNING, f"Slurm job {job.slurm_job_id} started",
                                  expect=JobState.PLANNED, t=min(start or svc.clock(), svc.clock()))
         job = svc.store.get_job(job.id)
+    if start is not None and end is not None:
+        svc.store.add_event(EARLIER_RUN_EVENT, f"Slurm job {job.slurm_job_id} ran {max(0.0, end - start):.0f} s "
+                            "before its node was lost", job_id=job.id,
+                            data={"slurm_job_id": job.slurm_job_id, "run_s": max(0.0, end - start)})
     step = last_checkpoint_step(svc.spool_dir, job.id)
     how = f"resumes from its checkpoint at step {step}" if step is not None else "starts from step 0 (no checkpoint)"
     what = resubmit_native(svc.store, svc.slurm, job, spool_dir=svc.spool_dir, python=svc.settings.python,
