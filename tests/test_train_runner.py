@@ -390,3 +390,30 @@ def test_a_checkpoint_of_another_world_size_is_one_clear_line_not_a_silent_resta
         assert _run(tmp_path, tiny(steps=10, checkpoint_every_steps=5)) == TRAIN_EXIT_BAD_SPEC
     assert "checkpoint at step 5" in caplog.text and "world_size is 4, this run has 1" in caplog.text
     assert _run(tmp_path, tiny(steps=10, checkpoint_every_steps=5), resume=False) == TRAIN_EXIT_OK
+
+
+def test_teardown_frees_the_model_before_the_process_group(tmp_path: Path, monkeypatch):
+    """In-process runs (tests, the selftest probe, benchmarks) tear down: DDP's Reducer must
+    be gone before the group is destroyed, or ~ProcessGroupGloo runs inside the Reducer's
+    dealloc with the GIL held and can deadlock a gloo worker (tests/test_train_teardown.py)."""
+    import gc
+    import weakref
+
+    from slurm_dlrm.train import runner as runner_mod
+    from slurm_dlrm.train.runner import StopFlag, setup, teardown
+
+    opts = RunOptions(metrics_file=tmp_path / "m.jsonl", checkpoint_dir=tmp_path / "ckpt", resume=False, tty=False)
+    trainer = setup(spec_mod.parse_spec(tiny()), opts, StopFlag())
+    ddp = [weakref.ref(m) for m in trainer.built.model.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
+    assert ddp
+    seen: list[bool] = []
+    real = runner_mod.dist.destroy_process_group
+
+    def destroy(*args, **kwargs):
+        gc.collect()
+        seen.append(all(r() is None for r in ddp))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner_mod.dist, "destroy_process_group", destroy)
+    teardown(trainer)
+    assert seen == [True]

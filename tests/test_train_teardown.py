@@ -1,11 +1,20 @@
 """Issue 48 item 7: a 2-rank gloo job (backend torch: DDP, whose gloo threads outlive
 destroy_process_group in torch 2.13) ends within a bound however its ranks leave: both at
 once, or one rank held back before its exit while the other is long gone (the wave-4 hang:
-rank 1 stuck at interpreter exit after rank 0 left). Every rank ends through
-`slurm-dlrm train`'s exit_now (os._exit after flushing), so no rank runs the interpreter's
-teardown of a live gloo group (checked with an atexit handler; SLURM_DLRM_TEST_EXIT=teardown
-puts the old sys.exit back and fails it). The hang itself was not reproduced with the old
-path (0 in 48 runs): the bound is a guard."""
+rank 1 stuck at its exit). Every rank ends through `slurm-dlrm train`'s exit_now (os._exit
+after flushing), so no rank runs the interpreter's teardown of a live gloo group (checked
+with an atexit handler; SLURM_DLRM_TEST_EXIT=teardown puts the old sys.exit back and fails
+it), and no rank destroys its process group before it (checked by a stamp).
+
+The hang, caught on 2026-11-29 (tests/test_train_runner.py's 2-rank backend-torch resume
+run, and 1 in 3 runs of `--steps 4` in a loop on a loaded 2-core host), py-spy --native:
+the runner's `teardown` destroyed the group, then run()'s return freed DDP's Reducer, the
+group's last owner; pybind11 frees a Reducer keeping the GIL, so ~ProcessGroupGloo joined
+gloo's worker threads with the GIL held while a worker, destroying its last work (the
+final barrier and the rank-peak all_gather's tensors), waited for the GIL
+(pytorch/pytorch#56297). `slurm-dlrm train` now tears nothing down (RunOptions.exit_after)
+and `teardown` frees the model before the group. A hang here is a race: the stamp makes
+the test fail on the old order every time."""
 
 from __future__ import annotations
 
@@ -32,8 +41,15 @@ REPO = Path(__file__).resolve().parents[1]
 DRIVER = """
 import atexit, os, sys, time
 import slurm_dlrm.commands.train as cmd
+import torch.distributed as dist
 # the interpreter's teardown starts with atexit: a rank that runs it leaves this file
 atexit.register(lambda: open(os.environ["EXIT_STAMP"] + ".teardown", "w").close())
+# a rank that destroys its process group before leaving leaves this one
+_destroy = dist.destroy_process_group
+def destroy(*args, **kwargs):
+    open(os.environ["EXIT_STAMP"] + ".destroyed", "w").close()
+    return _destroy(*args, **kwargs)
+dist.destroy_process_group = destroy
 exit_now = cmd.exit_now
 def held_exit(code):
     if os.environ["RANK"] == os.environ.get("DELAY_RANK"):
@@ -116,3 +132,5 @@ def test_two_rank_gloo_job_ends_within_a_bound_however_its_ranks_leave(tmp_path:
         assert codes == [TRAIN_EXIT_OK, TRAIN_EXIT_OK], f"run {i}: exit codes {codes}: {err}"
         ran = [rank for rank in (0, 1) if (run_dir / f"exit{rank}.teardown").exists()]
         assert not ran, f"run {i}: ranks {ran} ran the interpreter's teardown with their gloo group alive"
+        destroyed = [rank for rank in (0, 1) if (run_dir / f"exit{rank}.destroyed").exists()]
+        assert not destroyed, f"run {i}: ranks {destroyed} destroyed their process group before os._exit"

@@ -85,7 +85,7 @@ def train(spec_path: str, metrics_file: str | None, checkpoint_dir: str | None, 
     from slurm_dlrm.train.runner import RunOptions, run
 
     opts = RunOptions(metrics_file=metrics_path, checkpoint_dir=ckpt_dir, keep_checkpoints=keep_checkpoints,
-                      steps=steps, device=device, resume=not no_resume)
+                      steps=steps, device=device, resume=not no_resume, exit_after=True)
     if sync_checkpoints:
         opts.async_checkpoint_max_bytes = 0
     exit_now(run(spec, opts))

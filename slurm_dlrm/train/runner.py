@@ -12,6 +12,7 @@ Over 600 lines: the loop, its resume and its checkpoint writer share the Trainer
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -78,6 +79,9 @@ class RunOptions:
     final_checkpoint: bool = True
     # Test hook: request a stop once this many steps are done (as if signalled).
     stop_after_step: int | None = None
+    # The caller ends the process with os._exit right after (`slurm-dlrm train`): the
+    # model and the process group are left as they are, nothing is torn down (teardown).
+    exit_after: bool = False
 
 
 def default_paths(spec_name: str, metrics_file: str | None, checkpoint_dir: str | None) -> tuple[Path, Path]:
@@ -741,8 +745,27 @@ def _label_log_lines(rank: int) -> None:
         logging.getLogger("slurm_dlrm.train").setLevel(logging.WARNING)
 
 
+# What a run left for the process's os._exit (RunOptions.exit_after): never freed here.
+_LEFT_FOR_EXIT: list[Any] = []
+
+
 def teardown(trainer: Trainer | None) -> None:
-    if trainer is not None and trainer.dist_info.owns_group and dist.is_initialized():
+    """Let go of a run's model, then of the process group it created.
+
+    In that order: DDP's Reducer holds the gloo process group, and pybind11 frees a
+    Reducer keeping the GIL. Were the Reducer the group's last owner (the group already
+    destroyed), ~ProcessGroupGloo would run inside that dealloc and join gloo's worker
+    threads while one of them, destroying its last work (the final barrier, with the
+    rank-peak all_gather's tensors), waits for the GIL: a deadlock (pytorch/pytorch#56297;
+    issue 48's exit hang, caught with py-spy --native in a 2-rank backend-torch run:
+    1 in 3 runs on a loaded 2-core host). Freed first, the Reducer only drops one
+    reference; the group object's own destructor lets the GIL go."""
+    if trainer is None:
+        return
+    trainer.evaluator = None
+    trainer.built = None  # type: ignore[assignment]  # the run is over: nothing reads it again
+    gc.collect()  # the model's reference cycles, now: before the group goes
+    if trainer.dist_info.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -781,16 +804,11 @@ def run(spec: Any, opts: RunOptions) -> int:
         if code == TRAIN_EXIT_OK and trainer.dist_info.world_size > 1:
             # every rank past its last collective before any leaves: a rank's exit closes
             # its gloo sockets, and a peer still reading its last collective would fail.
-            # Not what keeps the wave-4 exit hang away (rank 1 stuck at interpreter exit
-            # after rank 0 left; backend torch): once DDP wrapped a module,
-            # destroy_process_group leaves gloo's threads (gloo_tcp_loop, 2 pt_gloo_runloop)
-            # running (torch 2.13), so the group was torn down at interpreter exit, when the
-            # peer may be gone. Every rank now ends in `slurm-dlrm train`'s exit_now
-            # (os._exit after flushing): no interpreter teardown of a live group, 0.1-0.4 s
-            # per rank instead of 1-15 s at load 7-14 (tests/test_train_teardown.py loops
-            # it). The hang was not reproduced with the old sys.exit put back (0 in 86 runs,
-            # 20 without this barrier; one run had rank 1 alive 240 s before its exit,
-            # cause unknown: docs/multinode.md), so the barrier stays as a cheap guard.
+            # The wave-4 exit hang was not the interpreter's teardown but `teardown`'s
+            # order (see there): the group destroyed first, DDP's Reducer then freed as the
+            # group's last owner, with the GIL held, joining a gloo worker that waits for
+            # the GIL. `slurm-dlrm train` now tears nothing down (RunOptions.exit_after):
+            # its ranks end in exit_now (os._exit after flushing).
             dist.barrier()
         return code
     except BaseException as exc:  # noqa: BLE001 - every ending becomes an exit code
@@ -806,4 +824,7 @@ def run(spec: Any, opts: RunOptions) -> int:
         return code
     finally:
         stop.restore()
-        teardown(trainer)
+        if opts.exit_after:
+            _LEFT_FOR_EXIT.append(trainer)  # os._exit follows: no dealloc of DDP, no group teardown
+        else:
+            teardown(trainer)
