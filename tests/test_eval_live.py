@@ -37,9 +37,11 @@ def test_eval_metrics_are_the_same_packed_and_alone_after_cancel_and_requeue(liv
     site, user = live_service
     spool = site.spool_dir_for(user)
     spec = yaml.safe_load((EXAMPLES / "tiny-a.yaml").read_text())
-    # long enough to cancel mid-run (a few seconds of training), a checkpoint every 40 steps
-    spec.update(name="same", steps=240, batch_size=1024, seed=3, checkpoint_every_steps=40,
-                metrics_every_steps=20, eval={"every_steps": 80, "batches": 2})
+    # long enough to cancel mid-run, a checkpoint every 40 steps (240 steps, ~1 s left after
+    # the first checkpoint, once completed before the cancel landed: a finished runner
+    # leaves at once since it skips the interpreter's teardown)
+    spec.update(name="same", steps=1200, batch_size=1024, seed=3, checkpoint_every_steps=40,
+                metrics_every_steps=20, eval={"every_steps": 400, "batches": 2})
     (tmp_path / "same.yaml").write_text(yaml.safe_dump(spec))
     (tmp_path / "nb.yaml").write_text(yaml.safe_dump({**spec, "name": "nb", "seed": 9,
                                                       "optimizer": {"type": "sgd", "lr": 0.05}}))
@@ -64,11 +66,11 @@ def test_eval_metrics_are_the_same_packed_and_alone_after_cancel_and_requeue(liv
     assert any("resumed from" in line for log in done["logs"] for line in Path(log["path"]).read_text().splitlines())
 
     a, b = _evals(spool, packed), _evals(spool, alone)
-    assert sorted(a) == [80, 160, 240] and a == {s: b[s] for s in a}  # bit for bit, every evaluation
-    assert a[240] != _evals(spool, neighbour)[240]  # the neighbour is another model
+    assert sorted(a) == [400, 800, 1200] and a == {s: b[s] for s in a}  # bit for bit, every evaluation
+    assert a[1200] != _evals(spool, neighbour)[1200]  # the neighbour is another model
     # the service read them into the store: acct shows the last AUC and its step
     got = wait_until(lambda: (rows := json.loads(cli("acct", "--json", "-o", "JobID,AUC,EvalStep").output))
                      and all(r["AUC"] is not None for r in rows) and rows, 30)
     by_id = {r["JobID"]: r for r in got}
-    assert by_id[packed]["AUC"] == by_id[alone]["AUC"] == round(a[240]["eval_auc"], 6)
-    assert by_id[alone]["EvalStep"] == by_id[packed]["EvalStep"] == 240
+    assert by_id[packed]["AUC"] == by_id[alone]["AUC"] == round(a[1200]["eval_auc"], 6)
+    assert by_id[alone]["EvalStep"] == by_id[packed]["EvalStep"] == 1200
