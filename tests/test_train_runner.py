@@ -402,8 +402,11 @@ def test_teardown_frees_the_model_before_the_process_group(tmp_path: Path, monke
     from slurm_dlrm.train import runner as runner_mod
     from slurm_dlrm.train.runner import StopFlag, setup, teardown
 
+    if runner_mod.dist.is_initialized():  # an earlier test's group: setup must make (and own) its own
+        runner_mod.dist.destroy_process_group()
     opts = RunOptions(metrics_file=tmp_path / "m.jsonl", checkpoint_dir=tmp_path / "ckpt", resume=False, tty=False)
     trainer = setup(spec_mod.parse_spec(tiny()), opts, StopFlag())
+    assert trainer.dist_info.owns_group
     ddp = [weakref.ref(m) for m in trainer.built.model.modules() if isinstance(m, torch.nn.parallel.DistributedDataParallel)]
     assert ddp
     seen: list[bool] = []
