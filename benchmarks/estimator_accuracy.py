@@ -18,13 +18,15 @@ backend, estimated by slurm_dlrm/estimate/timeline_torch.py); torchrec's planner
 not apply there (its column reads 0).
 
 Run:  /work/main/.venv/bin/python benchmarks/estimator_accuracy.py [--only NAME] [--steps N]
-      [--spec FILE ...] [--specs-only] [--backend torchrec|torch]
+      [--spec FILE ...] [--specs-only] [--backend torchrec|torch] [--drawn N --draw-seed S]
+      [--no-traced] [--save FILE] [--load FILE [--saved-only]]
 Last line:  estimator: configs=N median_err_pct=X p95_err_pct=X max_under_pct=X
             rss_median_err_pct=X rss_max_under_pct=X planner_median_err_pct=X
             rss_anon_median_err_pct=X rss_anon_max_under_pct=X rss_file_median_mib=X
             rss_site_median_err_pct=X rss_site_max_under_pct=X
             eval_median_err_pct=X eval_max_under_pct=X eval_configs=N eval_peak_configs=N
-            eval_peak_max_under_pct=X
+            eval_peak_max_under_pct=X [meta_configs=N meta_median_err_pct=X meta_max_under_pct=X
+            meta_eval_peak_configs=N]
 Every config runs twice (issue 51): with `eval: false` (the training step alone: the keys
 before eval_*) and as users run it, with the default evaluation on (every 200 steps and
 at the last step, so once here, at --steps): eval_* compare the peak of live tensor
