@@ -706,17 +706,18 @@ def backward_dcn(tape: Tape, s: Shapes, amp: bool, h: int, g: _T, x0: _T,
         x_in = x0 if layer == 0 else saved[layer - 1][2]
         gs = tape.alloc(B * n_comb * act, BWD)
         gx0 = tape.alloc(B * n_comb * act, BWD)
-        tape.free(sb)
+        if amp:  # s = W v + b lives until the gradient's half cast is made (allocation log)
+            gsh = tape.alloc(B * n_comb * h, BWD)
+            tape.free(gs, sb)
+            gs = gsh
+        else:
+            tape.free(sb)
         if acc is None:
             acc = gx0
         else:
             new = tape.alloc(B * n_comb * act, BWD)
             tape.free(acc, gx0)
             acc = new
-        if amp:
-            gsh = tape.alloc(B * n_comb * h, BWD)
-            tape.free(gs)
-            gs = gsh
         wg = wgrad(n_comb * s.dcn_rank + n_comb)
         gv = tape.alloc(B * s.dcn_rank * h, BWD)
         tape.free(gs, v)
