@@ -226,8 +226,8 @@ def trace_eval(spec: JobSpec, model: torch.nn.Module, device: str, state_bytes: 
 def trace_step(spec: JobSpec, factory: Callable[[JobSpec], torch.nn.Module], device: str = "meta",
                foreach: bool = False, on_host: bool = True) -> TraceResult:
     """One forward/backward of `factory(spec)` on `device`, tracked; the optimizer step
-    added from the parameters; then (evaluation on) the held-out evaluation, its
-    buffers on the device's memory where `on_host` (a CPU run)."""
+    added from the parameters; then (evaluation on) the held-out evaluation, with the
+    evaluator's buffer and the metrics in the same memory where `on_host` (a CPU run)."""
     with torch.device(device):
         model = factory(spec)
     model.train()
