@@ -184,6 +184,19 @@ def device_copy(batch: Any, tracker: LiveTensorBytes, backend: str = "torchrec")
     return copy
 
 
+def tracked_eval(tracker: LiveTensorBytes, evaluator: Any, predict: Any, done: int) -> int:
+    """One evaluation after `done` steps: its own peak of live bytes (returned); the run's
+    peak (and the phase it was at) kept where the evaluation did not pass it."""
+    tracker.phase, before = "eval", tracker.peak
+    tracker.peak = tracker.live
+    evaluator.run(predict, done, 0.0)
+    eval_peak = tracker.peak
+    if tracker.peak < before:
+        tracker.peak, tracker.peak_phase = before, "step"
+    tracker.phase = "step"
+    return eval_peak
+
+
 def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str | None = None) -> dict[str, Any]:
     """Train like `slurm-dlrm train` does (slurm_dlrm/train/runner.py: Trainer.run):
     the runner's model build, data source and prefetcher, and its step loop."""
@@ -276,13 +289,8 @@ def run(spec: JobSpec, steps: int, rank: int = 0, world: int = 1, init_file: str
             if evaluator is not None and evaluator.due(done):  # the runner's loop (Trainer.run)
                 del batch, loss, _
                 optimizer.zero_grad()
-                tracker.phase, before = "eval", tracker.peak
-                tracker.peak = tracker.live  # the evaluation's own peak, then the run's again
-                evaluator.run(lambda b: predict_clicks(built, cpu, autocast, b), done, 0.0)
-                eval_peak = max(eval_peak, tracker.peak)
-                if tracker.peak < before:
-                    tracker.peak, tracker.peak_phase = before, "step"
-                tracker.phase = "step"
+                eval_peak = max(eval_peak, tracked_eval(
+                    tracker, evaluator, lambda b: predict_clicks(built, cpu, autocast, b), done))
                 batch = loss = _ = None
             if tracker.debug:
                 print(f"STEP END live={tracker.live} peak={tracker.peak}", file=sys.stderr)
@@ -346,13 +354,7 @@ def run_custom(spec: JobSpec, steps: int) -> dict[str, Any]:
             del loss, batch
             if evaluator is not None and evaluator.due(done):
                 optimizer.zero_grad()
-                tracker.phase, before = "eval", tracker.peak
-                tracker.peak = tracker.live
-                evaluator.run(predict, done, 0.0)
-                eval_peak = max(eval_peak, tracker.peak)
-                if tracker.peak < before:
-                    tracker.peak, tracker.peak_phase = before, "step"
-                tracker.phase = "step"
+                eval_peak = max(eval_peak, tracked_eval(tracker, evaluator, predict, done))
     return {"peak_tensor_bytes": tracker.peak, "planner_bytes": 0, "static_tensor_bytes": static_bytes,
             "peak_phase": tracker.peak_phase, "eval_peak_tensor_bytes": eval_peak, "peak_rss_bytes": rss_bytes(),
             "rss_file_bytes": rss_file_bytes(), "seconds": round(time.time() - t0, 2)}
